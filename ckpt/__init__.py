@@ -1,0 +1,1 @@
+"""ckpt-tiering: keep training checkpoints safe across storage tiers."""

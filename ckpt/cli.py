@@ -1,0 +1,48 @@
+"""The ``ckpt`` command line. Each area registers its commands from ``ckpt/commands/``.
+
+Errors of this project print as one clear line (exit 2 for bad input, 1 otherwise); only
+unexpected exceptions show a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import typer
+from rich.console import Console
+
+from ckpt.errors import BadInput, CkptError, ConfigError
+
+app = typer.Typer(name="ckpt", help="Keep training checkpoints safe across storage tiers.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+err = Console(stderr=True)
+
+
+def _register_commands() -> None:
+    import ckpt.commands as pkg
+
+    for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"ckpt.commands.{mod.name}")
+        register = getattr(module, "register", None)
+        if register:
+            register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    try:
+        app()
+    except (BadInput, ConfigError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(2)
+    except CkptError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

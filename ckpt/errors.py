@@ -1,0 +1,111 @@
+"""The project's error taxonomy.
+
+Two families matter to every caller: ``TransientError`` (a retry may succeed: I/O timeouts,
+S3 5xx/throttling, a database that is briefly unreachable) and ``PermanentError`` (a retry
+cannot help: corrupt data, bad input, a rule of the catalog refusing a change). Prefect tasks
+retry only on transient errors (see ``is_transient``); permanent ones fail the task at once.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class TransientError(CkptError):
+    """A retry may succeed."""
+
+
+class PermanentError(CkptError):
+    """A retry cannot succeed without a change of input or state."""
+
+
+# --- transient -------------------------------------------------------------------------
+class CatalogUnavailable(TransientError):
+    """The catalog database is temporarily unavailable (connection, lock timeout, serialization)."""
+
+
+class StorageUnavailable(TransientError):
+    """A tier is temporarily unavailable (I/O timeout, S3 5xx, throttling)."""
+
+
+class CopyInProgress(TransientError):
+    """Another worker holds a live claim on this replica; retry later and it will be done."""
+
+
+# --- permanent -------------------------------------------------------------------------
+class ConfigError(PermanentError):
+    """Settings are missing or invalid."""
+
+
+class SchemaOutdated(PermanentError):
+    """The catalog's schema is behind the code; run ``ckpt db upgrade``."""
+
+
+class NotFound(PermanentError):
+    """A run, checkpoint or replica the caller named does not exist."""
+
+
+class UnknownRun(NotFound):
+    """The run is not registered in the catalog."""
+
+
+class ConflictError(PermanentError):
+    """The request contradicts what is already recorded or stored (never silently overwritten)."""
+
+
+class StaleState(ConflictError):
+    """A compare-and-set lost: the row was not in the expected state."""
+
+
+class IllegalTransition(PermanentError):
+    """A replica state change that the state machine does not allow."""
+
+
+class PruneRefused(PermanentError):
+    """Deleting this replica would break a retention or durability guarantee."""
+
+
+class LineageCycle(PermanentError):
+    """Adding this lineage edge would make a checkpoint its own ancestor."""
+
+
+class BadInput(PermanentError):
+    """Malformed input: an event, an API call, a CLI argument."""
+
+
+class BadEvent(BadInput):
+    """A malformed or hostile checkpoint event."""
+
+
+class PathEscape(BadInput):
+    """A path that would leave its tier root (``..``, absolute, or through a symlink)."""
+
+
+class CorruptCheckpoint(PermanentError):
+    """The bytes or the format of a checkpoint do not match its manifest.
+
+    ``path`` is the file (relative to the checkpoint) that failed, when one did.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class StorageFull(PermanentError):
+    """The destination tier has no space left (ENOSPC / quota)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when retrying the operation that raised ``exc`` may succeed."""
+    if isinstance(exc, TransientError):
+        return True
+    if isinstance(exc, PermanentError):
+        return False
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return False
+    return isinstance(exc, (TimeoutError, ConnectionError, OSError))

@@ -1,0 +1,167 @@
+"""The manifest: the list of every file of one checkpoint part, with size and checksum.
+
+A checkpoint of run R at step S may be written by several nodes; each node's share is a
+*part* (``part`` in ``0..parts-1``) with its own manifest. A single-node checkpoint is part 0
+of 1. The manifest is written last and atomically: its presence is the commit marker of the
+part on any tier.
+
+File name: ``manifest.json`` for a single-part checkpoint, ``manifest.part-00003-of-00004.json``
+for part 3 of 4, so that all parts can live side by side in one checkpoint folder on Tier 1/2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ckpt.errors import BadInput, CorruptCheckpoint
+
+MANIFEST_VERSION = 1
+KINDS = ("step", "epoch", "milestone")
+FORMATS = ("safetensors", "hf-sharded", "dcp", "folder")
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+def manifest_name(part: int = 0, parts: int = 1) -> str:
+    """The file name of a part's manifest inside the checkpoint folder."""
+    if parts == 1:
+        return "manifest.json"
+    return f"manifest.part-{part:05d}-of-{parts:05d}.json"
+
+
+def is_manifest_name(name: str) -> bool:
+    return name == "manifest.json" or (name.startswith("manifest.part-") and name.endswith(".json"))
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``."""
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the checkpoint folder, '/'-separated, confined (see ckpt.paths)
+    size: int
+    checksum: str  # hex digest of ``Manifest.algorithm``
+
+
+@dataclass(frozen=True)
+class ParentRef:
+    run: str
+    step: int
+    relation: str = "resumed_from"  # resumed_from | fine_tuned_from | branched_from
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    step: int
+    files: tuple[FileEntry, ...]
+    format: str = "folder"
+    algorithm: str = "crc32c"
+    part: int = 0
+    parts: int = 1
+    node: str = ""
+    kind: str = "step"  # step | epoch | milestone
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    parent: ParentRef | None = None
+    writer_stall_seconds: float | None = None
+    created_at: str = ""  # ISO-8601 UTC
+    version: int = MANIFEST_VERSION
+
+    # --- identity ------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return manifest_name(self.part, self.parts)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def digest(self) -> str:
+        """Content identity of the part: what registering the same part twice must match.
+
+        Covers run, step, part/parts, algorithm and every (path, size, checksum); not times,
+        metrics or the node name, which a rewrite of identical bytes may change.
+        """
+        body = {
+            "run": self.run,
+            "step": self.step,
+            "part": self.part,
+            "parts": self.parts,
+            "algorithm": self.algorithm,
+            "files": sorted((f.path, f.size, f.checksum) for f in self.files),
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    # --- serialisation -------------------------------------------------------------
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["files"] = [asdict(f) for f in self.files]
+        return json.dumps(d, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "Manifest":
+        try:
+            d: dict[str, Any] = json.loads(data)
+            if not isinstance(d, dict):
+                raise TypeError("manifest is not a JSON object")
+            files = tuple(
+                FileEntry(path=str(f["path"]), size=int(f["size"]), checksum=str(f["checksum"]))
+                for f in d["files"]
+            )
+            parent = d.get("parent")
+            m = cls(
+                run=str(d["run"]),
+                step=int(d["step"]),
+                files=files,
+                format=str(d.get("format", "folder")),
+                algorithm=str(d.get("algorithm", "crc32c")),
+                part=int(d.get("part", 0)),
+                parts=int(d.get("parts", 1)),
+                node=str(d.get("node", "")),
+                kind=str(d.get("kind", "step")),
+                metrics={str(k): float(v) for k, v in (d.get("metrics") or {}).items()},
+                tags={str(k): str(v) for k, v in (d.get("tags") or {}).items()},
+                parent=ParentRef(**parent) if parent else None,
+                writer_stall_seconds=d.get("writer_stall_seconds"),
+                created_at=str(d.get("created_at", "")),
+                version=int(d.get("version", MANIFEST_VERSION)),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpoint(f"unreadable manifest: {exc}", path="manifest.json") from exc
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        """Structural checks; raises ``BadInput`` (or ``PathEscape``) on the first problem."""
+        from ckpt.paths import safe_relpath
+
+        if not self.run or "/" in self.run or self.run.startswith("."):
+            raise BadInput(f"invalid run name {self.run!r}")
+        if self.step < 0:
+            raise BadInput(f"invalid step {self.step}")
+        if not (0 <= self.part < self.parts):
+            raise BadInput(f"invalid part {self.part} of {self.parts}")
+        if self.kind not in KINDS:
+            raise BadInput(f"invalid kind {self.kind!r}; expected one of {KINDS}")
+        if self.format not in FORMATS:
+            raise BadInput(f"unknown format {self.format!r}; expected one of {FORMATS}")
+        seen = set()
+        for f in self.files:
+            safe_relpath(f.path)
+            if f.path in seen:
+                raise BadInput(f"duplicate file {f.path!r} in manifest")
+            if is_manifest_name(f.path.rsplit("/", 1)[-1]) and "/" not in f.path:
+                raise BadInput(f"manifest lists a manifest file {f.path!r}")
+            if f.size < 0:
+                raise BadInput(f"negative size for {f.path!r}")
+            seen.add(f.path)
+
+
+def utcnow_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -1,0 +1,135 @@
+"""One typed settings object, read once at the edge (CLI command, flow entry, agent start).
+
+Sources, highest first: explicit keyword arguments, ``CKPT_*`` environment variables, a
+``ckpt.toml`` file (``CKPT_CONFIG`` or ``./ckpt.toml``), the embedded defaults. The embedded
+defaults put every tier and the catalog under ``data_dir`` (``./.ckpt-data``) so that the demo
+and the tests run with nothing configured; Tier 2 is off unless ``tier2_url`` is set.
+
+Nested policies use ``__`` in environment names, e.g. ``CKPT_RETENTION_TIER0__KEEP_LAST=3``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from ckpt.errors import ConfigError
+
+
+class RetentionPolicy(BaseModel):
+    """What one tier keeps. A checkpoint is kept if *any* keep rule holds; pins and aliases
+    always keep; the catalog's prune guard (another verified copy at least as durable, not the
+    newest verified checkpoint of its run) is enforced on top of whatever this says."""
+
+    keep_last: int | None = Field(default=None, ge=1, description="keep the newest N checkpoints of each run")
+    keep_milestones: bool = Field(default=True, description="keep milestones (until archived, for tiers 0/1)")
+    top_k: int | None = Field(default=None, ge=1, description="keep the best k by `metric`")
+    metric: str | None = Field(default=None, description="metric name for top_k, e.g. 'loss'")
+    metric_mode: Literal["min", "max"] = "min"
+    max_age_days: float | None = Field(default=None, gt=0, description="prune older than this (if no keep rule holds)")
+    enabled: bool = True
+
+
+class MilestonePolicy(BaseModel):
+    """Which checkpoints are milestones (archived to Tier 2): every K steps, epoch ends, tagged."""
+
+    every_steps: int | None = Field(default=None, ge=1)
+    epoch_end: bool = True
+    tagged: bool = True  # a job may mark any save as a milestone
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CKPT_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    data_dir: Path = Field(default=Path(".ckpt-data"), description="root of the embedded defaults")
+    tier0_url: str | None = Field(default=None, description="node-local NVMe root (fsspec URL or path)")
+    tier1_url: str | None = Field(default=None, description="shared parallel FS root (fsspec URL or path)")
+    tier2_url: str | None = Field(default=None, description="object store root, s3://bucket/prefix; unset = no Tier 2")
+    s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto)")
+    s3_region: str = "us-east-1"
+    catalog_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in data_dir")
+    node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
+
+    checksum_algorithm: Literal["crc32c"] = "crc32c"
+    copy_parallelism: int = Field(default=4, ge=1, le=64)
+    io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
+    s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
+    s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
+    s3_max_concurrency: int = Field(default=8, ge=1, le=64)
+
+    milestones: MilestonePolicy = MilestonePolicy()
+    retention_tier0: RetentionPolicy = RetentionPolicy(keep_last=3)
+    retention_tier1: RetentionPolicy = RetentionPolicy(keep_last=10)
+    retention_tier2: RetentionPolicy = RetentionPolicy(enabled=False)
+
+    prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
+    reconcile_interval_seconds: int = Field(default=60, ge=5)
+    retention_cron: str = "*/15 * * * *"
+    scrub_cron: str = "0 3 * * *"
+    scrub_fraction: float = Field(default=0.1, gt=0, le=1)
+    drill_cron: str = "0 4 * * 0"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_path = os.environ.get("CKPT_CONFIG", "ckpt.toml")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if Path(toml_path).is_file():
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+    @field_validator("tier2_url")
+    @classmethod
+    def _tier2_is_s3(cls, v: str | None) -> str | None:
+        if v is not None and v != "" and not v.startswith("s3://"):
+            raise ValueError("tier2_url must look like s3://bucket/prefix")
+        return v or None
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "Settings":
+        base = self.data_dir.expanduser().absolute()
+        if not self.tier0_url:
+            self.tier0_url = str(base / "tier0" / self.node)
+        if not self.tier1_url:
+            self.tier1_url = str(base / "tier1")
+        if not self.catalog_url:
+            self.catalog_url = f"sqlite:///{base / 'catalog.db'}"
+        return self
+
+    def tier_url(self, tier: int) -> str | None:
+        return {0: self.tier0_url, 1: self.tier1_url, 2: self.tier2_url}[tier]
+
+    def retention(self, tier: int) -> RetentionPolicy:
+        return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read settings once; turn validation errors into one clear ``ConfigError``."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid settings: " + "; ".join(lines)) from None

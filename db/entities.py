@@ -1,0 +1,156 @@
+"""Plain values the catalog returns. ORM rows never leave ``db/``; callers get these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+# Replica states and the legal moves between them (enforced in db/, not by callers).
+PENDING, COPYING, VERIFIED, PRUNING, PRUNED, CORRUPT, MISSING = (
+    "pending", "copying", "verified", "pruning", "pruned", "corrupt", "missing",
+)
+LIVE_STATES = frozenset({PENDING, COPYING, VERIFIED, PRUNING})
+TRANSITIONS: dict[str, frozenset[str]] = {
+    PENDING: frozenset({COPYING, CORRUPT, MISSING}),
+    COPYING: frozenset({VERIFIED, CORRUPT, MISSING, COPYING}),  # COPYING->COPYING: stale-claim takeover
+    VERIFIED: frozenset({PRUNING, CORRUPT, MISSING}),
+    PRUNING: frozenset({PRUNED, CORRUPT, MISSING, VERIFIED}),  # PRUNING->VERIFIED: prune abandoned before delete
+    PRUNED: frozenset({COPYING}),
+    CORRUPT: frozenset({COPYING}),
+    MISSING: frozenset({COPYING}),
+}
+
+# Checkpoint states: 'partial' (some parts registered), 'committed' (all parts registered on
+# Tier 0), 'rejected' (bad input), 'corrupt' (the source failed verification).
+CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT = "partial", "committed", "rejected", "corrupt"
+
+TIER_NAMES = {0: "nvme", 1: "pfs", 2: "object"}
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    name: str
+    project: str | None
+    created_at: datetime
+    config_digest: str | None = None
+    code_digest: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    parent_run: str | None = None
+    parent_step: int | None = None
+    parent_relation: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    id: int
+    run: str
+    step: int
+    kind: str
+    state: str
+    parts: int
+    parts_registered: int
+    total_bytes: int
+    file_count: int
+    metrics: dict[str, float]
+    created_at: datetime
+    committed_at: datetime | None
+    writer_stall_seconds: float | None
+    format: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    checkpoint_id: int
+    part: int
+    path: str
+    size: int
+    algorithm: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    id: int
+    checkpoint_id: int
+    run: str
+    step: int
+    tier: int
+    part: int
+    node: str | None
+    url: str
+    state: str
+    bytes: int | None
+    verified_at: datetime | None
+    copy_seconds: float | None
+    etag: str | None
+    version_id: str | None
+    claim_token: str | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Result of ``Catalog.claim_copy``: ``acquired`` means this caller must copy now;
+    otherwise ``replica.state`` says why not (``verified``: nothing to do)."""
+
+    replica: ReplicaInfo
+    acquired: bool
+
+
+@dataclass(frozen=True)
+class Location:
+    """A verified, committed copy of a whole checkpoint on one tier (all parts verified)."""
+
+    run: str
+    step: int
+    tier: int
+    urls: tuple[str, ...]  # one per part, part order
+    verified_at: datetime
+    bytes: int
+
+
+@dataclass(frozen=True)
+class LineageEdge:
+    child_run: str
+    child_step: int
+    parent_run: str
+    parent_step: int
+    relation: str
+    depth: int = 1
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    id: int
+    at: datetime
+    actor: str
+    subject: str  # e.g. 'replica:12', 'checkpoint:run-a/100', 'event:<id>'
+    action: str  # e.g. 'transition', 'register', 'reject', 'pin'
+    from_state: str | None
+    to_state: str | None
+    reason: str | None
+    run: str | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    run: str
+    tier: int
+    checkpoints: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class DrillResult:
+    id: int
+    run: str
+    step: int
+    tier: int
+    ok: bool
+    seconds: float
+    bytes: int
+    at: datetime
+    detail: str | None = None
