@@ -103,6 +103,12 @@ class Catalog:
         Two concurrent prunes of the last two copies: exactly one wins."""
         raise NotImplementedError
 
+    def complete_on_tier(self, checkpoint_id: int, tier: int, *, actor: str) -> bool:
+        """True exactly once per (checkpoint, tier): for the first caller that observes every
+        part of the checkpoint verified on ``tier`` (records the time, audited). Lets N part
+        promotions trigger the cluster-level archive and retention once, not N times."""
+        raise NotImplementedError
+
     def replicas(self, checkpoint_id: int, tier: int | None = None) -> list[ReplicaInfo]: ...
 
     def get_replica(self, replica_id: int) -> ReplicaInfo: ...

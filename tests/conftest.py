@@ -144,3 +144,59 @@ def settings_factory(tmp_path: Path, monkeypatch):
         return load_settings(**overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real Prefect server (SQLite) started once per session on a free loopback port.
+
+    Yields the API URL and points this process's Prefect client at it. Starting takes
+    20-30 s here, so tests that need it are few; logic is tested through plain functions.
+    """
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    home = tmp_path_factory.mktemp("prefect")
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PREFECT_LOGGING_LEVEL="WARNING",
+    )
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"Prefect server did not start; see {home / 'server.log'}")
+        time.sleep(0.5)
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
