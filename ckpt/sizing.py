@@ -1,0 +1,138 @@
+"""The checkpoint sizing model from the field, and each run's measured figure.
+
+A checkpoint of a model with P parameters under mixed-precision AdamW is about 14 × P bytes
+(bf16 weights 2 + fp32 master weights 4 + two fp32 Adam moments 8). Saving it every
+``T_interval`` seconds to storage of bandwidth B stalls training for ``T_save = V / B`` each
+time, so the fraction of cluster compute lost is ``ΔMFU = T_save / (T_interval + T_save)``.
+
+Units are decimal (GB = 1e9 bytes), as storage vendors quote bandwidth; ``GiB`` is accepted
+and means 2**30. Parsing errors raise ``BadInput`` so the CLI prints one clear line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from statistics import median
+
+from ckpt.errors import BadInput
+
+BYTES_PER_PARAM = 14  # mixed-precision AdamW: 2 (bf16) + 4 (fp32 master) + 8 (Adam m, v)
+
+_COUNT = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_BYTES = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SECONDS = {"": 1, "S": 1, "SEC": 1, "M": 60, "MIN": 60, "H": 3600, "D": 86400}
+_NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+
+
+def _parse(text: str, units: dict[str, float], what: str, suffix: str = "") -> float:
+    m = re.fullmatch(_NUM + r"([A-Za-z]*)" + suffix + r"\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in units:
+        raise BadInput(f"cannot read {what} {text!r}; e.g. {_EXAMPLES[what]}")
+    value = float(m.group(1)) * units[unit]
+    if value <= 0:
+        raise BadInput(f"{what} must be positive, got {text!r}")
+    return value
+
+
+_EXAMPLES = {"parameter count": "'70B', '7.5B', '350M'", "interval": "'30m', '1h', '90s'",
+             "bandwidth": "'2GB/s', '500MB/s', '1.5GiB/s'", "size": "'980GB', '1.5TiB'"}
+
+
+def parse_params(text: str) -> float:
+    """'70B' -> 7e10 parameters."""
+    return _parse(text, _COUNT, "parameter count")
+
+
+def parse_duration(text: str) -> float:
+    """'30m' -> 1800 seconds; a bare number is seconds."""
+    return _parse(text, _SECONDS, "interval")
+
+
+def parse_bandwidth(text: str) -> float:
+    """'2GB/s' -> 2e9 bytes per second ('/s' optional)."""
+    return _parse(text, _BYTES, "bandwidth", suffix=r"(?:\s*/\s*s)?")
+
+
+def parse_size(text: str) -> float:
+    return _parse(text, _BYTES, "size")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The model's figures for one (size, interval, bandwidth)."""
+
+    checkpoint_bytes: float
+    interval_seconds: float
+    bandwidth_bytes_per_s: float
+
+    @property
+    def save_seconds(self) -> float:
+        return self.checkpoint_bytes / self.bandwidth_bytes_per_s
+
+    @property
+    def delta_mfu(self) -> float:
+        return delta_mfu(self.save_seconds, self.interval_seconds)
+
+
+def delta_mfu(save_seconds: float, interval_seconds: float) -> float:
+    """Fraction of compute lost: T_save / (T_interval + T_save)."""
+    return save_seconds / (interval_seconds + save_seconds)
+
+
+def plan(params: float, interval_seconds: float, bandwidth: float) -> Plan:
+    return Plan(BYTES_PER_PARAM * params, interval_seconds, bandwidth)
+
+
+@dataclass(frozen=True)
+class RunFigure:
+    """A run's measured cost of checkpointing, from the writer stall times in the catalog."""
+
+    run: str
+    checkpoints: int
+    median_stall_seconds: float
+    median_interval_seconds: float | None
+    delta_mfu: float | None  # None with fewer than two checkpoints (no interval to measure)
+
+
+def measured(run: str, saves: list[tuple[datetime, float]]) -> RunFigure | None:
+    """``saves``: (created_at, writer_stall_seconds) of a run's checkpoints; ones without a
+    recorded stall are skipped. ΔMFU is the total stall over the wall time it was spent in
+    (first save to the end of the last one), i.e. the model's formula summed over the run."""
+    saves = sorted((t, s) for t, s in saves if s is not None)
+    if not saves:
+        return None
+    stalls = [s for _, s in saves]
+    gaps = [(b - a).total_seconds() for (a, _), (b, _) in zip(saves, saves[1:])]
+    dmfu = None
+    if gaps:
+        wall = (saves[-1][0] - saves[0][0]).total_seconds() + stalls[-1]
+        dmfu = sum(stalls) / wall if wall > 0 else None
+    return RunFigure(run, len(saves), median(stalls), median(gaps) if gaps else None, dmfu)
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units with three significant figures: 980 GB, 1.23 TB, 50.0 MB."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{_sig3(n / size)} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{_sig3(s)} s"
+
+
+def fmt_percent(fraction: float) -> str:
+    return f"{_sig3(fraction * 100)} %"
+
+
+def _sig3(x: float) -> str:
+    """Three significant figures, no exponent, no trailing zeros lost: 490, 19.6, 21.4, 1.08."""
+    if x == 0:
+        return "0"
+    digits = max(0, 2 - int(f"{abs(x):e}".split("e")[1]))
+    return f"{x:.{digits}f}"
