@@ -1,0 +1,96 @@
+"""docker-compose.yml passes only settings the code reads, and the stack has its parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckpt.settings import Settings
+
+COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
+
+
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _env_of_every_service() -> dict[str, dict[str, str]]:
+    out = {}
+    for name, svc in _compose()["services"].items():
+        env = svc.get("environment") or {}
+        if isinstance(env, list):  # KEY=VALUE form
+            env = dict(item.split("=", 1) for item in env)
+        out[name] = {str(k): str(v) for k, v in env.items()}
+    return out
+
+
+def _ckpt_setting_exists(var: str) -> bool:
+    """CKPT_X maps to field x; CKPT_X__Y to field y of the nested model x."""
+    name = var.removeprefix("CKPT_").lower()
+    top, _, nested = name.partition("__")
+    field = Settings.model_fields.get(top)
+    if field is None:
+        return False
+    if not nested:
+        return True
+    sub = getattr(field.annotation, "model_fields", {})
+    return nested in sub
+
+
+def test_every_ckpt_variable_is_a_setting():
+    seen = 0
+    for service, env in _env_of_every_service().items():
+        for var in env:
+            if var.startswith("CKPT_"):
+                seen += 1
+                assert _ckpt_setting_exists(var), f"{service}: {var} is not read by ckpt.settings.Settings"
+    assert seen >= 10  # the agent and the migration job are configured through CKPT_*
+
+
+def test_every_prefect_variable_is_a_prefect_setting():
+    from prefect.settings import Settings as PrefectSettings
+
+    legacy = pytest.importorskip("prefect.settings.legacy")
+    valid = legacy._get_valid_setting_names(PrefectSettings)
+    for service, env in _env_of_every_service().items():
+        for var in env:
+            if var.startswith("PREFECT_"):
+                assert var in valid, f"{service}: {var} is not a Prefect setting"
+
+
+def test_agent_environment_loads_into_settings(monkeypatch, tmp_path):
+    """The values arrive where the code reads them (not just names that exist)."""
+    monkeypatch.chdir(tmp_path)
+    env = _env_of_every_service()["agent"]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = Settings()
+    assert s.node == "node-0"
+    assert s.tier0_url == "/nvme/ckpt" and s.tier1_url == "/lustre/ckpt"
+    assert s.tier2_url == "s3://checkpoints/ckpt"
+    assert s.s3_endpoint_url == "http://minio:9000"
+    assert s.catalog_url.startswith("postgresql+psycopg://")
+    assert s.retention_tier0.keep_last == 3 and s.milestones.every_steps == 1000
+
+
+def test_stack_has_its_parts_wired_together():
+    services = _compose()["services"]
+    server = services["prefect-server"]
+    assert "postgresql+asyncpg://" in server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    bucket_cmd = " ".join(services["minio-bucket"]["command"])
+    bucket = _env_of_every_service()["agent"]["CKPT_TIER2_URL"].removeprefix("s3://").split("/")[0]
+    assert f"mc mb --ignore-existing local/{bucket}" in bucket_cmd
+    agent = services["agent"]
+    assert agent["command"].startswith("ckpt agent")
+    assert {"prefect-server", "minio-bucket", "catalog-migrate"} <= set(agent["depends_on"])
+    assert services["catalog-migrate"]["command"] == "ckpt db upgrade"
+    catalog_host = _env_of_every_service()["agent"]["CKPT_CATALOG_URL"].split("@")[1].split(":")[0]
+    assert catalog_host in services
+
+
+def test_checker_notices_an_unknown_variable():
+    assert not _ckpt_setting_exists("CKPT_TIER3_URL")
+    assert not _ckpt_setting_exists("CKPT_RETENTION_TIER0__KEEP_FIRST")
+    assert _ckpt_setting_exists("CKPT_RETENTION_TIER0__KEEP_LAST")
