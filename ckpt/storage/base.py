@@ -85,3 +85,28 @@ class TierStore(ABC):
     def free_bytes(self) -> int | None:
         """Free space at the root, when the backend can tell."""
         return None
+
+
+def read_limited(store: TierStore, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """``read_small`` through ``open_read``: at most ``limit`` bytes, else ``CorruptCheckpoint``."""
+    from ckpt.errors import CorruptCheckpoint
+
+    chunks, got = [], 0
+    with store.open_read(key) as fh:
+        while got <= limit:
+            data = fh.read(limit + 1 - got)
+            if not data:
+                break
+            chunks.append(data)
+            got += len(data)
+    if got > limit:
+        raise CorruptCheckpoint(f"{key}: larger than {limit} bytes", path=key)
+    return b"".join(chunks)
+
+
+def hash_object(store: TierStore, key: str, buffer_bytes: int = 4 * 1024 * 1024) -> tuple[int, str]:
+    """(size, crc32c hex) of a stored object, streamed through ``open_read``."""
+    from ckpt.checksum import hash_stream
+
+    with store.open_read(key) as fh:
+        return hash_stream(fh, buffer_bytes)

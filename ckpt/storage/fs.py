@@ -1,0 +1,361 @@
+"""Tier 0/1 stores: a local folder (os-level I/O, fsync) and any other fsspec filesystem.
+
+``LocalStore`` is the fast, durable path for local paths and ``file://`` URLs: streaming
+read -> CRC32C -> ``os.write`` into a hidden staging file beside the target, fsync, read back
+and compare, publish with ``link`` (which refuses to replace an existing file, so a different
+object is never overwritten) and fsync the directory. Every key is confined under the root
+with symlinks resolved (``ckpt.paths.confine_local``).
+
+``FsspecStore`` serves every other fsspec URL (``memory://`` in the contract suite, remote
+filesystems in principle) with the same contract, through fsspec's file API; its publish is
+``mv`` of a staging file, which is atomic only where the filesystem's rename is.
+
+Staging files are named ``.ckpt-staging-<pid>-<random>-<name>`` and never listed.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from ckpt import checksum
+from ckpt.checksum import hash_stream
+from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable
+from ckpt.manifest import MAX_MANIFEST_BYTES
+from ckpt.paths import confine_local, safe_relpath
+from ckpt.storage.base import ObjectInfo, TierStore, hash_object, read_limited
+
+STAGING_MARK = ".ckpt-staging-"
+_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY, errno.EINTR}
+
+
+def staging_name(name: str) -> str:
+    return f"{STAGING_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+
+
+def is_staging(name: str) -> bool:
+    return name.startswith(STAGING_MARK)
+
+
+def map_os_error(exc: OSError, what: str) -> Exception:
+    """ENOSPC/EDQUOT -> StorageFull; I/O timeouts and EIO -> StorageUnavailable; else unchanged."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"no space left writing {what}: {exc}")
+    if exc.errno in _TRANSIENT_ERRNOS:
+        return StorageUnavailable(f"I/O error on {what}: {exc}")
+    return exc
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """os.write until every byte is written (short writes happen on some filesystems)."""
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check(key: str, size: int, checksum_hex: str, got_size: int, got_hex: str, what: str) -> None:
+    if got_size != size:
+        raise CorruptCheckpoint(f"{key}: {what} size {got_size} != expected {size}", path=key)
+    if got_hex != checksum_hex:
+        raise CorruptCheckpoint(f"{key}: {what} crc32c {got_hex} != expected {checksum_hex}", path=key)
+
+
+def _mkdirs(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise map_os_error(exc, str(path)) from exc
+
+
+class LocalStore(TierStore):
+    """A tier rooted at a local folder. ``root`` may be a path or a ``file://`` URL."""
+
+    def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES):
+        root = str(root)
+        if root.startswith("file://"):
+            root = root[len("file://"):]
+        self.root = Path(root).expanduser().absolute()
+        self.tier = tier
+        self.root_url = str(self.root)
+        self.buffer_bytes = buffer_bytes
+
+    def path(self, key: str) -> Path:
+        """The local path of ``key``, confined under the root (symlinks resolved)."""
+        return confine_local(self.root, key)
+
+    # --- reads -------------------------------------------------------------------------
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        try:
+            fh = open(self.path(key), "rb", buffering=0)
+        except FileNotFoundError:
+            raise NotFound(f"{self.url_for(key)} does not exist") from None
+        except OSError as exc:
+            raise map_os_error(exc, key) from exc
+        with fh:
+            yield fh
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        p = self.path(key)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key=key, size=st.st_size) if p.is_file() else None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        base = self.path(prefix) if prefix else self.root
+        out: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if is_staging(name) or os.path.islink(full):
+                    continue
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                try:
+                    out.append(ObjectInfo(key=rel, size=os.stat(full).st_size))
+                except FileNotFoundError:
+                    continue
+        return sorted(out, key=lambda o: o.key)
+
+    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+        return read_limited(self, key, limit)
+
+    def _hash(self, path: Path) -> tuple[int, str]:
+        return checksum.hash_file(path, self.buffer_bytes)
+
+    # --- writes ------------------------------------------------------------------------
+    def _publish(self, staging: Path, target: Path, key: str, size: int, checksum_hex: str) -> bool:
+        """Link ``staging`` to ``target`` without replacing; True if published, False if an
+        identical file was already there. Different bytes there raise ConflictError."""
+        try:
+            os.link(staging, target)
+        except FileExistsError:
+            self._same_or_conflict(target, key, size, checksum_hex)
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP):
+                raise map_os_error(exc, key) from exc
+            if target.exists():  # no hard links here: check, then rename (small race window)
+                self._same_or_conflict(target, key, size, checksum_hex)
+                return False
+            os.rename(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+        fsync_dir(target.parent)
+        return True
+
+    def _same_or_conflict(self, target: Path, key: str, size: int, checksum_hex: str) -> None:
+        got = self._hash(target)
+        if got != (size, checksum_hex):
+            raise ConflictError(
+                f"{self.url_for(key)} already exists with different bytes "
+                f"(size {got[0]}, crc32c {got[1]}); refusing to overwrite"
+            )
+
+    @contextmanager
+    def _staging(self, target: Path, key: str) -> Iterator[tuple[Path, int]]:
+        """A new staging file beside ``target`` (path, write fd); removed unless published,
+        OS errors mapped (ENOSPC -> StorageFull)."""
+        _mkdirs(target.parent)
+        staging = target.parent / staging_name(target.name)
+        try:
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                yield staging, fd
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise map_os_error(exc, self.url_for(key)) from exc
+        finally:
+            staging.unlink(missing_ok=True)
+
+    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        """Stream into a staging file, fsync, read it back, publish only on a full match.
+
+        Postcondition on return: the bytes under ``key`` were read back from this tier and
+        match (size, checksum). Already there with the same bytes: no-op.
+        """
+        target = self.path(key)
+        if target.is_file():
+            self._same_or_conflict(target, key, size, checksum)
+            return ObjectInfo(key=key, size=size, checksum=checksum)
+        with self._staging(target, key) as (staging, fd):
+            got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
+            _check(key, size, checksum, *got, "source")
+            os.fsync(fd)
+            _check(key, size, checksum, *self._hash(staging), "read-back")
+            self._publish(staging, target, key, size, checksum)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
+        """tmp + fsync + (link | rename) + fsync dir. Existing same bytes: no-op; different
+        bytes: ConflictError unless ``overwrite``."""
+        if not overwrite:
+            return self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
+        target = self.path(key)
+        with self._staging(target, key) as (staging, fd):
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+            os.replace(staging, target)
+            fsync_dir(target.parent)
+        return ObjectInfo(key=key, size=len(data), checksum=checksum.hash_bytes(data))
+
+    def verify_object(self, key: str, size: int, checksum: str) -> None:
+        target = self.path(key)
+        if not target.is_file():
+            raise NotFound(f"{self.url_for(key)} does not exist")
+        try:
+            got = self._hash(target)
+        except OSError as exc:
+            raise map_os_error(exc, key) from exc
+        _check(key, size, checksum, *got, "stored")
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise BadInput("refusing to delete the whole tier (empty prefix)")
+        base = self.path(prefix)
+        if not base.exists():
+            return 0
+        if base.is_file():
+            base.unlink()
+            return 1
+        count = 0
+        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
+            for name in filenames:
+                os.unlink(os.path.join(dirpath, name))
+                count += 0 if is_staging(name) else 1
+            for d in dirnames:
+                full = os.path.join(dirpath, d)
+                os.unlink(full) if os.path.islink(full) else os.rmdir(full)
+        os.rmdir(base)
+        fsync_dir(base.parent)
+        return count
+
+    def free_bytes(self) -> int | None:
+        p = self.root
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        st = os.statvfs(p)
+        return st.f_bavail * st.f_frsize
+
+
+class FsspecStore(TierStore):
+    """A tier on any fsspec filesystem (``memory://``, ``sftp://``...), same contract."""
+
+    def __init__(self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, **storage_options):
+        import fsspec
+
+        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = root.rstrip("/")
+        self.tier = tier
+        self.root_url = url.rstrip("/")
+        self.buffer_bytes = buffer_bytes
+
+    def _p(self, key: str) -> str:
+        return f"{self.root}/{safe_relpath(key)}"
+
+    def _key(self, path: str) -> str:
+        path = path.rstrip("/")
+        return path[len(self.root) + 1:] if path.startswith(self.root + "/") else path.lstrip("/")
+
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        try:
+            fh = self.fs.open(self._p(key), "rb")
+        except FileNotFoundError:
+            raise NotFound(f"{self.url_for(key)} does not exist") from None
+        with fh:
+            yield fh
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            info = self.fs.info(self._p(key))
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key=key, size=int(info["size"])) if info.get("type") == "file" else None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        base = self._p(prefix) if prefix else self.root
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return []
+        out = [
+            ObjectInfo(key=self._key(p), size=int(info["size"]))
+            for p, info in found.items()
+            if not is_staging(p.rsplit("/", 1)[-1]) and info.get("type") == "file"
+        ]
+        return sorted(out, key=lambda o: o.key)
+
+    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+        return read_limited(self, key, limit)
+
+    def _hash(self, key: str) -> tuple[int, str]:
+        return hash_object(self, key, self.buffer_bytes)
+
+    def _same_or_conflict(self, key: str, size: int, checksum_hex: str) -> None:
+        got = self._hash(key)
+        if got != (size, checksum_hex):
+            raise ConflictError(f"{self.url_for(key)} already exists with different bytes; refusing to overwrite")
+
+    def _staged_write(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> None:
+        path = self._p(key)
+        parent, name = path.rsplit("/", 1)
+        staging = f"{parent}/{staging_name(name)}"
+        try:
+            with self.fs.open(staging, "wb") as out:
+                got = checksum.hash_stream(reader, self.buffer_bytes, out.write)
+            _check(key, size, checksum_hex, *got, "source")
+            with self.fs.open(staging, "rb") as back:
+                _check(key, size, checksum_hex, *checksum.hash_stream(back, self.buffer_bytes), "read-back")
+            if self.fs.exists(path):
+                self._same_or_conflict(key, size, checksum_hex)
+            else:
+                self.fs.mv(staging, path)
+        except OSError as exc:
+            raise map_os_error(exc, self.url_for(key)) from exc
+        finally:
+            if self.fs.exists(staging):
+                self.fs.rm(staging)
+
+    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        if self.stat(key) is not None:
+            self._same_or_conflict(key, size, checksum)
+        else:
+            self._staged_write(key, reader, size, checksum)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
+        crc = checksum.hash_bytes(data)
+        if overwrite and self.stat(key) is not None:
+            self.fs.rm(self._p(key))
+        return self.put_verified(key, io.BytesIO(data), len(data), crc)
+
+    def verify_object(self, key: str, size: int, checksum: str) -> None:
+        if self.stat(key) is None:
+            raise NotFound(f"{self.url_for(key)} does not exist")
+        _check(key, size, checksum, *self._hash(key), "stored")
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise BadInput("refusing to delete the whole tier (empty prefix)")
+        n = len(self.list(prefix))
+        path = self._p(prefix)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+        return n

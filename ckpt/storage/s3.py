@@ -1,0 +1,343 @@
+"""Tier 2: S3-compatible object storage through boto3 (never s3fs).
+
+Uploads (``put_verified``):
+- below ``multipart_threshold`` one PutObject; above it an explicit multipart upload
+  (CreateMultipartUpload with ChecksumAlgorithm=CRC32C, ChecksumType=FULL_OBJECT), parts of
+  ``chunk_bytes`` read in order from the reader, each sent with its own CRC32C by a thread
+  pool shared by the store (at most ``max_concurrency`` parts in flight, so memory stays
+  bounded at about ``(max_concurrency + readers) x chunk_bytes``);
+- the client hashes every byte it sends; if size or CRC32C differ from the manifest the
+  upload is aborted and nothing is published (this is what catches a flipped bit, since an
+  endpoint such as moto stores whatever checksum it is sent without checking it);
+- the publish (PutObject / CompleteMultipartUpload) carries the full-object
+  ``ChecksumCRC32C`` (an endpoint that validates it rejects a mismatch: fail closed) and
+  ``If-None-Match: *``, so an existing object is never replaced; if one is there, identical
+  bytes are a no-op success and different bytes a ``ConflictError``;
+- afterwards HeadObject(ChecksumMode=ENABLED) must report the manifest's CRC32C and size.
+
+Errors: 5xx, throttling, timeouts and connection failures become ``StorageUnavailable``
+after botocore's own retries (``standard`` mode, ``max_attempts``); 404 is ``NotFound``;
+other client errors (access denied, missing bucket) are ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import BinaryIO, Iterator
+
+from ckpt import checksum as crc
+from ckpt.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
+from ckpt.manifest import MAX_MANIFEST_BYTES
+from ckpt.paths import safe_relpath
+from ckpt.storage.base import ObjectInfo, TierStore, hash_object, read_limited
+
+_RETRYABLE_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
+}
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+_PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+
+
+def _code(exc) -> tuple[str, int]:
+    err = getattr(exc, "response", {}) or {}
+    return str(err.get("Error", {}).get("Code", "")), int(err.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def map_s3_error(exc: Exception, what: str) -> Exception:
+    """botocore exception -> this project's taxonomy (the caller raises the result)."""
+    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError
+
+    if isinstance(exc, ClientError):
+        code, status = _code(exc)
+        if status >= 500 or code in _RETRYABLE_CODES or status == 429:
+            return StorageUnavailable(f"S3 unavailable for {what}: {code or status}")
+        if code in _NOT_FOUND_CODES or status == 404:
+            return NotFound(f"{what} does not exist")
+        if code in _PRECONDITION_CODES or status == 412:
+            return ConflictError(f"{what}: precondition failed ({code})")
+        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"):
+            return CorruptCheckpoint(f"{what}: the endpoint rejected the checksum ({code}: {exc})")
+        return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
+    if isinstance(exc, (BotoConnError, HTTPClientError, BotoCoreError)):
+        return StorageUnavailable(f"S3 unreachable for {what}: {exc}")
+    return exc
+
+
+@contextmanager
+def s3_errors(what: str) -> Iterator[None]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (ClientError, BotoCoreError) as exc:
+        raise map_s3_error(exc, what) from exc
+
+
+class _Body:
+    """A GetObject body whose read errors are mapped to the taxonomy."""
+
+    def __init__(self, body, what: str):
+        self._body, self._what = body, what
+
+    def read(self, n: int = -1) -> bytes:
+        with s3_errors(self._what):
+            return self._body.read(n) if n is not None and n >= 0 else self._body.read()
+
+    def close(self) -> None:
+        self._body.close()
+
+
+def _read_up_to(reader: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes (fewer only at the end of the stream)."""
+    chunks, got = [], 0
+    while got < n:
+        data = reader.read(n - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class S3Store(TierStore):
+    """A tier at ``s3://bucket/prefix`` on AWS S3, MinIO or moto (``endpoint_url``)."""
+
+    def __init__(
+        self,
+        url: str,
+        tier: int = 2,
+        *,
+        endpoint_url: str | None = None,
+        region: str = "us-east-1",
+        multipart_threshold: int = 64 * 1024 * 1024,
+        chunk_bytes: int = 64 * 1024 * 1024,
+        max_concurrency: int = 8,
+        max_attempts: int = 5,
+        buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
+        client=None,
+    ):
+        if not url.startswith("s3://"):
+            raise ConfigError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ConfigError(f"no bucket in {url!r}")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.tier, self.root_url = tier, url.rstrip("/")
+        self.multipart_threshold = max(multipart_threshold, chunk_bytes)
+        self.chunk_bytes, self.max_concurrency = chunk_bytes, max_concurrency
+        self.buffer_bytes = buffer_bytes
+        self.client = client or self._make_client(endpoint_url, region, max_attempts)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._inflight = threading.BoundedSemaphore(max_concurrency)
+
+    def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int):
+        import boto3
+        from botocore.config import Config
+
+        cfg = Config(
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=10,
+            read_timeout=120,
+            max_pool_connections=max(16, 2 * self.max_concurrency),
+            tcp_keepalive=True,
+            # We send the manifest's CRC32C ourselves; don't let botocore hash bodies again.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
+
+    def _k(self, key: str) -> str:
+        safe_relpath(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1:] if self.prefix else full
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="s3-part")
+            return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # --- reads -------------------------------------------------------------------------
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        what = self.url_for(key)
+        with s3_errors(what):
+            body = self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"]
+        try:
+            yield _Body(body, what)  # type: ignore[misc]
+        finally:
+            body.close()
+
+    def _head(self, key: str) -> dict | None:
+        try:
+            with s3_errors(self.url_for(key)):
+                return self.client.head_object(Bucket=self.bucket, Key=self._k(key), ChecksumMode="ENABLED")
+        except NotFound:
+            return None
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        h = self._head(key)
+        if h is None:
+            return None
+        return ObjectInfo(
+            key=key,
+            size=int(h["ContentLength"]),
+            checksum=crc.s3_to_hex(h.get("ChecksumCRC32C", "")) if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None,
+            etag=h.get("ETag"),
+            version_id=h.get("VersionId"),
+        )
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        out: list[ObjectInfo] = []
+        with s3_errors(f"list {self.root_url}/{prefix}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                for o in page.get("Contents", []):
+                    out.append(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag")))
+        return sorted(out, key=lambda o: o.key)
+
+    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+        return read_limited(self, key, limit)
+
+    def verify_object(self, key: str, size: int, checksum: str) -> None:
+        """HeadObject in checksum mode: the server's full-object CRC32C and size must match.
+        Objects without a full-object CRC32C (uploaded by other tools) are read and hashed."""
+        info = self.stat(key)
+        if info is None:
+            raise NotFound(f"{self.url_for(key)} does not exist")
+        if info.size != size:
+            raise CorruptCheckpoint(f"{key}: stored size {info.size} != expected {size}", path=key)
+        got = info.checksum if info.checksum is not None else hash_object(self, key, self.buffer_bytes)[1]
+        if got != checksum:
+            raise CorruptCheckpoint(f"{key}: stored crc32c {got} != expected {checksum}", path=key)
+
+    # --- writes ------------------------------------------------------------------------
+    def _same_or_conflict(self, key: str, size: int, checksum: str) -> None:
+        try:
+            self.verify_object(key, size, checksum)
+        except CorruptCheckpoint as exc:
+            raise ConflictError(f"{self.url_for(key)} already exists with different bytes ({exc}); refusing to overwrite") from None
+
+    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        if self.stat(key) is not None:
+            self._same_or_conflict(key, size, checksum)
+            return ObjectInfo(key=key, size=size, checksum=checksum)
+        try:
+            if size < self.multipart_threshold:
+                self._put_single(key, _read_up_to(reader, self.multipart_threshold + 1), size, checksum)
+            else:
+                self._put_multipart(key, reader, size, checksum)
+        except ConflictError:
+            self._same_or_conflict(key, size, checksum)  # someone published first: same bytes is fine
+            return ObjectInfo(key=key, size=size, checksum=checksum)
+        try:
+            self.verify_object(key, size, checksum)
+        except CorruptCheckpoint:
+            with s3_errors(self.url_for(key)):  # we created it (If-None-Match): take it back
+                self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+            raise
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
+        got = crc.hash_bytes(data)
+        if (len(data), got) != (size, checksum):
+            raise CorruptCheckpoint(f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}", path=key)
+        with s3_errors(self.url_for(key)):
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*",
+                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum),
+            )
+
+    def _upload_part(self, full: str, upload_id: str, number: int, data: bytes) -> dict:
+        try:
+            part_crc = crc.hex_to_s3(crc.hash_bytes(data))
+            with s3_errors(f"{self.root_url}/{self._rel(full)} part {number}"):
+                r = self.client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
+                    Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=part_crc,
+                )
+            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC32C": part_crc}
+        finally:
+            self._inflight.release()
+
+    def _put_multipart(self, key: str, reader: BinaryIO, size: int, checksum: str) -> None:
+        full, what = self._k(key), self.url_for(key)
+        with s3_errors(what):
+            upload_id = self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT",
+            )["UploadId"]
+        futures: list[Future] = []
+        try:
+            value, got, number = 0, 0, 0
+            while True:
+                data = _read_up_to(reader, self.chunk_bytes)
+                if not data:
+                    break
+                value, got, number = crc.update(value, data), got + len(data), number + 1
+                if got > size:
+                    break
+                if any(f.done() and f.exception() for f in futures):
+                    break
+                self._inflight.acquire()
+                futures.append(self._executor().submit(self._upload_part, full, upload_id, number, data))
+            parts = [f.result() for f in futures]  # re-raises the first part failure
+            if (got, crc.to_hex(value)) != (size, checksum):
+                raise CorruptCheckpoint(
+                    f"{key}: source size/crc32c {got}/{crc.to_hex(value)} != expected {size}/{checksum}", path=key
+                )
+            with s3_errors(what):
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts},
+                    ChecksumCRC32C=crc.hex_to_s3(checksum), ChecksumType="FULL_OBJECT", IfNoneMatch="*",
+                )
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()  # wait, so no part lands after the abort
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            except Exception:  # best effort; a lifecycle rule reaps what is left
+                pass
+            raise
+
+    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
+        """One PutObject (atomic on S3) with CRC32C; If-None-Match unless ``overwrite``."""
+        checksum = crc.hash_bytes(data)
+        if not overwrite:
+            import io
+
+            return self.put_verified(key, io.BytesIO(data), len(data), checksum)
+        with s3_errors(self.url_for(key)):
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._k(key), Body=data,
+                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum),
+            )
+        self.verify_object(key, len(data), checksum)
+        return ObjectInfo(key=key, size=len(data), checksum=checksum)
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise BadInput("refusing to delete the whole tier (empty prefix)")
+        keys = [self._k(o.key) for o in self.list(prefix)]
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            with s3_errors(f"delete {self.root_url}/{prefix}"):
+                r = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            if r.get("Errors"):
+                raise StorageUnavailable(f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}")
+        return len(keys)

@@ -1,0 +1,228 @@
+"""The transfer engine under the pipeline tasks: verify a part, copy a part between tiers,
+find committed parts. Catalog-free; plain values in, reports out, exceptions on failure.
+
+A part is committed on a tier when its manifest is there. ``copy_part`` keeps that true:
+each file is streamed once (read -> CRC32C -> write) into a staging name, checked (local
+tiers read it back after fsync; S3 checks the server's full-object CRC32C), and published
+under its final name only on a match; the manifest is written last. A rerun after any crash
+skips the files already published and matching, so it resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ckpt import checksum, formats
+from ckpt.errors import ConflictError, CorruptCheckpoint, NotFound
+from ckpt.manifest import FileEntry, Manifest
+from ckpt.manifest_build import read_manifest
+from ckpt.storage.base import TierStore, hash_object
+
+Progress = Callable[[int], None]
+_MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    files: int  # files copied now
+    bytes: int  # bytes copied now
+    seconds: float
+    skipped: int  # files already published and matching (a resumed or repeated copy)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    files: int
+    bytes: int
+    seconds: float
+    format: str
+
+
+def _key(prefix: str, rel: str) -> str:
+    return f"{prefix}/{rel}" if prefix else rel
+
+
+class _Counter:
+    """Cumulative bytes across threads, reported to ``progress``."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress, self.done, self._lock = progress, 0, threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            self.done += n
+            done = self.done
+        self.progress(done)
+
+
+class _CountingReader:
+    def __init__(self, inner, counter: _Counter):
+        self.inner, self.counter = inner, counter
+        if hasattr(inner, "readinto"):
+            self.readinto = self._readinto
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.inner.read(n)
+        self.counter.add(len(data))
+        return data
+
+    def _readinto(self, buf) -> int:
+        n = self.inner.readinto(buf) or 0
+        self.counter.add(n)
+        return n
+
+
+def _run_all(fn, items, parallelism: int) -> list:
+    """fn over items in a bounded pool; the first exception cancels what has not started."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer") as pool:
+        futures = [pool.submit(fn, it) for it in items]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                for g in futures:
+                    g.cancel()
+                raise f.exception()
+        return [f.result() for f in futures]
+
+
+def _hash_stored(store: TierStore, key: str, rel: str, entry: FileEntry, buffer_bytes: int) -> None:
+    try:
+        size, crc = hash_object(store, key, buffer_bytes)
+    except NotFound:
+        raise CorruptCheckpoint(f"{rel}: missing from {store.url_for(key)}", path=rel) from None
+    if size != entry.size:
+        raise CorruptCheckpoint(f"{rel}: size {size} != manifest {entry.size}", path=rel)
+    if crc != entry.checksum:
+        raise CorruptCheckpoint(f"{rel}: crc32c {crc} != manifest {entry.checksum}", path=rel)
+
+
+def verify_part(
+    store: TierStore,
+    prefix: str,
+    manifest: Manifest,
+    *,
+    parallelism: int = 4,
+    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+    deep: bool = True,
+) -> VerifyReport:
+    """Prove the part under ``prefix`` matches ``manifest``: sizes, checksums and format.
+
+    ``deep`` re-reads every byte; ``deep=False`` lets the store prove it its own way
+    (``verify_object``: S3 compares the server's full-object CRC32C without a download; local
+    tiers read anyway). Raises ``CorruptCheckpoint`` naming the first bad file and why.
+    """
+    t0 = time.monotonic()
+    if manifest.algorithm != checksum.ALGORITHM:
+        raise CorruptCheckpoint(f"unsupported checksum algorithm {manifest.algorithm!r}")
+
+    def one(entry: FileEntry) -> None:
+        key = _key(prefix, entry.path)
+        if deep:
+            _hash_stored(store, key, entry.path, entry, buffer_bytes)
+            return
+        try:
+            store.verify_object(key, entry.size, entry.checksum)
+        except NotFound:
+            raise CorruptCheckpoint(f"{entry.path}: missing from {store.url_for(key)}", path=entry.path) from None
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpoint(str(exc), path=entry.path) from None
+
+    _run_all(one, list(manifest.files), parallelism)
+    sizes = {f.path: f.size for f in manifest.files}
+    formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)), complete=manifest.parts == 1)
+    return VerifyReport(len(manifest.files), manifest.total_bytes, time.monotonic() - t0, manifest.format)
+
+
+def _already_there(store: TierStore, key: str, entry: FileEntry) -> bool:
+    """True if ``key`` holds exactly this file; ConflictError if it holds something else."""
+    info = store.stat(key)
+    if info is None:
+        return False
+    try:
+        store.verify_object(key, entry.size, entry.checksum)
+    except CorruptCheckpoint as exc:
+        raise ConflictError(f"{store.url_for(key)} holds different bytes ({exc}); refusing to overwrite") from None
+    return True
+
+
+def copy_part(
+    src_store: TierStore,
+    src_prefix: str,
+    dst_store: TierStore,
+    dst_prefix: str,
+    manifest: Manifest,
+    *,
+    parallelism: int = 4,
+    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+    progress: Progress | None = None,
+) -> TransferReport:
+    """Copy one committed part to another tier and commit it there (manifest last).
+
+    Every file is read once from the source and checked against the manifest as it streams;
+    a mismatch (bit flip, truncation at the source) raises ``CorruptCheckpoint`` and
+    publishes nothing for that file, and the manifest is never written. Files already at the
+    destination and matching are skipped. ``StorageFull`` leaves no staging data behind.
+    ``progress(bytes_done)`` receives the cumulative bytes read (from several threads).
+    """
+    t0 = time.monotonic()
+    manifest_key = _key(dst_prefix, manifest.name)
+    marker = manifest.to_json()
+    counter = _Counter(progress)
+
+    def one(entry: FileEntry) -> int:
+        key = _key(dst_prefix, entry.path)
+        if _already_there(dst_store, key, entry):
+            counter.add(entry.size)
+            return -1
+        try:
+            with src_store.open_read(_key(src_prefix, entry.path)) as reader:
+                dst_store.put_verified(key, _CountingReader(reader, counter), entry.size, entry.checksum)
+        except NotFound:
+            raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpoint(str(exc), path=entry.path) from None
+        return entry.size
+
+    committed = dst_store.stat(manifest_key) is not None
+    if committed and _commits_other(dst_store, manifest_key, manifest):
+        raise ConflictError(f"{dst_store.url_for(manifest_key)} commits a different part; refusing to overwrite")
+    results = _run_all(one, list(manifest.files), parallelism)
+    if not committed:
+        dst_store.write_small_atomic(manifest_key, marker)
+    copied = [r for r in results if r >= 0]
+    return TransferReport(len(copied), sum(copied), time.monotonic() - t0, len(results) - len(copied))
+
+
+def _commits_other(store: TierStore, key: str, manifest: Manifest) -> bool:
+    """True when the committed manifest at ``key`` describes different content than ``manifest``."""
+    try:
+        other = Manifest.from_json(store.read_small(key))
+    except CorruptCheckpoint:
+        return True
+    return other.digest() != manifest.digest()
+
+
+def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, int, int, int]]:
+    """(run, step, part, parts) of every committed part under the tier (or ``prefix``),
+    found by the manifests' names; sorted by run, step, part."""
+    for info in store.list(prefix):
+        m = _MANIFEST_KEY.match(info.key)
+        if m:
+            part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
+            yield m["run"], int(m["step"]), part, parts
+
+
+def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1) -> Manifest:
+    """The committed manifest of (run, step, part) on ``store`` (``NotFound`` if none)."""
+    from ckpt.storage.base import checkpoint_prefix
+
+    return read_manifest(store, checkpoint_prefix(run, step), part, parts)
