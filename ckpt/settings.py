@@ -71,6 +71,8 @@ class Settings(BaseSettings):
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
     s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
     s3_max_concurrency: int = Field(default=8, ge=1, le=64)
+    task_retries: int = Field(default=4, ge=0, le=20, description="retries of a pipeline task on transient errors")
+    task_retry_delay_seconds: float = Field(default=2.0, ge=0, description="first retry delay; doubles, with jitter")
 
     milestones: MilestonePolicy = MilestonePolicy()
     retention_tier0: RetentionPolicy = RetentionPolicy(keep_last=3)
