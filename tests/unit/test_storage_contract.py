@@ -1,0 +1,202 @@
+"""One contract suite for every tier backend: a local folder, fsspec ``memory://`` and S3 on
+moto's real HTTP server. Corruption is always made by hand (moto never rejects a checksum)."""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+
+import pytest
+
+from ckpt import checksum
+from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
+from ckpt.storage import open_store
+from ckpt.storage.fs import FsspecStore, LocalStore, is_staging
+from ckpt.storage.s3 import S3Store
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, s3_bucket):
+    s = S3Store(f"s3://{s3_bucket}/root", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
+                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        yield LocalStore(tmp_path / "tier", tier=1)
+    elif request.param == "memory":
+        s = FsspecStore(f"memory://t-{uuid.uuid4().hex[:8]}/root", tier=1)
+        yield s
+        if s.fs.exists(s.root):
+            s.fs.rm(s.root, recursive=True)
+    else:
+        yield request.getfixturevalue("s3_store")
+
+
+def corrupt(store, key: str, data: bytes) -> None:
+    """Replace the stored bytes of ``key`` behind the store's back."""
+    if isinstance(store, LocalStore):
+        store.path(key).write_bytes(data)
+    elif isinstance(store, FsspecStore):
+        store.fs.pipe(store._p(key), data)
+    else:
+        store.client.put_object(Bucket=store.bucket, Key=store._k(key), Body=data)
+
+
+def put(store, key: str, data: bytes):
+    return store.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
+
+
+def read(store, key: str) -> bytes:
+    with store.open_read(key) as fh:
+        return fh.read()
+
+
+def all_names(store) -> list[str]:
+    return [o.key for o in store.list("")]
+
+
+@pytest.mark.parametrize("size", [0, 1000, 11 * MiB + 3])  # 11 MiB: a 3-part multipart on S3
+def test_round_trip(store, size):
+    data = os.urandom(size)
+    info = put(store, "run/step-00000001/shard.bin", data)
+    assert info.size == size
+    assert store.stat("run/step-00000001/shard.bin").size == size
+    assert read(store, "run/step-00000001/shard.bin") == data
+    store.verify_object("run/step-00000001/shard.bin", size, checksum.hash_bytes(data))
+    assert all_names(store) == ["run/step-00000001/shard.bin"]
+
+
+def test_s3_multipart_stores_full_object_crc32c(s3_store):
+    store = s3_store
+    data = os.urandom(11 * MiB)
+    put(store, "a/big", data)
+    head = store.client.head_object(Bucket=store.bucket, Key=store._k("a/big"), ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == checksum.hex_to_s3(checksum.hash_bytes(data))
+    assert head["ChecksumType"] == "FULL_OBJECT"
+    assert head["ETag"].strip('"').endswith("-3")
+
+
+@pytest.mark.parametrize("size", [1000, 11 * MiB])
+def test_put_verified_mismatch_publishes_nothing(store, size):
+    data = bytearray(os.urandom(size))
+    expected = checksum.hash_bytes(bytes(data))
+    data[size // 2] ^= 0x01  # one flipped bit between the manifest and the bytes
+    with pytest.raises(CorruptCheckpoint):
+        store.put_verified("r/s/x.bin", io.BytesIO(bytes(data)), size, expected)
+    assert store.stat("r/s/x.bin") is None
+    assert all_names(store) == []
+    if isinstance(store, LocalStore):
+        assert not any(os.scandir(store.path("r/s")))  # no staging file left behind
+    if isinstance(store, S3Store):
+        assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")
+
+
+def test_put_verified_short_reader_publishes_nothing(store):
+    data = os.urandom(4000)
+    with pytest.raises(CorruptCheckpoint):
+        store.put_verified("r/s/x.bin", io.BytesIO(data[:3000]), len(data), checksum.hash_bytes(data))
+    assert store.stat("r/s/x.bin") is None
+
+
+def test_different_bytes_at_existing_key_conflict(store):
+    put(store, "r/s/x.bin", b"first version")
+    with pytest.raises(ConflictError):
+        put(store, "r/s/x.bin", b"second version")
+    assert read(store, "r/s/x.bin") == b"first version"
+
+
+def test_same_bytes_again_is_a_noop(store):
+    put(store, "r/s/x.bin", b"same bytes")
+    put(store, "r/s/x.bin", b"same bytes")
+    assert all_names(store) == ["r/s/x.bin"]
+    assert read(store, "r/s/x.bin") == b"same bytes"
+
+
+def test_verify_object_detects_corrupted_stored_bytes(store):
+    data = os.urandom(5000)
+    put(store, "r/s/x.bin", data)
+    bad = bytearray(data)
+    bad[17] ^= 0x80
+    corrupt(store, "r/s/x.bin", bytes(bad))
+    with pytest.raises(CorruptCheckpoint):
+        store.verify_object("r/s/x.bin", len(data), checksum.hash_bytes(data))
+    corrupt(store, "r/s/x.bin", data[:-1])
+    with pytest.raises(CorruptCheckpoint):
+        store.verify_object("r/s/x.bin", len(data), checksum.hash_bytes(data))
+
+
+def test_missing_object(store):
+    assert store.stat("r/s/none") is None
+    with pytest.raises(NotFound):
+        store.verify_object("r/s/none", 1, "00000000")
+    with pytest.raises(NotFound):
+        read(store, "r/s/none")
+
+
+@pytest.mark.parametrize("key", ["../x", "/etc/passwd", "a/../../b", "a//b", "a/./b", "a\\..\\b"])
+def test_path_escape_rejected(store, key):
+    with pytest.raises(PathEscape):
+        put(store, key, b"x")
+    with pytest.raises(PathEscape):
+        store.stat(key)
+    with pytest.raises(PathEscape):
+        read(store, key)
+
+
+def test_symlink_out_of_local_root_rejected(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    store = LocalStore(tmp_path / "tier", tier=1)
+    (tmp_path / "tier").mkdir()
+    os.symlink(outside, tmp_path / "tier" / "run")
+    with pytest.raises(PathEscape):
+        read(store, "run/secret")
+    with pytest.raises(PathEscape):
+        put(store, "run/new", b"x")
+    assert not (outside / "new").exists()
+    assert all_names(store) == []  # listing does not follow the link out
+
+
+def test_list_and_delete_prefix(store):
+    for k in ["a/1", "a/sub/2", "ab/3", "b/4"]:
+        put(store, k, k.encode())
+    assert [o.key for o in store.list("a")] == ["a/1", "a/sub/2"]  # not "ab/3"
+    assert [o.size for o in store.list("a")] == [3, 7]
+    assert store.delete_prefix("a") == 2
+    assert store.list("a") == []
+    assert all_names(store) == ["ab/3", "b/4"]
+    assert store.delete_prefix("a") == 0
+    with pytest.raises(BadInput):
+        store.delete_prefix("")
+    assert all_names(store) == ["ab/3", "b/4"]
+
+
+def test_write_small_atomic_and_read_small(store):
+    store.write_small_atomic("r/s/manifest.json", b'{"a": 1}')
+    store.write_small_atomic("r/s/manifest.json", b'{"a": 1}')  # same bytes: fine
+    with pytest.raises(ConflictError):
+        store.write_small_atomic("r/s/manifest.json", b'{"a": 2}')
+    assert store.read_small("r/s/manifest.json") == b'{"a": 1}'
+    store.write_small_atomic("r/s/manifest.json", b'{"a": 2}', overwrite=True)
+    assert store.read_small("r/s/manifest.json") == b'{"a": 2}'
+    with pytest.raises(CorruptCheckpoint):
+        store.read_small("r/s/manifest.json", limit=4)
+    assert not any(is_staging(k.rsplit("/", 1)[-1]) for k in all_names(store))
+
+
+def test_open_store_picks_the_backend(tmp_path, settings_factory, s3_endpoint):
+    s = settings_factory(s3_endpoint_url=s3_endpoint, s3_multipart_chunksize=8 * MiB)
+    assert isinstance(open_store(str(tmp_path), 0, s), LocalStore)
+    assert isinstance(open_store(f"file://{tmp_path}", 1, s), LocalStore)
+    assert isinstance(open_store("memory://x/y", 1, s), FsspecStore)
+    s3 = open_store("s3://bkt/prefix", 2, s)
+    assert isinstance(s3, S3Store) and s3.chunk_bytes == 8 * MiB and s3.prefix == "prefix"
+    assert s3.url_for("r/step-00000001/x") == "s3://bkt/prefix/r/step-00000001/x"
