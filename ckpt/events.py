@@ -47,25 +47,67 @@ def resource(run: str, step: int, part: int = 0, parts: int = 1, node: str = "",
     return res
 
 
+def event_payload(run: str, step: int, part: int, parts: int, node: str,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The payload every checkpoint event carries (trigger templates read these keys)."""
+    body: dict[str, Any] = {"run": run, "step": step, "part": part, "parts": parts, "node": node}
+    body.update(extra or {})
+    return body
+
+
+def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
+                payload: dict[str, Any] | None = None, extra_id: str = "") -> dict[str, Any]:
+    """The event as JSON, exactly what ``POST {PREFECT_API_URL}/events`` takes (a list of these):
+    a job without Prefect installed can announce a checkpoint with one HTTP call."""
+    from datetime import datetime, timezone
+
+    return {
+        "id": str(event_id(name, run, step, part, extra_id)),
+        "occurred": datetime.now(timezone.utc).isoformat(),
+        "event": name,
+        "resource": resource(run, step, part, parts, node),
+        "related": [],
+        "payload": event_payload(run, step, part, parts, node, payload),
+    }
+
+
+def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5.0) -> None:
+    """Deliver events over Prefect's HTTP events endpoint; raises unless the server took them
+    (204). Unlike the websocket worker behind ``emit_event``, the caller knows it arrived."""
+    import httpx
+
+    r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout)
+    if r.status_code != 204:
+        raise ConnectionError(f"Prefect events endpoint answered {r.status_code}: {r.text[:200]}")
+
+
 def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
          payload: dict[str, Any] | None = None, extra_id: str = "", retries: int = 3,
-         backoff: float = 0.5) -> bool:
+         backoff: float = 0.5, api_url: str | None = None) -> bool:
     """Emit a Prefect event with a deterministic id. Never raises: returns False when the
-    event could not be delivered (the reconcile flow catches what events miss)."""
-    from prefect.events import emit_event
+    event could not be delivered (the reconcile flow catches what events miss).
 
-    body = {"run": run, "step": step, "part": part, "parts": parts, "node": node}
-    body.update(payload or {})
+    With ``api_url`` the event is POSTed to that Prefect API and True means the server
+    accepted it (the training client uses this: confirmed, no Prefect import). Without it,
+    Prefect's ``emit_event`` queues it to the configured server, linked to the current flow run.
+    """
     for attempt in range(retries):
         try:
+            if api_url:
+                post_events(api_url, [build_event(name, run, step, part=part, parts=parts, node=node,
+                                                  payload=payload, extra_id=extra_id)])
+                return True
+            from prefect.events import emit_event
+
             ev = emit_event(
                 event=name,
                 resource=resource(run, step, part, parts, node),
-                payload=body,
+                payload=event_payload(run, step, part, parts, node, payload),
                 id=event_id(name, run, step, part, extra_id),
             )
             return ev is not None
         except Exception as exc:  # noqa: BLE001 - emission must never break training
             log.warning("emit %s for %s/%s failed (attempt %d): %s", name, run, step, attempt + 1, exc)
-            time.sleep(backoff * (2**attempt))
+            if attempt + 1 < retries:
+                time.sleep(backoff * (2**attempt))
     return False

@@ -1,0 +1,395 @@
+"""The training-side client: commit a checkpoint on Tier 0, announce it, get back to training.
+
+``CheckpointStager(run).save(step, tensors)`` writes safetensors shards into a staging folder
+on Tier 0 (CRC32C computed over the bytes as they are written), writes the manifest last,
+renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
+that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
+background thread (retried; a failure is logged, never raised into training, and the
+scheduled reconcile flow promotes what an event missed); Tier 1 and Tier 2 are the promote
+flow's business.
+
+The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and
+recorded in the manifest (``writer_stall_seconds``), so the catalog can report each run's
+real ΔMFU (see ``ckpt.sizing``). With ``background=True`` the stall is only the copy of the
+tensors to host memory; the shards are written by a writer thread, in order.
+
+Multi-node jobs: each node creates its stager with its ``part`` and ``parts`` (and its node
+label, default ``settings.node``); a part's files live under ``part-0000p/`` so that every
+part can sit in one checkpoint folder on Tier 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ckpt import events
+from ckpt.errors import BadInput, ConflictError
+from ckpt.manifest import FileEntry, Manifest, ParentRef, checkpoint_dirname, utcnow_iso
+from ckpt.paths import safe_run_name
+from ckpt.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A part committed on Tier 0."""
+
+    run: str
+    step: int
+    part: int
+    parts: int
+    path: Path  # the checkpoint folder on Tier 0
+    manifest: Manifest
+    stall_seconds: float
+
+
+@dataclass
+class PendingSave:
+    """A background save: ``stall_seconds`` is what training waited (the snapshot);
+    ``result()`` waits for the commit on Tier 0 and raises its error, if any."""
+
+    step: int
+    stall_seconds: float
+    future: Future = field(repr=False)
+
+    def result(self, timeout: float | None = None) -> SavedCheckpoint:
+        return self.future.result(timeout)
+
+
+def tier0_root(settings: Settings) -> Path:
+    """Tier 0 must be a local folder: the training process writes it directly."""
+    url = settings.tier0_url or ""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" in url:
+        raise BadInput(f"Tier 0 must be a local folder, got {settings.tier0_url!r}")
+    return Path(url).expanduser().absolute()
+
+
+def checkpoint_kind(step: int, *, milestone: bool, epoch_end: bool, settings: Settings) -> str:
+    """``milestone`` when tagged (and the policy honours tags) or on the every-K-steps rule;
+    ``epoch`` at an epoch end; else ``step``. The promote flow archives milestones (and epoch
+    ends when the policy says so)."""
+    policy = settings.milestones
+    if (milestone and policy.tagged) or (policy.every_steps and step % policy.every_steps == 0):
+        return "milestone"
+    return "epoch" if epoch_end else "step"
+
+
+class CheckpointStager:
+    """Commit checkpoints of one run (one part of it) on Tier 0 and announce them.
+
+    Use as a context manager, or call ``close()`` at the end: it waits for background writes
+    and gives pending events a few seconds to leave.
+    """
+
+    def __init__(self, run: str, *, settings: Settings | None = None,
+                 resumed_from: tuple[str, int] | None = None,
+                 fine_tuned_from: tuple[str, int] | None = None,
+                 part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
+                 background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 fsync: bool = True, announce: bool = True):
+        if resumed_from and fine_tuned_from:
+            raise BadInput("give resumed_from or fine_tuned_from, not both")
+        if not 0 <= part < parts:
+            raise BadInput(f"invalid part {part} of {parts}")
+        self.run = safe_run_name(run)
+        self.settings = settings or load_settings()
+        self.part, self.parts = part, parts
+        self.node = node or self.settings.node
+        self.root = tier0_root(self.settings)
+        self.shard_bytes = shard_bytes
+        self.fsync = fsync
+        self.background = background
+        origin = resumed_from or fine_tuned_from
+        relation = "resumed_from" if resumed_from else "fine_tuned_from"
+        self._origin = ParentRef(origin[0], int(origin[1]), relation) if origin else None
+        self._first_save = True
+        self._announcer = _Announcer(self.settings, enabled=announce)
+        self._announcer.submit(("register", run, project, origin, relation))
+        self._writer = _Writer() if background else None
+
+    # --- the training loop's calls -------------------------------------------------------
+    def save(self, step: int, tensors_or_folder: Mapping[str, object] | str | os.PathLike, *,
+             metrics: Mapping[str, float] | None = None, milestone: bool = False,
+             epoch_end: bool = False, parent: tuple[str, int] | None = None) -> SavedCheckpoint | PendingSave:
+        """Commit ``step`` on Tier 0: a dict of arrays (written as safetensors shards) or the
+        path of a folder a framework already wrote (DCP, HF), which is adopted by rename.
+        Returns once the part is committed locally (background mode: once it is snapshotted)."""
+        from ckpt import safetensors_writer as stw
+
+        t0 = time.perf_counter()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise BadInput(f"step must be a non-negative int, got {step!r}")
+        parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else None
+        if parent_ref is None and self._first_save:
+            parent_ref = self._origin  # the run's origin travels with its first checkpoint
+        self._first_save = False
+        meta = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
+                    kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end, settings=self.settings))
+        if isinstance(tensors_or_folder, (str, os.PathLike)):
+            self._raise_background_error()
+            return self._commit(Path(tensors_or_folder), None, t0, **meta)
+        if self._writer is None:
+            arrays = {k: stw.as_host_array(v) for k, v in tensors_or_folder.items()}
+            return self._commit(None, arrays, t0, **meta)
+        self._raise_background_error()
+        arrays = stw.snapshot(tensors_or_folder)
+        stall = time.perf_counter() - t0
+        fut = self._writer.submit(lambda: self._commit(None, arrays, None, stall=stall, **meta))
+        return PendingSave(step, stall, fut)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every background write; raise the first error one of them hit."""
+        if self._writer:
+            self._writer.drain(timeout)
+            self._raise_background_error()
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self.wait(timeout)
+        finally:
+            if self._writer:
+                self._writer.stop()
+            self._announcer.close(timeout=min(timeout, 10.0))
+
+    def __enter__(self) -> "CheckpointStager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the commit -------------------------------------------------------------------------
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.root / self.run / checkpoint_dirname(step)
+
+    def _raise_background_error(self) -> None:
+        if self._writer and self._writer.error is not None:
+            err, self._writer.error = self._writer.error, None
+            raise err
+
+    def _commit(self, folder: Path | None, arrays, t0: float | None, *, step: int,
+                stall: float | None = None, **meta) -> SavedCheckpoint:
+        from ckpt import safetensors_writer as stw
+        from ckpt.storage.fs import fsync_dir, staging_name
+
+        final = self.checkpoint_dir(step)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f"part-{self.part:05d}/" if self.parts > 1 else ""
+        if arrays is None:
+            folder = folder.expanduser().absolute()
+            manifest = self._manifest(folder, None, t0, stall, step=step, **meta)
+            if folder != final:
+                publish_folder(folder, final, manifest)
+        else:
+            staging = final.parent / staging_name(final.name)
+            try:
+                written = stw.write_sharded(staging, arrays, shard_bytes=self.shard_bytes, prefix=prefix,
+                                            buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync)
+                files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
+                manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
+                publish_folder(staging, final, manifest)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
+        if self.fsync:
+            fsync_dir(final.parent)
+        self._announcer.submit(("emit", manifest))
+        return SavedCheckpoint(self.run, step, self.part, self.parts, final, manifest, manifest.writer_stall_seconds)
+
+    def _manifest(self, folder: Path, files, t0: float | None, stall: float | None, *, step: int,
+                  metrics, parent, kind: str) -> Manifest:
+        """Commit the part's manifest inside ``folder``. ``files`` None: an adopted folder,
+        described (hashed) and validated by its format here."""
+        from ckpt.formats import detect_format
+        from ckpt.manifest_build import build_manifest, write_manifest
+
+        common = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics, parent=parent)
+        if files is None:
+            manifest = build_manifest(folder, self.run, step, parallelism=self.settings.copy_parallelism,
+                                      buffer_bytes=self.settings.io_buffer_bytes, **common)
+        else:
+            manifest = Manifest(run=self.run, step=step, files=files, format=detect_format([f.path for f in files]),
+                                created_at=utcnow_iso(), **common)
+        if stall is None:
+            stall = time.perf_counter() - t0  # the manifest write and rename that follow are ~ms
+        manifest = replace(manifest, writer_stall_seconds=round(stall, 6))
+        manifest.validate()
+        write_manifest(folder, manifest)
+        return manifest
+
+
+# --- publishing ------------------------------------------------------------------------------
+def publish_folder(staging: Path, final: Path, manifest: Manifest) -> None:
+    """Move a committed part into ``final``: one rename when ``final`` is new; else file by
+    file (another part, or the same part saved again), manifest last. The same bytes again
+    are a no-op; different bytes for an existing file raise ``ConflictError``."""
+    from ckpt import checksum
+
+    try:
+        os.rename(staging, final)
+        return
+    except OSError:
+        if not final.is_dir():
+            raise
+    for f in manifest.files:
+        src, dst = staging / f.path, final / f.path
+        if dst.exists():
+            if checksum.hash_file(dst) != (f.size, f.checksum):
+                raise ConflictError(f"{final}/{f.path} exists with different bytes; not overwritten")
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, dst)
+    mdst = final / manifest.name
+    if not mdst.exists():
+        os.replace(staging / manifest.name, mdst)
+    elif Manifest.from_json(mdst.read_bytes()).digest() != manifest.digest():
+        raise ConflictError(f"{mdst} exists for a different checkpoint; not overwritten")
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+# --- background threads -------------------------------------------------------------------------
+class _Writer:
+    """One thread that commits snapshotted checkpoints in order."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
+        self._t.start()
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                self._q.task_done()
+                return
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait()/result()
+                log.error("background checkpoint write failed: %s", exc)
+                self.error = self.error or exc
+                fut.set_exception(exc)
+            finally:
+                self._q.task_done()
+
+    def drain(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._q.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("background checkpoint writes still running")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=5)
+
+
+class _Announcer:
+    """Registers the run and emits events off the training thread (importing Prefect and
+    reaching the catalog cost seconds the training loop must not wait for). Failures are
+    logged and dropped: reconcile finds what was never announced."""
+
+    def __init__(self, settings: Settings, *, enabled: bool) -> None:
+        self.settings = settings
+        self.enabled = enabled
+        self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._loop, name="ckpt-announcer", daemon=True)
+        if enabled:
+            self._t.start()
+
+    def submit(self, job) -> None:
+        if self.enabled:
+            self._q.put(job)
+
+    def _loop(self) -> None:
+        while (job := self._q.get()) is not None:
+            try:
+                if job[0] == "register":
+                    register_run(self.settings, *job[1:])
+                else:
+                    m: Manifest = job[1]
+                    url = prefect_api_url(self.settings)
+                    ok = emit_completed(m, api_url=url) if url else False
+                    if not url:
+                        log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
+                    self.delivered.append((m.run, m.step, m.part, ok))
+            except Exception as exc:  # noqa: BLE001 - never into training
+                log.warning("announcing %s failed: %s", job[0], exc)
+            finally:
+                self._q.task_done()
+        self._q.task_done()
+
+    def close(self, timeout: float) -> None:
+        if not self.enabled:
+            return
+        self._q.put(None)
+        self._t.join(timeout)
+        if self._t.is_alive():
+            log.warning("checkpoint events still pending after %.0fs; reconcile will catch them", timeout)
+
+
+def register_run(settings: Settings, run: str, project: str | None, origin: tuple[str, int] | None,
+                 relation: str) -> bool:
+    """``ensure_run`` with the run's origin, when the catalog is reachable (else False)."""
+    try:
+        from db.catalog import Catalog
+
+        cat = Catalog(settings.catalog_url)
+        try:
+            cat.ensure_run(run, project=project, parent=tuple(origin) if origin else None,
+                           parent_relation=relation, actor=f"client:{settings.node}")
+        finally:
+            cat.close()
+        return True
+    except Exception as exc:  # noqa: BLE001 - the promote flow registers what we could not
+        log.warning("catalog not reachable to register run %s: %s", run, exc)
+        return False
+
+
+def completed_payload(m: Manifest) -> dict[str, object]:
+    """What the promote trigger templates read (run, step, part, parts, node are added by
+    ``events.emit``) and what the UI's event feed shows."""
+    return {"kind": m.kind, "format": m.format, "bytes": m.total_bytes, "files": len(m.files),
+            "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds}
+
+
+def prefect_api_url(settings: Settings) -> str | None:
+    """Where events go: ``settings.prefect_api_url``, else ``PREFECT_API_URL`` (environment,
+    then Prefect's profile). None when nothing is configured: then no event is sent (an
+    ephemeral Prefect server in a training process would be no one's server)."""
+    url = settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
+    if url:
+        return url
+    try:
+        from prefect.settings import PREFECT_API_URL
+
+        return PREFECT_API_URL.value() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
+    """Emit ``ckpt.checkpoint.completed`` for a committed part (deterministic id: the same
+    run, step and part give the same id, so a repeat collapses into one event). True when
+    the server accepted it."""
+    return events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
+                       payload=completed_payload(m), api_url=api_url)

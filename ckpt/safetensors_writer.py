@@ -1,0 +1,141 @@
+"""Write tensors as safetensors shards, computing CRC32C over the bytes as they are written.
+
+One pass over the data: each tensor's bytes go to the file in ``buffer_bytes`` slices and
+the same slices feed the checksum, so the manifest needs no second read of the shard. The
+format (8-byte little-endian header length, JSON header padded to 8 bytes, raw little-endian
+tensor bytes) is written here rather than through ``safetensors.numpy.save_file`` because
+that function builds the whole file in memory first.
+
+Accepted tensors: numpy arrays, anything with ``__array__``, and torch tensors (moved to CPU;
+bfloat16 written as ``BF16``) without importing torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from ckpt import checksum
+from ckpt.errors import BadInput
+
+_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
+    "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
+    "int64": "I64", "uint64": "U64", "float64": "F64", "bfloat16": "BF16",
+}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    path: str  # relative to the folder written into
+    size: int
+    checksum: str  # crc32c hex
+
+
+def as_host_array(t) -> tuple[np.ndarray, str]:
+    """A C-contiguous little-endian numpy view (or copy) of ``t`` and its safetensors dtype."""
+    if hasattr(t, "detach") and hasattr(t, "cpu"):  # torch.Tensor, without importing torch
+        t = t.detach().cpu().contiguous()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch
+
+            return np.asarray(t.view(torch.int16).numpy()), "BF16"
+        t = t.numpy()
+    a = np.ascontiguousarray(np.asarray(t))
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    st = _DTYPES.get(a.dtype.name)
+    if st is None:
+        raise BadInput(f"cannot write dtype {a.dtype} as safetensors")
+    return a, st
+
+
+def snapshot(tensors: Mapping[str, object]) -> dict[str, tuple[np.ndarray, str]]:
+    """A private host-memory copy of every tensor: training may change its own right after."""
+    out = {}
+    for name, t in tensors.items():
+        a, st = as_host_array(t)
+        out[name] = (a.copy(), st)
+    return out
+
+
+def plan_shards(arrays: Mapping[str, tuple[np.ndarray, str]], shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into shards of at most ``shard_bytes`` (a bigger tensor: alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in arrays:  # insertion order: deterministic file contents for the same input
+        n = arrays[name][0].nbytes
+        if shards[-1] and used + n > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    return [s for s in shards if s] or [[]]
+
+
+def _header(names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]]) -> bytes:
+    meta: dict[str, object] = {"__metadata__": {"format": "np"}}
+    offset = 0
+    for name in names:
+        a, st = arrays[name]
+        meta[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]], *,
+                buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, fsync: bool = True) -> tuple[int, str]:
+    """Write one safetensors file; return (size, crc32c hex) of exactly the bytes written."""
+    crc, size = 0, 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        def put(view: memoryview) -> None:
+            nonlocal crc, size
+            while view:
+                n = os.write(fd, view)
+                crc = checksum.update(crc, view[:n])
+                size += n
+                view = view[n:]
+
+        put(memoryview(_header(names, arrays)))
+        for name in names:
+            data = memoryview(arrays[name][0]).cast("B")
+            for start in range(0, len(data), buffer_bytes):
+                put(data[start:start + buffer_bytes])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, checksum.to_hex(crc)
+
+
+def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarray, str]], *,
+                  shard_bytes: int, prefix: str = "", buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+                  fsync: bool = True) -> list[WrittenFile]:
+    """Hugging Face sharded layout under ``folder/prefix``: ``model-0000i-of-0000n.safetensors``
+    plus ``model.safetensors.index.json`` (its ``weight_map`` names every shard)."""
+    groups = plan_shards(arrays, shard_bytes)
+    base = os.path.join(folder, prefix) if prefix else os.fspath(folder)
+    os.makedirs(base, exist_ok=True)
+    written, weight_map, total = [], {}, 0
+    for i, names in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        size, crc = write_shard(os.path.join(base, fname), names, arrays, buffer_bytes=buffer_bytes, fsync=fsync)
+        written.append(WrittenFile(f"{prefix}{fname}", size, crc))
+        weight_map.update({n: fname for n in names})
+        total += sum(arrays[n][0].nbytes for n in names)
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
+    with open(os.path.join(base, INDEX_NAME), "xb") as fh:
+        fh.write(index)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    written.append(WrittenFile(f"{prefix}{INDEX_NAME}", len(index), checksum.hash_bytes(index)))
+    return written
