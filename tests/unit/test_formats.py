@@ -1,0 +1,252 @@
+"""Format detection and validation: real safetensors files (written by the safetensors
+library), HF sharded indexes, DCP folders, and hostile headers that must end in a clear
+``CorruptCheckpoint``, never a crash, a hang or a huge allocation."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+import struct
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save, save_file
+
+from ckpt import formats
+from ckpt.errors import CorruptCheckpoint
+
+
+def mem_opener(files: dict[str, bytes]):
+    @contextmanager
+    def opener(rel):
+        yield io.BytesIO(files[rel])
+
+    return opener
+
+
+def check(files: dict[str, bytes], fmt: str | None = None, complete: bool = True) -> str:
+    fmt = fmt or formats.detect_format(list(files))
+    formats.validate(fmt, {k: len(v) for k, v in files.items()}, mem_opener(files), complete=complete)
+    return fmt
+
+
+def st_bytes(header: dict | bytes, data: bytes = b"", pad_len: int | None = None) -> bytes:
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(h) if pad_len is None else pad_len
+    return struct.pack("<Q", n) + h + data
+
+
+GOOD = save({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, dtype=np.int64)},
+            metadata={"format": "pt"})
+
+
+def test_real_safetensors_file_is_valid():
+    assert check({"model.safetensors": GOOD}) == "safetensors"
+    assert formats.validate_safetensors(io.BytesIO(GOOD), len(GOOD), "m") == 2
+
+
+def test_bf16_and_empty_tensors_are_valid():
+    hdr = {"a": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
+           "e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [8, 8]}}
+    check({"x.safetensors": st_bytes(hdr, b"\0" * 8)})
+
+
+def test_detect_format():
+    assert formats.detect_format(["model.safetensors"]) == "safetensors"
+    assert formats.detect_format(["model.safetensors.index.json", "a.safetensors", "b.safetensors"]) == "hf-sharded"
+    assert formats.detect_format([".metadata", "__0_0.distcp"]) == "dcp"
+    assert formats.detect_format(["a.safetensors", "b.safetensors"]) == "folder"
+    assert formats.detect_format(["optimizer.pt", "config.json"]) == "folder"
+
+
+HOSTILE = {
+    "length beyond any bound": struct.pack("<Q", 2**63) + b"{}",
+    "length beyond the file": struct.pack("<Q", 90 * 1024 * 1024) + b"{}",
+    "shorter than the length prefix": b"\x01\x02",
+    "not utf-8": st_bytes(b"\xff\xfe{}"),
+    "not json": st_bytes(b"{not json"),
+    "json array": st_bytes(b"[1, 2]"),
+    "deeply nested": st_bytes(b"[" * 200_000 + b"]" * 200_000),
+    "unknown dtype": st_bytes({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16),
+    "negative dim": st_bytes({"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}),
+    "float dim": st_bytes({"a": {"dtype": "U8", "shape": [1.0], "data_offsets": [0, 1]}}, b"\0"),
+    "bool offsets": st_bytes({"a": {"dtype": "U8", "shape": [1], "data_offsets": [False, True]}}, b"\0"),
+    "offset past the end": st_bytes({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 2),
+    "begin after end": st_bytes({"a": {"dtype": "U8", "shape": [0], "data_offsets": [2, 1]}}, b"\0" * 2),
+    "span != dtype x shape": st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "absurd shape": st_bytes({"a": {"dtype": "U8", "shape": [2**62, 2**62, 2**62], "data_offsets": [0, 1]}}, b"\0"),
+    "overlap": st_bytes({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                         "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6),
+    "gap": st_bytes({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                     "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}}, b"\0" * 6),
+    "trailing bytes": st_bytes({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 5),
+    "entry not an object": st_bytes({"a": [1, 2, 3]}),
+    "metadata not str": st_bytes({"__metadata__": {"k": 1}}),
+    "offsets wrong length": st_bytes({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 1, 2]}}, b"\0" * 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_header_is_a_clear_corrupt_verdict(name):
+    with pytest.raises(CorruptCheckpoint) as exc:
+        check({"model.safetensors": HOSTILE[name]})
+    assert exc.value.path == "model.safetensors"
+    assert "model.safetensors" in str(exc.value)
+
+
+def test_oversized_header_length_reads_nothing_big():
+    """A length prefix of 90 MB in a small file fails before any allocation or read."""
+    reads = []
+
+    class Spy(io.BytesIO):
+        def read(self, n=-1):
+            reads.append(n)
+            return super().read(n)
+
+    with pytest.raises(CorruptCheckpoint, match="exceeds the file size"):
+        formats.validate_safetensors(Spy(HOSTILE["length beyond the file"]), 10, "m")
+    assert reads == [8]
+
+
+def test_fuzz_random_and_mutated_headers_never_crash():
+    rng = random.Random(1234)
+    samples = [GOOD, HOSTILE["gap"], HOSTILE["overlap"]]
+    outcomes = {"ok": 0, "corrupt": 0}
+    for i in range(1500):
+        base = bytearray(rng.choice(samples))
+        kind = i % 3
+        if kind == 0:  # flip random bytes anywhere, header included
+            for _ in range(rng.randint(1, 4)):
+                base[rng.randrange(len(base))] = rng.randrange(256)
+        elif kind == 1:  # random header bytes under a plausible length prefix
+            body = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+            base = bytearray(struct.pack("<Q", len(body)) + body)
+        else:  # random JSON-ish tokens
+            toks = ['{', '}', '[', ']', '"a"', ':', ',', '0', '-1', '1e400', '"F32"', '"dtype"',
+                    '"shape"', '"data_offsets"', 'null', 'true', '18446744073709551615']
+            body = "".join(rng.choice(toks) for _ in range(rng.randint(1, 40))).encode()
+            base = bytearray(struct.pack("<Q", len(body)) + body + bytes(rng.randint(0, 8)))
+        try:
+            formats.validate_safetensors(io.BytesIO(bytes(base)), len(base), "fuzz.safetensors")
+            outcomes["ok"] += 1
+        except CorruptCheckpoint as exc:
+            assert exc.path == "fuzz.safetensors"
+            outcomes["corrupt"] += 1
+    assert outcomes["corrupt"] > 1000  # almost every mutation is caught
+
+
+def hf_folder(tmp_path: Path, shards: int = 3) -> dict[str, bytes]:
+    files, wm = {}, {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        files[name] = save({f"layer{i}.w": np.full((4, 4), i, dtype=np.float16)})
+        wm[f"layer{i}.w"] = name
+    files[formats.HF_INDEX] = json.dumps({"metadata": {"total_size": 96}, "weight_map": wm}).encode()
+    return files
+
+
+def test_hf_sharded_valid(tmp_path):
+    assert check(hf_folder(tmp_path)) == "hf-sharded"
+
+
+def test_hf_sharded_missing_shard(tmp_path):
+    files = hf_folder(tmp_path)
+    del files["model-00002-of-00003.safetensors"]
+    with pytest.raises(CorruptCheckpoint, match="missing shard") as exc:
+        check(files)
+    assert exc.value.path == "model-00002-of-00003.safetensors"
+    check(files, "hf-sharded", complete=False)  # one part of many: others hold the shard
+
+
+def test_hf_sharded_bad_index_and_bad_shard(tmp_path):
+    files = hf_folder(tmp_path)
+    with pytest.raises(CorruptCheckpoint, match="weight_map"):
+        check({**files, formats.HF_INDEX: b'{"weight_map": [1]}'})
+    with pytest.raises(CorruptCheckpoint, match="not valid JSON"):
+        check({**files, formats.HF_INDEX: b"{{"})
+    with pytest.raises(CorruptCheckpoint) as exc:
+        check({**files, "model-00001-of-00003.safetensors": HOSTILE["gap"]})
+    assert exc.value.path == "model-00001-of-00003.safetensors"
+
+
+def test_hf_index_missing(tmp_path):
+    files = hf_folder(tmp_path)
+    del files[formats.HF_INDEX]
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        check(files, "hf-sharded")
+
+
+# A stand-in for torch.distributed.checkpoint's metadata classes: the pickle has the same
+# shape (objects holding relative_path strings); validation must find them without unpickling.
+@dataclass
+class _StorageInfo:
+    relative_path: str
+    offset: int
+    length: int
+
+
+@dataclass
+class _Metadata:
+    state_dict_metadata: dict
+    storage_data: dict
+
+
+def dcp_files(ranks: int = 2) -> dict[str, bytes]:
+    storage = {("w", r): _StorageInfo(f"__{r}_0.distcp", 0, 64) for r in range(ranks)}
+    files = {".metadata": pickle.dumps(_Metadata({"w": [ranks, 8]}, storage))}
+    for r in range(ranks):
+        files[f"__{r}_0.distcp"] = bytes(64)
+    return files
+
+
+def test_dcp_valid():
+    assert check(dcp_files()) == "dcp"
+    assert formats.dcp_referenced_files(dcp_files()[".metadata"], ".metadata") == {"__0_0.distcp", "__1_0.distcp"}
+
+
+def test_dcp_missing_or_empty_data_file():
+    files = dcp_files()
+    del files["__1_0.distcp"]
+    with pytest.raises(CorruptCheckpoint, match="missing data file") as exc:
+        check(files, "dcp")
+    assert exc.value.path == "__1_0.distcp"
+    files = dcp_files()
+    files["__0_0.distcp"] = b""
+    with pytest.raises(CorruptCheckpoint, match="empty"):
+        check(files, "dcp")
+
+
+def test_dcp_missing_or_garbage_metadata():
+    files = dcp_files()
+    del files[".metadata"]
+    with pytest.raises(CorruptCheckpoint, match=".metadata is missing"):
+        check(files, "dcp")
+    with pytest.raises(CorruptCheckpoint, match="pickle"):
+        check({**dcp_files(), ".metadata": b"\x80\x05garbage"}, "dcp")
+
+
+def test_dcp_metadata_is_never_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, (f"touch {marker}",))
+
+    files = {".metadata": pickle.dumps(Evil()), "__0_0.distcp": b"x"}
+    check(files, "dcp")  # no .distcp names inside: only presence is checked
+    assert not marker.exists()
+
+
+def test_local_folder_round_trip(tmp_path):
+    save_file({"a": np.zeros(4, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    from ckpt.manifest_build import list_checkpoint_files, local_opener
+
+    sizes = list_checkpoint_files(tmp_path)
+    formats.validate("safetensors", sizes, local_opener(tmp_path))
