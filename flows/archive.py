@@ -1,0 +1,51 @@
+"""archive_checkpoint: a milestone that is complete on Tier 1 goes to Tier 2, part by part.
+
+The milestone rule (``tasks.retention.is_milestone``: tagged, epoch end, every K steps) decides;
+without Tier 2 configured nothing happens. Each part is uploaded from Tier 1 (the cluster-wide
+copy, so any node may archive) and proven on Tier 2 by the server's full-object checksums;
+the first caller that sees every part verified there announces ``ckpt.checkpoint.archived``.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from ckpt import events
+from ckpt.events import emit
+from ckpt.settings import Settings, load_settings
+from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
+from tasks.base import Notify, no_notify, open_catalog
+from tasks.retention import is_milestone
+
+
+def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str = "cli",
+            notify: Notify = no_notify) -> ArchiveResult:
+    """Upload a milestone's parts Tier 1 -> Tier 2 and verify them there; skip anything else."""
+    with open_catalog(settings.catalog_url) as cat:
+        ck = cat.get_checkpoint(run, step)
+    milestone = is_milestone(ck.kind, ck.step, ck.tags, settings.milestones)
+    if not milestone:
+        return ArchiveResult(run, step, milestone=False, reason="not a milestone")
+    if not settings.tier2_url:
+        return ArchiveResult(run, step, milestone=True, reason="tier 2 not configured")
+    result = ArchiveResult(run, step, milestone=True)
+    for part in range(ck.parts):
+        hop = steps.upload_to_tier2(settings, run, step, part, ck.parts, actor=actor, notify=notify)
+        result.hops.append(hop)
+        if not hop.skipped:
+            result.hops.append(steps.verify(settings, run, step, part, ck.parts, tier=2, actor=actor))
+    result.archived = steps.mark_complete(settings, run, step, 2, actor=actor)
+    if result.archived:
+        notify(events.ARCHIVED, run, step, parts=ck.parts, node=settings.node,
+               payload={"tier": 2, "bytes": ck.total_bytes, "url": settings.tier2_url})
+    return result
+
+
+@flow(name="archive-checkpoint", flow_run_name="archive/{run}/step-{step}")
+def archive_checkpoint(run: str, step: int, node: str | None = None) -> dict:
+    """Settings read once here; the steps run as Prefect tasks; a table artifact per archive."""
+    settings = load_settings(**({"node": node} if node else {}))
+    result = archive(settings, run, step, steps=task_steps(settings), actor=current_actor(), notify=emit)
+    publish_table(artifact_key("archive", run, step), hop_rows(result.hops),
+                  f"archive of {run} step {step}: {result.reason or 'uploaded to tier 2'}")
+    return result.summary()

@@ -1,0 +1,91 @@
+"""promote_checkpoint: make one checkpoint part durable, then (once per checkpoint) archive
+and prune.
+
+register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
+this node) -> copy to Tier 1 (claimed, read back, published manifest last) -> when the
+catalog reports every part verified on Tier 1 (``complete_on_tier``, true for exactly one
+caller): announce ``ckpt.checkpoint.durable``, archive a milestone to Tier 2, and apply the
+run's retention. A part already verified on Tier 1 (a repeated or concurrent event) skips the
+copy, so any number of promotions of the same part leave one set of copies and the same
+catalog state. A corrupt source stops at verify: nothing is copied, nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import flow
+
+from ckpt import events
+from ckpt.events import emit
+from ckpt.settings import Settings, load_settings
+from flows.archive import archive
+from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
+from flows.retention import retention
+from tasks.base import HopResult, Notify, no_notify
+from tasks.retention import PruneAction
+
+
+@dataclass
+class PromoteResult:
+    run: str
+    step: int
+    part: int
+    parts: int
+    checkpoint_id: int
+    hops: list[HopResult] = field(default_factory=list)
+    durable: bool = False  # this promotion completed the checkpoint on Tier 1
+    archive: ArchiveResult | None = None
+    retention: list[PruneAction] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "run": self.run, "step": self.step, "part": self.part, "parts": self.parts,
+            "checkpoint_id": self.checkpoint_id, "durable": self.durable,
+            "hops": hop_rows(self.hops),
+            "archive": self.archive.summary() if self.archive else None,
+            "retention": [a.row() for a in self.retention] if self.retention is not None else None,
+        }
+
+
+def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *, steps: Steps,
+            node: str | None = None, actor: str = "cli", notify: Notify = no_notify) -> PromoteResult:
+    """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks)."""
+    node = node or settings.node
+    kw = dict(node=node, actor=actor, notify=notify)
+    reg = steps.register(settings, run, step, part, parts, **kw)
+    result = PromoteResult(run, step, part, reg.parts, reg.checkpoint_id)
+    if reg.promoted:
+        result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,
+                                     bytes=reg.bytes, seconds=0.0, skipped=True))
+    else:
+        result.hops.append(steps.verify(settings, run, step, part, reg.parts, tier=0, **kw))
+        result.hops.append(steps.copy_to_tier1(settings, run, step, part, reg.parts, **kw))
+    result.durable = steps.mark_complete(settings, run, step, 1, actor=actor)
+    if result.durable:
+        notify(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
+        result.archive = archive(settings, run, step, steps=steps, actor=actor, notify=notify)
+        result.retention = retention(settings, run=run, steps=steps, actor=actor, notify=notify)
+    return result
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    name = f"promote/{p['run']}/step-{p['step']}"
+    parts = int(p.get("parts") or 1)
+    return name if parts == 1 else f"{name}/part-{p.get('part', 0)}-of-{parts}"
+
+
+@flow(name="promote-checkpoint", flow_run_name=_run_name)
+def promote_checkpoint(run: str, step: int, part: int = 0, parts: int = 1, node: str | None = None) -> dict:
+    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion."""
+    settings = load_settings(**({"node": node} if node else {}))
+    result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
+                     actor=current_actor(), notify=emit)
+    hops = result.hops + (result.archive.hops if result.archive else [])
+    publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
+                  f"promotion of {run} step {step} part {part + 1}/{result.parts}")
+    return result.summary()

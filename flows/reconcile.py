@@ -1,0 +1,180 @@
+"""reconcile: make the catalog agree with what the tiers hold, and finish what events missed.
+
+Runs every few minutes on each node (and on demand). In order:
+1. replicas the catalog calls ``verified`` whose manifest or files vanished (Tier 0 of this
+   node, Tier 1, Tier 2) become ``missing``;
+2. parts committed on this node's Tier 0 that the catalog does not know, or that were never
+   (or no longer, after step 1) verified on Tier 1, are promoted;
+3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
+   manifest, verified in place and recorded (a catalog restored from an older backup);
+4. milestones complete on Tier 1 but not on Tier 2 are archived.
+Parts of unknown runs and of checkpoints already found corrupt or rejected are left alone
+(and listed), so a bad checkpoint is not re-rejected on every pass. One failing item never
+stops the others; failures are listed in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import flow
+
+from ckpt.errors import CkptError, CopyInProgress, NotFound
+from ckpt.events import emit
+from ckpt.settings import Settings, load_settings
+from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
+from flows.archive import archive
+from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
+from flows.promote import promote
+from tasks.base import Notify, log, no_notify, open_catalog, part_key, tier_store
+from tasks.retention import is_milestone
+
+@dataclass
+class ReconcileReport:
+    missing: list[str] = field(default_factory=list)  # 'tier T run/step part P'
+    promoted: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    archived: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # with why
+    failed: list[str] = field(default_factory=list)  # with the error
+
+    def rows(self) -> list[dict[str, str]]:
+        return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
+
+
+def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", notify: Notify = no_notify,
+                   grace_seconds: float = 0.0) -> ReconcileReport:
+    """One pass of the four sweeps above on this node."""
+    from ckpt.transfer import find_committed
+
+    report = ReconcileReport()
+    mark_missing(settings, report, actor=actor)
+    with open_catalog(settings.catalog_url) as cat:
+        stale = {(c.run, c.step) for c in cat.unpromoted(older_than_seconds=grace_seconds)}
+        todo0 = [p for p in find_committed(tier_store(settings, 0))
+                 if _wanted(cat, p, report, tier=0, unpromoted=stale)]
+        todo1 = [p for p in find_committed(tier_store(settings, 1))
+                 if _wanted(cat, p, report, tier=1, unpromoted=set())]
+    kw = dict(actor=actor, notify=notify)
+    for run, step, part, parts in todo0:
+        _attempt(report, report.promoted, f"{run}/{step} part {part}",
+                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))
+    for run, step, part, parts in todo1:
+        _attempt(report, report.adopted, f"{run}/{step} part {part}",
+                 lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
+    for run, step in archive_backlog(settings):
+        _attempt(report, report.archived, f"{run}/{step}",
+                 lambda: archive(settings, run, step, steps=steps, **kw))
+    return report
+
+
+def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> None:
+    try:
+        fn()
+        done.append(item)
+    except CopyInProgress as exc:
+        report.skipped.append(f"{item}: {exc}")
+    except CkptError as exc:
+        log.warning("reconcile: %s failed: %s", item, exc)
+        report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+
+
+def _wanted(cat: Any, found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int,
+            unpromoted: set[tuple[str, int]]) -> bool:
+    """Whether a part committed on ``tier`` needs promoting (Tier 0) or adopting (Tier 1)."""
+    run, step, part, _parts = found
+    item = f"tier {tier} {run}/{step} part {part}"
+    try:
+        cat.get_run(run)
+    except NotFound:
+        report.skipped.append(f"{item}: unknown run")
+        return False
+    try:
+        ck = cat.get_checkpoint(run, step)
+    except NotFound:
+        return True
+    if ck.state in (CKPT_CORRUPT, CKPT_REJECTED):
+        report.skipped.append(f"{item}: checkpoint is {ck.state}")
+        return False
+    if not cat.files(ck.id, part):
+        return True  # this part was never registered
+    replica = next((r for r in cat.replicas(ck.id, 1) if r.part == part), None)
+    state = replica.state if replica else None
+    if tier == 1:
+        return replica is None
+    if state in (MISSING, CORRUPT):
+        return True  # a broken Tier 1 copy: copy it again from here
+    # never copied, or a copy that stalled: only once past the grace period (``unpromoted``),
+    # so the event-triggered promotion running right now is not raced for nothing
+    return state in (None, PENDING, COPYING) and (run, step) in unpromoted
+
+
+def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str,
+           notify: Notify) -> None:
+    """Register a part found only on Tier 1 from its manifest there, verify it in place."""
+    steps.register(settings, run, step, part, parts, actor=actor, notify=notify, source_tier=1)
+    steps.verify(settings, run, step, part, parts, tier=1, actor=actor, notify=notify)
+    steps.mark_complete(settings, run, step, 1, actor=actor)
+
+
+def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str) -> None:
+    """Verified replicas whose manifest or any file is gone from their tier become ``missing``."""
+    stores = {t: tier_store(settings, t) for t in (0, 1, 2) if settings.tier_url(t)}
+    with open_catalog(settings.catalog_url) as cat:
+        for ck in cat.list_checkpoints():
+            for rep in cat.replicas(ck.id):
+                if rep.state != VERIFIED or rep.tier not in stores:
+                    continue
+                if rep.tier == 0 and rep.node not in (None, "", settings.node):
+                    continue
+                gone = _vanished(cat, stores[rep.tier], ck, rep.part)
+                if gone is None:
+                    continue
+                try:
+                    cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
+                    report.missing.append(f"tier {rep.tier} {ck.run}/{ck.step} part {rep.part}: {gone}")
+                except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
+                    log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
+
+
+def _vanished(cat: Any, store: Any, ck: Any, part: int) -> str | None:
+    """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
+    from ckpt.storage.base import checkpoint_prefix
+
+    present = {o.key: o.size for o in store.list(checkpoint_prefix(ck.run, ck.step))}
+    if part_key(ck.run, ck.step, part, ck.parts) not in present:
+        return "manifest vanished"
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    for f in cat.files(ck.id, part):
+        size = present.get(f"{prefix}/{f.path}")
+        if size is None:
+            return f"{f.path} vanished"
+        if size != f.size:
+            return f"{f.path} has {size} bytes, expected {f.size}"
+    return None
+
+
+def archive_backlog(settings: Settings) -> list[tuple[str, int]]:
+    """Milestones with a complete verified copy on Tier 1 but none on Tier 2."""
+    if not settings.tier2_url:
+        return []
+    out = []
+    with open_catalog(settings.catalog_url) as cat:
+        for ck in cat.list_checkpoints():
+            if not is_milestone(ck.kind, ck.step, ck.tags, settings.milestones):
+                continue
+            tiers = {loc.tier for loc in cat.locations(ck.run, ck.step)}
+            if 1 in tiers and 2 not in tiers:
+                out.append((ck.run, ck.step))
+    return out
+
+
+@flow(name="reconcile", flow_run_name="reconcile/{node}")
+def reconcile(node: str | None = None) -> dict:
+    """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
+    settings = load_settings(**({"node": node} if node else {}))
+    report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(), notify=emit,
+                            grace_seconds=settings.reconcile_interval_seconds)
+    publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+    return {k: list(v) for k, v in vars(report).items()}

@@ -1,0 +1,48 @@
+"""enforce_retention: plan what each tier's policy lets go, show the plan, apply it through
+the guarded prune. Runs on a schedule and after every checkpoint that became durable.
+
+A dry run only plans. Applying prunes Tier 0 (of this node) first, then Tier 1, then Tier 2;
+``PruneRefused`` is a normal outcome (the catalog found a reason to keep the copy) and is
+reported on the plan, as is any other failure; the flow itself completes.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from ckpt.events import emit
+from ckpt.settings import Settings, load_settings
+from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
+from tasks.base import Notify, no_notify
+from tasks.retention import PruneAction, apply_retention
+
+
+def retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
+              actor: str = "cli", notify: Notify = no_notify) -> list[PruneAction]:
+    """Plan, publish the plan, and (unless ``dry_run``) apply it; returns the actions with outcomes."""
+    plan = steps.plan_retention(settings, run=run)
+    scope = run or "all runs"
+    publish_table(artifact_key("retention-plan", run or "all"), [a.row() for a in plan],
+                  f"retention plan for {scope}{' (dry run)' if dry_run else ''}")
+    if dry_run:
+        return plan
+    done = apply_retention(settings, plan, prune=steps.prune, actor=actor, notify=notify)
+    publish_table(artifact_key("retention-result", run or "all"), [a.row() for a in done],
+                  f"retention applied to {scope}")
+    return done
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    return f"retention/{p.get('run') or 'all'}" + ("/dry-run" if p.get("dry_run") else "")
+
+
+@flow(name="enforce-retention", flow_run_name=_run_name)
+def enforce_retention(run: str | None = None, dry_run: bool = False, node: str | None = None) -> list[dict]:
+    """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
+    settings = load_settings(**({"node": node} if node else {}))
+    actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
+                        actor=current_actor(), notify=emit)
+    return [a.row() for a in actions]

@@ -1,0 +1,159 @@
+"""What every pipeline step shares: opening the catalog and a tier, the part's manifest, results.
+
+Steps are plain functions over plain values (``Settings``, run, step, part, parts, tier, ids);
+they open what they need and close it before returning, so a Prefect retry starts clean.
+``notify`` is the signature of ``ckpt.events.emit``; plain callers pass ``no_notify`` and the
+Prefect layer passes ``emit`` (tests pass a recorder).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.errors import CorruptCheckpoint
+from ckpt.manifest import FileEntry, Manifest, manifest_name
+from ckpt.settings import Settings
+from ckpt.storage.base import TierStore, checkpoint_prefix
+
+log = logging.getLogger("ckpt.pipeline")
+
+Notify = Callable[..., Any]
+
+
+def no_notify(*_args: Any, **_kwargs: Any) -> bool:
+    """A ``notify`` that announces nothing (plain callers, tests that do not care)."""
+    return False
+
+
+@contextmanager
+def open_catalog(url: str) -> Iterator[Any]:
+    """The catalog at ``url`` for the duration of one step; closed on the way out."""
+    from db.catalog import Catalog
+
+    cat = Catalog(url)
+    try:
+        yield cat
+    finally:
+        cat.close()
+
+
+def tier_store(settings: Settings, tier: int) -> TierStore:
+    """The store of ``tier`` as configured; Tier 2 unset is a ``ConfigError``."""
+    from ckpt.errors import ConfigError
+    from ckpt.storage import open_store
+
+    url = settings.tier_url(tier)
+    if not url:
+        raise ConfigError(f"tier {tier} is not configured (set CKPT_TIER{tier}_URL)")
+    return open_store(url, tier, settings)
+
+
+def part_key(run: str, step: int, part: int, parts: int) -> str:
+    """Key of a part's manifest (its commit marker) relative to the tier root."""
+    return f"{checkpoint_prefix(run, step)}/{manifest_name(part, parts)}"
+
+
+def read_manifest(store: TierStore, run: str, step: int, part: int, parts: int) -> Manifest:
+    """The committed manifest of a part on ``store``; ``NotFound`` when the part is not committed.
+
+    The manifest must name the same run, step, part and parts as its key, so a manifest copied
+    under another checkpoint's name cannot be registered as that checkpoint.
+    """
+    from ckpt.manifest_build import read_manifest as read_at
+
+    manifest = read_at(store, checkpoint_prefix(run, step), part, parts)
+    got = (manifest.run, manifest.step, manifest.part, manifest.parts)
+    if got != (run, step, part, parts):
+        raise CorruptCheckpoint(
+            f"manifest at {store.url_for(part_key(run, step, part, parts))} describes {got}, "
+            f"expected {(run, step, part, parts)}",
+            path=manifest_name(part, parts),
+        )
+    return manifest
+
+
+def catalog_digest(cat: Any, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> str:
+    """The manifest digest of a part as the catalog registered it (the source of truth)."""
+    files = cat.files(checkpoint_id, part)
+    algorithm = files[0].algorithm if files else "crc32c"
+    entries = tuple(FileEntry(path=f.path, size=f.size, checksum=f.checksum) for f in files)
+    return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts).digest()
+
+
+def registered_manifest(cat: Any, store: TierStore, checkpoint_id: int, run: str, step: int,
+                        part: int, parts: int) -> Manifest:
+    """The part's manifest on ``store``, proven to list exactly the files the catalog registered.
+
+    A manifest that differs (edited, replaced) is ``CorruptCheckpoint``: bytes are always
+    checked against what was registered, never against whatever a tier now claims.
+    """
+    manifest = read_manifest(store, run, step, part, parts)
+    if manifest.digest() != catalog_digest(cat, checkpoint_id, run, step, part, parts):
+        raise CorruptCheckpoint(
+            f"manifest at {store.url_for(part_key(run, step, part, parts))} differs from the catalog",
+            path=manifest_name(part, parts),
+        )
+    return manifest
+
+
+def delete_part_files(cat: Any, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
+    """Delete a part's files (the whole checkpoint folder when it is the only part). Callers
+    delete the part's manifest first, so a half-deleted part never looks committed."""
+    prefix = checkpoint_prefix(run, step)
+    if parts == 1:
+        return store.delete_prefix(prefix)
+    ck = cat.get_checkpoint(run, step)
+    return sum(delete_key(store, f"{prefix}/{f.path}") for f in cat.files(ck.id, part))
+
+
+def delete_part(cat: Any, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
+    """Uncommit (manifest first), then delete a part's files; returns objects deleted."""
+    return delete_key(store, part_key(run, step, part, parts)) + delete_part_files(cat, store, run, step, part, parts)
+
+
+def delete_key(store: TierStore, key: str) -> int:
+    """Delete one object. ``TierStore`` has only ``delete_prefix``, which on local tiers takes a
+    file too but on S3 lists ``key/``; an S3 object is therefore deleted through its client."""
+    if store.stat(key) is None:
+        return 0
+    n = store.delete_prefix(key)
+    if store.stat(key) is not None and hasattr(store, "client"):
+        from ckpt.storage.s3 import s3_errors
+
+        with s3_errors(f"delete {store.url_for(key)}"):
+            store.client.delete_object(Bucket=store.bucket, Key=store._k(key))
+        n = 1
+    return n
+
+
+@dataclass(frozen=True)
+class HopResult:
+    """One hop of one part (verify on a tier, or a copy between tiers), for the artifact."""
+
+    hop: str  # e.g. 'verify tier 0', 'tier 0 -> tier 1'
+    run: str
+    step: int
+    part: int
+    files: int
+    bytes: int
+    seconds: float
+    skipped: bool = False  # nothing to do: already verified there
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "hop": self.hop,
+            "part": self.part,
+            "files": self.files,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "MB/s": round(self.mb_per_s, 1),
+            "skipped": self.skipped,
+        }

@@ -1,0 +1,67 @@
+"""prune: delete one replica's files through the catalog's guarded prune.
+
+``catalog.begin_prune`` decides, in one transaction, whether this copy may go (another verified
+copy at least as durable exists; not the newest verified checkpoint of its run; not pinned or
+aliased); a refusal raises ``PruneRefused``, a normal outcome that retention reports. The part's
+manifest (its commit marker) is deleted first, so a half-deleted part never looks committed;
+then its files. A prune interrupted after the manifest went is resumed by the next call
+(the replica is still ``pruning``); one that fails before deleting anything returns the replica
+to ``verified``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpt import events
+from ckpt.errors import CkptError, ConfigError
+from ckpt.settings import Settings
+from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
+from tasks.base import Notify, delete_key, delete_part_files, log, no_notify, open_catalog, part_key, tier_store
+from tasks.retry import pipeline_task
+
+
+@dataclass(frozen=True)
+class Pruned:
+    replica_id: int
+    run: str
+    step: int
+    tier: int
+    part: int
+    deleted: int  # objects deleted
+    bytes: int | None
+
+
+def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None,
+                  notify: Notify = no_notify) -> Pruned:
+    """Guarded delete of one replica; raises ``PruneRefused`` when the catalog says no."""
+    with open_catalog(settings.catalog_url) as cat:
+        rep = cat.get_replica(replica_id)
+        if rep.tier == 0 and rep.node and rep.node != settings.node:
+            raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
+        if rep.state != PRUNING:  # a prune interrupted after its first delete resumes as is
+            rep = cat.begin_prune(replica_id, actor=actor, reason=reason)
+        parts = cat.get_checkpoint(rep.run, rep.step).parts
+        store = tier_store(settings, rep.tier)
+        try:
+            deleted = delete_key(store, part_key(rep.run, rep.step, rep.part, parts))
+        except BaseException:
+            _abandon(cat, rep, actor)
+            raise
+        deleted += delete_part_files(cat, store, rep.run, rep.step, rep.part, parts)
+        cat.transition(rep.id, PRUNED, expected=PRUNING, actor=actor, reason=reason)
+    notify(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
+           extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})
+    return Pruned(replica_id=rep.id, run=rep.run, step=rep.step, tier=rep.tier, part=rep.part,
+                  deleted=deleted, bytes=rep.bytes)
+
+
+def _abandon(cat, rep: ReplicaInfo, actor: str) -> None:
+    """Nothing was deleted: ``pruning -> verified``, the copy stays usable."""
+    try:
+        cat.transition(rep.id, VERIFIED, expected=PRUNING, actor=actor, reason="prune abandoned before delete")
+    except CkptError as exc:
+        log.warning("replica %s: could not abandon the prune: %s", rep.id, exc)
+
+
+prune_task = pipeline_task(prune_replica, name="prune")

@@ -1,0 +1,102 @@
+"""Retention: which replicas each tier's policy lets go, and applying that through the guarded
+prune. Milestone decisions live here too, because they decide both archive and retention.
+
+The plan comes from ``catalog.prune_candidates`` (keep last N, top-k, max age, pins, aliases,
+each run's newest verified checkpoint). On top of it a milestone that is not yet archived is
+held on Tiers 0/1 while Tier 2 is configured (the catalog knows ``kind``, not the every-K-steps
+rule), and Tier 0 replicas of other nodes are listed but left to their node. Every prune still
+goes through ``catalog.begin_prune``, so a stale plan can never delete the last good copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from ckpt.errors import CkptError, PruneRefused
+from ckpt.settings import MilestonePolicy, Settings
+from tasks.base import Notify, log, no_notify, open_catalog
+from tasks.retry import pipeline_task
+
+PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
+TRUE_WORDS = ("1", "true", "yes", "milestone")
+
+
+def is_milestone(kind: str, step: int, tags: dict[str, str], policy: MilestonePolicy) -> bool:
+    """A milestone is archived to Tier 2: tagged by the job, an epoch end, or every K steps."""
+    if policy.tagged and (kind == "milestone" or str(tags.get("milestone", "")).lower() in TRUE_WORDS):
+        return True
+    if policy.epoch_end and kind == "epoch":
+        return True
+    return bool(policy.every_steps) and step % policy.every_steps == 0
+
+
+@dataclass(frozen=True)
+class PruneAction:
+    tier: int
+    replica_id: int
+    run: str
+    step: int
+    part: int
+    node: str | None
+    url: str
+    bytes: int | None
+    outcome: str = PLANNED  # planned | pruned | refused | kept | elsewhere | failed
+    detail: str = ""
+
+    def row(self) -> dict[str, Any]:
+        return {"tier": self.tier, "run": self.run, "step": self.step, "part": self.part,
+                "node": self.node or "", "bytes": self.bytes or 0, "outcome": self.outcome,
+                "detail": self.detail}
+
+
+def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None) -> list[PruneAction]:
+    """Per tier, the replicas its policy no longer keeps, each with what will happen to it."""
+    plan: list[PruneAction] = []
+    with open_catalog(settings.catalog_url) as cat:
+        for tier in (0, 1, 2):
+            policy = settings.retention(tier)
+            if not policy.enabled or not settings.tier_url(tier):
+                continue
+            for rep in cat.prune_candidates(tier, policy, run=run, now=now):
+                action = PruneAction(tier=tier, replica_id=rep.id, run=rep.run, step=rep.step,
+                                     part=rep.part, node=rep.node, url=rep.url, bytes=rep.bytes)
+                plan.append(_annotate(cat, settings, action, policy.keep_milestones))
+    return plan
+
+
+def _annotate(cat: Any, settings: Settings, action: PruneAction, keep_milestones: bool) -> PruneAction:
+    if action.tier < 2 and keep_milestones and settings.tier2_url:
+        ck = cat.get_checkpoint(action.run, action.step)
+        archived = any(loc.tier == 2 for loc in cat.locations(action.run, action.step))
+        if not archived and is_milestone(ck.kind, ck.step, ck.tags, settings.milestones):
+            return replace(action, outcome=KEPT, detail="milestone not yet archived")
+    if action.tier == 0 and action.node and action.node != settings.node:
+        return replace(action, outcome=ELSEWHERE, detail=f"on node {action.node}; pruned there")
+    return action
+
+
+def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Callable[..., Any],
+                    actor: str = "cli", notify: Notify = no_notify) -> list[PruneAction]:
+    """Prune every ``planned`` action through ``prune`` (the plain step or its task), Tier 0
+    first; a refusal or failure is recorded on the action and the others still run."""
+    done: list[PruneAction] = []
+    for action in sorted(plan, key=lambda a: (a.tier, a.run, a.step, a.part)):
+        if action.outcome != PLANNED:
+            done.append(action)
+            continue
+        try:
+            prune(settings, action.replica_id, actor=actor, reason="retention policy", notify=notify)
+            done.append(replace(action, outcome=PRUNED))
+        except PruneRefused as exc:
+            log.info("retention: %s/%s tier %s kept: %s", action.run, action.step, action.tier, exc)
+            done.append(replace(action, outcome=REFUSED, detail=str(exc)))
+        except CkptError as exc:
+            log.warning("retention: %s/%s tier %s not pruned: %s", action.run, action.step, action.tier, exc)
+            done.append(replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}"))
+    return done
+
+
+plan_retention_task = pipeline_task(plan_retention, name="plan-retention")
