@@ -10,10 +10,23 @@ permanent errors of ``ckpt.errors``. Methods return ``db.entities`` values, neve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
+from functools import lru_cache
 
+from sqlalchemy import delete, select
+from sqlalchemy.engine import make_url
+
+from ckpt.errors import BadInput, NotFound, SchemaOutdated
 from ckpt.manifest import Manifest
+from db import lineage as _lineage
+from db import queries as _q
+from db import register as _reg
+from db import state as _state
 from db.entities import (
+    CKPT_COMMITTED,
+    CKPT_CORRUPT,
+    CKPT_PARTIAL,
+    CKPT_REJECTED,
     AuditEntry,
     CheckpointInfo,
     Claim,
@@ -27,15 +40,92 @@ from db.entities import (
 )
 
 
+from db.migrate import current_revision, head_revision, known_revisions, upgrade_connection
+from db.rows import (
+    aliases,
+    audit,
+    checkpoint_row,
+    checkpoint_row_by_id,
+    checkpoint_select,
+    checkpoints,
+    completions,
+    drills as drills_table,
+    files as files_table,
+    pins,
+    replica_row,
+    replica_select,
+    replicas as replicas_table,
+    run_row,
+    runs,
+    to_audit,
+    to_checkpoint,
+    to_drill,
+    to_file,
+    to_replica,
+    to_run,
+    add_audit,
+    insert_ignore,
+)
+from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
+
+CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
 class Catalog:
     # --- lifecycle -------------------------------------------------------------------
-    def __init__(self, url: str, *, check_schema: bool = True):
+    def __init__(self, url: str, *, check_schema: bool = True,
+                 busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         """Open the catalog at a SQLAlchemy URL. SQLite: WAL, foreign keys, busy timeout.
         With ``check_schema`` a schema behind the migrations' head raises ``SchemaOutdated``
-        naming ``ckpt db upgrade``."""
-        raise NotImplementedError
+        naming ``ckpt db upgrade``. ``busy_timeout_s``: how long a SQLite writer waits for the
+        lock before the call fails with ``CatalogUnavailable``."""
+        self.url = url
+        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s)
+        if check_schema:
+            try:
+                self.check_schema()
+            except Exception:
+                self.engine.dispose()
+                raise
 
-    def close(self) -> None: ...
+    @classmethod
+    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> "Catalog":
+        """Open the catalog; with ``auto_upgrade`` first create/upgrade its schema (demo, tests)."""
+        if auto_upgrade:
+            upgrade(url)
+        return cls(url, **kwargs)
+
+    def check_schema(self) -> None:
+        """Raise ``SchemaOutdated`` unless the database is at the migrations' head."""
+        with transaction(self.engine, write=False) as conn:
+            rev = current_revision(conn)
+        head = _head()
+        if rev == head:
+            return
+        where = make_url(self.engine.url).render_as_string(hide_password=True)
+        if rev is None:
+            raise SchemaOutdated(f"the catalog at {where} has no schema yet; run `ckpt db upgrade`")
+        if rev not in known_revisions():
+            raise SchemaOutdated(f"the catalog at {where} is at revision {rev}, newer than this ckpt "
+                                 f"(head {head}); upgrade ckpt")
+        raise SchemaOutdated(f"the catalog at {where} is at revision {rev}, this ckpt needs {head}; "
+                             f"run `ckpt db upgrade`")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _tx(self, write: bool = True):
+        return transaction(self.engine, write=write)
 
     # --- runs ------------------------------------------------------------------------
     def ensure_run(self, name: str, *, project: str | None = None, config_digest: str | None = None,
@@ -43,14 +133,23 @@ class Catalog:
                    parent: tuple[str, int] | None = None, parent_relation: str = "resumed_from",
                    actor: str = "cli") -> RunInfo:
         """Create the run or return the existing one (idempotent). ``parent`` (run, step) records
-        the run-level origin (resumed/fine-tuned/branched from that checkpoint)."""
-        raise NotImplementedError
+        the run-level origin (resumed/fine-tuned/branched from that checkpoint). The origin
+        checkpoint must be recorded (``NotFound`` otherwise); the run's first checkpoint gets
+        the lineage edge to it."""
+        with self._tx() as conn:
+            row = _reg.ensure_run(conn, name, now=_now(), actor=actor, parent=parent,
+                                  parent_relation=parent_relation, project=project,
+                                  config_digest=config_digest, code_digest=code_digest, tags=tags)
+            return to_run(row)
 
     def get_run(self, name: str) -> RunInfo:
         """Raises ``UnknownRun``."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return to_run(run_row(conn, name))
 
-    def list_runs(self) -> list[RunInfo]: ...
+    def list_runs(self) -> list[RunInfo]:
+        with self._tx(write=False) as conn:
+            return [to_run(r) for r in conn.execute(select(runs).order_by(runs.c.name))]
 
     # --- checkpoints -----------------------------------------------------------------
     def register_part(self, manifest: Manifest, *, actor: str) -> CheckpointInfo:
@@ -59,33 +158,80 @@ class Catalog:
         (run, step, part) raises ``ConflictError``. Unknown run: ``UnknownRun``. When the last
         part arrives the checkpoint becomes ``committed``. A manifest's ``parent`` adds a lineage
         edge; the previous checkpoint of the same run gets a ``follows`` edge automatically."""
-        raise NotImplementedError
+        manifest.validate()
+        digest = manifest.digest()
+        with self._tx() as conn:
+            cid = _reg.register_part(conn, manifest, digest=digest, now=_now(), actor=actor)
+            return to_checkpoint(checkpoint_row_by_id(conn, cid))
+
+    def register_many(self, manifests: Sequence[Manifest], *, actor: str) -> int:
+        """Bulk ``register_part`` in one transaction (backfills, imports): same rules, one
+        commit. Returns how many manifests were processed; any error rolls back all of them."""
+        for m in manifests:
+            m.validate()
+        now = _now()
+        with self._tx() as conn:
+            for m in manifests:
+                _reg.register_part(conn, m, digest=m.digest(), now=now, actor=actor)
+        return len(manifests)
 
     def get_checkpoint(self, run: str, step: int) -> CheckpointInfo:
         """Raises ``NotFound``."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return to_checkpoint(checkpoint_row(conn, run, step))
 
-    def list_checkpoints(self, run: str | None = None) -> list[CheckpointInfo]: ...
+    def get_checkpoint_by_id(self, checkpoint_id: int) -> CheckpointInfo:
+        """Raises ``NotFound``."""
+        with self._tx(write=False) as conn:
+            return to_checkpoint(checkpoint_row_by_id(conn, checkpoint_id))
 
-    def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]: ...
+    def list_checkpoints(self, run: str | None = None) -> list[CheckpointInfo]:
+        with self._tx(write=False) as conn:
+            stmt = checkpoint_select().order_by(runs.c.name, checkpoints.c.step)
+            if run is not None:
+                stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
+            return [to_checkpoint(r) for r in conn.execute(stmt)]
+
+    def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]:
+        stmt = select(files_table).where(files_table.c.checkpoint_id == checkpoint_id)
+        if part is not None:
+            stmt = stmt.where(files_table.c.part == part)
+        with self._tx(write=False) as conn:
+            return [to_file(r) for r in conn.execute(stmt.order_by(files_table.c.part, files_table.c.path))]
 
     def set_checkpoint_state(self, checkpoint_id: int, state: str, *, reason: str, actor: str) -> None:
         """e.g. ``corrupt`` when the source failed verification (audited)."""
+        if state not in CHECKPOINT_STATES:
+            raise BadInput(f"unknown checkpoint state {state!r}; expected one of {CHECKPOINT_STATES}")
+        now = _now()
+        with self._tx() as conn:
+            ck = checkpoint_row_by_id(conn, checkpoint_id, lock=True)
+            conn.execute(checkpoints.update().where(checkpoints.c.id == ck.id).values(state=state))
+            add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{ck.run_name}/{ck.step}", action="set-state",
+                      from_state=ck.state, to_state=state, reason=reason, run=ck.run_name, step=ck.step)
 
     def record_rejection(self, subject: str, reason: str, *, actor: str, run: str | None = None,
                          step: int | None = None) -> None:
         """Audit a rejected input (malformed event, unknown run, path escape)."""
+        with self._tx() as conn:
+            add_audit(conn, at=_now(), actor=actor, subject=subject, action="reject", to_state="rejected",
+                      reason=reason, run=run, step=step)
 
     # --- replicas (compare-and-set state machine, see db.entities.TRANSITIONS) ----------
     def claim_copy(self, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
                    actor: str, lease_seconds: float = 600) -> Claim:
         """Create the replica row (pending) if absent and move it to ``copying`` for this caller.
         ``acquired=False`` when it is already ``verified`` (nothing to do) or another claim is
-        live (``copying`` and touched within ``lease_seconds``); a stale claim is taken over."""
-        raise NotImplementedError
+        live (``copying`` and touched within ``lease_seconds``); a stale claim is taken over.
+        (Also ``acquired=False`` while it is ``pruning``: a prune owns it.)"""
+        with self._tx() as conn:
+            return _state.claim_copy(conn, checkpoint_id, tier, part, url, node=node, now=_now(), actor=actor,
+                                     lease_seconds=lease_seconds)
 
     def heartbeat(self, replica_id: int, claim_token: str) -> None:
         """Keep a claim alive during a long copy. Raises ``StaleState`` if the claim was lost."""
+        with self._tx() as conn:
+            _state.heartbeat(conn, replica_id, claim_token, now=_now())
 
     def transition(self, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None = None,
                    actor: str, reason: str | None = None, claim_token: str | None = None,
@@ -94,88 +240,247 @@ class Catalog:
         """Move a replica: illegal moves raise ``IllegalTransition``; a state not in ``expected``
         (or a foreign ``claim_token``) raises ``StaleState``. Entering ``verified`` stamps
         ``verified_at``. One transaction; audited."""
-        raise NotImplementedError
+        given = dict(bytes=bytes, copy_seconds=copy_seconds, etag=etag, version_id=version_id)
+        values = {k: v for k, v in given.items() if v is not None}
+        with self._tx() as conn:
+            row = _state.transition(conn, replica_id, to_state, expected=expected, claim_token=claim_token,
+                                    now=_now(), actor=actor, reason=reason, values=values)
+            return to_replica(row)
 
     def begin_prune(self, replica_id: int, *, actor: str, reason: str | None = None) -> ReplicaInfo:
         """verified -> pruning, only if in the same transaction: another replica of the same
         checkpoint and part is verified on a tier >= this one, and the checkpoint is not the
         newest verified checkpoint of its run, not pinned and not aliased. Else ``PruneRefused``.
-        Two concurrent prunes of the last two copies: exactly one wins."""
-        raise NotImplementedError
+        Two concurrent prunes of the last two copies: exactly one wins.
+        ("Tier >= this one" is by durability class, ``db.rows.durability``: Tiers 1 and 2 both
+        survive node loss and stand in for each other; Tier 0 never protects a higher tier.)"""
+        with self._tx() as conn:
+            return to_replica(_state.begin_prune(conn, replica_id, now=_now(), actor=actor, reason=reason))
 
     def complete_on_tier(self, checkpoint_id: int, tier: int, *, actor: str) -> bool:
         """True exactly once per (checkpoint, tier): for the first caller that observes every
         part of the checkpoint verified on ``tier`` (records the time, audited). Lets N part
         promotions trigger the cluster-level archive and retention once, not N times."""
-        raise NotImplementedError
+        now = _now()
+        with self._tx() as conn:
+            ck = checkpoint_row_by_id(conn, checkpoint_id, lock=True)
+            if ck.parts_registered < ck.parts or not ck.verified_tiers & (1 << _state.check_tier(tier)):
+                return False
+            won = insert_ignore(conn, completions, dict(checkpoint_id=ck.id, tier=tier, completed_at=now,
+                                                        actor=actor), ["checkpoint_id", "tier"]) == 1
+            if won:
+                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{ck.run_name}/{ck.step}",
+                          action="complete", to_state=f"tier{tier}", reason=f"all {ck.parts} part(s) verified on "
+                          f"tier {tier}", run=ck.run_name, step=ck.step)
+            return won
 
-    def replicas(self, checkpoint_id: int, tier: int | None = None) -> list[ReplicaInfo]: ...
+    def replicas(self, checkpoint_id: int, tier: int | None = None) -> list[ReplicaInfo]:
+        stmt = replica_select().where(replicas_table.c.checkpoint_id == checkpoint_id)
+        if tier is not None:
+            stmt = stmt.where(replicas_table.c.tier == tier)
+        with self._tx(write=False) as conn:
+            return [to_replica(r) for r in conn.execute(stmt.order_by(replicas_table.c.tier, replicas_table.c.part))]
 
-    def get_replica(self, replica_id: int) -> ReplicaInfo: ...
+    def get_replica(self, replica_id: int) -> ReplicaInfo:
+        """Raises ``NotFound``."""
+        with self._tx(write=False) as conn:
+            return to_replica(replica_row(conn, replica_id))
 
     # --- pins, aliases, lineage --------------------------------------------------------
-    def pin(self, run: str, step: int, *, reason: str | None = None, actor: str) -> None: ...
-    def unpin(self, run: str, step: int, *, actor: str) -> None: ...
-    def set_alias(self, run: str, alias: str, step: int, *, actor: str) -> None: ...
-    def remove_alias(self, run: str, alias: str, *, actor: str) -> None: ...
-    def resolve_alias(self, run: str, alias: str) -> int: ...
+    def pin(self, run: str, step: int, *, reason: str | None = None, actor: str) -> None:
+        """Keep this checkpoint on every tier whatever retention says (idempotent, audited)."""
+        now = _now()
+        with self._tx() as conn:
+            ck = checkpoint_row(conn, run, step, lock=True)
+            if insert_ignore(conn, pins, dict(checkpoint_id=ck.id, reason=reason, actor=actor, pinned_at=now),
+                             ["checkpoint_id"]):
+                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="pin",
+                          reason=reason, run=run, step=step)
+
+    def unpin(self, run: str, step: int, *, actor: str) -> None:
+        """Idempotent, audited."""
+        with self._tx() as conn:
+            ck = checkpoint_row(conn, run, step, lock=True)
+            if conn.execute(delete(pins).where(pins.c.checkpoint_id == ck.id)).rowcount:
+                add_audit(conn, at=_now(), actor=actor, subject=f"checkpoint:{run}/{step}", action="unpin",
+                          run=run, step=step)
+
+    def is_pinned(self, run: str, step: int) -> bool:
+        with self._tx(write=False) as conn:
+            ck = checkpoint_row(conn, run, step)
+            return conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ck.id)).first() is not None
+
+    def set_alias(self, run: str, alias: str, step: int, *, actor: str) -> None:
+        """Point ``alias`` (e.g. ``best``) of ``run`` at ``step``; moves an existing alias."""
+        if not alias or len(alias) > 128:
+            raise BadInput(f"invalid alias {alias!r}")
+        now = _now()
+        with self._tx() as conn:
+            ck = checkpoint_row(conn, run, step, lock=True)
+            key = (aliases.c.run_id == ck.run_id) & (aliases.c.name == alias)
+            conn.execute(delete(aliases).where(key))
+            conn.execute(aliases.insert().values(run_id=ck.run_id, name=alias, checkpoint_id=ck.id, set_at=now))
+            add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="alias",
+                      to_state=alias, run=run, step=step)
+
+    def remove_alias(self, run: str, alias: str, *, actor: str) -> None:
+        """Idempotent, audited."""
+        with self._tx() as conn:
+            r = run_row(conn, run)
+            key = (aliases.c.run_id == r.id) & (aliases.c.name == alias)
+            step = conn.execute(select(checkpoints.c.step).join(aliases, aliases.c.checkpoint_id == checkpoints.c.id)
+                                .where(key)).scalar()
+            if step is not None:
+                conn.execute(delete(aliases).where(key))
+                add_audit(conn, at=_now(), actor=actor, subject=f"checkpoint:{run}/{step}", action="unalias",
+                          from_state=alias, run=run, step=step)
+
+    def resolve_alias(self, run: str, alias: str) -> int:
+        """The step ``alias`` points at; ``NotFound`` if the run has no such alias."""
+        with self._tx(write=False) as conn:
+            r = run_row(conn, run)
+            step = conn.execute(select(checkpoints.c.step).join(aliases, aliases.c.checkpoint_id == checkpoints.c.id)
+                                .where(aliases.c.run_id == r.id, aliases.c.name == alias)).scalar()
+        if step is None:
+            raise NotFound(f"run {run!r} has no alias {alias!r}")
+        return step
+
+    def aliases(self, run: str) -> dict[str, int]:
+        """alias -> step for one run."""
+        with self._tx(write=False) as conn:
+            r = run_row(conn, run)
+            rows = conn.execute(select(aliases.c.name, checkpoints.c.step)
+                                .join(checkpoints, aliases.c.checkpoint_id == checkpoints.c.id)
+                                .where(aliases.c.run_id == r.id))
+            return dict(rows.all())
 
     def add_lineage(self, child: tuple[str, int], parent: tuple[str, int], relation: str, *,
                     actor: str) -> None:
         """Raises ``LineageCycle`` if ``parent`` descends from ``child``; idempotent."""
+        now = _now()
+        with self._tx() as conn:
+            c, p = checkpoint_row(conn, *child), checkpoint_row(conn, *parent)
+            if _lineage.add_edge(conn, c.id, p.id, relation, now=now):
+                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{child[0]}/{child[1]}", action="lineage",
+                          to_state=relation, reason=f"{relation} {parent[0]}/{parent[1]}", run=child[0], step=child[1])
 
     # --- queries (numbered as in the catalog issue) -------------------------------------
     def newest_verified(self, run: str, *, tier: int | None = None, follow_resumed: bool = False,
                         durable_only: bool = False) -> CheckpointInfo | None:
-        """(1) Newest checkpoint with every part verified on some tier (or on ``tier``)."""
-        raise NotImplementedError
+        """(1) Newest checkpoint with every part verified on some tier (or on ``tier``).
+        ``follow_resumed``: if the run has none, look in the run it was resumed from, at or
+        below the step it resumed from, and so on up. Raises ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return _q.newest_verified(conn, run, tier=tier, follow_resumed=follow_resumed, durable_only=durable_only)
 
     def locations(self, run: str, step: int) -> list[Location]:
         """(2) The tiers that hold a complete verified copy, with URLs and verified_at."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return _q.locations(conn, checkpoint_row(conn, run, step))
 
     def nearest_copy(self, run: str, step: int, preference: Sequence[int] = (0, 1, 2)) -> Location | None:
         """(3) First tier in ``preference`` holding a complete verified copy."""
-        raise NotImplementedError
+        by_tier = {loc.tier: loc for loc in self.locations(run, step)}
+        return next((by_tier[t] for t in preference if t in by_tier), None)
 
     def ancestors(self, run: str, step: int, *, max_depth: int = 1000) -> list[LineageEdge]:
         """(4) Recursive CTE up the lineage edges, nearest first."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return _lineage.walk(conn, checkpoint_row(conn, run, step).id, up=True, max_depth=max_depth)
 
     def descendants(self, run: str, step: int, *, max_depth: int = 1000) -> list[LineageEdge]:
         """(5) Recursive CTE down the lineage edges."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return _lineage.walk(conn, checkpoint_row(conn, run, step).id, up=False, max_depth=max_depth)
 
     def under_replicated(self, *, durable_tier: int = 1, min_copies: int = 1,
-                         run: str | None = None) -> list[CheckpointInfo]:
+                         run: str | None = None, limit: int | None = None) -> list[CheckpointInfo]:
         """(6) Committed checkpoints with no complete verified copy on a tier >= durable_tier,
         or fewer than ``min_copies`` complete verified copies."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            run_id = run_row(conn, run).id if run is not None else None
+            return _q.under_replicated(conn, durable_tier=durable_tier, min_copies=min_copies, run_id=run_id,
+                                       limit=limit)
 
     def prune_candidates(self, tier: int, policy, *, run: str | None = None,
-                         now: datetime | None = None) -> list[ReplicaInfo]:
+                         now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
         """(7) Verified replicas on ``tier`` that ``policy`` (ckpt.settings.RetentionPolicy)
-        no longer keeps, excluding pins, aliases and each run's newest verified checkpoint."""
-        raise NotImplementedError
+        no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
+        With ``prunable_only`` (default) also only those the prune guard would let go (another
+        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides."""
+        with self._tx(write=False) as conn:
+            run_id = run_row(conn, run).id if run is not None else None
+            return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(),
+                                       prunable_only=prunable_only)
 
     def history(self, run: str, step: int) -> list[AuditEntry]:
         """(8) The checkpoint's audit trail, oldest first."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(audit).where(audit.c.run == run, audit.c.step == step).order_by(audit.c.id))
+            return [to_audit(r) for r in rows]
+
+    def audit_log(self, *, run: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        """The newest audit entries (of one run, or all), newest first."""
+        stmt = select(audit).order_by(audit.c.id.desc()).limit(limit)
+        if run is not None:
+            stmt = stmt.where(audit.c.run == run)
+        with self._tx(write=False) as conn:
+            return [to_audit(r) for r in conn.execute(stmt)]
 
     def usage(self, run: str | None = None) -> list[TierUsage]:
         """(9) Verified bytes and checkpoint counts per run per tier."""
-        raise NotImplementedError
+        with self._tx(write=False) as conn:
+            return _q.usage(conn, run_row(conn, run).id if run is not None else None)
 
-    def unpromoted(self, *, older_than_seconds: float = 0, run: str | None = None) -> list[CheckpointInfo]:
-        """(10) Committed checkpoints without a verified (or live copying) Tier 1 replica."""
-        raise NotImplementedError
+    def unpromoted(self, *, older_than_seconds: float = 0, run: str | None = None,
+                   limit: int | None = None) -> list[CheckpointInfo]:
+        """(10) Committed checkpoints without a verified (or live copying) Tier 1 replica.
+        A part whose Tier 1 copy was verified and later pruned counts as promoted."""
+        with self._tx(write=False) as conn:
+            run_id = run_row(conn, run).id if run is not None else None
+            return _q.unpromoted(conn, now=_now(), older_than_seconds=older_than_seconds, run_id=run_id, limit=limit)
 
     # --- drills -------------------------------------------------------------------------
     def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,
-                     detail: str | None = None, actor: str) -> DrillResult: ...
-    def drills(self, run: str | None = None, limit: int = 50) -> list[DrillResult]: ...
+                     detail: str | None = None, actor: str) -> DrillResult:
+        now = _now()
+        with self._tx() as conn:
+            ck = checkpoint_row(conn, run, step)
+            did = conn.execute(drills_table.insert().values(
+                checkpoint_id=ck.id, tier=_state.check_tier(tier), ok=ok, seconds=seconds, bytes=bytes, at=now,
+                detail=detail, actor=actor).returning(drills_table.c.id)).scalar_one()
+            add_audit(conn, at=now, actor=actor, subject=f"drill:{did}", action="drill",
+                      to_state="ok" if ok else "failed", reason=f"tier {tier}, {seconds:.3f} s" +
+                      (f": {detail}" if detail else ""), run=run, step=step)
+            return to_drill(conn.execute(_drill_select().where(drills_table.c.id == did)).one())
+
+    def drills(self, run: str | None = None, limit: int = 50) -> list[DrillResult]:
+        """Newest first."""
+        stmt = _drill_select().order_by(drills_table.c.id.desc()).limit(limit)
+        with self._tx(write=False) as conn:
+            if run is not None:
+                stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
+            return [to_drill(r) for r in conn.execute(stmt)]
+
+
+def _drill_select():
+    return select(drills_table, checkpoints.c.step, runs.c.name.label("run_name")).select_from(
+        drills_table.join(checkpoints, checkpoints.c.id == drills_table.c.checkpoint_id)
+        .join(runs, runs.c.id == checkpoints.c.run_id))
+
+
+@lru_cache(maxsize=1)
+def _head() -> str:
+    return head_revision()
 
 
 def upgrade(url: str) -> str:
-    """Apply Alembic migrations up to head on the catalog at ``url``; return the revision."""
-    raise NotImplementedError
+    """Apply Alembic migrations up to head on the catalog at ``url``; return the revision.
+    Creates the SQLite file (and its folder) if needed. Safe to run again."""
+    engine = make_engine(url)
+    try:
+        with transaction(engine) as conn:
+            upgrade_connection(conn)
+            return current_revision(conn)
+    finally:
+        engine.dispose()

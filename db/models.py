@@ -1,0 +1,247 @@
+"""ORM models of the catalog: the schema the migrations build, and nothing else.
+
+Rows never leave ``db/``: ``db.catalog`` reads them with Core statements and returns the plain
+values of ``db.entities``. Every query of the catalog issue has an index here (named in a
+comment next to it). Times are stored in UTC and always come back timezone-aware.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names, so that migrations (batch mode on SQLite) can name what they alter.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator):
+    """A timestamp stored in UTC and returned timezone-aware on every backend.
+
+    SQLite has no time zone type: values are stored as naive UTC and tagged UTC on the way out.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    project: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    config_digest: Mapped[str | None] = mapped_column(String(128))
+    code_digest: Mapped[str | None] = mapped_column(String(128))
+    tags: Mapped[dict] = mapped_column(JSON)
+    # The run-level origin (resumed/fine-tuned/branched from this checkpoint). Kept as names so
+    # a run can be created before its first checkpoint; the edge itself lives in ``lineage``.
+    parent_run: Mapped[str | None] = mapped_column(String(128))
+    parent_step: Mapped[int | None] = mapped_column(BigInteger)
+    parent_relation: Mapped[str | None] = mapped_column(String(32))
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step"),  # queries 1, 7: a run's checkpoints by step
+        Index(None, "state", "verified_tiers"),  # query 6: under-replicated by tier mask
+        Index(None, "state", "committed_at"),  # query 10: committed, never promoted
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str] = mapped_column(String(32))
+    parts: Mapped[int] = mapped_column(Integer)
+    parts_registered: Mapped[int] = mapped_column(Integer)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    file_count: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict] = mapped_column(JSON)
+    tags: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    writer_stall_seconds: Mapped[float | None] = mapped_column(Float)
+    # Bit t set <=> every part has a verified replica on tier t. Kept by the catalog on every
+    # replica state change (in the same transaction), so "where is a complete copy" is a
+    # column read instead of a GROUP BY over replicas.
+    verified_tiers: Mapped[int] = mapped_column(Integer)
+
+
+class CheckpointPart(Base):
+    """One registered manifest: a node's share of a checkpoint."""
+
+    __tablename__ = "checkpoint_parts"
+
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str | None] = mapped_column(String(256))
+    manifest_digest: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    file_count: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class CheckpointFile(Base):
+    __tablename__ = "checkpoint_files"
+    __table_args__ = (UniqueConstraint("checkpoint_id", "part", "path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    part: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(1024))
+    size: Mapped[int] = mapped_column(BigInteger)
+    algorithm: Mapped[str] = mapped_column(String(16))
+    checksum: Mapped[str] = mapped_column(String(128))
+
+
+class Replica(Base):
+    """One part of one checkpoint on one tier; its ``state`` follows db.entities.TRANSITIONS."""
+
+    __tablename__ = "replicas"
+    __table_args__ = (
+        UniqueConstraint("checkpoint_id", "tier", "part"),  # queries 2, 3, 6, 7: a checkpoint's copies
+        Index(None, "tier", "state"),  # queries 7, 9: verified replicas on a tier
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    tier: Mapped[int] = mapped_column(SmallInteger)
+    part: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str | None] = mapped_column(String(256))
+    url: Mapped[str] = mapped_column(String(2048))
+    state: Mapped[str] = mapped_column(String(16))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    copy_seconds: Mapped[float | None] = mapped_column(Float)
+    etag: Mapped[str | None] = mapped_column(String(256))
+    version_id: Mapped[str | None] = mapped_column(String(256))
+    claim_token: Mapped[str | None] = mapped_column(String(64))
+    lease_seconds: Mapped[float | None] = mapped_column(Float)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class TierCompletion(Base):
+    """The first observation that a checkpoint was complete on a tier (``complete_on_tier``)."""
+
+    __tablename__ = "tier_completions"
+
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
+    tier: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    completed_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    actor: Mapped[str] = mapped_column(String(256))
+
+
+class Lineage(Base):
+    """Edge child -> parent (``follows``, ``resumed_from``, ``fine_tuned_from``, ``branched_from``)."""
+
+    __tablename__ = "lineage"
+    __table_args__ = (Index(None, "parent_id"),)  # query 5: descendants walk parent -> child
+
+    child_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)  # query 4
+    parent_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
+    relation: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Pin(Base):
+    __tablename__ = "pins"
+
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(256))
+    pinned_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Alias(Base):
+    __tablename__ = "aliases"
+    __table_args__ = (Index(None, "checkpoint_id"),)  # prune guard: is this checkpoint aliased
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    set_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AuditLog(Base):
+    """Every state change: when, who (flow-run id, ``cli``, ``agent:<node>``), what, why."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index(None, "run", "step", "id"),)  # query 8: a checkpoint's history
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    actor: Mapped[str] = mapped_column(String(256))
+    subject: Mapped[str] = mapped_column(String(512))
+    action: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str | None] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    run: Mapped[str | None] = mapped_column(String(128))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Drill(Base):
+    """A timed restore drill of one checkpoint from one tier."""
+
+    __tablename__ = "drills"
+    __table_args__ = (Index(None, "checkpoint_id"), Index(None, "at"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    tier: Mapped[int] = mapped_column(SmallInteger)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    seconds: Mapped[float] = mapped_column(Float)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    detail: Mapped[str | None] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(256))

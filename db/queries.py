@@ -1,0 +1,207 @@
+"""The catalog's read queries (numbered as in the catalog issue), as functions of a connection.
+
+"Complete on tier t" means every part of the checkpoint has a ``verified`` replica on t; the
+catalog keeps that as the bit mask ``checkpoints.verified_tiers`` (updated in the same
+transaction as every replica state change), so queries 1, 2, 3 and 6 read a column and an
+index instead of grouping replicas.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.engine import Connection, Row
+
+from db.entities import CKPT_COMMITTED, COPYING, PRUNED, PRUNING, VERIFIED, CheckpointInfo, Location, ReplicaInfo, TierUsage
+from db.rows import (
+    ALL_TIERS,
+    aliases,
+    checkpoint_select,
+    checkpoints,
+    durability,
+    parts,
+    pins,
+    replica_select,
+    replicas,
+    run_row,
+    runs,
+    tier_bit,
+    to_checkpoint,
+    to_replica,
+)
+
+
+def complete_tiers(mask: int) -> list[int]:
+    return [t for t in ALL_TIERS if mask & tier_bit(t)]
+
+
+def _masks(pred) -> list[int]:
+    return [m for m in range(1 << len(ALL_TIERS)) if pred(m)]
+
+
+def _has_tier(tiers: Iterable[int]):
+    want = sum(tier_bit(t) for t in tiers)
+    return checkpoints.c.verified_tiers.in_(_masks(lambda m: m & want))
+
+
+# --- (1) newest verified ------------------------------------------------------------------
+def newest_verified(conn: Connection, run: str, *, tier: int | None, follow_resumed: bool,
+                    durable_only: bool) -> CheckpointInfo | None:
+    tiers = [tier] if tier is not None else [t for t in ALL_TIERS if not durable_only or t >= 1]
+    name, max_step, seen = run, None, set()
+    while name is not None and name not in seen:
+        seen.add(name)
+        r = run_row(conn, name)
+        stmt = checkpoint_select().where(checkpoints.c.run_id == r.id, checkpoints.c.state == CKPT_COMMITTED,
+                                         _has_tier(tiers))
+        if max_step is not None:
+            stmt = stmt.where(checkpoints.c.step <= max_step)
+        row = conn.execute(stmt.order_by(checkpoints.c.step.desc()).limit(1)).first()
+        if row is not None:
+            return to_checkpoint(row)
+        if not follow_resumed or r.parent_relation != "resumed_from":
+            return None
+        name, max_step = r.parent_run, r.parent_step
+    return None
+
+
+def newest_verified_steps(conn: Connection, run_ids: Sequence[int] | None) -> dict[int, int]:
+    """run id -> step of its newest checkpoint complete on any tier (the prune guard's 'newest')."""
+    stmt = (select(checkpoints.c.run_id, func.max(checkpoints.c.step))
+            .where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers != 0)
+            .group_by(checkpoints.c.run_id))
+    if run_ids is not None:
+        stmt = stmt.where(checkpoints.c.run_id.in_(run_ids))
+    return dict(conn.execute(stmt).all())
+
+
+# --- (2), (3) locations ------------------------------------------------------------------------
+def locations(conn: Connection, ckpt: Row) -> list[Location]:
+    tiers = complete_tiers(ckpt.verified_tiers)
+    if not tiers:
+        return []
+    rows = conn.execute(
+        select(replicas.c.tier, replicas.c.part, replicas.c.url, replicas.c.verified_at,
+               func.coalesce(replicas.c.bytes, parts.c.bytes).label("bytes"))
+        .select_from(replicas.outerjoin(parts, and_(parts.c.checkpoint_id == replicas.c.checkpoint_id,
+                                                    parts.c.part == replicas.c.part)))
+        .where(replicas.c.checkpoint_id == ckpt.id, replicas.c.state == VERIFIED, replicas.c.tier.in_(tiers))
+        .order_by(replicas.c.tier, replicas.c.part)).all()
+    by_tier: dict[int, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_tier[r.tier].append(r)
+    return [
+        Location(run=ckpt.run_name, step=ckpt.step, tier=t, urls=tuple(r.url for r in rs),
+                 verified_at=max(r.verified_at for r in rs), bytes=sum(r.bytes or 0 for r in rs))
+        for t, rs in sorted(by_tier.items())
+    ]
+
+
+# --- (6) under-replicated --------------------------------------------------------------------
+def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, run_id: int | None,
+                     limit: int | None) -> list[CheckpointInfo]:
+    durable = sum(tier_bit(t) for t in ALL_TIERS if t >= durable_tier)
+    masks = _masks(lambda m: not (m & durable) or bin(m).count("1") < min_copies)
+    stmt = checkpoint_select().where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers.in_(masks))
+    if run_id is not None:
+        stmt = stmt.where(checkpoints.c.run_id == run_id)
+    stmt = stmt.order_by(runs.c.name, checkpoints.c.step)
+    return [to_checkpoint(r) for r in conn.execute(stmt.limit(limit) if limit else stmt)]
+
+
+# --- (7) prune candidates --------------------------------------------------------------------
+def prune_candidates(conn: Connection, tier: int, policy, *, run_id: int | None, now: datetime,
+                     prunable_only: bool) -> list[ReplicaInfo]:
+    if not policy.enabled:
+        return []
+    pinned = select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == checkpoints.c.id).exists()
+    aliased = select(aliases.c.checkpoint_id).where(aliases.c.checkpoint_id == checkpoints.c.id).exists()
+    stmt = (replica_select().add_columns(checkpoints.c.run_id, checkpoints.c.kind, checkpoints.c.metrics,
+                                         checkpoints.c.created_at.label("ckpt_created_at"),
+                                         checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
+            .where(replicas.c.tier == tier, replicas.c.state == VERIFIED, checkpoints.c.state == CKPT_COMMITTED))
+    if run_id is not None:
+        stmt = stmt.where(checkpoints.c.run_id == run_id)
+    rows = conn.execute(stmt).all()
+    newest = newest_verified_steps(conn, [run_id] if run_id is not None else None)
+    by_run: dict[int, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_run[r.run_id].append(r)
+    doomed: list[Row] = []
+    for rid, rs in by_run.items():
+        keep = _kept_steps(rs, tier, policy, now) | {newest.get(rid)}
+        doomed += [r for r in rs if r.step not in keep and not r.held]
+    if prunable_only:
+        doomed = _with_other_copy(conn, doomed, tier)
+    return [to_replica(r) for r in sorted(doomed, key=lambda r: (r.run_name, r.step, r.part))]
+
+
+def _kept_steps(rows: list[Row], tier: int, policy, now: datetime) -> set[int]:
+    """Steps of one run that the policy keeps on ``tier`` (a step is kept if any rule holds)."""
+    ckpts = {r.step: r for r in rows}
+    steps = sorted(ckpts, reverse=True)
+    keep: set[int] = set(steps[: policy.keep_last or 0])
+    if policy.keep_milestones:
+        archived = tier_bit(2)
+        keep |= {s for s in steps if ckpts[s].kind == "milestone"
+                 and (tier >= 2 or not ckpts[s].verified_tiers & archived)}
+    if policy.top_k and policy.metric:
+        scored = [s for s in steps if policy.metric in (ckpts[s].metrics or {})]
+        scored.sort(key=lambda s: ckpts[s].metrics[policy.metric], reverse=policy.metric_mode == "max")
+        keep |= set(scored[: policy.top_k])
+    if policy.max_age_days:
+        cutoff = now - timedelta(days=policy.max_age_days)
+        keep |= {s for s in steps if ckpts[s].ckpt_created_at >= cutoff}
+    return keep
+
+
+def _with_other_copy(conn: Connection, rows: list[Row], tier: int) -> list[Row]:
+    """Only the replicas the prune guard would let go: another verified copy of the same part on
+    another tier of at least the same durability class."""
+    ok: set[tuple[int, int]] = set()
+    ids = sorted({r.checkpoint_id for r in rows})
+    for i in range(0, len(ids), 500):
+        for cid, part, t in conn.execute(
+                select(replicas.c.checkpoint_id, replicas.c.part, replicas.c.tier)
+                .where(replicas.c.checkpoint_id.in_(ids[i:i + 500]), replicas.c.state == VERIFIED,
+                       replicas.c.tier != tier)):
+            if durability(t) >= durability(tier):
+                ok.add((cid, part))
+    return [r for r in rows if (r.checkpoint_id, r.part) in ok]
+
+
+# --- (9) usage, (10) unpromoted ----------------------------------------------------------------
+def usage(conn: Connection, run_id: int | None) -> list[TierUsage]:
+    stmt = (select(runs.c.name, replicas.c.tier, func.count(func.distinct(replicas.c.checkpoint_id)),
+                   func.coalesce(func.sum(func.coalesce(replicas.c.bytes, parts.c.bytes)), 0))
+            .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id)
+                         .join(runs, runs.c.id == checkpoints.c.run_id)
+                         .outerjoin(parts, and_(parts.c.checkpoint_id == replicas.c.checkpoint_id,
+                                                parts.c.part == replicas.c.part)))
+            .where(replicas.c.state == VERIFIED)
+            .group_by(runs.c.name, replicas.c.tier).order_by(runs.c.name, replicas.c.tier))
+    if run_id is not None:
+        stmt = stmt.where(checkpoints.c.run_id == run_id)
+    return [TierUsage(run=n, tier=t, checkpoints=c, bytes=int(b)) for n, t, c, b in conn.execute(stmt)]
+
+
+def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, run_id: int | None,
+               limit: int | None) -> list[CheckpointInfo]:
+    """Committed checkpoints with a part that has no Tier 1 replica that is verified, was
+    verified once (pruning/pruned: retention took it, it was promoted), or is being copied under
+    a live lease."""
+    promoted = (select(func.count()).select_from(replicas)
+                .where(replicas.c.checkpoint_id == checkpoints.c.id, replicas.c.tier == 1,
+                       or_(replicas.c.state.in_([VERIFIED, PRUNING, PRUNED]),
+                           and_(replicas.c.state == COPYING, replicas.c.lease_expires_at > now)))
+                .scalar_subquery())
+    stmt = checkpoint_select().where(checkpoints.c.state == CKPT_COMMITTED,
+                                     checkpoints.c.committed_at <= now - timedelta(seconds=older_than_seconds),
+                                     promoted < checkpoints.c.parts)
+    if run_id is not None:
+        stmt = stmt.where(checkpoints.c.run_id == run_id)
+    stmt = stmt.order_by(checkpoints.c.committed_at, checkpoints.c.id)
+    return [to_checkpoint(r) for r in conn.execute(stmt.limit(limit) if limit else stmt)]

@@ -1,0 +1,162 @@
+"""Core table handles, shared SELECTs and the row -> entity conversions of the catalog.
+
+ORM rows never leave ``db/``: everything the catalog returns is built here from Core rows.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Select, select
+from sqlalchemy.engine import Connection, Row
+
+from ckpt.errors import NotFound, UnknownRun
+from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
+from db.models import (
+    Alias,
+    AuditLog,
+    Checkpoint,
+    CheckpointFile,
+    CheckpointPart,
+    Drill,
+    Lineage,
+    Pin,
+    Replica,
+    Run,
+    TierCompletion,
+)
+
+runs = Run.__table__
+checkpoints = Checkpoint.__table__
+parts = CheckpointPart.__table__
+files = CheckpointFile.__table__
+replicas = Replica.__table__
+completions = TierCompletion.__table__
+lineage = Lineage.__table__
+pins = Pin.__table__
+aliases = Alias.__table__
+audit = AuditLog.__table__
+drills = Drill.__table__
+
+ALL_TIERS = (0, 1, 2)
+
+
+def durability(tier: int) -> int:
+    """Durability class of a tier for the prune guard: Tier 0 is node-local (lost with its
+    node); Tiers 1 and 2 are shared and survive the loss of any node, so either may stand in
+    for the other. A copy may be pruned only while a verified copy of equal or higher class
+    exists on another tier."""
+    return 0 if tier == 0 else 1
+
+
+def tier_bit(tier: int) -> int:
+    return 1 << tier
+
+
+# --- selects ---------------------------------------------------------------------------
+def checkpoint_select() -> Select:
+    return select(checkpoints, runs.c.name.label("run_name")).select_from(
+        checkpoints.join(runs, checkpoints.c.run_id == runs.c.id))
+
+
+def replica_select() -> Select:
+    return select(replicas, checkpoints.c.step, runs.c.name.label("run_name")).select_from(
+        replicas.join(checkpoints, replicas.c.checkpoint_id == checkpoints.c.id)
+        .join(runs, checkpoints.c.run_id == runs.c.id))
+
+
+def run_row(conn: Connection, name: str, *, lock: bool = False) -> Row:
+    stmt = select(runs).where(runs.c.name == name)
+    row = conn.execute(stmt.with_for_update() if lock else stmt).one_or_none()
+    if row is None:
+        raise UnknownRun(f"unknown run {name!r}: no checkpoint of it was ever registered")
+    return row
+
+
+def checkpoint_row(conn: Connection, run: str, step: int, *, lock: bool = False) -> Row:
+    stmt = checkpoint_select().where(runs.c.name == run, checkpoints.c.step == step)
+    row = conn.execute(stmt.with_for_update(of=checkpoints) if lock else stmt).one_or_none()
+    if row is None:
+        run_row(conn, run)
+        raise NotFound(f"run {run!r} has no checkpoint at step {step}")
+    return row
+
+
+def checkpoint_row_by_id(conn: Connection, checkpoint_id: int, *, lock: bool = False) -> Row:
+    stmt = checkpoint_select().where(checkpoints.c.id == checkpoint_id)
+    row = conn.execute(stmt.with_for_update(of=checkpoints) if lock else stmt).one_or_none()
+    if row is None:
+        raise NotFound(f"no checkpoint with id {checkpoint_id}")
+    return row
+
+
+def replica_row(conn: Connection, replica_id: int, *, lock: bool = False) -> Row:
+    stmt = replica_select().where(replicas.c.id == replica_id)
+    row = conn.execute(stmt.with_for_update(of=replicas) if lock else stmt).one_or_none()
+    if row is None:
+        raise NotFound(f"no replica with id {replica_id}")
+    return row
+
+
+# --- conversions -----------------------------------------------------------------------
+def to_run(row: Row) -> RunInfo:
+    return RunInfo(id=row.id, name=row.name, project=row.project, created_at=row.created_at,
+                   config_digest=row.config_digest, code_digest=row.code_digest,
+                   tags=dict(row.tags or {}), parent_run=row.parent_run,
+                   parent_step=row.parent_step, parent_relation=row.parent_relation)
+
+
+def to_checkpoint(row: Row) -> CheckpointInfo:
+    return CheckpointInfo(
+        id=row.id, run=row.run_name, step=row.step, kind=row.kind, state=row.state,
+        parts=row.parts, parts_registered=row.parts_registered, total_bytes=row.total_bytes,
+        file_count=row.file_count, metrics=dict(row.metrics or {}), created_at=row.created_at,
+        committed_at=row.committed_at, writer_stall_seconds=row.writer_stall_seconds,
+        format=row.format, tags=dict(row.tags or {}),
+    )
+
+
+def to_replica(row: Row) -> ReplicaInfo:
+    return ReplicaInfo(
+        id=row.id, checkpoint_id=row.checkpoint_id, run=row.run_name, step=row.step,
+        tier=row.tier, part=row.part, node=row.node, url=row.url, state=row.state,
+        bytes=row.bytes, verified_at=row.verified_at, copy_seconds=row.copy_seconds,
+        etag=row.etag, version_id=row.version_id, claim_token=row.claim_token,
+        updated_at=row.updated_at,
+    )
+
+
+def to_file(row: Row) -> FileInfo:
+    return FileInfo(checkpoint_id=row.checkpoint_id, part=row.part, path=row.path, size=row.size,
+                    algorithm=row.algorithm, checksum=row.checksum)
+
+
+def to_audit(row: Row) -> AuditEntry:
+    return AuditEntry(id=row.id, at=row.at, actor=row.actor, subject=row.subject, action=row.action,
+                      from_state=row.from_state, to_state=row.to_state, reason=row.reason,
+                      run=row.run, step=row.step)
+
+
+def to_drill(row: Row) -> DrillResult:
+    return DrillResult(id=row.id, run=row.run_name, step=row.step, tier=row.tier, ok=row.ok,
+                       seconds=row.seconds, bytes=row.bytes, at=row.at, detail=row.detail)
+
+
+def insert_ignore(conn: Connection, table, values: dict, keys: list[str]) -> int:
+    """INSERT ... ON CONFLICT (keys) DO NOTHING; returns 1 if this call inserted the row.
+
+    On PostgreSQL a concurrent insert of the same key waits for the other transaction, so
+    exactly one caller sees 1."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    stmt = insert(table).values(**values).on_conflict_do_nothing(index_elements=keys)
+    # RETURNING, not rowcount: with implicit RETURNING psycopg reports rowcount -1.
+    return 1 if conn.execute(stmt.returning(table.c[keys[0]])).first() is not None else 0
+
+
+def add_audit(conn: Connection, *, at, actor: str, subject: str, action: str, from_state: str | None = None,
+              to_state: str | None = None, reason: str | None = None, run: str | None = None,
+              step: int | None = None) -> None:
+    conn.execute(audit.insert().values(at=at, actor=actor, subject=subject, action=action,
+                                       from_state=from_state, to_state=to_state, reason=reason,
+                                       run=run, step=step))

@@ -1,0 +1,157 @@
+"""The replica state machine: claims, compare-and-set transitions and the guarded prune.
+
+Each function runs inside the caller's transaction (``db.session.transaction``) and locks what
+it decides on: ``SELECT ... FOR UPDATE`` on PostgreSQL, the database write lock taken by
+``BEGIN IMMEDIATE`` on SQLite. The final UPDATE is also guarded by ``WHERE state = <the state
+read>`` and checked by rowcount, so a caller that lost a race gets ``StaleState``, never a
+silent double win.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection, Row
+
+from ckpt.errors import BadInput, IllegalTransition, PruneRefused, StaleState
+from db.entities import COPYING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim
+from db.queries import newest_verified_steps
+from db.rows import (
+    ALL_TIERS,
+    add_audit,
+    aliases,
+    checkpoint_row_by_id,
+    checkpoints,
+    durability,
+    insert_ignore,
+    pins,
+    replica_row,
+    replicas,
+    tier_bit,
+    to_replica,
+)
+
+
+def check_tier(tier: int) -> int:
+    if tier not in ALL_TIERS:
+        raise BadInput(f"unknown tier {tier!r}; expected one of {ALL_TIERS}")
+    return tier
+
+
+def refresh_verified_tiers(conn: Connection, checkpoint_id: int, parts: int) -> None:
+    """Recompute ``checkpoints.verified_tiers`` (bit t: every part verified on tier t)."""
+    counts = conn.execute(select(replicas.c.tier, func.count())
+                          .where(replicas.c.checkpoint_id == checkpoint_id, replicas.c.state == VERIFIED)
+                          .group_by(replicas.c.tier)).all()
+    mask = sum(tier_bit(t) for t, n in counts if n >= parts)
+    conn.execute(update(checkpoints).where(checkpoints.c.id == checkpoint_id).values(verified_tiers=mask))
+
+
+def move(conn: Connection, rep: Row, to_state: str, *, now: datetime, actor: str, reason: str | None,
+         parts: int, values: dict | None = None) -> None:
+    """CAS ``rep.state -> to_state`` (legality already checked), audited, mask kept in step."""
+    vals = dict(values or {}, state=to_state, updated_at=now)
+    if to_state == VERIFIED:
+        vals["verified_at"] = now
+    if rep.state == COPYING and to_state != COPYING:
+        vals.update(claim_token=None, lease_expires_at=None)
+    done = conn.execute(update(replicas).where(replicas.c.id == rep.id, replicas.c.state == rep.state)
+                        .values(**vals)).rowcount
+    if done != 1:
+        raise StaleState(f"replica {rep.id} changed state under us (was {rep.state!r})")
+    if VERIFIED in (rep.state, to_state):
+        refresh_verified_tiers(conn, rep.checkpoint_id, parts)
+    where = f"tier {rep.tier} part {rep.part}"
+    add_audit(conn, at=now, actor=actor, subject=f"replica:{rep.id}", action="transition",
+              from_state=rep.state, to_state=to_state, reason=f"{where}: {reason}" if reason else where,
+              run=rep.run_name, step=rep.step)
+
+
+def check_legal(rep: Row, to_state: str) -> None:
+    if to_state not in TRANSITIONS:
+        raise BadInput(f"unknown replica state {to_state!r}")
+    if to_state not in TRANSITIONS[rep.state]:
+        raise IllegalTransition(f"replica {rep.id} ({rep.run_name}/{rep.step} tier {rep.tier} part {rep.part}) "
+                                f"cannot move {rep.state} -> {to_state}; legal: {sorted(TRANSITIONS[rep.state]) or 'none'}")
+
+
+def transition(conn: Connection, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None,
+               claim_token: str | None, now: datetime, actor: str, reason: str | None, values: dict) -> Row:
+    rep = replica_row(conn, replica_id, lock=True)
+    if expected is not None:
+        allowed = (expected,) if isinstance(expected, str) else tuple(expected)
+        if rep.state not in allowed:
+            raise StaleState(f"replica {replica_id} is {rep.state!r}, expected {' or '.join(allowed)}")
+    if claim_token is not None and rep.claim_token != claim_token:
+        raise StaleState(f"replica {replica_id}: claim {claim_token} is not the live claim")
+    check_legal(rep, to_state)
+    ckpt = checkpoint_row_by_id(conn, rep.checkpoint_id)
+    move(conn, rep, to_state, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=values)
+    return replica_row(conn, replica_id)
+
+
+def claim_copy(conn: Connection, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
+               now: datetime, actor: str, lease_seconds: float) -> Claim:
+    ckpt = checkpoint_row_by_id(conn, checkpoint_id)
+    check_tier(tier)
+    if not 0 <= part < ckpt.parts:
+        raise BadInput(f"part {part} out of range: checkpoint {ckpt.run_name}/{ckpt.step} has {ckpt.parts} part(s)")
+    insert_ignore(conn, replicas, dict(checkpoint_id=checkpoint_id, tier=tier, part=part, node=node, url=url,
+                                       state=PENDING, created_at=now, updated_at=now),
+                  ["checkpoint_id", "tier", "part"])
+    rid = conn.execute(select(replicas.c.id).where(replicas.c.checkpoint_id == checkpoint_id,
+                                                   replicas.c.tier == tier, replicas.c.part == part)).scalar_one()
+    rep = replica_row(conn, rid, lock=True)
+    live_claim = rep.state == COPYING and rep.lease_expires_at is not None and rep.lease_expires_at > now
+    if rep.state in (VERIFIED, PRUNING) or live_claim:
+        return Claim(replica=to_replica(rep), acquired=False)
+    token = uuid.uuid4().hex
+    why = "stale claim taken over" if rep.state == COPYING else "copy claimed"
+    move(conn, rep, COPYING, now=now, actor=actor, reason=why, parts=ckpt.parts,
+         values=dict(claim_token=token, lease_seconds=lease_seconds, node=node, url=url,
+                     lease_expires_at=now + timedelta(seconds=lease_seconds)))
+    return Claim(replica=to_replica(replica_row(conn, rid)), acquired=True)
+
+
+def heartbeat(conn: Connection, replica_id: int, claim_token: str, *, now: datetime) -> None:
+    rep = replica_row(conn, replica_id, lock=True)
+    if rep.state != COPYING or rep.claim_token != claim_token:
+        raise StaleState(f"replica {replica_id}: the claim was lost (state {rep.state!r})")
+    conn.execute(update(replicas).where(replicas.c.id == replica_id).values(
+        lease_expires_at=now + timedelta(seconds=rep.lease_seconds or 600), updated_at=now))
+
+
+def begin_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str, reason: str | None) -> Row:
+    """verified -> pruning under the guard (see ``Catalog.begin_prune``). Locks the checkpoint
+    row first, then every replica of the same part, in id order, so concurrent prunes and
+    pins serialise on the checkpoint instead of deadlocking."""
+    peek = replica_row(conn, replica_id)
+    ckpt = checkpoint_row_by_id(conn, peek.checkpoint_id, lock=True)
+    same_part = conn.execute(
+        select(replicas.c.id, replicas.c.tier, replicas.c.state)
+        .where(replicas.c.checkpoint_id == peek.checkpoint_id, replicas.c.part == peek.part)
+        .order_by(replicas.c.id).with_for_update()).all()
+    rep = replica_row(conn, replica_id)
+    if rep.state != VERIFIED:
+        if rep.state == PRUNING:
+            raise StaleState(f"replica {replica_id} is already being pruned")
+        check_legal(rep, PRUNING)
+    name = f"{ckpt.run_name}/{ckpt.step}"
+    if conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ckpt.id)).first():
+        raise PruneRefused(f"checkpoint {name} is pinned")
+    alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ckpt.id)).scalar()
+    if alias is not None:
+        raise PruneRefused(f"checkpoint {name} is aliased as {alias!r}")
+    if newest_verified_steps(conn, [ckpt.run_id]).get(ckpt.run_id) == ckpt.step:
+        raise PruneRefused(f"checkpoint {name} is the newest verified checkpoint of its run")
+    others = [r for r in same_part if r.id != rep.id and r.state == VERIFIED
+              and durability(r.tier) >= durability(rep.tier)]
+    if not others:
+        raise PruneRefused(f"checkpoint {name} part {rep.part}: no other verified copy on a tier at least "
+                           f"as durable as tier {rep.tier}")
+    move(conn, rep, PRUNING, now=now, actor=actor, reason=reason, parts=ckpt.parts)
+    return replica_row(conn, replica_id)
+
