@@ -1,0 +1,158 @@
+"""``ckpt restore``, ``ckpt scrub``, ``ckpt drill`` and ``ckpt drills``: getting checkpoints
+back, and proving that they can be. The commands run the plain functions in this process (no
+Prefect server needed); the scheduled flows run the same functions. Heavy imports happen
+inside the commands, never at import time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("restore")(restore_cmd)
+    app.command("scrub")(scrub_cmd)
+    app.command("drill")(drill_cmd)
+    app.command("drills")(drills_cmd)
+
+
+# --- ckpt restore ----------------------------------------------------------------------------
+def restore_cmd(
+    run: str = typer.Argument(..., help="training run"),
+    to: Path = typer.Option(..., "--to", help="destination folder (absent or empty); filled atomically"),
+    step: int = typer.Option(None, "--step", help="restore this step (default: the newest verified)"),
+    tier: list[int] = typer.Option(None, "--tier", help="only these tiers, in this order (default 0 1 2)"),
+    fallback: bool = typer.Option(None, "--fallback/--no-fallback",
+                                  help="fall back to an older checkpoint when none of this one's copies is good "
+                                       "(default: yes without --step, no with it)"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
+) -> None:
+    """Restore a checkpoint from the nearest tier holding a verified copy, checking every file."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from ckpt.settings import load_settings
+    from tasks.replicas import DEFAULT_PREFERENCE
+    from tasks.restore import restore_checkpoint
+
+    settings = load_settings()
+    preference = tuple(tier) if tier else DEFAULT_PREFERENCE
+    err = Console(stderr=True)
+    if as_json:
+        report = restore_checkpoint(settings, run, to, step=step, preference=preference, fallback=fallback)
+    else:
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("restoring", total=None)
+
+            def progress(done: int, total: int, label: str) -> None:
+                bar.update(task, completed=done, total=total, description=label)
+
+            report = restore_checkpoint(settings, run, to, step=step, preference=preference,
+                                        fallback=fallback, progress=progress)
+    if as_json:
+        typer.echo(json.dumps({
+            "run": report.run, "step": report.step, "dest": report.dest, "tiers": report.tiers,
+            "tier": report.tier, "bytes": report.bytes, "files": report.files,
+            "seconds": round(report.seconds, 3), "mb_per_s": round(report.mb_per_s, 1),
+            "fell_back_from": report.fell_back_from, "notes": report.notes,
+            "bad": [b.__dict__ for b in report.bad],
+        }, indent=1))
+        return
+    for note in report.notes:
+        err.print(f"[yellow]note:[/yellow] {note}")
+    out = Console()
+    out.print(f"restored [bold]{report.run}[/bold] step {report.step} into {report.dest}")
+    out.print(f"  tier used : {', '.join(str(t) for t in sorted(set(report.tiers)))}")
+    out.print(f"  bytes     : {report.bytes:,} in {report.files} files")
+    out.print(f"  seconds   : {report.seconds:.2f}")
+    out.print(f"  throughput: {report.mb_per_s:,.1f} MB/s")
+
+
+# --- ckpt scrub ------------------------------------------------------------------------------
+def scrub_cmd(
+    all_: bool = typer.Option(False, "--all", help="read back every stored copy, not a share"),
+    fraction: float = typer.Option(None, "--fraction", help="share of the copies to read (default: settings)"),
+    repair: bool = typer.Option(True, "--repair/--no-repair", help="repair bad and under-replicated copies"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Read stored copies back, mark the bad ones, repair them from a good copy."""
+    from rich.console import Console
+
+    from ckpt.settings import load_settings
+    from tasks.scrub import scrub
+
+    report = scrub(load_settings(), fraction=1.0 if all_ else fraction, repair=repair)
+    if as_json:
+        typer.echo(json.dumps({
+            "eligible": report.eligible, "checked": report.checked, "bytes_read": report.bytes_read,
+            "seconds": round(report.seconds, 3), "bad": [b.__dict__ for b in report.bad],
+            "repairs": [r.row() for r in report.repairs], "skipped": report.skipped,
+        }, indent=1))
+    else:
+        out = Console()
+        for b in report.bad:
+            out.print(f"[red]{b.state}[/red] {b.run}/step-{b.step} part {b.part} tier {b.tier}: {b.reason}")
+        for r in report.repairs:
+            mark = "[green]repaired[/green]" if r.ok else "[red]NOT repaired[/red]"
+            out.print(f"{mark} {r.run}/step-{r.step} part {r.part} tier {r.tier}: {r.detail}")
+        for s in report.skipped:
+            out.print(f"[yellow]skipped[/yellow] {s}")
+        out.print(report.summary())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+# --- ckpt drill / drills -----------------------------------------------------------------------
+def drill_cmd(
+    run: str = typer.Option(None, "--run", help="drill this run's newest milestone (default: any run's)"),
+    scratch: Path = typer.Option(None, "--scratch", help="scratch folder (default: <data_dir>/drills)"),
+) -> None:
+    """Run a restoration drill now: restore the newest milestone from Tier 1 and Tier 2, timed."""
+    from ckpt.settings import load_settings
+    from tasks.drill import restore_drill
+
+    report = restore_drill(load_settings(), run=run, scratch=scratch)
+    for s in report.skipped:
+        typer.echo(s)
+    _print_drills(report.results)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def drills_cmd(
+    run: str = typer.Option(None, "--run", help="only this run"),
+    limit: int = typer.Option(50, "--limit", help="newest N drills"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The history of restoration drills: recovery time per tier."""
+    from ckpt.settings import load_settings
+    from tasks.base import open_catalog
+    from tasks.drill import drill_row
+
+    with open_catalog(load_settings().catalog_url) as cat:
+        results = cat.drills(run, limit)
+    if as_json:
+        typer.echo(json.dumps([drill_row(r) for r in results], indent=1))
+        return
+    _print_drills(results)
+
+
+def _print_drills(results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.drill import drill_row
+
+    table = Table(title="restoration drills")
+    for col in ("at", "run", "step", "tier", "ok", "seconds", "MB/s", "detail"):
+        table.add_column(col, justify="right" if col in ("step", "tier", "seconds", "MB/s") else "left")
+    for r in results:
+        row = drill_row(r)
+        table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]),
+                      "[green]ok[/green]" if row["ok"] else "[red]FAILED[/red]", f"{row['seconds']:.2f}",
+                      f"{row['MB/s']:.0f}", row["detail"])
+    Console().print(table if results else "no drills recorded yet")

@@ -1,0 +1,44 @@
+"""scrub flow: re-read a share of the stored copies, mark what rotted, repair it (scheduled by
+``Settings.scrub_cron``; ``ckpt scrub`` runs the same function by hand).
+
+Publishes a table of what was found and repaired, announces ``ckpt.checkpoint.corrupt`` for
+each bad copy, and fails the run when something could not be repaired, so it shows red.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from ckpt.errors import CorruptCheckpoint
+from ckpt.settings import Settings, load_settings
+from flows.common import artifact_key, current_actor, publish_table
+from flows.restore import announce_bad
+from tasks.scrub import ScrubReport, scrub_task
+
+
+def scrub_rows(report: ScrubReport) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = [{"what": "summary", "detail": report.summary()}]
+    rows += [{"what": f"found {b.state}", "detail": f"{b.run}/step-{b.step} part {b.part} tier {b.tier}: {b.reason}"}
+             for b in report.bad]
+    rows += [{"what": "repaired" if r.ok else "NOT repaired",
+              "detail": f"{r.run}/step-{r.step} part {r.part} tier {r.tier}: {r.detail}"} for r in report.repairs]
+    rows += [{"what": "skipped", "detail": s} for s in report.skipped]
+    return rows
+
+
+@flow(name="scrub", flow_run_name="scrub", log_prints=True)
+def scrub(fraction: float | None = None, repair: bool = True, settings: Settings | None = None) -> dict[str, Any]:
+    """Re-read ``fraction`` of the verified durable copies (default ``Settings.scrub_fraction``)."""
+    settings = settings or load_settings()
+    report = scrub_task(settings, fraction=fraction, repair=repair, actor=current_actor())
+    announce_bad(report.bad, "scrub")
+    publish_table(artifact_key("scrub"), scrub_rows(report), report.summary())
+    print(report.summary())
+    if not report.ok:
+        failed = [r for r in report.repairs if not r.ok]
+        raise CorruptCheckpoint(f"{len(failed)} bad copies could not be repaired: "
+                                + "; ".join(f"{r.run}/step-{r.step} tier {r.tier}: {r.detail}" for r in failed))
+    return {"checked": report.checked, "eligible": report.eligible, "bad": len(report.bad),
+            "repaired": sum(r.ok for r in report.repairs), "bytes_read": report.bytes_read}

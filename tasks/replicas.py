@@ -1,0 +1,90 @@
+"""Reading stored replicas back: which copies this machine can read, the manifest each holds,
+and what a failed read means for the catalog. Shared by restore, scrub and the drills.
+
+A replica is read from ``<tier root>/<run>/step-<step>/`` of its tier and checked against the
+manifest the catalog registered (``tasks.base.registered_manifest``). Tier 0 is node-local, so
+only Tier 0 replicas recorded for this node (``Settings.node``) are readable here.
+
+What a failure means (``classify_failure``): bytes or a manifest that do not match the
+catalog's record make the replica ``corrupt``; files that are not there make it ``missing``;
+a transient error (timeout, 5xx) says nothing about the replica and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ckpt.errors import CorruptCheckpoint, NotFound, PathEscape, StaleState
+from ckpt.settings import Settings
+from ckpt.storage.base import TierStore
+from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
+from tasks.base import tier_store
+
+DEFAULT_PREFERENCE = (0, 1, 2)
+
+
+class TierStores:
+    """Opens each configured tier's store once, on first use. Tiers without a URL are absent."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._open: dict[int, TierStore] = {}
+
+    def configured(self, tier: int) -> bool:
+        return bool(self.settings.tier_url(tier))
+
+    def get(self, tier: int) -> TierStore:
+        if tier not in self._open:
+            self._open[tier] = tier_store(self.settings, tier)
+        return self._open[tier]
+
+
+def readable_here(replica: ReplicaInfo, settings: Settings) -> bool:
+    """True when this machine can read ``replica``: its tier is configured and, for Tier 0,
+    it is on this node's NVMe."""
+    if not settings.tier_url(replica.tier):
+        return False
+    return replica.tier != 0 or replica.node in (None, "", settings.node)
+
+
+def verified_sources(replicas: Iterable[ReplicaInfo], part: int, settings: Settings,
+                     preference: Sequence[int] = DEFAULT_PREFERENCE) -> list[ReplicaInfo]:
+    """The verified replicas of ``part`` readable here, nearest tier first (``preference``)."""
+    rank = {tier: i for i, tier in enumerate(preference)}
+    found = [r for r in replicas
+             if r.part == part and r.state == VERIFIED and r.tier in rank and readable_here(r, settings)]
+    return sorted(found, key=lambda r: rank[r.tier])
+
+
+def classify_failure(exc: BaseException) -> str | None:
+    """The replica state a read failure proves (``corrupt`` / ``missing``), or None when the
+    failure says nothing about the stored bytes (transient, or a problem on our side)."""
+    if isinstance(exc, (NotFound, FileNotFoundError)):
+        return MISSING
+    if isinstance(exc, (CorruptCheckpoint, PathEscape)):
+        return CORRUPT
+    return None
+
+
+@dataclass(frozen=True)
+class BadReplica:
+    """A replica that a read proved bad, and what the catalog now says about it."""
+
+    replica_id: int
+    run: str
+    step: int
+    tier: int
+    part: int
+    state: str  # corrupt | missing
+    reason: str
+
+
+def mark_bad(catalog, replica: ReplicaInfo, state: str, reason: str, *, actor: str) -> BadReplica:
+    """Record that ``replica`` failed a read (verified -> corrupt/missing). Losing the race to
+    another writer (the row already moved) is fine: the replica is no longer trusted either way."""
+    try:
+        catalog.transition(replica.id, state, expected=VERIFIED, actor=actor, reason=reason[:500])
+    except StaleState:
+        pass
+    return BadReplica(replica.id, replica.run, replica.step, replica.tier, replica.part, state, reason)

@@ -1,0 +1,230 @@
+"""restore: bring a checkpoint back into a local folder from the nearest verified copy.
+
+Contract of ``restore_checkpoint``:
+- It picks the newest committed checkpoint of the run (or ``step``) and, part by part, the
+  verified replicas readable on this machine, nearest tier first (Tier 0 of this node, Tier 1,
+  Tier 2; ``preference`` narrows or reorders that).
+- Restoring is a copy into a local folder store (``ckpt.transfer.copy_part``): every file is
+  checked against the manifest the catalog registered while it is fetched, and S3 objects are
+  fetched in parallel (``Settings.copy_parallelism``).
+- A copy whose bytes or manifest do not match becomes ``corrupt`` (absent files: ``missing``)
+  in the catalog, and the next copy is tried; when no copy of the checkpoint is good, the
+  previous checkpoint is (only when no step was named, unless ``fallback=True``). Every such
+  step is said in ``RestoreReport.notes``. A transient failure of every copy of a part raises
+  (retry later) instead of falling back to older state.
+- ``dest`` must be absent or an empty folder. The checkpoint is assembled in a hidden sibling
+  folder and renamed into place in one step, so ``dest`` is either untouched or complete;
+  the staging folder is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import ConflictError, NotFound, StorageUnavailable, is_transient
+from ckpt.paths import safe_run_name
+from ckpt.settings import Settings
+from ckpt.storage.base import checkpoint_prefix
+from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
+from tasks.base import log, open_catalog, registered_manifest
+from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
+from tasks.retry import pipeline_task
+
+# progress(done_bytes, total_bytes, label): the position in the checkpoint being restored; it
+# goes back when a copy fails and the next one is tried. Called from the copy's threads.
+Progress = Callable[[int, int, str], None]
+
+
+def _no_progress(_done: int, _total: int, _label: str) -> None:
+    return None
+
+
+@dataclass
+class RestoreReport:
+    """What a restore did: the checkpoint and tiers it used, and every fallback on the way."""
+
+    run: str
+    step: int
+    dest: str
+    tiers: list[int]  # tier each part came from, part order
+    bytes: int
+    files: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    bad: list[BadReplica] = field(default_factory=list)
+    fell_back_from: int | None = None  # the newer step that could not be restored
+
+    @property
+    def tier(self) -> int:
+        """The farthest tier used (the one that bounded the restore)."""
+        return max(self.tiers)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        tiers = ", ".join(f"tier {t}" for t in sorted(set(self.tiers)))
+        return (f"restored {self.run}/step-{self.step} from {tiers} into {self.dest}: "
+                f"{self.files} files, {self.bytes / 1e6:.1f} MB in {self.seconds:.2f} s "
+                f"({self.mb_per_s:.0f} MB/s)")
+
+
+class _PartFailed(Exception):
+    """No readable copy of a part was good; ``transient`` when some failure may pass."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *, step: int | None = None,
+                       preference: Sequence[int] = DEFAULT_PREFERENCE, fallback: bool | None = None,
+                       progress: Progress = _no_progress, actor: str = "cli") -> RestoreReport:
+    """Restore ``run`` (newest, or ``step``) into ``dest``; see the module contract."""
+    safe_run_name(run)
+    target = Path(dest).expanduser().absolute()
+    ensure_empty_target(target)
+    fallback = (step is None) if fallback is None else fallback
+    stores = TierStores(settings)
+    started = time.monotonic()
+    notes: list[str] = []
+    bad: list[BadReplica] = []
+    first_step: int | None = None
+    with open_catalog(settings.catalog_url) as cat:
+        cat.get_run(run)
+        for ck in candidates(cat, run, step, fallback):
+            first_step = ck.step if first_step is None else first_step
+            try:
+                tiers = _restore_one(cat, stores, ck, target, preference, progress, actor, bad, notes)
+            except _PartFailed as exc:
+                if exc.transient:
+                    raise StorageUnavailable(f"{run}/step-{ck.step}: {exc}; not falling back to an "
+                                             "older checkpoint while a copy may only be unreachable") from None
+                notes.append(f"step {ck.step}: {exc}")
+                if fallback:
+                    log.warning("restore %s: step %d has no good copy (%s); trying the previous checkpoint",
+                                run, ck.step, exc)
+                continue
+            report = RestoreReport(run=run, step=ck.step, dest=str(target), tiers=tiers,
+                                   bytes=ck.total_bytes, files=ck.file_count,
+                                   seconds=time.monotonic() - started, notes=notes, bad=bad,
+                                   fell_back_from=first_step if first_step != ck.step else None)
+            if report.fell_back_from is not None:
+                notes.append(f"fell back from step {first_step} to step {ck.step}")
+            log.info("%s", report.summary())
+            return report
+    what = f"step {step}" if step is not None else "any checkpoint"
+    raise NotFound(f"{run}: no good copy of {what} is readable here"
+                   + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def candidates(cat: Any, run: str, step: int | None, fallback: bool) -> list[CheckpointInfo]:
+    """Committed checkpoints to try, newest first: ``step`` (then older ones with ``fallback``),
+    or every committed checkpoint of the run."""
+    if step is not None:
+        named = cat.get_checkpoint(run, step)
+        if not fallback:
+            return [named]
+    found = [c for c in cat.list_checkpoints(run) if c.state == CKPT_COMMITTED
+             and (step is None or c.step <= step)]
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def ensure_empty_target(target: Path) -> None:
+    """``target`` must be absent or an empty folder (a restore never merges or overwrites)."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise ConflictError(f"{target} exists and is not a folder; choose another destination")
+    if target.is_dir() and any(target.iterdir()):
+        raise ConflictError(f"{target} is not empty; restore into a new or empty folder")
+
+
+def _restore_one(cat: Any, stores: TierStores, ck: CheckpointInfo, target: Path, preference: Sequence[int],
+                 progress: Progress, actor: str, bad: list[BadReplica], notes: list[str]) -> list[int]:
+    """Fetch every part of ``ck`` into a staging sibling of ``target``, then publish it."""
+    replicas = cat.replicas(ck.id)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = target.parent / f".{target.name}.restore-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        from ckpt.storage.fs import LocalStore
+
+        dst = LocalStore(target.parent, 0, buffer_bytes=stores.settings.io_buffer_bytes)
+        part_bytes = [sum(f.size for f in cat.files(ck.id, part)) for part in range(ck.parts)]
+        tiers = []
+        for part in range(ck.parts):
+            base = sum(part_bytes[:part])
+            at = partial(_position, progress, base, ck.total_bytes)
+            tiers.append(_fetch_part(cat, stores, ck, part, replicas, dst, stage.name, preference, at,
+                                     actor, bad, notes))
+        publish(stage, target)
+        return tiers
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
+                dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
+                bad: list[BadReplica], notes: list[str]) -> int:
+    """Copy one part from its nearest good replica; return the tier it came from."""
+    from ckpt.transfer import copy_part
+
+    settings = stores.settings
+    sources = verified_sources(replicas, part, settings, preference)
+    if not sources:
+        states = ", ".join(f"tier {r.tier}: {r.state}" for r in replicas if r.part == part) or "none recorded"
+        raise _PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
+    transient = False
+    for rep in sources:
+        src = stores.get(rep.tier)
+        label = f"step {ck.step} part {part} from tier {rep.tier}"
+        progress(0, label)
+        try:
+            manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
+            copy_part(src, checkpoint_prefix(ck.run, ck.step), dst, dst_prefix, manifest,
+                      parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
+                      progress=lambda done: progress(done, label))
+            return rep.tier
+        except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+            state = classify_failure(exc)
+            if state is None and not is_transient(exc):
+                raise
+            why = str(exc).replace(f"{dst_prefix}/", "")  # name files as the checkpoint does
+            if state is None:
+                transient = True
+                notes.append(f"step {ck.step} part {part}: tier {rep.tier} unreachable ({why}); trying the next copy")
+                continue
+            bad.append(mark_bad(cat, rep, state, f"restore: {why}", actor=actor))
+            notes.append(f"step {ck.step} part {part}: tier {rep.tier} copy is {state} ({why}); "
+                         "marked in the catalog, trying the next copy")
+    raise _PartFailed(f"every copy of part {part} failed", transient=transient)
+
+
+def _position(progress: Progress, base: int, total: int, done: int, label: str) -> None:
+    progress(base + done, total, label)
+
+
+def publish(stage: Path, target: Path) -> None:
+    """Rename the complete ``stage`` onto ``target`` (absent or empty) in one step, durably."""
+    from ckpt.storage.fs import fsync_dir
+
+    fsync_dir(stage)
+    try:
+        os.rename(stage, target)  # replaces an empty folder atomically; refuses a non-empty one
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise ConflictError(f"{target} was filled while restoring; nothing was overwritten") from None
+        raise
+    fsync_dir(target.parent)
+
+
+restore_task = pipeline_task(restore_checkpoint, name="restore-checkpoint")

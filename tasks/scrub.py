@@ -1,0 +1,271 @@
+"""scrub: read stored copies back, mark what rotted, repair it from a good copy.
+
+Contract of ``scrub``:
+- It re-reads (every byte, plus the format check; ``ckpt.transfer.verify_part(deep=True)``)
+  a share of the verified replicas on the durable tiers (1 and 2; Tier 0 is scratch that the
+  next restore or promotion checks anyway): ``fraction`` of them per run, least recently
+  checked first, so that every copy is read within ``ceil(1 / fraction)`` runs. ``fraction=1``
+  (``ckpt scrub --all``) reads them all.
+- A copy that fails becomes ``corrupt`` (bytes, format or manifest differ from the catalog's
+  record) or ``missing`` (its manifest is gone). A transient failure changes nothing.
+- Repairs: every ``corrupt``/``missing`` replica on a durable tier, found now or earlier, is
+  copied again from a verified replica readable here (under a catalog claim, so a repair never
+  races a promotion: the claim's holder removes the bad part, copies, reads back, and only then
+  is the replica ``verified``); every checkpoint without a durable verified copy
+  (``Catalog.under_replicated``) gets a Tier 1 copy from whatever verified copy is left.
+- When the replica was last read back is kept in ``<data_dir>/scrub-state.json`` (the catalog
+  has no column for it); a lost file only makes the next runs start again from the oldest
+  ``verified_at``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CkptError, is_transient
+from ckpt.settings import Settings
+from ckpt.storage.base import TierStore, checkpoint_prefix
+from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo, ReplicaInfo
+from tasks.base import log, open_catalog, registered_manifest
+from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, readable_here, verified_sources
+from tasks.retry import pipeline_task
+
+DURABLE_TIERS = (1, 2)
+REPAIR_PREFERENCE = (1, 2, 0)  # read repairs from the shared tiers first, this node's NVMe last
+
+
+@dataclass
+class Repair:
+    run: str
+    step: int
+    part: int
+    tier: int
+    source_tier: int | None
+    ok: bool
+    detail: str
+
+    def row(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "part": self.part, "tier": self.tier,
+                "from tier": self.source_tier, "ok": self.ok, "detail": self.detail}
+
+
+@dataclass
+class ScrubReport:
+    eligible: int  # verified durable replicas readable here
+    checked: int  # re-read by this run
+    bytes_read: int
+    seconds: float
+    bad: list[BadReplica] = field(default_factory=list)
+    repairs: list[Repair] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # transient failures, lost claims
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.repairs)
+
+    def summary(self) -> str:
+        fixed = sum(r.ok for r in self.repairs)
+        return (f"scrub: read {self.checked} of {self.eligible} verified copies "
+                f"({self.bytes_read / 1e6:.1f} MB in {self.seconds:.1f} s), {len(self.bad)} bad, "
+                f"{fixed} repaired, {len(self.repairs) - fixed} not repairable")
+
+
+def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = True, actor: str = "cli",
+          now: datetime | None = None) -> ScrubReport:
+    """Re-read a share of the stored copies, mark failures, repair; see the module contract."""
+    fraction = settings.scrub_fraction if fraction is None else fraction
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    now = now or datetime.now(timezone.utc)
+    started = time.monotonic()
+    stores = TierStores(settings)
+    state_path = scrub_state_path(settings)
+    last_read = load_scrub_state(state_path)
+    with open_catalog(settings.catalog_url) as cat:
+        checkpoints = {c.id: c for c in cat.list_checkpoints()}
+        replicas = {cid: cat.replicas(cid) for cid in checkpoints}
+        eligible = [r for reps in replicas.values() for r in reps
+                    if r.state == VERIFIED and r.tier in DURABLE_TIERS and readable_here(r, settings)]
+        chosen = pick_for_scrub(eligible, last_read, fraction)
+        report = ScrubReport(eligible=len(eligible), checked=0, bytes_read=0, seconds=0.0)
+        for rep in chosen:
+            ck = checkpoints[rep.checkpoint_id]
+            nbytes = _reread(cat, stores, ck, rep, report, actor)
+            if nbytes is not None:
+                report.checked += 1
+                report.bytes_read += nbytes
+                last_read[str(rep.id)] = now.isoformat()
+        save_scrub_state(state_path, last_read, keep={str(r.id) for r in eligible})
+        if repair:
+            replicas = {cid: cat.replicas(cid) for cid in checkpoints}
+            _repair_bad(cat, stores, checkpoints, replicas, report, actor)
+            _repair_under_replicated(cat, stores, report, actor)
+    report.seconds = time.monotonic() - started
+    log.info("%s", report.summary())
+    return report
+
+
+def pick_for_scrub(eligible: list[ReplicaInfo], last_read: dict[str, str], fraction: float) -> list[ReplicaInfo]:
+    """The ``ceil(fraction * n)`` replicas read back least recently (or, never read back,
+    verified longest ago)."""
+    if not eligible:
+        return []
+
+    def when(r: ReplicaInfo) -> str:
+        seen = last_read.get(str(r.id))
+        verified = r.verified_at.astimezone(timezone.utc).isoformat() if r.verified_at else ""
+        return max(seen or "", verified)
+
+    ordered = sorted(eligible, key=lambda r: (when(r), r.id))
+    return ordered[:max(1, math.ceil(fraction * len(ordered)))]
+
+
+def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, report: ScrubReport,
+            actor: str) -> int | None:
+    """Read one replica back in full; mark it bad on a proven failure. Bytes read, or None
+    when the read could not finish for a transient reason."""
+    from ckpt.transfer import verify_part
+
+    settings = stores.settings
+    store = stores.get(rep.tier)
+    try:
+        manifest = registered_manifest(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts)
+        verify_part(store, checkpoint_prefix(ck.run, ck.step), manifest, parallelism=settings.copy_parallelism,
+                    buffer_bytes=settings.io_buffer_bytes, deep=True)
+        return manifest.total_bytes
+    except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+        state = classify_failure(exc)
+        if state is None:
+            if not is_transient(exc):
+                raise
+            report.skipped.append(f"{ck.run}/step-{ck.step} part {rep.part} tier {rep.tier}: {exc}")
+            return None
+        log.warning("scrub: %s/step-%d part %d on tier %d is %s: %s", ck.run, ck.step, rep.part, rep.tier, state, exc)
+        report.bad.append(mark_bad(cat, rep, state, f"scrub: {exc}", actor=actor))
+        return 0
+
+
+def _repair_bad(cat: Any, stores: TierStores, checkpoints: dict[int, CheckpointInfo],
+                replicas: dict[int, list[ReplicaInfo]], report: ScrubReport, actor: str) -> None:
+    """Copy again every corrupt/missing durable replica that has a good copy elsewhere."""
+    for cid, reps in replicas.items():
+        for rep in reps:
+            if rep.state in (CORRUPT, MISSING) and rep.tier in DURABLE_TIERS and stores.configured(rep.tier):
+                report.repairs.append(repair_replica(cat, stores, checkpoints[cid], rep.part, rep.tier, reps, actor))
+
+
+def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, actor: str) -> None:
+    """Give every checkpoint without a durable verified copy a Tier 1 copy, part by part."""
+    for ck in cat.under_replicated(durable_tier=1):
+        reps = cat.replicas(ck.id)
+        for part in range(ck.parts):
+            if any(r.part == part and r.state == VERIFIED and r.tier >= 1 for r in reps):
+                continue
+            report.repairs.append(repair_replica(cat, stores, ck, part, 1, reps, actor))
+
+
+def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
+                   replicas: list[ReplicaInfo], actor: str) -> Repair:
+    """Make the replica of ``part`` on ``tier`` verified again from a good copy on another tier.
+
+    Under the catalog's claim: remove whatever the bad copy left (its manifest first, so it
+    stops being committed), copy from the nearest verified replica readable here, read back,
+    then ``verified``. Never raises for a repair that cannot be done; says why instead.
+    """
+    from ckpt.transfer import copy_part
+    from tasks.copy import Heartbeat, _release  # a failed repair releases its claim like a failed copy
+
+    settings = stores.settings
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    sources = [r for r in verified_sources(replicas, part, settings, REPAIR_PREFERENCE) if r.tier != tier]
+    if not sources:
+        return Repair(ck.run, ck.step, part, tier, None, False, "no other verified copy is readable here")
+    src_rep = sources[0]
+    dst = stores.get(tier)
+    claim = cat.claim_copy(ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor)
+    if not claim.acquired:
+        return Repair(ck.run, ck.step, part, tier, src_rep.tier, claim.replica.state == VERIFIED,
+                      f"not repaired here: the replica is {claim.replica.state} (another worker has it)")
+    rep, token = claim.replica, claim.replica.claim_token
+    started = time.monotonic()
+    try:
+        src = stores.get(src_rep.tier)
+        manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
+        remove_part(dst, prefix, manifest, whole_folder=ck.parts == 1)
+        result = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
+                           buffer_bytes=settings.io_buffer_bytes,
+                           progress=Heartbeat(cat, rep.id, token, every=60.0))
+        cat.transition(rep.id, VERIFIED, expected=COPYING, actor=actor, claim_token=token, bytes=result.bytes,
+                       copy_seconds=time.monotonic() - started, reason=f"scrub repair from tier {src_rep.tier}")
+    except BaseException as exc:
+        _release(cat, rep.id, token, exc, actor)
+        if not isinstance(exc, CkptError):
+            raise
+        return Repair(ck.run, ck.step, part, tier, src_rep.tier, False, f"repair failed: {exc}")
+    log.info("scrub: repaired %s/step-%d part %d on tier %d from tier %d", ck.run, ck.step, part, tier, src_rep.tier)
+    return Repair(ck.run, ck.step, part, tier, src_rep.tier, True, f"copied again from tier {src_rep.tier}")
+
+
+def remove_part(store: TierStore, prefix: str, manifest: Any, *, whole_folder: bool) -> None:
+    """Delete what a bad copy of a part left: the manifest first (uncommits it), then its files.
+    A single-part checkpoint owns its folder; a part of several shares it, so only its own
+    keys go."""
+    if whole_folder:
+        store.delete_prefix(prefix)
+        return
+    for key in [f"{prefix}/{manifest.name}"] + [f"{prefix}/{f.path}" for f in manifest.files]:
+        delete_object(store, key)
+
+
+def delete_object(store: TierStore, key: str) -> None:
+    """Delete one object. ``TierStore`` only has ``delete_prefix`` (whole folders), so single
+    keys go through the backend: a local file is itself a prefix; S3 gets DeleteObject."""
+    from ckpt.storage.fs import LocalStore
+
+    if isinstance(store, LocalStore):
+        store.delete_prefix(key)
+        return
+    client, bucket = getattr(store, "client", None), getattr(store, "bucket", None)
+    if client is not None and bucket is not None:
+        full = f"{store.prefix}/{key}" if getattr(store, "prefix", "") else key
+        client.delete_object(Bucket=bucket, Key=full)
+        return
+    fs = getattr(store, "fs", None)
+    if fs is not None:
+        path = f"{store.root}/{key}"
+        if fs.exists(path):
+            fs.rm(path)
+        return
+    raise NotImplementedError(f"cannot delete a single object on {type(store).__name__}")
+
+
+# --- when each replica was last read back ------------------------------------------------
+def scrub_state_path(settings: Settings) -> Path:
+    return Path(settings.data_dir).expanduser().absolute() / "scrub-state.json"
+
+
+def load_scrub_state(path: Path) -> dict[str, str]:
+    """{replica id: ISO time of the last full read}; an unreadable file counts as empty."""
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): str(v) for k, v in data.get("replicas", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def save_scrub_state(path: Path, last_read: dict[str, str], *, keep: set[str]) -> None:
+    """Write atomically (tmp + rename), keeping only replicas that are still verified."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"replicas": {k: v for k, v in last_read.items() if k in keep}}, indent=1))
+    os.replace(tmp, path)
+
+
+scrub_task = pipeline_task(scrub, name="scrub", retries=2)
