@@ -100,7 +100,7 @@ class CheckpointStager:
                  fine_tuned_from: tuple[str, int] | None = None,
                  part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
                  background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 fsync: bool = True, announce: bool = True):
+                 fsync: bool = True, announce: bool = True, measure_stall: bool = True):
         if resumed_from and fine_tuned_from:
             raise BadInput("give resumed_from or fine_tuned_from, not both")
         if not 0 <= part < parts:
@@ -113,6 +113,7 @@ class CheckpointStager:
         self.shard_bytes = shard_bytes
         self.fsync = fsync
         self.background = background
+        self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
         origin = resumed_from or fine_tuned_from
         relation = "resumed_from" if resumed_from else "fine_tuned_from"
         self._origin = ParentRef(origin[0], int(origin[1]), relation) if origin else None
@@ -206,7 +207,8 @@ class CheckpointStager:
         if self.fsync:
             fsync_dir(final.parent)
         self._announcer.submit(("emit", manifest))
-        return SavedCheckpoint(self.run, step, self.part, self.parts, final, manifest, manifest.writer_stall_seconds)
+        return SavedCheckpoint(self.run, step, self.part, self.parts, final, manifest,
+                               manifest.writer_stall_seconds or 0.0)
 
     def _manifest(self, folder: Path, files, t0: float | None, stall: float | None, *, step: int,
                   metrics, parent, kind: str) -> Manifest:
@@ -224,7 +226,7 @@ class CheckpointStager:
                                 created_at=utcnow_iso(), **common)
         if stall is None:
             stall = time.perf_counter() - t0  # the manifest write and rename that follow are ~ms
-        manifest = replace(manifest, writer_stall_seconds=round(stall, 6))
+        manifest = replace(manifest, writer_stall_seconds=round(stall, 6) if self.measure_stall else None)
         manifest.validate()
         write_manifest(folder, manifest)
         return manifest

@@ -105,8 +105,33 @@ def agent_cmd() -> None:
     raise typer.Exit(1)
 
 
-def watch_cmd() -> None:
-    raise typer.Exit(1)
+def watch_cmd(
+    directory: Path = typer.Argument(..., help="the folder the job writes its checkpoint folders into"),
+    run: str = typer.Option(..., "--run", help="the run these checkpoints belong to"),
+    marker: str = typer.Option("COMMITTED", "--marker", help="file the job writes when a folder is complete"),
+    interval: float = typer.Option(2.0, "--interval", help="seconds between scans"),
+    once: bool = typer.Option(False, "--once", help="scan once and exit"),
+    part: int = typer.Option(0, "--part"),
+    parts: int = typer.Option(1, "--parts"),
+) -> None:
+    """Commit and announce each complete checkpoint folder (DCP .metadata, HF index with all
+    shards, or a marker file) once, for jobs that cannot use the client."""
+    import logging
+
+    from ckpt.paths import safe_run_name
+    from ckpt.settings import load_settings
+    from ckpt.watch import watch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    settings = load_settings()
+    safe_run_name(run)
+
+    def show(saved) -> None:
+        typer.echo(f"committed {saved.run} step {saved.step} -> {saved.path}")
+
+    n = watch(directory, run, settings, marker=marker, interval=interval, once=once, part=part, parts=parts,
+              on_commit=show)
+    typer.echo(f"{n} checkpoint(s) committed")
 
 
 def up_cmd() -> None:
