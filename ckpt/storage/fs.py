@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -244,6 +245,23 @@ class LocalStore(TierStore):
                 os.unlink(full) if os.path.islink(full) else os.rmdir(full)
         os.rmdir(base)
         fsync_dir(base.parent)
+        return count
+
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+        """Remove staging files under ``prefix`` older than ``older_than_s`` (left by a copy
+        that was killed); returns how many. The age guard spares copies still running,
+        on this node or another one sharing the tier."""
+        base = self.path(prefix) if prefix else self.root
+        cutoff, count = time.time() - older_than_s, 0
+        for dirpath, _dirs, names in os.walk(base):
+            for name in names:
+                full = os.path.join(dirpath, name)
+                try:
+                    if is_staging(name) and os.lstat(full).st_mtime <= cutoff:
+                        os.unlink(full)
+                        count += 1
+                except FileNotFoundError:
+                    continue
         return count
 
     def free_bytes(self) -> int | None:

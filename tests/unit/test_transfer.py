@@ -1,0 +1,309 @@
+"""copy_part / verify_part / find_committed on real folders and moto's S3 server, with the
+faults the pipeline must survive: bit flips, truncation, a SIGKILL mid-copy, ENOSPC, S3 5xx."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from ckpt.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
+from ckpt.manifest_build import build_manifest, write_manifest
+from ckpt.storage import checkpoint_prefix
+from ckpt.storage.fs import LocalStore, is_staging
+from ckpt.storage.s3 import S3Store
+from ckpt.transfer import copy_part, find_committed, read_committed, verify_part
+
+MiB = 1024 * 1024
+RUN, STEP = "run-a", 200
+PREFIX = checkpoint_prefix(RUN, STEP)
+
+
+def make_checkpoint(root: Path, shards: int = 4, rows: int = 256, run: str = RUN, step: int = STEP):
+    """A real HF sharded safetensors checkpoint on 'Tier 0', committed with its manifest."""
+    folder = root / run / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    wm = {}
+    rng = np.random.default_rng(step)
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"layer{i}": rng.random((rows, 1024), dtype=np.float32)}, str(folder / name))
+        wm[f"layer{i}"] = name
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    m = build_manifest(folder, run, step)
+    write_manifest(folder, m)
+    return folder, m
+
+
+def flip_bit(path: Path, offset: int = -100) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x04]))
+
+
+def all_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    return LocalStore(tmp_path / "t0", 0), LocalStore(tmp_path / "t1", 1)
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, s3_bucket):
+    s = S3Store(f"s3://{s3_bucket}/vault", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
+                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=4)
+    yield s
+    s.close()
+
+
+def test_copy_tier0_to_tier1_then_verify(tiers):
+    t0, t1 = tiers
+    src, m = make_checkpoint(t0.root)
+    seen = []
+    report = copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=3, progress=seen.append)
+    assert (report.files, report.bytes, report.skipped) == (len(m.files), m.total_bytes, 0)
+    assert seen and seen[-1] == m.total_bytes
+    dst = t1.path(PREFIX)
+    for f in m.files:
+        assert (dst / f.path).read_bytes() == (src / f.path).read_bytes()
+    assert (dst / "manifest.json").read_bytes() == (src / "manifest.json").read_bytes()
+    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1)]
+    assert read_committed(t1, RUN, STEP) == m
+    assert verify_part(t1, PREFIX, m).files == len(m.files)
+    again = copy_part(t0, PREFIX, t1, PREFIX, m)  # the same promotion again: nothing copied
+    assert (again.files, again.skipped) == (0, len(m.files))
+
+
+def test_two_copies_at_once_give_one_set_of_files(tiers):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root)
+    errors = []
+
+    def go():
+        try:
+            copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2)
+        except Exception as exc:  # pragma: no cover - the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == []
+    assert all_files(t1.path(PREFIX)) == sorted([f.path for f in m.files] + ["manifest.json"])
+    verify_part(t1, PREFIX, m)
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete"])
+def test_bad_source_publishes_nothing(tiers, damage):
+    t0, t1 = tiers
+    src, m = make_checkpoint(t0.root)
+    victim = src / m.files[1].path
+    if damage == "bitflip":
+        flip_bit(victim)
+    elif damage == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    else:
+        victim.unlink()
+    with pytest.raises(CorruptCheckpoint) as exc:
+        copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=1)
+    assert exc.value.path == m.files[1].path
+    assert list(find_committed(t1)) == []
+    published = all_files(t1.root)
+    assert f"{PREFIX}/{m.files[1].path}" not in published
+    assert not any(is_staging(Path(p).name) for p in published)
+    with pytest.raises(CorruptCheckpoint):
+        verify_part(t0, PREFIX, m)  # verifying Tier 0 finds it too
+
+
+def test_resume_after_partial_copy(tiers):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root)
+    for f in m.files[:2]:  # an earlier attempt published two files and died
+        with t0.open_read(f"{PREFIX}/{f.path}") as r:
+            t1.put_verified(f"{PREFIX}/{f.path}", r, f.size, f.checksum)
+    report = copy_part(t0, PREFIX, t1, PREFIX, m)
+    assert (report.files, report.skipped) == (len(m.files) - 2, 2)
+    verify_part(t1, PREFIX, m)
+
+
+def test_bit_flip_on_tier1_after_copy_is_found(tiers):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root)
+    copy_part(t0, PREFIX, t1, PREFIX, m)
+    flip_bit(t1.path(f"{PREFIX}/{m.files[2].path}"), offset=5000)
+    for deep in (True, False):
+        with pytest.raises(CorruptCheckpoint) as exc:
+            verify_part(t1, PREFIX, m, deep=deep)
+        assert exc.value.path == m.files[2].path
+    with pytest.raises(ConflictError):  # a rerun never overwrites what is there
+        copy_part(t0, PREFIX, t1, PREFIX, m)
+
+
+def test_verify_part_checks_the_format_not_just_the_bytes(tiers):
+    t0, _ = tiers
+    folder = t0.root / RUN / f"step-{STEP:08d}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    m = build_manifest(folder, RUN, STEP, fmt="folder")
+    with pytest.raises(CorruptCheckpoint, match="header length") as exc:
+        verify_part(t0, PREFIX, dataclasses.replace(m, format="safetensors"))
+    assert exc.value.path == "model.safetensors"
+
+
+def test_different_committed_part_is_a_conflict(tiers):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root)
+    other = dataclasses.replace(m, files=m.files[:-1])
+    t1.write_small_atomic(f"{PREFIX}/manifest.json", other.to_json())
+    with pytest.raises(ConflictError):
+        copy_part(t0, PREFIX, t1, PREFIX, m)
+
+
+def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch):
+    import ckpt.storage.fs as fsmod
+
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root)
+    real_write, written = fsmod._write_all, []
+
+    def filling_disk(fd, data):
+        if sum(written) > 2 * MiB:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(data))
+        real_write(fd, data)
+
+    monkeypatch.setattr(fsmod, "_write_all", filling_disk)
+    with pytest.raises(StorageFull):
+        copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2, buffer_bytes=256 * 1024)
+    assert list(find_committed(t1)) == []
+    assert not any(is_staging(Path(p).name) for p in all_files(t1.root))
+    for p in all_files(t1.root):  # what did get published is complete and correct
+        f = next(f for f in m.files if p.endswith(f.path))
+        t1.verify_object(p, f.size, f.checksum)
+
+
+KILL_SCRIPT = r"""
+import sys, time
+from ckpt.storage.fs import LocalStore
+from ckpt.transfer import copy_part, read_committed
+t0, t1 = LocalStore(sys.argv[1], 0), LocalStore(sys.argv[2], 1)
+m = read_committed(t0, sys.argv[3], int(sys.argv[4]))
+copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1, buffer_bytes=64 * 1024,
+          progress=lambda done: time.sleep(0.01))
+"""
+
+
+def test_copy_killed_with_sigkill_then_rerun(tiers):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root, shards=6)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(t0.root), str(t1.root), RUN, str(STEP), PREFIX])
+    dst = t1.root / PREFIX
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until one file is published and the next is staging
+        names = [p.name for p in dst.iterdir()] if dst.exists() else []
+        if any(is_staging(n) for n in names) and any(not is_staging(n) for n in names):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    published = [n for n in os.listdir(dst) if not is_staging(n)]
+    assert 0 < len(published) < len(m.files) and "manifest.json" not in published
+    assert list(find_committed(t1)) == []
+    for name in published:  # nothing partial under a final name
+        f = next(f for f in m.files if f.path == name)
+        t1.verify_object(f"{PREFIX}/{name}", f.size, f.checksum)
+    report = copy_part(t0, PREFIX, t1, PREFIX, m)
+    assert report.skipped == len(published) and report.files == len(m.files) - len(published)
+    verify_part(t1, PREFIX, m)
+    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1)]
+    assert t1.sweep_staging(PREFIX, older_than_s=0) == 1  # the dead copy's staging file
+    assert not any(is_staging(n) for n in os.listdir(dst))
+
+
+def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root, rows=2048)  # 8 MiB shards: multipart on S3
+    copy_part(t0, PREFIX, t1, PREFIX, m)
+    report = copy_part(t1, PREFIX, s3_store, PREFIX, m, parallelism=2)
+    assert report.bytes == m.total_bytes
+    assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1)]
+    verify_part(s3_store, PREFIX, m, deep=False)  # server-side CRC32C, no download
+    restore = LocalStore(tmp_path / "restore", 0)
+    copy_part(s3_store, PREFIX, restore, "ck", m)
+    for f in m.files:
+        assert (restore.root / "ck" / f.path).read_bytes() == (t0.root / PREFIX / f.path).read_bytes()
+
+
+def test_s3_object_replaced_behind_our_back_is_found(tiers, s3_store):
+    t0, _ = tiers
+    _, m = make_checkpoint(t0.root, shards=2, rows=16)
+    copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    victim = m.files[0]
+    data = bytearray((t0.root / PREFIX / victim.path).read_bytes())
+    data[-1] ^= 1
+    s3_store.client.put_object(Bucket=s3_store.bucket, Key=s3_store._k(f"{PREFIX}/{victim.path}"), Body=bytes(data))
+    for deep in (False, True):
+        with pytest.raises(CorruptCheckpoint) as exc:
+            verify_part(s3_store, PREFIX, m, deep=deep)
+        assert exc.value.path == victim.path
+
+
+class _Raw:
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def stream(self, **_):
+        yield self.body
+
+
+def inject_500(store: S3Store, ops: tuple[str, ...], times: int | None):
+    """Answer the first ``times`` calls of ``ops`` with HTTP 500 (None: forever)."""
+    from botocore.awsrequest import AWSResponse
+
+    calls = {"n": 0}
+
+    def hook(request, **_):
+        calls["n"] += 1
+        if times is None or calls["n"] <= times:
+            body = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+            return AWSResponse(request.url, 500, {}, _Raw(body))
+        return None
+
+    for op in ops:
+        store.client.meta.events.register(f"before-send.s3.{op}", hook)
+    return calls
+
+
+def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
+    t0, _ = tiers
+    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
+    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=2)
+    report = copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    assert calls["n"] > 2 and report.files == len(m.files)
+    verify_part(s3_store, PREFIX, m, deep=False)
+
+
+def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_store):
+    t0, _ = tiers
+    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
+    inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
+    with pytest.raises(StorageUnavailable):
+        copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    assert list(find_committed(s3_store)) == []
+    assert not s3_store.client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads")
