@@ -88,6 +88,8 @@ def transition(conn: Connection, replica_id: int, to_state: str, *, expected: st
     if claim_token is not None and rep.claim_token != claim_token:
         raise StaleState(f"replica {replica_id}: claim {claim_token} is not the live claim")
     check_legal(rep, to_state)
+    if to_state == PRUNING:  # the guard is the catalog's rule, whichever door the caller used
+        return begin_prune(conn, replica_id, now=now, actor=actor, reason=reason)
     ckpt = checkpoint_row_by_id(conn, rep.checkpoint_id)
     move(conn, rep, to_state, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=values)
     return replica_row(conn, replica_id)

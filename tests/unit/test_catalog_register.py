@@ -1,0 +1,134 @@
+"""Runs and checkpoint registration: idempotent, conflicts refused, parts, lineage edges."""
+
+from __future__ import annotations
+
+import pytest
+from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
+
+from ckpt.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
+from db.entities import CKPT_COMMITTED, CKPT_CORRUPT, CKPT_PARTIAL
+
+
+def test_ensure_run_is_idempotent_and_keeps_fields(catalog):
+    a = catalog.ensure_run("llama-7b", project="p", config_digest="c1", tags={"team": "x"})
+    b = catalog.ensure_run("llama-7b")
+    assert a == b and b.project == "p" and b.tags == {"team": "x"}
+    assert [r.name for r in catalog.list_runs()] == ["llama-7b"]
+
+
+def test_unknown_run_and_hostile_run_names_are_refused(catalog):
+    with pytest.raises(UnknownRun):
+        catalog.register_part(manifest("ghost", 1), actor="t")
+    with pytest.raises(UnknownRun):
+        catalog.get_run("ghost")
+    with pytest.raises(PathEscape):
+        catalog.ensure_run("../etc")
+    with pytest.raises(NotFound):
+        catalog.ensure_run("child", parent=("ghost", 5))
+
+
+def test_same_manifest_twice_returns_the_same_checkpoint(catalog):
+    first = checkpoint(catalog, "r", 100)
+    again = catalog.register_part(manifest("r", 100), actor="t")
+    assert again == first
+    assert first.state == CKPT_COMMITTED and first.file_count == 2 and first.total_bytes == 2000
+    assert len(catalog.files(first.id)) == 2
+    assert [e.action for e in catalog.history("r", 100)] == ["register"]
+
+
+def test_different_manifest_for_a_registered_step_is_a_conflict(catalog):
+    first = checkpoint(catalog, "r", 100)
+    with pytest.raises(ConflictError, match="different manifest"):
+        catalog.register_part(manifest("r", 100, salt="other bytes"), actor="t")
+    with pytest.raises(ConflictError, match="part"):
+        catalog.register_part(manifest("r", 100, part=1, parts=2), actor="t")
+    assert catalog.get_checkpoint("r", 100) == first
+    assert [f.checksum for f in catalog.files(first.id)] == [f.checksum for f in manifest("r", 100).files]
+
+
+def test_multi_part_checkpoint_commits_when_the_last_part_arrives(catalog):
+    catalog.ensure_run("r")
+    states = []
+    for part in (2, 0, 1):
+        states.append(catalog.register_part(manifest("r", 5, part=part, parts=3, node=f"n{part}"),
+                                            actor=f"agent:n{part}").state)
+    assert states == [CKPT_PARTIAL, CKPT_PARTIAL, CKPT_COMMITTED]
+    ck = catalog.get_checkpoint("r", 5)
+    assert (ck.parts, ck.parts_registered, ck.file_count) == (3, 3, 6)
+    assert ck.committed_at is not None
+    assert {f.part for f in catalog.files(ck.id)} == {0, 1, 2}
+    assert len(catalog.files(ck.id, part=1)) == 2
+
+
+def test_complete_on_tier_fires_once_after_the_last_part_is_verified(catalog):
+    catalog.ensure_run("r")
+    for part in range(2):
+        ck = catalog.register_part(manifest("r", 5, part=part, parts=2), actor="t")
+    verified(catalog, ck.id, 1, part=0)
+    assert catalog.complete_on_tier(ck.id, 1, actor="a") is False
+    verified(catalog, ck.id, 1, part=1)
+    assert [catalog.complete_on_tier(ck.id, 1, actor=a) for a in "abc"] == [True, False, False]
+    assert catalog.complete_on_tier(ck.id, 2, actor="a") is False
+
+
+def test_checkpoint_state_changes_are_validated_and_audited(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    catalog.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason="shard-0 crc mismatch", actor="flow-1")
+    assert catalog.get_checkpoint("r", 1).state == CKPT_CORRUPT
+    last = catalog.history("r", 1)[-1]
+    assert (last.from_state, last.to_state, last.actor) == (CKPT_COMMITTED, CKPT_CORRUPT, "flow-1")
+    with pytest.raises(BadInput):
+        catalog.set_checkpoint_state(ck.id, "shiny", reason="", actor="t")
+
+
+def test_rejections_are_audited(catalog):
+    catalog.record_rejection("event:abc", "path escapes tier root", actor="agent:n0", run="r", step=3)
+    (entry,) = catalog.history("r", 3)
+    assert (entry.action, entry.subject, entry.reason) == ("reject", "event:abc", "path escapes tier root")
+
+
+# --- lineage ---------------------------------------------------------------------------
+def _edges(edges):
+    return [(e.child_run, e.child_step, e.parent_run, e.parent_step, e.relation, e.depth) for e in edges]
+
+
+def test_checkpoints_follow_the_previous_one_even_out_of_order(catalog):
+    for step in (100, 300, 200):
+        checkpoint(catalog, "r", step)
+    assert _edges(catalog.ancestors("r", 300)) == [("r", 300, "r", 200, "follows", 1),
+                                                   ("r", 200, "r", 100, "follows", 2)]
+    assert _edges(catalog.descendants("r", 100)) == [("r", 200, "r", 100, "follows", 1),
+                                                     ("r", 300, "r", 200, "follows", 2)]
+
+
+def test_resumed_run_links_its_first_checkpoint_to_its_origin(catalog):
+    for step in (10, 20):
+        checkpoint(catalog, "base", step)
+    catalog.ensure_run("resume", parent=("base", 10))
+    checkpoint(catalog, "resume", 15)
+    checkpoint(catalog, "resume", 25)
+    assert _edges(catalog.ancestors("resume", 25)) == [("resume", 25, "resume", 15, "follows", 1),
+                                                       ("resume", 15, "base", 10, "resumed_from", 2)]
+    assert ("resume", 15, "base", 10, "resumed_from", 1) in _edges(catalog.descendants("base", 10))
+    assert catalog.get_run("resume").parent_run == "base"
+
+
+def test_manifest_parent_adds_an_edge_and_cycles_are_refused(catalog):
+    checkpoint(catalog, "base", 10)
+    catalog.ensure_run("ft")
+    catalog.register_part(manifest("ft", 1, parent=("base", 10, "fine_tuned_from")), actor="t")
+    assert _edges(catalog.ancestors("ft", 1)) == [("ft", 1, "base", 10, "fine_tuned_from", 1)]
+    with pytest.raises(LineageCycle):
+        catalog.add_lineage(("base", 10), ("ft", 1), "branched_from", actor="t")
+    with pytest.raises(LineageCycle):
+        catalog.add_lineage(("ft", 1), ("ft", 1), "branched_from", actor="t")
+    with pytest.raises(BadInput):
+        catalog.add_lineage(("ft", 1), ("base", 10), "copied_from", actor="t")
+    catalog.add_lineage(("ft", 1), ("base", 10), "fine_tuned_from", actor="t")  # idempotent
+    assert len(catalog.ancestors("ft", 1)) == 1
+
+
+def test_lineage_depth_is_bounded(catalog):
+    for step in range(6):
+        checkpoint(catalog, "r", step)
+    assert [e.depth for e in catalog.ancestors("r", 5, max_depth=3)] == [1, 2, 3]

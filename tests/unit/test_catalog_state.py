@@ -1,0 +1,140 @@
+"""The replica state machine: legal moves only, compare-and-set, claims with leases."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from catalog_testlib import PATHS, catalog, checkpoint, prunable_setup, replica_in_state  # noqa: F401
+from sqlalchemy import insert
+
+from ckpt.errors import BadInput, IllegalTransition, NotFound, StaleState
+from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, TRANSITIONS, VERIFIED
+from db.models import Replica
+
+ALL = sorted(TRANSITIONS)
+
+
+def test_every_illegal_move_raises_and_changes_nothing(catalog):
+    for state in PATHS:
+        ck = prunable_setup(catalog, run=f"r-{state}")
+        rep = replica_in_state(catalog, ck.id, 1, state)
+        assert rep.state == state
+        for to in ALL:
+            if to in TRANSITIONS[state]:
+                continue
+            with pytest.raises(IllegalTransition, match=f"{state} -> {to}"):
+                catalog.transition(rep.id, to, actor="test")
+            assert catalog.get_replica(rep.id).state == state
+
+
+def test_pending_row_moves_only_to_copying_corrupt_missing(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    with catalog.engine.begin() as conn:
+        rid = conn.execute(insert(Replica).values(
+            checkpoint_id=ck.id, tier=1, part=0, url="file:///x", state=PENDING,
+            created_at=ck.created_at, updated_at=ck.created_at).returning(Replica.id)).scalar_one()
+    for to in (VERIFIED, PRUNING, PRUNED):
+        with pytest.raises(IllegalTransition):
+            catalog.transition(rid, to, actor="test")
+    assert catalog.transition(rid, MISSING, actor="test").state == MISSING
+
+
+def test_every_legal_move_is_audited_with_actor_and_reason(catalog):
+    ck = prunable_setup(catalog)
+    rep = replica_in_state(catalog, ck.id, 1, VERIFIED)
+    catalog.transition(rep.id, CORRUPT, actor="flow-run-7", reason="crc mismatch in shard-0")
+    moves = [(e.from_state, e.to_state, e.actor) for e in catalog.history("r", 100) if e.subject == f"replica:{rep.id}"]
+    assert moves == [(PENDING, COPYING, "test"), (COPYING, VERIFIED, "test"), (VERIFIED, CORRUPT, "flow-run-7")]
+    assert "crc mismatch" in catalog.history("r", 100)[-1].reason
+
+
+def test_entering_verified_stamps_time_and_records_copy_facts(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    claim = catalog.claim_copy(ck.id, 2, 0, "s3://b/r/step-1", node=None, actor="test")
+    assert claim.replica.verified_at is None
+    rep = catalog.transition(claim.replica.id, VERIFIED, expected=COPYING, claim_token=claim.replica.claim_token,
+                             actor="test", bytes=2000, copy_seconds=1.5, etag="abc", version_id="v1")
+    assert rep.verified_at is not None and rep.verified_at.tzinfo is not None
+    assert (rep.bytes, rep.copy_seconds, rep.etag, rep.version_id) == (2000, 1.5, "abc", "v1")
+    assert rep.claim_token is None
+
+
+def test_expected_state_is_compare_and_set(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    rep = replica_in_state(catalog, ck.id, 1, VERIFIED)
+    with pytest.raises(StaleState, match="expected copying"):
+        catalog.transition(rep.id, CORRUPT, expected=COPYING, actor="test")
+    assert catalog.transition(rep.id, CORRUPT, expected=[COPYING, VERIFIED], actor="test").state == CORRUPT
+
+
+def test_foreign_claim_token_is_stale(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    claim = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="test")
+    with pytest.raises(StaleState):
+        catalog.transition(claim.replica.id, VERIFIED, claim_token="not-mine", actor="test")
+    assert catalog.get_replica(claim.replica.id).state == COPYING
+
+
+def test_claim_is_exclusive_while_live_and_nothing_to_do_once_verified(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    first = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a")
+    second = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b")
+    assert first.acquired and not second.acquired
+    assert second.replica.state == COPYING and second.replica.id == first.replica.id
+    catalog.transition(first.replica.id, VERIFIED, claim_token=first.replica.claim_token, actor="a")
+    again = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b")
+    assert not again.acquired and again.replica.state == VERIFIED
+
+
+def test_stale_claim_is_taken_over_and_old_owner_loses(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    old = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=0.2)
+    time.sleep(0.3)
+    new = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b")
+    assert new.acquired and new.replica.claim_token != old.replica.claim_token
+    with pytest.raises(StaleState):
+        catalog.heartbeat(old.replica.id, old.replica.claim_token)
+    with pytest.raises(StaleState):
+        catalog.transition(old.replica.id, VERIFIED, claim_token=old.replica.claim_token, actor="a")
+    assert catalog.transition(new.replica.id, VERIFIED, claim_token=new.replica.claim_token, actor="b").node == "n1"
+
+
+def test_heartbeat_keeps_a_claim_alive(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    claim = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=0.5)
+    for _ in range(3):
+        time.sleep(0.25)
+        catalog.heartbeat(claim.replica.id, claim.replica.claim_token)
+    assert not catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b").acquired
+
+
+def test_recopy_after_corrupt_is_a_new_claim(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    rep = replica_in_state(catalog, ck.id, 1, CORRUPT)
+    claim = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a")
+    assert claim.acquired and claim.replica.id == rep.id and claim.replica.state == COPYING
+
+
+def test_bad_inputs_are_clear_errors(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    with pytest.raises(BadInput, match="part 3 out of range"):
+        catalog.claim_copy(ck.id, 1, 3, "file:///t1", node=None, actor="a")
+    with pytest.raises(BadInput, match="unknown tier"):
+        catalog.claim_copy(ck.id, 7, 0, "file:///t1", node=None, actor="a")
+    with pytest.raises(NotFound):
+        catalog.claim_copy(ck.id + 99, 1, 0, "file:///t1", node=None, actor="a")
+    with pytest.raises(NotFound):
+        catalog.transition(12345, VERIFIED, actor="a")
+    rep = replica_in_state(catalog, ck.id, 1, COPYING)
+    with pytest.raises(BadInput, match="unknown replica state"):
+        catalog.transition(rep.id, "gone", actor="a")
+
+
+def test_transition_into_pruning_goes_through_the_guard(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    rep = replica_in_state(catalog, ck.id, 1, VERIFIED)
+    from ckpt.errors import PruneRefused
+
+    with pytest.raises(PruneRefused):
+        catalog.transition(rep.id, PRUNING, actor="a")
