@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ckpt import events
-from ckpt.errors import CkptError, CorruptCheckpoint, NotFound
+from ckpt.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
 from ckpt.settings import Settings
 from ckpt.storage.base import checkpoint_prefix
 from db.entities import CKPT_CORRUPT, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
@@ -39,11 +39,11 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts
             manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
             verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
                         buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
-        except CorruptCheckpoint as exc:
+        except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
             _record_bad(cat, ck, tier, part, node, store.url_for(prefix), CORRUPT, exc, actor)
             notify(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
                    extra_id=f"tier{tier}",
-                   payload={"tier": tier, "file": exc.path, "reason": str(exc)})
+                   payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
             raise
         except NotFound as exc:
             _record_bad(cat, ck, tier, part, node, store.url_for(prefix), MISSING, exc, actor)

@@ -1,0 +1,151 @@
+"""``ckpt promote``, ``ckpt retention`` and ``ckpt reconcile``: the pipeline by hand.
+
+``promote --here`` runs the promote flow in this process (this machine must hold the part's
+Tier 0); without it the node's promote deployment runs it (``--wait`` waits for the end).
+``retention`` and ``reconcile`` run their flows in this process. Heavy imports happen inside
+the commands, never at import time.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("promote")(promote_cmd)
+    app.command("retention")(retention_cmd)
+    app.command("reconcile")(reconcile_cmd)
+
+
+@contextmanager
+def prefect_api(settings: Any) -> Iterator[None]:
+    """Point Prefect at ``Settings.prefect_api_url`` when it is set (else Prefect's own)."""
+    if not settings.prefect_api_url:
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: settings.prefect_api_url}):
+        yield
+
+
+def promote_cmd(
+    run: str = typer.Option(..., "--run", help="training run"),
+    step: int = typer.Option(..., "--step", help="checkpoint step"),
+    part: int = typer.Option(0, "--part", help="this node's part (0-based)"),
+    parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
+    node: str = typer.Option(None, "--node", help="node holding the part's Tier 0 (default: settings)"),
+    here: bool = typer.Option(False, "--here", help="run the flow in this process"),
+    wait: bool = typer.Option(False, "--wait", help="without --here: wait for the deployment's run to end"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Promote a checkpoint part: verify on Tier 0, copy to Tier 1, then archive and prune."""
+    from ckpt.errors import BadInput
+    from ckpt.settings import load_settings
+
+    if step < 0 or parts < 1 or not 0 <= part < parts:
+        raise BadInput(f"invalid --step/--part/--parts: {step}, {part} of {parts}")
+    settings = load_settings(**({"node": node} if node else {}))
+    with prefect_api(settings):
+        if here:
+            from flows.promote import promote_checkpoint
+
+            result = promote_checkpoint(run, step, part, parts, node=settings.node)
+            _print_promotion(result, as_json)
+            return
+        _run_deployment(run, step, part, parts, settings.node, wait=wait)
+
+
+def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool) -> None:
+    from prefect.deployments import run_deployment
+
+    from ckpt.errors import CkptError
+    from deployments.names import promote_deployment
+
+    name = promote_deployment(node)
+    fr = run_deployment(name, parameters={"run": run, "step": step, "part": part, "parts": parts, "node": node},
+                        timeout=None if wait else 0, as_subflow=False)
+    typer.echo(f"flow run {fr.name} ({fr.id}) of {name}: {fr.state.name if fr.state else 'scheduled'}")
+    if wait and fr.state is not None and not fr.state.is_completed():
+        raise CkptError(f"promotion {fr.name} ended {fr.state.name}: {fr.state.message or ''}".strip())
+
+
+def _print_promotion(result: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    hops = result["hops"] + ((result.get("archive") or {}).get("hops") or [])
+    table = Table(title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}")
+    for col in ("hop", "files", "bytes", "seconds", "MB/s", "skipped"):
+        table.add_column(col, justify="left" if col == "hop" else "right")
+    for h in hops:
+        table.add_row(h["hop"], str(h["files"]), f"{h['bytes']:,}", f"{h['seconds']:.3f}", f"{h['MB/s']:.1f}",
+                      "yes" if h["skipped"] else "")
+    out = Console()
+    out.print(table)
+    if result["durable"]:
+        out.print("checkpoint complete on Tier 1 (durable)")
+    if result.get("retention") is not None:
+        _print_actions(result["retention"], out=out, title="retention")
+
+
+def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or Console()
+    if not rows:
+        out.print(f"{title}: nothing to prune")
+        return
+    table = Table(title=title)
+    for col in rows[0]:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(str(v) for v in r.values()))
+    out.print(table)
+
+
+def retention_cmd(
+    run: str = typer.Option(None, "--run", help="only this run (default: every run)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, delete nothing"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+) -> None:
+    """Apply each tier's retention policy through the guarded prune (or show the plan)."""
+    from ckpt.settings import load_settings
+    from flows.retention import enforce_retention
+
+    settings = load_settings()
+    with prefect_api(settings):
+        rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+    else:
+        _print_actions(rows, title="retention plan (dry run)" if dry_run else "retention")
+
+
+def reconcile_cmd(
+    node: str = typer.Option(None, "--node", help="this node's label (default: settings)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Promote what events missed, mark vanished copies missing, archive pending milestones."""
+    from ckpt.settings import load_settings
+    from flows.reconcile import reconcile
+
+    settings = load_settings(**({"node": node} if node else {}))
+    with prefect_api(settings):
+        report = reconcile(node=settings.node)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    for action, items in report.items():
+        for item in items:
+            typer.echo(f"{action:9s} {item}")
+    if not any(report.values()):
+        typer.echo("nothing to reconcile")
