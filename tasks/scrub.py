@@ -62,6 +62,7 @@ class ScrubReport:
     checked: int  # re-read by this run
     bytes_read: int
     seconds: float
+    checked_ids: list[int] = field(default_factory=list)  # replica ids read back in full
     bad: list[BadReplica] = field(default_factory=list)
     repairs: list[Repair] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # transient failures, lost claims
@@ -100,6 +101,7 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
             nbytes = _reread(cat, stores, ck, rep, report, actor)
             if nbytes is not None:
                 report.checked += 1
+                report.checked_ids.append(rep.id)
                 report.bytes_read += nbytes
                 last_read[str(rep.id)] = now.isoformat()
         save_scrub_state(state_path, last_read, keep={str(r.id) for r in eligible})
@@ -166,8 +168,9 @@ def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, 
     for ck in cat.under_replicated(durable_tier=1):
         reps = cat.replicas(ck.id)
         for part in range(ck.parts):
-            if any(r.part == part and r.state == VERIFIED and r.tier >= 1 for r in reps):
-                continue
+            if any(r.part == part and r.state == VERIFIED and r.tier >= 1 for r in reps) or any(
+                    (r.run, r.step, r.part) == (ck.run, ck.step, part) for r in report.repairs):
+                continue  # durable, or already tried by this run
             report.repairs.append(repair_replica(cat, stores, ck, part, 1, reps, actor))
 
 
@@ -184,10 +187,10 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
 
     settings = stores.settings
     prefix = checkpoint_prefix(ck.run, ck.step)
-    sources = [r for r in verified_sources(replicas, part, settings, REPAIR_PREFERENCE) if r.tier != tier]
-    if not sources:
+    found = _good_source(cat, stores, ck, part, tier, replicas, actor)
+    if found is None:
         return Repair(ck.run, ck.step, part, tier, None, False, "no other verified copy is readable here")
-    src_rep = sources[0]
+    src_rep, manifest = found
     dst = stores.get(tier)
     claim = cat.claim_copy(ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor)
     if not claim.acquired:
@@ -197,7 +200,6 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
     started = time.monotonic()
     try:
         src = stores.get(src_rep.tier)
-        manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
         remove_part(dst, prefix, manifest, whole_folder=ck.parts == 1)
         result = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                            buffer_bytes=settings.io_buffer_bytes,
@@ -211,6 +213,24 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
         return Repair(ck.run, ck.step, part, tier, src_rep.tier, False, f"repair failed: {exc}")
     log.info("scrub: repaired %s/step-%d part %d on tier %d from tier %d", ck.run, ck.step, part, tier, src_rep.tier)
     return Repair(ck.run, ck.step, part, tier, src_rep.tier, True, f"copied again from tier {src_rep.tier}")
+
+
+def _good_source(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
+                 replicas: list[ReplicaInfo], actor: str) -> tuple[ReplicaInfo, Any] | None:
+    """The nearest other verified replica whose committed manifest matches the catalog, with
+    that manifest; a source found gone or altered is marked so on the way."""
+    for rep in verified_sources(replicas, part, stores.settings, REPAIR_PREFERENCE):
+        if rep.tier == tier:
+            continue
+        try:
+            return rep, registered_manifest(cat, stores.get(rep.tier), ck.id, ck.run, ck.step, part, ck.parts)
+        except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+            state = classify_failure(exc)
+            if state is None and not is_transient(exc):
+                raise
+            if state is not None:
+                mark_bad(cat, rep, state, f"scrub repair source: {exc}", actor=actor)
+    return None
 
 
 def remove_part(store: TierStore, prefix: str, manifest: Any, *, whole_folder: bool) -> None:

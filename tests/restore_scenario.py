@@ -40,7 +40,8 @@ def tier1_dir(settings, run: str, step: int) -> Path:
 
 
 def commit_folder(settings, run: str, step: int, files: dict[str, bytes] | None = None, *,
-                  folder: Path | None = None, milestone: bool = False, fmt: str | None = None) -> Path:
+                  folder: Path | None = None, milestone: bool = False, fmt: str | None = None,
+                  part: int = 0, parts: int = 1) -> Path:
     """Commit a checkpoint on Tier 0: ``files`` written there, or ``folder`` moved there; the
     manifest is built from the bytes and written last. Registers the run."""
     from db.catalog import Catalog
@@ -54,19 +55,25 @@ def commit_folder(settings, run: str, step: int, files: dict[str, bytes] | None 
             p = dest / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(data)
-    manifest = build_manifest(dest, run, step, node=settings.node, kind="milestone" if milestone else "step", fmt=fmt)
+    manifest = build_manifest(dest, run, step, node=settings.node, kind="milestone" if milestone else "step",
+                              fmt=fmt, part=part, parts=parts)
     write_manifest(dest, manifest)
     with Catalog(settings.catalog_url) as cat:
         cat.ensure_run(run, actor="test")
     return dest
 
 
-def promote(settings, run: str, step: int):
+def promote(settings, run: str, step: int, part: int = 0, parts: int = 1):
     """The real promotion (register, verify, Tier 1, milestone to Tier 2) as plain functions."""
     from flows.common import plain_steps
     from flows.promote import promote as promote_part
 
-    return promote_part(settings, run, step, steps=plain_steps(), actor="test")
+    return promote_part(settings, run, step, part, parts, steps=plain_steps(), actor="test")
+
+
+def on_node(settings, node: str):
+    """The same settings as seen from another node (its own Tier 0 folder)."""
+    return settings.model_copy(update={"node": node, "tier0_url": str(Path(settings.data_dir) / "tier0" / node)})
 
 
 def prune(settings, run: str, step: int, tier: int) -> None:

@@ -1,0 +1,157 @@
+"""Scrub: stored copies are read back, rot is marked and repaired from a good copy, every copy
+is read within a cycle (oldest first), checkpoints without a durable copy get one. Real files,
+the real pipeline, moto's S3 server for Tier 2, catalogs on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from restore_scenario import (
+    commit_folder,
+    corrupt_s3_object,
+    flip_byte,
+    promote,
+    replica_states,
+    s3_client,
+    s3_key,
+    scenario_settings,
+    tier0_dir,
+    tier1_dir,
+)
+
+from tasks.scrub import load_scrub_state, scrub, scrub_state_path
+
+RUN = "llm-s"
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    return scenario_settings(settings_factory, db_url)
+
+
+def save(settings, step: int, **kw) -> dict[str, bytes]:
+    files = {"weights.bin": os.urandom(600_000), "extra/opt.bin": os.urandom(50_000)}
+    commit_folder(settings, RUN, step, files, **kw)
+    promote(settings, RUN, step)
+    return files
+
+
+def test_a_bit_flip_on_tier1_is_found_marked_and_repaired(settings):
+    files = save(settings, 100)
+    flip_byte(tier1_dir(settings, RUN, 100) / "weights.bin", 1234)
+
+    report = scrub(settings, fraction=1.0)
+
+    assert [(b.tier, b.state) for b in report.bad] == [(1, "corrupt")]
+    assert "weights.bin" in report.bad[0].reason
+    assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(1, 0, True)]
+    assert (tier1_dir(settings, RUN, 100) / "weights.bin").read_bytes() == files["weights.bin"]
+    assert replica_states(settings, RUN, 100) == {0: "verified", 1: "verified"}
+    # and the next full scrub finds nothing wrong
+    again = scrub(settings, fraction=1.0)
+    assert (again.bad, again.repairs, again.checked) == ([], [], 1)
+
+
+def test_a_vanished_tier1_copy_is_marked_missing_and_copied_again(settings):
+    files = save(settings, 100)
+    shutil.rmtree(tier1_dir(settings, RUN, 100))
+
+    report = scrub(settings, fraction=1.0, repair=False)
+    assert [(b.tier, b.state) for b in report.bad] == [(1, "missing")]
+    assert replica_states(settings, RUN, 100)[1] == "missing"
+
+    repaired = scrub(settings, fraction=1.0)  # repairs what an earlier run (or a restore) marked
+    assert [(r.tier, r.ok) for r in repaired.repairs] == [(1, True)]
+    assert (tier1_dir(settings, RUN, 100) / "extra" / "opt.bin").read_bytes() == files["extra/opt.bin"]
+    assert replica_states(settings, RUN, 100)[1] == "verified"
+
+
+def test_a_copy_with_no_good_twin_is_reported_not_repaired(settings):
+    save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))  # the node is gone
+    flip_byte(tier1_dir(settings, RUN, 100) / "weights.bin")
+
+    report = scrub(settings, fraction=1.0)
+
+    assert not report.ok
+    assert [(r.tier, r.ok) for r in report.repairs] == [(1, False)]
+    assert "no other verified copy" in report.repairs[0].detail
+    assert replica_states(settings, RUN, 100) == {0: "missing", 1: "corrupt"}
+
+
+def test_a_fraction_per_run_reads_every_copy_over_a_cycle_oldest_first(settings):
+    for step in (100, 200, 300, 400):
+        save(settings, step)
+    seen: list[int] = []
+    for _ in range(4):
+        report = scrub(settings, fraction=0.25)
+        assert (report.eligible, report.checked) == (4, 1)
+        seen += report.checked_ids
+    from db.catalog import Catalog
+
+    with Catalog(settings.catalog_url) as cat:
+        tier1 = [r for s in (100, 200, 300, 400) for r in cat.replicas(cat.get_checkpoint(RUN, s).id, 1)]
+    oldest_first = [r.id for r in sorted(tier1, key=lambda r: r.verified_at)]
+    assert seen == oldest_first
+    assert set(load_scrub_state(scrub_state_path(settings))) == set(map(str, seen))
+    assert scrub(settings, fraction=0.25).checked_ids == oldest_first[:1]  # the cycle starts again
+
+
+def test_a_checkpoint_never_copied_to_a_durable_tier_gets_a_tier1_copy(settings):
+    from flows.common import plain_steps
+
+    files = {"w.bin": os.urandom(200_000)}
+    commit_folder(settings, RUN, 100, files)
+    steps = plain_steps()
+    steps.register(settings, RUN, 100, actor="test")
+    steps.verify(settings, RUN, 100, tier=0, actor="test")  # promotion died before the copy
+    assert replica_states(settings, RUN, 100) == {0: "verified"}
+
+    report = scrub(settings, fraction=1.0)
+
+    assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(1, 0, True)]
+    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+    assert replica_states(settings, RUN, 100) == {0: "verified", 1: "verified"}
+
+
+def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_url, s3_endpoint, s3_bucket):
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    files = {"w.bin": os.urandom(300_000)}
+    commit_folder(settings, RUN, 100, files, milestone=True)
+    promote(settings, RUN, 100)
+    assert replica_states(settings, RUN, 100)[2] == "verified"
+    corrupt_s3_object(settings, RUN, 100, "w.bin")
+
+    report = scrub(settings, fraction=1.0)
+
+    assert [(b.tier, b.state) for b in report.bad] == [(2, "corrupt")]
+    assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(2, 1, True)]
+    bucket, key = s3_key(settings, RUN, 100, "w.bin")
+    assert s3_client(settings).get_object(Bucket=bucket, Key=key)["Body"].read() == files["w.bin"]
+    assert replica_states(settings, RUN, 100)[2] == "verified"
+
+
+def test_cli_scrub_all(settings, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    save(settings, 100)
+    save(settings, 200)
+    flip_byte(tier1_dir(settings, RUN, 200) / "weights.bin")
+    monkeypatch.setenv("CKPT_DATA_DIR", str(settings.data_dir))
+    monkeypatch.setenv("CKPT_CATALOG_URL", settings.catalog_url)
+    monkeypatch.setenv("CKPT_NODE", settings.node)
+
+    result = CliRunner().invoke(app, ["scrub", "--all", "--json"])
+
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["eligible"], doc["checked"]) == (2, 2)
+    assert [(b["step"], b["state"]) for b in doc["bad"]] == [(200, "corrupt")]
+    assert [r["ok"] for r in doc["repairs"]] == [True]
+    text = CliRunner().invoke(app, ["scrub", "--all"])
+    assert text.exit_code == 0 and "0 bad" in text.output
