@@ -18,3 +18,28 @@ PROMOTE_DEPLOYMENT = PROMOTE_FLOW + "/{node}"
 def promote_deployment(node: str) -> str:
     """The full name of ``node``'s promote deployment, e.g. ``promote-checkpoint/gpu-node-07``."""
     return PROMOTE_DEPLOYMENT.format(node=node)
+
+# Deployment names (the part after the flow name). Node-scoped ones are named after the node.
+CLUSTER = "cluster"  # archive and retention: served once per cluster (the agent without --node-only)
+ARCHIVE_DEPLOYMENT = ARCHIVE_FLOW + "/" + CLUSTER
+RETENTION_DEPLOYMENT = RETENTION_FLOW + "/" + CLUSTER
+RECONCILE_DEPLOYMENT = RECONCILE_FLOW + "/{node}"  # reconcile sweeps this node's Tier 0
+
+
+def reconcile_deployment(node: str) -> str:
+    return RECONCILE_DEPLOYMENT.format(node=node)
+
+
+# Trigger template of the promote deployment: the event's payload, passed through raw (the
+# flow validates). Every key has a default: Prefect silently drops a triggered run whose
+# template references a missing key, and a malformed event must give a *failed* run instead.
+PROMOTE_PARAMETERS = {
+    "run": "{{ event.payload.run | default('') }}",
+    "step": "{{ event.payload.step | default('') }}",
+    "part": "{{ event.payload.part | default(0) }}",
+    "parts": "{{ event.payload.parts | default(1) }}",
+}
+ARCHIVE_PARAMETERS = {
+    "run": "{{ event.payload.run | default('') }}",
+    "step": "{{ event.payload.step | default('') }}",
+}

@@ -100,9 +100,20 @@ def _print_plan(plans, figures) -> None:
 
 
 # --- placeholders filled below -------------------------------------------------------------
-def agent_cmd() -> None:
-    """Serve the deployments on this node (not yet wired)."""
-    raise typer.Exit(1)
+def agent_cmd(
+    node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
+    node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive and retention"),
+    limit: int = typer.Option(None, "--limit", help="most flow runs at once on this agent"),
+) -> None:
+    """Serve the deployments on this node until interrupted: promote (event-triggered),
+    reconcile (interval), and unless --node-only archive (event-triggered) and retention (cron)."""
+    from ckpt.settings import load_settings
+    from deployments.agent import serve_agent
+
+    settings = load_settings(**({"node": node} if node else {}))
+    typer.echo(f"agent for node {settings.node}: Tier 0 {settings.tier0_url}, Tier 1 {settings.tier1_url}, "
+               f"Tier 2 {settings.tier2_url or '(off)'}" + (" [node only]" if node_only else ""))
+    serve_agent(settings, node_only=node_only, limit=limit)
 
 
 def watch_cmd(
@@ -134,9 +145,80 @@ def watch_cmd(
     typer.echo(f"{n} checkpoint(s) committed")
 
 
-def up_cmd() -> None:
-    raise typer.Exit(1)
+def up_cmd(
+    root: Path = typer.Option(Path(".ckpt-stack"), "--dir", help="where the stack keeps its data and logs"),
+    port: int = typer.Option(4200, "--port", help="Prefect server port (a free one if taken)"),
+    nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
+    tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
+) -> None:
+    """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
+    and the agents; runs until Ctrl-C, then stops everything cleanly."""
+    import signal
+    import time
+
+    from ckpt.local_stack import LocalStack
+
+    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2)
+    typer.echo("starting the Prefect server, the S3 server and the agents ...")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
+    with stack:
+        typer.echo(f"Prefect UI   {stack.ui_url}")
+        typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
+        typer.echo("for the training job and the CLI, in another shell:")
+        for k, v in sorted(stack.env.items()):
+            if k.startswith(("CKPT_", "PREFECT_")):
+                typer.echo(f"  export {k}={v}")
+        typer.echo("Ctrl-C stops the stack")
+        try:
+            while all(p.poll() is None for p in stack.procs + stack.agents):
+                time.sleep(1)
+            typer.echo("a stack process exited; see the logs under " + str(root / "logs"), err=True)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            typer.echo("stopping ...")
+    typer.echo("stopped")
 
 
-def run_register_cmd() -> None:
-    raise typer.Exit(1)
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_register_cmd(
+    run: str = typer.Argument(..., help="run name"),
+    project: str = typer.Option(None, "--project"),
+    resumed_from: str = typer.Option(None, "--resumed-from", help="RUN:STEP this run resumes from"),
+    fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN:STEP this run fine-tunes"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Register a run (idempotent), with the checkpoint it started from."""
+    from ckpt.errors import BadInput
+    from ckpt.paths import safe_run_name
+    from ckpt.settings import load_settings
+    from db.catalog import Catalog
+
+    if resumed_from and fine_tuned_from:
+        raise BadInput("give --resumed-from or --fine-tuned-from, not both")
+    origin = resumed_from or fine_tuned_from
+    parent = _run_step(origin) if origin else None
+    cat = Catalog(load_settings().catalog_url)
+    try:
+        info = cat.ensure_run(safe_run_name(run), project=project, parent=parent,
+                              parent_relation="resumed_from" if resumed_from else "fine_tuned_from", actor="cli")
+    finally:
+        cat.close()
+    if as_json:
+        typer.echo(json.dumps({"run": info.name, "project": info.project, "parent_run": info.parent_run,
+                               "parent_step": info.parent_step, "parent_relation": info.parent_relation}))
+    else:
+        origin_txt = f" ({info.parent_relation} {info.parent_run}:{info.parent_step})" if info.parent_run else ""
+        typer.echo(f"run {info.name}{origin_txt}")
+
+
+def _run_step(text: str) -> tuple[str, int]:
+    from ckpt.errors import BadInput
+    from ckpt.paths import safe_run_name
+
+    run, sep, step = text.rpartition(":")
+    if not sep or not step.isdigit():
+        raise BadInput(f"expected RUN:STEP, got {text!r}")
+    return safe_run_name(run), int(step)

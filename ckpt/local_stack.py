@@ -1,0 +1,221 @@
+"""The local stack on loopback: a Prefect server on SQLite, moto's S3 server with a bucket,
+and agents (``ckpt agent``) — what ``ckpt up``, ``make demo`` and the end-to-end tests run.
+
+Each piece is a child process started with its own log file and stopped cleanly (SIGINT,
+then SIGTERM, then SIGKILL after a grace period), so nothing is left behind. Ports are the
+asked ones when free, else any free loopback port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt.errors import ConfigError
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(preferred: int | None = None) -> int:
+    """``preferred`` if nothing listens there, else a free port the OS picks."""
+    if preferred:
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, preferred))
+                return preferred
+            except OSError:
+                pass
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, *, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise ConfigError(f"{what or url} exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"{what or url} not ready after {timeout:.0f}s")
+        time.sleep(0.3)
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float = 15.0) -> None:
+    """SIGINT (Prefect's serve pauses its deployments on it), then SIGTERM, then SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 5.0)):
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)  # a Ctrl-C in the terminal reaches us, not them
+
+
+def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0):
+    """Prefect server on SQLite under ``home``; returns (process, API URL)."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port(port)
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)
+    env.update(PREFECT_HOME=str(home), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="true" if ui else "false",
+               PREFECT_LOGGING_LEVEL="WARNING")
+    proc = _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
+                  home / "server.log", env)
+    url = f"http://{LOOPBACK}:{port}/api"
+    try:
+        wait_http(f"{url}/health", timeout=timeout, proc=proc, what="Prefect server")
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt", timeout: float = 60.0):
+    """moto's S3 server on loopback with ``bucket`` created; returns (process, endpoint URL)."""
+    import boto3
+
+    port = free_port(port)
+    proc = _spawn([sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)], log)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        wait_http(url, timeout=timeout, proc=proc, what="moto S3 server")
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = False,
+                limit: int | None = None) -> subprocess.Popen:
+    """``ckpt agent`` for ``node`` in a child process whose environment is ``env`` (CKPT_*)."""
+    cmd = [sys.executable, "-m", "ckpt.cli", "agent", "--node", node]
+    if node_only:
+        cmd.append("--node-only")
+    if limit:
+        cmd += ["--limit", str(limit)]
+    return _spawn(cmd, log, {**os.environ, **env})
+
+
+def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
+                     procs: list[subprocess.Popen] = ()) -> None:
+    """Until every ``flow/deployment`` in ``names`` exists, is not paused and is polled by a
+    runner (status READY): then its triggers and schedules are live."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    todo = list(names)
+    while todo:
+        name = todo[0]
+        try:
+            r = httpx.get(f"{api_url}/deployments/name/{name}", timeout=5)
+            d = r.json() if r.status_code == 200 else {}
+        except httpx.HTTPError:
+            d = {}
+        if d and not d.get("paused") and d.get("status") == "READY":
+            todo.pop(0)
+            continue
+        for p in procs:
+            if p.poll() is not None:
+                raise ConfigError(f"an agent exited with {p.returncode} before serving {name}")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"deployment {name} not served after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+def stack_env(data_dir: Path, *, api_url: str, s3_url: str | None, bucket: str = "ckpt",
+              catalog_url: str | None = None) -> dict[str, str]:
+    """The CKPT_* environment of the agents and the training job on the local stack."""
+    env = {"CKPT_DATA_DIR": str(data_dir), "CKPT_PREFECT_API_URL": api_url, "PREFECT_API_URL": api_url,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    if s3_url:
+        env.update(CKPT_TIER2_URL=f"s3://{bucket}/ckpt", CKPT_S3_ENDPOINT_URL=s3_url)
+    if catalog_url:
+        env["CKPT_CATALOG_URL"] = catalog_url
+    return env
+
+
+@dataclass
+class LocalStack:
+    """Prefect server + moto + one agent per node, under ``root``. Use as a context manager."""
+
+    root: Path
+    nodes: tuple[str, ...] = ("node-0",)
+    port: int = 4200
+    ui: bool = True
+    tier2: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+    api_url: str = ""
+    s3_url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    agents: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def ui_url(self) -> str:
+        return self.api_url.removesuffix("/api")
+
+    def start(self) -> "LocalStack":
+        from db.catalog import upgrade
+
+        self.root = self.root.absolute()
+        server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui)
+        self.procs.append(server)
+        if self.tier2:
+            moto, self.s3_url = start_moto(self.root / "logs" / "moto.log")
+            self.procs.append(moto)
+        self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url), **self.extra_env}
+        os.environ.update(self.env)  # this process (the demo's training job) sees the same stack
+        from ckpt.settings import load_settings
+
+        upgrade(load_settings().catalog_url)
+        for i, node in enumerate(self.nodes):
+            self.agents.append(start_agent(self.env, self.root / "logs" / f"agent-{node}.log", node=node,
+                                           node_only=i > 0))
+        from deployments import names
+
+        wanted = [names.promote_deployment(n) for n in self.nodes] + [names.ARCHIVE_DEPLOYMENT]
+        wait_deployments(self.api_url, wanted, procs=self.agents)
+        return self
+
+    def stop(self) -> None:
+        for p in self.agents + list(reversed(self.procs)):
+            stop_process(p)
+        self.agents.clear()
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,125 @@
+"""``ckpt agent``: the long-running process on each training node (Prefect ``serve``).
+
+What one agent serves:
+- node-scoped (always): ``promote-checkpoint/<node>``, triggered by ``ckpt.checkpoint.completed``
+  events whose ``ckpt.node`` label is this node (so the Tier 0 -> Tier 1 copy of a part runs
+  where its bytes are); ``reconcile/<node>`` every ``reconcile_interval_seconds`` (the safety
+  net for events that never arrived or triggers that never fired).
+- cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
+  ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
+  Tier 1), and ``enforce-retention/cluster`` on ``retention_cron``. Run exactly one agent
+  without ``--node-only`` per cluster.
+
+Trigger templates pass the event's values through raw and the deployments do not enforce a
+parameter schema: a malformed or hostile event then becomes a *failed* flow run whose message
+says what was wrong (the flow validates), never a silently dropped one, and nothing is copied.
+
+Flow runs execute in subprocesses that inherit this process's environment, so the agent's
+settings (``CKPT_*``) are the flows' settings.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+from ckpt import events
+from ckpt.settings import Settings
+from deployments import names
+
+
+def promote_trigger(node: str) -> Any:
+    from prefect.events import DeploymentEventTrigger
+
+    return DeploymentEventTrigger(
+        name=f"promote on {node}",
+        description=f"Promote checkpoint parts committed on {node}'s Tier 0.",
+        expect={events.COMPLETED},
+        match={"ckpt.node": node},
+        parameters={**names.PROMOTE_PARAMETERS, "node": node},
+        within=timedelta(0),
+    )
+
+
+def archive_trigger() -> Any:
+    from prefect.events import DeploymentEventTrigger
+
+    return DeploymentEventTrigger(
+        name="archive when durable",
+        description="Archive a checkpoint (milestones go to Tier 2) once every part is on Tier 1.",
+        expect={events.DURABLE},
+        parameters=dict(names.ARCHIVE_PARAMETERS),
+        within=timedelta(0),
+    )
+
+
+def node_deployments(settings: Settings) -> list[Any]:
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.promote import promote_checkpoint
+    from flows.reconcile import reconcile
+
+    node = settings.node
+    return [
+        promote_checkpoint.to_deployment(
+            name=node, triggers=[promote_trigger(node)], enforce_parameter_schema=False,
+            entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
+            description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
+        ),
+        reconcile.to_deployment(
+            name=node, interval=timedelta(seconds=settings.reconcile_interval_seconds),
+            parameters={"node": node}, entrypoint_type=EntrypointType.MODULE_PATH,
+            tags=["ckpt", f"node:{node}"], description=f"Finish what events missed on {node}.",
+        ),
+    ]
+
+
+def cluster_deployments(settings: Settings) -> list[Any]:
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.archive import archive_checkpoint
+    from flows.retention import enforce_retention
+
+    return [
+        archive_checkpoint.to_deployment(
+            name=names.CLUSTER, triggers=[archive_trigger()], enforce_parameter_schema=False,
+            entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", "cluster"],
+            description="Tier 1 -> Tier 2 for milestones, once per durable checkpoint.",
+        ),
+        enforce_retention.to_deployment(
+            name=names.CLUSTER, cron=settings.retention_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            tags=["ckpt", "cluster"], description="Apply the retention policy on every tier.",
+        ),
+    ]
+
+
+def build_deployments(settings: Settings, *, node_only: bool = False) -> list[Any]:
+    deps = node_deployments(settings)
+    if not node_only:
+        deps += cluster_deployments(settings)
+    return deps
+
+
+def agent_environment(settings: Settings) -> dict[str, str]:
+    """What the flow subprocesses must see so that their ``load_settings()`` equals ours:
+    the values given on the command line are exported as ``CKPT_*``."""
+    env = {"CKPT_NODE": settings.node, "CKPT_DATA_DIR": str(settings.data_dir.absolute()),
+           "CKPT_TIER0_URL": settings.tier0_url, "CKPT_TIER1_URL": settings.tier1_url,
+           "CKPT_CATALOG_URL": settings.catalog_url}
+    for key, value in (("CKPT_TIER2_URL", settings.tier2_url), ("CKPT_S3_ENDPOINT_URL", settings.s3_endpoint_url),
+                       ("PREFECT_API_URL", settings.prefect_api_url)):
+        if value:
+            env[key] = value
+    return env
+
+
+def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
+    from prefect import serve
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    os.environ.update(agent_environment(settings))
+    updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
+    with temporary_settings(updates=updates):  # Prefect read its settings at import time
+        serve(*build_deployments(settings, node_only=node_only), limit=limit, print_starting_message=True)
