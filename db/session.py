@@ -52,7 +52,10 @@ def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     if backend == "sqlite":
         return _sqlite_engine(parsed, busy_timeout_s)
     if backend == "postgresql":
-        return create_engine(parsed, pool_pre_ping=True, connect_args={"connect_timeout": connect_timeout_s})
+        # lock_timeout: a writer blocked on a row lock gives up like a SQLite busy timeout does.
+        options = f"-c lock_timeout={int(busy_timeout_s * 1000)}"
+        return create_engine(parsed, pool_pre_ping=True,
+                             connect_args={"connect_timeout": connect_timeout_s, "options": options})
     raise ConfigError(f"unsupported catalog backend {backend!r}: use sqlite:/// or postgresql+psycopg://")
 
 
