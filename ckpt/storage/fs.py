@@ -4,7 +4,9 @@
 read -> CRC32C -> ``os.write`` into a hidden staging file beside the target, fsync, read back
 and compare, publish with ``link`` (which refuses to replace an existing file, so a different
 object is never overwritten) and fsync the directory. Every key is confined under the root
-with symlinks resolved (``ckpt.paths.confine_local``).
+with symlinks resolved (``ckpt.paths.confine_local``). The read-back proves what the file
+system returns after fsync (usually from its page cache, not the media); media faults that
+appear later are the scrub's job (``verify_object`` on a cold cache).
 
 ``FsspecStore`` serves every other fsspec URL (``memory://`` in the contract suite, remote
 filesystems in principle) with the same contract, through fsspec's file API; its publish is

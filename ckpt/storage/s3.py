@@ -48,19 +48,26 @@ def _code(exc) -> tuple[str, int]:
 
 def map_s3_error(exc: Exception, what: str) -> Exception:
     """botocore exception -> this project's taxonomy (the caller raises the result)."""
-    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError
+    from botocore.exceptions import (
+        BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError, NoCredentialsError,
+        ParamValidationError,
+    )
 
     if isinstance(exc, ClientError):
         code, status = _code(exc)
         if status >= 500 or code in _RETRYABLE_CODES or status == 429:
             return StorageUnavailable(f"S3 unavailable for {what}: {code or status}")
+        if code == "NoSuchBucket":
+            return ConfigError(f"S3 bucket of {what} does not exist")
         if code in _NOT_FOUND_CODES or status == 404:
             return NotFound(f"{what} does not exist")
         if code in _PRECONDITION_CODES or status == 412:
             return ConflictError(f"{what}: precondition failed ({code})")
-        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"):
+        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
             return CorruptCheckpoint(f"{what}: the endpoint rejected the checksum ({code}: {exc})")
         return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
+    if isinstance(exc, (NoCredentialsError, ParamValidationError)):
+        return ConfigError(f"S3 {what}: {exc}")
     if isinstance(exc, (BotoConnError, HTTPClientError, BotoCoreError)):
         return StorageUnavailable(f"S3 unreachable for {what}: {exc}")
     return exc

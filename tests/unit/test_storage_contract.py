@@ -200,3 +200,17 @@ def test_open_store_picks_the_backend(tmp_path, settings_factory, s3_endpoint):
     s3 = open_store("s3://bkt/prefix", 2, s)
     assert isinstance(s3, S3Store) and s3.chunk_bytes == 8 * MiB and s3.prefix == "prefix"
     assert s3.url_for("r/step-00000001/x") == "s3://bkt/prefix/r/step-00000001/x"
+
+
+def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_endpoint):
+    from conftest import free_port
+
+    from ckpt.errors import ConfigError, StorageUnavailable, is_transient
+
+    dead = S3Store("s3://bkt/p", 2, endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2)
+    with pytest.raises(StorageUnavailable) as exc:
+        dead.list("r")
+    assert is_transient(exc.value)
+    nobucket = S3Store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p", 2, endpoint_url=s3_endpoint)
+    with pytest.raises(ConfigError):
+        nobucket.list("r")
