@@ -80,7 +80,8 @@ class TierStore(ABC):
 
     @abstractmethod
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix``; return how many. Missing prefix: 0."""
+        """Delete every object under ``prefix`` (or the one object named ``prefix``); return
+        how many. Missing prefix: 0. An empty prefix (the whole tier) raises ``BadInput``."""
 
     def free_bytes(self) -> int | None:
         """Free space at the root, when the backend can tell."""

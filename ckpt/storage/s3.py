@@ -339,6 +339,8 @@ class S3Store(TierStore):
         if not prefix:
             raise BadInput("refusing to delete the whole tier (empty prefix)")
         keys = [self._k(o.key) for o in self.list(prefix)]
+        if self.stat(prefix) is not None:  # a single object, as on a file system
+            keys.append(self._k(prefix))
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
             with s3_errors(f"delete {self.root_url}/{prefix}"):

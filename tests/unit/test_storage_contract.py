@@ -177,6 +177,8 @@ def test_list_and_delete_prefix(store):
     with pytest.raises(BadInput):
         store.delete_prefix("")
     assert all_names(store) == ["ab/3", "b/4"]
+    assert store.delete_prefix("ab/3") == 1  # one object by its own key
+    assert all_names(store) == ["b/4"]
 
 
 def test_write_small_atomic_and_read_small(store):
