@@ -181,7 +181,7 @@ def test_unknown_run_is_rejected_and_recorded(settings):
 def test_manifest_path_escaping_the_checkpoint_is_rejected(settings, bad_path):
     import json
 
-    m = write_checkpoint(tier(settings, 0), RUN, 7)
+    write_checkpoint(tier(settings, 0), RUN, 7)
     mpath = ckpt_dir(tier(settings, 0), RUN, 7) / "manifest.json"
     doc = json.loads(mpath.read_text())
     doc["files"][0]["path"] = bad_path
@@ -194,7 +194,6 @@ def test_manifest_path_escaping_the_checkpoint_is_rejected(settings, bad_path):
     assert events.names() == ["rejected"]
     assert published_files(tier(settings, 1), RUN, 7) == []
     assert not (tier(settings, 0).parent / "escape.safetensors").exists()
-    del m
 
 
 def test_symlink_leaving_tier0_is_refused(settings, tmp_path):

@@ -1,0 +1,208 @@
+"""Checkpoints in several parts (one per node), prunes racing promotions, and reconcile."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckpt.errors import PruneRefused
+from ckpt.settings import RetentionPolicy
+from flows.common import plain_steps
+from flows.promote import promote
+from flows.reconcile import reconcile_once
+from pipeline_kit import (Recorder, catalog, ckpt_dir, pipeline_settings, published_files, replica_states,
+                          write_checkpoint)
+
+RUN = "run-a"
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    return pipeline_settings(settings_factory, db_url)
+
+
+def tier0_replica_id(settings, run, step, part=0):
+    cat = catalog(settings)
+    try:
+        ck = cat.get_checkpoint(run, step)
+        return next(r.id for r in cat.replicas(ck.id, 0) if r.part == part)
+    finally:
+        cat.close()
+
+
+# --- several parts ------------------------------------------------------------------------
+def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    write_checkpoint(settings.tier0_url, RUN, 100, part=0, parts=2, node="node-0")
+    write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1")
+    events = Recorder()
+
+    first = promote(settings, RUN, 100, 0, 2, steps=plain_steps(), notify=events)
+    assert not first.durable
+    cat = catalog(settings)
+    try:
+        assert cat.locations(RUN, 100) == [] or all(loc.tier != 1 for loc in cat.locations(RUN, 100))
+    finally:
+        cat.close()
+
+    second = promote(node1, RUN, 100, 1, 2, steps=plain_steps(), notify=events)
+
+    assert second.durable
+    assert events.names().count("durable") == 1
+    tier1 = published_files(settings.tier1_url, RUN, 100)
+    assert "manifest.part-00000-of-00002.json" in tier1 and "manifest.part-00001-of-00002.json" in tier1
+    assert {p for p in tier1 if p.endswith(".safetensors")} == {
+        "model-p00-00000.safetensors", "model-p00-00001.safetensors",
+        "model-p01-00000.safetensors", "model-p01-00001.safetensors"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (0, 1): "verified",
+                                                   (1, 0): "verified", (1, 1): "verified"}
+    cat = catalog(settings)
+    try:
+        tier1_loc = next(loc for loc in cat.locations(RUN, 100) if loc.tier == 1)
+        assert len(tier1_loc.urls) == 2
+    finally:
+        cat.close()
+
+
+def test_pruning_one_part_on_tier0_deletes_only_that_node_s_files(settings):
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    for step in (100, 200):
+        write_checkpoint(settings.tier0_url, RUN, step, part=0, parts=2, node="node-0")
+        write_checkpoint(node1.tier0_url, RUN, step, part=1, parts=2, node="node-1")
+        promote(settings, RUN, step, 0, 2, steps=plain_steps())
+        promote(node1, RUN, step, 1, 2, steps=plain_steps())
+    from tasks.prune import prune_replica
+
+    prune_replica(settings, tier0_replica_id(settings, RUN, 100, part=0))
+
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists() or \
+        published_files(settings.tier0_url, RUN, 100) == []
+    assert "manifest.part-00001-of-00002.json" in published_files(node1.tier0_url, RUN, 100)
+    assert len(published_files(settings.tier1_url, RUN, 100)) == 6
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"
+    assert replica_states(settings, RUN, 100)[(0, 1)] == "verified"
+
+
+# --- prune racing promote ----------------------------------------------------------------
+def test_tier0_copy_cannot_be_pruned_before_its_tier1_copy_is_verified(settings):
+    from tasks.copy import copy_to_tier1
+    from tasks.prune import prune_replica
+    from tasks.register import register_part
+    from tasks.verify import verify_replica
+
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    write_checkpoint(settings.tier0_url, RUN, 200)
+    promote(settings, RUN, 200, steps=plain_steps())  # 100 is no longer the newest
+    register_part(settings, RUN, 100)
+    verify_replica(settings, RUN, 100, tier=0)
+    rid = tier0_replica_id(settings, RUN, 100)
+
+    with pytest.raises(PruneRefused):
+        prune_replica(settings, rid)  # no other copy yet
+    cat = catalog(settings)
+    try:  # a copy in flight (claimed, not verified) does not count either
+        ck = cat.get_checkpoint(RUN, 100)
+        claim = cat.claim_copy(ck.id, 1, 0, "x", node=None, actor="other-worker")
+        assert claim.acquired
+        with pytest.raises(PruneRefused):
+            prune_replica(settings, rid)
+        cat.transition(claim.replica.id, "missing", expected="copying", actor="other-worker",
+                       claim_token=claim.replica.claim_token, reason="gave up")
+    finally:
+        cat.close()
+    assert published_files(settings.tier0_url, RUN, 100)
+
+    copy_to_tier1(settings, RUN, 100)
+    prune_replica(settings, rid)
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()
+
+
+def test_retention_looping_during_promotions_never_loses_a_checkpoint(settings):
+    tight = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1)})
+    steps = list(range(1, 7))
+    for s in steps:
+        write_checkpoint(settings.tier0_url, RUN, s, shard_bytes=256 << 10)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def prune_loop():
+        from flows.retention import retention
+
+        while not stop.is_set():
+            try:
+                retention(tight, run=RUN, steps=plain_steps())
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+    pruner = threading.Thread(target=prune_loop)
+    pruner.start()
+    try:
+        for s in steps:
+            promote(settings, RUN, s, steps=plain_steps())
+    finally:
+        stop.set()
+        pruner.join(30)
+    assert errors == []
+    for s in steps:
+        states = replica_states(settings, RUN, s)
+        assert states[(1, 0)] == "verified"
+        assert ckpt_dir(settings.tier1_url, RUN, s).is_dir()
+        assert states[(0, 0)] in ("verified", "pruned")
+    assert replica_states(settings, RUN, steps[-1])[(0, 0)] == "verified"
+
+
+# --- reconcile -----------------------------------------------------------------------------
+def test_reconcile_promotes_a_checkpoint_whose_event_was_lost(settings):
+    write_checkpoint(settings.tier0_url, RUN, 100)
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert report.promoted == [f"{RUN}/100 part 0"]
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    assert reconcile_once(settings, steps=plain_steps()).promoted == []  # nothing left
+
+
+def test_reconcile_marks_vanished_copies_missing_and_copies_them_again(settings):
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    promote(settings, RUN, 100, steps=plain_steps())
+    (ckpt_dir(settings.tier1_url, RUN, 100) / "model-00002-of-00002.safetensors").unlink()
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert report.missing and "model-00002-of-00002.safetensors vanished" in report.missing[0]
+    assert report.promoted == [f"{RUN}/100 part 0"]
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    assert (ckpt_dir(settings.tier1_url, RUN, 100) / "model-00002-of-00002.safetensors").is_file()
+
+
+def test_reconcile_adopts_a_tier1_checkpoint_the_catalog_lost(settings_factory, db_url, tmp_path):
+    settings = pipeline_settings(settings_factory, db_url)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    promote(settings, RUN, 100, steps=plain_steps())
+    # a fresh catalog (restored from an old backup): Tier 1 holds a checkpoint it never saw
+    fresh = pipeline_settings(settings_factory, f"sqlite:///{tmp_path / 'fresh.db'}",
+                              tier0_url=str(tmp_path / "empty-tier0"), tier1_url=settings.tier1_url)
+
+    report = reconcile_once(fresh, steps=plain_steps())
+
+    assert report.adopted == [f"{RUN}/100 part 0"]
+    assert replica_states(fresh, RUN, 100) == {(1, 0): "verified"}
+
+
+def test_reconcile_leaves_unknown_runs_and_corrupt_checkpoints_alone(settings):
+    from pipeline_kit import flip_bit, shard_paths
+
+    write_checkpoint(settings.tier0_url, "stranger", 1)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    flip_bit(shard_paths(settings.tier0_url, RUN, 100)[0])
+    first = reconcile_once(settings, steps=plain_steps())
+    assert any("CorruptCheckpoint" in f for f in first.failed)
+
+    again = reconcile_once(settings, steps=plain_steps())
+
+    assert again.failed == [] and again.promoted == []
+    assert any("stranger" in s and "unknown run" in s for s in again.skipped)
+    assert any(f"{RUN}/100" in s and "corrupt" in s for s in again.skipped)
+    assert published_files(settings.tier1_url, RUN, 100) == []
