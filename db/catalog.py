@@ -192,6 +192,15 @@ class Catalog:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return [to_checkpoint(r) for r in conn.execute(stmt)]
 
+    def checkpoint_tiers(self, run: str | None = None) -> dict[tuple[str, int], tuple[int, ...]]:
+        """(run, step) -> the tiers holding a complete verified copy, for listings."""
+        stmt = select(runs.c.name, checkpoints.c.step, checkpoints.c.verified_tiers).join(
+            runs, runs.c.id == checkpoints.c.run_id)
+        with self._tx(write=False) as conn:
+            if run is not None:
+                stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
+            return {(n, s): tuple(_q.complete_tiers(m)) for n, s, m in conn.execute(stmt)}
+
     def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]:
         stmt = select(files_table).where(files_table.c.checkpoint_id == checkpoint_id)
         if part is not None:

@@ -67,7 +67,7 @@ def run_row(conn: Connection, name: str, *, lock: bool = False) -> Row:
     stmt = select(runs).where(runs.c.name == name)
     row = conn.execute(stmt.with_for_update() if lock else stmt).one_or_none()
     if row is None:
-        raise UnknownRun(f"unknown run {name!r}: no checkpoint of it was ever registered")
+        raise UnknownRun(f"unknown run {name!r}: it is not in the catalog")
     return row
 
 

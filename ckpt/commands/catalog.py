@@ -1,0 +1,211 @@
+"""Catalog query commands: ``ckpt ls``, ``show``, ``locate``, ``latest``, ``lineage``, ``pin``,
+``unpin``. Each takes ``--json`` (stable field names, dates in ISO-8601 UTC); errors of the
+project print as one line (see ``ckpt.cli.main``). Settings are read once per command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
+out = Console()
+
+
+def register(app: typer.Typer) -> None:
+    for name, fn in (("ls", ls_cmd), ("show", show_cmd), ("locate", locate_cmd), ("latest", latest_cmd),
+                     ("lineage", lineage_cmd), ("pin", pin_cmd), ("unpin", unpin_cmd)):
+        app.command(name)(fn)
+
+
+@contextmanager
+def _catalog():
+    from ckpt.settings import load_settings
+    from db.catalog import Catalog
+
+    cat = Catalog(load_settings().catalog_url)
+    try:
+        yield cat
+    finally:
+        cat.close()
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+def _emit_json(value: Any) -> None:
+    typer.echo(json.dumps(_plain(value), indent=1, sort_keys=True))
+
+
+def _when(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _size(n: int | None) -> str:
+    from ckpt.sizing import fmt_bytes
+
+    return "-" if n is None else fmt_bytes(n)
+
+
+def _tiers(tiers) -> str:
+    from db.entities import TIER_NAMES
+
+    return ", ".join(f"{t}:{TIER_NAMES[t]}" for t in tiers) or "-"
+
+
+def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json: bool = JSON_OPT) -> None:
+    """List checkpoints with their state and the tiers that hold a verified copy."""
+    with _catalog() as cat:
+        ckpts = cat.list_checkpoints(run)
+        tiers = cat.checkpoint_tiers(run)
+    if as_json:
+        _emit_json([dict(_plain(c), verified_tiers=list(tiers.get((c.run, c.step), ()))) for c in ckpts])
+        return
+    table = Table("run", "step", "kind", "state", "parts", "size", "verified on", "committed")
+    for c in ckpts:
+        table.add_row(c.run, str(c.step), c.kind, c.state, f"{c.parts_registered}/{c.parts}", _size(c.total_bytes),
+                      _tiers(tiers.get((c.run, c.step), ())), _when(c.committed_at))
+    out.print(table if ckpts else "no checkpoints recorded")
+
+
+def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+    """One checkpoint: its record, replicas, pins, aliases and parents."""
+    with _catalog() as cat:
+        ck = cat.get_checkpoint(run, step)
+        reps = cat.replicas(ck.id)
+        pinned = cat.is_pinned(run, step)
+        names = sorted(a for a, s in cat.aliases(run).items() if s == step)
+        parents = [e for e in cat.ancestors(run, step, max_depth=1)]
+    if as_json:
+        _emit_json({"checkpoint": ck, "replicas": reps, "pinned": pinned, "aliases": names, "parents": parents})
+        return
+    out.print(f"[bold]{run}[/bold] step {step}: {ck.kind}, {ck.state}, {ck.parts_registered}/{ck.parts} part(s), "
+              f"{ck.file_count} files, {_size(ck.total_bytes)}, format {ck.format}")
+    out.print(f"created {_when(ck.created_at)}, committed {_when(ck.committed_at)}, writer stall "
+              f"{'-' if ck.writer_stall_seconds is None else f'{ck.writer_stall_seconds:.3f} s'}")
+    if ck.metrics:
+        out.print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(ck.metrics.items())))
+    if pinned or names:
+        out.print("kept by: " + ", ".join((["pin"] if pinned else []) + [f"alias {a}" for a in names]))
+    for e in parents:
+        out.print(f"{e.relation} {e.parent_run}/{e.parent_step}")
+    out.print(_replica_table(reps))
+
+
+def _replica_table(reps) -> Table:
+    table = Table("tier", "part", "state", "url", "verified", "bytes", "node")
+    for r in reps:
+        table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes), r.node or "-")
+    return table
+
+
+def locate_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+    """Where every replica of a checkpoint is, and in what state."""
+    from db.entities import TIER_NAMES
+
+    with _catalog() as cat:
+        reps = cat.replicas(cat.get_checkpoint(run, step).id)
+    if as_json:
+        _emit_json([{"tier": r.tier, "tier_name": TIER_NAMES[r.tier], "part": r.part, "url": r.url,
+                     "state": r.state, "verified_at": r.verified_at, "bytes": r.bytes, "node": r.node}
+                    for r in reps])
+        return
+    out.print(_replica_table(reps) if reps else f"{run}/{step} has no replicas yet")
+
+
+def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only copies on this tier"),
+               durable: bool = typer.Option(False, "--durable", help="only copies on tier 1 or 2"),
+               follow_resumed: bool = typer.Option(False, "--follow-resumed",
+                                                   help="look into the run this one resumed from"),
+               as_json: bool = JSON_OPT) -> None:
+    """The newest verified checkpoint of a run and where its copies are."""
+    from ckpt.errors import NotFound
+
+    with _catalog() as cat:
+        ck = cat.newest_verified(run, tier=tier, durable_only=durable, follow_resumed=follow_resumed)
+        if ck is None:
+            raise NotFound(f"run {run!r} has no verified checkpoint" + (f" on tier {tier}" if tier is not None else ""))
+        locs = cat.locations(ck.run, ck.step)
+    if as_json:
+        _emit_json({"checkpoint": ck, "locations": locs})
+        return
+    out.print(f"[bold]{ck.run}[/bold] step {ck.step} ({ck.kind}), {_size(ck.total_bytes)}")
+    for loc in locs:
+        out.print(f"  {_tiers([loc.tier])}  verified {_when(loc.verified_at)}  {', '.join(loc.urls)}")
+
+
+def lineage_cmd(run: str, step: int,
+                descendants: bool = typer.Option(False, "--descendants", help="walk down instead of up"),
+                depth: int = typer.Option(1000, "--depth", help="how many edges deep"),
+                as_json: bool = JSON_OPT) -> None:
+    """Where a checkpoint came from (or, with --descendants, what came from it), as a tree."""
+    with _catalog() as cat:
+        cat.get_checkpoint(run, step)
+        edges = cat.descendants(run, step, max_depth=depth) if descendants else cat.ancestors(run, step, max_depth=depth)
+    if as_json:
+        _emit_json(edges)
+        return
+    out.print(lineage_tree(run, step, edges, descendants=descendants))
+
+
+def lineage_tree(run: str, step: int, edges, *, descendants: bool) -> Tree:
+    """A rich tree rooted at (run, step). A run's own ``follows`` chain stays at one level (a
+    100-step run is a list, not 100 indents); a relation to another run (``resumed_from``,
+    ``fine_tuned_from``, ``branched_from``) opens a branch, labelled with the relation."""
+    links: dict[tuple[str, int], list] = {}
+    for e in edges:
+        child, parent = (e.child_run, e.child_step), (e.parent_run, e.parent_step)
+        src, dst = (parent, child) if descendants else (child, parent)
+        links.setdefault(src, []).append((dst, e.relation))
+    root = Tree(f"[bold]{run}/{step}[/bold]")
+    node_of, level_of = {(run, step): root}, {(run, step): root}
+    queue = [(run, step)]
+    while queue:
+        src = queue.pop(0)
+        for dst, rel in links.get(src, []):
+            if dst in node_of:
+                continue
+            level = level_of[src] if rel == "follows" else node_of[src]
+            node_of[dst] = level.add(f"{dst[0]}/{dst[1]} [dim]({rel})[/dim]")
+            level_of[dst] = level if rel == "follows" else node_of[dst]
+            queue.append(dst)
+    return root
+
+
+def pin_cmd(run: str, step: int, reason: str = typer.Option(None, "--reason", help="why it must be kept"),
+            as_json: bool = JSON_OPT) -> None:
+    """Keep a checkpoint on every tier, whatever retention says."""
+    with _catalog() as cat:
+        cat.pin(run, step, reason=reason, actor="cli")
+    _done(run, step, True, as_json)
+
+
+def unpin_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+    """Let retention decide about this checkpoint again."""
+    with _catalog() as cat:
+        cat.unpin(run, step, actor="cli")
+    _done(run, step, False, as_json)
+
+
+def _done(run: str, step: int, pinned: bool, as_json: bool) -> None:
+    if as_json:
+        _emit_json({"run": run, "step": step, "pinned": pinned})
+    else:
+        out.print(f"{run}/{step} {'pinned' if pinned else 'unpinned'}")
