@@ -109,6 +109,18 @@ def _read_up_to(reader: BinaryIO, n: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
+
+
+def part_size(size: int, chunk_bytes: int) -> int:
+    """``chunk_bytes``, grown in whole MiB when ``size`` would need more than ``MAX_PARTS`` parts."""
+    need = -(-size // MAX_PARTS)
+    if need <= chunk_bytes:
+        return chunk_bytes
+    mib = 1024 * 1024
+    return -(-need // mib) * mib
+
+
 class S3Store(TierStore):
     """A tier at ``s3://bucket/prefix`` on AWS S3, MinIO or moto (``endpoint_url``)."""
 
@@ -285,10 +297,11 @@ class S3Store(TierStore):
                 Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT",
             )["UploadId"]
         futures: list[Future] = []
+        part_bytes = part_size(size, self.chunk_bytes)
         try:
             value, got, number = 0, 0, 0
             while True:
-                data = _read_up_to(reader, self.chunk_bytes)
+                data = _read_up_to(reader, part_bytes)
                 if not data:
                     break
                 value, got, number = crc.update(value, data), got + len(data), number + 1

@@ -216,3 +216,12 @@ def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_en
     nobucket = S3Store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p", 2, endpoint_url=s3_endpoint)
     with pytest.raises(ConfigError):
         nobucket.list("r")
+
+
+def test_s3_part_size_stays_within_the_part_limit():
+    from ckpt.storage.s3 import MAX_PARTS, part_size
+
+    assert part_size(100 * MiB, 8 * MiB) == 8 * MiB
+    for size in (10**12, 5 * 10**12, MAX_PARTS * 8 * MiB + 1):
+        p = part_size(size, 8 * MiB)
+        assert -(-size // p) <= MAX_PARTS and p % MiB == 0
