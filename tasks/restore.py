@@ -8,7 +8,8 @@ Contract of ``restore_checkpoint``:
   checked against the manifest the catalog registered while it is fetched, and S3 objects are
   fetched in parallel (``Settings.copy_parallelism``).
 - A copy whose bytes or manifest do not match becomes ``corrupt`` (absent files: ``missing``)
-  in the catalog, and the next copy is tried; when no copy of the checkpoint is good, the
+  in the catalog, and the next copy is tried (files of the failed copy that were already
+  fetched and proven good are kept, so the next copy fetches only the rest); when no copy of the checkpoint is good, the
   previous checkpoint is (only when no step was named, unless ``fallback=True``). Every such
   step is said in ``RestoreReport.notes``. A transient failure of every copy of a part raises
   (retry later) instead of falling back to older state.
@@ -55,7 +56,7 @@ class RestoreReport:
     run: str
     step: int
     dest: str
-    tiers: list[int]  # tier each part came from, part order
+    tiers: list[int]  # tier that completed each part, part order
     bytes: int
     files: int
     seconds: float
