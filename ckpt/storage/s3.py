@@ -348,6 +348,22 @@ class S3Store(TierStore):
         self.verify_object(key, len(data), checksum)
         return ObjectInfo(key=key, size=len(data), checksum=checksum)
 
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+        """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` ago (a
+        killed upload's parts are S3's staging data: invisible, but billed); returns how many."""
+        import datetime as dt
+
+        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+        full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        count = 0
+        with s3_errors(f"sweep {self.root_url}/{prefix}"):
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
+                for up in page.get("Uploads", []):
+                    if up["Initiated"] <= cutoff:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                        count += 1
+        return count
+
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:
             raise BadInput("refusing to delete the whole tier (empty prefix)")
