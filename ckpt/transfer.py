@@ -85,7 +85,7 @@ def _run_all(fn, items, parallelism: int) -> list:
         return []
     with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer") as pool:
         futures = [pool.submit(fn, it) for it in items]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 for g in futures:
