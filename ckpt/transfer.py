@@ -144,11 +144,10 @@ def verify_part(
 
 def _already_there(store: TierStore, key: str, entry: FileEntry) -> bool:
     """True if ``key`` holds exactly this file; ConflictError if it holds something else."""
-    info = store.stat(key)
-    if info is None:
-        return False
     try:
         store.verify_object(key, entry.size, entry.checksum)
+    except NotFound:
+        return False
     except CorruptCheckpoint as exc:
         raise ConflictError(f"{store.url_for(key)} holds different bytes ({exc}); refusing to overwrite") from None
     return True
