@@ -25,7 +25,7 @@ from tasks.base import (HopResult, Notify, delete_part, log, no_notify, open_cat
 from tasks.retry import pipeline_task
 from tasks.verify import part_replica
 
-DEFAULT_LEASE_S = 600.0
+DEFAULT_LEASE_S = 120.0  # a killed copy blocks others this long; renewed every fifth of it
 
 
 def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,

@@ -1,0 +1,198 @@
+"""Fault injection on real parts: a copy killed with SIGKILL, S3 answering 503 (a proxy in front
+of moto's server), Tier 1 out of space (a real 4 MiB tmpfs where this machine allows mounting
+one, and an injected ENOSPC everywhere)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt.errors import CopyInProgress, StorageFull, StorageUnavailable, is_transient
+from flows.common import plain_steps
+from flows.promote import promote
+from flows.reconcile import reconcile_once
+from pipeline_kit import (FaultProxy, ckpt_dir, pipeline_settings, published_files, replica_states, same_bytes,
+                          shard_paths, write_checkpoint)
+
+RUN = "run-a"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def assert_nothing_partial_published(settings, step: int) -> None:
+    """Tier 1 holds no manifest for the part, and every file under a final name is whole."""
+    d = ckpt_dir(settings.tier1_url, RUN, step)
+    assert not (d / "manifest.json").exists()
+    for rel in published_files(settings.tier1_url, RUN, step):
+        if ".ckpt-staging-" in rel:
+            continue
+        assert same_bytes(d / rel, ckpt_dir(settings.tier0_url, RUN, step) / rel), rel
+
+
+# --- SIGKILL mid-copy -----------------------------------------------------------------------
+KILLED_COPY = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import ckpt.storage.fs as fs
+    from ckpt.settings import load_settings
+    from tasks.copy import copy_to_tier1
+
+    original = fs.LocalStore.put_verified
+
+    class Stalling:
+        # hands over half of the second file, then stalls until the test kills this process
+        def __init__(self, inner, size):
+            self.inner, self.left = inner, size // 2
+        def read(self, n=-1):
+            if self.left <= 0:
+                print("MIDWAY", flush=True)
+                time.sleep(120)
+            data = self.inner.read(min(n, self.left) if n and n > 0 else self.left)
+            self.left -= len(data)
+            return data
+
+    calls = []
+    def put_verified(self, key, reader, size, checksum):
+        if self.tier == 1:
+            calls.append(key)
+            if len(calls) == 2:
+                reader = Stalling(reader, size)
+        return original(self, key, reader, size, checksum)
+
+    fs.LocalStore.put_verified = put_verified
+    settings = load_settings(data_dir=sys.argv[2], node="node-0", catalog_url=sys.argv[3], copy_parallelism=1)
+    copy_to_tier1(settings, "run-a", int(sys.argv[4]), lease_seconds=float(sys.argv[5]))
+    print("FINISHED", flush=True)
+""")
+
+
+def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_factory, db_url):
+    from tasks.copy import copy_to_tier1
+    from tasks.register import register_part
+    from tasks.verify import verify_replica
+
+    settings = pipeline_settings(settings_factory, db_url)
+    m = write_checkpoint(settings.tier0_url, RUN, 100, shards=3, shard_bytes=4 << 20)
+    register_part(settings, RUN, 100)
+    verify_replica(settings, RUN, 100, tier=0)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY, str(ROOT), str(settings.data_dir),
+                             settings.catalog_url, "100", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "MIDWAY", line
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(10)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    assert_nothing_partial_published(settings, 100)
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # a dead claim, never verified
+    with pytest.raises(CopyInProgress):
+        copy_to_tier1(settings, RUN, 100)  # its 2 s lease still runs
+    time.sleep(2.2)
+
+    hop = copy_to_tier1(settings, RUN, 100)  # the lease ran out: taken over, resumed
+
+    assert not hop.skipped and hop.files == len(m.files) - 1  # the file published before the kill is kept
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    assert (ckpt_dir(settings.tier1_url, RUN, 100) / "manifest.json").is_file()
+
+
+# --- S3 5xx --------------------------------------------------------------------------------
+@pytest.fixture
+def flaky_s3(s3_endpoint):
+    proxy = FaultProxy(s3_endpoint)
+    yield proxy
+    proxy.close()
+
+
+def test_s3_503s_that_stop_are_retried_and_the_upload_succeeds(settings_factory, db_url, s3_bucket, flaky_s3):
+    settings = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault",
+                                 s3_endpoint_url=flaky_s3.url)
+    write_checkpoint(settings.tier0_url, RUN, 100, kind="milestone")
+    flaky_s3.fail = 3
+
+    result = promote(settings, RUN, 100, steps=plain_steps())
+
+    assert flaky_s3.failed == 3
+    assert result.archive.archived
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "verified"
+
+
+def test_s3_503s_that_persist_fail_the_archive_and_keep_every_copy(settings_factory, db_url, s3_bucket,
+                                                                     s3_endpoint, flaky_s3):
+    import boto3
+
+    settings = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault",
+                                 s3_endpoint_url=flaky_s3.url, copy_parallelism=1)
+    # one shard: boto3 itself retries each request for ~15 s before giving up
+    write_checkpoint(settings.tier0_url, RUN, 100, kind="milestone", shards=1)
+    flaky_s3.fail = -1
+
+    with pytest.raises(StorageUnavailable) as err:
+        promote(settings, RUN, 100, steps=plain_steps())
+
+    assert is_transient(err.value)  # a Prefect task retries it; here the plain step just fails
+    listing = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").list_objects_v2(Bucket=s3_bucket)
+    assert not any(o["Key"].endswith("manifest.json") for o in listing.get("Contents", []))
+    states = replica_states(settings, RUN, 100)
+    assert states[(0, 0)] == "verified" and states[(1, 0)] == "verified" and states[(2, 0)] != "verified"
+    assert shard_paths(settings.tier0_url, RUN, 100)  # Tier 0 not pruned
+
+    flaky_s3.fail = 0  # S3 recovers; the next reconcile pass archives the milestone
+    report = reconcile_once(settings, steps=plain_steps())
+    assert report.archived == [f"{RUN}/100"]
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "verified"
+
+
+# --- Tier 1 full ---------------------------------------------------------------------------
+@pytest.fixture(params=["tmpfs-4MiB", "injected-ENOSPC"])
+def full_tier1(request, tmp_path, monkeypatch):
+    """A Tier 1 root that runs out of space after about 4 MiB."""
+    root = tmp_path / "tier1-full"
+    root.mkdir()
+    if request.param == "tmpfs-4MiB":
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        yield str(root)
+        subprocess.run(["umount", str(root)], check=False)
+        return
+    import ckpt.storage.fs as fs
+
+    written = {"n": 0}
+    original = fs._write_all
+
+    def write_all(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(root)):
+            written["n"] += len(data)
+            if written["n"] > 4 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        original(fd, data)
+
+    monkeypatch.setattr(fs, "_write_all", write_all)
+    yield str(root)
+
+
+def test_tier1_full_fails_cleanly_and_publishes_nothing(settings_factory, db_url, full_tier1):
+    settings = pipeline_settings(settings_factory, db_url, tier1_url=full_tier1)
+    write_checkpoint(settings.tier0_url, RUN, 100, shards=2, shard_bytes=3 << 20)
+
+    with pytest.raises(StorageFull):
+        promote(settings, RUN, 100, steps=plain_steps())
+
+    assert_nothing_partial_published(settings, 100)
+    assert not [p for p in published_files(full_tier1, RUN, 100) if ".ckpt-staging-" in p]
+    states = replica_states(settings, RUN, 100)
+    assert states[(0, 0)] == "verified" and states[(1, 0)] == "missing"
+    assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
