@@ -1,0 +1,92 @@
+"""The restore, scrub and drill flows on the session's real Prefect server: they run, publish
+their figures as artifacts, and a failure that needs a human fails the run (shown red)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+from restore_scenario import commit_folder, flip_byte, promote, scenario_settings, tier0_dir, tier1_dir
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+
+def events_named(api_url: str, name: str, run: str, timeout: float = 15.0) -> list[dict]:
+    """Events of ``name`` about ``run`` as the server stored them (delivery is asynchronous)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(f"{api_url}/events/filter", json={"filter": {"event": {"name": [name]}}, "limit": 50})
+        r.raise_for_status()
+        found = [e for e in r.json()["events"] if e["resource"].get("ckpt.run") == run]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def artifacts(key: str) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def settings(prefect_server, settings_factory, sqlite_url, s3_endpoint, s3_bucket):
+    return scenario_settings(settings_factory, sqlite_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+
+
+def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, tmp_path, prefect_server):
+    from flows.drill import restore_drill
+    from flows.restore import restore_checkpoint
+    from flows.scrub import scrub
+
+    files = {"w.bin": os.urandom(300_000)}
+    commit_folder(settings, "flow-run-a", 100, files, milestone=True)
+    promote(settings, "flow-run-a", 100)
+    shutil.rmtree(tier0_dir(settings, "flow-run-a", 100))
+
+    out = restore_checkpoint("flow-run-a", str(tmp_path / "r"), settings=settings)
+    assert (out["step"], out["tiers"]) == (100, [1])
+    assert (tmp_path / "r" / "w.bin").read_bytes() == files["w.bin"]
+    assert artifacts("restore-flow-run-a")
+    [restored] = events_named(prefect_server, "ckpt.checkpoint.restored", "flow-run-a")
+    assert restored["payload"]["tiers"] == [1] and restored["payload"]["bytes"] == 300_000
+    [missing] = events_named(prefect_server, "ckpt.checkpoint.corrupt", "flow-run-a")
+    assert (missing["payload"]["tier"], missing["payload"]["state"]) == (0, "missing")
+
+    drills = restore_drill(scratch=str(tmp_path / "scratch"), settings=settings)
+    assert [(d["tier"], d["ok"]) for d in drills] == [(1, True), (2, True)]
+    [drill_artifact] = artifacts("restore-drill")
+    assert "flow-run-a" in str(drill_artifact.data)
+
+    flip_byte(tier1_dir(settings, "flow-run-a", 100) / "w.bin")
+    found = scrub(fraction=1.0, settings=settings)
+    assert (found["bad"], found["repaired"]) == (1, 1)  # repaired from Tier 2
+    assert (tier1_dir(settings, "flow-run-a", 100) / "w.bin").read_bytes() == files["w.bin"]
+    assert artifacts("scrub")
+
+
+def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
+    from prefect.states import State
+
+    from flows.scrub import scrub
+
+    commit_folder(settings, "flow-run-b", 100, {"w.bin": os.urandom(1000)})
+    promote(settings, "flow-run-b", 100)
+    shutil.rmtree(tier0_dir(settings, "flow-run-b", 100))
+    flip_byte(tier1_dir(settings, "flow-run-b", 100) / "w.bin")
+
+    state: State = scrub(fraction=1.0, settings=settings, return_state=True)
+
+    assert state.is_failed()
+    assert "could not be repaired" in state.message
