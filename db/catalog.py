@@ -161,18 +161,16 @@ class Catalog:
         manifest.validate()
         digest = manifest.digest()
         with self._tx() as conn:
-            cid = _reg.register_part(conn, manifest, digest=digest, now=_now(), actor=actor)
-            return to_checkpoint(checkpoint_row_by_id(conn, cid))
+            return _reg.register_part(conn, manifest, digest=digest, now=_now(), actor=actor)
 
     def register_many(self, manifests: Sequence[Manifest], *, actor: str) -> int:
         """Bulk ``register_part`` in one transaction (backfills, imports): same rules, one
-        commit. Returns how many manifests were processed; any error rolls back all of them."""
+        commit, multi-row inserts where the batch allows. Returns how many manifests were
+        processed; any error rolls back all of them."""
         for m in manifests:
             m.validate()
-        now = _now()
         with self._tx() as conn:
-            for m in manifests:
-                _reg.register_part(conn, m, digest=m.digest(), now=now, actor=actor)
+            _reg.register_batch(conn, list(manifests), now=_now(), actor=actor)
         return len(manifests)
 
     def get_checkpoint(self, run: str, step: int) -> CheckpointInfo:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, literal, select
+from sqlalchemy import bindparam, delete, literal, select
 from sqlalchemy.engine import Connection
 
 from ckpt.errors import BadInput, LineageCycle
@@ -51,12 +51,8 @@ def link_into_run(conn: Connection, *, run, checkpoint_id: int, step: int, now: 
     """Give a new checkpoint its automatic edges: ``follows`` the previous checkpoint of its run,
     or, for the run's first checkpoint, the run's origin (``ensure_run(parent=...)``). A
     checkpoint registered out of order is spliced in: the next one now follows it."""
-    same_run = checkpoints.c.run_id == run.id
-    prev = conn.execute(select(checkpoints.c.id).where(same_run, checkpoints.c.step < step)
-                        .order_by(checkpoints.c.step.desc()).limit(1)).scalar()
-    nxt = conn.execute(select(checkpoints.c.id).where(same_run, checkpoints.c.step > step)
-                       .order_by(checkpoints.c.step).limit(1)).scalar()
-    origin = origin_id(conn, run)
+    prev, nxt = conn.execute(_NEIGHBOURS, dict(run_id=run.id, step=step)).one()
+    origin = origin_id(conn, run) if prev is None else None
     if prev is not None:
         add_edge(conn, checkpoint_id, prev, FOLLOWS, now=now, check_cycle=False)
     elif origin is not None:
@@ -67,6 +63,18 @@ def link_into_run(conn: Connection, *, run, checkpoint_id: int, step: int, now: 
         if prev is None and origin is not None:
             conn.execute(delete(lineage).where(moved, lineage.c.parent_id == origin))
         add_edge(conn, nxt, checkpoint_id, FOLLOWS, now=now, check_cycle=False)
+
+
+def _neighbours():
+    same_run = checkpoints.c.run_id == bindparam("run_id")
+    prev = (select(checkpoints.c.id).where(same_run, checkpoints.c.step < bindparam("step"))
+            .order_by(checkpoints.c.step.desc()).limit(1).scalar_subquery())
+    nxt = (select(checkpoints.c.id).where(same_run, checkpoints.c.step > bindparam("step"))
+           .order_by(checkpoints.c.step).limit(1).scalar_subquery())
+    return select(prev, nxt)
+
+
+_NEIGHBOURS = _neighbours()  # (previous, next) checkpoint of a run around a step; one round trip
 
 
 def origin_id(conn: Connection, run) -> int | None:

@@ -6,17 +6,33 @@ different manifest for a recorded (run, step, part) is a ``ConflictError``, neve
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 
-from sqlalchemy import select, update
+from types import SimpleNamespace
+
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection, Row
 
 from ckpt.errors import ConflictError
 from ckpt.manifest import Manifest
 from ckpt.paths import safe_run_name
-from db.entities import CKPT_COMMITTED, CKPT_PARTIAL
-from db.lineage import add_edge, check_relation, link_into_run
-from db.rows import add_audit, checkpoint_row, checkpoints, files, insert_ignore, parts, run_row, runs
+from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CheckpointInfo
+from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
+from db.rows import (
+    add_audit,
+    audit,
+    checkpoint_row,
+    checkpoint_row_by_id,
+    checkpoints,
+    files,
+    insert_ignore,
+    insert_new,
+    lineage,
+    parts,
+    run_row,
+    runs,
+    to_checkpoint,
+)
 
 _KIND_RANK = {"step": 0, "epoch": 1, "milestone": 2}
 
@@ -54,38 +70,125 @@ def _adopt_origin(conn: Connection, run: Row, parent: tuple[str, int], relation:
               reason=f"{relation} {parent[0]}/{parent[1]}", run=run.name)
 
 
-def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime, actor: str) -> int:
-    """Record one part; returns the checkpoint id."""
+def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime, actor: str) -> CheckpointInfo:
+    """Record one part; returns the checkpoint as it now stands."""
     run = run_row(conn, m.run)
-    created = insert_ignore(conn, checkpoints, dict(
-        run_id=run.id, step=m.step, kind=m.kind, state=CKPT_PARTIAL, format=m.format, parts=m.parts,
-        parts_registered=0, total_bytes=0, file_count=0, metrics=dict(m.metrics), tags=dict(m.tags),
-        created_at=_parse_time(m.created_at) or now, committed_at=None,
-        writer_stall_seconds=m.writer_stall_seconds, verified_tiers=0), ["run_id", "step"]) == 1
+    first = _first_part_values(run.id, m, now)
+    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
+    if cid is not None:  # the common case, a new checkpoint: no read-back needed
+        _add_part(conn, cid, m, digest=digest, now=now)
+        _audit_register(conn, m, None, first["state"], now=now, actor=actor)
+        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+        _link_parent(conn, cid, m, now=now, new=True)
+        return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
     ck = checkpoint_row(conn, m.run, m.step, lock=True)
     where = f"checkpoint {m.run}/{m.step}"
     if ck.parts != m.parts:
         raise ConflictError(f"{where} has {ck.parts} part(s); this manifest says {m.parts}")
     recorded = conn.execute(select(parts.c.manifest_digest)
                             .where(parts.c.checkpoint_id == ck.id, parts.c.part == m.part)).scalar()
-    if recorded is not None:
-        if recorded == digest:
-            return ck.id
+    if recorded is None:
+        _add_part(conn, ck.id, m, digest=digest, now=now)
+        _merge_part(conn, ck, m, now=now, actor=actor)
+        _link_parent(conn, ck.id, m, now=now, new=False)
+    elif recorded != digest:
         raise ConflictError(f"{where} part {m.part} is already registered with a different manifest "
                             f"(digest {recorded[:12]}, this one {digest[:12]}); refusing to overwrite it")
-    conn.execute(parts.insert().values(checkpoint_id=ck.id, part=m.part, node=m.node or None,
-                                       manifest_digest=digest, bytes=m.total_bytes,
-                                       file_count=len(m.files), registered_at=now))
+    return to_checkpoint(checkpoint_row_by_id(conn, ck.id))
+
+
+def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime, actor: str) -> None:
+    """Many manifests in one transaction. New checkpoints appended after their run's newest
+    (a backfill, an import) go in with one multi-row INSERT per table; anything else (a known
+    (run, step), several parts of one checkpoint, a step older than the run's newest) goes
+    through ``register_part`` one by one, so the rules are the same either way."""
+    fast, slow = _split_batch(conn, manifests)
+    for m in slow:
+        register_part(conn, m, digest=m.digest(), now=now, actor=actor)
+    if not fast:
+        return
+    rows = [_first_part_values(run.id, m, now) for run, m in fast]
+    ids = [r.id for r in conn.execute(
+        checkpoints.insert().returning(checkpoints.c.id, sort_by_parameter_order=True), rows)]
+    conn.execute(parts.insert(), [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast)])
+    conn.execute(files.insert(), [f for cid, (_, m) in zip(ids, fast) for f in _file_values(cid, m)])
+    conn.execute(audit.insert(), [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast)])
+    edges, last = [], {}
+    for cid, (run, m) in zip(ids, fast):
+        parent, relation = last.get(run.id) or _newest_id(conn, run.id, below=m.step), FOLLOWS
+        if parent is None:  # the run's first checkpoint: it comes from the run's origin, if any
+            parent, relation = origin_id(conn, run), run.parent_relation
+        if parent is not None:
+            edges.append(dict(child_id=cid, parent_id=parent, relation=relation, created_at=now))
+        last[run.id] = cid
+        _link_parent(conn, cid, m, now=now, new=True)
+    if edges:
+        conn.execute(lineage.insert(), edges)
+
+
+def _split_batch(conn: Connection, manifests: list[Manifest]):
+    """(fast: [(run, manifest)] in run/step order, slow: [manifest]) -- see ``register_batch``."""
+    by_run: dict[str, list[Manifest]] = {}
+    for m in manifests:
+        by_run.setdefault(m.run, []).append(m)
+    fast, slow = [], []
+    for name, ms in by_run.items():
+        run = run_row(conn, name)
+        steps = [m.step for m in ms]
+        newest = conn.execute(select(func.max(checkpoints.c.step)).where(checkpoints.c.run_id == run.id)).scalar()
+        if len(set(steps)) == len(steps) and (newest is None or min(steps) > newest):
+            fast += [(run, m) for m in sorted(ms, key=lambda m: m.step)]
+        else:
+            slow += ms
+    return fast, slow
+
+
+def _newest_id(conn: Connection, run_id: int, *, below: int) -> int | None:
+    return conn.execute(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id, checkpoints.c.step < below)
+                        .order_by(checkpoints.c.step.desc()).limit(1)).scalar()
+
+
+def _first_part_values(run_id: int, m: Manifest, now: datetime) -> dict:
+    """The checkpoint row as the first registered part makes it."""
+    state = CKPT_COMMITTED if m.parts == 1 else CKPT_PARTIAL
+    return dict(run_id=run_id, step=m.step, kind=m.kind, state=state, format=m.format, parts=m.parts,
+                parts_registered=1, total_bytes=m.total_bytes, file_count=len(m.files), metrics=dict(m.metrics),
+                tags=dict(m.tags), created_at=_parse_time(m.created_at) or now,
+                committed_at=now if state == CKPT_COMMITTED else None,
+                writer_stall_seconds=m.writer_stall_seconds, verified_tiers=0)
+
+
+def _part_values(cid: int, m: Manifest, digest: str, now: datetime) -> dict:
+    return dict(checkpoint_id=cid, part=m.part, node=m.node or None, manifest_digest=digest,
+                bytes=m.total_bytes, file_count=len(m.files), registered_at=now)
+
+
+def _file_values(cid: int, m: Manifest) -> list[dict]:
+    return [dict(checkpoint_id=cid, part=m.part, path=f.path, size=f.size, algorithm=m.algorithm,
+                 checksum=f.checksum) for f in m.files]
+
+
+def _add_part(conn: Connection, cid: int, m: Manifest, *, digest: str, now: datetime) -> None:
+    conn.execute(parts.insert(), _part_values(cid, m, digest, now))
     if m.files:
-        conn.execute(files.insert(), [dict(checkpoint_id=ck.id, part=m.part, path=f.path, size=f.size,
-                                           algorithm=m.algorithm, checksum=f.checksum) for f in m.files])
-    _merge_part(conn, ck, m, now=now, actor=actor)
-    if created:
-        link_into_run(conn, run=run, checkpoint_id=ck.id, step=m.step, now=now)
+        conn.execute(files.insert(), _file_values(cid, m))
+
+
+def _link_parent(conn: Connection, cid: int, m: Manifest, *, now: datetime, new: bool) -> None:
+    """The manifest's own parent edge (a new checkpoint has no descendants: no cycle check)."""
     if m.parent is not None:
         parent = checkpoint_row(conn, m.parent.run, m.parent.step)
-        add_edge(conn, ck.id, parent.id, m.parent.relation, now=now, check_cycle=not created)
-    return ck.id
+        add_edge(conn, cid, parent.id, m.parent.relation, now=now, check_cycle=not new)
+
+
+def _register_audit(m: Manifest, from_state: str | None, to_state: str, now: datetime, actor: str) -> dict:
+    return dict(at=now, actor=actor, subject=f"checkpoint:{m.run}/{m.step}", action="register",
+                from_state=from_state, to_state=to_state, run=m.run, step=m.step,
+                reason=f"part {m.part} of {m.parts}" + (f" from {m.node}" if m.node else ""))
+
+
+def _audit_register(conn: Connection, m: Manifest, from_state, to_state, *, now: datetime, actor: str) -> None:
+    conn.execute(audit.insert(), _register_audit(m, from_state, to_state, now, actor))
 
 
 def _merge_part(conn: Connection, ck: Row, m: Manifest, *, now: datetime, actor: str) -> None:
@@ -99,16 +202,14 @@ def _merge_part(conn: Connection, ck: Row, m: Manifest, *, now: datetime, actor:
         kind=max(ck.kind, m.kind, key=lambda k: _KIND_RANK.get(k, 0)),
         metrics={**(ck.metrics or {}), **m.metrics}, tags={**(ck.tags or {}), **m.tags},
         writer_stall_seconds=max(stalls) if stalls else None))
-    add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{m.run}/{m.step}", action="register",
-              from_state=ck.state if ck.parts_registered else None, to_state=state,
-              reason=f"part {m.part} of {m.parts}" + (f" from {m.node}" if m.node else ""),
-              run=m.run, step=m.step)
+    _audit_register(conn, m, ck.state, state, now=now, actor=actor)
 
 
 def _parse_time(text: str) -> datetime | None:
     if not text:
         return None
     try:
-        return datetime.fromisoformat(text)
+        t = datetime.fromisoformat(text)
     except ValueError:
         return None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)

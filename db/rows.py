@@ -5,6 +5,8 @@ ORM rows never leave ``db/``: everything the catalog returns is built here from 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from sqlalchemy import Select, select
 from sqlalchemy.engine import Connection, Row
 
@@ -12,6 +14,7 @@ from ckpt.errors import NotFound, UnknownRun
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
+    Base,
     AuditLog,
     Checkpoint,
     CheckpointFile,
@@ -145,18 +148,29 @@ def insert_ignore(conn: Connection, table, values: dict, keys: list[str]) -> int
 
     On PostgreSQL a concurrent insert of the same key waits for the other transaction, so
     exactly one caller sees 1."""
-    if conn.dialect.name == "postgresql":
+    return 0 if insert_new(conn, table, values, keys, keys[0]) is None else 1
+
+
+def insert_new(conn: Connection, table, values: dict, keys: list[str], returning: str):
+    """INSERT ... ON CONFLICT (keys) DO NOTHING RETURNING ``returning``: the value, or None if
+    the row already existed. (RETURNING, not rowcount: psycopg reports -1 with RETURNING.)"""
+    stmt = _insert_ignore_stmt(conn.dialect.name, table.name, tuple(keys), returning)
+    return conn.execute(stmt, values).scalar()
+
+
+@lru_cache(maxsize=None)
+def _insert_ignore_stmt(dialect: str, table_name: str, keys: tuple[str, ...], returning: str):
+    """Built once per shape: SQLAlchemy then reuses the compiled statement (registration speed)."""
+    if dialect == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    stmt = insert(table).values(**values).on_conflict_do_nothing(index_elements=keys)
-    # RETURNING, not rowcount: with implicit RETURNING psycopg reports rowcount -1.
-    return 1 if conn.execute(stmt.returning(table.c[keys[0]])).first() is not None else 0
+    table = Base.metadata.tables[table_name]
+    return insert(table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c[returning])
 
 
 def add_audit(conn: Connection, *, at, actor: str, subject: str, action: str, from_state: str | None = None,
               to_state: str | None = None, reason: str | None = None, run: str | None = None,
               step: int | None = None) -> None:
-    conn.execute(audit.insert().values(at=at, actor=actor, subject=subject, action=action,
-                                       from_state=from_state, to_state=to_state, reason=reason,
-                                       run=run, step=step))
+    conn.execute(audit.insert(), dict(at=at, actor=actor, subject=subject, action=action, from_state=from_state,
+                                      to_state=to_state, reason=reason, run=run, step=step))

@@ -132,3 +132,30 @@ def test_lineage_depth_is_bounded(catalog):
     for step in range(6):
         checkpoint(catalog, "r", step)
     assert [e.depth for e in catalog.ancestors("r", 5, max_depth=3)] == [1, 2, 3]
+
+
+# --- bulk ------------------------------------------------------------------------------------
+def test_register_many_follows_the_same_rules_as_one_by_one(catalog):
+    checkpoint(catalog, "r", 10)
+    catalog.ensure_run("s", parent=("r", 10))
+    batch = [manifest("r", s) for s in (30, 20, 40)] + [manifest("s", 1), manifest("s", 2)]
+    assert catalog.register_many(batch, actor="import") == 5
+    assert [c.step for c in catalog.list_checkpoints("r")] == [10, 20, 30, 40]
+    assert all(c.state == "committed" and c.file_count == 2 for c in catalog.list_checkpoints())
+    assert _edges(catalog.ancestors("s", 2)) == [("s", 2, "s", 1, "follows", 1), ("s", 1, "r", 10, "resumed_from", 2)]
+    assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 40)] == [(30, 1), (20, 2), (10, 3)]
+    # again: idempotent; out of order and known steps take the one-by-one path
+    catalog.register_many(batch + [manifest("r", 15)], actor="import")
+    assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 20)] == [(15, 1), (10, 2)]
+    assert len(catalog.files(catalog.get_checkpoint("r", 30).id)) == 2
+    assert [e.action for e in catalog.history("r", 30)] == ["register"]
+
+
+def test_register_many_is_all_or_nothing(catalog):
+    checkpoint(catalog, "r", 10)
+    with pytest.raises(ConflictError):
+        catalog.register_many([manifest("r", 20), manifest("r", 10, salt="changed")], actor="import")
+    assert [c.step for c in catalog.list_checkpoints("r")] == [10]
+    with pytest.raises(UnknownRun):
+        catalog.register_many([manifest("r", 20), manifest("ghost", 1)], actor="import")
+    assert [c.step for c in catalog.list_checkpoints("r")] == [10]

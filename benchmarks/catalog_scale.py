@@ -1,0 +1,255 @@
+"""Catalog at scale: query latency and registration throughput on SQLite and PostgreSQL.
+
+Not part of CI. At ``--scale 1`` it fills a catalog with 10,000 runs x 100 steps (1,000,000
+checkpoints, 8 files each, 8,000,000 file rows) whose lineage chains are 50 edges deep where
+the queries walk them, then prints p50/p95 of catalog queries 1, 2, 4, 6 and 7 through the
+public ``Catalog`` API, and bulk registration throughput. Targets (issue 2): every query
+< 50 ms p95, >= 2,000 registrations/s.
+
+Ratios are against baselines measured in the same run:
+- queries: ``get_checkpoint`` (one primary-key lookup through the same API, transaction and
+  connection pool), so "x4.0" means the query costs four trivial catalog calls;
+- registration: one ``register_part`` per transaction (what an agent does per part) against
+  ``register_many`` (one transaction per batch, what a backfill does).
+
+The fill goes straight into the tables (Core executemany) so that 1M checkpoints take minutes,
+not hours; what is timed goes through the API only. The fill shape, per run: every step
+verified on Tier 1 except the newest two (still only on Tier 0, so query 6 has work), the
+newest three on Tier 0, every 10th step a milestone archived on Tier 2, ``follows`` edges down
+the run, and every run after the first resumed from step 50 of the previous run of its group
+(so ancestors of step 50 walk 49 ``follows`` edges, one ``resumed_from`` and onwards: depth 50
+with ``max_depth=50``).
+
+    python benchmarks/catalog_scale.py --scale 0.01            # 100 runs, seconds
+    python benchmarks/catalog_scale.py --scale 1 --backend pg  # the issue's size
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sqlalchemy import text  # noqa: E402
+
+from ckpt.manifest import FileEntry, Manifest  # noqa: E402
+from ckpt.settings import RetentionPolicy  # noqa: E402
+from db.catalog import Catalog, upgrade  # noqa: E402
+from db.rows import checkpoints, files, lineage, parts, replicas, runs  # noqa: E402
+
+STEPS, FILES, GROUP = 100, 8, 20  # steps per run, files per checkpoint, runs per resume chain
+PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+# --- fill ---------------------------------------------------------------------------------------
+def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
+    """Insert ``n_runs`` runs straight into the tables; returns seconds."""
+    t0 = time.perf_counter()
+    now = datetime.now(timezone.utc)
+    for first in range(0, n_runs, chunk):
+        rows = _chunk_rows(range(first, min(first + chunk, n_runs)), now)
+        with cat.engine.begin() as conn:
+            for table, values in rows:
+                if values:
+                    conn.execute(table.insert(), values)
+        done = min(first + chunk, n_runs)
+        if done % max(chunk, n_runs // 10) == 0 or done == n_runs:
+            rate = done * STEPS / (time.perf_counter() - t0)
+            print(f"  filled {done}/{n_runs} runs ({rate:,.0f} checkpoints/s)", flush=True)
+    with cat.engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            for table in ("runs", "checkpoints", "checkpoint_files", "replicas"):
+                conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                                  f"(SELECT max(id) FROM {table}))"))
+    with cat.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE"))
+    return time.perf_counter() - t0
+
+
+def _cid(run: int, step_idx: int) -> int:
+    return run * STEPS + step_idx + 1
+
+
+def _chunk_rows(run_range, now):
+    out = {t: [] for t in ("runs", "ckpts", "parts", "files", "reps", "edges")}
+    for r in run_range:
+        parent = None if r % GROUP == 0 else (f"run-{r - 1:05d}", 50 * 10)
+        out["runs"].append(dict(id=r + 1, name=f"run-{r:05d}", project="bench", created_at=now, tags={},
+                                parent_run=parent and parent[0], parent_step=parent and parent[1],
+                                parent_relation="resumed_from" if parent else None))
+        for i in range(STEPS):
+            cid, step = _cid(r, i), (i + 1) * 10
+            on_t1, on_t0, milestone = i < STEPS - 2, i >= STEPS - 3, (i + 1) % 10 == 0
+            mask = (1 if on_t0 else 0) | (2 if on_t1 else 0) | (4 if milestone else 0)
+            at = now - timedelta(minutes=(STEPS - i) * 10)
+            out["ckpts"].append(dict(
+                id=cid, run_id=r + 1, step=step, kind="milestone" if milestone else "step", state="committed",
+                format="safetensors", parts=1, parts_registered=1, total_bytes=FILES * 2**30, file_count=FILES,
+                metrics={"loss": random.random()}, tags={}, created_at=at, committed_at=at,
+                writer_stall_seconds=1.0, verified_tiers=mask))
+            out["parts"].append(dict(checkpoint_id=cid, part=0, node="node-0", manifest_digest=uuid.uuid4().hex,
+                                     bytes=FILES * 2**30, file_count=FILES, registered_at=at))
+            out["files"] += [dict(checkpoint_id=cid, part=0, path=f"model-{f:05d}.safetensors", size=2**30,
+                                  algorithm="crc32c", checksum=f"{random.getrandbits(32):08x}") for f in range(FILES)]
+            for tier, present in ((0, on_t0), (1, on_t1), (2, milestone)):
+                if present:
+                    out["reps"].append(dict(checkpoint_id=cid, tier=tier, part=0, url=f"t{tier}://run-{r}/{step}",
+                                            state="verified", bytes=FILES * 2**30, verified_at=at, created_at=at,
+                                            updated_at=at))
+            if i > 0:
+                out["edges"].append(dict(child_id=cid, parent_id=cid - 1, relation="follows", created_at=at))
+            elif parent:
+                out["edges"].append(dict(child_id=cid, parent_id=_cid(r - 1, 49), relation="resumed_from",
+                                         created_at=at))
+    return [(runs, out["runs"]), (checkpoints, out["ckpts"]), (parts, out["parts"]), (files, out["files"]),
+            (replicas, out["reps"]), (lineage, out["edges"])]
+
+
+# --- timing -------------------------------------------------------------------------------------
+def timed(fn, samples: int) -> list[float]:
+    out = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def run_queries(cat: Catalog, n_runs: int, samples: int) -> list[tuple[str, float, float]]:
+    rnd = random.Random(7)
+    name = lambda: f"run-{rnd.randrange(n_runs):05d}"  # noqa: E731
+    step = lambda: rnd.randrange(1, STEPS + 1) * 10  # noqa: E731
+    keep3, keep10 = RetentionPolicy(keep_last=3), RetentionPolicy(keep_last=10)
+    cases = [
+        ("baseline get_checkpoint", lambda: cat.get_checkpoint(name(), step())),
+        ("1 newest_verified", lambda: cat.newest_verified(name())),
+        ("1 newest_verified durable, follow", lambda: cat.newest_verified(name(), durable_only=True,
+                                                                         follow_resumed=True)),
+        ("2 locations", lambda: cat.locations(name(), step())),
+        ("4 ancestors depth 50", lambda: _check(cat.ancestors(name(), 500, max_depth=50), 50)),
+        ("6 under_replicated (run)", lambda: cat.under_replicated(run=name())),
+        ("6 under_replicated (all, first 100)", lambda: cat.under_replicated(limit=100)),
+        ("7 prune_candidates tier 0 (run)", lambda: cat.prune_candidates(0, keep3, run=name())),
+        ("7 prune_candidates tier 1 (run)", lambda: cat.prune_candidates(1, keep10, run=name())),
+    ]
+    results = []
+    for label, fn in cases:
+        fn()  # warm
+        xs = timed(fn, samples)
+        results.append((label, pct(xs, 50), pct(xs, 95)))
+    return results
+
+
+def _check(edges, want_max: int) -> None:
+    assert edges and max(e.depth for e in edges) <= want_max
+
+
+def registration(cat: Catalog, n: int, batch: int) -> tuple[float, float]:
+    """(registrations/s one per transaction, registrations/s with register_many)."""
+    tag = uuid.uuid4().hex[:6]
+
+    def manifests(run: str):
+        return [Manifest(run=run, step=s, files=tuple(FileEntry(f"model-{f:05d}.safetensors", 2**30, f"{f:08x}")
+                                                      for f in range(FILES)), format="safetensors")
+                for s in range(n)]
+
+    cat.ensure_run(f"reg-single-{tag}")
+    cat.ensure_run(f"reg-bulk-{tag}")
+    single = manifests(f"reg-single-{tag}")
+    t = time.perf_counter()
+    for m in single:
+        cat.register_part(m, actor="bench")
+    one = n / (time.perf_counter() - t)
+    bulk = manifests(f"reg-bulk-{tag}")
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        cat.register_many(bulk[i:i + batch], actor="bench")
+    many = n / (time.perf_counter() - t)
+    return one, many
+
+
+# --- backends -----------------------------------------------------------------------------------
+def sqlite_url(workdir: Path) -> str:
+    path = workdir / "catalog_scale.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    return f"sqlite:///{path}"
+
+
+def pg_url() -> tuple[str, callable]:
+    import psycopg
+
+    admin = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
+    name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop():
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return PG_ADMIN.rsplit("/", 1)[0] + f"/{name}", drop
+
+
+def bench_backend(label: str, url: str, args) -> None:
+    n_runs = max(2, round(10_000 * args.scale))
+    upgrade(url)
+    cat = Catalog(url)
+    try:
+        print(f"\n== {label}: {n_runs:,} runs x {STEPS} steps = {n_runs * STEPS:,} checkpoints, "
+              f"{n_runs * STEPS * FILES:,} files", flush=True)
+        secs = fill(cat, n_runs)
+        print(f"  fill: {secs:.0f} s ({n_runs * STEPS / secs:,.0f} checkpoints/s, direct inserts)")
+        results = run_queries(cat, n_runs, args.samples)
+        base95 = results[0][2]
+        print(f"  {'query':40s} {'p50 ms':>8s} {'p95 ms':>8s} {'x baseline':>10s} {'vs 50 ms':>9s}")
+        for q, p50, p95 in results:
+            print(f"  {q:40s} {p50 * 1e3:8.2f} {p95 * 1e3:8.2f} {p95 / base95:10.1f} "
+                  f"{'ok' if p95 < 0.050 else 'SLOW':>9s}")
+        one, many = registration(cat, args.registrations, args.batch)
+        print(f"  registration, 8 files each: one per transaction {one:,.0f}/s (baseline); "
+              f"register_many x{args.batch} {many:,.0f}/s = x{many / one:.1f}; "
+              f"target 2,000/s: {'ok' if max(one, many) >= 2000 else 'MISSED'}")
+    finally:
+        cat.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=0.01, help="fraction of 10,000 runs (1 = the issue's size)")
+    ap.add_argument("--backend", choices=("sqlite", "pg", "both"), default="both")
+    ap.add_argument("--samples", type=int, default=200, help="timed calls per query")
+    ap.add_argument("--registrations", type=int, default=4000, help="manifests registered for throughput")
+    ap.add_argument("--batch", type=int, default=500, help="register_many batch size")
+    ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    args = ap.parse_args()
+    if args.backend in ("sqlite", "both"):
+        url = sqlite_url(args.workdir)
+        try:
+            bench_backend("SQLite", url, args)
+        finally:
+            if not os.environ.get("CKPT_BENCH_KEEP"):
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{url[len('sqlite:///'):]}{suffix}").unlink(missing_ok=True)
+    if args.backend in ("pg", "both"):
+        url, drop = pg_url()
+        try:
+            bench_backend("PostgreSQL", url, args)
+        finally:
+            drop()
+
+
+if __name__ == "__main__":
+    main()
