@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
-from catalog_testlib import PATHS, catalog, checkpoint, prunable_setup, replica_in_state  # noqa: F401
+from catalog_testlib import PATHS, catalog, checkpoint, prunable_setup, replica_in_state, verified  # noqa: F401
 from sqlalchemy import insert
 
-from ckpt.errors import BadInput, IllegalTransition, NotFound, StaleState
+from ckpt.errors import BadInput, IllegalTransition, NotFound, PruneRefused, StaleState
+from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, TRANSITIONS, VERIFIED
 from db.models import Replica
 
@@ -134,7 +136,45 @@ def test_bad_inputs_are_clear_errors(catalog):
 def test_transition_into_pruning_goes_through_the_guard(catalog):
     ck = checkpoint(catalog, "r", 1)
     rep = replica_in_state(catalog, ck.id, 1, VERIFIED)
-    from ckpt.errors import PruneRefused
-
     with pytest.raises(PruneRefused):
         catalog.transition(rep.id, PRUNING, actor="a")
+
+
+def _race(n: int, fn):
+    """Run ``fn(i)`` in ``n`` threads released together; return their results."""
+    barrier, results = threading.Barrier(n), [None] * n
+
+    def worker(i):
+        barrier.wait(timeout=30)
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_racing_claims_on_a_new_replica_exactly_one_acquires(catalog, db_url):
+    ck = checkpoint(catalog, "r", 1)
+    cats = [Catalog(db_url) for _ in range(4)]
+    try:
+        claims = _race(4, lambda i: cats[i].claim_copy(ck.id, 1, 0, "file:///t1", node=f"n{i}", actor=f"a{i}"))
+    finally:
+        for c in cats:
+            c.close()
+    assert sorted(c.acquired for c in claims) == [False, False, False, True]
+    assert len(catalog.replicas(ck.id)) == 1
+
+
+def test_racing_completion_checks_exactly_one_sees_it(catalog, db_url):
+    ck = checkpoint(catalog, "r", 1)
+    verified(catalog, ck.id, 1)
+    cats = [Catalog(db_url) for _ in range(4)]
+    try:
+        seen = _race(4, lambda i: cats[i].complete_on_tier(ck.id, 1, actor=f"a{i}"))
+    finally:
+        for c in cats:
+            c.close()
+    assert sorted(seen) == [False, False, False, True]
