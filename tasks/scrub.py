@@ -236,34 +236,12 @@ def _good_source(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, ti
 def remove_part(store: TierStore, prefix: str, manifest: Any, *, whole_folder: bool) -> None:
     """Delete what a bad copy of a part left: the manifest first (uncommits it), then its files.
     A single-part checkpoint owns its folder; a part of several shares it, so only its own
-    keys go."""
+    keys go (``delete_prefix`` of a key deletes that one object on every backend)."""
     if whole_folder:
         store.delete_prefix(prefix)
         return
     for key in [f"{prefix}/{manifest.name}"] + [f"{prefix}/{f.path}" for f in manifest.files]:
-        delete_object(store, key)
-
-
-def delete_object(store: TierStore, key: str) -> None:
-    """Delete one object. ``TierStore`` only has ``delete_prefix`` (whole folders), so single
-    keys go through the backend: a local file is itself a prefix; S3 gets DeleteObject."""
-    from ckpt.storage.fs import LocalStore
-
-    if isinstance(store, LocalStore):
         store.delete_prefix(key)
-        return
-    client, bucket = getattr(store, "client", None), getattr(store, "bucket", None)
-    if client is not None and bucket is not None:
-        full = f"{store.prefix}/{key}" if getattr(store, "prefix", "") else key
-        client.delete_object(Bucket=bucket, Key=full)
-        return
-    fs = getattr(store, "fs", None)
-    if fs is not None:
-        path = f"{store.root}/{key}"
-        if fs.exists(path):
-            fs.rm(path)
-        return
-    raise NotImplementedError(f"cannot delete a single object on {type(store).__name__}")
 
 
 # --- when each replica was last read back ------------------------------------------------

@@ -155,3 +155,28 @@ def test_cli_scrub_all(settings, monkeypatch):
     assert [r["ok"] for r in doc["repairs"]] == [True]
     text = CliRunner().invoke(app, ["scrub", "--all"])
     assert text.exit_code == 0 and "0 bad" in text.output
+
+
+def test_a_bad_part_of_a_multi_part_checkpoint_is_repaired_alone(settings_factory, db_url, s3_endpoint, s3_bucket):
+    from restore_scenario import on_node
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    node1 = on_node(settings, "node-1")
+    part0, part1 = {"rank0.bin": os.urandom(200_000)}, {"rank1.bin": os.urandom(200_000)}
+    commit_folder(settings, RUN, 100, part0, part=0, parts=2, milestone=True)
+    commit_folder(node1, RUN, 100, part1, part=1, parts=2, milestone=True)
+    promote(settings, RUN, 100, 0, 2)
+    promote(node1, RUN, 100, 1, 2)  # the last part: durable, archived to Tier 2
+    flip_byte(tier1_dir(settings, RUN, 100) / "rank1.bin")
+    corrupt_s3_object(settings, RUN, 100, "rank0.bin")
+
+    report = scrub(settings, fraction=1.0)  # on node-0: node-1's NVMe is not readable here
+
+    assert sorted((b.part, b.tier) for b in report.bad) == [(0, 2), (1, 1)]
+    assert sorted((r.part, r.tier, r.source_tier, r.ok) for r in report.repairs) == [(0, 2, 1, True), (1, 1, 2, True)]
+    assert (tier1_dir(settings, RUN, 100) / "rank0.bin").read_bytes() == part0["rank0.bin"]
+    assert (tier1_dir(settings, RUN, 100) / "rank1.bin").read_bytes() == part1["rank1.bin"]
+    bucket, key = s3_key(settings, RUN, 100, "rank0.bin")
+    assert s3_client(settings).get_object(Bucket=bucket, Key=key)["Body"].read() == part0["rank0.bin"]
+    again = scrub(settings, fraction=1.0)
+    assert (again.bad, again.repairs, again.checked) == ([], [], 4)
