@@ -106,7 +106,8 @@ class CheckpointStager:
         if not 0 <= part < parts:
             raise BadInput(f"invalid part {part} of {parts}")
         self.run = safe_run_name(run)
-        self.settings = settings or load_settings()
+        # the node names its Tier 0 folder too (embedded default: <data_dir>/tier0/<node>)
+        self.settings = settings or load_settings(**({"node": node} if node else {}))
         self.part, self.parts = part, parts
         self.node = node or self.settings.node
         self.root = tier0_root(self.settings)

@@ -1,0 +1,164 @@
+"""Events end to end: a training process announces, the served agent promotes, the catalog
+shows it. Real Prefect server (session), real agent process, moto's S3 server over HTTP.
+
+Latency figures (emit -> flow start, emit -> verified on Tier 1) are printed; run with -s.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from e2e import (
+    Agents,
+    finished,
+    flow_runs,
+    read_flow_run,
+    run_deployment_now,
+    start_agents,
+    tier_files,
+    train,
+    ts,
+    wait_for,
+)
+
+from ckpt import events
+from deployments import names
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+NODE = f"ev-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def agents(prefect_server, s3_endpoint, tmp_path_factory):
+    import boto3
+
+    root = tmp_path_factory.mktemp("events")
+    bucket = f"ev-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+    a = start_agents(prefect_server, root, (NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}",
+                     s3_url=s3_endpoint, bucket=bucket)
+    yield a
+    a.stop()
+
+
+def _promotions(agents: Agents, run: str, step: int) -> list[dict]:
+    return flow_runs(agents.api_url, name=f"promote/{run}/step-{step}")
+
+
+def _tiers_verified(agents: Agents, run: str, step: int) -> set[int]:
+    cat = agents.catalog()
+    try:
+        return {loc.tier for loc in cat.locations(run, step)}
+    finally:
+        cat.close()
+
+
+def test_event_from_a_training_process_promotes_and_archives(agents):
+    out = train(agents, f"""
+        import time
+        with CheckpointStager("run-ev", node="{NODE}", shard_bytes=1 << 20) as st:
+            saved = st.save(8, tensors(), milestone=True, metrics={{"loss": 2.0}})
+            t_commit = time.time()
+        print(json.dumps({{"t": t_commit, "stall": saved.stall_seconds,
+                           "delivered": st._announcer.delivered}}))
+    """)
+    assert out["delivered"] == [["run-ev", 8, 0, True]]
+    tiers = wait_for("verified on tiers 0, 1 and 2", lambda: _tiers_verified(agents, "run-ev", 8) >= {0, 1, 2} and
+                     _tiers_verified(agents, "run-ev", 8), timeout=120, agents=agents)
+    assert tiers == {0, 1, 2}
+    cat = agents.catalog()
+    try:
+        ck = cat.get_checkpoint("run-ev", 8)
+        t1 = [r for r in cat.replicas(ck.id, tier=1) if r.state == "verified"]
+    finally:
+        cat.close()
+    assert ck.kind == "milestone" and ck.writer_stall_seconds == pytest.approx(out["stall"], abs=1e-5)
+    promote = wait_for("promote run finished", lambda: [r for r in _promotions(agents, "run-ev", 8) if finished(r)])
+    assert [r["state_type"] for r in promote] == ["COMPLETED"], [(r["name"], r["state"]) for r in promote]
+    start = ts(promote[0]["start_time"])
+    durable = ts(t1[0].verified_at)
+    print(f"\nLATENCY emit->flow start {start - out['t']:.2f} s; emit->verified on Tier 1 {durable - out['t']:.2f} s")
+    assert start - out["t"] < 60
+
+
+def test_duplicate_event_gives_one_promotion(agents):
+    out = train(agents, f"""
+        with CheckpointStager("run-dup", node="{NODE}", shard_bytes=1 << 20) as st:
+            st.save(3, tensors(seed=3))
+        print(json.dumps({{"delivered": st._announcer.delivered}}))
+    """)
+    assert out["delivered"] == [["run-dup", 3, 0, True]]
+    for _ in range(3):  # the same fact announced again (a retry, a second watcher)
+        assert events.emit(events.COMPLETED, "run-dup", 3, node=NODE, api_url=agents.api_url,
+                           payload={"kind": "step"})
+    wait_for("tier 1 copy", lambda: 1 in _tiers_verified(agents, "run-dup", 3), agents=agents)
+    import time
+
+    time.sleep(8)  # room for a second triggered run to show up, if duplicates were not collapsed
+    runs = _promotions(agents, "run-dup", 3)
+    assert len(runs) == 1, [(r["name"], r["state_type"]) for r in runs]
+    cat = agents.catalog()
+    try:
+        ck = cat.get_checkpoint("run-dup", 3)
+        assert len([r for r in cat.replicas(ck.id, tier=1)]) == 1
+    finally:
+        cat.close()
+
+
+def test_undelivered_event_is_caught_by_reconcile(agents):
+    # the job's events go to a port nothing listens on: the checkpoint is committed, not announced
+    out = train(agents, f"""
+        import socket
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        settings = load_settings(node="{NODE}", prefect_api_url=f"http://127.0.0.1:{{port}}/api")
+        with CheckpointStager("run-lost", settings=settings, shard_bytes=1 << 20) as st:
+            st.save(5, tensors(seed=5))
+        print(json.dumps({{"delivered": st._announcer.delivered}}))
+    """)
+    assert out["delivered"] == [["run-lost", 5, 0, False]]
+    reconcile = names.reconcile_deployment(NODE)
+    d = wait_for("reconcile deployment", lambda: __import__("httpx").get(
+        f"{agents.api_url}/deployments/name/{reconcile}").json())
+    schedules = [s["schedule"] for s in d["schedules"]]
+    assert schedules and schedules[0]["interval"] == agents.settings(NODE).reconcile_interval_seconds
+    # what the interval schedule does, now rather than in a minute (the client registered the
+    # run; a checkpoint the catalog has never seen is promoted without a grace period)
+    run_id = run_deployment_now(agents.api_url, reconcile, {"node": NODE})
+    fr = wait_for("reconcile finished", lambda: (r := read_flow_run(agents.api_url, run_id)) and finished(r) and r,
+                  timeout=120, agents=agents)
+    assert fr["state_type"] == "COMPLETED", fr["state"]
+    wait_for("tier 1 copy via reconcile", lambda: 1 in _tiers_verified(agents, "run-lost", 5), agents=agents)
+    assert _promotions(agents, "run-lost", 5) == []  # no event-triggered run: reconcile did it
+
+
+@pytest.mark.parametrize("payload,reason", [
+    ({"run": "run-bad"}, "step"),  # missing step
+    ({"run": "../../etc", "step": 1}, "run name"),  # escapes the tier root
+    ({"run": "run-bad", "step": "twelve"}, "step"),
+])
+def test_malformed_or_hostile_event_fails_clearly_and_copies_nothing(agents, payload, reason):
+    import httpx
+
+    before = tier_files(agents.root / "data" / "tier1")
+    ev = events.build_event(events.COMPLETED, str(payload.get("run")), 0, node=NODE)
+    ev["id"] = str(uuid.uuid4())
+    ev["payload"] = {**payload, "node": NODE}
+    r = httpx.post(f"{agents.api_url}/events", json=[ev], timeout=10)
+    assert r.status_code == 204
+
+    def failed_run():
+        body = {"flow_runs": {"state": {"type": {"any_": ["FAILED", "CRASHED", "COMPLETED"]}},
+                              "start_time": {"after_": ev["occurred"]}}}
+        dep = httpx.get(f"{agents.api_url}/deployments/name/{names.promote_deployment(NODE)}").json()
+        body["deployments"] = {"id": {"any_": [dep["id"]]}}
+        runs = httpx.post(f"{agents.api_url}/flow_runs/filter", json=body).json()
+        return [x for x in runs if x["parameters"].get("run") == payload.get("run")
+                and str(x["parameters"].get("step", "")) == str(payload.get("step", ""))]
+
+    runs = wait_for("a failed promote run", failed_run, timeout=90, agents=agents)
+    assert [x["state_type"] for x in runs] == ["FAILED"]
+    assert reason in (runs[0]["state"]["message"] or "").lower(), runs[0]["state"]["message"]
+    assert tier_files(agents.root / "data" / "tier1") == before
