@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ckpt.errors import CorruptCheckpoint, NotFound, PathEscape, StaleState
+from ckpt.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from ckpt.settings import Settings
 from ckpt.storage.base import TierStore
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
@@ -62,7 +62,7 @@ def classify_failure(exc: BaseException) -> str | None:
     failure says nothing about the stored bytes (transient, or a problem on our side)."""
     if isinstance(exc, (NotFound, FileNotFoundError)):
         return MISSING
-    if isinstance(exc, (CorruptCheckpoint, PathEscape)):
+    if isinstance(exc, (CorruptCheckpoint, BadInput)):  # BadInput: a stored manifest that fails validation
         return CORRUPT
     return None
 

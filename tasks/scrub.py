@@ -12,7 +12,9 @@ Contract of ``scrub``:
   copied again from a verified replica readable here (under a catalog claim, so a repair never
   races a promotion: the claim's holder removes the bad part, copies, reads back, and only then
   is the replica ``verified``); every checkpoint without a durable verified copy
-  (``Catalog.under_replicated``) gets a Tier 1 copy from whatever verified copy is left.
+  (``Catalog.under_replicated``, committed more than ``grace_seconds`` ago: younger ones are
+  still being promoted) gets a Tier 1 copy from whatever verified copy is left. A replica
+  another worker holds a live claim on is skipped, not failed.
 - When the replica was last read back is kept in ``<data_dir>/scrub-state.json`` (the catalog
   has no column for it); a lost file only makes the next runs start again from the oldest
   ``verified_at``.
@@ -25,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from tasks.retry import pipeline_task
 
 DURABLE_TIERS = (1, 2)
 REPAIR_PREFERENCE = (1, 2, 0)  # read repairs from the shared tiers first, this node's NVMe last
+DEFAULT_GRACE_S = 600.0  # a checkpoint committed this recently is still being promoted
 
 
 @dataclass
@@ -79,7 +82,7 @@ class ScrubReport:
 
 
 def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = True, actor: str = "cli",
-          now: datetime | None = None) -> ScrubReport:
+          grace_seconds: float = DEFAULT_GRACE_S, now: datetime | None = None) -> ScrubReport:
     """Re-read a share of the stored copies, mark failures, repair; see the module contract."""
     fraction = settings.scrub_fraction if fraction is None else fraction
     if not 0 < fraction <= 1:
@@ -108,7 +111,7 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
         if repair:
             replicas = {cid: cat.replicas(cid) for cid in checkpoints}
             _repair_bad(cat, stores, checkpoints, replicas, report, actor)
-            _repair_under_replicated(cat, stores, report, actor)
+            _repair_under_replicated(cat, stores, report, actor, committed_before=now - timedelta(seconds=grace_seconds))
     report.seconds = time.monotonic() - started
     log.info("%s", report.summary())
     return report
@@ -160,27 +163,39 @@ def _repair_bad(cat: Any, stores: TierStores, checkpoints: dict[int, CheckpointI
     for cid, reps in replicas.items():
         for rep in reps:
             if rep.state in (CORRUPT, MISSING) and rep.tier in DURABLE_TIERS and stores.configured(rep.tier):
-                report.repairs.append(repair_replica(cat, stores, checkpoints[cid], rep.part, rep.tier, reps, actor))
+                _note(report, repair_replica(cat, stores, checkpoints[cid], rep.part, rep.tier, reps, actor))
 
 
-def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, actor: str) -> None:
-    """Give every checkpoint without a durable verified copy a Tier 1 copy, part by part."""
+def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, actor: str, *,
+                             committed_before: datetime) -> None:
+    """Give every checkpoint without a durable verified copy a Tier 1 copy, part by part;
+    checkpoints committed after ``committed_before`` are left to the promotion in flight."""
     for ck in cat.under_replicated(durable_tier=1):
+        if ck.committed_at is not None and ck.committed_at > committed_before:
+            continue
         reps = cat.replicas(ck.id)
         for part in range(ck.parts):
             if any(r.part == part and r.state == VERIFIED and r.tier >= 1 for r in reps) or any(
                     (r.run, r.step, r.part) == (ck.run, ck.step, part) for r in report.repairs):
                 continue  # durable, or already tried by this run
-            report.repairs.append(repair_replica(cat, stores, ck, part, 1, reps, actor))
+            _note(report, repair_replica(cat, stores, ck, part, 1, reps, actor))
+
+
+def _note(report: ScrubReport, outcome: Repair | str) -> None:
+    if isinstance(outcome, Repair):
+        report.repairs.append(outcome)
+    else:
+        report.skipped.append(outcome)
 
 
 def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
-                   replicas: list[ReplicaInfo], actor: str) -> Repair:
+                   replicas: list[ReplicaInfo], actor: str) -> Repair | str:
     """Make the replica of ``part`` on ``tier`` verified again from a good copy on another tier.
 
     Under the catalog's claim: remove whatever the bad copy left (its manifest first, so it
     stops being committed), copy from the nearest verified replica readable here, read back,
-    then ``verified``. Never raises for a repair that cannot be done; says why instead.
+    then ``verified``. Never raises for a repair that cannot be done; says why instead (a string
+    when another worker holds the replica: nothing failed, it is being copied now).
     """
     from ckpt.transfer import copy_part
     from tasks.copy import Heartbeat, _release  # a failed repair releases its claim like a failed copy
@@ -194,8 +209,8 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
     dst = stores.get(tier)
     claim = cat.claim_copy(ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor)
     if not claim.acquired:
-        return Repair(ck.run, ck.step, part, tier, src_rep.tier, claim.replica.state == VERIFIED,
-                      f"not repaired here: the replica is {claim.replica.state} (another worker has it)")
+        return (f"{ck.run}/step-{ck.step} part {part} tier {tier}: {claim.replica.state} by another worker, "
+                "not repaired here")
     rep, token = claim.replica, claim.replica.claim_token
     started = time.monotonic()
     try:

@@ -110,7 +110,9 @@ def test_a_checkpoint_never_copied_to_a_durable_tier_gets_a_tier1_copy(settings)
     steps.verify(settings, RUN, 100, tier=0, actor="test")  # promotion died before the copy
     assert replica_states(settings, RUN, 100) == {0: "verified"}
 
-    report = scrub(settings, fraction=1.0)
+    assert scrub(settings, fraction=1.0).repairs == []  # just committed: left to its promotion
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
 
     assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(1, 0, True)]
     assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
@@ -180,3 +182,21 @@ def test_a_bad_part_of_a_multi_part_checkpoint_is_repaired_alone(settings_factor
     assert s3_client(settings).get_object(Bucket=bucket, Key=key)["Body"].read() == part0["rank0.bin"]
     again = scrub(settings, fraction=1.0)
     assert (again.bad, again.repairs, again.checked) == ([], [], 4)
+
+
+def test_a_replica_another_worker_is_copying_is_skipped_not_failed(settings):
+    from db.catalog import Catalog
+
+    save(settings, 100)
+    shutil.rmtree(tier1_dir(settings, RUN, 100))
+    assert scrub(settings, fraction=1.0, repair=False).bad[0].state == "missing"
+    with Catalog(settings.catalog_url) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        rep = cat.replicas(ck.id, 1)[0]
+        assert cat.claim_copy(ck.id, 1, 0, rep.url, node=None, actor="promote-elsewhere").acquired
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert report.ok and report.repairs == []
+    assert [s for s in report.skipped if "copying by another worker" in s]
+    assert replica_states(settings, RUN, 100)[1] == "copying"
