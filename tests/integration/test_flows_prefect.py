@@ -1,0 +1,162 @@
+"""The flows for real, against the session's Prefect server: names, artifacts, events, task
+retries on transient errors and none on permanent ones, and the CLI that starts them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+
+from pipeline_kit import catalog, ckpt_dir, pipeline_settings, replica_states, shard_paths, write_checkpoint
+
+pytestmark = pytest.mark.prefect
+RUN = "run-a"
+
+
+@pytest.fixture
+def env_settings(settings_factory, db_url, monkeypatch, prefect_server):
+    """Settings for this test, also in CKPT_* so that the flows (which read them at entry) agree."""
+    def make(runs=(RUN,), **overrides):
+        overrides.setdefault("task_retries", 2)
+        overrides.setdefault("task_retry_delay_seconds", 0.2)
+        settings = pipeline_settings(settings_factory, db_url, runs=runs, **overrides)
+        monkeypatch.setenv("CKPT_DATA_DIR", str(settings.data_dir))
+        monkeypatch.setenv("CKPT_NODE", settings.node)
+        monkeypatch.setenv("CKPT_CATALOG_URL", settings.catalog_url)
+        for key, value in overrides.items():
+            monkeypatch.setenv(f"CKPT_{key.upper()}", str(value))
+        return settings
+    return make
+
+
+def flow_run_of(state):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(state.state_details.flow_run_id)
+
+
+def task_runs_of(flow_run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r for r in runs}
+
+
+def events_seen(api: str, run: str, since: datetime, want: set[str], timeout: float = 15) -> set[str]:
+    """The ckpt.checkpoint.* event names the server recorded for ``run`` (polls: delivery is async)."""
+    body = {"filter": {"event": {"prefix": ["ckpt.checkpoint."]},
+                       "resource": {"labels": {"ckpt.run": [run]}},
+                       "occurred": {"since": since.isoformat(), "until": (since + timedelta(hours=1)).isoformat()}},
+            "limit": 50}
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = httpx.post(f"{api}/events/filter", json=body, timeout=10)
+        resp.raise_for_status()
+        got = resp.json()
+        names = {e["event"] for e in got.get("events", []) if e["resource"].get("ckpt.run") == run}
+        if want <= names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.5)
+
+
+def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, prefect_server):
+    from prefect.artifacts import Artifact
+
+    from flows.promote import promote_checkpoint
+
+    run = f"run-{uuid.uuid4().hex[:8]}"  # event ids are deterministic per (run, step): keep them new
+    settings = env_settings(tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=s3_endpoint, runs=(run,))
+    write_checkpoint(settings.tier0_url, run, 100, kind="milestone")
+    since = datetime.now(timezone.utc) - timedelta(seconds=5)
+
+    state = promote_checkpoint(run, 100, return_state=True)
+
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["durable"] and result["archive"]["archived"]
+    assert flow_run_of(state).name == f"promote/{run}/step-100"
+    assert {(t, p): s for (t, p), s in replica_states(settings, run, 100).items()} == {
+        (0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
+    table = Artifact.get(f"promote-{run}-100-0")
+    assert table is not None and table.type == "table"
+    hops = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert {h["hop"] for h in hops} >= {"verify tier 0", "tier 0 -> tier 1", "tier 1 -> tier 2"}
+    want = {"ckpt.checkpoint.verified", "ckpt.checkpoint.promoted", "ckpt.checkpoint.durable",
+            "ckpt.checkpoint.archived"}
+    assert want <= events_seen(prefect_server, run, since, want)
+
+
+def test_a_transient_failure_is_retried_by_the_task(env_settings):
+    """Another worker's live claim (CopyInProgress) makes the copy task retry until it lapses."""
+    from flows.promote import promote_checkpoint
+    from tasks.register import register_part
+
+    settings = env_settings(task_retries=4, task_retry_delay_seconds=0.5)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    register_part(settings, RUN, 100)
+    cat = catalog(settings)
+    try:
+        ck = cat.get_checkpoint(RUN, 100)
+        assert cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=1.0).acquired
+    finally:
+        cat.close()
+
+    state = promote_checkpoint(RUN, 100, return_state=True)
+
+    assert state.is_completed(), state.message
+    copy = task_runs_of(state.state_details.flow_run_id)["copy-to-tier1"]
+    assert copy.run_count > 1
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+
+
+def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
+    from flows.promote import promote_checkpoint
+    from pipeline_kit import flip_bit
+
+    settings = env_settings(task_retries=3, task_retry_delay_seconds=5)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    flip_bit(shard_paths(settings.tier0_url, RUN, 100)[0])
+    started = time.monotonic()
+
+    state = promote_checkpoint(RUN, 100, return_state=True)
+
+    assert state.is_failed()
+    assert time.monotonic() - started < 5  # no retry delay was waited
+    verify = task_runs_of(state.state_details.flow_run_id)["verify"]
+    assert verify.run_count == 1
+    assert "crc32c" in (state.message or "") or "CorruptCheckpoint" in (state.message or "")
+    assert ckpt_dir(settings.tier0_url, RUN, 100).is_dir()
+    assert not ckpt_dir(settings.tier1_url, RUN, 100).exists()
+
+
+def test_cli_promote_here_then_retention_and_reconcile(env_settings):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    settings = env_settings()
+    for step in (1, 2, 3, 4):
+        write_checkpoint(settings.tier0_url, RUN, step, shard_bytes=64 << 10)
+    runner = CliRunner()
+
+    out = runner.invoke(app, ["promote", "--run", RUN, "--step", "1", "--here", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["durable"] is True
+
+    out = runner.invoke(app, ["reconcile", "--json"])  # steps 2-4 never had an event
+    assert out.exit_code == 0, out.output
+    assert sorted(json.loads(out.stdout)["promoted"]) == [f"{RUN}/{s} part 0" for s in (2, 3, 4)]
+    assert not ckpt_dir(settings.tier0_url, RUN, 1).exists()  # Tier 0 keeps the last 3 by default
+
+    out = runner.invoke(app, ["retention", "--dry-run", "--json"], env={"CKPT_RETENTION_TIER0__KEEP_LAST": "1"})
+    assert out.exit_code == 0, out.output
+    plan = json.loads(out.stdout)
+    assert [(a["tier"], a["step"], a["outcome"]) for a in plan] == [(0, 2, "planned"), (0, 3, "planned")]
+    assert ckpt_dir(settings.tier0_url, RUN, 2).is_dir()  # a dry run deletes nothing
