@@ -195,3 +195,31 @@ def test_cli_prints_tier_bytes_seconds_and_throughput(settings, tmp_path, monkey
     as_json = CliRunner().invoke(app, ["restore", RUN, "--to", str(tmp_path / "j"), "--json", "--tier", "1"])
     doc = json.loads(as_json.stdout)
     assert (doc["step"], doc["tier"], doc["bytes"]) == (100, 1, sum(map(len, newest.values())))
+
+
+def test_a_tampered_manifest_on_tier1_is_corrupt_and_tier0_serves(settings, tmp_path):
+    newest = save(settings, 100)
+    mpath = tier1_dir(settings, RUN, 100) / "manifest.json"
+    doc = json.loads(mpath.read_bytes())
+    doc["files"] = [f for f in doc["files"] if f["path"] != "optim/state.bin"]  # hide a file
+    mpath.write_text(json.dumps(doc))
+
+    report = restore_checkpoint(settings, RUN, tmp_path / "r", preference=(1, 0))
+
+    assert report.tiers == [0] and tree(tmp_path / "r") == newest
+    assert replica_states(settings, RUN, 100)[1] == "corrupt"
+    assert "differs from the catalog" in report.bad[0].reason
+
+
+def test_progress_reaches_the_total_once_per_copy_tried(settings, tmp_path):
+    newest = save(settings, 100)
+    total = sum(map(len, newest.values()))
+    flip_byte(tier0_dir(settings, RUN, 100) / "model-00002-of-00002.bin")
+    seen: list[tuple[int, int, str]] = []
+
+    restore_checkpoint(settings, RUN, tmp_path / "r", progress=lambda d, t, label: seen.append((d, t, label)))
+
+    assert {t for _, t, _ in seen} == {total}
+    labels = [label for _, _, label in seen]
+    assert labels[0] == "step 100 part 0 from tier 0" and labels[-1] == "step 100 part 0 from tier 1"
+    assert max(d for d, _, label in seen if label.endswith("tier 1")) == total
