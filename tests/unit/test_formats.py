@@ -250,3 +250,20 @@ def test_local_folder_round_trip(tmp_path):
 
     sizes = list_checkpoint_files(tmp_path)
     formats.validate("safetensors", sizes, local_opener(tmp_path))
+
+
+def test_real_torch_dcp_folder_is_parsed_without_unpickling(tmp_path):
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(10.0), "b": torch.ones(3, 3)}, checkpoint_id=str(tmp_path))
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert formats.dcp_referenced_files(files[".metadata"], ".metadata") == {n for n in files if n.endswith(".distcp")}
+    assert check(files) == "dcp"
+    del files["__0_0.distcp"]
+    with pytest.raises(CorruptCheckpoint, match="missing data file"):
+        check(files, "dcp")
