@@ -27,6 +27,7 @@ with ``max_depth=50``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -58,7 +59,11 @@ def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
         rows = _chunk_rows(range(first, min(first + chunk, n_runs)), now)
         with cat.engine.begin() as conn:
             for table, values in rows:
-                if values:
+                if not values:
+                    continue
+                if conn.dialect.name == "postgresql":
+                    _copy(conn, table, values)
+                else:
                     conn.execute(table.insert(), values)
         done = min(first + chunk, n_runs)
         if done % max(chunk, n_runs // 10) == 0 or done == n_runs:
@@ -72,6 +77,15 @@ def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
     with cat.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("ANALYZE"))
     return time.perf_counter() - t0
+
+
+def _copy(conn, table, values: list[dict]) -> None:
+    """PostgreSQL COPY: the fill's 8M file rows at COPY speed instead of INSERT speed."""
+    cols = list(values[0])
+    cur = conn.connection.dbapi_connection.cursor()
+    with cur.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy:
+        for v in values:
+            copy.write_row([json.dumps(v[c]) if isinstance(v[c], dict) else v[c] for c in cols])
 
 
 def _cid(run: int, step_idx: int) -> int:
@@ -248,7 +262,7 @@ def main() -> None:
         try:
             bench_backend("PostgreSQL", url, args)
         finally:
-            drop()
+            drop()  # also on Ctrl-C; a killed run leaves a ckpt_bench_* database to drop by hand
 
 
 if __name__ == "__main__":

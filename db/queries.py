@@ -103,13 +103,19 @@ def locations(conn: Connection, ckpt: Row) -> list[Location]:
 # --- (6) under-replicated --------------------------------------------------------------------
 def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, run_id: int | None,
                      limit: int | None) -> list[CheckpointInfo]:
+    """Oldest registered first. The ids come from the (state, verified_tiers) index alone, then
+    only the rows asked for (``limit``) are read: at 1M checkpoints with 20,000 under-replicated
+    the first 100 cost one index walk, not 20,000 row reads and a sort."""
     durable = sum(tier_bit(t) for t in ALL_TIERS if t >= durable_tier)
     masks = _masks(lambda m: not (m & durable) or bin(m).count("1") < min_copies)
-    stmt = checkpoint_select().where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers.in_(masks))
+    ids = select(checkpoints.c.id).where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers.in_(masks))
     if run_id is not None:
-        stmt = stmt.where(checkpoints.c.run_id == run_id)
-    stmt = stmt.order_by(runs.c.name, checkpoints.c.step)
-    return [to_checkpoint(r) for r in conn.execute(stmt.limit(limit) if limit else stmt)]
+        ids = ids.where(checkpoints.c.run_id == run_id)
+    ids = ids.order_by(checkpoints.c.id)
+    if limit:
+        ids = ids.limit(limit)
+    stmt = checkpoint_select().where(checkpoints.c.id.in_(ids.scalar_subquery())).order_by(checkpoints.c.id)
+    return [to_checkpoint(r) for r in conn.execute(stmt)]
 
 
 # --- (7) prune candidates --------------------------------------------------------------------
@@ -119,12 +125,18 @@ def prune_candidates(conn: Connection, tier: int, policy, *, run_id: int | None,
         return []
     pinned = select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == checkpoints.c.id).exists()
     aliased = select(aliases.c.checkpoint_id).where(aliases.c.checkpoint_id == checkpoints.c.id).exists()
-    stmt = (replica_select().add_columns(checkpoints.c.run_id, checkpoints.c.kind, checkpoints.c.metrics,
-                                         checkpoints.c.created_at.label("ckpt_created_at"),
-                                         checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
-            .where(replicas.c.tier == tier, replicas.c.state == VERIFIED, checkpoints.c.state == CKPT_COMMITTED))
-    if run_id is not None:
-        stmt = stmt.where(checkpoints.c.run_id == run_id)
+    stmt = replica_select().add_columns(checkpoints.c.run_id, checkpoints.c.kind, checkpoints.c.metrics,
+                                        checkpoints.c.created_at.label("ckpt_created_at"),
+                                        checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
+    stmt = stmt.where(checkpoints.c.state == CKPT_COMMITTED)
+    if run_id is None:
+        stmt = stmt.where(replicas.c.tier == tier, replicas.c.state == VERIFIED)
+    else:
+        # One run: drive from its checkpoints (run_id, step) and their replicas (checkpoint_id,
+        # tier, part). "+ 0" keeps SQLite's planner off ix_replicas_tier_state, which it otherwise
+        # picks and then walks every verified replica of the tier (measured: 1M rows, 0.4 s).
+        stmt = stmt.where(checkpoints.c.run_id == run_id, replicas.c.tier + 0 == tier,
+                          replicas.c.state == VERIFIED)
     rows = conn.execute(stmt).all()
     newest = newest_verified_steps(conn, [run_id] if run_id is not None else None)
     by_run: dict[int, list[Row]] = defaultdict(list)
