@@ -29,12 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ckpt.errors import ConflictError, NotFound, StorageUnavailable, is_transient
+from ckpt.errors import ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable, is_transient
 from ckpt.paths import safe_run_name
 from ckpt.settings import Settings
-from ckpt.storage.base import checkpoint_prefix
+from ckpt.storage.base import ObjectInfo, checkpoint_prefix
+from ckpt.storage.fs import LocalStore
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -157,9 +158,7 @@ def _restore_one(cat: Any, stores: TierStores, ck: CheckpointInfo, target: Path,
     stage = target.parent / f".{target.name}.restore-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
     try:
-        from ckpt.storage.fs import LocalStore
-
-        dst = LocalStore(target.parent, 0, buffer_bytes=stores.settings.io_buffer_bytes)
+        dst = RestoreStage(target.parent, buffer_bytes=stores.settings.io_buffer_bytes)
         part_bytes = [sum(f.size for f in cat.files(ck.id, part)) for part in range(ck.parts)]
         tiers = []
         for part in range(ck.parts):
@@ -210,15 +209,56 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
     raise _PartFailed(f"every copy of part {part} failed", transient=transient)
 
 
+class RestoreStage(LocalStore):
+    """The destination of one restore: a private, hidden staging folder, published whole.
+
+    Nothing in it is visible under its final name until ``publish`` renames the folder, so a
+    file is written straight under its key (no per-file staging name, link and directory
+    fsync, as a shared tier needs). Every file is checked against the manifest as it streams
+    in and fsynced before the folder is published; a mismatch removes the file and raises
+    ``CorruptCheckpoint``. No read-back: right after the write it would be served by the
+    page cache and prove nothing more than the streaming checksum did.
+    """
+
+    def __init__(self, root: Path, *, buffer_bytes: int):
+        super().__init__(root, 0, buffer_bytes=buffer_bytes)
+
+    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        from ckpt.checksum import hash_stream
+
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            got_size, got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
+            if (got_size, got) != (size, checksum):
+                raise CorruptCheckpoint(f"{key}: source size {got_size} crc32c {got} != expected size {size} "
+                                        f"crc32c {checksum}", path=key)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            target.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    while chunk:
+        chunk = chunk[os.write(fd, chunk):]
+
+
 def _position(progress: Progress, base: int, total: int, done: int, label: str) -> None:
     progress(base + done, total, label)
 
 
 def publish(stage: Path, target: Path) -> None:
-    """Rename the complete ``stage`` onto ``target`` (absent or empty) in one step, durably."""
+    """Rename the complete ``stage`` onto ``target`` (absent or empty) in one step, durably:
+    every folder in it is fsynced first (its files already are), the parent after."""
     from ckpt.storage.fs import fsync_dir
 
-    fsync_dir(stage)
+    for folder, _dirs, _files in os.walk(stage, topdown=False):
+        fsync_dir(folder)
     try:
         os.rename(stage, target)  # replaces an empty folder atomically; refuses a non-empty one
     except OSError as exc:
