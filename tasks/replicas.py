@@ -39,6 +39,20 @@ class TierStores:
             self._open[tier] = tier_store(self.settings, tier)
         return self._open[tier]
 
+    def close(self) -> None:
+        """Release what the stores hold (S3 transfer threads); they reopen on the next ``get``."""
+        for store in self._open.values():
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        self._open.clear()
+
+    def __enter__(self) -> "TierStores":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
 
 def readable_here(replica: ReplicaInfo, settings: Settings) -> bool:
     """True when this machine can read ``replica``: its tier is configured and, for Tier 0,

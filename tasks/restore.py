@@ -97,12 +97,11 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
     target = Path(dest).expanduser().absolute()
     ensure_empty_target(target)
     fallback = (step is None) if fallback is None else fallback
-    stores = TierStores(settings)
     started = time.monotonic()
     notes: list[str] = []
     bad: list[BadReplica] = []
     first_step: int | None = None
-    with open_catalog(settings.catalog_url) as cat:
+    with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
         cat.get_run(run)
         for ck in candidates(cat, run, step, fallback):
             first_step = ck.step if first_step is None else first_step

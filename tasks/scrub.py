@@ -89,10 +89,9 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     now = now or datetime.now(timezone.utc)
     started = time.monotonic()
-    stores = TierStores(settings)
     state_path = scrub_state_path(settings)
     last_read = load_scrub_state(state_path)
-    with open_catalog(settings.catalog_url) as cat:
+    with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
         checkpoints = {c.id: c for c in cat.list_checkpoints()}
         replicas = {cid: cat.replicas(cid) for cid in checkpoints}
         eligible = [r for reps in replicas.values() for r in reps
