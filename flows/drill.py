@@ -17,7 +17,7 @@ from flows.common import artifact_key, current_actor, publish_table
 from tasks.drill import restore_drill_task
 
 
-@flow(name="restore_drill", flow_run_name="restore-drill", log_prints=True)
+@flow(name="restore-drill", flow_run_name="restore-drill", log_prints=True)
 def restore_drill(run: str | None = None, scratch: str | None = None,
                   settings: Settings | None = None) -> list[dict[str, Any]]:
     """Drill the newest milestone (of ``run``, or of any run) on Tier 1 and Tier 2."""

@@ -34,7 +34,7 @@ def restore_rows(report: RestoreReport) -> list[dict[str, Any]]:
     return rows
 
 
-@flow(name="restore_checkpoint", flow_run_name="restore/{run}", log_prints=True)
+@flow(name="restore-checkpoint", flow_run_name="restore/{run}", log_prints=True)
 def restore_checkpoint(run: str, dest: str, step: int | None = None,
                        preference: list[int] | None = None, settings: Settings | None = None) -> dict[str, Any]:
     """Restore ``run`` (newest verified, or ``step``) into ``dest`` from the nearest good copy."""
