@@ -487,6 +487,8 @@ def upgrade(url: str) -> str:
     engine = make_engine(url)
     try:
         with transaction(engine) as conn:
+            if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
+                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
             upgrade_connection(conn)
             return current_revision(conn)
     finally:

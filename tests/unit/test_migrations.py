@@ -3,6 +3,8 @@ refused with a message that names `ckpt db upgrade`."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -72,3 +74,21 @@ def test_every_migration_says_why():
     for path in sorted((MIGRATIONS / "versions").glob("*.py")):
         text = path.read_text()
         assert "Why:" in text and "<say why" not in text, path.name
+
+
+def test_concurrent_upgrades_of_a_fresh_catalog_all_succeed(db_url):
+    results, errors = [], []
+
+    def go():
+        try:
+            results.append(upgrade(db_url))
+        except Exception as exc:  # the outcome under test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and results == [head_revision()] * 3
+    assert _diff(db_url) == []
