@@ -40,6 +40,7 @@ from ckpt.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
+EMIT_RETRIES, EMIT_BACKOFF_SECONDS = 3, 0.5  # a few seconds at most; reconcile covers the rest
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,10 @@ class CheckpointStager:
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
         origin = resumed_from or fine_tuned_from
-        relation = "resumed_from" if resumed_from else "fine_tuned_from"
-        self._origin = ParentRef(origin[0], int(origin[1]), relation) if origin else None
-        self._first_save = True
-        self._announcer = _Announcer(self.settings, enabled=announce)
-        self._announcer.submit(("register", run, project, origin, relation))
+        reg = RunRegistration(self.run, project, (origin[0], int(origin[1])) if origin else None,
+                              "resumed_from" if resumed_from else "fine_tuned_from")
+        self._announcer = _Announcer(self.settings, reg, enabled=announce)
+        self._announcer.submit(("register",))
         self._writer = _Writer() if background else None
 
     # --- the training loop's calls -------------------------------------------------------
@@ -135,10 +135,9 @@ class CheckpointStager:
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise BadInput(f"step must be a non-negative int, got {step!r}")
+        # the run's origin (resumed_from/fine_tuned_from) is recorded on the run by the
+        # announcer; the catalog links the run's first checkpoint to it
         parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else None
-        if parent_ref is None and self._first_save:
-            parent_ref = self._origin  # the run's origin travels with its first checkpoint
-        self._first_save = False
         meta = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
                     kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end, settings=self.settings))
         if isinstance(tensors_or_folder, (str, os.PathLike)):
@@ -305,13 +304,63 @@ class _Writer:
         self._t.join(timeout=5)
 
 
+@dataclass
+class RunRegistration:
+    """The run as the catalog should know it, and how much of that is recorded so far."""
+
+    run: str
+    project: str | None
+    origin: tuple[str, int] | None
+    relation: str
+    registered: bool = False
+    origin_recorded: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.registered and (self.origin is None or self.origin_recorded)
+
+
+def register_run(settings: Settings, reg: RunRegistration) -> None:
+    """``ensure_run`` with the run's origin, as far as the catalog allows now. An origin the
+    catalog has not registered yet (its promotion still running) is left for a later attempt:
+    the run itself is registered at once, so its own checkpoints can be promoted. An
+    unreachable catalog leaves everything for later."""
+    from ckpt.errors import NotFound, UnknownRun
+    from db.catalog import Catalog
+
+    try:
+        cat = Catalog(settings.catalog_url)
+    except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
+        log.warning("catalog not reachable to register run %s: %s", reg.run, exc)
+        return
+    actor = f"client:{settings.node}"
+    try:
+        if reg.origin is not None:
+            try:
+                cat.ensure_run(reg.run, project=reg.project, parent=reg.origin, parent_relation=reg.relation,
+                               actor=actor)
+                reg.registered = reg.origin_recorded = True
+                return
+            except (NotFound, UnknownRun) as exc:
+                log.info("origin of run %s not in the catalog yet (%s); recorded later", reg.run, exc)
+        if not reg.registered:
+            cat.ensure_run(reg.run, project=reg.project, actor=actor)
+            reg.registered = True
+    except Exception as exc:  # noqa: BLE001
+        log.warning("registering run %s failed: %s", reg.run, exc)
+    finally:
+        cat.close()
+
+
 class _Announcer:
     """Registers the run and emits events off the training thread (importing Prefect and
-    reaching the catalog cost seconds the training loop must not wait for). Failures are
-    logged and dropped: reconcile finds what was never announced."""
+    reaching the catalog cost seconds the training loop must not wait for). Registration is
+    retried before each event until complete; failed events are logged and dropped:
+    reconcile finds what was never announced."""
 
-    def __init__(self, settings: Settings, *, enabled: bool) -> None:
+    def __init__(self, settings: Settings, registration: RunRegistration, *, enabled: bool) -> None:
         self.settings = settings
+        self.registration = registration
         self.enabled = enabled
         self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
         self._q: queue.Queue = queue.Queue()
@@ -326,46 +375,31 @@ class _Announcer:
     def _loop(self) -> None:
         while (job := self._q.get()) is not None:
             try:
-                if job[0] == "register":
-                    register_run(self.settings, *job[1:])
-                else:
-                    m: Manifest = job[1]
-                    url = prefect_api_url(self.settings)
-                    ok = emit_completed(m, api_url=url) if url else False
-                    if not url:
-                        log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
-                    self.delivered.append((m.run, m.step, m.part, ok))
+                if not self.registration.done:
+                    register_run(self.settings, self.registration)
+                if job[0] == "emit":
+                    self._emit(job[1])
             except Exception as exc:  # noqa: BLE001 - never into training
                 log.warning("announcing %s failed: %s", job[0], exc)
             finally:
                 self._q.task_done()
         self._q.task_done()
 
+    def _emit(self, m: Manifest) -> None:
+        url = prefect_api_url(self.settings)
+        ok = emit_completed(m, api_url=url) if url else False
+        if not url:
+            log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
+        self.delivered.append((m.run, m.step, m.part, ok))
+
     def close(self, timeout: float) -> None:
         if not self.enabled:
             return
+        self._q.put(("register",))  # a last try at a pending origin
         self._q.put(None)
         self._t.join(timeout)
         if self._t.is_alive():
             log.warning("checkpoint events still pending after %.0fs; reconcile will catch them", timeout)
-
-
-def register_run(settings: Settings, run: str, project: str | None, origin: tuple[str, int] | None,
-                 relation: str) -> bool:
-    """``ensure_run`` with the run's origin, when the catalog is reachable (else False)."""
-    try:
-        from db.catalog import Catalog
-
-        cat = Catalog(settings.catalog_url)
-        try:
-            cat.ensure_run(run, project=project, parent=tuple(origin) if origin else None,
-                           parent_relation=relation, actor=f"client:{settings.node}")
-        finally:
-            cat.close()
-        return True
-    except Exception as exc:  # noqa: BLE001 - the promote flow registers what we could not
-        log.warning("catalog not reachable to register run %s: %s", run, exc)
-        return False
 
 
 def completed_payload(m: Manifest) -> dict[str, object]:
@@ -395,4 +429,5 @@ def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
     run, step and part give the same id, so a repeat collapses into one event). True when
     the server accepted it."""
     return events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
-                       payload=completed_payload(m), api_url=api_url)
+                       payload=completed_payload(m), api_url=api_url, retries=EMIT_RETRIES,
+                       backoff=EMIT_BACKOFF_SECONDS)

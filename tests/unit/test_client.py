@@ -156,15 +156,13 @@ def test_background_stall_is_shorter_than_a_foreground_save(settings_factory):
     assert min(bg) < min(fg), (bg, fg)
 
 
-def test_lineage_origin_travels_with_the_first_checkpoint(settings_factory):
+def test_explicit_parent_goes_into_the_manifest(settings_factory):
     s = settings_factory()
     with _stager(s, resumed_from=("run-0", 40)) as st:
-        first = st.save(41, _tensors(n=1))
-        second = st.save(42, _tensors(n=1))
-        third = st.save(43, _tensors(n=1), parent=("run-x", 7))
-    assert first.manifest.parent == ParentRef("run-0", 40, "resumed_from")
-    assert second.manifest.parent is None
-    assert third.manifest.parent == ParentRef("run-x", 7, "resumed_from")
+        first = st.save(41, _tensors(n=1))  # the run's origin is the catalog's business, not the manifest's
+        other = st.save(43, _tensors(n=1), parent=("run-x", 7))
+    assert first.manifest.parent is None
+    assert other.manifest.parent == ParentRef("run-x", 7, "resumed_from")
     with pytest.raises(BadInput):
         CheckpointStager("r", settings=s, resumed_from=("a", 1), fine_tuned_from=("b", 2), announce=False)
 
