@@ -80,6 +80,10 @@ def check_legal(rep: Row, to_state: str) -> None:
 
 def transition(conn: Connection, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None,
                claim_token: str | None, now: datetime, actor: str, reason: str | None, values: dict) -> Row:
+    # Lock order, everywhere: checkpoint row, then replica rows. The checkpoint lock also
+    # serialises concurrent verifications of a checkpoint's parts, so the last one counts the
+    # others' (committed) replicas when it recomputes verified_tiers.
+    ckpt = checkpoint_row_by_id(conn, replica_row(conn, replica_id).checkpoint_id, lock=True)
     rep = replica_row(conn, replica_id, lock=True)
     if expected is not None:
         allowed = (expected,) if isinstance(expected, str) else tuple(expected)
@@ -90,7 +94,6 @@ def transition(conn: Connection, replica_id: int, to_state: str, *, expected: st
     check_legal(rep, to_state)
     if to_state == PRUNING:  # the guard is the catalog's rule, whichever door the caller used
         return begin_prune(conn, replica_id, now=now, actor=actor, reason=reason)
-    ckpt = checkpoint_row_by_id(conn, rep.checkpoint_id)
     move(conn, rep, to_state, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=values)
     return replica_row(conn, replica_id)
 

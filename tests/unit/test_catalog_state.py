@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from catalog_testlib import PATHS, catalog, checkpoint, prunable_setup, replica_in_state, verified  # noqa: F401
+from catalog_testlib import PATHS, catalog, checkpoint, manifest, prunable_setup, replica_in_state, verified  # noqa: F401
 from sqlalchemy import insert
 
 from ckpt.errors import BadInput, IllegalTransition, NotFound, PruneRefused, StaleState
@@ -178,3 +178,23 @@ def test_racing_completion_checks_exactly_one_sees_it(catalog, db_url):
         for c in cats:
             c.close()
     assert sorted(seen) == [False, False, False, True]
+
+
+def test_parts_verified_at_the_same_moment_make_the_checkpoint_complete(catalog, db_url):
+    """N nodes verify their parts concurrently: the last one must see the others (the
+    complete-on-tier mark and complete_on_tier depend on it)."""
+    n = 4
+    catalog.ensure_run("r")
+    for part in range(n):
+        ck = catalog.register_part(manifest("r", 1, part=part, parts=n), actor="t")
+    claims = [catalog.claim_copy(ck.id, 1, p, f"file:///t1/{p}", node=f"n{p}", actor="t") for p in range(n)]
+    cats = [Catalog(db_url) for _ in range(n)]
+    try:
+        _race(n, lambda i: cats[i].transition(claims[i].replica.id, VERIFIED, claim_token=claims[i].replica.claim_token,
+                                              actor=f"agent:n{i}"))
+        done = _race(n, lambda i: cats[i].complete_on_tier(ck.id, 1, actor=f"agent:n{i}"))
+    finally:
+        for c in cats:
+            c.close()
+    assert [loc.tier for loc in catalog.locations("r", 1)] == [1]
+    assert sorted(done) == [False] * (n - 1) + [True]
