@@ -160,3 +160,31 @@ def test_cli_promote_here_then_retention_and_reconcile(env_settings):
     plan = json.loads(out.stdout)
     assert [(a["tier"], a["step"], a["outcome"]) for a in plan] == [(0, 2, "planned"), (0, 3, "planned")]
     assert ckpt_dir(settings.tier0_url, RUN, 2).is_dir()  # a dry run deletes nothing
+
+
+def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_settings, s3_endpoint, s3_bucket,
+                                                                           monkeypatch):
+    import functools
+
+    from ckpt.storage.s3 import S3Store
+    from flows.promote import promote_checkpoint
+    from pipeline_kit import FaultProxy
+
+    monkeypatch.setattr(S3Store, "__init__", functools.partialmethod(S3Store.__init__, max_attempts=1))
+    proxy = FaultProxy(s3_endpoint)
+    proxy.fail = -1
+    try:
+        settings = env_settings(tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=proxy.url,
+                                task_retries=2, task_retry_delay_seconds=0.1)
+        write_checkpoint(settings.tier0_url, RUN, 100, kind="milestone")
+
+        state = promote_checkpoint(RUN, 100, return_state=True)
+    finally:
+        proxy.close()
+
+    assert state.is_failed()
+    upload = task_runs_of(state.state_details.flow_run_id)["upload-to-tier2"]
+    assert upload.run_count == 3  # the first try and both retries
+    states = replica_states(settings, RUN, 100)
+    assert states[(0, 0)] == "verified" and states[(1, 0)] == "verified" and states[(2, 0)] != "verified"
+    assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2  # Tier 0 not pruned
