@@ -310,7 +310,11 @@ class S3Store(TierStore):
                 if any(f.done() and f.exception() for f in futures):
                     break
                 self._inflight.acquire()
-                futures.append(self._executor().submit(self._upload_part, full, upload_id, number, data))
+                try:
+                    futures.append(self._executor().submit(self._upload_part, full, upload_id, number, data))
+                except BaseException:
+                    self._inflight.release()
+                    raise
             parts = [f.result() for f in futures]  # re-raises the first part failure
             if (got, crc.to_hex(value)) != (size, checksum):
                 raise CorruptCheckpoint(
@@ -323,7 +327,8 @@ class S3Store(TierStore):
                 )
         except BaseException:
             for f in futures:
-                f.cancel()
+                if f.cancel():  # never ran, so never released its in-flight slot
+                    self._inflight.release()
             for f in futures:
                 if not f.cancelled():
                     f.exception()  # wait, so no part lands after the abort

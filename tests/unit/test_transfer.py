@@ -287,6 +287,7 @@ def inject_500(store: S3Store, ops: tuple[str, ...], times: int | None):
 
     for op in ops:
         store.client.meta.events.register(f"before-send.s3.{op}", hook)
+    calls["stop"] = lambda: [store.client.meta.events.unregister(f"before-send.s3.{op}", hook) for op in ops]
     return calls
 
 
@@ -302,8 +303,14 @@ def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
 def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_store):
     t0, _ = tiers
     _, m = make_checkpoint(t0.root, shards=2, rows=2048)
-    inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
+    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
     with pytest.raises(StorageUnavailable):
         copy_part(t0, PREFIX, s3_store, PREFIX, m)
     assert list(find_committed(s3_store)) == []
     assert not s3_store.client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads")
+    calls["stop"]()  # the endpoint recovers: a retry with the same store completes
+    retry = threading.Thread(target=copy_part, args=(t0, PREFIX, s3_store, PREFIX, m))
+    retry.start()
+    retry.join(timeout=60)
+    assert not retry.is_alive(), "upload slots leaked by the failed attempt"
+    verify_part(s3_store, PREFIX, m, deep=False)
