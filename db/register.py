@@ -71,8 +71,9 @@ def _adopt_origin(conn: Connection, run: Row, parent: tuple[str, int], relation:
 
 
 def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime, actor: str) -> CheckpointInfo:
-    """Record one part; returns the checkpoint as it now stands."""
-    run = run_row(conn, m.run)
+    """Record one part; returns the checkpoint as it now stands. The run row is locked so that
+    two checkpoints of one run registered at once still form one ``follows`` chain."""
+    run = run_row(conn, m.run, lock=True)
     first = _first_part_values(run.id, m, now)
     cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
@@ -133,7 +134,7 @@ def _split_batch(conn: Connection, manifests: list[Manifest]):
         by_run.setdefault(m.run, []).append(m)
     fast, slow = [], []
     for name, ms in by_run.items():
-        run = run_row(conn, name)
+        run = run_row(conn, name, lock=True)
         steps = [m.step for m in ms]
         newest = conn.execute(select(func.max(checkpoints.c.step)).where(checkpoints.c.run_id == run.id)).scalar()
         if len(set(steps)) == len(steps) and (newest is None or min(steps) > newest):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 
 from ckpt.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
+from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CKPT_CORRUPT, CKPT_PARTIAL
 
 
@@ -159,3 +162,23 @@ def test_register_many_is_all_or_nothing(catalog):
     with pytest.raises(UnknownRun):
         catalog.register_many([manifest("r", 20), manifest("ghost", 1)], actor="import")
     assert [c.step for c in catalog.list_checkpoints("r")] == [10]
+
+
+def test_checkpoints_registered_at_once_still_form_one_chain(catalog, db_url):
+    checkpoint(catalog, "r", 0)
+    steps = [10, 20, 30, 40]
+    cats = [Catalog(db_url) for _ in steps]
+    barrier = threading.Barrier(len(steps))
+
+    def register(i):
+        barrier.wait(timeout=30)
+        cats[i].register_part(manifest("r", steps[i]), actor=f"n{i}")
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(steps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for c in cats:
+        c.close()
+    assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 40)] == [(30, 1), (20, 2), (10, 3), (0, 4)]
