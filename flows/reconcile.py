@@ -15,6 +15,7 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, 
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
-from tasks.base import Notify, log, no_notify, open_catalog, part_key, tier_store
+from tasks.base import Notify, log, no_notify, open_catalog, open_tier, part_key
 from tasks.retention import is_milestone
 
 @dataclass
@@ -50,12 +51,11 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", noti
 
     report = ReconcileReport()
     mark_missing(settings, report, actor=actor)
-    with open_catalog(settings.catalog_url) as cat:
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
+            open_tier(settings, 1) as tier1:
         stale = {(c.run, c.step) for c in cat.unpromoted(older_than_seconds=grace_seconds)}
-        todo0 = [p for p in find_committed(tier_store(settings, 0))
-                 if _wanted(cat, p, report, tier=0, unpromoted=stale)]
-        todo1 = [p for p in find_committed(tier_store(settings, 1))
-                 if _wanted(cat, p, report, tier=1, unpromoted=set())]
+        todo0 = [p for p in find_committed(tier0) if _wanted(cat, p, report, tier=0, unpromoted=stale)]
+        todo1 = [p for p in find_committed(tier1) if _wanted(cat, p, report, tier=1, unpromoted=set())]
     kw = dict(actor=actor, notify=notify)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
@@ -120,7 +120,12 @@ def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, st
 
 def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str) -> None:
     """Verified replicas whose manifest or any file is gone from their tier become ``missing``."""
-    stores = {t: tier_store(settings, t) for t in (0, 1, 2) if settings.tier_url(t)}
+    with ExitStack() as stack:
+        stores = {t: stack.enter_context(open_tier(settings, t)) for t in (0, 1, 2) if settings.tier_url(t)}
+        _mark_missing(settings, stores, report, actor=actor)
+
+
+def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileReport, *, actor: str) -> None:
     with open_catalog(settings.catalog_url) as cat:
         for ck in cat.list_checkpoints():
             for rep in cat.replicas(ck.id):

@@ -52,6 +52,18 @@ def tier_store(settings: Settings, tier: int) -> TierStore:
     return open_store(url, tier, settings)
 
 
+@contextmanager
+def open_tier(settings: Settings, tier: int) -> Iterator[TierStore]:
+    """``tier_store`` for one step, closed on the way out (S3 keeps a thread pool)."""
+    store = tier_store(settings, tier)
+    try:
+        yield store
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+
+
 def part_key(run: str, step: int, part: int, parts: int) -> str:
     """Key of a part's manifest (its commit marker) relative to the tier root."""
     return f"{checkpoint_prefix(run, step)}/{manifest_name(part, parts)}"

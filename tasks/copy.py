@@ -20,8 +20,7 @@ from ckpt.errors import CkptError, CopyInProgress
 from ckpt.settings import Settings
 from ckpt.storage.base import checkpoint_prefix
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
-from tasks.base import (HopResult, Notify, delete_part, log, no_notify, open_catalog, registered_manifest,
-                        tier_store)
+from tasks.base import HopResult, Notify, delete_part, log, no_notify, open_catalog, open_tier, registered_manifest
 from tasks.retry import pipeline_task
 from tasks.verify import part_replica
 
@@ -36,13 +35,14 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, p
 
     node = node or settings.node
     hop = f"tier {src_tier} -> tier {dst_tier}"
-    with open_catalog(settings.catalog_url) as cat:
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
+            open_tier(settings, dst_tier) as dst:
         ck = cat.get_checkpoint(run, step)
-        src, dst = tier_store(settings, src_tier), tier_store(settings, dst_tier)
         prefix = checkpoint_prefix(run, step)
+        url = dst.url_for(prefix)
         manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
         prior = part_replica(cat, ck.id, dst_tier, part, None)
-        claim = cat.claim_copy(ck.id, dst_tier, part, dst.url_for(prefix), node=None,
+        claim = cat.claim_copy(ck.id, dst_tier, part, url, node=None,
                                actor=actor, lease_seconds=lease_seconds)
         if not claim.acquired:
             if claim.replica.state == VERIFIED:
@@ -66,7 +66,7 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, p
     event = events.PROMOTED if dst_tier == 1 else events.VERIFIED
     notify(event, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{dst_tier}",
            payload={"tier": dst_tier, "bytes": report.bytes, "seconds": round(report.seconds, 3),
-                    "url": dst.url_for(prefix)})
+                    "url": url})
     return HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
                      seconds=report.seconds, skipped=False)
 

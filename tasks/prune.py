@@ -17,7 +17,7 @@ from ckpt import events
 from ckpt.errors import CkptError, ConfigError
 from ckpt.settings import Settings
 from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
-from tasks.base import Notify, delete_key, delete_part_files, log, no_notify, open_catalog, part_key, tier_store
+from tasks.base import Notify, delete_key, delete_part_files, log, no_notify, open_catalog, open_tier, part_key
 from tasks.retry import pipeline_task
 
 
@@ -39,16 +39,18 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
         rep = cat.get_replica(replica_id)
         if rep.tier == 0 and rep.node and rep.node != settings.node:
             raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
-        if rep.state != PRUNING:  # a prune interrupted after its first delete resumes as is
+        resumed = rep.state == PRUNING  # a prune interrupted after its first delete: finish it
+        if not resumed:
             rep = cat.begin_prune(replica_id, actor=actor, reason=reason)
         parts = cat.get_checkpoint(rep.run, rep.step).parts
-        store = tier_store(settings, rep.tier)
-        try:
-            deleted = delete_key(store, part_key(rep.run, rep.step, rep.part, parts))
-        except BaseException:
-            _abandon(cat, rep, actor)
-            raise
-        deleted += delete_part_files(cat, store, rep.run, rep.step, rep.part, parts)
+        with open_tier(settings, rep.tier) as store:
+            try:
+                deleted = delete_key(store, part_key(rep.run, rep.step, rep.part, parts))
+            except BaseException:
+                if not resumed:  # nothing of it was deleted: still a good copy
+                    _abandon(cat, rep, actor)
+                raise
+            deleted += delete_part_files(cat, store, rep.run, rep.step, rep.part, parts)
         cat.transition(rep.id, PRUNED, expected=PRUNING, actor=actor, reason=reason)
     notify(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
            extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})

@@ -16,7 +16,7 @@ from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound
 from ckpt.paths import safe_run_name
 from ckpt.settings import Settings
 from db.entities import VERIFIED
-from tasks.base import Notify, no_notify, open_catalog, read_manifest, tier_store
+from tasks.base import Notify, no_notify, open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
 
 
@@ -48,7 +48,8 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
             safe_run_name(run)
             if step < 0 or not (0 <= part < parts):
                 raise BadInput(f"invalid step/part: step {step}, part {part} of {parts}")
-            manifest = read_manifest(tier_store(settings, source_tier), run, step, part, parts)
+            with open_tier(settings, source_tier) as store:
+                manifest = read_manifest(store, run, step, part, parts)
             info = cat.register_part(manifest, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
             reason = f"{type(exc).__name__}: {exc}"

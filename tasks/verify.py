@@ -19,7 +19,7 @@ from ckpt.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
 from ckpt.settings import Settings
 from ckpt.storage.base import checkpoint_prefix
 from db.entities import CKPT_CORRUPT, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
-from tasks.base import HopResult, Notify, log, no_notify, open_catalog, registered_manifest, tier_store
+from tasks.base import HopResult, Notify, log, no_notify, open_catalog, open_tier, registered_manifest
 from tasks.retry import pipeline_task
 
 
@@ -30,9 +30,8 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts
     from ckpt.transfer import verify_part
 
     node = node or settings.node
-    with open_catalog(settings.catalog_url) as cat:
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, tier) as store:
         ck = cat.get_checkpoint(run, step)
-        store = tier_store(settings, tier)
         prefix = checkpoint_prefix(run, step)
         started = time.monotonic()
         try:
