@@ -40,6 +40,10 @@ def add_edge(conn: Connection, child_id: int, parent_id: int, relation: str, *, 
              check_cycle: bool = True) -> bool:
     """Insert child -> parent (idempotent); True if the edge is new."""
     check_relation(relation)
+    if check_cycle and conn.dialect.name == "postgresql":
+        # Two edges added at once could each pass the check and close a cycle together; on
+        # SQLite BEGIN IMMEDIATE already serialises writers, here one lock serialises the checks.
+        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717984)")
     if check_cycle and (child_id == parent_id or child_id in ancestor_ids(conn, parent_id)):
         raise LineageCycle(f"checkpoint {parent_id} already descends from checkpoint {child_id}; "
                            f"a {relation} edge would make a cycle")
