@@ -113,13 +113,15 @@ def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt", time
 
 
 def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = False,
-                limit: int | None = None) -> subprocess.Popen:
+                limit: int | None = None, archive_trigger: bool = True) -> subprocess.Popen:
     """``ckpt agent`` for ``node`` in a child process whose environment is ``env`` (CKPT_*)."""
     cmd = [sys.executable, "-m", "ckpt.cli", "agent", "--node", node]
     if node_only:
         cmd.append("--node-only")
     if limit:
         cmd += ["--limit", str(limit)]
+    if not archive_trigger:
+        cmd.append("--no-archive-trigger")
     return _spawn(cmd, log, {**os.environ, **env})
 
 
@@ -173,6 +175,8 @@ class LocalStack:
     port: int = 4200
     ui: bool = True
     tier2: bool = True
+    archive_trigger: bool = True
+    limit: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     api_url: str = ""
     s3_url: str | None = None
@@ -200,7 +204,7 @@ class LocalStack:
         upgrade(load_settings().catalog_url)
         for i, node in enumerate(self.nodes):
             self.agents.append(start_agent(self.env, self.root / "logs" / f"agent-{node}.log", node=node,
-                                           node_only=i > 0))
+                                           node_only=i > 0, limit=self.limit, archive_trigger=self.archive_trigger))
         from deployments import names
 
         wanted = [names.promote_deployment(n) for n in self.nodes] + [names.ARCHIVE_DEPLOYMENT]

@@ -10,6 +10,11 @@ What one agent serves:
   Tier 1), and ``enforce-retention/cluster`` on ``retention_cron``. Run exactly one agent
   without ``--node-only`` per cluster.
 
+  The promote flow that completes a checkpoint also archives it inline (flows/promote.py),
+  so the durable-triggered archive run is a safety net that finds nothing left to do in the
+  normal case; ``archive_trigger=False`` serves the archive deployment for on-demand runs
+  only, saving one flow run per checkpoint where CPU is scarce (the demo on 2 cores).
+
 Trigger templates pass the event's values through raw and the deployments do not enforce a
 parameter schema: a malformed or hostile event then becomes a *failed* flow run whose message
 says what was wrong (the flow validates), never a silently dropped one, and nothing is copied.
@@ -42,7 +47,7 @@ def promote_trigger(node: str) -> Any:
     )
 
 
-def archive_trigger() -> Any:
+def durable_trigger() -> Any:
     from prefect.events import DeploymentEventTrigger
 
     return DeploymentEventTrigger(
@@ -75,7 +80,7 @@ def node_deployments(settings: Settings) -> list[Any]:
     ]
 
 
-def cluster_deployments(settings: Settings) -> list[Any]:
+def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> list[Any]:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.archive import archive_checkpoint
@@ -83,7 +88,8 @@ def cluster_deployments(settings: Settings) -> list[Any]:
 
     return [
         archive_checkpoint.to_deployment(
-            name=names.CLUSTER, triggers=[archive_trigger()], enforce_parameter_schema=False,
+            name=names.CLUSTER, triggers=[durable_trigger()] if archive_trigger else [],
+            enforce_parameter_schema=False,
             entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", "cluster"],
             description="Tier 1 -> Tier 2 for milestones, once per durable checkpoint.",
         ),
@@ -94,10 +100,10 @@ def cluster_deployments(settings: Settings) -> list[Any]:
     ]
 
 
-def build_deployments(settings: Settings, *, node_only: bool = False) -> list[Any]:
+def build_deployments(settings: Settings, *, node_only: bool = False, archive_trigger: bool = True) -> list[Any]:
     deps = node_deployments(settings)
     if not node_only:
-        deps += cluster_deployments(settings)
+        deps += cluster_deployments(settings, archive_trigger=archive_trigger)
     return deps
 
 
@@ -114,7 +120,8 @@ def agent_environment(settings: Settings) -> dict[str, str]:
     return env
 
 
-def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None) -> None:
+def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
+                archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -122,4 +129,5 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     os.environ.update(agent_environment(settings))
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
-        serve(*build_deployments(settings, node_only=node_only), limit=limit, print_starting_message=True)
+        serve(*build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger), limit=limit,
+              print_starting_message=True)

@@ -104,6 +104,8 @@ def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
     node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive and retention"),
     limit: int = typer.Option(None, "--limit", help="most flow runs at once on this agent"),
+    archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
+                                         help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
     """Serve the deployments on this node until interrupted: promote (event-triggered),
     reconcile (interval), and unless --node-only archive (event-triggered) and retention (cron)."""
@@ -113,7 +115,7 @@ def agent_cmd(
     settings = load_settings(**({"node": node} if node else {}))
     typer.echo(f"agent for node {settings.node}: Tier 0 {settings.tier0_url}, Tier 1 {settings.tier1_url}, "
                f"Tier 2 {settings.tier2_url or '(off)'}" + (" [node only]" if node_only else ""))
-    serve_agent(settings, node_only=node_only, limit=limit)
+    serve_agent(settings, node_only=node_only, limit=limit, archive_trigger=archive_trigger)
 
 
 def watch_cmd(
