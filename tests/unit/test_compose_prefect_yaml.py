@@ -1,0 +1,105 @@
+"""deployments/prefect.yaml (work pools and workers) describes the same deployments as
+`ckpt agent`: the same flows, names, triggers, templates and schedules."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckpt import events
+from ckpt.settings import Settings
+from deployments import names
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE = "gpu-node-07"
+
+
+@pytest.fixture
+def deployments(monkeypatch):
+    """The deployments as `prefect deploy` sees them after filling in the environment."""
+    from prefect.utilities.templating import apply_values
+
+    monkeypatch.setenv("CKPT_NODE", NODE)
+    doc = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    return apply_values(doc["deployments"], os.environ, remove_notset=False)
+
+
+def _flow(entrypoint: str):
+    from prefect.flows import load_flow_from_entrypoint
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # file-path entrypoints are relative to the project (the worker's /app)
+    try:
+        return load_flow_from_entrypoint(entrypoint)
+    finally:
+        os.chdir(cwd)
+
+
+def _by_full_name(deployments) -> dict[str, dict]:
+    return {f"{_flow(d['entrypoint']).name}/{d['name']}": d for d in deployments}
+
+
+def test_names_match_the_served_agent(deployments):
+    assert set(_by_full_name(deployments)) == {
+        names.promote_deployment(NODE), names.reconcile_deployment(NODE),
+        names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
+    }
+
+
+def test_triggers_validate_and_template_every_key_with_a_default(deployments):
+    from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(DeploymentTriggerTypes)
+    by_name = _by_full_name(deployments)
+    promote = by_name[names.promote_deployment(NODE)]
+    archive = by_name[names.ARCHIVE_DEPLOYMENT]
+    (pt,), (at,) = promote["triggers"], archive["triggers"]
+    for spec in (pt, at):
+        trigger = adapter.validate_python(spec)  # what `prefect deploy` does with it
+        for key, template in trigger.parameters.items():
+            if "event." in template:
+                assert "| default(" in template, f"{key}: a missing key would silently drop the run"
+    assert pt["expect"] == [events.COMPLETED] and pt["match"] == {"ckpt.node": NODE}
+    assert pt["parameters"] == {**names.PROMOTE_PARAMETERS, "node": NODE}
+    assert at["expect"] == [events.DURABLE] and at["parameters"] == names.ARCHIVE_PARAMETERS
+    # raw values pass through; the flows validate them (a failed run, not a dropped one)
+    assert promote["enforce_parameter_schema"] is False and archive["enforce_parameter_schema"] is False
+
+
+def test_parameters_are_the_flows_own(deployments):
+    for d in deployments:
+        params = set(inspect.signature(_flow(d["entrypoint"]).fn).parameters)
+        given = set(d.get("parameters") or {}) | {k for t in d.get("triggers", []) for k in t["parameters"]}
+        assert given <= params, (d["entrypoint"], given - params)
+
+
+def test_schedules_and_queues(deployments):
+    by_name = _by_full_name(deployments)
+    defaults = Settings(data_dir=Path("/tmp"))
+    reconcile = by_name[names.reconcile_deployment(NODE)]
+    assert reconcile["schedules"] == [{"interval": defaults.reconcile_interval_seconds}]
+    assert by_name[names.RETENTION_DEPLOYMENT]["schedules"] == [{"cron": defaults.retention_cron}]
+    queues = {name: d["work_pool"]["work_queue_name"] for name, d in by_name.items()}
+    assert queues[names.promote_deployment(NODE)] == NODE == queues[names.reconcile_deployment(NODE)]
+    assert queues[names.ARCHIVE_DEPLOYMENT] == "cluster" == queues[names.RETENTION_DEPLOYMENT]
+
+
+def test_agent_builds_the_same_triggers(settings_factory):
+    from deployments.agent import build_deployments
+
+    built = {f"{d.flow_name}/{d.name}": d for d in build_deployments(settings_factory(node=NODE))}
+    promote = built[names.promote_deployment(NODE)]
+    (trigger,) = promote.triggers
+    assert trigger.parameters == {**names.PROMOTE_PARAMETERS, "node": NODE}
+    assert trigger.match.model_dump() == {"ckpt.node": NODE}
+    assert promote.enforce_parameter_schema is False
+    assert set(built) == {names.promote_deployment(NODE), names.reconcile_deployment(NODE),
+                          names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT}
+    node_only = build_deployments(settings_factory(node=NODE), node_only=True)
+    assert {f"{d.flow_name}/{d.name}" for d in node_only} == {names.promote_deployment(NODE),
+                                                            names.reconcile_deployment(NODE)}
