@@ -12,6 +12,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ckpt.errors import BadInput, CkptError, ConfigError
 
@@ -37,10 +38,10 @@ def main() -> None:
     try:
         app()
     except (BadInput, ConfigError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(2)
     except CkptError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
 
 
