@@ -11,10 +11,12 @@ from __future__ import annotations
 from prefect import flow
 
 from ckpt import events
+from ckpt.errors import BadEvent
 from ckpt.events import emit
 from ckpt.settings import Settings, load_settings
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from tasks.base import Notify, no_notify, open_catalog
+from tasks.register import checkpoint_args, reject_event
 from tasks.retention import is_milestone
 
 
@@ -42,10 +44,18 @@ def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str
 
 
 @flow(name="archive-checkpoint", flow_run_name="archive/{run}/step-{step}")
-def archive_checkpoint(run: str, step: int, node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks; a table artifact per archive."""
+def archive_checkpoint(run: str, step: int | str, node: str | None = None) -> dict:
+    """Settings read once here; the steps run as Prefect tasks; a table artifact per archive.
+    Parameters may arrive as strings (event trigger templates); a malformed one fails the run
+    with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
-    result = archive(settings, run, step, steps=task_steps(settings), actor=current_actor(), notify=emit)
+    actor = current_actor()
+    try:
+        run, step, _, _ = checkpoint_args(run, step)
+    except BadEvent as exc:
+        reject_event(settings, f"archive {run!r} step {step!r}", exc, actor=actor)
+        raise
+    result = archive(settings, run, step, steps=task_steps(settings), actor=actor, notify=emit)
     publish_table(artifact_key("archive", run, step), hop_rows(result.hops),
                   f"archive of {run} step {step}: {result.reason or 'uploaded to tier 2'}")
     return result.summary()

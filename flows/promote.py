@@ -18,12 +18,14 @@ from typing import Any
 from prefect import flow
 
 from ckpt import events
+from ckpt.errors import BadEvent
 from ckpt.events import emit
 from ckpt.settings import Settings, load_settings
 from flows.archive import archive
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from flows.retention import retention
 from tasks.base import HopResult, Notify, no_notify
+from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
 
 
@@ -74,17 +76,26 @@ def _run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    name = f"promote/{p['run']}/step-{p['step']}"
-    parts = int(p.get("parts") or 1)
-    return name if parts == 1 else f"{name}/part-{p.get('part', 0)}-of-{parts}"
+    name = f"promote/{p.get('run')}/step-{p.get('step')}"
+    parts = str(p.get("parts") or 1)
+    return name if parts == "1" else f"{name}/part-{p.get('part', 0)}-of-{parts}"
 
 
 @flow(name="promote-checkpoint", flow_run_name=_run_name)
-def promote_checkpoint(run: str, step: int, part: int = 0, parts: int = 1, node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion."""
+def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
+                       node: str | None = None) -> dict:
+    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion.
+    Parameters may arrive as strings (event trigger templates); a malformed one fails the run
+    with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
+    actor = current_actor()
+    try:
+        run, step, part, parts = checkpoint_args(run, step, part, parts)
+    except BadEvent as exc:
+        reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
+        raise
     result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
-                     actor=current_actor(), notify=emit)
+                     actor=actor, notify=emit)
     hops = result.hops + (result.archive.hops if result.archive else [])
     publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
                   f"promotion of {run} step {step} part {part + 1}/{result.parts}")

@@ -10,9 +10,10 @@ checkpoint as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ckpt import events
-from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound
+from ckpt.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
 from ckpt.paths import safe_run_name
 from ckpt.settings import Settings
 from db.entities import VERIFIED
@@ -52,11 +53,9 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
                 manifest = read_manifest(store, run, step, part, parts)
             info = cat.register_part(manifest, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            cat.record_rejection(f"checkpoint:{run}/{step}/part-{part}", reason, actor=actor,
-                                 run=run if _plain_name(run) else None, step=step)
+            _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
             notify(events.REJECTED, run, step, part=part, parts=parts, node=node,
-                   payload={"reason": reason})
+                   payload={"reason": f"{type(exc).__name__}: {exc}"})
             raise
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
                       kind=info.kind, state=info.state, files=len(manifest.files),
@@ -75,6 +74,31 @@ def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:
     files = cat.files(ck.id, part)
     return Registered(checkpoint_id=ck.id, run=run, step=step, part=part, parts=ck.parts, kind=ck.kind,
                       state=ck.state, files=len(files), bytes=sum(f.size for f in files), promoted=True)
+
+
+def checkpoint_args(run: Any, step: Any, part: Any = 0, parts: Any = 1) -> tuple[str, int, int, int]:
+    """Typed (run, step, part, parts) from values as an event delivers them (trigger templates
+    render strings); ``BadEvent`` saying what is wrong otherwise."""
+    try:
+        typed = (safe_run_name(str(run)), int(str(step)), int(str(part)), int(str(parts)))
+    except (ValueError, BadInput) as exc:
+        raise BadEvent(f"malformed checkpoint reference run={run!r} step={step!r} part={part!r} "
+                       f"parts={parts!r}: {exc}") from None
+    if typed[1] < 0 or typed[3] < 1 or not 0 <= typed[2] < typed[3]:
+        raise BadEvent(f"malformed checkpoint reference: step {step}, part {part} of {parts}")
+    return typed
+
+
+def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = "cli") -> None:
+    """Audit a malformed request (``what`` names it) as a rejection in the catalog."""
+    with open_catalog(settings.catalog_url) as cat:
+        _reject(cat, f"event:{what}", exc, actor=actor, run=None, step=None)
+
+
+def _reject(cat: Any, subject: str, exc: Exception, *, actor: str, run: str | None, step: Any) -> None:
+    step = step if isinstance(step, int) else None
+    cat.record_rejection(subject, f"{type(exc).__name__}: {exc}", actor=actor,
+                         run=run if run is not None and _plain_name(run) else None, step=step)
 
 
 def _plain_name(run: str) -> bool:

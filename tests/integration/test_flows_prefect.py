@@ -188,3 +188,26 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
     states = replica_states(settings, RUN, 100)
     assert states[(0, 0)] == "verified" and states[(1, 0)] == "verified" and states[(2, 0)] != "verified"
     assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2  # Tier 0 not pruned
+
+
+def test_event_parameters_arrive_as_strings_and_malformed_ones_fail_with_a_rejection(env_settings):
+    """Deployment triggers render the event's values as strings and enforce no schema."""
+    from ckpt.errors import BadEvent
+    from flows.promote import promote_checkpoint
+
+    settings = env_settings()
+    write_checkpoint(settings.tier0_url, RUN, 100)
+
+    good = promote_checkpoint(RUN, "100", "0", "1", return_state=True)
+    bad = promote_checkpoint(RUN, "", return_state=True)
+
+    assert good.is_completed(), good.message
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    assert bad.is_failed()
+    with pytest.raises(BadEvent):
+        bad.result()
+    cat = catalog(settings)
+    try:
+        assert any(e.action == "reject" and e.subject.startswith("event:promote") for e in cat.audit_log(limit=20))
+    finally:
+        cat.close()

@@ -33,3 +33,23 @@ def test_a_completed_state_is_not_retried():
 
 def test_delays_double():
     assert backoff_delays(4, 0.5) == [0.5, 1.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("args,typed", [
+    (("run-a", "100", "1", "4"), ("run-a", 100, 1, 4)),
+    (("run-a", 7), ("run-a", 7, 0, 1)),
+])
+def test_checkpoint_references_from_events_are_typed(args, typed):
+    from tasks.register import checkpoint_args
+
+    assert checkpoint_args(*args) == typed
+
+
+@pytest.mark.parametrize("args", [("run-a", ""), ("run-a", "x"), ("../etc", 1), ("run-a", -1),
+                                  ("run-a", 1, 4, 4), ("run-a", 1, 0, 0), ("", 1)])
+def test_malformed_checkpoint_references_are_bad_events(args):
+    from ckpt.errors import BadEvent
+    from tasks.register import checkpoint_args
+
+    with pytest.raises(BadEvent):
+        checkpoint_args(*args)
