@@ -4,10 +4,11 @@ and prune.
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
 this node) -> copy to Tier 1 (claimed, read back, published manifest last) -> when the
 catalog reports every part verified on Tier 1 (``complete_on_tier``, true for exactly one
-caller): announce ``ckpt.checkpoint.durable``, archive a milestone to Tier 2, and apply the
-run's retention. A part already verified on Tier 1 (a repeated or concurrent event) skips the
-copy, so any number of promotions of the same part leave one set of copies and the same
-catalog state. A corrupt source stops at verify: nothing is copied, nothing else changes.
+caller): archive a milestone to Tier 2, announce ``ckpt.checkpoint.durable`` (after the
+archive, so the archive deployment it triggers, a safety net, finds nothing left to do), and
+apply the run's retention. A part already verified on Tier 1 (a repeated or concurrent event)
+skips the copy, so any number of promotions of the same part leave one set of copies and the
+same catalog state. A corrupt source stops at verify: nothing is copied, nothing else changes.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
         result.hops.append(steps.copy_to_tier1(settings, run, step, part, reg.parts, **kw))
     result.durable = steps.mark_complete(settings, run, step, 1, actor=actor)
     if result.durable:
-        notify(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
-        result.archive = archive(settings, run, step, steps=steps, actor=actor, notify=notify)
+        try:
+            result.archive = archive(settings, run, step, steps=steps, actor=actor, notify=notify)
+        finally:  # announced after the inline archive, so the archive it triggers finds it done
+            notify(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
         result.retention = retention(settings, run=run, steps=steps, actor=actor, notify=notify)
     return result
 
