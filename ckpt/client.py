@@ -147,9 +147,9 @@ class CheckpointStager:
             arrays = {k: stw.as_host_array(v) for k, v in tensors_or_folder.items()}
             return self._commit(None, arrays, t0, **meta)
         self._raise_background_error()
-        arrays = stw.snapshot(tensors_or_folder)
+        arrays = stw.snapshot(tensors_or_folder, reuse=self._writer.take_buffers())
         stall = time.perf_counter() - t0
-        fut = self._writer.submit(lambda: self._commit(None, arrays, None, stall=stall, **meta))
+        fut = self._writer.submit(lambda: self._commit(None, arrays, None, stall=stall, **meta), buffers=arrays)
         return PendingSave(step, stall, fut)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -263,18 +263,27 @@ def publish_folder(staging: Path, final: Path, manifest: Manifest) -> None:
 
 # --- background threads -------------------------------------------------------------------------
 class _Writer:
-    """One thread that commits snapshotted checkpoints in order."""
+    """One thread that commits snapshotted checkpoints in order, and hands the snapshot
+    buffers of finished writes back for the next snapshot (at most ``SPARE_SETS`` kept)."""
+
+    SPARE_SETS = 1
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
         self._q: queue.Queue = queue.Queue()
+        self._spare: list = []
+        self._lock = threading.Lock()
         self._t = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
         self._t.start()
 
-    def submit(self, fn) -> Future:
+    def submit(self, fn, buffers=None) -> Future:
         fut: Future = Future()
-        self._q.put((fn, fut))
+        self._q.put((fn, fut, buffers))
         return fut
+
+    def take_buffers(self):
+        with self._lock:
+            return self._spare.pop() if self._spare else None
 
     def _loop(self) -> None:
         while True:
@@ -282,7 +291,7 @@ class _Writer:
             if item is None:
                 self._q.task_done()
                 return
-            fn, fut = item
+            fn, fut, buffers = item
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait()/result()
@@ -290,6 +299,10 @@ class _Writer:
                 self.error = self.error or exc
                 fut.set_exception(exc)
             finally:
+                if buffers is not None:
+                    with self._lock:
+                        if len(self._spare) < self.SPARE_SETS:
+                            self._spare.append(buffers)
                 self._q.task_done()
 
     def drain(self, timeout: float | None) -> None:

@@ -115,10 +115,17 @@ def test_background_mode_snapshots_so_training_may_change_tensors(settings_facto
         for v in tensors.values():  # the training step right after save()
             v *= 0
         saved = pending.result(timeout=30)
+        # the next save reuses the finished write's snapshot buffers: both checkpoints intact
+        for v in tensors.values():
+            v += 7
+        second = st.save(10, tensors).result(timeout=30)
     assert saved.manifest.kind == "milestone"
     assert saved.manifest.writer_stall_seconds == pytest.approx(pending.stall_seconds, abs=1e-5)
     loaded = _load_all(saved.path, saved.manifest)
     assert all(np.array_equal(loaded[k], expected[k]) for k in expected)
+    loaded2 = _load_all(second.path, second.manifest)
+    assert all(np.array_equal(loaded2[k], expected[k] * 0 + 7) for k in expected)
+    _validate_on_disk(second.path, second.manifest)
 
 
 def test_background_write_errors_surface_on_wait(settings_factory):
