@@ -6,6 +6,7 @@ different manifest for a recorded (run, step, part) is a ``ConflictError``, neve
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 from types import SimpleNamespace
@@ -109,11 +110,10 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
     if not fast:
         return
     rows = [_first_part_values(run.id, m, now) for run, m in fast]
-    ids = [r.id for r in conn.execute(
-        checkpoints.insert().returning(checkpoints.c.id, sort_by_parameter_order=True), rows)]
-    conn.execute(parts.insert(), [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast)])
-    conn.execute(files.insert(), [f for cid, (_, m) in zip(ids, fast) for f in _file_values(cid, m)])
-    conn.execute(audit.insert(), [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast)])
+    ids = _insert_checkpoints(conn, rows)
+    _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast)])
+    _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast) for f in _file_values(cid, m)])
+    _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast)])
     edges, last = [], {}
     for cid, (run, m) in zip(ids, fast):
         parent, relation = last.get(run.id) or _newest_id(conn, run.id, below=m.step), FOLLOWS
@@ -124,7 +124,43 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
         last[run.id] = cid
         _link_parent(conn, cid, m, now=now, new=True)
     if edges:
-        conn.execute(lineage.insert(), edges)
+        _bulk(conn, lineage, edges)
+
+
+def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
+    """Insert checkpoint rows, returning their ids in row order."""
+    if conn.dialect.name != "postgresql":
+        return [r.id for r in conn.execute(
+            checkpoints.insert().returning(checkpoints.c.id, sort_by_parameter_order=True), rows)]
+    ids = list(conn.exec_driver_sql(
+        "SELECT nextval(pg_get_serial_sequence('checkpoints', 'id')) FROM generate_series(1, %(n)s)",
+        {"n": len(rows)}).scalars())
+    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids)])
+    return ids
+
+
+def _bulk(conn: Connection, table, rows: list[dict]) -> None:
+    """Multi-row INSERT inside the current transaction: executemany on SQLite, COPY on
+    PostgreSQL (psycopg's executemany sends one INSERT per row, and SQLAlchemy's multi-row
+    VALUES spends its time in psycopg's query parser: COPY measured several times faster)."""
+    if not rows:
+        return
+    if conn.dialect.name != "postgresql":
+        conn.execute(table.insert(), rows)
+        return
+    cols = list(rows[0])
+    cursor = conn.connection.dbapi_connection.cursor()
+    with cursor.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row([_copy_value(row[c]) for c in cols])
+
+
+def _copy_value(v):
+    if isinstance(v, dict):
+        return json.dumps(v)
+    if isinstance(v, datetime):
+        return v.astimezone(timezone.utc)
+    return v
 
 
 def _split_batch(conn: Connection, manifests: list[Manifest]):
