@@ -38,10 +38,9 @@ from db.entities import (
     RunInfo,
     TierUsage,
 )
-
-
 from db.migrate import current_revision, head_revision, known_revisions, upgrade_connection
 from db.rows import (
+    add_audit,
     aliases,
     audit,
     checkpoint_row,
@@ -51,6 +50,7 @@ from db.rows import (
     completions,
     drills as drills_table,
     files as files_table,
+    insert_ignore,
     pins,
     replica_row,
     replica_select,
@@ -63,8 +63,6 @@ from db.rows import (
     to_file,
     to_replica,
     to_run,
-    add_audit,
-    insert_ignore,
 )
 from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
 
