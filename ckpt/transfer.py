@@ -78,6 +78,12 @@ class _CountingReader:
         self.counter.add(n)
         return n
 
+    def fileno(self) -> int:  # lets a local destination copy in the kernel
+        return self.inner.fileno()
+
+    def note_copied(self, n: int) -> None:
+        self.counter.add(n)
+
 
 def _run_all(fn, items, parallelism: int) -> list:
     """fn over items in a bounded pool; the first exception cancels what has not started."""

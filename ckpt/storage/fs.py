@@ -20,6 +20,8 @@ from __future__ import annotations
 import errno
 import io
 import os
+import stat as stat_mod
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -61,6 +63,40 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
+def _copy_range(src_fd: int, dst_fd: int, count: int) -> int:
+    """One in-kernel copy step (``copy_file_range``) from the current offsets; bytes copied."""
+    return os.copy_file_range(src_fd, dst_fd, count)
+
+
+def local_fd(reader) -> int | None:
+    """The descriptor of ``reader`` when it is a regular local file (kernel copy possible)."""
+    try:
+        fd = reader.fileno()
+        return fd if stat_mod.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
+
+
+def kernel_copy(src_fd: int, dst_fd: int, limit: int, note=None) -> int | None:
+    """Copy up to ``limit`` bytes in the kernel (no user-space buffer); the byte count, or
+    None when this pair of files cannot (cross-device on some kernels, unsupported file
+    system) and nothing was copied. ``note(n)`` hears about each step, for progress."""
+    done = 0
+    while done < limit:
+        try:
+            n = _copy_range(src_fd, dst_fd, min(limit - done, 1 << 30))
+        except OSError as exc:
+            if done == 0 and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                return None
+            raise
+        if n == 0:
+            break
+        done += n
+        if note is not None:
+            note(n)
+    return done
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -76,11 +112,18 @@ def _check(key: str, size: int, checksum_hex: str, got_size: int, got_hex: str, 
         raise CorruptCheckpoint(f"{key}: {what} crc32c {got_hex} != expected {checksum_hex}", path=key)
 
 
-def _mkdirs(path: Path) -> None:
+def _mkdirs(path: Path) -> list[Path]:
+    """Create ``path`` and missing parents; return the folders whose entries changed."""
+    missing = []
+    p = path
+    while not p.is_dir() and p != p.parent:
+        missing.append(p)
+        p = p.parent
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise map_os_error(exc, str(path)) from exc
+    return [m.parent for m in missing]
 
 
 class LocalStore(TierStore):
@@ -94,6 +137,8 @@ class LocalStore(TierStore):
         self.tier = tier
         self.root_url = str(self.root)
         self.buffer_bytes = buffer_bytes
+        self._unsynced: set[Path] = set()  # folders with published entries not yet fsynced
+        self._lock = threading.Lock()
 
     def path(self, key: str) -> Path:
         """The local path of ``key``, confined under the root (symlinks resolved)."""
@@ -159,8 +204,27 @@ class LocalStore(TierStore):
             os.rename(staging, target)
         finally:
             staging.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+        self._changed([target.parent])
         return True
+
+    def _changed(self, folders) -> None:
+        with self._lock:
+            self._unsynced.update(folders)
+
+    def flush(self) -> None:
+        """Make every name published so far durable (fsync each changed folder once).
+
+        ``put_verified`` fsyncs the file's bytes before publishing it but leaves the folder
+        fsync to here: one per folder instead of one per file. ``write_small_atomic`` (the
+        commit marker) flushes before and after itself, so a marker is never durable before
+        the names it commits; a crash before that loses names, never bytes under a name."""
+        with self._lock:
+            folders, self._unsynced = sorted(self._unsynced, key=lambda p: -len(p.parts)), set()
+        for folder in folders:  # deepest first
+            try:
+                fsync_dir(folder)
+            except FileNotFoundError:
+                continue
 
     def _same_or_conflict(self, target: Path, key: str, size: int, checksum_hex: str) -> None:
         got = self._hash(target)
@@ -174,7 +238,7 @@ class LocalStore(TierStore):
     def _staging(self, target: Path, key: str) -> Iterator[tuple[Path, int]]:
         """A new staging file beside ``target`` (path, write fd); removed unless published,
         OS errors mapped (ENOSPC -> StorageFull)."""
-        _mkdirs(target.parent)
+        self._changed(_mkdirs(target.parent))
         staging = target.parent / staging_name(target.name)
         try:
             fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -188,18 +252,29 @@ class LocalStore(TierStore):
             staging.unlink(missing_ok=True)
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
-        """Stream into a staging file, fsync, read it back, publish only on a full match.
+        """Copy into a staging file, fsync, read it back, publish only on a full match.
 
-        Postcondition on return: the bytes under ``key`` were read back from this tier and
-        match (size, checksum). Already there with the same bytes: no-op.
+        From a local regular file (a reader with ``fileno()``) the bytes are copied in the
+        kernel (``copy_file_range``: no trip through Python, about 2x faster here) and the
+        read-back is the check; from any other reader they are streamed and hashed on the way
+        in too. A reader may offer ``note_copied(n)`` to hear of kernel-copied bytes.
+
+        Postcondition on return: the bytes under ``key`` were fsynced, read back from this
+        tier and match (size, checksum); the name itself is durable after ``flush`` (which the
+        next ``write_small_atomic`` does first). Already there with the same bytes: no-op.
         """
         target = self.path(key)
         if target.is_file():
             self._same_or_conflict(target, key, size, checksum)
             return ObjectInfo(key=key, size=size, checksum=checksum)
+        src_fd = local_fd(reader)
         with self._staging(target, key) as (staging, fd):
-            got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
-            _check(key, size, checksum, *got, "source")
+            copied = None
+            if src_fd is not None:  # local -> local: copy in the kernel, the read-back checks it
+                copied = kernel_copy(src_fd, fd, size + 1, getattr(reader, "note_copied", None))
+            if copied is None:
+                got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
+                _check(key, size, checksum, *got, "source")
             os.fsync(fd)
             _check(key, size, checksum, *self._hash(staging), "read-back")
             self._publish(staging, target, key, size, checksum)
@@ -208,15 +283,19 @@ class LocalStore(TierStore):
     def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
         """tmp + fsync + (link | rename) + fsync dir. Existing same bytes: no-op; different
         bytes: ConflictError unless ``overwrite``."""
+        self.flush()
         if not overwrite:
-            return self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
-        target = self.path(key)
-        with self._staging(target, key) as (staging, fd):
-            _write_all(fd, memoryview(data))
-            os.fsync(fd)
-            os.replace(staging, target)
-            fsync_dir(target.parent)
-        return ObjectInfo(key=key, size=len(data), checksum=checksum.hash_bytes(data))
+            info = self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
+        else:
+            target = self.path(key)
+            with self._staging(target, key) as (staging, fd):
+                _write_all(fd, memoryview(data))
+                os.fsync(fd)
+                os.replace(staging, target)
+                self._changed([target.parent])
+            info = ObjectInfo(key=key, size=len(data), checksum=checksum.hash_bytes(data))
+        self.flush()
+        return info
 
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         target = self.path(key)

@@ -240,3 +240,25 @@ def test_sweep_staging_removes_what_a_killed_upload_left(s3_store, tmp_path):
     assert local.sweep_staging("r", older_than_s=3600) == 0
     assert local.sweep_staging("r", older_than_s=0) == 1
     assert all_names(local) == ["r/s/a"] and os.listdir(local.path("r/s")) == ["a"]
+
+
+def test_put_verified_from_a_local_file(store, tmp_path):
+    """From a real file (kernel copy on local tiers) the same rules hold: a bit flip or
+    extra bytes after the manifest's size publish nothing; a match publishes."""
+    data = os.urandom(3 * MiB + 5)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    good = checksum.hash_bytes(data)
+    flipped = bytearray(data)
+    flipped[MiB] ^= 0x10
+    src.write_bytes(bytes(flipped))
+    with open(src, "rb") as fh, pytest.raises(CorruptCheckpoint):
+        store.put_verified("r/s/f.bin", fh, len(data), good)
+    src.write_bytes(data + b"extra")
+    with open(src, "rb") as fh, pytest.raises(CorruptCheckpoint):
+        store.put_verified("r/s/f.bin", fh, len(data), good)
+    assert all_names(store) == []
+    src.write_bytes(data)
+    with open(src, "rb") as fh:
+        store.put_verified("r/s/f.bin", fh, len(data), good)
+    assert read(store, "r/s/f.bin") == data

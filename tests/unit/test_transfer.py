@@ -174,22 +174,36 @@ def test_different_committed_part_is_a_conflict(tiers):
         copy_part(t0, PREFIX, t1, PREFIX, m)
 
 
-def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch):
+@pytest.mark.parametrize("path", ["kernel-copy", "streamed"])
+def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, path):
     import ckpt.storage.fs as fsmod
 
     t0, t1 = tiers
     _, m = make_checkpoint(t0.root)
-    real_write, written = fsmod._write_all, []
+    real_write, real_copy, written = fsmod._write_all, fsmod._copy_range, []
 
-    def filling_disk(fd, data):
+    def disk_full_after_2mib():
         if sum(written) > 2 * MiB:
             raise OSError(errno.ENOSPC, "No space left on device")
+
+    def filling_write(fd, data):
+        disk_full_after_2mib()
         written.append(len(data))
         real_write(fd, data)
 
-    monkeypatch.setattr(fsmod, "_write_all", filling_disk)
+    def filling_copy(src_fd, dst_fd, count):
+        disk_full_after_2mib()
+        n = real_copy(src_fd, dst_fd, min(count, 256 * 1024))
+        written.append(n)
+        return n
+
+    monkeypatch.setattr(fsmod, "_write_all", filling_write)
+    monkeypatch.setattr(fsmod, "_copy_range", filling_copy)
+    if path == "streamed":
+        monkeypatch.setattr(fsmod, "local_fd", lambda reader: None)
     with pytest.raises(StorageFull):
         copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2, buffer_bytes=256 * 1024)
+    assert sum(written) > 2 * MiB  # the fault was hit on the path under test
     assert list(find_committed(t1)) == []
     assert not any(is_staging(Path(p).name) for p in all_files(t1.root))
     for p in all_files(t1.root):  # what did get published is complete and correct
@@ -198,9 +212,11 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch):
 
 
 KILL_SCRIPT = r"""
-import sys, time
+import os, sys, time
+import ckpt.storage.fs as fsmod
 from ckpt.storage.fs import LocalStore
 from ckpt.transfer import copy_part, read_committed
+fsmod._copy_range = lambda s, d, n: os.copy_file_range(s, d, min(n, 64 * 1024))  # a slow disk
 t0, t1 = LocalStore(sys.argv[1], 0), LocalStore(sys.argv[2], 1)
 m = read_committed(t0, sys.argv[3], int(sys.argv[4]))
 copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1, buffer_bytes=64 * 1024,
