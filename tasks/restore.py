@@ -4,13 +4,14 @@ Contract of ``restore_checkpoint``:
 - It picks the newest committed checkpoint of the run (or ``step``) and, part by part, the
   verified replicas readable on this machine, nearest tier first (Tier 0 of this node, Tier 1,
   Tier 2; ``preference`` narrows or reorders that).
-- Restoring is a copy into a local folder store (``ckpt.transfer.copy_part``): every file is
-  checked against the manifest the catalog registered while it is fetched, and S3 objects are
-  fetched in parallel (``Settings.copy_parallelism``).
+- Restoring is a copy into a private staging folder (``tasks.restore_stage``): every file is
+  checked against the manifest the catalog registered as it is fetched; files are fetched in
+  parallel (``Settings.copy_parallelism``), from S3 through ``ckpt.transfer.copy_part``.
 - A copy whose bytes or manifest do not match becomes ``corrupt`` (absent files: ``missing``)
-  in the catalog, and the next copy is tried (files of the failed copy that were already
-  fetched and proven good are kept, so the next copy fetches only the rest); when no copy of the checkpoint is good, the
-  previous checkpoint is (only when no step was named, unless ``fallback=True``). Every such
+  in the catalog, and the next copy is tried (files of the failed copy already fetched and
+  proven good are kept, so the next copy fetches only the rest); when no copy of the
+  checkpoint is good, the previous checkpoint is (only when no step was named, unless
+  ``fallback=True``). Every such
   step is said in ``RestoreReport.notes``. A transient failure of every copy of a part raises
   (retry later) instead of falling back to older state.
 - ``dest`` must be absent or an empty folder. The checkpoint is assembled in a hidden sibling
@@ -20,7 +21,6 @@ Contract of ``restore_checkpoint``:
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import time
@@ -29,19 +29,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from ckpt.errors import ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable, is_transient
+from ckpt.errors import ConflictError, NotFound, StorageUnavailable, is_transient
 from ckpt.paths import safe_run_name
 from ckpt.settings import Settings
-from ckpt.storage.base import ObjectInfo, checkpoint_prefix
+from ckpt.storage.base import checkpoint_prefix
 from ckpt.storage.fs import LocalStore
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
+from tasks.restore_stage import RestoreStage, fetch_local_part, publish
 from tasks.retry import pipeline_task
-
-FSYNC_PARALLELISM = 8  # files fsynced at once when a restore is published
 
 # progress(done_bytes, total_bytes, label): the position in the checkpoint being restored; it
 # goes back when a copy fails and the next one is tried. Called from the copy's threads.
@@ -191,9 +190,10 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
         progress(0, label)
         try:
             manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
-            copy_part(src, checkpoint_prefix(ck.run, ck.step), dst, dst_prefix, manifest,
-                      parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
-                      progress=lambda done: progress(done, label))
+            fetch = fetch_local_part if isinstance(src, LocalStore) else copy_part
+            kw = {} if fetch is fetch_local_part else {"buffer_bytes": settings.io_buffer_bytes}
+            fetch(src, checkpoint_prefix(ck.run, ck.step), dst, dst_prefix, manifest,
+                  parallelism=settings.copy_parallelism, progress=lambda done: progress(done, label), **kw)
             return rep.tier
         except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
             state = classify_failure(exc)
@@ -210,80 +210,8 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
     raise _PartFailed(f"every copy of part {part} failed", transient=transient)
 
 
-class RestoreStage(LocalStore):
-    """The destination of one restore: a private, hidden staging folder, published whole.
-
-    Nothing in it is visible under its final name until ``publish`` renames the folder, so a
-    file is written straight under its key (no per-file staging name, link and directory
-    fsync, as a shared tier needs). Every file is checked against the manifest as it streams
-    in; a mismatch removes the file and raises ``CorruptCheckpoint``. Durability comes at
-    once in ``publish`` (all files fsynced in parallel: measured twice as fast here as an
-    fsync per file inside the copy threads, which stalls them). No read-back: right after
-    the write it would be served by the page cache and prove nothing more than the streaming
-    checksum did.
-    """
-
-    def __init__(self, root: Path, *, buffer_bytes: int):
-        super().__init__(root, 0, buffer_bytes=buffer_bytes)
-
-    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
-        from ckpt.checksum import hash_stream
-
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            got_size, got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
-            if (got_size, got) != (size, checksum):
-                raise CorruptCheckpoint(f"{key}: source size {got_size} crc32c {got} != expected size {size} "
-                                        f"crc32c {checksum}", path=key)
-        except BaseException:
-            os.close(fd)
-            target.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return ObjectInfo(key=key, size=size, checksum=checksum)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, chunk: memoryview) -> None:
-    while chunk:
-        chunk = chunk[os.write(fd, chunk):]
-
-
 def _position(progress: Progress, base: int, total: int, done: int, label: str) -> None:
     progress(base + done, total, label)
-
-
-def publish(stage: Path, target: Path, *, parallelism: int = FSYNC_PARALLELISM) -> None:
-    """Rename the complete ``stage`` onto ``target`` (absent or empty) in one step, durably:
-    every file and folder in it is fsynced first, the parent after."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ckpt.storage.fs import fsync_dir
-
-    folders, files = [], []
-    for folder, _dirs, names in os.walk(stage, topdown=False):
-        folders.append(folder)
-        files += [os.path.join(folder, n) for n in names]
-    with ThreadPoolExecutor(parallelism) as pool:
-        list(pool.map(_fsync_file, files))
-    for folder in folders:
-        fsync_dir(folder)
-    try:
-        os.rename(stage, target)  # replaces an empty folder atomically; refuses a non-empty one
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise ConflictError(f"{target} was filled while restoring; nothing was overwritten") from None
-        raise
-    fsync_dir(target.parent)
 
 
 restore_task = pipeline_task(restore_checkpoint, name="restore-checkpoint")

@@ -223,3 +223,21 @@ def test_progress_reaches_the_total_once_per_copy_tried(settings, tmp_path):
     labels = [label for _, _, label in seen]
     assert labels[0] == "step 100 part 0 from tier 0" and labels[-1] == "step 100 part 0 from tier 1"
     assert max(d for d, _, label in seen if label.endswith("tier 1")) == total
+
+
+def test_where_the_kernel_cannot_copy_files_are_streamed_and_checked(settings, tmp_path, monkeypatch):
+    import errno
+
+    import tasks.restore_stage as stage
+
+    def no_copy_file_range(*_a):
+        raise OSError(errno.EXDEV, "cross-device")  # e.g. an older kernel across file systems
+
+    newest = save(settings, 100)
+    flip_byte(tier0_dir(settings, RUN, 100) / "optim" / "state.bin")
+    monkeypatch.setattr(stage.os, "copy_file_range", no_copy_file_range)
+
+    report = restore_checkpoint(settings, RUN, tmp_path / "r")
+
+    assert report.tiers == [1] and tree(tmp_path / "r") == newest
+    assert [(b.tier, b.state) for b in report.bad] == [(0, "corrupt")]
