@@ -99,7 +99,7 @@ def _print_plan(plans, figures) -> None:
     con.print(m)
 
 
-# --- placeholders filled below -------------------------------------------------------------
+# --- ckpt agent, ckpt watch, ckpt up, ckpt run register ---------------------------------------
 def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
     node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive and retention"),
