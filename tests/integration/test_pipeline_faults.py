@@ -175,18 +175,35 @@ def full_tier1(request, tmp_path, monkeypatch):
         return
     import ckpt.storage.fs as fs
 
-    written = {"n": 0}
-    original = fs._write_all
-
-    def write_all(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(root)):
-            written["n"] += len(data)
-            if written["n"] > 4 << 20:
-                raise OSError(errno.ENOSPC, "No space left on device")
-        original(fd, data)
-
-    monkeypatch.setattr(fs, "_write_all", write_all)
+    monkeypatch.setattr(fs, "os", FullDisk(os, str(root), 4 << 20))
     yield str(root)
+
+
+class FullDisk:
+    """``os`` as the storage module sees it, except that writes into files under ``root``
+    (``write`` and in-kernel ``copy_file_range``) fail with ENOSPC past ``limit`` bytes."""
+
+    def __init__(self, real, root: str, limit: int):
+        self._real, self._root, self._left = real, root, limit
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _charge(self, fd: int, n: int) -> None:
+        if self._real.readlink(f"/proc/self/fd/{fd}").startswith(self._root):
+            self._left -= n
+            if self._left < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    def write(self, fd, data):
+        n = self._real.write(fd, data)
+        self._charge(fd, n)
+        return n
+
+    def copy_file_range(self, src, dst, count, *args):
+        n = self._real.copy_file_range(src, dst, count, *args)
+        self._charge(dst, n)
+        return n
 
 
 def test_tier1_full_fails_cleanly_and_publishes_nothing(settings_factory, db_url, full_tier1):
