@@ -55,6 +55,9 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, p
         try:
             if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
                 delete_part(cat, dst, run, step, part, ck.parts)
+            elif prior is not None and prior.state in (COPYING, MISSING) and hasattr(dst, "sweep_staging"):
+                # a copy that died: its staging files, untouched for a lease, are garbage
+                dst.sweep_staging(prefix, older_than_s=lease_seconds)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                                buffer_bytes=settings.io_buffer_bytes, progress=beat)
         except BaseException as exc:

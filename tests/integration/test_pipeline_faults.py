@@ -94,18 +94,20 @@ def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_fac
     assert proc.returncode == -signal.SIGKILL
 
     assert_nothing_partial_published(settings, 100)
+    assert [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]  # half a file
     assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # a dead claim, never verified
     with pytest.raises(CopyInProgress):
         copy_to_tier1(settings, RUN, 100)  # its 2 s lease still runs
     time.sleep(2.2)
 
-    hop = copy_to_tier1(settings, RUN, 100)  # the lease ran out: taken over, resumed
+    hop = copy_to_tier1(settings, RUN, 100, lease_seconds=2)  # the lease ran out: taken over, resumed
 
     assert not hop.skipped and hop.files == len(m.files) - 1  # the file published before the kill is kept
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
     for src in shard_paths(settings.tier0_url, RUN, 100):
         assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
     assert (ckpt_dir(settings.tier1_url, RUN, 100) / "manifest.json").is_file()
+    assert not [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]
 
 
 # --- S3 5xx --------------------------------------------------------------------------------
