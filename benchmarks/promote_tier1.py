@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--buffer-mib", type=int, default=4)
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
@@ -113,6 +115,7 @@ def main() -> None:
             med = statistics.median(ts)
             print(f"{name:34} {med:9.3f} {nbytes / med / 1e9:7.2f} {med / base:8.2f} {min(ts):7.3f} "
                   f"{min(ts) / best:8.2f}   " + " ".join(f"{t:.2f}" for t in ts))
+        print(f"load average (1 min) at start/end: {load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         print(f"target: ours <= 1.3 x cp -r -> {'MET' if statistics.median(times['ours: copy_part (verified)']) <= 1.3 * base else 'NOT MET'}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--parallelism", type=int, default=4)
     args = ap.parse_args()
+    load0 = os.getloadavg()[0]
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 
@@ -119,6 +120,7 @@ def main() -> None:
         for name in contenders:
             w, c = statistics.median(wall[name]), statistics.median(cpu[name])
             print(f"{name:34} {w:9.2f} {nbytes / w / 1e6:7.1f} {w / base_w:8.2f} {c / gb:9.2f} {c / base_c:8.2f}")
+        print(f"load average (1 min) at start/end: {load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         ours_store.close()
     finally:
         moto.terminate()
