@@ -19,6 +19,7 @@ so the Tier 2 ratio says how much we add on top of the same endpoint. Not run in
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import socket
 import statistics
@@ -66,21 +67,31 @@ def write_shards(folder: Path, total_bytes: int, shards: int) -> None:
                   str(folder / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
 
 
-def timed(fn) -> float:
+def cpu_seconds() -> float:
+    """CPU of this process (all threads) and of its finished children (cp): steadier than wall
+    time when other work shares the machine. moto's server is not counted (it still runs)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of ``fn``."""
     subprocess.run(["sync"], check=True)  # no dirty pages from the last round in this one
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, cpu_seconds() - c0
 
 
-def table(title: str, nbytes: int, times: dict[str, list[float]], base_name: str) -> float:
+def table(title: str, nbytes: int, times: dict[str, list[float]], cpu: dict[str, list[float]],
+          base_name: str) -> float:
     base = statistics.median(times[base_name])
+    base_cpu = statistics.median(cpu[base_name])
     print(f"\n{title}")
-    print(f"{'contender':40} {'median s':>9} {'MB/s':>8} {'x base':>7}   rounds")
+    print(f"{'contender':40} {'median s':>9} {'MB/s':>8} {'x base':>7} {'CPU s/GB':>9} {'x base':>7}   rounds (s)")
     for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:40} {med:9.3f} {nbytes / med / 1e6:8.1f} {med / base:7.2f}   "
-              + " ".join(f"{t:.2f}" for t in ts))
+        med, med_cpu = statistics.median(ts), statistics.median(cpu[name])
+        print(f"{name:40} {med:9.3f} {nbytes / med / 1e6:8.1f} {med / base:7.2f} {med_cpu / (nbytes / 1e9):9.2f} "
+              f"{med_cpu / base_cpu if base_cpu else 0:7.2f}   " + " ".join(f"{t:.2f}" for t in ts))
     return base
 
 
@@ -153,28 +164,32 @@ def main() -> None:
             with ThreadPoolExecutor(args.parallelism) as pool:
                 list(pool.map(download, keys))
 
-        def run(contenders: dict, rounds: int) -> dict[str, list[float]]:
+        def run(contenders: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
             times: dict[str, list[float]] = {k: [] for k in contenders}
+            cpu: dict[str, list[float]] = {k: [] for k in contenders}
             for r in range(rounds):
                 for name in (list(contenders) if r % 2 == 0 else list(reversed(contenders))):
                     shutil.rmtree(dest, ignore_errors=True)
-                    times[name].append(timed(contenders[name]))
-            return times
+                    wall, used = timed(contenders[name])
+                    times[name].append(wall)
+                    cpu[name].append(used)
+            return times, cpu
 
         subprocess.run(["cat", *map(str, tier1.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm
-        t1 = run({"cp -r (Tier 1 folder)": lambda: subprocess.run(["cp", "-r", str(tier1), str(dest)], check=True),
+        t1, c1 = run({"cp -r (Tier 1 folder)": lambda: subprocess.run(["cp", "-r", str(tier1), str(dest)], check=True),
                   "cp -r && sync": lambda: subprocess.run(f"cp -r '{tier1}' '{dest}' && sync", shell=True, check=True),
                   "ours: restore from Tier 1": ours(1)}, args.rounds)
-        base1 = table("Tier 1 -> local folder", nbytes, t1, "cp -r (Tier 1 folder)")
+        base1 = table("Tier 1 -> local folder", nbytes, t1, c1, "cp -r (Tier 1 folder)")
         med1 = statistics.median(t1["ours: restore from Tier 1"])
         r1, r1s = med1 / base1, med1 / statistics.median(t1["cp -r && sync"])
         print(f"target: restore from Tier 1 <= 1.3 x cp -r -> {r1:.2f} x, {'MET' if r1 <= 1.3 else 'NOT MET'} "
               f"({r1s:.2f} x cp -r && sync; ours is durable before it returns, cp -r is not)")
 
-        t2 = run({"boto3 download_file, one at a time": boto_sequential,
+        t2, c2 = run({"boto3 download_file, one at a time": boto_sequential,
                   f"boto3 download_file, {args.parallelism} at a time": boto_parallel,
                   "ours: restore from Tier 2": ours(2)}, args.s3_rounds)
-        base2 = table(f"Tier 2 (moto at {endpoint}) -> local folder", nbytes, t2, "boto3 download_file, one at a time")
+        base2 = table(f"Tier 2 (moto at {endpoint}) -> local folder", nbytes, t2, c2,
+                      "boto3 download_file, one at a time")
         med_ours = statistics.median(t2["ours: restore from Tier 2"])
         med_par = statistics.median(t2[f"boto3 download_file, {args.parallelism} at a time"])
         print(f"ratios: ours / download_file one at a time = {med_ours / base2:.2f} x, "
