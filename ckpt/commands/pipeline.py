@@ -1,9 +1,11 @@
 """``ckpt promote``, ``ckpt retention`` and ``ckpt reconcile``: the pipeline by hand.
 
-``promote --here`` runs the promote flow in this process (this machine must hold the part's
+``promote --here`` runs the promotion in this process (this machine must hold the part's
 Tier 0); without it the node's promote deployment runs it (``--wait`` waits for the end).
-``retention`` and ``reconcile`` run their flows in this process. Heavy imports happen inside
-the commands, never at import time.
+``retention`` and ``reconcile`` run in this process. In-process work runs as a Prefect flow
+run (recorded, with events and artifacts) when a Prefect API is configured, and as the same
+steps called as plain functions when none is (Prefect would otherwise start a temporary
+server, ~30 s). Heavy imports happen inside the commands, never at import time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def prefect_api(settings: Any) -> Iterator[None]:
         yield
 
 
+def prefect_configured(settings: Any) -> bool:
+    """Whether a Prefect API is set (``Settings.prefect_api_url``, PREFECT_API_URL, a profile)."""
+    from prefect.settings import get_current_settings
+
+    return bool(settings.prefect_api_url or get_current_settings().api.url)
+
+
 def promote_cmd(
     run: str = typer.Option(..., "--run", help="training run"),
     step: int = typer.Option(..., "--step", help="checkpoint step"),
@@ -50,6 +59,13 @@ def promote_cmd(
     if step < 0 or parts < 1 or not 0 <= part < parts:
         raise BadInput(f"invalid --step/--part/--parts: {step}, {part} of {parts}")
     settings = load_settings(**({"node": node} if node else {}))
+    if here and not prefect_configured(settings):
+        from flows.common import plain_steps
+        from flows.promote import promote
+
+        result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node).summary()
+        _print_promotion(result, as_json)
+        return
     with prefect_api(settings):
         if here:
             from flows.promote import promote_checkpoint
@@ -119,11 +135,15 @@ def retention_cmd(
 ) -> None:
     """Apply each tier's retention policy through the guarded prune (or show the plan)."""
     from ckpt.settings import load_settings
-    from flows.retention import enforce_retention
+    from flows.common import plain_steps
+    from flows.retention import enforce_retention, retention
 
     settings = load_settings()
-    with prefect_api(settings):
-        rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node)
+    if prefect_configured(settings):
+        with prefect_api(settings):
+            rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node)
+    else:
+        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps())]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
     else:
@@ -136,11 +156,16 @@ def reconcile_cmd(
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones."""
     from ckpt.settings import load_settings
-    from flows.reconcile import reconcile
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile, reconcile_once
 
     settings = load_settings(**({"node": node} if node else {}))
-    with prefect_api(settings):
-        report = reconcile(node=settings.node)
+    if prefect_configured(settings):
+        with prefect_api(settings):
+            report = reconcile(node=settings.node)
+    else:
+        done = reconcile_once(settings, steps=plain_steps(), grace_seconds=settings.reconcile_interval_seconds)
+        report = {k: list(v) for k, v in vars(done).items()}
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
