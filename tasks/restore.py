@@ -190,10 +190,13 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
         progress(0, label)
         try:
             manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
-            fetch = fetch_local_part if isinstance(src, LocalStore) else copy_part
-            kw = {} if fetch is fetch_local_part else {"buffer_bytes": settings.io_buffer_bytes}
-            fetch(src, checkpoint_prefix(ck.run, ck.step), dst, dst_prefix, manifest,
-                  parallelism=settings.copy_parallelism, progress=lambda done: progress(done, label), **kw)
+            prefix, report = checkpoint_prefix(ck.run, ck.step), (lambda done: progress(done, label))
+            if isinstance(src, LocalStore):
+                fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=settings.copy_parallelism,
+                                 progress=report)
+            else:  # object storage: one stream per object, as many as the S3 settings allow
+                copy_part(src, prefix, dst, dst_prefix, manifest, buffer_bytes=settings.io_buffer_bytes,
+                          parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency), progress=report)
             return rep.tier
         except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
             state = classify_failure(exc)
