@@ -162,3 +162,19 @@ def test_malformed_or_hostile_event_fails_clearly_and_copies_nothing(agents, pay
     assert [x["state_type"] for x in runs] == ["FAILED"]
     assert reason in (runs[0]["state"]["message"] or "").lower(), runs[0]["state"]["message"]
     assert tier_files(agents.root / "data" / "tier1") == before
+
+
+def test_checkpoint_of_unknown_format_fails_clearly_and_copies_nothing(agents):
+    """A well-formed event about a part whose manifest is hostile (a format no one validates)."""
+    folder = agents.root / "data" / "tier0" / NODE / "run-fmt" / "step-00000001"
+    folder.mkdir(parents=True)
+    (folder / "weights.pkl").write_bytes(b"\x80\x04K\x01.")
+    (folder / "manifest.json").write_text(
+        '{"run": "run-fmt", "step": 1, "format": "pickle", "files": '
+        '[{"path": "weights.pkl", "size": 5, "checksum": "00000000"}]}')
+    assert events.emit(events.COMPLETED, "run-fmt", 1, node=NODE, api_url=agents.api_url)
+    runs = wait_for("a finished promote run", lambda: [r for r in _promotions(agents, "run-fmt", 1) if finished(r)],
+                    timeout=90, agents=agents)
+    assert [r["state_type"] for r in runs] == ["FAILED"]
+    assert "unknown format 'pickle'" in runs[0]["state"]["message"]
+    assert tier_files(agents.root / "data" / "tier1" / "run-fmt") == []
