@@ -121,3 +121,24 @@ def test_cli_watch_once(settings_factory, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "run-w step 3" in out.stdout
     assert (tmp_path / "data" / "tier0" / "node-0" / "run-w" / "step-00000003" / "manifest.json").is_file()
+
+
+def test_real_torch_dcp_checkpoint_is_committed_and_loads_back(settings_factory, tmp_path):
+    torch = __import__("pytest").importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    s = settings_factory()
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)},
+             "step": torch.tensor(5)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "job" / "step-5"))
+    w = _watcher(s, tmp_path / "job")
+    (saved,) = w.poll()
+    w.close()
+    m = saved.manifest
+    assert m.format == "dcp" and ".metadata" in {f.path for f in m.files}
+    for f in m.files:
+        assert checksum.hash_file(saved.path / f.path) == (f.size, f.checksum)
+    back = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, "step": torch.tensor(0)}
+    dcp.load(back, checkpoint_id=str(saved.path))  # from the Tier 0 copy
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and torch.equal(back["model"]["b"], state["model"]["b"])
+    assert int(back["step"]) == 5
