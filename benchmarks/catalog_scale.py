@@ -223,7 +223,8 @@ def bench_backend(label: str, url: str, args) -> None:
     cat = Catalog(url)
     try:
         print(f"\n== {label}: {n_runs:,} runs x {STEPS} steps = {n_runs * STEPS:,} checkpoints, "
-              f"{n_runs * STEPS * FILES:,} files", flush=True)
+              f"{n_runs * STEPS * FILES:,} files (load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs)", flush=True)
         secs = fill(cat, n_runs)
         print(f"  fill: {secs:.0f} s ({n_runs * STEPS / secs:,.0f} checkpoints/s, direct inserts)")
         results = run_queries(cat, n_runs, args.samples)
@@ -236,6 +237,7 @@ def bench_backend(label: str, url: str, args) -> None:
         print(f"  registration, 8 files each: one per transaction {one:,.0f}/s (baseline); "
               f"register_many x{args.batch} {many:,.0f}/s = x{many / one:.1f}; "
               f"target 2,000/s: {'ok' if max(one, many) >= 2000 else 'MISSED'}")
+        print(f"  (load average at the end {os.getloadavg()[0]:.1f}: other work on the machine skews these)")
     finally:
         cat.close()
 
