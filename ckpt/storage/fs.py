@@ -282,7 +282,14 @@ class LocalStore(TierStore):
 
     def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
         """tmp + fsync + (link | rename) + fsync dir. Existing same bytes: no-op; different
-        bytes: ConflictError unless ``overwrite``."""
+        bytes: ConflictError unless ``overwrite``.
+
+        Before the marker, every folder under the marker's folder is fsynced (with whatever
+        else this store published): names published by an earlier, crashed attempt that a
+        rerun skipped are made durable too, so the marker never outlives a name it commits."""
+        parent = self.path(key).parent
+        if parent.is_dir():
+            self._changed([parent, *(Path(d) for d, _, _ in os.walk(parent))])
         self.flush()
         if not overwrite:
             info = self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))

@@ -330,3 +330,24 @@ def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_
     retry.join(timeout=60)
     assert not retry.is_alive(), "upload slots leaked by the failed attempt"
     verify_part(s3_store, PREFIX, m, deep=False)
+
+
+def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
+    """Names (and the new folders holding them) become durable before the manifest does."""
+    import ckpt.storage.fs as fsmod
+
+    t0, t1 = tiers
+    _, m = make_checkpoint(t0.root, shards=12, rows=16)
+    marker = t1.root / PREFIX / "manifest.json"
+    synced, real = [], fsmod.fsync_dir
+
+    def spy(path):
+        synced.append((Path(path), marker.exists()))
+        real(path)
+
+    monkeypatch.setattr(fsmod, "fsync_dir", spy)
+    copy_part(t0, PREFIX, t1, PREFIX, m)
+    before = {p for p, marker_there in synced if not marker_there}
+    assert {t1.root, t1.root / RUN, t1.root / PREFIX} <= before
+    assert (t1.root / PREFIX, True) in synced  # and the marker's own entry after it
+    assert len(synced) < len(m.files)  # once per folder, not once per file
