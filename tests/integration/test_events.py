@@ -6,8 +6,11 @@ Latency figures (emit -> flow start, emit -> verified on Tier 1) are printed; ru
 
 from __future__ import annotations
 
+import signal
+import time
 import uuid
 
+import httpx
 import pytest
 from e2e import (
     Agents,
@@ -28,6 +31,7 @@ from deployments import names
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 NODE = f"ev-{uuid.uuid4().hex[:6]}"
+RECONCILE_SECONDS = 45  # not the default, so the schedule is seen to come from the settings
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +43,20 @@ def agents(prefect_server, s3_endpoint, tmp_path_factory):
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
     a = start_agents(prefect_server, root, (NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}",
-                     s3_url=s3_endpoint, bucket=bucket)
+                     s3_url=s3_endpoint, bucket=bucket,
+                     extra={"CKPT_RECONCILE_INTERVAL_SECONDS": str(RECONCILE_SECONDS)})
     yield a
     a.stop()
 
 
 def _promotions(agents: Agents, run: str, step: int) -> list[dict]:
     return flow_runs(agents.api_url, name=f"promote/{run}/step-{step}")
+
+
+def _triggered(agents: Agents, run: str, step: str) -> list[dict]:
+    """Runs of this node's promote deployment for (run, step), whatever their state or name."""
+    return [r for r in flow_runs(agents.api_url, deployment=names.promote_deployment(NODE))
+            if r["parameters"].get("run") == run and str(r["parameters"].get("step", "")) == step]
 
 
 def _tiers_verified(agents: Agents, run: str, step: int) -> set[int]:
@@ -95,10 +106,8 @@ def test_duplicate_event_gives_one_promotion(agents):
         assert events.emit(events.COMPLETED, "run-dup", 3, node=NODE, api_url=agents.api_url,
                            payload={"kind": "step"})
     wait_for("tier 1 copy", lambda: 1 in _tiers_verified(agents, "run-dup", 3), agents=agents)
-    import time
-
-    time.sleep(8)  # room for a second triggered run to show up, if duplicates were not collapsed
-    runs = _promotions(agents, "run-dup", 3)
+    time.sleep(4)  # a triggered run exists (scheduled) within ~1 s of its event: room for a second
+    runs = _triggered(agents, "run-dup", "3")
     assert len(runs) == 1, [(r["name"], r["state_type"]) for r in runs]
     cat = agents.catalog()
     try:
@@ -120,10 +129,6 @@ def test_undelivered_event_is_caught_by_reconcile(agents):
     """)
     assert out["delivered"] == [["run-lost", 5, 0, False]]
     reconcile = names.reconcile_deployment(NODE)
-    d = wait_for("reconcile deployment", lambda: __import__("httpx").get(
-        f"{agents.api_url}/deployments/name/{reconcile}").json())
-    schedules = [s["schedule"] for s in d["schedules"]]
-    assert schedules and schedules[0]["interval"] == agents.settings(NODE).reconcile_interval_seconds
     # what the interval schedule does, now rather than in a minute (the client registered the
     # run; a checkpoint the catalog has never seen is promoted without a grace period)
     run_id = run_deployment_now(agents.api_url, reconcile, {"node": NODE})
@@ -131,36 +136,31 @@ def test_undelivered_event_is_caught_by_reconcile(agents):
                   timeout=120, agents=agents)
     assert fr["state_type"] == "COMPLETED", fr["state"]
     wait_for("tier 1 copy via reconcile", lambda: 1 in _tiers_verified(agents, "run-lost", 5), agents=agents)
-    assert _promotions(agents, "run-lost", 5) == []  # no event-triggered run: reconcile did it
+    assert _triggered(agents, "run-lost", "5") == []  # no event-triggered run: reconcile did it
 
 
-@pytest.mark.parametrize("payload,reason", [
-    ({"run": "run-bad"}, "step"),  # missing step
+MALFORMED = [
+    ({"run": "run-bad-1"}, "step"),  # missing step
     ({"run": "../../etc", "step": 1}, "run name"),  # escapes the tier root
-    ({"run": "run-bad", "step": "twelve"}, "step"),
-])
-def test_malformed_or_hostile_event_fails_clearly_and_copies_nothing(agents, payload, reason):
-    import httpx
+    ({"run": "run-bad-3", "step": "twelve"}, "step"),
+]
 
+
+def test_malformed_or_hostile_events_fail_clearly_and_copy_nothing(agents):
     before = tier_files(agents.root / "data" / "tier1")
-    ev = events.build_event(events.COMPLETED, str(payload.get("run")), 0, node=NODE)
-    ev["id"] = str(uuid.uuid4())
-    ev["payload"] = {**payload, "node": NODE}
-    r = httpx.post(f"{agents.api_url}/events", json=[ev], timeout=10)
-    assert r.status_code == 204
-
-    def failed_run():
-        body = {"flow_runs": {"state": {"type": {"any_": ["FAILED", "CRASHED", "COMPLETED"]}},
-                              "start_time": {"after_": ev["occurred"]}}}
-        dep = httpx.get(f"{agents.api_url}/deployments/name/{names.promote_deployment(NODE)}").json()
-        body["deployments"] = {"id": {"any_": [dep["id"]]}}
-        runs = httpx.post(f"{agents.api_url}/flow_runs/filter", json=body).json()
-        return [x for x in runs if x["parameters"].get("run") == payload.get("run")
-                and str(x["parameters"].get("step", "")) == str(payload.get("step", ""))]
-
-    runs = wait_for("a failed promote run", failed_run, timeout=90, agents=agents)
-    assert [x["state_type"] for x in runs] == ["FAILED"]
-    assert reason in (runs[0]["state"]["message"] or "").lower(), runs[0]["state"]["message"]
+    batch = []
+    for payload, _ in MALFORMED:
+        ev = events.build_event(events.COMPLETED, str(payload["run"]), 0, node=NODE)
+        ev["id"] = str(uuid.uuid4())
+        ev["payload"] = {**payload, "node": NODE}
+        batch.append(ev)
+    assert httpx.post(f"{agents.api_url}/events", json=batch, timeout=10).status_code == 204
+    for payload, reason in MALFORMED:
+        runs = wait_for(f"a finished run for {payload}", lambda: [
+            r for r in _triggered(agents, payload["run"], str(payload.get("step", ""))) if finished(r)],
+            timeout=90, agents=agents)
+        assert [r["state_type"] for r in runs] == ["FAILED"], payload
+        assert reason in (runs[0]["state"]["message"] or "").lower(), runs[0]["state"]["message"]
     assert tier_files(agents.root / "data" / "tier1") == before
 
 
@@ -173,8 +173,34 @@ def test_checkpoint_of_unknown_format_fails_clearly_and_copies_nothing(agents):
         '{"run": "run-fmt", "step": 1, "format": "pickle", "files": '
         '[{"path": "weights.pkl", "size": 5, "checksum": "00000000"}]}')
     assert events.emit(events.COMPLETED, "run-fmt", 1, node=NODE, api_url=agents.api_url)
-    runs = wait_for("a finished promote run", lambda: [r for r in _promotions(agents, "run-fmt", 1) if finished(r)],
+    runs = wait_for("a finished promote run", lambda: [r for r in _triggered(agents, "run-fmt", "1") if finished(r)],
                     timeout=90, agents=agents)
     assert [r["state_type"] for r in runs] == ["FAILED"]
     assert "unknown format 'pickle'" in runs[0]["state"]["message"]
     assert tier_files(agents.root / "data" / "tier1" / "run-fmt") == []
+
+
+def test_agent_serves_its_trigger_and_schedules(agents):
+    promote = httpx.get(f"{agents.api_url}/deployments/name/{names.promote_deployment(NODE)}").json()
+    autos = httpx.get(f"{agents.api_url}/automations/related-to/prefect.deployment.{promote['id']}").json()
+    assert len(autos) == 1
+    trig, action = autos[0]["trigger"], autos[0]["actions"][0]
+    assert trig["expect"] == [events.COMPLETED] and trig["match"] == {"ckpt.node": NODE}
+    assert action["type"] == "run-deployment" and action["parameters"]["node"] == NODE
+    assert all("| default(" in v for k, v in action["parameters"].items() if k != "node")
+    reconcile = httpx.get(f"{agents.api_url}/deployments/name/{names.reconcile_deployment(NODE)}").json()
+    assert [s["schedule"]["interval"] for s in reconcile["schedules"]] == [RECONCILE_SECONDS]
+    retention = httpx.get(f"{agents.api_url}/deployments/name/{names.RETENTION_DEPLOYMENT}").json()
+    assert [s["schedule"]["cron"] for s in retention["schedules"]] == ["*/15 * * * *"]
+
+
+def test_stopping_the_agent_is_clean_and_pauses_what_it_served(agents):
+    """Last in the module: Ctrl-C stops the agent at once; Prefect pauses its schedules."""
+    proc = agents.procs[0]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 20
+    assert rc in (0, 130, -signal.SIGINT), rc
+    reconcile = httpx.get(f"{agents.api_url}/deployments/name/{names.reconcile_deployment(NODE)}").json()
+    assert reconcile["paused"] is True

@@ -38,7 +38,10 @@ def agents(prefect_server, s3_endpoint, pg_catalog, tmp_path_factory):
     bucket = f"mn-{TAG}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
-    a = start_agents(prefect_server, root, NODES, catalog_url=pg_catalog, s3_url=s3_endpoint, bucket=bucket)
+    # reconcile's first scheduled pass would come a minute in, in the middle of the test: this
+    # test is about events, so its agents reconcile hourly
+    a = start_agents(prefect_server, root, NODES, catalog_url=pg_catalog, s3_url=s3_endpoint, bucket=bucket,
+                     extra={"CKPT_RECONCILE_INTERVAL_SECONDS": "3600"})
     a.bucket = bucket
     yield a
     a.stop()
