@@ -158,18 +158,25 @@ def _restore_one(cat: Any, stores: TierStores, ck: CheckpointInfo, target: Path,
     stage = target.parent / f".{target.name}.restore-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
     try:
-        dst = RestoreStage(target.parent, buffer_bytes=stores.settings.io_buffer_bytes)
-        part_bytes = [sum(f.size for f in cat.files(ck.id, part)) for part in range(ck.parts)]
-        tiers = []
-        for part in range(ck.parts):
-            base = sum(part_bytes[:part])
-            at = partial(_position, progress, base, ck.total_bytes)
-            tiers.append(_fetch_part(cat, stores, ck, part, replicas, dst, stage.name, preference, at,
-                                     actor, bad, notes))
-        publish(stage, target)
+        with RestoreStage(target.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst:
+            tiers = _fetch_parts(cat, stores, ck, replicas, dst, stage.name, preference, progress, actor, bad, notes)
+            publish(stage, target, pending=dst)
         return tiers
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _fetch_parts(cat: Any, stores: TierStores, ck: CheckpointInfo, replicas: list[ReplicaInfo], dst: RestoreStage,
+                 dst_prefix: str, preference: Sequence[int], progress: Progress, actor: str,
+                 bad: list[BadReplica], notes: list[str]) -> list[int]:
+    """Every part in turn, nearest good copy first; the tier each came from."""
+    part_bytes = [sum(f.size for f in cat.files(ck.id, part)) for part in range(ck.parts)]
+    tiers = []
+    for part in range(ck.parts):
+        at = partial(_position, progress, sum(part_bytes[:part]), ck.total_bytes)
+        tiers.append(_fetch_part(cat, stores, ck, part, replicas, dst, dst_prefix, preference, at,
+                                 actor, bad, notes))
+    return tiers
 
 
 def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],

@@ -12,10 +12,13 @@ Contract:
   CPU of streaming it through Python (read, checksum, write), and it checks the bytes that
   landed rather than the bytes that were sent. Other tiers (S3) stream through
   ``ckpt.transfer.copy_part`` into ``RestoreStage.put_verified``.
-- Durability comes at once in ``publish``: every file fsynced in parallel (measured about
-  twice as fast here as an fsync per file inside the copy threads, which stalls them), every
-  folder, the rename, the parent. No read-back of what was just written: it would come from
-  the page cache and prove nothing more than the checksum did.
+- Durability: each file is handed, once it matched, to a pool of fsync threads, so its
+  writeback overlaps the copy of the next files (an fsync inside the copy threads stalls them:
+  measured here 1 GiB in 64 files, copy threads fsyncing 2.6 s, fsync all at the end 1.1 s,
+  overlapped 0.66 s, ``cp -r && sync`` 0.82 s). ``publish`` waits for them, fsyncs every file
+  and folder once more (cheap when clean; it covers files from an earlier copy attempt),
+  renames, fsyncs the parent. No read-back of what was just written: it would come from the
+  page cache and prove nothing more than the checksum did.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import errno
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -40,10 +43,32 @@ _NO_CLONE = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EN
 
 
 class RestoreStage(LocalStore):
-    """The staging folder's parent as a store: keys are ``<stage name>/<file>``."""
+    """The staging folder's parent as a store: keys are ``<stage name>/<file>``. Use as a
+    context manager: leaving it waits for the fsyncs in flight."""
 
-    def __init__(self, root: Path, *, buffer_bytes: int):
+    def __init__(self, root: Path, *, buffer_bytes: int, fsync_parallelism: int = FSYNC_PARALLELISM):
         super().__init__(root, 0, buffer_bytes=buffer_bytes)
+        self._fsyncs = ThreadPoolExecutor(fsync_parallelism, thread_name_prefix="restore-fsync")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def sync_soon(self, path: Path) -> None:
+        """Start making ``path`` durable without holding up the caller."""
+        with self._lock:
+            self._pending.append(self._fsyncs.submit(_fsync_file, str(path)))
+
+    def settle(self) -> None:
+        """Wait for every fsync started so far; raise the first failure (EIO, ENOSPC)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def __enter__(self) -> "RestoreStage":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._fsyncs.shutdown(wait=True)
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> ObjectInfo:
         """Stream ``reader`` into ``key``, checksummed as it goes; kept only on a match."""
@@ -58,6 +83,7 @@ class RestoreStage(LocalStore):
             raise
         finally:
             os.close(fd)
+        self.sync_soon(target)
         return ObjectInfo(key=key, size=size, checksum=checksum_hex)
 
 
@@ -82,6 +108,7 @@ def fetch_local_part(src: LocalStore, src_prefix: str, stage: RestoreStage, dst_
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _clone(source, target, stage.buffer_bytes, advance)
                 _check(key, checksum.hash_file(target, stage.buffer_bytes), entry.size, entry.checksum)
+                stage.sync_soon(target)
             except FileNotFoundError:
                 target.unlink(missing_ok=True)
                 raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
@@ -133,9 +160,13 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def publish(stage: Path, target: Path, *, parallelism: int = FSYNC_PARALLELISM) -> None:
+def publish(stage: Path, target: Path, *, parallelism: int = FSYNC_PARALLELISM,
+            pending: RestoreStage | None = None) -> None:
     """Rename the complete ``stage`` onto ``target`` (absent or empty) in one step, durably:
-    every file and folder in it is fsynced first, the parent after."""
+    the fsyncs in flight (``pending``) are awaited, every file and folder in it is fsynced,
+    the parent after."""
+    if pending is not None:
+        pending.settle()
     folders, files = [], []
     for folder, _dirs, names in os.walk(stage, topdown=False):
         folders.append(folder)
