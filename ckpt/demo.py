@@ -244,4 +244,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the stack was stopped on the way out
+        console.print("interrupted; everything stopped")
+        sys.exit(130)
