@@ -20,15 +20,21 @@ def _quick_retries(monkeypatch):
 
 
 def _stager(settings, run, **kw):
-    # no Prefect API configured: events are skipped, registration still happens
+    # events go nowhere (nothing listens there); registration still happens
     return CheckpointStager(run, settings=settings, shard_bytes=1 << 20, **kw)
 
 
-def test_run_is_registered_with_its_origin(settings_factory, db_url):
+def _base(settings_factory, db_url, step):
+    """Settings on the catalog ``db_url`` and run "base" with checkpoint ``step`` committed on
+    Tier 0 (not yet registered: its promotion has not run)."""
     upgrade(db_url)
     s = settings_factory(catalog_url=db_url, prefect_api_url="http://127.0.0.1:9/api")
     with _stager(s, "base") as st:
-        base = st.save(10, _tensors(1))
+        return s, st.save(step, _tensors(1))
+
+
+def test_run_is_registered_with_its_origin(settings_factory, db_url):
+    s, base = _base(settings_factory, db_url, 10)
     cat = Catalog(db_url)
     try:
         assert cat.get_run("base").parent_run is None
@@ -44,10 +50,7 @@ def test_run_is_registered_with_its_origin(settings_factory, db_url):
 def test_origin_not_yet_in_the_catalog_is_recorded_later(settings_factory, db_url):
     """Resuming from a checkpoint whose promotion is still running: the run is registered at
     once (its checkpoints can be promoted), the origin as soon as the catalog has it."""
-    upgrade(db_url)
-    s = settings_factory(catalog_url=db_url, prefect_api_url="http://127.0.0.1:9/api")
-    with _stager(s, "base") as st:
-        base = st.save(20, _tensors(1))
+    s, base = _base(settings_factory, db_url, 20)
     cat = Catalog(db_url)
     try:
         child = _stager(s, "child2", fine_tuned_from=("base", 20))
