@@ -28,6 +28,7 @@ def test_cli_prints_the_design_figures_for_70b(tmp_path):
     assert "19.6 s" in out
     # 19.6 / (1800 + 19.6) = 1.0772 %: DESIGN.md quotes it truncated as 1.07 %; we round.
     assert "1.08 %" in out
+    assert "= 1.077 %" in out  # the unrounded figure DESIGN.md's 1.07 % truncates
 
 
 def test_model_values_match_the_formula():
