@@ -7,7 +7,10 @@ Runs every few minutes on each node (and on demand). In order:
    (or no longer, after step 1) verified on Tier 1, are promoted;
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
    manifest, verified in place and recorded (a catalog restored from an older backup);
-4. milestones complete on Tier 1 but not on Tier 2 are archived.
+4. milestones complete on Tier 1 but not on Tier 2 are archived;
+5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
+   that completed the checkpoint and can only delete its own NVMe, so every other node's
+   Tier 0 copies are pruned here (through the same guarded prune).
 Parts of unknown runs and of checkpoints already found corrupt or rejected are left alone
 (and listed), so a bad checkpoint is not re-rejected on every pass. One failing item never
 stops the others; failures are listed in the report.
@@ -29,7 +32,7 @@ from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
 from tasks.base import Notify, log, no_notify, open_catalog, open_tier, part_key
-from tasks.retention import is_milestone
+from tasks.retention import FAILED, PRUNED, apply_retention, is_milestone
 
 @dataclass
 class ReconcileReport:
@@ -37,6 +40,7 @@ class ReconcileReport:
     promoted: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     archived: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)  # this node's Tier 0, by retention
     skipped: list[str] = field(default_factory=list)  # with why
     failed: list[str] = field(default_factory=list)  # with the error
 
@@ -66,7 +70,22 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", noti
     for run, step in archive_backlog(settings):
         _attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
+    prune_own_tier0(settings, report, steps=steps, **kw)
     return report
+
+
+def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str,
+                    notify: Notify) -> None:
+    """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
+    if not settings.retention(0).enabled:
+        return
+    plan = [a for a in steps.plan_retention(settings) if a.tier == 0 and a.node == settings.node]
+    for action in apply_retention(settings, plan, prune=steps.prune, actor=actor, notify=notify):
+        item = f"tier 0 {action.run}/{action.step} part {action.part}"
+        if action.outcome == PRUNED:
+            report.pruned.append(item)
+        elif action.outcome == FAILED:
+            report.failed.append(f"{item}: {action.detail}")
 
 
 def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> None:

@@ -206,3 +206,27 @@ def test_reconcile_leaves_unknown_runs_and_corrupt_checkpoints_alone(settings):
     assert any("stranger" in s and "unknown run" in s for s in again.skipped)
     assert any(f"{RUN}/100" in s and "corrupt" in s for s in again.skipped)
     assert published_files(settings.tier1_url, RUN, 100) == []
+
+
+def test_each_node_s_reconcile_prunes_its_own_tier0_under_retention(settings):
+    """Retention after a promotion runs on the node that completed the checkpoint; the other
+    node's NVMe copies are pruned by that node's own reconcile, never the newest one."""
+    settings = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1)})
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    for step in (100, 200, 300):
+        write_checkpoint(settings.tier0_url, RUN, step, part=0, parts=2, node="node-0")
+        write_checkpoint(node1.tier0_url, RUN, step, part=1, parts=2, node="node-1")
+        promote(node1, RUN, step, 1, 2, steps=plain_steps())
+        promote(settings, RUN, step, 0, 2, steps=plain_steps())  # completes it: retention runs on node-0
+    before = {s: replica_states(settings, RUN, s)[(0, 1)] for s in (100, 200, 300)}
+    assert before == {100: "verified", 200: "verified", 300: "verified"}  # node-0 can't delete node-1's NVMe
+
+    report = reconcile_once(node1, steps=plain_steps())
+
+    after = {s: replica_states(settings, RUN, s)[(0, 1)] for s in (100, 200, 300)}
+    assert after == {100: "pruned", 200: "pruned", 300: "verified"}
+    assert sorted(report.pruned) == [f"tier 0 {RUN}/100 part 1", f"tier 0 {RUN}/200 part 1"]
+    assert not ckpt_dir(node1.tier0_url, RUN, 100).exists() or not any(ckpt_dir(node1.tier0_url, RUN, 100).iterdir())
+    assert ckpt_dir(node1.tier0_url, RUN, 300).is_dir()
+    for s in (100, 200, 300):  # Tier 1 keeps every part
+        assert replica_states(settings, RUN, s)[(1, 1)] == "verified"
