@@ -154,7 +154,8 @@ def reconcile_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
-    """Promote what events missed, mark vanished copies missing, archive pending milestones."""
+    """Promote what events missed, mark vanished copies missing, archive pending milestones,
+    prune this node's Tier 0 by retention."""
     from ckpt.settings import load_settings
     from flows.common import plain_steps
     from flows.reconcile import reconcile, reconcile_once
