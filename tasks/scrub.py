@@ -110,7 +110,8 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
         if repair:
             replicas = {cid: cat.replicas(cid) for cid in checkpoints}
             _repair_bad(cat, stores, checkpoints, replicas, report, actor)
-            _repair_under_replicated(cat, stores, report, actor, committed_before=now - timedelta(seconds=grace_seconds))
+            _repair_under_replicated(cat, stores, report, actor,
+                                     committed_before=now - timedelta(seconds=grace_seconds))
     report.seconds = time.monotonic() - started
     log.info("%s", report.summary())
     return report
