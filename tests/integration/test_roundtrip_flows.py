@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import uuid
 
 import pytest
 from restore_scenario import commit_folder, flip_byte, promote, scenario_settings, tier0_dir, tier1_dir
@@ -41,8 +42,8 @@ def artifacts(key: str) -> list:
 
 
 @pytest.fixture
-def settings(prefect_server, settings_factory, sqlite_url, s3_endpoint, s3_bucket):
-    return scenario_settings(settings_factory, sqlite_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+def settings(prefect_server, settings_factory, db_url, s3_endpoint, s3_bucket):
+    return scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
 
 
 def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, tmp_path, prefect_server):
@@ -50,29 +51,29 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     from flows.restore import restore_checkpoint
     from flows.scrub import scrub
 
+    run = f"flow-{uuid.uuid4().hex[:8]}"
     files = {"w.bin": os.urandom(300_000)}
-    commit_folder(settings, "flow-run-a", 100, files, milestone=True)
-    promote(settings, "flow-run-a", 100)
-    shutil.rmtree(tier0_dir(settings, "flow-run-a", 100))
+    commit_folder(settings, run, 100, files, milestone=True)
+    promote(settings, run, 100)
+    shutil.rmtree(tier0_dir(settings, run, 100))
 
-    out = restore_checkpoint("flow-run-a", str(tmp_path / "r"), settings=settings)
+    out = restore_checkpoint(run, str(tmp_path / "r"), settings=settings)
     assert (out["step"], out["tiers"]) == (100, [1])
     assert (tmp_path / "r" / "w.bin").read_bytes() == files["w.bin"]
-    assert artifacts("restore-flow-run-a")
-    [restored] = events_named(prefect_server, "ckpt.checkpoint.restored", "flow-run-a")
+    assert artifacts(f"restore-{run}")
+    [restored] = events_named(prefect_server, "ckpt.checkpoint.restored", run)
     assert restored["payload"]["tiers"] == [1] and restored["payload"]["bytes"] == 300_000
-    [missing] = events_named(prefect_server, "ckpt.checkpoint.corrupt", "flow-run-a")
+    [missing] = events_named(prefect_server, "ckpt.checkpoint.corrupt", run)
     assert (missing["payload"]["tier"], missing["payload"]["state"]) == (0, "missing")
 
     drills = restore_drill(scratch=str(tmp_path / "scratch"), settings=settings)
     assert [(d["tier"], d["ok"]) for d in drills] == [(1, True), (2, True)]
-    [drill_artifact] = artifacts("restore-drill")
-    assert "flow-run-a" in str(drill_artifact.data)
+    assert [a for a in artifacts("restore-drill") if run in str(a.data)]
 
-    flip_byte(tier1_dir(settings, "flow-run-a", 100) / "w.bin")
+    flip_byte(tier1_dir(settings, run, 100) / "w.bin")
     found = scrub(fraction=1.0, settings=settings)
     assert (found["bad"], found["repaired"]) == (1, 1)  # repaired from Tier 2
-    assert (tier1_dir(settings, "flow-run-a", 100) / "w.bin").read_bytes() == files["w.bin"]
+    assert (tier1_dir(settings, run, 100) / "w.bin").read_bytes() == files["w.bin"]
     assert artifacts("scrub")
 
 
@@ -81,10 +82,11 @@ def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
 
     from flows.scrub import scrub
 
-    commit_folder(settings, "flow-run-b", 100, {"w.bin": os.urandom(1000)})
-    promote(settings, "flow-run-b", 100)
-    shutil.rmtree(tier0_dir(settings, "flow-run-b", 100))
-    flip_byte(tier1_dir(settings, "flow-run-b", 100) / "w.bin")
+    run = f"flow-{uuid.uuid4().hex[:8]}"
+    commit_folder(settings, run, 100, {"w.bin": os.urandom(1000)})
+    promote(settings, run, 100)
+    shutil.rmtree(tier0_dir(settings, run, 100))
+    flip_byte(tier1_dir(settings, run, 100) / "w.bin")
 
     state: State = scrub(fraction=1.0, settings=settings, return_state=True)
 
