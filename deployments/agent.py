@@ -7,8 +7,10 @@ What one agent serves:
   net for events that never arrived or triggers that never fired).
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
-  Tier 1), and ``enforce-retention/cluster`` on ``retention_cron``. Run exactly one agent
-  without ``--node-only`` per cluster.
+  Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
+  share of the stored copies, repair what rotted) on ``scrub_cron`` and
+  ``restore-drill/cluster`` (timed restore of the newest milestone) on ``drill_cron``. Run
+  exactly one agent without ``--node-only`` per cluster: two would scrub and drill twice.
 
   The promote flow that completes a checkpoint also archives it inline (flows/promote.py),
   so the durable-triggered archive run is a safety net that finds nothing left to do in the
@@ -84,7 +86,9 @@ def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> 
     from prefect.types.entrypoint import EntrypointType
 
     from flows.archive import archive_checkpoint
+    from flows.drill import restore_drill
     from flows.retention import enforce_retention
+    from flows.scrub import scrub
 
     return [
         archive_checkpoint.to_deployment(
@@ -96,6 +100,16 @@ def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> 
         enforce_retention.to_deployment(
             name=names.CLUSTER, cron=settings.retention_cron, entrypoint_type=EntrypointType.MODULE_PATH,
             tags=["ckpt", "cluster"], description="Apply the retention policy on every tier.",
+        ),
+        # Flow defaults apply (scrub: Settings.scrub_fraction, repair on; drill: any run's newest
+        # milestone, scratch under <data_dir>/drills); a run started by hand may pass others.
+        scrub.to_deployment(
+            name=names.CLUSTER, cron=settings.scrub_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            tags=["ckpt", "cluster"], description="Re-read a share of the stored copies; repair what rotted.",
+        ),
+        restore_drill.to_deployment(
+            name=names.CLUSTER, cron=settings.drill_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            tags=["ckpt", "cluster"], description="Timed restore of the newest milestone from Tier 1 and Tier 2.",
         ),
     ]
 

@@ -11,6 +11,8 @@ PROMOTE_FLOW = "promote-checkpoint"
 ARCHIVE_FLOW = "archive-checkpoint"
 RETENTION_FLOW = "enforce-retention"
 RECONCILE_FLOW = "reconcile"
+SCRUB_FLOW = "scrub"
+DRILL_FLOW = "restore-drill"
 
 PROMOTE_DEPLOYMENT = PROMOTE_FLOW + "/{node}"
 
@@ -20,9 +22,11 @@ def promote_deployment(node: str) -> str:
     return PROMOTE_DEPLOYMENT.format(node=node)
 
 # Deployment names (the part after the flow name). Node-scoped ones are named after the node.
-CLUSTER = "cluster"  # archive and retention: served once per cluster (the agent without --node-only)
+CLUSTER = "cluster"  # archive, retention, scrub, drill: served once per cluster (the agent without --node-only)
 ARCHIVE_DEPLOYMENT = ARCHIVE_FLOW + "/" + CLUSTER
 RETENTION_DEPLOYMENT = RETENTION_FLOW + "/" + CLUSTER
+SCRUB_DEPLOYMENT = SCRUB_FLOW + "/" + CLUSTER  # on Settings.scrub_cron
+DRILL_DEPLOYMENT = DRILL_FLOW + "/" + CLUSTER  # on Settings.drill_cron
 RECONCILE_DEPLOYMENT = RECONCILE_FLOW + "/{node}"  # reconcile sweeps this node's Tier 0
 
 

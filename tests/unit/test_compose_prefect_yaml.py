@@ -46,7 +46,7 @@ def _by_full_name(deployments) -> dict[str, dict]:
 def test_names_match_the_served_agent(deployments):
     assert set(_by_full_name(deployments)) == {
         names.promote_deployment(NODE), names.reconcile_deployment(NODE),
-        names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
+        names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT, names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT,
     }
 
 
@@ -84,9 +84,27 @@ def test_schedules_and_queues(deployments):
     reconcile = by_name[names.reconcile_deployment(NODE)]
     assert reconcile["schedules"] == [{"interval": defaults.reconcile_interval_seconds}]
     assert by_name[names.RETENTION_DEPLOYMENT]["schedules"] == [{"cron": defaults.retention_cron}]
+    assert by_name[names.SCRUB_DEPLOYMENT]["schedules"] == [{"cron": defaults.scrub_cron}]
+    assert by_name[names.DRILL_DEPLOYMENT]["schedules"] == [{"cron": defaults.drill_cron}]
     queues = {name: d["work_pool"]["work_queue_name"] for name, d in by_name.items()}
     assert queues[names.promote_deployment(NODE)] == NODE == queues[names.reconcile_deployment(NODE)]
-    assert queues[names.ARCHIVE_DEPLOYMENT] == "cluster" == queues[names.RETENTION_DEPLOYMENT]
+    cluster_wide = (names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
+                    names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT)
+    assert [queues[n] for n in cluster_wide] == [names.CLUSTER] * len(cluster_wide)
+
+
+def test_schedules_equal_the_agents_with_default_settings(deployments, settings_factory):
+    """Every schedule in the file is the one `ckpt agent` serves with default settings."""
+    from deployments.agent import build_deployments
+
+    def plain(schedule) -> dict:
+        s = schedule.schedule
+        return {"cron": s.cron} if hasattr(s, "cron") else {"interval": int(s.interval.total_seconds())}
+
+    served = {f"{d.flow_name}/{d.name}": [plain(s) for s in d.schedules]
+              for d in build_deployments(settings_factory(node=NODE))}
+    in_file = {name: d.get("schedules", []) for name, d in _by_full_name(deployments).items()}
+    assert in_file == served
 
 
 def test_agent_builds_the_same_triggers(settings_factory):
@@ -99,7 +117,8 @@ def test_agent_builds_the_same_triggers(settings_factory):
     assert trigger.match.model_dump() == {"ckpt.node": NODE}
     assert promote.enforce_parameter_schema is False
     assert set(built) == {names.promote_deployment(NODE), names.reconcile_deployment(NODE),
-                          names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT}
+                          names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
+                          names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT}
     node_only = build_deployments(settings_factory(node=NODE), node_only=True)
     assert {f"{d.flow_name}/{d.name}" for d in node_only} == {names.promote_deployment(NODE),
                                                             names.reconcile_deployment(NODE)}

@@ -1,0 +1,52 @@
+"""What `ckpt agent` serves, read off the deployments it builds (no Prefect server): the
+scheduled scrub and restore drill run cluster-wide on the configured crons."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from deployments import names
+from deployments.agent import build_deployments
+
+NODE = "gpu-node-07"
+
+
+def _by_full_name(deps) -> dict:
+    return {f"{d.flow_name}/{d.name}": d for d in deps}
+
+
+def _crons(deployment) -> list[str]:
+    return [s.schedule.cron for s in deployment.schedules]
+
+
+def test_scrub_and_drill_run_on_the_configured_crons(settings_factory):
+    settings = settings_factory(node=NODE, scrub_cron="17 2 * * *", drill_cron="45 5 * * 6")
+    built = _by_full_name(build_deployments(settings))
+    scrub, drill = built[names.SCRUB_DEPLOYMENT], built[names.DRILL_DEPLOYMENT]
+    assert _crons(scrub) == ["17 2 * * *"] and _crons(drill) == ["45 5 * * 6"]
+    assert all(s.active for s in scrub.schedules + drill.schedules)
+    # no fixed parameters: the flows' defaults (scrub_fraction, repair, newest milestone) apply
+    assert scrub.parameters == {} and drill.parameters == {}
+    assert scrub.triggers == [] and drill.triggers == []
+
+
+def test_scrub_and_drill_entrypoints_are_the_flows_the_runner_imports(settings_factory):
+    built = _by_full_name(build_deployments(settings_factory(node=NODE)))
+    for full_name in (names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT):
+        module, attr = built[full_name].entrypoint.rsplit(".", 1)
+        flow = getattr(importlib.import_module(module), attr)
+        assert f"{flow.name}/{names.CLUSTER}" == full_name
+        # a scheduled run passes nothing: every parameter must have a default
+        assert all(p.default is not inspect.Parameter.empty for p in inspect.signature(flow.fn).parameters.values())
+
+
+def test_node_only_agent_serves_no_scrub_and_no_drill(settings_factory):
+    settings = settings_factory(node=NODE)
+    built = _by_full_name(build_deployments(settings, node_only=True))
+    assert names.SCRUB_DEPLOYMENT not in built and names.DRILL_DEPLOYMENT not in built
+    assert set(built) == {names.promote_deployment(NODE), names.reconcile_deployment(NODE)}
+    # and without --no-archive-trigger or with it, the cluster agent serves both
+    for archive_trigger in (True, False):
+        cluster = _by_full_name(build_deployments(settings, archive_trigger=archive_trigger))
+        assert {names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT} <= set(cluster)
