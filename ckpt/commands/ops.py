@@ -105,13 +105,14 @@ def _print_plan(plans, figures) -> None:
 # --- ckpt agent, ckpt watch, ckpt up, ckpt run register ---------------------------------------
 def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
-    node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive and retention"),
+    node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive, retention, scrub and drill"),
     limit: int = typer.Option(None, "--limit", help="most flow runs at once on this agent"),
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
     """Serve the deployments on this node until interrupted: promote (event-triggered),
-    reconcile (interval), and unless --node-only archive (event-triggered) and retention (cron)."""
+    reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
+    the restore drill (cron)."""
     from ckpt.settings import load_settings
     from deployments.agent import serve_agent
 
