@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt import events
 from ckpt.errors import CkptError, CopyInProgress
+from ckpt.progress import reporter
 from ckpt.settings import Settings
 from ckpt.storage.base import checkpoint_prefix
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
@@ -58,8 +59,10 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, p
             elif prior is not None and prior.state in (COPYING, MISSING) and hasattr(dst, "sweep_staging"):
                 # a copy that died: its staging files, untouched for a lease, are garbage
                 dst.sweep_staging(prefix, older_than_s=lease_seconds)
+            shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
-                               buffer_bytes=settings.io_buffer_bytes, progress=beat)
+                               buffer_bytes=settings.io_buffer_bytes,
+                               progress=beat if shown is None else _both(beat, shown))
         except BaseException as exc:
             _release(cat, rep.id, token, exc, actor)
             raise
@@ -109,6 +112,13 @@ class Heartbeat:
                 return
             self._last = now
         self._cat.heartbeat(self._id, self._token)
+
+
+def _both(first: Any, second: Any) -> Any:
+    def call(done: int) -> None:
+        first(done)
+        second(done)
+    return call
 
 
 def _release(cat: Any, replica_id: int, token: str | None, exc: BaseException, actor: str) -> None:

@@ -63,17 +63,43 @@ def promote_cmd(
         from flows.common import plain_steps
         from flows.promote import promote
 
-        result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node).summary()
+        with _progress_bar(as_json):
+            result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node).summary()
         _print_promotion(result, as_json)
         return
     with prefect_api(settings):
         if here:
             from flows.promote import promote_checkpoint
 
-            result = promote_checkpoint(run, step, part, parts, node=settings.node)
+            with _progress_bar(as_json):
+                result = promote_checkpoint(run, step, part, parts, node=settings.node)
             _print_promotion(result, as_json)
             return
         _run_deployment(run, step, part, parts, settings.node, wait=wait)
+
+
+@contextmanager
+def _progress_bar(off: bool) -> Iterator[None]:
+    """A rich progress bar (on stderr) fed by every copy this command runs."""
+    if off:
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ckpt.progress import observe
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def update(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+
+        with observe(update):
+            yield
 
 
 def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool) -> None:

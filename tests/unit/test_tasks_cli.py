@@ -59,3 +59,30 @@ def test_promote_of_a_missing_checkpoint_is_a_clear_error(cli_env):
     out = CliRunner().invoke(app, ["promote", "--run", RUN, "--step", "9", "--here"], env=env)
     assert out.exit_code != 0
     assert "no manifest" in str(out.exception)
+
+
+def test_a_copy_reports_its_progress_to_the_observer_up_to_the_part_s_bytes(cli_env):
+    """What feeds ``ckpt promote --here``'s progress bar: every byte of the hop is reported."""
+    from ckpt.progress import observe
+    from flows.common import plain_steps
+    from flows.promote import promote
+
+    settings, _env = cli_env
+    write_checkpoint(settings.tier0_url, RUN, 7, shard_bytes=256 << 10)
+    seen: dict[str, list[tuple[int, int]]] = {}
+
+    with observe(lambda label, done, total: seen.setdefault(label, []).append((done, total))):
+        result = promote(settings, RUN, 7, steps=plain_steps())
+
+    hop = result.hops[-1]
+    label = f"{RUN}/7 part 0: tier 0 -> tier 1"
+    assert list(seen) == [label]
+    dones = [d for d, _ in seen[label]]
+    assert dones == sorted(dones) and dones[-1] == hop.bytes == seen[label][-1][1] > 0
+    seen.clear()
+    promote(settings, RUN, 7, steps=plain_steps())  # nothing left to copy: nothing reported
+    assert seen == {}
+    # and without an observer nothing is reported at all (no observer installed here)
+    from ckpt.progress import reporter
+    assert reporter("x", 1) is None
+
