@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from functools import lru_cache
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.engine import make_url
 
 from ckpt.errors import BadInput, NotFound, SchemaOutdated
@@ -27,6 +27,9 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    CORRUPT,
+    MISSING,
+    VERIFIED,
     AuditEntry,
     CheckpointInfo,
     Claim,
@@ -290,6 +293,71 @@ class Catalog:
         """Raises ``NotFound``."""
         with self._tx(write=False) as conn:
             return to_replica(replica_row(conn, replica_id))
+
+    # --- scrub: reading stored copies back ---------------------------------------------
+    def scrub_candidates(self, tiers: Sequence[int], limit: int | None, *,
+                         run: str | None = None) -> list[ReplicaInfo]:
+        """Verified replicas on ``tiers``, least recently read back first: never checked
+        (``checked_at`` NULL, which only a row the stamping missed can be) first, then oldest
+        ``checked_at``, ties by id. At most ``limit`` (None: all). Reading the first ``limit``
+        and stamping each with ``mark_checked`` visits every verified replica within
+        ``ceil(count / limit)`` rounds. Ordered, limited scan of the ``(state, checked_at,
+        id)`` index; the NULLs are a separate probe so that the order is the same on both
+        backends (PostgreSQL sorts NULLs last, SQLite first). Raises ``UnknownRun``."""
+        wanted = tuple(_state.check_tier(t) for t in tiers)
+        if not wanted or (limit is not None and limit <= 0):
+            return []
+        base = replica_select().where(replicas_table.c.state == VERIFIED, replicas_table.c.tier.in_(wanted))
+        checked = replicas_table.c.checked_at
+        with self._tx(write=False) as conn:
+            if run is not None:
+                base = base.where(checkpoints.c.run_id == run_row(conn, run).id)
+            found = [to_replica(r) for r in conn.execute(
+                base.where(checked.is_(None)).order_by(replicas_table.c.id).limit(limit))]
+            left = None if limit is None else limit - len(found)
+            if left is None or left > 0:
+                found += [to_replica(r) for r in conn.execute(
+                    base.where(checked.is_not(None)).order_by(checked, replicas_table.c.id).limit(left))]
+            return found
+
+    def count_verified(self, tiers: Sequence[int], *, run: str | None = None) -> int:
+        """How many verified replicas are on ``tiers`` (the pool ``scrub_candidates`` draws
+        from). Raises ``UnknownRun``."""
+        wanted = tuple(_state.check_tier(t) for t in tiers)
+        stmt = select(func.count()).select_from(replicas_table).where(
+            replicas_table.c.state == VERIFIED, replicas_table.c.tier.in_(wanted))
+        with self._tx(write=False) as conn:
+            if run is not None:
+                of_run = select(checkpoints.c.id).where(checkpoints.c.run_id == run_row(conn, run).id)
+                stmt = stmt.where(replicas_table.c.checkpoint_id.in_(of_run))
+            return conn.execute(stmt).scalar_one() if wanted else 0
+
+    def bad_replicas(self, tiers: Sequence[int], *, run: str | None = None) -> list[ReplicaInfo]:
+        """Replicas on ``tiers`` found ``corrupt`` or ``missing`` (what a scrub repairs), by id;
+        the ``(tier, state)`` index, not a walk over every checkpoint. Raises ``UnknownRun``."""
+        wanted = tuple(_state.check_tier(t) for t in tiers)
+        stmt = replica_select().where(replicas_table.c.state.in_((CORRUPT, MISSING)),
+                                      replicas_table.c.tier.in_(wanted)).order_by(replicas_table.c.id)
+        with self._tx(write=False) as conn:
+            if run is not None:
+                stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
+            return [to_replica(r) for r in conn.execute(stmt)] if wanted else []
+
+    def mark_checked(self, replica_id: int, *, actor: str) -> bool:
+        """Stamp ``checked_at`` = now: the replica's bytes were just read back and matched.
+        Only while it is still ``verified`` (a copy that moved on meanwhile, e.g. into a prune
+        or marked corrupt by another reader, is left alone): True if stamped. ``NotFound`` for
+        an unknown id. No audit row and ``updated_at`` is kept: a clean check changes no state,
+        and one row per replica per scrub cycle would swamp the audit log (a failed check is a
+        ``transition``, audited as ever). ``actor`` is accepted like every other write's, for
+        a light audit later without changing callers; it is not recorded now."""
+        with self._tx() as conn:
+            done = conn.execute(replicas_table.update().where(
+                replicas_table.c.id == replica_id, replicas_table.c.state == VERIFIED).values(
+                checked_at=_now())).rowcount
+            if done != 1:
+                replica_row(conn, replica_id)  # NotFound for an unknown id
+            return done == 1
 
     # --- pins, aliases, lineage --------------------------------------------------------
     def pin(self, run: str, step: int, *, reason: str | None = None, actor: str) -> None:

@@ -88,6 +88,7 @@ class ReplicaInfo:
     version_id: str | None
     claim_token: str | None
     updated_at: datetime
+    checked_at: datetime | None = None  # last read back and matched (entering verified, or a scrub)
 
 
 @dataclass(frozen=True)

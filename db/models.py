@@ -149,6 +149,7 @@ class Replica(Base):
     __table_args__ = (
         UniqueConstraint("checkpoint_id", "tier", "part"),  # queries 2, 3, 6, 7: a checkpoint's copies
         Index(None, "tier", "state"),  # queries 7, 9: verified replicas on a tier
+        Index(None, "state", "checked_at", "id"),  # scrub: verified replicas, least recently read first
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -168,6 +169,9 @@ class Replica(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Last time the bytes were read back and matched the catalog: stamped on entering
+    # ``verified`` and by the scrub (``Catalog.mark_checked``); migration 0003.
+    checked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class TierCompletion(Base):

@@ -123,7 +123,7 @@ def to_replica(row: Row) -> ReplicaInfo:
         tier=row.tier, part=row.part, node=row.node, url=row.url, state=row.state,
         bytes=row.bytes, verified_at=row.verified_at, copy_seconds=row.copy_seconds,
         etag=row.etag, version_id=row.version_id, claim_token=row.claim_token,
-        updated_at=row.updated_at,
+        updated_at=row.updated_at, checked_at=row.checked_at,
     )
 
 

@@ -56,6 +56,8 @@ def move(conn: Connection, rep: Row, to_state: str, *, now: datetime, actor: str
     vals = dict(values or {}, state=to_state, updated_at=now)
     if to_state == VERIFIED:
         vals["verified_at"] = now
+        if rep.state == COPYING:  # a fresh copy was just read back (an abandoned prune was not)
+            vals["checked_at"] = now
     if rep.state == COPYING and to_state != COPYING:
         vals.update(claim_token=None, lease_expires_at=None)
     done = conn.execute(update(replicas).where(replicas.c.id == rep.id, replicas.c.state == rep.state)

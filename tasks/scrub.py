@@ -15,28 +15,26 @@ Contract of ``scrub``:
   (``Catalog.under_replicated``, committed more than ``grace_seconds`` ago: younger ones are
   still being promoted) gets a Tier 1 copy from whatever verified copy is left. A replica
   another worker holds a live claim on is skipped, not failed.
-- When the replica was last read back is kept in ``<data_dir>/scrub-state.json`` (the catalog
-  has no column for it); a lost file only makes the next runs start again from the oldest
-  ``verified_at``.
+- When each replica was last read back is the catalog's ``replicas.checked_at`` (stamped when
+  it becomes verified and by ``Catalog.mark_checked`` after a clean read here); the share to
+  read is ``Catalog.scrub_candidates``: one ordered query, not one per checkpoint, and the
+  same cycle whichever machine runs the scrub.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 from ckpt.errors import CkptError, is_transient
 from ckpt.settings import Settings
 from ckpt.storage.base import TierStore, checkpoint_prefix
-from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import COPYING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
-from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, readable_here, verified_sources
+from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
 from tasks.retry import pipeline_task
 
 DURABLE_TIERS = (1, 2)
@@ -89,47 +87,28 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     now = now or datetime.now(timezone.utc)
     started = time.monotonic()
-    state_path = scrub_state_path(settings)
-    last_read = load_scrub_state(state_path)
+    tiers = [t for t in DURABLE_TIERS if settings.tier_url(t)]  # Tiers 1 and 2 are readable wherever configured
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
-        checkpoints = {c.id: c for c in cat.list_checkpoints()}
-        replicas = {cid: cat.replicas(cid) for cid in checkpoints}
-        eligible = [r for reps in replicas.values() for r in reps
-                    if r.state == VERIFIED and r.tier in DURABLE_TIERS and readable_here(r, settings)]
-        chosen = pick_for_scrub(eligible, last_read, fraction)
-        report = ScrubReport(eligible=len(eligible), checked=0, bytes_read=0, seconds=0.0)
+        eligible = cat.count_verified(tiers)
+        chosen = cat.scrub_candidates(tiers, math.ceil(fraction * eligible)) if eligible else []
+        report = ScrubReport(eligible=eligible, checked=0, bytes_read=0, seconds=0.0)
+        checkpoints: dict[int, CheckpointInfo] = {}
         for rep in chosen:
-            ck = checkpoints[rep.checkpoint_id]
+            ck = checkpoints.get(rep.checkpoint_id) or cat.get_checkpoint_by_id(rep.checkpoint_id)
+            checkpoints[ck.id] = ck
             nbytes = _reread(cat, stores, ck, rep, report, actor)
             if nbytes is not None:
                 report.checked += 1
                 report.checked_ids.append(rep.id)
                 report.bytes_read += nbytes
-                last_read[str(rep.id)] = now.isoformat()
-        save_scrub_state(state_path, last_read, keep={str(r.id) for r in eligible})
+                cat.mark_checked(rep.id, actor=actor)  # a copy just marked bad is left as it is
         if repair:
-            replicas = {cid: cat.replicas(cid) for cid in checkpoints}
-            _repair_bad(cat, stores, checkpoints, replicas, report, actor)
+            _repair_bad(cat, stores, report, actor)
             _repair_under_replicated(cat, stores, report, actor,
                                      committed_before=now - timedelta(seconds=grace_seconds))
     report.seconds = time.monotonic() - started
     log.info("%s", report.summary())
     return report
-
-
-def pick_for_scrub(eligible: list[ReplicaInfo], last_read: dict[str, str], fraction: float) -> list[ReplicaInfo]:
-    """The ``ceil(fraction * n)`` replicas read back least recently (or, never read back,
-    verified longest ago)."""
-    if not eligible:
-        return []
-
-    def when(r: ReplicaInfo) -> str:
-        seen = last_read.get(str(r.id))
-        verified = r.verified_at.astimezone(timezone.utc).isoformat() if r.verified_at else ""
-        return max(seen or "", verified)
-
-    ordered = sorted(eligible, key=lambda r: (when(r), r.id))
-    return ordered[:max(1, math.ceil(fraction * len(ordered)))]
 
 
 def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, report: ScrubReport,
@@ -157,13 +136,11 @@ def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, 
         return 0
 
 
-def _repair_bad(cat: Any, stores: TierStores, checkpoints: dict[int, CheckpointInfo],
-                replicas: dict[int, list[ReplicaInfo]], report: ScrubReport, actor: str) -> None:
+def _repair_bad(cat: Any, stores: TierStores, report: ScrubReport, actor: str) -> None:
     """Copy again every corrupt/missing durable replica that has a good copy elsewhere."""
-    for cid, reps in replicas.items():
-        for rep in reps:
-            if rep.state in (CORRUPT, MISSING) and rep.tier in DURABLE_TIERS and stores.configured(rep.tier):
-                _note(report, repair_replica(cat, stores, checkpoints[cid], rep.part, rep.tier, reps, actor))
+    for bad in cat.bad_replicas([t for t in DURABLE_TIERS if stores.configured(t)]):
+        ck, reps = cat.get_checkpoint_by_id(bad.checkpoint_id), cat.replicas(bad.checkpoint_id)
+        _note(report, repair_replica(cat, stores, ck, bad.part, bad.tier, reps, actor))
 
 
 def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, actor: str, *,
@@ -257,28 +234,6 @@ def remove_part(store: TierStore, prefix: str, manifest: Any, *, whole_folder: b
         return
     for key in [f"{prefix}/{manifest.name}"] + [f"{prefix}/{f.path}" for f in manifest.files]:
         store.delete_prefix(key)
-
-
-# --- when each replica was last read back ------------------------------------------------
-def scrub_state_path(settings: Settings) -> Path:
-    return Path(settings.data_dir).expanduser().absolute() / "scrub-state.json"
-
-
-def load_scrub_state(path: Path) -> dict[str, str]:
-    """{replica id: ISO time of the last full read}; an unreadable file counts as empty."""
-    try:
-        data = json.loads(path.read_text())
-        return {str(k): str(v) for k, v in data.get("replicas", {}).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def save_scrub_state(path: Path, last_read: dict[str, str], *, keep: set[str]) -> None:
-    """Write atomically (tmp + rename), keeping only replicas that are still verified."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"replicas": {k: v for k, v in last_read.items() if k in keep}}, indent=1))
-    os.replace(tmp, path)
 
 
 scrub_task = pipeline_task(scrub, name="scrub", retries=2)

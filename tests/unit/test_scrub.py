@@ -22,7 +22,7 @@ from restore_scenario import (
     tier1_dir,
 )
 
-from tasks.scrub import load_scrub_state, scrub, scrub_state_path
+from tasks.scrub import scrub
 
 RUN = "llm-s"
 
@@ -96,7 +96,10 @@ def test_a_fraction_per_run_reads_every_copy_over_a_cycle_oldest_first(settings)
         tier1 = [r for s in (100, 200, 300, 400) for r in cat.replicas(cat.get_checkpoint(RUN, s).id, 1)]
     oldest_first = [r.id for r in sorted(tier1, key=lambda r: r.verified_at)]
     assert seen == oldest_first
-    assert set(load_scrub_state(scrub_state_path(settings))) == set(map(str, seen))
+    with Catalog(settings.catalog_url) as cat:  # the catalog remembers the reads, in the order they happened
+        read_at = [cat.get_replica(rid).checked_at for rid in seen]
+    assert read_at == sorted(read_at) and read_at[0] > max(r.verified_at for r in tier1)
+    assert not (settings.data_dir / "scrub-state.json").exists()
     assert scrub(settings, fraction=0.25).checked_ids == oldest_first[:1]  # the cycle starts again
 
 
