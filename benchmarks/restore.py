@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,27 +36,9 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ckpt.local_stack import start_moto, stop_process  # noqa: E402
+
 RUN, STEP = "bench", 1000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto(log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, f"http://127.0.0.1:{port}"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
 
 
 def write_shards(folder: Path, total_bytes: int, shards: int) -> None:
@@ -114,7 +95,7 @@ def main() -> None:
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(k, "testing")
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-restore-", dir=args.dir))
-    moto, endpoint = start_moto(work / "moto.log")
+    moto, endpoint = start_moto(work / "moto.log", bucket="bench")
     try:
         import boto3
 
@@ -126,7 +107,6 @@ def main() -> None:
         from flows.promote import promote
         from tasks.restore import restore_checkpoint
 
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
         settings = load_settings(data_dir=work / "data", node="bench-node", tier2_url="s3://bench/ckpt",
                                  s3_endpoint_url=endpoint, copy_parallelism=args.parallelism,
                                  retention_tier0=RetentionPolicy(enabled=False),
@@ -199,8 +179,7 @@ def main() -> None:
         print(f"ratios: ours / download_file one at a time = {med_ours / base2:.2f} x, "
               f"ours / download_file {args.parallelism} at a time = {med_ours / med_par:.2f} x")
     finally:
-        moto.terminate()
-        moto.wait(timeout=10)
+        stop_process(moto)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -16,9 +16,7 @@ import argparse
 import os
 import resource
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ckpt.local_stack import start_moto, stop_process  # noqa: E402
 from ckpt.manifest_build import build_manifest, write_manifest  # noqa: E402
 from ckpt.storage.fs import LocalStore  # noqa: E402
 from ckpt.storage.s3 import S3Store  # noqa: E402
@@ -38,21 +37,6 @@ PREFIX = f"{RUN}/step-{STEP:08d}"
 def cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, f"http://127.0.0.1:{port}"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
 
 
 def main() -> None:
@@ -71,7 +55,7 @@ def main() -> None:
     import boto3
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-s3-"))
-    moto, endpoint = start_moto()
+    moto, endpoint = start_moto(work / "moto.log", bucket="bench")
     try:
         folder = work / PREFIX
         folder.mkdir(parents=True)
@@ -83,7 +67,6 @@ def main() -> None:
         write_manifest(folder, m)
         nbytes = m.total_bytes
         plain = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        plain.create_bucket(Bucket="bench")
         t1 = LocalStore(work, 1)
         ours_store = S3Store("s3://bench/ours", 2, endpoint_url=endpoint, multipart_threshold=args.chunk_mib * 2**20,
                              chunk_bytes=args.chunk_mib * 2**20, max_concurrency=args.concurrency)
@@ -123,8 +106,7 @@ def main() -> None:
         print(f"load average (1 min) at start/end: {load0:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         ours_store.close()
     finally:
-        moto.terminate()
-        moto.wait(timeout=10)
+        stop_process(moto)
         shutil.rmtree(work, ignore_errors=True)
 
 
