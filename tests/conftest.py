@@ -8,10 +8,6 @@ With ``CI=true`` an unreachable PostgreSQL fails those tests instead of skipping
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -75,39 +71,16 @@ def db_url(request, tmp_path: Path) -> str:
     return request.getfixturevalue("pg_url")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory):
-    """moto's S3 server on loopback, real HTTP, once per session."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
+    """moto's S3 server on loopback, real HTTP, once per session (as ``ckpt up`` starts it)."""
+    from ckpt.local_stack import start_moto, stop_process
+
+    proc, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
-        wait_port(port)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc, grace=5.0)
 
 
 @pytest.fixture(autouse=True)
@@ -153,37 +126,11 @@ def prefect_server(tmp_path_factory):
     Yields the API URL and points this process's Prefect client at it. Starting takes
     20-30 s here, so tests that need it are few; logic is tested through plain functions.
     """
-    import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    home = tmp_path_factory.mktemp("prefect")
-    port = free_port()
-    env = dict(os.environ)
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_UI_ENABLED="false",
-        PREFECT_LOGGING_LEVEL="WARNING",
-    )
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"Prefect server did not start; see {home / 'server.log'}")
-        time.sleep(0.5)
+    from ckpt.local_stack import start_prefect_server, stop_process
+
+    proc, url = start_prefect_server(tmp_path_factory.mktemp("prefect"), port=None, ui=False, timeout=90)
     old = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = url
     try:
@@ -194,9 +141,4 @@ def prefect_server(tmp_path_factory):
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = old
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_process(proc, grace=20.0)

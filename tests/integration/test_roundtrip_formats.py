@@ -167,7 +167,7 @@ def test_newest_without_a_good_copy_anywhere_falls_back_to_the_previous_and_says
 
 
 def test_an_unreachable_tier_is_not_a_reason_to_restore_older_state(settings, tmp_path):
-    from conftest import free_port
+    from ckpt.local_stack import free_port
 
     from ckpt.errors import StorageUnavailable
 

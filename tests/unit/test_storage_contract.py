@@ -205,7 +205,7 @@ def test_open_store_picks_the_backend(tmp_path, settings_factory, s3_endpoint):
 
 
 def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_endpoint):
-    from conftest import free_port
+    from ckpt.local_stack import free_port
 
     from ckpt.errors import ConfigError, StorageUnavailable, is_transient
 
