@@ -13,7 +13,7 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def safe_run_name(run: str) -> str:
     """A run name usable as one path segment on every tier; raises ``PathEscape`` otherwise."""
-    if not isinstance(run, str) or not _RUN_RE.match(run) or ".." in run:
+    if not isinstance(run, str) or not _RUN_RE.fullmatch(run) or ".." in run:
         raise PathEscape(f"invalid run name {run!r}: use letters, digits, '.', '_' or '-'")
     return run
 

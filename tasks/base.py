@@ -18,6 +18,7 @@ from ckpt.errors import CorruptCheckpoint
 from ckpt.manifest import FileEntry, Manifest, manifest_name
 from ckpt.settings import Settings
 from ckpt.storage.base import TierStore, checkpoint_prefix
+from db.entities import CORRUPT, MISSING, PRUNED
 
 log = logging.getLogger("ckpt.pipeline")
 
@@ -119,7 +120,20 @@ def delete_part_files(cat: Any, store: TierStore, run: str, step: int, part: int
     if parts == 1:
         return store.delete_prefix(prefix)
     ck = cat.get_checkpoint(run, step)
-    return sum(delete_key(store, f"{prefix}/{f.path}") for f in cat.files(ck.id, part))
+    shared = shared_paths(cat, ck.id, part, store.tier)
+    return sum(delete_key(store, f"{prefix}/{f.path}") for f in cat.files(ck.id, part) if f.path not in shared)
+
+
+def shared_paths(cat: Any, checkpoint_id: int, part: int, tier: int) -> set[str]:
+    """Paths this part shares with another part that still has a live replica on ``tier``
+    (parts of one checkpoint sit side by side in one folder; two nodes may both list e.g.
+    ``config.json``): deleting this part must leave them for the other."""
+    live = {r.part for r in cat.replicas(checkpoint_id, tier)
+            if r.part != part and r.state not in (PRUNED, CORRUPT, MISSING)}
+    if not live:
+        return set()
+    mine = {f.path for f in cat.files(checkpoint_id, part)}
+    return {f.path for p in live for f in cat.files(checkpoint_id, p) if f.path in mine}
 
 
 def delete_part(cat: Any, store: TierStore, run: str, step: int, part: int, parts: int) -> int:

@@ -47,7 +47,9 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
             try:
                 deleted = delete_key(store, part_key(rep.run, rep.step, rep.part, parts))
             except BaseException:
-                if not resumed:  # nothing of it was deleted: still a good copy
+                # only while the manifest is provably still there is it still a good copy; when
+                # that can't be told, the replica stays ``pruning`` and the next call finishes it
+                if not resumed and _still_committed(store, part_key(rep.run, rep.step, rep.part, parts)):
                     _abandon(cat, rep, actor)
                 raise
             deleted += delete_part_files(cat, store, rep.run, rep.step, rep.part, parts)
@@ -56,6 +58,13 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
            extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})
     return Pruned(replica_id=rep.id, run=rep.run, step=rep.step, tier=rep.tier, part=rep.part,
                   deleted=deleted, bytes=rep.bytes)
+
+
+def _still_committed(store, key: str) -> bool:
+    try:
+        return store.stat(key) is not None
+    except Exception:  # noqa: BLE001 - unknown counts as gone: never return a doubtful copy to verified
+        return False
 
 
 def _abandon(cat, rep: ReplicaInfo, actor: str) -> None:

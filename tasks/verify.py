@@ -18,7 +18,7 @@ from ckpt import events
 from ckpt.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
 from ckpt.settings import Settings
 from ckpt.storage.base import checkpoint_prefix
-from db.entities import CKPT_CORRUPT, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
+from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
 from tasks.base import HopResult, Notify, log, no_notify, open_catalog, open_tier, registered_manifest
 from tasks.retry import pipeline_task
 
@@ -33,23 +33,34 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, tier) as store:
         ck = cat.get_checkpoint(run, step)
         prefix = checkpoint_prefix(run, step)
+        url = store.url_for(prefix)
+        # claim before reading: a replica recorded verified from a read that a prune (or a
+        # failed copy) overtook would list files that are gone
+        claim = cat.claim_copy(ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor)
+        claim = claim if claim.acquired else None
         started = time.monotonic()
         try:
             manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
             verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
                         buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
         except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
-            _record_bad(cat, ck, tier, part, node, store.url_for(prefix), CORRUPT, exc, actor)
+            _record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, claim)
             notify(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
                    extra_id=f"tier{tier}",
                    payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
             raise
         except NotFound as exc:
-            _record_bad(cat, ck, tier, part, node, store.url_for(prefix), MISSING, exc, actor)
+            _record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, claim)
+            raise
+        except BaseException as exc:  # transient: let the claim go so a retry can take it
+            if claim is not None:
+                _transition_claimed(cat, claim, MISSING, f"verify interrupted: {type(exc).__name__}: {exc}", actor)
             raise
         seconds = time.monotonic() - started
-        _record_verified(cat, ck.id, tier, part, node if tier == 0 else None, store.url_for(prefix),
-                         manifest.total_bytes, actor)
+        if claim is not None:
+            cat.transition(claim.replica.id, VERIFIED, expected=COPYING, actor=actor,
+                           claim_token=claim.replica.claim_token, bytes=manifest.total_bytes,
+                           reason=f"tier {tier} copy read back against its manifest")
         notify(events.VERIFIED, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{tier}",
                payload={"tier": tier, "bytes": manifest.total_bytes, "seconds": round(seconds, 3)})
         return HopResult(hop=f"verify tier {tier}", run=run, step=step, part=part,
@@ -64,19 +75,16 @@ def part_replica(cat: Any, checkpoint_id: int, tier: int, part: int, node: str |
     return None
 
 
-def _record_verified(cat: Any, checkpoint_id: int, tier: int, part: int, node: str | None, url: str,
-                     nbytes: int, actor: str) -> None:
-    """Record the part as a verified replica on ``tier`` (a Tier 0 part on its node; a Tier 1
-    part reconcile adopts). No-op when it already is verified, or while someone copies it."""
-    claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor)
-    if claim.acquired:
-        cat.transition(claim.replica.id, VERIFIED, expected="copying", actor=actor,
-                       claim_token=claim.replica.claim_token, bytes=nbytes,
-                       reason="source verified against its manifest")
+def _transition_claimed(cat: Any, claim: Any, state: str, reason: str, actor: str) -> None:
+    try:
+        cat.transition(claim.replica.id, state, expected=COPYING, actor=actor,
+                       claim_token=claim.replica.claim_token, reason=reason)
+    except CkptError as lost:
+        log.warning("replica %s: could not record %s: %s", claim.replica.id, state, lost)
 
 
 def _record_bad(cat: Any, ck: Any, tier: int, part: int, node: str, url: str, state: str,
-                exc: Exception, actor: str) -> None:
+                exc: Exception, actor: str, claim: Any = None) -> None:
     """Mark the replica ``state`` (corrupt/missing); on Tier 0 a corrupt source marks the
     checkpoint corrupt too. Losing a race to another writer is not an error here: the verdict
     is already raised to the caller, and the catalog keeps whichever change won."""
@@ -84,6 +92,9 @@ def _record_bad(cat: Any, ck: Any, tier: int, part: int, node: str, url: str, st
     try:
         if tier == 0 and state == CORRUPT:
             cat.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason=reason, actor=actor)
+        if claim is not None:  # this verify holds the replica: record the verdict under it
+            _transition_claimed(cat, claim, state, reason, actor)
+            return
         rep = part_replica(cat, ck.id, tier, part, node)
         if rep is None and tier == 0:
             claim = cat.claim_copy(ck.id, 0, part, url, node=node, actor=actor)

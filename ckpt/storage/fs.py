@@ -317,6 +317,13 @@ class LocalStore(TierStore):
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:
             raise BadInput("refusing to delete the whole tier (empty prefix)")
+        safe_relpath(prefix)
+        link = Path(self.root).resolve() / prefix
+        if link.is_symlink():  # delete the link itself, never what it points at
+            parent = self.path(prefix.rsplit("/", 1)[0]) if "/" in prefix else Path(self.root).resolve()
+            os.unlink(parent / link.name)
+            fsync_dir(parent)
+            return 1
         base = self.path(prefix)
         if not base.exists():
             return 0

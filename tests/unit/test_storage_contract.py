@@ -262,3 +262,25 @@ def test_put_verified_from_a_local_file(store, tmp_path):
     with open(src, "rb") as fh:
         store.put_verified("r/s/f.bin", fh, len(data), good)
     assert read(store, "r/s/f.bin") == data
+
+
+def test_deleting_a_symlinked_file_removes_the_link_not_its_target(tmp_path):
+    """A checkpoint file that is a link to another checkpoint's file: pruning the first must
+    leave the second intact (another checkpoint's copy, possibly its last)."""
+    store = LocalStore(tmp_path / "tier", tier=0)
+    put(store, "r/step-00000001/w.bin", b"the only copy")
+    (tmp_path / "tier" / "r" / "step-00000002").mkdir()
+    os.symlink("../step-00000001/w.bin", tmp_path / "tier" / "r" / "step-00000002" / "w.bin")
+
+    assert store.delete_prefix("r/step-00000002/w.bin") == 1
+
+    assert not os.path.lexists(tmp_path / "tier" / "r" / "step-00000002" / "w.bin")
+    assert read(store, "r/step-00000001/w.bin") == b"the only copy"
+
+
+@pytest.mark.parametrize("name", ["abc\n", "abc\r", "../x", "a/b", ".hidden", ""])
+def test_run_names_that_are_not_one_clean_path_segment_are_rejected(name):
+    from ckpt.paths import safe_run_name
+
+    with pytest.raises(PathEscape):
+        safe_run_name(name)

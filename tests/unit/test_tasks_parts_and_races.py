@@ -230,3 +230,54 @@ def test_each_node_s_reconcile_prunes_its_own_tier0_under_retention(settings):
     assert ckpt_dir(node1.tier0_url, RUN, 300).is_dir()
     for s in (100, 200, 300):  # Tier 1 keeps every part
         assert replica_states(settings, RUN, s)[(1, 1)] == "verified"
+
+
+def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
+    """Two nodes may both list e.g. config.json in one shared checkpoint folder: removing one
+    part's files must not take the other part's copy with it."""
+    from ckpt.manifest_build import build_manifest, write_manifest
+    from tasks.base import delete_part_files, open_catalog, open_tier
+
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node)
+        folder = ckpt_dir(s.tier0_url, RUN, 100)
+        (folder / "config.json").write_text('{"layers": 2}')
+        (folder / f"manifest.part-{part:05d}-of-00002.json").unlink()
+        write_manifest(folder, build_manifest(folder, RUN, 100, part=part, parts=2, node=s.node, fmt="hf-sharded"))
+    promote(settings, RUN, 100, 0, 2, steps=plain_steps())
+    promote(node1, RUN, 100, 1, 2, steps=plain_steps())
+    tier1 = ckpt_dir(settings.tier1_url, RUN, 100)
+    assert (tier1 / "config.json").is_file()
+
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, 1) as store:
+        delete_part_files(cat, store, RUN, 100, 0, 2)
+
+    assert (tier1 / "config.json").read_text() == '{"layers": 2}'  # part 1 still lists it
+    assert not (tier1 / "model-p00-00000.safetensors").exists()  # part 0's own files went
+    assert (tier1 / "model-p01-00000.safetensors").is_file()
+
+
+def test_a_verify_overtaken_by_a_prune_does_not_record_the_pruned_copy_verified(settings, monkeypatch):
+    """verify reads a good Tier 0 part; before it records the verdict, retention prunes that
+    copy. The catalog must not end with a 'verified' replica whose files are gone."""
+    import ckpt.transfer
+    from tasks.prune import prune_replica
+    from tasks.verify import verify_replica
+
+    for step in (100, 200):
+        write_checkpoint(settings.tier0_url, RUN, step)
+        promote(settings, RUN, step, steps=plain_steps())
+    rep_id = tier0_replica_id(settings, RUN, 100)
+    original = ckpt.transfer.verify_part
+
+    def read_then_get_overtaken(*args, **kw):
+        report = original(*args, **kw)
+        prune_replica(settings, rep_id)  # retention wins the race after the read
+        return report
+
+    monkeypatch.setattr(ckpt.transfer, "verify_part", read_then_get_overtaken)
+    verify_replica(settings, RUN, 100, tier=0)
+
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists() or not any(ckpt_dir(settings.tier0_url, RUN, 100).iterdir())
