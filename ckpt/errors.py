@@ -106,6 +106,8 @@ def is_transient(exc: BaseException) -> bool:
         return False
     import errno
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False  # the same call fails the same way: a missing file, a path, rights
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
     return isinstance(exc, (TimeoutError, ConnectionError, OSError))

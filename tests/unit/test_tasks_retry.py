@@ -22,6 +22,11 @@ from tasks.retry import backoff_delays, retry_if_transient
     (PruneRefused("last copy"), False),
     (StorageFull("ENOSPC"), False),
     (OSError(errno.ENOSPC, "No space left on device"), False),
+    (OSError(errno.EROFS, "Read-only file system"), False),
+    (FileNotFoundError(errno.ENOENT, "gone"), False),
+    (PermissionError(errno.EACCES, "denied"), False),
+    (OSError(errno.EIO, "Input/output error"), True),
+    (ConnectionResetError("reset by peer"), True),
 ])
 def test_only_transient_failures_are_retried(exc, retry):
     assert retry_if_transient(None, None, Failed(data=exc)) is retry
