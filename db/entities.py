@@ -9,7 +9,6 @@ from datetime import datetime
 PENDING, COPYING, VERIFIED, PRUNING, PRUNED, CORRUPT, MISSING = (
     "pending", "copying", "verified", "pruning", "pruned", "corrupt", "missing",
 )
-LIVE_STATES = frozenset({PENDING, COPYING, VERIFIED, PRUNING})
 TRANSITIONS: dict[str, frozenset[str]] = {
     PENDING: frozenset({COPYING, CORRUPT, MISSING}),
     COPYING: frozenset({VERIFIED, CORRUPT, MISSING, COPYING}),  # COPYING->COPYING: stale-claim takeover

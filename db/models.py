@@ -61,10 +61,6 @@ class UTCDateTime(TypeDecorator):
         return value.astimezone(timezone.utc)
 
 
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 

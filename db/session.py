@@ -82,10 +82,6 @@ def _sqlite_engine(parsed, busy_timeout_s: float) -> Engine:
     return engine
 
 
-def is_sqlite(engine: Engine) -> bool:
-    return engine.dialect.name == "sqlite"
-
-
 @contextmanager
 def transaction(engine: Engine, *, write: bool = True) -> Iterator[Connection]:
     """One transaction: commit on success, roll back on error, map database errors (see module)."""
