@@ -550,12 +550,24 @@ def _head() -> str:
 def upgrade(url: str) -> str:
     """Apply Alembic migrations up to head on the catalog at ``url``; return the revision.
     Creates the SQLite file (and its folder) if needed. Safe to run again."""
+    import time
+
+    from ckpt.errors import CatalogUnavailable
+
     engine = make_engine(url)
     try:
-        with transaction(engine) as conn:
-            if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
-                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
-            upgrade_connection(conn)
-            return current_revision(conn)
+        for attempt in range(6):
+            try:
+                with transaction(engine) as conn:
+                    if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
+                        conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
+                    upgrade_connection(conn)
+                    return current_revision(conn)
+            except CatalogUnavailable:
+                # SQLite: a fresh file's switch to WAL needs the file to itself and can answer
+                # "database is locked" without waiting; the upgrade is idempotent, so try again
+                if attempt == 5:
+                    raise
+                time.sleep(0.1 * 2**attempt)
     finally:
         engine.dispose()
