@@ -9,6 +9,7 @@ permanent errors of ``ckpt.errors``. Methods return ``db.entities`` values, neve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -16,7 +17,7 @@ from functools import lru_cache
 from sqlalchemy import delete, func, select
 from sqlalchemy.engine import make_url
 
-from ckpt.errors import BadInput, NotFound, SchemaOutdated
+from ckpt.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
 from ckpt.manifest import Manifest
 from db import lineage as _lineage
 from db import queries as _q
@@ -550,10 +551,6 @@ def _head() -> str:
 def upgrade(url: str) -> str:
     """Apply Alembic migrations up to head on the catalog at ``url``; return the revision.
     Creates the SQLite file (and its folder) if needed. Safe to run again."""
-    import time
-
-    from ckpt.errors import CatalogUnavailable
-
     engine = make_engine(url)
     try:
         for attempt in range(6):
