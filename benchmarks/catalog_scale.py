@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sqlalchemy import text  # noqa: E402
 
-from ckpt.manifest import FileEntry, Manifest  # noqa: E402
-from ckpt.settings import RetentionPolicy  # noqa: E402
+from core.manifest import FileEntry, Manifest  # noqa: E402
+from core.settings import RetentionPolicy  # noqa: E402
 from db.catalog import Catalog, upgrade  # noqa: E402
 from db.rows import checkpoints, files, lineage, parts, replicas, runs  # noqa: E402
 

@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from ckpt.client import CheckpointStager  # noqa: E402
-from ckpt.safetensors_writer import as_host_array, plan_shards  # noqa: E402
-from ckpt.settings import load_settings  # noqa: E402
+from core.safetensors_writer import as_host_array, plan_shards  # noqa: E402
+from core.settings import load_settings  # noqa: E402
 
 
 def tensors(mb: int) -> dict[str, np.ndarray]:

@@ -42,10 +42,10 @@ def wait(pred, timeout: float = 120.0):
 
 
 def main() -> None:
-    from ckpt import events
+    from core import events
     from ckpt.client import CheckpointStager
     from ckpt.local_stack import LocalStack
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from db.catalog import Catalog
     from deployments import names
 
@@ -100,7 +100,7 @@ def main() -> None:
 
 
 def _known(cat, step: int) -> bool:
-    from ckpt.errors import NotFound
+    from core.errors import NotFound
 
     try:
         cat.get_checkpoint("lat", step)

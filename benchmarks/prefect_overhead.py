@@ -76,7 +76,7 @@ def main() -> None:
 
 
 def run_rounds(args) -> None:
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from db.catalog import Catalog, upgrade
     from flows.common import plain_steps
     from flows.promote import promote, promote_checkpoint

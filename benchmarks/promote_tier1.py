@@ -28,9 +28,9 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt.manifest_build import build_manifest, write_manifest  # noqa: E402
-from ckpt.storage.fs import LocalStore  # noqa: E402
-from ckpt.transfer import copy_part, verify_part  # noqa: E402
+from core.manifest_build import build_manifest, write_manifest  # noqa: E402
+from core.storage.fs import LocalStore  # noqa: E402
+from core.transfer import copy_part, verify_part  # noqa: E402
 
 RUN, STEP = "bench", 1000
 PREFIX = f"{RUN}/step-{STEP:08d}"

@@ -99,9 +99,9 @@ def main() -> None:
     try:
         import boto3
 
-        from ckpt.manifest_build import build_manifest, write_manifest
-        from ckpt.settings import RetentionPolicy, load_settings
-        from ckpt.storage.base import checkpoint_prefix
+        from core.manifest_build import build_manifest, write_manifest
+        from core.settings import RetentionPolicy, load_settings
+        from core.storage.base import checkpoint_prefix
         from db.catalog import Catalog, upgrade
         from flows.common import plain_steps
         from flows.promote import promote

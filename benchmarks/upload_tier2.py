@@ -25,10 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt.local_stack import start_moto, stop_process  # noqa: E402
-from ckpt.manifest_build import build_manifest, write_manifest  # noqa: E402
-from ckpt.storage.fs import LocalStore  # noqa: E402
-from ckpt.storage.s3 import S3Store  # noqa: E402
-from ckpt.transfer import copy_part  # noqa: E402
+from core.manifest_build import build_manifest, write_manifest  # noqa: E402
+from core.storage.fs import LocalStore  # noqa: E402
+from core.storage.s3 import S3Store  # noqa: E402
+from core.transfer import copy_part  # noqa: E402
 
 RUN, STEP = "bench", 2000
 PREFIX = f"{RUN}/step-{STEP:08d}"

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ckpt.errors import BadInput, CkptError, ConfigError
+from core.errors import BadInput, CkptError, ConfigError
 
 app = typer.Typer(name="ckpt", help="Keep training checkpoints safe across storage tiers.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)

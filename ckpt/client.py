@@ -10,7 +10,7 @@ flow's business.
 
 The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and
 recorded in the manifest (``writer_stall_seconds``), so the catalog can report each run's
-real ΔMFU (see ``ckpt.sizing``). With ``background=True`` the stall is only the copy of the
+real ΔMFU (see ``core.sizing``). With ``background=True`` the stall is only the copy of the
 tensors to host memory; the shards are written by a writer thread, in order.
 
 Multi-node jobs: each node creates its stager with its ``part`` and ``parts`` (and its node
@@ -31,11 +31,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ckpt import events
-from ckpt.errors import BadInput, ConflictError
-from ckpt.manifest import FileEntry, Manifest, ParentRef, checkpoint_dirname, utcnow_iso
-from ckpt.paths import safe_run_name
-from ckpt.settings import Settings, load_settings
+from core import events
+from core.errors import BadInput, ConflictError
+from core.manifest import FileEntry, Manifest, ParentRef, checkpoint_dirname, utcnow_iso
+from core.paths import safe_run_name
+from core.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class CheckpointStager:
         """Commit ``step`` on Tier 0: a dict of arrays (written as safetensors shards) or the
         path of a folder a framework already wrote (DCP, HF), which is adopted by rename.
         Returns once the part is committed locally (background mode: once it is snapshotted)."""
-        from ckpt import safetensors_writer as stw
+        from core import safetensors_writer as stw
 
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -183,8 +183,8 @@ class CheckpointStager:
 
     def _commit(self, folder: Path | None, arrays, t0: float | None, *, step: int,
                 stall: float | None = None, **meta) -> SavedCheckpoint:
-        from ckpt import safetensors_writer as stw
-        from ckpt.storage.fs import fsync_dir, staging_name
+        from core import safetensors_writer as stw
+        from core.storage.fs import fsync_dir, staging_name
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -214,8 +214,8 @@ class CheckpointStager:
                   metrics, parent, kind: str) -> Manifest:
         """Commit the part's manifest inside ``folder``. ``files`` None: an adopted folder,
         described (hashed) and validated by its format here."""
-        from ckpt.formats import detect_format
-        from ckpt.manifest_build import build_manifest, write_manifest
+        from core.formats import detect_format
+        from core.manifest_build import build_manifest, write_manifest
 
         common = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics, parent=parent)
         if files is None:
@@ -237,7 +237,7 @@ def publish_folder(staging: Path, final: Path, manifest: Manifest) -> None:
     """Move a committed part into ``final``: one rename when ``final`` is new; else file by
     file (another part, or the same part saved again), manifest last. The same bytes again
     are a no-op; different bytes for an existing file raise ``ConflictError``."""
-    from ckpt import checksum
+    from core import checksum
 
     try:
         os.rename(staging, final)
@@ -338,7 +338,7 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
     catalog has not registered yet (its promotion still running) is left for a later attempt:
     the run itself is registered at once, so its own checkpoints can be promoted. An
     unreachable catalog leaves everything for later."""
-    from ckpt.errors import NotFound, UnknownRun
+    from core.errors import NotFound, UnknownRun
     from db.catalog import Catalog
 
     try:

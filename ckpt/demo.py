@@ -114,7 +114,7 @@ def train(run: str, steps: list[int], args, *, resumed_from: tuple[str, int] | N
 def status(cat, rec: Saved, tier2: bool) -> Status:
     """Whether ``rec`` reached Tier 1 (and Tier 2 if a milestone): every part's replica was
     verified there at some point (retention may have pruned it since, e.g. from Tier 0)."""
-    from ckpt.errors import NotFound
+    from core.errors import NotFound
 
     try:
         ck = cat.get_checkpoint(rec.run, rec.step)
@@ -144,7 +144,7 @@ def tier_label(states: list[str]) -> str:
 
 def wait_for_tiers(saved: list[Saved], *, tier2: bool, timeout: float,
                    quiet: bool = False) -> dict[tuple[str, int], Status]:
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from db.catalog import Catalog
 
     cat = Catalog(load_settings().catalog_url)
@@ -184,7 +184,7 @@ def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> Tab
 
 def lineage(saved: list[Saved]):
     from ckpt.commands.catalog import lineage_tree
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from db.catalog import Catalog
 
     root = saved[0]

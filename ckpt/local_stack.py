@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.errors import ConfigError
+from core.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
 
@@ -199,7 +199,7 @@ class LocalStack:
             self.procs.append(moto)
         self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url), **self.extra_env}
         os.environ.update(self.env)  # this process (the demo's training job) sees the same stack
-        from ckpt.settings import load_settings
+        from core.settings import load_settings
 
         upgrade(load_settings().catalog_url)
         for i, node in enumerate(self.nodes):

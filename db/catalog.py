@@ -3,7 +3,7 @@
 CONTRACT (implemented by the catalog work; callers rely on exactly this). Every method runs in
 its own transaction through one managed-session helper; transient database failures raise
 ``CatalogUnavailable`` (retryable) and nothing is half-written; rule violations raise the
-permanent errors of ``ckpt.errors``. Methods return ``db.entities`` values, never ORM rows.
+permanent errors of ``core.errors``. Methods return ``db.entities`` values, never ORM rows.
 ``actor`` is a flow-run id, ``cli``, ``agent:<node>`` or similar, recorded in the audit log.
 """
 
@@ -17,8 +17,8 @@ from functools import lru_cache
 from sqlalchemy import delete, func, select
 from sqlalchemy.engine import make_url
 
-from ckpt.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
-from ckpt.manifest import Manifest
+from core.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
+from core.manifest import Manifest
 from db import lineage as _lineage
 from db import queries as _q
 from db import register as _reg
@@ -478,7 +478,7 @@ class Catalog:
 
     def prune_candidates(self, tier: int, policy, *, run: str | None = None,
                          now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
-        """(7) Verified replicas on ``tier`` that ``policy`` (ckpt.settings.RetentionPolicy)
+        """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
         no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
         With ``prunable_only`` (default) also only those the prune guard would let go (another
         verified copy of the part on a tier at least as durable); ``begin_prune`` still decides."""

@@ -13,7 +13,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, delete, literal, select
 from sqlalchemy.engine import Connection
 
-from ckpt.errors import BadInput, LineageCycle
+from core.errors import BadInput, LineageCycle
 from db.entities import LineageEdge
 from db.rows import checkpoints, insert_ignore, lineage, runs
 

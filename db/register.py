@@ -14,9 +14,9 @@ from types import SimpleNamespace
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection, Row
 
-from ckpt.errors import ConflictError
-from ckpt.manifest import Manifest
-from ckpt.paths import safe_run_name
+from core.errors import ConflictError
+from core.manifest import Manifest
+from core.paths import safe_run_name
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.rows import (

@@ -10,7 +10,7 @@ from functools import lru_cache
 from sqlalchemy import Select, select
 from sqlalchemy.engine import Connection, Row
 
-from ckpt.errors import NotFound, UnknownRun
+from core.errors import NotFound, UnknownRun
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,

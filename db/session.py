@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
-from ckpt.errors import CatalogUnavailable, ConfigError, ConflictError
+from core.errors import CatalogUnavailable, ConfigError, ConflictError
 
 DEFAULT_BUSY_TIMEOUT_S = 30.0
 _WRITE = "ckpt_write"

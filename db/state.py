@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection, Row
 
-from ckpt.errors import BadInput, IllegalTransition, PruneRefused, StaleState
+from core.errors import BadInput, IllegalTransition, PruneRefused, StaleState
 from db.entities import COPYING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim
 from db.queries import newest_verified_steps
 from db.rows import (

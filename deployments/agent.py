@@ -31,8 +31,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from ckpt import events
-from ckpt.settings import Settings
+from core import events
+from core.settings import Settings
 from deployments import names
 
 

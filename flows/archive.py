@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from ckpt import events
-from ckpt.errors import BadEvent
-from ckpt.events import emit
-from ckpt.settings import Settings, load_settings
+from core import events
+from core.errors import BadEvent
+from core.events import emit
+from core.settings import Settings, load_settings
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from tasks.base import Notify, no_notify, open_catalog
 from tasks.register import checkpoint_args, reject_event

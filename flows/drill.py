@@ -11,8 +11,8 @@ from typing import Any
 
 from prefect import flow
 
-from ckpt.errors import CorruptCheckpoint
-from ckpt.settings import Settings, load_settings
+from core.errors import CorruptCheckpoint
+from core.settings import Settings, load_settings
 from flows.common import artifact_key, current_actor, publish_table
 from tasks.drill import restore_drill_task
 

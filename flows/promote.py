@@ -18,10 +18,10 @@ from typing import Any
 
 from prefect import flow
 
-from ckpt import events
-from ckpt.errors import BadEvent
-from ckpt.events import emit
-from ckpt.settings import Settings, load_settings
+from core import events
+from core.errors import BadEvent
+from core.events import emit
+from core.settings import Settings, load_settings
 from flows.archive import archive
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from flows.retention import retention

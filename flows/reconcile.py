@@ -24,9 +24,9 @@ from typing import Any
 
 from prefect import flow
 
-from ckpt.errors import CkptError, CopyInProgress, NotFound
-from ckpt.events import emit
-from ckpt.settings import Settings, load_settings
+from core.errors import CkptError, CopyInProgress, NotFound
+from core.events import emit
+from core.settings import Settings, load_settings
 from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
@@ -51,7 +51,7 @@ class ReconcileReport:
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", notify: Notify = no_notify,
                    grace_seconds: float = 0.0) -> ReconcileReport:
     """One pass of the four sweeps above on this node."""
-    from ckpt.transfer import find_committed
+    from core.transfer import find_committed
 
     report = ReconcileReport()
     mark_missing(settings, report, actor=actor)
@@ -164,7 +164,7 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
 
 def _vanished(cat: Any, store: Any, ck: Any, part: int) -> str | None:
     """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
-    from ckpt.storage.base import checkpoint_prefix
+    from core.storage.base import checkpoint_prefix
 
     present = {o.key: o.size for o in store.list(checkpoint_prefix(ck.run, ck.step))}
     if part_key(ck.run, ck.step, part, ck.parts) not in present:

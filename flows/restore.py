@@ -12,8 +12,8 @@ from typing import Any
 
 from prefect import flow
 
-from ckpt import events
-from ckpt.settings import Settings, load_settings
+from core import events
+from core.settings import Settings, load_settings
 from flows.common import artifact_key, current_actor, publish_table
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica
 from tasks.restore import RestoreReport, restore_task

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from ckpt.events import emit
-from ckpt.settings import Settings, load_settings
+from core.events import emit
+from core.settings import Settings, load_settings
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from tasks.base import Notify, no_notify
 from tasks.retention import PruneAction, apply_retention

@@ -2,7 +2,7 @@
 
 Steps are plain functions over plain values (``Settings``, run, step, part, parts, tier, ids);
 they open what they need and close it before returning, so a Prefect retry starts clean.
-``notify`` is the signature of ``ckpt.events.emit``; plain callers pass ``no_notify`` and the
+``notify`` is the signature of ``core.events.emit``; plain callers pass ``no_notify`` and the
 Prefect layer passes ``emit`` (tests pass a recorder).
 """
 
@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.errors import CorruptCheckpoint
-from ckpt.manifest import FileEntry, Manifest, manifest_name
-from ckpt.settings import Settings
-from ckpt.storage.base import TierStore, checkpoint_prefix
+from core.errors import CorruptCheckpoint
+from core.manifest import FileEntry, Manifest, manifest_name
+from core.settings import Settings
+from core.storage.base import TierStore, checkpoint_prefix
 from db.entities import CORRUPT, MISSING, PRUNED
 
 log = logging.getLogger("ckpt.pipeline")
@@ -44,8 +44,8 @@ def open_catalog(url: str) -> Iterator[Any]:
 
 def tier_store(settings: Settings, tier: int) -> TierStore:
     """The store of ``tier`` as configured; Tier 2 unset is a ``ConfigError``."""
-    from ckpt.errors import ConfigError
-    from ckpt.storage import open_store
+    from core.errors import ConfigError
+    from core.storage import open_store
 
     url = settings.tier_url(tier)
     if not url:
@@ -76,7 +76,7 @@ def read_manifest(store: TierStore, run: str, step: int, part: int, parts: int) 
     The manifest must name the same run, step, part and parts as its key, so a manifest copied
     under another checkpoint's name cannot be registered as that checkpoint.
     """
-    from ckpt.manifest_build import read_manifest as read_at
+    from core.manifest_build import read_manifest as read_at
 
     manifest = read_at(store, checkpoint_prefix(run, step), part, parts)
     got = (manifest.run, manifest.step, manifest.part, manifest.parts)
@@ -148,7 +148,7 @@ def delete_key(store: TierStore, key: str) -> int:
         return 0
     n = store.delete_prefix(key)
     if store.stat(key) is not None and hasattr(store, "client"):
-        from ckpt.storage.s3 import s3_errors
+        from core.storage.s3 import s3_errors
 
         with s3_errors(f"delete {store.url_for(key)}"):
             store.client.delete_object(Bucket=store.bucket, Key=store._k(key))

@@ -3,7 +3,7 @@
 The catalog's claim makes the copy happen once however many promotions race: the caller that
 acquires it copies; a caller that finds the replica ``verified`` returns a skipped hop; one
 that finds another live claim raises ``CopyInProgress`` (transient: a retry finds it done).
-``ckpt.transfer.copy_part`` stages, reads back and publishes with the manifest last, so a
+``core.transfer.copy_part`` stages, reads back and publishes with the manifest last, so a
 replica becomes ``verified`` only after its bytes were read back from the destination. A copy
 that fails publishes nothing and leaves the replica ``missing`` (with the reason), which the
 next claim may take again; a copy killed outright leaves a claim that expires after the lease.
@@ -15,11 +15,11 @@ import threading
 import time
 from typing import Any
 
-from ckpt import events
-from ckpt.errors import CkptError, CopyInProgress
-from ckpt.progress import reporter
-from ckpt.settings import Settings
-from ckpt.storage.base import checkpoint_prefix
+from core import events
+from core.errors import CkptError, CopyInProgress
+from core.progress import reporter
+from core.settings import Settings
+from core.storage.base import checkpoint_prefix
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
 from tasks.base import HopResult, Notify, delete_part, log, no_notify, open_catalog, open_tier, registered_manifest
 from tasks.retry import pipeline_task
@@ -32,7 +32,7 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, p
                        src_tier: int, dst_tier: int, node: str | None = None, actor: str = "cli",
                        lease_seconds: float = DEFAULT_LEASE_S, notify: Notify = no_notify) -> HopResult:
     """Copy a registered part from ``src_tier`` to ``dst_tier`` and record it ``verified``."""
-    from ckpt.transfer import copy_part
+    from core.transfer import copy_part
 
     node = node or settings.node
     hop = f"tier {src_tier} -> tier {dst_tier}"

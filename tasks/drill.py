@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import CkptError, NotFound
-from ckpt.settings import Settings
-from ckpt.storage.base import checkpoint_prefix
+from core.errors import CkptError, NotFound
+from core.settings import Settings
+from core.storage.base import checkpoint_prefix
 from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.retry import pipeline_task
@@ -85,8 +85,8 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
 def _drill_one(cat: Any, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
                actor: str) -> tuple[bool, float, str | None]:
     """Restore from ``tier`` alone into ``scratch`` (removed after), check it; (ok, seconds, detail)."""
-    from ckpt.storage.fs import LocalStore
-    from ckpt.transfer import verify_part
+    from core.storage.fs import LocalStore
+    from core.transfer import verify_part
     from tasks.restore import restore_checkpoint
 
     prefix = checkpoint_prefix(ck.run, ck.step)

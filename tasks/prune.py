@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt import events
-from ckpt.errors import CkptError, ConfigError
-from ckpt.settings import Settings
+from core import events
+from core.errors import CkptError, ConfigError
+from core.settings import Settings
 from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
 from tasks.base import Notify, delete_key, delete_part_files, log, no_notify, open_catalog, open_tier, part_key
 from tasks.retry import pipeline_task

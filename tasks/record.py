@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt.settings import Settings
+from core.settings import Settings
 from tasks.base import open_catalog
 from tasks.retry import pipeline_task
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt import events
-from ckpt.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
-from ckpt.paths import safe_run_name
-from ckpt.settings import Settings
+from core import events
+from core.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
+from core.paths import safe_run_name
+from core.settings import Settings
 from db.entities import VERIFIED
 from tasks.base import Notify, no_notify, open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ckpt.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
-from ckpt.settings import Settings
-from ckpt.storage.base import TierStore
+from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
+from core.settings import Settings
+from core.storage.base import TierStore
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import tier_store
 

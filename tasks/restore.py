@@ -6,7 +6,7 @@ Contract of ``restore_checkpoint``:
   Tier 2; ``preference`` narrows or reorders that).
 - Restoring is a copy into a private staging folder (``tasks.restore_stage``): every file is
   checked against the manifest the catalog registered as it is fetched; files are fetched in
-  parallel (``Settings.copy_parallelism``), from S3 through ``ckpt.transfer.copy_part``.
+  parallel (``Settings.copy_parallelism``), from S3 through ``core.transfer.copy_part``.
 - A copy whose bytes or manifest do not match becomes ``corrupt`` (absent files: ``missing``)
   in the catalog, and the next copy is tried (files of the failed copy already fetched and
   proven good are kept, so the next copy fetches only the rest); when no copy of the
@@ -31,11 +31,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ckpt.errors import ConflictError, NotFound, StorageUnavailable, is_transient
-from ckpt.paths import safe_run_name
-from ckpt.settings import Settings
-from ckpt.storage.base import checkpoint_prefix
-from ckpt.storage.fs import LocalStore
+from core.errors import ConflictError, NotFound, StorageUnavailable, is_transient
+from core.paths import safe_run_name
+from core.settings import Settings
+from core.storage.base import checkpoint_prefix
+from core.storage.fs import LocalStore
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -183,7 +183,7 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
                 dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
                 bad: list[BadReplica], notes: list[str]) -> int:
     """Copy one part from its nearest good replica; return the tier it came from."""
-    from ckpt.transfer import copy_part
+    from core.transfer import copy_part
 
     settings = stores.settings
     sources = verified_sources(replicas, part, settings, preference)

@@ -11,7 +11,7 @@ Contract:
   (``copy_file_range``) and the copy is then hashed: measured here at about a third of the
   CPU of streaming it through Python (read, checksum, write), and it checks the bytes that
   landed rather than the bytes that were sent. Other tiers (S3) stream through
-  ``ckpt.transfer.copy_part`` into ``RestoreStage.put_verified``.
+  ``core.transfer.copy_part`` into ``RestoreStage.put_verified``.
 - Durability: each file is handed, once it matched, to a pool of fsync threads, so its
   writeback overlaps the copy of the next files (an fsync inside the copy threads stalls them:
   measured here 1 GiB in 64 files, copy threads fsyncing 2.6 s, fsync all at the end 1.1 s,
@@ -31,11 +31,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpt import checksum
-from ckpt.errors import ConflictError, CorruptCheckpoint
-from ckpt.manifest import FileEntry, Manifest
-from ckpt.storage.base import ObjectInfo
-from ckpt.storage.fs import LocalStore, fsync_dir
+from core import checksum
+from core.errors import ConflictError, CorruptCheckpoint
+from core.manifest import FileEntry, Manifest
+from core.storage.base import ObjectInfo
+from core.storage.fs import LocalStore, fsync_dir
 
 FSYNC_PARALLELISM = 8  # files fsynced at once when a restore is published
 CLONE_CHUNK_BYTES = 64 * 1024 * 1024  # one copy_file_range call (progress moves per chunk)

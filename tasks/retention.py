@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from ckpt.errors import CkptError, PruneRefused
-from ckpt.settings import MilestonePolicy, Settings
+from core.errors import CkptError, PruneRefused
+from core.settings import MilestonePolicy, Settings
 from tasks.base import Notify, log, no_notify, open_catalog
 from tasks.retry import pipeline_task
 

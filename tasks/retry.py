@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ckpt.errors import is_transient
+from core.errors import is_transient
 
 DEFAULT_RETRIES = 4
 DEFAULT_BASE_DELAY_S = 2.0

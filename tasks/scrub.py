@@ -1,7 +1,7 @@
 """scrub: read stored copies back, mark what rotted, repair it from a good copy.
 
 Contract of ``scrub``:
-- It re-reads (every byte, plus the format check; ``ckpt.transfer.verify_part(deep=True)``)
+- It re-reads (every byte, plus the format check; ``core.transfer.verify_part(deep=True)``)
   a share of the verified replicas on the durable tiers (1 and 2; Tier 0 is scratch that the
   next restore or promotion checks anyway): ``fraction`` of them per run, least recently
   checked first, so that every copy is read within ``ceil(1 / fraction)`` runs. ``fraction=1``
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from ckpt.errors import CkptError, is_transient
-from ckpt.settings import Settings
-from ckpt.storage.base import TierStore, checkpoint_prefix
+from core.errors import CkptError, is_transient
+from core.settings import Settings
+from core.storage.base import TierStore, checkpoint_prefix
 from db.entities import COPYING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -115,7 +115,7 @@ def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, 
             actor: str) -> int | None:
     """Read one replica back in full; mark it bad on a proven failure. Bytes read, or None
     when the read could not finish for a transient reason."""
-    from ckpt.transfer import verify_part
+    from core.transfer import verify_part
 
     settings = stores.settings
     store = stores.get(rep.tier)
@@ -174,7 +174,7 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
     then ``verified``. Never raises for a repair that cannot be done; says why instead (a string
     when another worker holds the replica: nothing failed, it is being copied now).
     """
-    from ckpt.transfer import copy_part
+    from core.transfer import copy_part
     from tasks.copy import Heartbeat, _release  # a failed repair releases its claim like a failed copy
 
     settings = stores.settings

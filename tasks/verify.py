@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ckpt import events
-from ckpt.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
-from ckpt.settings import Settings
-from ckpt.storage.base import checkpoint_prefix
+from core import events
+from core.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
+from core.settings import Settings
+from core.storage.base import checkpoint_prefix
 from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
 from tasks.base import HopResult, Notify, log, no_notify, open_catalog, open_tier, registered_manifest
 from tasks.retry import pipeline_task
@@ -27,7 +27,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts
                    tier: int = 0, node: str | None = None, actor: str = "cli",
                    notify: Notify = no_notify) -> HopResult:
     """Recompute the part's checksums and check its format on ``tier``; record the verdict."""
-    from ckpt.transfer import verify_part
+    from core.transfer import verify_part
 
     node = node or settings.node
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, tier) as store:

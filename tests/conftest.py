@@ -110,7 +110,7 @@ def settings_factory(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     def make(**overrides):
-        from ckpt.settings import load_settings
+        from core.settings import load_settings
 
         overrides.setdefault("data_dir", tmp_path / "data")
         overrides.setdefault("node", "node-0")

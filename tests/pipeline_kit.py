@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.manifest import Manifest, checkpoint_dirname
+from core.manifest import Manifest, checkpoint_dirname
 
 
 def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int = 2, shard_bytes: int = 1 << 20,
@@ -25,7 +25,7 @@ def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int
     """A Hugging Face sharded safetensors checkpoint (part) committed on Tier 0 with its manifest."""
     from safetensors.numpy import save_file
 
-    from ckpt.manifest_build import build_manifest, write_manifest
+    from core.manifest_build import build_manifest, write_manifest
 
     folder = Path(tier0_root) / run / checkpoint_dirname(step)
     folder.mkdir(parents=True, exist_ok=True)

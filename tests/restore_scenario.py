@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpt.manifest_build import build_manifest, write_manifest
-from ckpt.storage.base import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.storage.base import checkpoint_prefix
 
 
 def scenario_settings(settings_factory, db_url: str, *, s3_endpoint: str | None = None,
@@ -18,7 +18,7 @@ def scenario_settings(settings_factory, db_url: str, *, s3_endpoint: str | None 
     """Settings rooted in the test's temp folder, catalog at ``db_url`` (migrated), Tier 2 on
     the moto server when given. Retention off unless asked: tests prune by hand."""
     from db.catalog import upgrade
-    from ckpt.settings import RetentionPolicy
+    from core.settings import RetentionPolicy
 
     if s3_endpoint:
         overrides.setdefault("tier2_url", f"s3://{s3_bucket}/ckpt")

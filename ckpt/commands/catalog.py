@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
 
 @contextmanager
 def _catalog():
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from db.catalog import Catalog
 
     cat = Catalog(load_settings().catalog_url)
@@ -59,7 +59,7 @@ def _when(t: datetime | None) -> str:
 
 
 def _size(n: int | None) -> str:
-    from ckpt.sizing import fmt_bytes
+    from core.sizing import fmt_bytes
 
     return "-" if n is None else fmt_bytes(n)
 
@@ -136,7 +136,7 @@ def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only cop
                                                    help="look into the run this one resumed from"),
                as_json: bool = JSON_OPT) -> None:
     """The newest verified checkpoint of a run and where its copies are."""
-    from ckpt.errors import NotFound
+    from core.errors import NotFound
 
     with _catalog() as cat:
         ck = cat.newest_verified(run, tier=tier, durable_only=durable, follow_resumed=follow_resumed)

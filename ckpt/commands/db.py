@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     @db_app.command("upgrade")
     def upgrade_cmd(url: str = typer.Option(None, "--url", help="catalog URL (default: settings)")) -> None:
         """Apply the catalog's migrations up to the newest schema."""
-        from ckpt.settings import load_settings
+        from core.settings import load_settings
         from db.catalog import upgrade
 
         target = url or load_settings().catalog_url

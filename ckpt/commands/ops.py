@@ -31,8 +31,8 @@ def plan_cmd(
 ) -> None:
     """The sizing model: checkpoint size, save time and compute lost (ΔMFU), per bandwidth,
     plus each run's measured ΔMFU from the writer stall times in the catalog."""
-    from ckpt import sizing
-    from ckpt.errors import BadInput
+    from core import sizing
+    from core.errors import BadInput
 
     if (params is None) == (size is None):
         raise BadInput("give exactly one of --params (e.g. 70B) or --size (e.g. 980GB)")
@@ -53,8 +53,8 @@ def plan_cmd(
 
 def _measured_runs():
     """Each run's figure from the catalog; an unreachable catalog gives none (with a note)."""
-    from ckpt import sizing
-    from ckpt.settings import load_settings
+    from core import sizing
+    from core.settings import load_settings
 
     try:
         from db.catalog import Catalog
@@ -76,7 +76,7 @@ def _print_plan(plans, figures) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ckpt.sizing import fmt_bytes, fmt_percent, fmt_seconds
+    from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
 
     con = Console()
     t = Table(title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B")
@@ -113,7 +113,7 @@ def agent_cmd(
     """Serve the deployments on this node until interrupted: promote (event-triggered),
     reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
     the restore drill (cron)."""
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from deployments.agent import serve_agent
 
     settings = load_settings(**({"node": node} if node else {}))
@@ -135,8 +135,8 @@ def watch_cmd(
     shards, or a marker file) once, for jobs that cannot use the client."""
     import logging
 
-    from ckpt.paths import safe_run_name
-    from ckpt.settings import load_settings
+    from core.paths import safe_run_name
+    from core.settings import load_settings
     from ckpt.watch import watch
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -197,9 +197,9 @@ def run_register_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Register a run (idempotent), with the checkpoint it started from."""
-    from ckpt.errors import BadInput
-    from ckpt.paths import safe_run_name
-    from ckpt.settings import load_settings
+    from core.errors import BadInput
+    from core.paths import safe_run_name
+    from core.settings import load_settings
     from db.catalog import Catalog
 
     if resumed_from and fine_tuned_from:
@@ -221,8 +221,8 @@ def run_register_cmd(
 
 
 def _run_step(text: str) -> tuple[str, int]:
-    from ckpt.errors import BadInput
-    from ckpt.paths import safe_run_name
+    from core.errors import BadInput
+    from core.paths import safe_run_name
 
     run, sep, step = text.rpartition(":")
     if not sep or not step.isdigit():

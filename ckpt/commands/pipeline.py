@@ -53,8 +53,8 @@ def promote_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Promote a checkpoint part: verify on Tier 0, copy to Tier 1, then archive and prune."""
-    from ckpt.errors import BadInput
-    from ckpt.settings import load_settings
+    from core.errors import BadInput
+    from core.settings import load_settings
 
     if step < 0 or parts < 1 or not 0 <= part < parts:
         raise BadInput(f"invalid --step/--part/--parts: {step}, {part} of {parts}")
@@ -87,7 +87,7 @@ def _progress_bar(off: bool) -> Iterator[None]:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from ckpt.progress import observe
+    from core.progress import observe
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
@@ -105,7 +105,7 @@ def _progress_bar(off: bool) -> Iterator[None]:
 def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool) -> None:
     from prefect.deployments import run_deployment
 
-    from ckpt.errors import CkptError
+    from core.errors import CkptError
     from deployments.names import promote_deployment
 
     name = promote_deployment(node)
@@ -160,7 +160,7 @@ def retention_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
 ) -> None:
     """Apply each tier's retention policy through the guarded prune (or show the plan)."""
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from flows.common import plain_steps
     from flows.retention import enforce_retention, retention
 
@@ -182,7 +182,7 @@ def reconcile_cmd(
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones,
     prune this node's Tier 0 by retention."""
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from flows.common import plain_steps
     from flows.reconcile import reconcile, reconcile_once
 

@@ -33,7 +33,7 @@ def restore_cmd(
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from tasks.replicas import DEFAULT_PREFERENCE
     from tasks.restore import restore_checkpoint
 
@@ -82,7 +82,7 @@ def scrub_cmd(
     """Read stored copies back, mark the bad ones, repair them from a good copy."""
     from rich.console import Console
 
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from tasks.scrub import scrub
 
     report = scrub(load_settings(), fraction=1.0 if all_ else fraction, repair=repair)
@@ -112,7 +112,7 @@ def drill_cmd(
     scratch: Path = typer.Option(None, "--scratch", help="scratch folder (default: <data_dir>/drills)"),
 ) -> None:
     """Run a restoration drill now: restore the newest milestone from Tier 1 and Tier 2, timed."""
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from tasks.drill import restore_drill
 
     report = restore_drill(load_settings(), run=run, scratch=scratch)
@@ -129,7 +129,7 @@ def drills_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The history of restoration drills: recovery time per tier."""
-    from ckpt.settings import load_settings
+    from core.settings import load_settings
     from tasks.base import open_catalog
     from tasks.drill import drill_row
 

@@ -32,7 +32,7 @@ class Agents:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def settings(self, node: str):
-        from ckpt.settings import Settings
+        from core.settings import Settings
 
         env = {k[5:].lower(): v for k, v in self.env.items() if k.startswith("CKPT_")}
         return Settings(**{**env, "node": node})
@@ -78,7 +78,7 @@ def train(agents: Agents, body: str, *, timeout: float = 120) -> dict:
         import json, sys
         import numpy as np
         from ckpt.client import CheckpointStager
-        from ckpt.settings import load_settings
+        from core.settings import load_settings
         def tensors(n=4, seed=0, size=256 * 1024):
             rng = np.random.default_rng(seed)
             return {f"w{i}": rng.standard_normal(size, dtype=np.float32) for i in range(n)}

@@ -25,7 +25,7 @@ from e2e import (
     wait_for,
 )
 
-from ckpt import events
+from core import events
 from deployments import names
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]

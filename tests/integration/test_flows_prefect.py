@@ -166,7 +166,7 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
                                                                            monkeypatch):
     import functools
 
-    from ckpt.storage.s3 import S3Store
+    from core.storage.s3 import S3Store
     from flows.promote import promote_checkpoint
     from pipeline_kit import FaultProxy
 
@@ -192,7 +192,7 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
 
 def test_event_parameters_arrive_as_strings_and_malformed_ones_fail_with_a_rejection(env_settings):
     """Deployment triggers render the event's values as strings and enforce no schema."""
-    from ckpt.errors import BadEvent
+    from core.errors import BadEvent
     from flows.promote import promote_checkpoint
 
     settings = env_settings()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.errors import CopyInProgress, StorageFull, StorageUnavailable, is_transient
+from core.errors import CopyInProgress, StorageFull, StorageUnavailable, is_transient
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
@@ -40,8 +40,8 @@ def assert_nothing_partial_published(settings, step: int) -> None:
 KILLED_COPY = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    import ckpt.storage.fs as fs
-    from ckpt.settings import load_settings
+    import core.storage.fs as fs
+    from core.settings import load_settings
     from tasks.copy import copy_to_tier1
 
     original = fs.LocalStore.put_verified
@@ -137,7 +137,7 @@ def test_s3_503s_that_persist_fail_the_archive_and_keep_every_copy(settings_fact
 
     import boto3
 
-    from ckpt.storage.s3 import S3Store
+    from core.storage.s3 import S3Store
 
     # boto3 retries each request 5 times over ~15 s before giving up; 2 attempts keep this fast
     monkeypatch.setattr(S3Store, "__init__", functools.partialmethod(S3Store.__init__, max_attempts=2))
@@ -175,7 +175,7 @@ def full_tier1(request, tmp_path, monkeypatch):
         yield str(root)
         subprocess.run(["umount", str(root)], check=False)
         return
-    import ckpt.storage.fs as fs
+    import core.storage.fs as fs
 
     monkeypatch.setattr(fs, "os", FullDisk(os, str(root), 4 << 20))
     yield str(root)

@@ -129,7 +129,7 @@ def test_saved_promoted_pruned_restored_from_tier2_and_loaded_back_equal(setting
     report = restore_checkpoint(settings, run, dest, step=100)
 
     assert (report.step, report.tiers, report.notes) == (100, [2], [])
-    from ckpt.manifest import Manifest
+    from core.manifest import Manifest
 
     assert Manifest.from_json((dest / "manifest.json").read_bytes()).format == fmt
     assert same_state(FORMATS[fmt][1](dest), original)
@@ -169,7 +169,7 @@ def test_newest_without_a_good_copy_anywhere_falls_back_to_the_previous_and_says
 def test_an_unreachable_tier_is_not_a_reason_to_restore_older_state(settings, tmp_path):
     from ckpt.local_stack import free_port
 
-    from ckpt.errors import StorageUnavailable
+    from core.errors import StorageUnavailable
 
     run = "rt-down"
     checkpoint(settings, tmp_path, run, 100, "hf-sharded", seed=6, milestone=True)

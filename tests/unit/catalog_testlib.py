@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from ckpt.manifest import FileEntry, Manifest, ParentRef
+from core.manifest import FileEntry, Manifest, ParentRef
 from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, VERIFIED
 

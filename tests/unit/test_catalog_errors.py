@@ -10,7 +10,7 @@ import pytest
 from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 from sqlalchemy import insert
 
-from ckpt.errors import CatalogUnavailable, ConflictError, NotFound, is_transient
+from core.errors import CatalogUnavailable, ConflictError, NotFound, is_transient
 from db.catalog import Catalog
 from db.entities import CORRUPT, VERIFIED
 from db.models import Run

@@ -9,7 +9,7 @@ import threading
 import pytest
 from catalog_testlib import catalog, checkpoint, prune_worker, verified  # noqa: F401
 
-from ckpt.errors import IllegalTransition, PruneRefused, StaleState
+from core.errors import IllegalTransition, PruneRefused, StaleState
 from db.entities import PRUNED, PRUNING, VERIFIED
 
 

@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 
-from ckpt.errors import NotFound, UnknownRun
-from ckpt.settings import RetentionPolicy
+from core.errors import NotFound, UnknownRun
+from core.settings import RetentionPolicy
 from db.entities import CORRUPT, MISSING, PRUNED, VERIFIED
 
 

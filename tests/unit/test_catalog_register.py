@@ -7,7 +7,7 @@ import threading
 import pytest
 from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 
-from ckpt.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
+from core.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CKPT_CORRUPT, CKPT_PARTIAL
 

@@ -10,7 +10,7 @@ import pytest
 from catalog_testlib import catalog, checkpoint, replica_in_state, verified  # noqa: F401
 from sqlalchemy import text
 
-from ckpt.errors import BadInput, NotFound, UnknownRun
+from core.errors import BadInput, NotFound, UnknownRun
 from db.entities import CORRUPT, MISSING, VERIFIED
 
 

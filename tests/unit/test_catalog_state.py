@@ -9,7 +9,7 @@ import pytest
 from catalog_testlib import PATHS, catalog, checkpoint, manifest, prunable_setup, replica_in_state, verified  # noqa: F401
 from sqlalchemy import insert
 
-from ckpt.errors import BadInput, IllegalTransition, NotFound, PruneRefused, StaleState
+from core.errors import BadInput, IllegalTransition, NotFound, PruneRefused, StaleState
 from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, TRANSITIONS, VERIFIED
 from db.models import Replica

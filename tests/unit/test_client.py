@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ckpt import checksum, formats
+from core import checksum, formats
 from ckpt.client import CheckpointStager
-from ckpt.errors import BadInput, ConflictError, PathEscape
-from ckpt.manifest import Manifest, ParentRef
+from core.errors import BadInput, ConflictError, PathEscape
+from core.manifest import Manifest, ParentRef
 
 
 def _tensors(seed: int = 0, n: int = 6, size: int = 64 * 1024) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt.settings import Settings
+from core.settings import Settings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 
@@ -45,7 +45,7 @@ def test_every_ckpt_variable_is_a_setting():
         for var in env:
             if var.startswith("CKPT_"):
                 seen += 1
-                assert _ckpt_setting_exists(var), f"{service}: {var} is not read by ckpt.settings.Settings"
+                assert _ckpt_setting_exists(var), f"{service}: {var} is not read by core.settings.Settings"
     assert seen >= 10  # the agent and the migration job are configured through CKPT_*
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt import events
-from ckpt.settings import Settings
+from core import events
+from core.settings import Settings
 from deployments import names
 
 ROOT = Path(__file__).resolve().parents[2]

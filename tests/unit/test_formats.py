@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save, save_file
 
-from ckpt import formats
-from ckpt.errors import CorruptCheckpoint
+from core import formats
+from core.errors import CorruptCheckpoint
 
 
 def mem_opener(files: dict[str, bytes]):
@@ -246,7 +246,7 @@ def test_dcp_metadata_is_never_unpickled(tmp_path):
 
 def test_local_folder_round_trip(tmp_path):
     save_file({"a": np.zeros(4, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
-    from ckpt.manifest_build import list_checkpoint_files, local_opener
+    from core.manifest_build import list_checkpoint_files, local_opener
 
     sizes = list_checkpoint_files(tmp_path)
     formats.validate("safetensors", sizes, local_opener(tmp_path))

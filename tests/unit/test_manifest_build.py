@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt import checksum
-from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
-from ckpt.manifest import Manifest
-from ckpt.manifest_build import build_manifest, read_manifest, write_manifest
-from ckpt.storage.fs import LocalStore, staging_name
+from core import checksum
+from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
+from core.manifest import Manifest
+from core.manifest_build import build_manifest, read_manifest, write_manifest
+from core.storage.fs import LocalStore, staging_name
 
 
 def test_crc32c_spellings_match_the_standard_check_value():

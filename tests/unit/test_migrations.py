@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from typer.testing import CliRunner
 
 from ckpt.cli import app
-from ckpt.errors import SchemaOutdated
+from core.errors import SchemaOutdated
 from db.catalog import Catalog, upgrade
 from db.migrate import head_revision, upgrade_connection
 from db.models import Base

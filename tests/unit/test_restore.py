@@ -21,7 +21,7 @@ from restore_scenario import (
     tier1_dir,
 )
 
-from ckpt.errors import ConflictError, NotFound
+from core.errors import ConflictError, NotFound
 from tasks.restore import restore_checkpoint
 
 RUN = "llm-a"
@@ -166,7 +166,7 @@ def test_multi_part_checkpoint_comes_from_the_nearest_tier_of_each_part(settings
 
 
 def test_unknown_run_is_a_clear_error(settings, tmp_path):
-    from ckpt.errors import UnknownRun
+    from core.errors import UnknownRun
 
     with pytest.raises(UnknownRun):
         restore_checkpoint(settings, "nobody", tmp_path / "r")

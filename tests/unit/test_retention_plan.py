@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.errors import CorruptCheckpoint
+from core.errors import CorruptCheckpoint
 
-from ckpt.settings import MilestonePolicy, RetentionPolicy
+from core.settings import MilestonePolicy, RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.retention import retention

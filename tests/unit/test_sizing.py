@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ckpt import sizing
-from ckpt.errors import BadInput
+from core import sizing
+from core.errors import BadInput
 
 
 def _plan_output(*args: str, env_dir) -> str:

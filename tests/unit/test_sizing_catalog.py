@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from ckpt.manifest import FileEntry, Manifest
+from core.manifest import FileEntry, Manifest
 from db.catalog import Catalog, upgrade
 
 

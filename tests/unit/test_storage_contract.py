@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from ckpt import checksum
-from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
-from ckpt.storage import open_store
-from ckpt.storage.fs import FsspecStore, LocalStore, is_staging
-from ckpt.storage.s3 import S3Store
+from core import checksum
+from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
+from core.storage import open_store
+from core.storage.fs import FsspecStore, LocalStore, is_staging
+from core.storage.s3 import S3Store
 
 MiB = 1024 * 1024
 
@@ -207,7 +207,7 @@ def test_open_store_picks_the_backend(tmp_path, settings_factory, s3_endpoint):
 def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_endpoint):
     from ckpt.local_stack import free_port
 
-    from ckpt.errors import ConfigError, StorageUnavailable, is_transient
+    from core.errors import ConfigError, StorageUnavailable, is_transient
 
     dead = S3Store("s3://bkt/p", 2, endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2)
     with pytest.raises(StorageUnavailable) as exc:
@@ -219,7 +219,7 @@ def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_en
 
 
 def test_s3_part_size_stays_within_the_part_limit():
-    from ckpt.storage.s3 import MAX_PARTS, part_size
+    from core.storage.s3 import MAX_PARTS, part_size
 
     assert part_size(100 * MiB, 8 * MiB) == 8 * MiB
     for size in (10**12, 5 * 10**12, MAX_PARTS * 8 * MiB + 1):
@@ -280,7 +280,7 @@ def test_deleting_a_symlinked_file_removes_the_link_not_its_target(tmp_path):
 
 @pytest.mark.parametrize("name", ["abc\n", "abc\r", "../x", "a/b", ".hidden", ""])
 def test_run_names_that_are_not_one_clean_path_segment_are_rejected(name):
-    from ckpt.paths import safe_run_name
+    from core.paths import safe_run_name
 
     with pytest.raises(PathEscape):
         safe_run_name(name)

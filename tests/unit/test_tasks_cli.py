@@ -63,7 +63,7 @@ def test_promote_of_a_missing_checkpoint_is_a_clear_error(cli_env):
 
 def test_a_copy_reports_its_progress_to_the_observer_up_to_the_part_s_bytes(cli_env):
     """What feeds ``ckpt promote --here``'s progress bar: every byte of the hop is reported."""
-    from ckpt.progress import observe
+    from core.progress import observe
     from flows.common import plain_steps
     from flows.promote import promote
 
@@ -83,6 +83,6 @@ def test_a_copy_reports_its_progress_to_the_observer_up_to_the_part_s_bytes(cli_
     promote(settings, RUN, 7, steps=plain_steps())  # nothing left to copy: nothing reported
     assert seen == {}
     # and without an observer nothing is reported at all (no observer installed here)
-    from ckpt.progress import reporter
+    from core.progress import reporter
     assert reporter("x", 1) is None
 

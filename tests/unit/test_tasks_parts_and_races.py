@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.errors import PruneRefused
-from ckpt.settings import RetentionPolicy
+from core.errors import PruneRefused
+from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
@@ -235,7 +235,7 @@ def test_each_node_s_reconcile_prunes_its_own_tier0_under_retention(settings):
 def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
     """Two nodes may both list e.g. config.json in one shared checkpoint folder: removing one
     part's files must not take the other part's copy with it."""
-    from ckpt.manifest_build import build_manifest, write_manifest
+    from core.manifest_build import build_manifest, write_manifest
     from tasks.base import delete_part_files, open_catalog, open_tier
 
     node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
@@ -261,7 +261,7 @@ def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
 def test_a_verify_overtaken_by_a_prune_does_not_record_the_pruned_copy_verified(settings, monkeypatch):
     """verify reads a good Tier 0 part; before it records the verdict, retention prunes that
     copy. The catalog must not end with a 'verified' replica whose files are gone."""
-    import ckpt.transfer
+    import core.transfer
     from tasks.prune import prune_replica
     from tasks.verify import verify_replica
 
@@ -269,14 +269,14 @@ def test_a_verify_overtaken_by_a_prune_does_not_record_the_pruned_copy_verified(
         write_checkpoint(settings.tier0_url, RUN, step)
         promote(settings, RUN, step, steps=plain_steps())
     rep_id = tier0_replica_id(settings, RUN, 100)
-    original = ckpt.transfer.verify_part
+    original = core.transfer.verify_part
 
     def read_then_get_overtaken(*args, **kw):
         report = original(*args, **kw)
         prune_replica(settings, rep_id)  # retention wins the race after the read
         return report
 
-    monkeypatch.setattr(ckpt.transfer, "verify_part", read_then_get_overtaken)
+    monkeypatch.setattr(core.transfer, "verify_part", read_then_get_overtaken)
     verify_replica(settings, RUN, 100, tier=0)
 
     assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.errors import CorruptCheckpoint, PathEscape, UnknownRun
+from core.errors import CorruptCheckpoint, PathEscape, UnknownRun
 from flows.common import plain_steps
 from flows.promote import promote
 from pipeline_kit import (Recorder, catalog, ckpt_dir, flip_bit, pipeline_settings, published_files,
@@ -144,7 +144,7 @@ def test_same_promotion_twice_gives_one_set_of_copies_and_the_same_catalog(setti
 def test_two_promotions_at_once_copy_once(settings):
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.errors import CopyInProgress
+    from core.errors import CopyInProgress
 
     write_checkpoint(tier(settings, 0), RUN, 100, shards=4, shard_bytes=4 << 20)
     events = Recorder()

@@ -7,7 +7,7 @@ import errno
 import pytest
 from prefect.states import Completed, Failed
 
-from ckpt.errors import (CatalogUnavailable, CopyInProgress, CorruptCheckpoint, PathEscape, PruneRefused,
+from core.errors import (CatalogUnavailable, CopyInProgress, CorruptCheckpoint, PathEscape, PruneRefused,
                          StorageFull, StorageUnavailable)
 from tasks.retry import backoff_delays, retry_if_transient
 
@@ -53,7 +53,7 @@ def test_checkpoint_references_from_events_are_typed(args, typed):
 @pytest.mark.parametrize("args", [("run-a", ""), ("run-a", "x"), ("../etc", 1), ("run-a", -1),
                                   ("run-a", 1, 4, 4), ("run-a", 1, 0, 0), ("", 1)])
 def test_malformed_checkpoint_references_are_bad_events(args):
-    from ckpt.errors import BadEvent
+    from core.errors import BadEvent
     from tasks.register import checkpoint_args
 
     with pytest.raises(BadEvent):

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
-from ckpt.manifest_build import build_manifest, write_manifest
-from ckpt.storage import checkpoint_prefix
-from ckpt.storage.fs import LocalStore, is_staging
-from ckpt.storage.s3 import S3Store
-from ckpt.transfer import copy_part, find_committed, read_committed, verify_part
+from core.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
+from core.manifest_build import build_manifest, write_manifest
+from core.storage import checkpoint_prefix
+from core.storage.fs import LocalStore, is_staging
+from core.storage.s3 import S3Store
+from core.transfer import copy_part, find_committed, read_committed, verify_part
 
 MiB = 1024 * 1024
 RUN, STEP = "run-a", 200
@@ -176,7 +176,7 @@ def test_different_committed_part_is_a_conflict(tiers):
 
 @pytest.mark.parametrize("path", ["kernel-copy", "streamed"])
 def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, path):
-    import ckpt.storage.fs as fsmod
+    import core.storage.fs as fsmod
 
     t0, t1 = tiers
     _, m = make_checkpoint(t0.root)
@@ -213,9 +213,9 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
 
 KILL_SCRIPT = r"""
 import os, sys, time
-import ckpt.storage.fs as fsmod
-from ckpt.storage.fs import LocalStore
-from ckpt.transfer import copy_part, read_committed
+import core.storage.fs as fsmod
+from core.storage.fs import LocalStore
+from core.transfer import copy_part, read_committed
 fsmod._copy_range = lambda s, d, n: os.copy_file_range(s, d, min(n, 64 * 1024))  # a slow disk
 t0, t1 = LocalStore(sys.argv[1], 0), LocalStore(sys.argv[2], 1)
 m = read_committed(t0, sys.argv[3], int(sys.argv[4]))
@@ -334,7 +334,7 @@ def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_
 
 def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
     """Names (and the new folders holding them) become durable before the manifest does."""
-    import ckpt.storage.fs as fsmod
+    import core.storage.fs as fsmod
 
     t0, t1 = tiers
     _, m = make_checkpoint(t0.root, shards=12, rows=16)

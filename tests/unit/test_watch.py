@@ -11,8 +11,8 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-from ckpt import checksum
-from ckpt.manifest import Manifest
+from core import checksum
+from core.manifest import Manifest
 from ckpt.watch import Watcher, completion, step_of
 
 

@@ -1,7 +1,7 @@
 """The tier storage contract. Every backend (local/fsspec for Tier 0/1, S3 for Tier 2)
 implements ``TierStore``; one contract suite (tests/unit/test_storage_contract.py) runs on all.
 
-Keys are '/'-separated paths relative to the tier root, confined by ``ckpt.paths.safe_relpath``
+Keys are '/'-separated paths relative to the tier root, confined by ``core.paths.safe_relpath``
 (and, for local folders, by resolving symlinks). A checkpoint part lives under
 ``<run>/step-<step:08d>/`` (see ``checkpoint_prefix``).
 
@@ -26,8 +26,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ckpt.manifest import MAX_MANIFEST_BYTES, checkpoint_dirname
-from ckpt.paths import safe_run_name
+from core.manifest import MAX_MANIFEST_BYTES, checkpoint_dirname
+from core.paths import safe_run_name
 
 
 def checkpoint_prefix(run: str, step: int) -> str:
@@ -90,7 +90,7 @@ class TierStore(ABC):
 
 def read_limited(store: TierStore, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
     """``read_small`` through ``open_read``: at most ``limit`` bytes, else ``CorruptCheckpoint``."""
-    from ckpt.errors import CorruptCheckpoint
+    from core.errors import CorruptCheckpoint
 
     chunks, got = [], 0
     with store.open_read(key) as fh:
@@ -107,7 +107,7 @@ def read_limited(store: TierStore, key: str, limit: int = MAX_MANIFEST_BYTES) ->
 
 def hash_object(store: TierStore, key: str, buffer_bytes: int = 4 * 1024 * 1024) -> tuple[int, str]:
     """(size, crc32c hex) of a stored object, streamed through ``open_read``."""
-    from ckpt.checksum import hash_stream
+    from core.checksum import hash_stream
 
     with store.open_read(key) as fh:
         return hash_stream(fh, buffer_bytes)

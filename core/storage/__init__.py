@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckpt.storage.base import ObjectInfo, TierStore, checkpoint_prefix
+from core.storage.base import ObjectInfo, TierStore, checkpoint_prefix
 
 if TYPE_CHECKING:
-    from ckpt.settings import Settings
+    from core.settings import Settings
 
 __all__ = ["ObjectInfo", "TierStore", "checkpoint_prefix", "open_store"]
 
@@ -21,7 +21,7 @@ def open_store(url: str, tier: int, settings: "Settings | None" = None) -> TierS
     """The store for ``url``; ``settings`` supplies buffers, S3 endpoint and tuning (defaults if None)."""
     buffer_bytes = settings.io_buffer_bytes if settings else 4 * 1024 * 1024
     if url.startswith("s3://"):
-        from ckpt.storage.s3 import S3Store
+        from core.storage.s3 import S3Store
 
         if settings is None:
             return S3Store(url, tier, buffer_bytes=buffer_bytes)
@@ -34,7 +34,7 @@ def open_store(url: str, tier: int, settings: "Settings | None" = None) -> TierS
             max_concurrency=settings.s3_max_concurrency,
             buffer_bytes=buffer_bytes,
         )
-    from ckpt.storage.fs import FsspecStore, LocalStore
+    from core.storage.fs import FsspecStore, LocalStore
 
     if url.startswith("file://") or "://" not in url:
         return LocalStore(url, tier, buffer_bytes=buffer_bytes)

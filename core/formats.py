@@ -1,6 +1,6 @@
 """Checkpoint formats: detected from file names, validated from bytes (never just hashed).
 
-Formats (``ckpt.manifest.FORMATS``):
+Formats (``core.manifest.FORMATS``):
 - ``safetensors``: one ``*.safetensors`` file (plus anything else) without an index;
 - ``hf-sharded``: Hugging Face sharded safetensors, ``model.safetensors.index.json`` whose
   ``weight_map`` names shards that must all be present, each a valid safetensors file;
@@ -22,7 +22,7 @@ import struct
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Callable, Mapping
 
-from ckpt.errors import CorruptCheckpoint
+from core.errors import CorruptCheckpoint
 
 Opener = Callable[[str], AbstractContextManager[BinaryIO]]
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ckpt.errors import BadInput, CorruptCheckpoint
+from core.errors import BadInput, CorruptCheckpoint
 
 MANIFEST_VERSION = 1
 KINDS = ("step", "epoch", "milestone")
@@ -43,7 +43,7 @@ def checkpoint_dirname(step: int) -> str:
 
 @dataclass(frozen=True)
 class FileEntry:
-    path: str  # relative to the checkpoint folder, '/'-separated, confined (see ckpt.paths)
+    path: str  # relative to the checkpoint folder, '/'-separated, confined (see core.paths)
     size: int
     checksum: str  # hex digest of ``Manifest.algorithm``
 
@@ -139,7 +139,7 @@ class Manifest:
 
     def validate(self) -> None:
         """Structural checks; raises ``BadInput`` (or ``PathEscape``) on the first problem."""
-        from ckpt.paths import safe_relpath
+        from core.paths import safe_relpath
 
         if not self.run or "/" in self.run or self.run.startswith("."):
             raise BadInput(f"invalid run name {self.run!r}")

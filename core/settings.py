@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from ckpt.errors import ConfigError
+from core.errors import ConfigError
 
 
 class RetentionPolicy(BaseModel):

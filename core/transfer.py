@@ -17,11 +17,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ckpt import checksum, formats
-from ckpt.errors import ConflictError, CorruptCheckpoint, NotFound
-from ckpt.manifest import FileEntry, Manifest
-from ckpt.manifest_build import read_manifest
-from ckpt.storage.base import TierStore, hash_object
+from core import checksum, formats
+from core.errors import ConflictError, CorruptCheckpoint, NotFound
+from core.manifest import FileEntry, Manifest
+from core.manifest_build import read_manifest
+from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
 _MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
@@ -228,6 +228,6 @@ def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, in
 
 def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1) -> Manifest:
     """The committed manifest of (run, step, part) on ``store`` (``NotFound`` if none)."""
-    from ckpt.storage.base import checkpoint_prefix
+    from core.storage.base import checkpoint_prefix
 
     return read_manifest(store, checkpoint_prefix(run, step), part, parts)

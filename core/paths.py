@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
-from ckpt.errors import PathEscape
+from core.errors import PathEscape
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

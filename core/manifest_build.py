@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping
 
-from ckpt import checksum, formats
-from ckpt.errors import BadInput, CorruptCheckpoint, NotFound
-from ckpt.manifest import FileEntry, Manifest, ParentRef, is_manifest_name, manifest_name, utcnow_iso
-from ckpt.paths import confine_local, safe_relpath
-from ckpt.storage.base import TierStore
-from ckpt.storage.fs import LocalStore, is_staging
+from core import checksum, formats
+from core.errors import BadInput, CorruptCheckpoint, NotFound
+from core.manifest import FileEntry, Manifest, ParentRef, is_manifest_name, manifest_name, utcnow_iso
+from core.paths import confine_local, safe_relpath
+from core.storage.base import TierStore
+from core.storage.fs import LocalStore, is_staging
 
 
 def list_checkpoint_files(folder: str | os.PathLike) -> dict[str, int]:

@@ -4,7 +4,7 @@
 read -> CRC32C -> ``os.write`` into a hidden staging file beside the target, fsync, read back
 and compare, publish with ``link`` (which refuses to replace an existing file, so a different
 object is never overwritten) and fsync the directory. Every key is confined under the root
-with symlinks resolved (``ckpt.paths.confine_local``). The read-back proves what the file
+with symlinks resolved (``core.paths.confine_local``). The read-back proves what the file
 system returns after fsync (usually from its page cache, not the media); media faults that
 appear later are the scrub's job (``verify_object`` on a cold cache).
 
@@ -28,12 +28,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from ckpt import checksum
-from ckpt.checksum import hash_stream
-from ckpt.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable
-from ckpt.manifest import MAX_MANIFEST_BYTES
-from ckpt.paths import confine_local, safe_relpath
-from ckpt.storage.base import ObjectInfo, TierStore, hash_object, read_limited
+from core import checksum
+from core.checksum import hash_stream
+from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable
+from core.manifest import MAX_MANIFEST_BYTES
+from core.paths import confine_local, safe_relpath
+from core.storage.base import ObjectInfo, TierStore, hash_object, read_limited
 
 STAGING_MARK = ".ckpt-staging-"
 _TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY, errno.EINTR}

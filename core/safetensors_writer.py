@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckpt import checksum
-from ckpt.errors import BadInput
+from core import checksum
+from core.errors import BadInput
 
 _DTYPES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from statistics import median
 
-from ckpt.errors import BadInput
+from core.errors import BadInput
 
 BYTES_PER_PARAM = 14  # mixed-precision AdamW: 2 (bf16) + 4 (fp32 master) + 8 (Adam m, v)
 

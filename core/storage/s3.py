@@ -27,11 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
-from ckpt import checksum as crc
-from ckpt.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
-from ckpt.manifest import MAX_MANIFEST_BYTES
-from ckpt.paths import safe_relpath
-from ckpt.storage.base import ObjectInfo, TierStore, hash_object, read_limited
+from core import checksum as crc
+from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
+from core.manifest import MAX_MANIFEST_BYTES
+from core.paths import safe_relpath
+from core.storage.base import ObjectInfo, TierStore, hash_object, read_limited
 
 _RETRYABLE_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
