@@ -18,27 +18,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from core.errors import BadInput, CorruptCheckpoint
+from core.layout import is_manifest_name, manifest_name
 
 MANIFEST_VERSION = 1
 KINDS = ("step", "epoch", "milestone")
 FORMATS = ("safetensors", "hf-sharded", "dcp", "folder")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-
-
-def manifest_name(part: int = 0, parts: int = 1) -> str:
-    """The file name of a part's manifest inside the checkpoint folder."""
-    if parts == 1:
-        return "manifest.json"
-    return f"manifest.part-{part:05d}-of-{parts:05d}.json"
-
-
-def is_manifest_name(name: str) -> bool:
-    return name == "manifest.json" or (name.startswith("manifest.part-") and name.endswith(".json"))
-
-
-def checkpoint_dirname(step: int) -> str:
-    """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``."""
-    return f"step-{step:08d}"
 
 
 @dataclass(frozen=True)

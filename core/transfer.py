@@ -10,7 +10,6 @@ skips the files already published and matching, so it resumes where it stopped.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -19,12 +18,12 @@ from typing import Callable, Iterator
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound
+from core.layout import checkpoint_prefix, parse_manifest_key
 from core.manifest import FileEntry, Manifest
 from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
-_MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
 
 @dataclass(frozen=True)
@@ -220,14 +219,11 @@ def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, in
     """(run, step, part, parts) of every committed part under the tier (or ``prefix``),
     found by the manifests' names; sorted by run, step, part."""
     for info in store.list(prefix):
-        m = _MANIFEST_KEY.match(info.key)
-        if m:
-            part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
-            yield m["run"], int(m["step"]), part, parts
+        found = parse_manifest_key(info.key)
+        if found is not None:
+            yield found
 
 
 def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1) -> Manifest:
     """The committed manifest of (run, step, part) on ``store`` (``NotFound`` if none)."""
-    from core.storage.base import checkpoint_prefix
-
     return read_manifest(store, checkpoint_prefix(run, step), part, parts)

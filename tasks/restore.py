@@ -4,7 +4,7 @@ Contract of ``restore_checkpoint``:
 - It picks the newest committed checkpoint of the run (or ``step``) and, part by part, the
   verified replicas readable on this machine, nearest tier first (Tier 0 of this node, Tier 1,
   Tier 2; ``preference`` narrows or reorders that).
-- Restoring is a copy into a private staging folder (``tasks.restore_stage``): every file is
+- Restoring is a copy into a private staging folder (``core.storage.stage``): every file is
   checked against the manifest the catalog registered as it is fetched; files are fetched in
   parallel (``Settings.copy_parallelism``), from S3 through ``core.transfer.copy_part``.
 - A copy whose bytes or manifest do not match becomes ``corrupt`` (absent files: ``missing``)
@@ -34,12 +34,11 @@ from typing import Any
 from core.errors import ConflictError, NotFound, StorageUnavailable, is_transient
 from core.paths import safe_run_name
 from core.settings import Settings
-from core.storage.base import checkpoint_prefix
-from core.storage.fs import LocalStore
+from core.layout import checkpoint_prefix
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
-from tasks.restore_stage import RestoreStage, fetch_local_part, publish
+from core.storage.stage import RestoreStage, fetch_local_part, publish
 from tasks.retry import pipeline_task
 
 # progress(done_bytes, total_bytes, label): the position in the checkpoint being restored; it
@@ -198,7 +197,7 @@ def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, rep
         try:
             manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
             prefix, report = checkpoint_prefix(ck.run, ck.step), (lambda done: progress(done, label))
-            if isinstance(src, LocalStore):
+            if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=settings.copy_parallelism,
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow

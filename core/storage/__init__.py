@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.storage.base import ObjectInfo, TierStore, checkpoint_prefix
+from core.storage.base import ObjectInfo, TierStore
 
 if TYPE_CHECKING:
     from core.settings import Settings
 
-__all__ = ["ObjectInfo", "TierStore", "checkpoint_prefix", "open_store"]
+__all__ = ["ObjectInfo", "TierStore", "open_store"]
 
 
 def open_store(url: str, tier: int, settings: "Settings | None" = None) -> TierStore:
@@ -34,8 +34,10 @@ def open_store(url: str, tier: int, settings: "Settings | None" = None) -> TierS
             max_concurrency=settings.s3_max_concurrency,
             buffer_bytes=buffer_bytes,
         )
-    from core.storage.fs import FsspecStore, LocalStore
-
     if url.startswith("file://") or "://" not in url:
+        from core.storage.local import LocalStore
+
         return LocalStore(url, tier, buffer_bytes=buffer_bytes)
+    from core.storage.fsspec import FsspecStore
+
     return FsspecStore(url, tier, buffer_bytes=buffer_bytes)

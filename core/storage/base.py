@@ -1,37 +1,40 @@
-"""The tier storage contract. Every backend (local/fsspec for Tier 0/1, S3 for Tier 2)
-implements ``TierStore``; one contract suite (tests/unit/test_storage_contract.py) runs on all.
+"""The tier storage contract. Every backend (``local`` and ``fsspec`` for Tiers 0/1, ``s3`` for
+Tier 2) implements ``TierStore``; one contract suite (tests/unit/test_storage_contract.py)
+runs on all, so callers never need to know which backend they hold.
 
 Keys are '/'-separated paths relative to the tier root, confined by ``core.paths.safe_relpath``
-(and, for local folders, by resolving symlinks). A checkpoint part lives under
-``<run>/step-<step:08d>/`` (see ``checkpoint_prefix``).
+(and, for local folders, by symlink checks); where a checkpoint's keys live is
+``core.layout``'s rule.
 
-Contract for implementations:
+Contract for implementations (every operation idempotent):
 - ``put_verified`` streams from a reader into a staging name, checksums the bytes it writes,
   and publishes (rename / multipart complete) only if size and checksum match the expected
   values; otherwise nothing is published and ``CorruptCheckpoint`` is raised. Re-putting the
   same bytes to an existing key is a no-op success; different bytes at an existing key raise
   ``ConflictError`` (never a silent overwrite).
-- ``verify_object`` proves the stored bytes match (size, checksum): local tiers read the bytes
-  back; S3 asks the server for its full-object checksum (HeadObject, ChecksumMode=ENABLED).
-- ``write_small_atomic`` is the commit marker write (manifest): atomic, durable (fsync file and
-  directory locally).
+- ``verify_object`` proves the stored bytes match (size, checksum).
+- ``write_small_atomic`` is the commit marker write (manifest): atomic and durable, with the
+  same no-overwrite rule as ``put_verified``; everything published before it is durable first.
+- ``delete`` removes one object and ``delete_prefix`` everything under a prefix; neither ever
+  follows a symlink (a local link is removed itself, never its target, and a key whose folder
+  is reached through a link is refused with ``PathEscape``).
+- ``sweep_staging`` removes staging data (a killed copy's) older than a bound.
 - Transient backend failures raise ``StorageUnavailable``; ENOSPC/quota raises ``StorageFull``;
-  a missing key raises ``NotFound``. All operations are idempotent.
+  a missing key raises ``NotFound``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
-from core.manifest import MAX_MANIFEST_BYTES, checkpoint_dirname
-from core.paths import safe_run_name
-
-
-def checkpoint_prefix(run: str, step: int) -> str:
-    return f"{safe_run_name(run)}/{checkpoint_dirname(step)}"
+from core import checksum
+from core.errors import CorruptCheckpoint
+from core.manifest import MAX_MANIFEST_BYTES
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,12 @@ class ObjectInfo:
 class TierStore(ABC):
     tier: int
     root_url: str
+    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES
 
     def url_for(self, key: str) -> str:
         return self.root_url.rstrip("/") + "/" + key
 
+    # --- reads -------------------------------------------------------------------------
     @abstractmethod
     def open_read(self, key: str) -> AbstractContextManager[BinaryIO]:
         """A streaming reader; never loads the whole object."""
@@ -60,38 +65,71 @@ class TierStore(ABC):
 
     @abstractmethod
     def list(self, prefix: str) -> list[ObjectInfo]:
-        """Every object under ``prefix`` (recursive), keys relative to the root, sorted."""
+        """Every object under ``prefix`` (recursive), keys relative to the root, sorted;
+        staging objects are never listed."""
 
-    @abstractmethod
     def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-        """Read a small object (a manifest); larger than ``limit`` raises ``CorruptCheckpoint``."""
+        """A small object (a manifest): at most ``limit`` bytes, else ``CorruptCheckpoint``."""
+        return read_limited(self, key, limit)
 
-    @abstractmethod
-    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
-        """Atomic, durable write of a small object (the commit marker)."""
-
-    @abstractmethod
-    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
-        """Stream, checksum, publish atomically only on a match (see module contract)."""
+    def local_path(self, key: str) -> Path | None:
+        """The path of ``key`` on a local folder (reads may then copy in the kernel), or None
+        when the tier is not one."""
+        return None
 
     @abstractmethod
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         """Raise ``CorruptCheckpoint`` / ``NotFound`` unless the stored bytes match."""
 
+    # --- writes ------------------------------------------------------------------------
+    @abstractmethod
+    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        """Stream, checksum, publish atomically only on a match (see module contract)."""
+
+    @abstractmethod
+    def write_small_atomic(self, key: str, data: bytes) -> ObjectInfo:
+        """Atomic, durable write of a small object (the commit marker); never overwrites
+        different bytes."""
+
+    def flush(self) -> None:  # noqa: B027 - a no-op where publishing is already durable
+        """Make every name published so far durable (local folders batch their fsyncs)."""
+
+    # --- deletes -----------------------------------------------------------------------
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete one object; False when it was not there. Never follows a symlink."""
+
     @abstractmethod
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix`` (or the one object named ``prefix``); return
-        how many. Missing prefix: 0. An empty prefix (the whole tier) raises ``BadInput``."""
+        """Delete every object under ``prefix``; return how many. Missing prefix: 0. An empty
+        prefix (the whole tier) raises ``BadInput``."""
 
-    def free_bytes(self) -> int | None:
-        """Free space at the root, when the backend can tell."""
-        return None
+    def delete_part(self, prefix: str, manifest_name: str, paths: Iterable[str], *,
+                    keep: Collection[str] = ()) -> int:
+        """Uncommit a part, then delete its files: the manifest first (so a half-deleted part
+        never looks committed), then each of ``paths`` not in ``keep`` (paths another part of
+        the same checkpoint still lists). Returns the objects deleted."""
+        deleted = int(self.delete(f"{prefix}/{manifest_name}"))
+        return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
+
+    @abstractmethod
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+        """Remove staging data under ``prefix`` (a killed copy's) older than ``older_than_s``;
+        return how many. The age bound spares copies still running elsewhere."""
+
+    # --- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing
+        """Release what the store holds (S3: its transfer threads). Idempotent."""
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
 
 def read_limited(store: TierStore, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-    """``read_small`` through ``open_read``: at most ``limit`` bytes, else ``CorruptCheckpoint``."""
-    from core.errors import CorruptCheckpoint
-
+    """At most ``limit`` bytes of ``key`` through ``open_read``, else ``CorruptCheckpoint``."""
     chunks, got = [], 0
     with store.open_read(key) as fh:
         while got <= limit:
@@ -105,9 +143,7 @@ def read_limited(store: TierStore, key: str, limit: int = MAX_MANIFEST_BYTES) ->
     return b"".join(chunks)
 
 
-def hash_object(store: TierStore, key: str, buffer_bytes: int = 4 * 1024 * 1024) -> tuple[int, str]:
+def hash_object(store: TierStore, key: str, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES) -> tuple[int, str]:
     """(size, crc32c hex) of a stored object, streamed through ``open_read``."""
-    from core.checksum import hash_stream
-
     with store.open_read(key) as fh:
-        return hash_stream(fh, buffer_bytes)
+        return checksum.hash_stream(fh, buffer_bytes)

@@ -29,9 +29,8 @@ from typing import BinaryIO, Iterator
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
-from core.manifest import MAX_MANIFEST_BYTES
 from core.paths import safe_relpath
-from core.storage.base import ObjectInfo, TierStore, hash_object, read_limited
+from core.storage.base import ObjectInfo, TierStore, hash_object
 
 _RETRYABLE_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -226,9 +225,6 @@ class S3Store(TierStore):
                     out.append(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag")))
         return sorted(out, key=lambda o: o.key)
 
-    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-        return read_limited(self, key, limit)
-
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         """HeadObject in checksum mode: the server's full-object CRC32C and size must match.
         Objects without a full-object CRC32C (uploaded by other tools) are read and hashed."""
@@ -338,20 +334,18 @@ class S3Store(TierStore):
                 pass
             raise
 
-    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
-        """One PutObject (atomic on S3) with CRC32C; If-None-Match unless ``overwrite``."""
-        checksum = crc.hash_bytes(data)
-        if not overwrite:
-            import io
+    def write_small_atomic(self, key: str, data: bytes) -> ObjectInfo:
+        """One PutObject (atomic on S3) with CRC32C and If-None-Match (never overwrites)."""
+        import io
 
-            return self.put_verified(key, io.BytesIO(data), len(data), checksum)
-        with s3_errors(self.url_for(key)):
-            self.client.put_object(
-                Bucket=self.bucket, Key=self._k(key), Body=data,
-                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum),
-            )
-        self.verify_object(key, len(data), checksum)
-        return ObjectInfo(key=key, size=len(data), checksum=checksum)
+        return self.put_verified(key, io.BytesIO(data), len(data), crc.hash_bytes(data))
+
+    def delete(self, key: str) -> bool:
+        if self.stat(key) is None:
+            return False
+        with s3_errors(f"delete {self.url_for(key)}"):
+            self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+        return True
 
     def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
         """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` ago (a

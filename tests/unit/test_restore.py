@@ -228,7 +228,7 @@ def test_progress_reaches_the_total_once_per_copy_tried(settings, tmp_path):
 def test_where_the_kernel_cannot_copy_files_are_streamed_and_checked(settings, tmp_path, monkeypatch):
     import errno
 
-    import tasks.restore_stage as stage
+    import core.storage.stage as stage
 
     def no_copy_file_range(*_a):
         raise OSError(errno.EXDEV, "cross-device")  # e.g. an older kernel across file systems

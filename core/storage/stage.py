@@ -34,8 +34,8 @@ from typing import BinaryIO
 from core import checksum
 from core.errors import ConflictError, CorruptCheckpoint
 from core.manifest import FileEntry, Manifest
-from core.storage.base import ObjectInfo
-from core.storage.fs import LocalStore, fsync_dir
+from core.storage.base import ObjectInfo, TierStore
+from core.storage.local import LocalStore, fsync_dir
 
 FSYNC_PARALLELISM = 8  # files fsynced at once when a restore is published
 CLONE_CHUNK_BYTES = 64 * 1024 * 1024  # one copy_file_range call (progress moves per chunk)
@@ -87,7 +87,7 @@ class RestoreStage(LocalStore):
         return ObjectInfo(key=key, size=size, checksum=checksum_hex)
 
 
-def fetch_local_part(src: LocalStore, src_prefix: str, stage: RestoreStage, dst_prefix: str, manifest: Manifest,
+def fetch_local_part(src: TierStore, src_prefix: str, stage: RestoreStage, dst_prefix: str, manifest: Manifest,
                      *, parallelism: int, progress: Callable[[int], None]) -> None:
     """Copy a part from a local tier into the stage: in-kernel copy, then hash the copy against
     the manifest; the manifest last. ``progress(bytes_done)`` as ``copy_part`` calls it."""
@@ -104,7 +104,8 @@ def fetch_local_part(src: LocalStore, src_prefix: str, stage: RestoreStage, dst_
         target = stage.path(key)
         if not target.exists():  # else: kept by an earlier copy, so it matched the manifest
             try:
-                source = src.path(f"{src_prefix}/{entry.path}")
+                source = src.local_path(f"{src_prefix}/{entry.path}")
+                assert source is not None, "fetch_local_part needs a store on a local folder"
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _clone(source, target, stage.buffer_bytes, advance)
                 _check(key, checksum.hash_file(target, stage.buffer_bytes), entry.size, entry.checksum)

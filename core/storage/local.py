@@ -1,18 +1,14 @@
-"""Tier 0/1 stores: a local folder (os-level I/O, fsync) and any other fsspec filesystem.
+"""Tier 0/1 on a local folder (a path or a ``file://`` URL): os-level I/O, fsync, confinement.
 
-``LocalStore`` is the fast, durable path for local paths and ``file://`` URLs: streaming
-read -> CRC32C -> ``os.write`` into a hidden staging file beside the target, fsync, read back
-and compare, publish with ``link`` (which refuses to replace an existing file, so a different
-object is never overwritten) and fsync the directory. Every key is confined under the root
-with symlinks resolved (``core.paths.confine_local``). The read-back proves what the file
-system returns after fsync (usually from its page cache, not the media); media faults that
-appear later are the scrub's job (``verify_object`` on a cold cache).
-
-``FsspecStore`` serves every other fsspec URL (``memory://`` in the contract suite, remote
-filesystems in principle) with the same contract, through fsspec's file API; its publish is
-``mv`` of a staging file, which is atomic only where the filesystem's rename is.
-
-Staging files are named ``.ckpt-staging-<pid>-<random>-<name>`` and never listed.
+Writes stream read -> CRC32C -> ``os.write`` into a hidden staging file beside the target
+(or copy in the kernel from a local source), fsync, read back and compare, and publish with
+``link`` (which refuses to replace an existing file, so a different object is never
+overwritten); folder fsyncs are batched (``flush``). Reads are confined under the root with
+symlinks resolved (``core.paths.confine_local``). Writes and deletes never go through a
+symlink under the root: a key whose folder is reached through a link is refused
+(``PathEscape``), and a link at the key itself is removed, never its target. The read-back
+proves what the file system returns after fsync (usually from its page cache, not the
+media); media faults that appear later are the scrub's job (``verify_object`` on a cold cache).
 """
 
 from __future__ import annotations
@@ -23,38 +19,17 @@ import os
 import stat as stat_mod
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from core import checksum
 from core.checksum import hash_stream
-from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable
-from core.manifest import MAX_MANIFEST_BYTES
+from core.errors import BadInput, ConflictError, NotFound, PathEscape
+from core.layout import is_staging, staging_name
 from core.paths import confine_local, safe_relpath
-from core.storage.base import ObjectInfo, TierStore, hash_object, read_limited
-
-STAGING_MARK = ".ckpt-staging-"
-_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY, errno.EINTR}
-
-
-def staging_name(name: str) -> str:
-    return f"{STAGING_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
-
-
-def is_staging(name: str) -> bool:
-    return name.startswith(STAGING_MARK)
-
-
-def map_os_error(exc: OSError, what: str) -> Exception:
-    """ENOSPC/EDQUOT -> StorageFull; I/O timeouts and EIO -> StorageUnavailable; else unchanged."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFull(f"no space left writing {what}: {exc}")
-    if exc.errno in _TRANSIENT_ERRNOS:
-        return StorageUnavailable(f"I/O error on {what}: {exc}")
-    return exc
-
+from core.storage.base import ObjectInfo, TierStore
+from core.storage.common import check_match, map_os_error
 
 def _write_all(fd: int, data: memoryview) -> None:
     """os.write until every byte is written (short writes happen on some filesystems)."""
@@ -105,13 +80,6 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _check(key: str, size: int, checksum_hex: str, got_size: int, got_hex: str, what: str) -> None:
-    if got_size != size:
-        raise CorruptCheckpoint(f"{key}: {what} size {got_size} != expected {size}", path=key)
-    if got_hex != checksum_hex:
-        raise CorruptCheckpoint(f"{key}: {what} crc32c {got_hex} != expected {checksum_hex}", path=key)
-
-
 def _mkdirs(path: Path) -> list[Path]:
     """Create ``path`` and missing parents; return the folders whose entries changed."""
     missing = []
@@ -141,8 +109,26 @@ class LocalStore(TierStore):
         self._lock = threading.Lock()
 
     def path(self, key: str) -> Path:
-        """The local path of ``key``, confined under the root (symlinks resolved)."""
+        """The local path of ``key`` for reading, confined under the root (symlinks resolved)."""
         return confine_local(self.root, key)
+
+    def local_path(self, key: str) -> Path | None:
+        return self.path(key)
+
+    def write_path(self, key: str) -> Path:
+        """The local path of ``key`` for a write or a delete: under the (resolved) root with no
+        symlink on the way. A link in a folder of the key raises ``PathEscape`` (through it a
+        write or delete would land on another checkpoint's bytes); a link at the key itself is
+        returned as it is, for the caller to treat as the object (never its target)."""
+        safe_relpath(key)
+        here = self.root.resolve()  # the root itself may be a link an operator configured
+        *folders, name = key.split("/")
+        for seg in folders:
+            here = here / seg
+            if here.is_symlink():
+                raise PathEscape(f"{self.url_for(key)}: {here} is a symlink; writes and deletes "
+                                 "never go through a link under a tier root")
+        return here / name
 
     # --- reads -------------------------------------------------------------------------
     @contextmanager
@@ -165,7 +151,8 @@ class LocalStore(TierStore):
         return ObjectInfo(key=key, size=st.st_size) if p.is_file() else None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        base = self.path(prefix) if prefix else self.root
+        root = self.root.resolve()
+        base = self.path(prefix) if prefix else root
         out: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
@@ -173,15 +160,12 @@ class LocalStore(TierStore):
                 full = os.path.join(dirpath, name)
                 if is_staging(name) or os.path.islink(full):
                     continue
-                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
                 try:
                     out.append(ObjectInfo(key=rel, size=os.stat(full).st_size))
                 except FileNotFoundError:
                     continue
         return sorted(out, key=lambda o: o.key)
-
-    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-        return read_limited(self, key, limit)
 
     def _hash(self, path: Path) -> tuple[int, str]:
         return checksum.hash_file(path, self.buffer_bytes)
@@ -263,7 +247,9 @@ class LocalStore(TierStore):
         tier and match (size, checksum); the name itself is durable after ``flush`` (which the
         next ``write_small_atomic`` does first). Already there with the same bytes: no-op.
         """
-        target = self.path(key)
+        target = self.write_path(key)
+        if target.is_symlink():
+            raise PathEscape(f"{self.url_for(key)} is a symlink; refusing to write through it")
         if target.is_file():
             self._same_or_conflict(target, key, size, checksum)
             return ObjectInfo(key=key, size=size, checksum=checksum)
@@ -274,33 +260,24 @@ class LocalStore(TierStore):
                 copied = kernel_copy(src_fd, fd, size + 1, getattr(reader, "note_copied", None))
             if copied is None:
                 got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
-                _check(key, size, checksum, *got, "source")
+                check_match(key, size, checksum, *got, "source")
             os.fsync(fd)
-            _check(key, size, checksum, *self._hash(staging), "read-back")
+            check_match(key, size, checksum, *self._hash(staging), "read-back")
             self._publish(staging, target, key, size, checksum)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
-    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
-        """tmp + fsync + (link | rename) + fsync dir. Existing same bytes: no-op; different
-        bytes: ConflictError unless ``overwrite``.
+    def write_small_atomic(self, key: str, data: bytes) -> ObjectInfo:
+        """Staging file + fsync + link + fsync dir. Existing same bytes: no-op; different
+        bytes: ``ConflictError``.
 
         Before the marker, every folder under the marker's folder is fsynced (with whatever
         else this store published): names published by an earlier, crashed attempt that a
         rerun skipped are made durable too, so the marker never outlives a name it commits."""
-        parent = self.path(key).parent
+        parent = self.write_path(key).parent
         if parent.is_dir():
             self._changed([parent, *(Path(d) for d, _, _ in os.walk(parent))])
         self.flush()
-        if not overwrite:
-            info = self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
-        else:
-            target = self.path(key)
-            with self._staging(target, key) as (staging, fd):
-                _write_all(fd, memoryview(data))
-                os.fsync(fd)
-                os.replace(staging, target)
-                self._changed([target.parent])
-            info = ObjectInfo(key=key, size=len(data), checksum=checksum.hash_bytes(data))
+        info = self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
         self.flush()
         return info
 
@@ -312,26 +289,32 @@ class LocalStore(TierStore):
             got = self._hash(target)
         except OSError as exc:
             raise map_os_error(exc, key) from exc
-        _check(key, size, checksum, *got, "stored")
+        check_match(key, size, checksum, *got, "stored")
+
+    def delete(self, key: str) -> bool:
+        """Unlink one file (a symlink there is unlinked itself) and fsync its folder."""
+        target = self.write_path(key)
+        try:
+            if target.is_dir() and not target.is_symlink():
+                raise BadInput(f"{self.url_for(key)} is a folder, not an object")
+            target.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise map_os_error(exc, self.url_for(key)) from exc
+        fsync_dir(target.parent)
+        return True
 
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:
             raise BadInput("refusing to delete the whole tier (empty prefix)")
-        safe_relpath(prefix)
-        link = Path(self.root).resolve() / prefix
-        if link.is_symlink():  # delete the link itself, never what it points at
-            parent = self.path(prefix.rsplit("/", 1)[0]) if "/" in prefix else Path(self.root).resolve()
-            os.unlink(parent / link.name)
-            fsync_dir(parent)
-            return 1
-        base = self.path(prefix)
+        base = self.write_path(prefix)
+        if base.is_symlink() or base.is_file():  # a link is removed itself, never what it points at
+            return int(self.delete(prefix))
         if not base.exists():
             return 0
-        if base.is_file():
-            base.unlink()
-            return 1
         count = 0
-        for dirpath, dirnames, filenames in os.walk(base, topdown=False):
+        for dirpath, dirnames, filenames in os.walk(base, topdown=False):  # never follows links
             for name in filenames:
                 os.unlink(os.path.join(dirpath, name))
                 count += 0 if is_staging(name) else 1
@@ -346,7 +329,9 @@ class LocalStore(TierStore):
         """Remove staging files under ``prefix`` older than ``older_than_s`` (left by a copy
         that was killed); returns how many. The age guard spares copies still running,
         on this node or another one sharing the tier."""
-        base = self.path(prefix) if prefix else self.root
+        base = self.write_path(prefix) if prefix else self.root.resolve()
+        if base.is_symlink():
+            return 0
         cutoff, count = time.time() - older_than_s, 0
         for dirpath, _dirs, names in os.walk(base):
             for name in names:
@@ -358,117 +343,3 @@ class LocalStore(TierStore):
                 except FileNotFoundError:
                     continue
         return count
-
-    def free_bytes(self) -> int | None:
-        p = self.root
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        st = os.statvfs(p)
-        return st.f_bavail * st.f_frsize
-
-
-class FsspecStore(TierStore):
-    """A tier on any fsspec filesystem (``memory://``, ``sftp://``...), same contract."""
-
-    def __init__(self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, **storage_options):
-        import fsspec
-
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        self.root = root.rstrip("/")
-        self.tier = tier
-        self.root_url = url.rstrip("/")
-        self.buffer_bytes = buffer_bytes
-
-    def _p(self, key: str) -> str:
-        return f"{self.root}/{safe_relpath(key)}"
-
-    def _key(self, path: str) -> str:
-        path = path.rstrip("/")
-        return path[len(self.root) + 1:] if path.startswith(self.root + "/") else path.lstrip("/")
-
-    @contextmanager
-    def open_read(self, key: str) -> Iterator[BinaryIO]:
-        try:
-            fh = self.fs.open(self._p(key), "rb")
-        except FileNotFoundError:
-            raise NotFound(f"{self.url_for(key)} does not exist") from None
-        with fh:
-            yield fh
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        try:
-            info = self.fs.info(self._p(key))
-        except FileNotFoundError:
-            return None
-        return ObjectInfo(key=key, size=int(info["size"])) if info.get("type") == "file" else None
-
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        base = self._p(prefix) if prefix else self.root
-        try:
-            found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return []
-        out = [
-            ObjectInfo(key=self._key(p), size=int(info["size"]))
-            for p, info in found.items()
-            if not is_staging(p.rsplit("/", 1)[-1]) and info.get("type") == "file"
-        ]
-        return sorted(out, key=lambda o: o.key)
-
-    def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
-        return read_limited(self, key, limit)
-
-    def _hash(self, key: str) -> tuple[int, str]:
-        return hash_object(self, key, self.buffer_bytes)
-
-    def _same_or_conflict(self, key: str, size: int, checksum_hex: str) -> None:
-        got = self._hash(key)
-        if got != (size, checksum_hex):
-            raise ConflictError(f"{self.url_for(key)} already exists with different bytes; refusing to overwrite")
-
-    def _staged_write(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> None:
-        path = self._p(key)
-        parent, name = path.rsplit("/", 1)
-        staging = f"{parent}/{staging_name(name)}"
-        try:
-            with self.fs.open(staging, "wb") as out:
-                got = checksum.hash_stream(reader, self.buffer_bytes, out.write)
-            _check(key, size, checksum_hex, *got, "source")
-            with self.fs.open(staging, "rb") as back:
-                _check(key, size, checksum_hex, *checksum.hash_stream(back, self.buffer_bytes), "read-back")
-            if self.fs.exists(path):
-                self._same_or_conflict(key, size, checksum_hex)
-            else:
-                self.fs.mv(staging, path)
-        except OSError as exc:
-            raise map_os_error(exc, self.url_for(key)) from exc
-        finally:
-            if self.fs.exists(staging):
-                self.fs.rm(staging)
-
-    def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
-        if self.stat(key) is not None:
-            self._same_or_conflict(key, size, checksum)
-        else:
-            self._staged_write(key, reader, size, checksum)
-        return ObjectInfo(key=key, size=size, checksum=checksum)
-
-    def write_small_atomic(self, key: str, data: bytes, *, overwrite: bool = False) -> ObjectInfo:
-        crc = checksum.hash_bytes(data)
-        if overwrite and self.stat(key) is not None:
-            self.fs.rm(self._p(key))
-        return self.put_verified(key, io.BytesIO(data), len(data), crc)
-
-    def verify_object(self, key: str, size: int, checksum: str) -> None:
-        if self.stat(key) is None:
-            raise NotFound(f"{self.url_for(key)} does not exist")
-        _check(key, size, checksum, *self._hash(key), "stored")
-
-    def delete_prefix(self, prefix: str) -> int:
-        if not prefix:
-            raise BadInput("refusing to delete the whole tier (empty prefix)")
-        n = len(self.list(prefix))
-        path = self._p(prefix)
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-        return n

@@ -1,0 +1,76 @@
+"""Where things live on every tier: the one owner of the key, prefix and manifest-name rules.
+
+A checkpoint of run ``R`` at step ``S`` lives under ``<tier root>/R/step-<S>/`` with ``S``
+zero-padded to at least 8 digits (``step-00001200``; steps of 100,000,000 and above simply
+have more digits). A checkpoint written by N nodes has N parts side by side in that folder,
+each with its own manifest, written last as the part's commit marker: ``manifest.json`` for
+a single part, ``manifest.part-<i:05d>-of-<n:05d>.json`` otherwise. Files being written are
+staged under hidden ``.ckpt-staging-*`` names that no listing shows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+from core.paths import safe_run_name
+
+STEP_DIGITS = 8
+SINGLE_MANIFEST = "manifest.json"
+STAGING_MARK = ".ckpt-staging-"
+
+_STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
+_MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+_MANIFEST_KEY = re.compile(
+    r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``."""
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a checkpoint folder name stands for, or None when it is not one."""
+    m = _STEP_DIR.match(name)
+    return int(m["step"]) if m else None
+
+
+def checkpoint_prefix(run: str, step: int) -> str:
+    """Key prefix of a checkpoint relative to the tier root (the run name is confined)."""
+    return f"{safe_run_name(run)}/{checkpoint_dirname(step)}"
+
+
+def manifest_name(part: int = 0, parts: int = 1) -> str:
+    """The file name of a part's manifest inside the checkpoint folder."""
+    if parts == 1:
+        return SINGLE_MANIFEST
+    return f"manifest.part-{part:05d}-of-{parts:05d}.json"
+
+
+def is_manifest_name(name: str) -> bool:
+    return _MANIFEST.match(name) is not None
+
+
+def part_key(run: str, step: int, part: int = 0, parts: int = 1) -> str:
+    """Key of a part's manifest (its commit marker) relative to the tier root."""
+    return f"{checkpoint_prefix(run, step)}/{manifest_name(part, parts)}"
+
+
+def parse_manifest_key(key: str) -> tuple[str, int, int, int] | None:
+    """``(run, step, part, parts)`` of a manifest key, or None when ``key`` is not one."""
+    m = _MANIFEST_KEY.match(key)
+    if not m:
+        return None
+    part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
+    return m["run"], int(m["step"]), part, parts
+
+
+def staging_name(name: str) -> str:
+    """A fresh hidden name beside ``name`` for bytes not yet checked and published."""
+    return f"{STAGING_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+
+
+def is_staging(name: str) -> bool:
+    return name.startswith(STAGING_MARK)
