@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.manifest_build import build_manifest, write_manifest  # noqa: E402
-from core.storage.fs import LocalStore  # noqa: E402
+from core.storage.local import LocalStore  # noqa: E402
 from core.transfer import copy_part, verify_part  # noqa: E402
 
 RUN, STEP = "bench", 1000

@@ -101,7 +101,7 @@ def main() -> None:
 
         from core.manifest_build import build_manifest, write_manifest
         from core.settings import RetentionPolicy, load_settings
-        from core.storage.base import checkpoint_prefix
+        from core.layout import checkpoint_prefix
         from db.catalog import Catalog, upgrade
         from flows.common import plain_steps
         from flows.promote import promote

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt.local_stack import start_moto, stop_process  # noqa: E402
 from core.manifest_build import build_manifest, write_manifest  # noqa: E402
-from core.storage.fs import LocalStore  # noqa: E402
+from core.storage.local import LocalStore  # noqa: E402
 from core.storage.s3 import S3Store  # noqa: E402
 from core.transfer import copy_part  # noqa: E402
 

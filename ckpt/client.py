@@ -33,7 +33,8 @@ from pathlib import Path
 
 from core import events
 from core.errors import BadInput, ConflictError
-from core.manifest import FileEntry, Manifest, ParentRef, checkpoint_dirname, utcnow_iso
+from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
+from core.layout import checkpoint_dirname
 from core.paths import safe_run_name
 from core.settings import Settings, load_settings
 
@@ -184,7 +185,8 @@ class CheckpointStager:
     def _commit(self, folder: Path | None, arrays, t0: float | None, *, step: int,
                 stall: float | None = None, **meta) -> SavedCheckpoint:
         from core import safetensors_writer as stw
-        from core.storage.fs import fsync_dir, staging_name
+        from core.storage.local import fsync_dir
+        from core.layout import staging_name
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)

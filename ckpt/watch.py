@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ckpt.client import CheckpointStager, SavedCheckpoint
 from core.formats import DCP_METADATA, HF_INDEX, hf_index_shards
-from core.manifest import manifest_name
+from core.layout import manifest_name
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Watcher:
     def poll(self) -> list[SavedCheckpoint]:
         """Commit and announce what became complete since the last poll. A folder that fails
         (bad format, a link leaving it) is logged and skipped for good, never retried in a loop."""
-        from core.storage.fs import staging_name
+        from core.layout import staging_name
 
         done = []
         for step, folder, why in self.pending():

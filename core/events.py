@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -111,3 +114,26 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
             if attempt + 1 < retries:
                 time.sleep(backoff * (2**attempt))
     return False
+
+
+# --- announcing from pipeline steps --------------------------------------------------------
+Announcer = Callable[..., Any]
+_announcer: ContextVar[Announcer | None] = ContextVar("ckpt_announcer", default=None)
+
+
+def announce(name: str, run: str, step: int, **kw: Any) -> bool:
+    """Announce a fact from a pipeline step through the announcer in force (``announcing``);
+    nothing outside one. Steps never take a callable for this: the flow that runs them says
+    how facts are announced (``emit`` inside a Prefect run), a test records them."""
+    fn = _announcer.get()
+    return bool(fn(name, run, step, **kw)) if fn is not None else False
+
+
+@contextmanager
+def announcing(fn: Announcer) -> Iterator[Announcer]:
+    """Route ``announce`` to ``fn`` (same signature as ``emit``) inside the block."""
+    token = _announcer.set(fn)
+    try:
+        yield fn
+    finally:
+        _announcer.reset(token)

@@ -18,10 +18,12 @@ from typing import Mapping
 
 from core import checksum, formats
 from core.errors import BadInput, CorruptCheckpoint, NotFound
-from core.manifest import FileEntry, Manifest, ParentRef, is_manifest_name, manifest_name, utcnow_iso
+from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
+from core.layout import is_manifest_name, manifest_name
 from core.paths import confine_local, safe_relpath
 from core.storage.base import TierStore
-from core.storage.fs import LocalStore, is_staging
+from core.storage.local import LocalStore
+from core.layout import is_staging
 
 
 def list_checkpoint_files(folder: str | os.PathLike) -> dict[str, int]:

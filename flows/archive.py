@@ -12,16 +12,15 @@ from prefect import flow
 
 from core import events
 from core.errors import BadEvent
-from core.events import emit
+from core.events import announcing, emit
 from core.settings import Settings, load_settings
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
-from tasks.base import Notify, no_notify, open_catalog
+from tasks.base import open_catalog
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import is_milestone
 
 
-def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str = "cli",
-            notify: Notify = no_notify) -> ArchiveResult:
+def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str = "cli") -> ArchiveResult:
     """Upload a milestone's parts Tier 1 -> Tier 2 and verify them there; skip anything else."""
     with open_catalog(settings.catalog_url) as cat:
         ck = cat.get_checkpoint(run, step)
@@ -32,13 +31,13 @@ def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str
         return ArchiveResult(run, step, milestone=True, reason="tier 2 not configured")
     result = ArchiveResult(run, step, milestone=True)
     for part in range(ck.parts):
-        hop = steps.upload_to_tier2(settings, run, step, part, ck.parts, actor=actor, notify=notify)
+        hop = steps.upload_to_tier2(settings, run, step, part, actor=actor)
         result.hops.append(hop)
         if not hop.skipped:
-            result.hops.append(steps.verify(settings, run, step, part, ck.parts, tier=2, actor=actor))
+            result.hops.append(steps.verify(settings, run, step, part, tier=2, actor=actor))
     result.archived = steps.mark_complete(settings, run, step, 2, actor=actor)
     if result.archived:
-        notify(events.ARCHIVED, run, step, parts=ck.parts, node=settings.node,
+        events.announce(events.ARCHIVED, run, step, parts=ck.parts, node=settings.node,
                payload={"tier": 2, "bytes": ck.total_bytes, "url": settings.tier2_url})
     return result
 
@@ -55,7 +54,8 @@ def archive_checkpoint(run: str, step: int | str, node: str | None = None) -> di
     except BadEvent as exc:
         reject_event(settings, f"archive {run!r} step {step!r}", exc, actor=actor)
         raise
-    result = archive(settings, run, step, steps=task_steps(settings), actor=actor, notify=emit)
+    with announcing(emit):
+        result = archive(settings, run, step, steps=task_steps(settings), actor=actor)
     publish_table(artifact_key("archive", run, step), hop_rows(result.hops),
                   f"archive of {run} step {step}: {result.reason or 'uploaded to tier 2'}")
     return result.summary()

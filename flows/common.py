@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.settings import Settings
 from tasks.base import HopResult
 
 Step = Callable[..., Any]
@@ -25,35 +26,33 @@ class Steps:
     prune: Step
 
 
-def plain_steps() -> Steps:
-    """The plain functions: no Prefect, no retries."""
-    from tasks.copy import copy_to_tier1, upload_to_tier2
-    from tasks.prune import prune_replica
-    from tasks.record import mark_complete
-    from tasks.register import register_part
-    from tasks.retention import plan_retention
-    from tasks.verify import verify_replica
-
-    return Steps(register=register_part, verify=verify_replica, copy_to_tier1=copy_to_tier1,
-                 upload_to_tier2=upload_to_tier2, mark_complete=mark_complete,
-                 plan_retention=plan_retention, prune=prune_replica)
-
-
-def task_steps(settings: Any = None) -> Steps:
-    """The Prefect tasks with the configured retry budget (``Settings.task_retries``...)."""
+def step_tasks() -> dict[str, Any]:
+    """The one registry of pipeline steps: field name of ``Steps`` -> its Prefect task (the
+    plain function is the task's ``.fn``)."""
     from tasks.copy import copy_to_tier1_task, upload_to_tier2_task
     from tasks.prune import prune_task
     from tasks.record import mark_complete_task
     from tasks.register import register_task
     from tasks.retention import plan_retention_task
-    from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, with_policy
     from tasks.verify import verify_task
 
-    r = getattr(settings, "task_retries", DEFAULT_RETRIES)
-    d = getattr(settings, "task_retry_delay_seconds", DEFAULT_BASE_DELAY_S)
-    return Steps(*(with_policy(t, r, d) for t in (
-        register_task, verify_task, copy_to_tier1_task, upload_to_tier2_task, mark_complete_task,
-        plan_retention_task, prune_task)))
+    return {"register": register_task, "verify": verify_task, "copy_to_tier1": copy_to_tier1_task,
+            "upload_to_tier2": upload_to_tier2_task, "mark_complete": mark_complete_task,
+            "plan_retention": plan_retention_task, "prune": prune_task}
+
+
+def plain_steps() -> Steps:
+    """The plain functions: no Prefect, no retries."""
+    return Steps(**{name: task.fn for name, task in step_tasks().items()})
+
+
+def task_steps(settings: Settings | None = None) -> Steps:
+    """The Prefect tasks with the configured retry budget (``Settings.task_retries``...)."""
+    from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, with_policy
+
+    r = settings.task_retries if settings is not None else DEFAULT_RETRIES
+    d = settings.task_retry_delay_seconds if settings is not None else DEFAULT_BASE_DELAY_S
+    return Steps(**{name: with_policy(task, r, d) for name, task in step_tasks().items()})
 
 
 @dataclass

@@ -12,16 +12,15 @@ from typing import Any
 from prefect import flow
 
 from core.errors import CorruptCheckpoint
-from core.settings import Settings, load_settings
+from core.settings import load_settings
 from flows.common import artifact_key, current_actor, publish_table
 from tasks.drill import restore_drill_task
 
 
 @flow(name="restore-drill", flow_run_name="restore-drill", log_prints=True)
-def restore_drill(run: str | None = None, scratch: str | None = None,
-                  settings: Settings | None = None) -> list[dict[str, Any]]:
+def restore_drill(run: str | None = None, scratch: str | None = None) -> list[dict[str, Any]]:
     """Drill the newest milestone (of ``run``, or of any run) on Tier 1 and Tier 2."""
-    settings = settings or load_settings()
+    settings = load_settings()  # from the environment, never a flow parameter
     report = restore_drill_task(settings, run=run, scratch=scratch, actor=current_actor())
     rows = report.rows() + [{"tier": None, "ok": None, "detail": s} for s in report.skipped]
     title = (f"restore drill of {report.run}/step-{report.step}" if report.step is not None

@@ -20,12 +20,12 @@ from prefect import flow
 
 from core import events
 from core.errors import BadEvent
-from core.events import emit
+from core.events import announcing, emit
 from core.settings import Settings, load_settings
 from flows.archive import archive
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from flows.retention import retention
-from tasks.base import HopResult, Notify, no_notify
+from tasks.base import HopResult
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
 
@@ -53,25 +53,25 @@ class PromoteResult:
 
 
 def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *, steps: Steps,
-            node: str | None = None, actor: str = "cli", notify: Notify = no_notify) -> PromoteResult:
+            node: str | None = None, actor: str = "cli") -> PromoteResult:
     """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks)."""
     node = node or settings.node
-    kw = dict(node=node, actor=actor, notify=notify)
+    kw = dict(node=node, actor=actor)
     reg = steps.register(settings, run, step, part, parts, **kw)
     result = PromoteResult(run, step, part, reg.parts, reg.checkpoint_id)
     if reg.promoted:
         result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,
                                      bytes=reg.bytes, seconds=0.0, skipped=True))
     else:
-        result.hops.append(steps.verify(settings, run, step, part, reg.parts, tier=0, **kw))
-        result.hops.append(steps.copy_to_tier1(settings, run, step, part, reg.parts, **kw))
+        result.hops.append(steps.verify(settings, run, step, part, tier=0, **kw))
+        result.hops.append(steps.copy_to_tier1(settings, run, step, part, **kw))
     result.durable = steps.mark_complete(settings, run, step, 1, actor=actor)
     if result.durable:
         try:
-            result.archive = archive(settings, run, step, steps=steps, actor=actor, notify=notify)
+            result.archive = archive(settings, run, step, steps=steps, actor=actor)
         finally:  # announced after the inline archive, so the archive it triggers finds it done
-            notify(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
-        result.retention = retention(settings, run=run, steps=steps, actor=actor, notify=notify)
+            events.announce(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
+        result.retention = retention(settings, run=run, steps=steps, actor=actor)
     return result
 
 
@@ -97,8 +97,9 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     except BadEvent as exc:
         reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
         raise
-    result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
-                     actor=actor, notify=emit)
+    with announcing(emit):
+        result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
+                         actor=actor)
     hops = result.hops + (result.archive.hops if result.archive else [])
     publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
                   f"promotion of {run} step {step} part {part + 1}/{result.parts}")

@@ -25,13 +25,14 @@ from typing import Any
 from prefect import flow
 
 from core.errors import CkptError, CopyInProgress, NotFound
-from core.events import emit
+from core.events import announcing, emit
 from core.settings import Settings, load_settings
 from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
-from tasks.base import Notify, log, no_notify, open_catalog, open_tier, part_key
+from tasks.base import log, open_catalog, open_tier
+from core.layout import checkpoint_prefix, part_key
 from tasks.retention import FAILED, PRUNED, apply_retention, is_milestone
 
 @dataclass
@@ -48,7 +49,7 @@ class ReconcileReport:
         return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
 
 
-def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", notify: Notify = no_notify,
+def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
                    grace_seconds: float = 0.0) -> ReconcileReport:
     """One pass of the four sweeps above on this node."""
     from core.transfer import find_committed
@@ -60,7 +61,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", noti
         stale = {(c.run, c.step) for c in cat.unpromoted(older_than_seconds=grace_seconds)}
         todo0 = [p for p in find_committed(tier0) if _wanted(cat, p, report, tier=0, unpromoted=stale)]
         todo1 = [p for p in find_committed(tier1) if _wanted(cat, p, report, tier=1, unpromoted=set())]
-    kw = dict(actor=actor, notify=notify)
+    kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
                  lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))
@@ -74,13 +75,12 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", noti
     return report
 
 
-def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str,
-                    notify: Notify) -> None:
+def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
     """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
     if not settings.retention(0).enabled:
         return
     plan = [a for a in steps.plan_retention(settings) if a.tier == 0 and a.node == settings.node]
-    for action in apply_retention(settings, plan, prune=steps.prune, actor=actor, notify=notify):
+    for action in apply_retention(settings, plan, prune=steps.prune, actor=actor):
         item = f"tier 0 {action.run}/{action.step} part {action.part}"
         if action.outcome == PRUNED:
             report.pruned.append(item)
@@ -129,11 +129,10 @@ def _wanted(cat: Any, found: tuple[str, int, int, int], report: ReconcileReport,
     return state in (None, PENDING, COPYING) and (run, step) in unpromoted
 
 
-def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str,
-           notify: Notify) -> None:
+def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str) -> None:
     """Register a part found only on Tier 1 from its manifest there, verify it in place."""
-    steps.register(settings, run, step, part, parts, actor=actor, notify=notify, source_tier=1)
-    steps.verify(settings, run, step, part, parts, tier=1, actor=actor, notify=notify)
+    steps.register(settings, run, step, part, parts, actor=actor, source_tier=1)
+    steps.verify(settings, run, step, part, tier=1, actor=actor)
     steps.mark_complete(settings, run, step, 1, actor=actor)
 
 
@@ -164,8 +163,6 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
 
 def _vanished(cat: Any, store: Any, ck: Any, part: int) -> str | None:
     """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
-    from core.storage.base import checkpoint_prefix
-
     present = {o.key: o.size for o in store.list(checkpoint_prefix(ck.run, ck.step))}
     if part_key(ck.run, ck.step, part, ck.parts) not in present:
         return "manifest vanished"
@@ -198,7 +195,8 @@ def archive_backlog(settings: Settings) -> list[tuple[str, int]]:
 def reconcile(node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
-    report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(), notify=emit,
-                            grace_seconds=settings.reconcile_interval_seconds)
+    with announcing(emit):
+        report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
+                                grace_seconds=settings.reconcile_interval_seconds)
     publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
     return {k: list(v) for k, v in vars(report).items()}

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from core import events
-from core.settings import Settings, load_settings
+from core.settings import load_settings
 from flows.common import artifact_key, current_actor, publish_table
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica
 from tasks.restore import RestoreReport, restore_task
@@ -36,9 +36,9 @@ def restore_rows(report: RestoreReport) -> list[dict[str, Any]]:
 
 @flow(name="restore-checkpoint", flow_run_name="restore/{run}", log_prints=True)
 def restore_checkpoint(run: str, dest: str, step: int | None = None,
-                       preference: list[int] | None = None, settings: Settings | None = None) -> dict[str, Any]:
+                       preference: list[int] | None = None) -> dict[str, Any]:
     """Restore ``run`` (newest verified, or ``step``) into ``dest`` from the nearest good copy."""
-    settings = settings or load_settings()
+    settings = load_settings()  # from the environment, never a flow parameter
     report = restore_task(settings, run, dest, step=step, preference=tuple(preference or DEFAULT_PREFERENCE),
                           actor=current_actor())
     announce_bad(report.bad, "restore")

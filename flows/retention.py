@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from prefect import flow
 
-from core.events import emit
+from core.events import announcing, emit
 from core.settings import Settings, load_settings
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
-from tasks.base import Notify, no_notify
 from tasks.retention import PruneAction, apply_retention
 
 
 def retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
-              actor: str = "cli", notify: Notify = no_notify) -> list[PruneAction]:
+              actor: str = "cli") -> list[PruneAction]:
     """Plan, publish the plan, and (unless ``dry_run``) apply it; returns the actions with outcomes."""
     plan = steps.plan_retention(settings, run=run)
     scope = run or "all runs"
@@ -26,7 +25,7 @@ def retention(settings: Settings, *, run: str | None = None, dry_run: bool = Fal
                   f"retention plan for {scope}{' (dry run)' if dry_run else ''}")
     if dry_run:
         return plan
-    done = apply_retention(settings, plan, prune=steps.prune, actor=actor, notify=notify)
+    done = apply_retention(settings, plan, prune=steps.prune, actor=actor)
     publish_table(artifact_key("retention-result", run or "all"), [a.row() for a in done],
                   f"retention applied to {scope}")
     return done
@@ -43,6 +42,6 @@ def _run_name() -> str:
 def enforce_retention(run: str | None = None, dry_run: bool = False, node: str | None = None) -> list[dict]:
     """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
-    actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
-                        actor=current_actor(), notify=emit)
+    with announcing(emit):
+        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor())
     return [a.row() for a in actions]

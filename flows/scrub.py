@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from core.errors import CorruptCheckpoint
-from core.settings import Settings, load_settings
+from core.settings import load_settings
 from flows.common import artifact_key, current_actor, publish_table
 from flows.restore import announce_bad
 from tasks.scrub import ScrubReport, scrub_task
@@ -29,9 +29,11 @@ def scrub_rows(report: ScrubReport) -> list[dict[str, Any]]:
 
 
 @flow(name="scrub", flow_run_name="scrub", log_prints=True)
-def scrub(fraction: float | None = None, repair: bool = True, settings: Settings | None = None) -> dict[str, Any]:
-    """Re-read ``fraction`` of the verified durable copies (default ``Settings.scrub_fraction``)."""
-    settings = settings or load_settings()
+def scrub(fraction: float | None = None, repair: bool = True) -> dict[str, Any]:
+    """Re-read ``fraction`` of the verified durable copies (default ``Settings.scrub_fraction``).
+    Settings are read here, from the environment: never a flow parameter (Prefect stores
+    parameters with every run, in its database and UI)."""
+    settings = load_settings()
     report = scrub_task(settings, fraction=fraction, repair=repair, actor=current_actor())
     announce_bad(report.bad, "scrub")
     publish_table(artifact_key("scrub"), scrub_rows(report), report.summary())

@@ -1,40 +1,32 @@
 """What every pipeline step shares: opening the catalog and a tier, the part's manifest, results.
 
-Steps are plain functions over plain values (``Settings``, run, step, part, parts, tier, ids);
-they open what they need and close it before returning, so a Prefect retry starts clean.
-``notify`` is the signature of ``core.events.emit``; plain callers pass ``no_notify`` and the
-Prefect layer passes ``emit`` (tests pass a recorder).
+Steps are plain functions over plain values (``Settings``, run, step, part, tier, ids); they
+open what they need and close it before returning, so a Prefect retry starts clean. They
+announce facts with ``core.events.announce``; the flow that runs them decides where those go.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from core.errors import CorruptCheckpoint
-from core.manifest import FileEntry, Manifest, manifest_name
+from core.manifest import FileEntry, Manifest
+from core.layout import manifest_name, part_key
 from core.settings import Settings
-from core.storage.base import TierStore, checkpoint_prefix
+from db.catalog import Catalog
+from core.storage.base import TierStore
+from core.layout import checkpoint_prefix
 from db.entities import CORRUPT, MISSING, PRUNED
 
 log = logging.getLogger("ckpt.pipeline")
 
-Notify = Callable[..., Any]
-
-
-def no_notify(*_args: Any, **_kwargs: Any) -> bool:
-    """A ``notify`` that announces nothing (plain callers, tests that do not care)."""
-    return False
-
-
 @contextmanager
-def open_catalog(url: str) -> Iterator[Any]:
+def open_catalog(url: str) -> Iterator[Catalog]:
     """The catalog at ``url`` for the duration of one step; closed on the way out."""
-    from db.catalog import Catalog
-
     cat = Catalog(url)
     try:
         yield cat
@@ -56,18 +48,8 @@ def tier_store(settings: Settings, tier: int) -> TierStore:
 @contextmanager
 def open_tier(settings: Settings, tier: int) -> Iterator[TierStore]:
     """``tier_store`` for one step, closed on the way out (S3 keeps a thread pool)."""
-    store = tier_store(settings, tier)
-    try:
+    with tier_store(settings, tier) as store:
         yield store
-    finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
-
-
-def part_key(run: str, step: int, part: int, parts: int) -> str:
-    """Key of a part's manifest (its commit marker) relative to the tier root."""
-    return f"{checkpoint_prefix(run, step)}/{manifest_name(part, parts)}"
 
 
 def read_manifest(store: TierStore, run: str, step: int, part: int, parts: int) -> Manifest:
@@ -89,7 +71,7 @@ def read_manifest(store: TierStore, run: str, step: int, part: int, parts: int) 
     return manifest
 
 
-def catalog_digest(cat: Any, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> str:
+def catalog_digest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> str:
     """The manifest digest of a part as the catalog registered it (the source of truth)."""
     files = cat.files(checkpoint_id, part)
     algorithm = files[0].algorithm if files else "crc32c"
@@ -97,7 +79,7 @@ def catalog_digest(cat: Any, checkpoint_id: int, run: str, step: int, part: int,
     return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts).digest()
 
 
-def registered_manifest(cat: Any, store: TierStore, checkpoint_id: int, run: str, step: int,
+def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, step: int,
                         part: int, parts: int) -> Manifest:
     """The part's manifest on ``store``, proven to list exactly the files the catalog registered.
 
@@ -113,18 +95,19 @@ def registered_manifest(cat: Any, store: TierStore, checkpoint_id: int, run: str
     return manifest
 
 
-def delete_part_files(cat: Any, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
-    """Delete a part's files (the whole checkpoint folder when it is the only part). Callers
-    delete the part's manifest first, so a half-deleted part never looks committed."""
+def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
+    """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
+    single-part checkpoint owns its folder; a part of several leaves the paths another part
+    with a live copy on this tier still lists (``shared_paths``)."""
     prefix = checkpoint_prefix(run, step)
     if parts == 1:
-        return store.delete_prefix(prefix)
+        return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
     ck = cat.get_checkpoint(run, step)
-    shared = shared_paths(cat, ck.id, part, store.tier)
-    return sum(delete_key(store, f"{prefix}/{f.path}") for f in cat.files(ck.id, part) if f.path not in shared)
+    paths = [f.path for f in cat.files(ck.id, part)]
+    return store.delete_part(prefix, manifest_name(part, parts), paths, keep=shared_paths(cat, ck.id, part, store.tier))
 
 
-def shared_paths(cat: Any, checkpoint_id: int, part: int, tier: int) -> set[str]:
+def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[str]:
     """Paths this part shares with another part that still has a live replica on ``tier``
     (parts of one checkpoint sit side by side in one folder; two nodes may both list e.g.
     ``config.json``): deleting this part must leave them for the other."""
@@ -134,26 +117,6 @@ def shared_paths(cat: Any, checkpoint_id: int, part: int, tier: int) -> set[str]
         return set()
     mine = {f.path for f in cat.files(checkpoint_id, part)}
     return {f.path for p in live for f in cat.files(checkpoint_id, p) if f.path in mine}
-
-
-def delete_part(cat: Any, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
-    """Uncommit (manifest first), then delete a part's files; returns objects deleted."""
-    return delete_key(store, part_key(run, step, part, parts)) + delete_part_files(cat, store, run, step, part, parts)
-
-
-def delete_key(store: TierStore, key: str) -> int:
-    """Delete one object. ``TierStore`` has only ``delete_prefix``, which on local tiers takes a
-    file too but on S3 lists ``key/``; an S3 object is therefore deleted through its client."""
-    if store.stat(key) is None:
-        return 0
-    n = store.delete_prefix(key)
-    if store.stat(key) is not None and hasattr(store, "client"):
-        from core.storage.s3 import s3_errors
-
-        with s3_errors(f"delete {store.url_for(key)}"):
-            store.client.delete_object(Bucket=store.bucket, Key=store._k(key))
-        n = 1
-    return n
 
 
 @dataclass(frozen=True)

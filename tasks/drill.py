@@ -20,7 +20,7 @@ from typing import Any
 
 from core.errors import CkptError, NotFound
 from core.settings import Settings
-from core.storage.base import checkpoint_prefix
+from core.layout import checkpoint_prefix
 from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.retry import pipeline_task
@@ -85,7 +85,7 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
 def _drill_one(cat: Any, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
                actor: str) -> tuple[bool, float, str | None]:
     """Restore from ``tier`` alone into ``scratch`` (removed after), check it; (ok, seconds, detail)."""
-    from core.storage.fs import LocalStore
+    from core.storage.local import LocalStore
     from core.transfer import verify_part
     from tasks.restore import restore_checkpoint
 

@@ -17,7 +17,8 @@ from core import events
 from core.errors import CkptError, ConfigError
 from core.settings import Settings
 from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
-from tasks.base import Notify, delete_key, delete_part_files, log, no_notify, open_catalog, open_tier, part_key
+from tasks.base import delete_part, log, open_catalog, open_tier
+from core.layout import part_key
 from tasks.retry import pipeline_task
 
 
@@ -32,8 +33,7 @@ class Pruned:
     bytes: int | None
 
 
-def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None,
-                  notify: Notify = no_notify) -> Pruned:
+def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None) -> Pruned:
     """Guarded delete of one replica; raises ``PruneRefused`` when the catalog says no."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
@@ -45,16 +45,16 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
         parts = cat.get_checkpoint(rep.run, rep.step).parts
         with open_tier(settings, rep.tier) as store:
             try:
-                deleted = delete_key(store, part_key(rep.run, rep.step, rep.part, parts))
+                deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, parts)))
             except BaseException:
                 # only while the manifest is provably still there is it still a good copy; when
                 # that can't be told, the replica stays ``pruning`` and the next call finishes it
                 if not resumed and _still_committed(store, part_key(rep.run, rep.step, rep.part, parts)):
                     _abandon(cat, rep, actor)
                 raise
-            deleted += delete_part_files(cat, store, rep.run, rep.step, rep.part, parts)
+            deleted += delete_part(cat, store, rep.run, rep.step, rep.part, parts)
         cat.transition(rep.id, PRUNED, expected=PRUNING, actor=actor, reason=reason)
-    notify(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
+    events.announce(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
            extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})
     return Pruned(replica_id=rep.id, run=rep.run, step=rep.step, tier=rep.tier, part=rep.part,
                   deleted=deleted, bytes=rep.bytes)

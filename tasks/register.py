@@ -17,7 +17,7 @@ from core.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, No
 from core.paths import safe_run_name
 from core.settings import Settings
 from db.entities import VERIFIED
-from tasks.base import Notify, no_notify, open_catalog, open_tier, read_manifest
+from tasks.base import open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
 
 
@@ -36,7 +36,7 @@ class Registered:
 
 
 def register_part(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-                  node: str | None = None, actor: str = "cli", notify: Notify = no_notify,
+                  node: str | None = None, actor: str = "cli",
                   source_tier: int = 0) -> Registered:
     """Read the part's manifest from ``source_tier`` (Tier 0; reconcile adopts parts found only
     on Tier 1) and register it; idempotent for the same manifest."""
@@ -54,7 +54,7 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
             info = cat.register_part(manifest, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
             _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
-            notify(events.REJECTED, run, step, part=part, parts=parts, node=node,
+            events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node,
                    payload={"reason": f"{type(exc).__name__}: {exc}"})
             raise
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,

@@ -17,7 +17,7 @@ from typing import Any
 
 from core.errors import CkptError, PruneRefused
 from core.settings import MilestonePolicy, Settings
-from tasks.base import Notify, log, no_notify, open_catalog
+from tasks.base import log, open_catalog
 from tasks.retry import pipeline_task
 
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
@@ -79,7 +79,7 @@ def _annotate(cat: Any, settings: Settings, action: PruneAction, keep_milestones
 
 
 def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Callable[..., Any],
-                    actor: str = "cli", notify: Notify = no_notify) -> list[PruneAction]:
+                    actor: str = "cli") -> list[PruneAction]:
     """Prune every ``planned`` action through ``prune`` (the plain step or its task), Tier 0
     first; a refusal or failure is recorded on the action and the others still run."""
     done: list[PruneAction] = []
@@ -88,7 +88,7 @@ def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Calla
             done.append(action)
             continue
         try:
-            prune(settings, action.replica_id, actor=actor, reason="retention policy", notify=notify)
+            prune(settings, action.replica_id, actor=actor, reason="retention policy")
             done.append(replace(action, outcome=PRUNED))
         except PruneRefused as exc:
             log.info("retention: %s/%s tier %s kept: %s", action.run, action.step, action.tier, exc)

@@ -31,9 +31,10 @@ from typing import Any
 
 from core.errors import CkptError, is_transient
 from core.settings import Settings
-from core.storage.base import TierStore, checkpoint_prefix
-from db.entities import COPYING, VERIFIED, CheckpointInfo, ReplicaInfo
-from tasks.base import log, open_catalog, registered_manifest
+from core.layout import checkpoint_prefix
+from db.entities import VERIFIED, CheckpointInfo, ReplicaInfo
+from tasks.base import delete_part, log, open_catalog, registered_manifest
+from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
 from tasks.retry import pipeline_task
 
@@ -169,13 +170,12 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
                    replicas: list[ReplicaInfo], actor: str) -> Repair | str:
     """Make the replica of ``part`` on ``tier`` verified again from a good copy on another tier.
 
-    Under the catalog's claim: remove whatever the bad copy left (its manifest first, so it
-    stops being committed), copy from the nearest verified replica readable here, read back,
+    As a claimed copy (``tasks.claim``): remove whatever the bad copy left (its manifest first,
+    so it stops being committed; paths another live part lists stay), copy from the nearest verified replica readable here, read back,
     then ``verified``. Never raises for a repair that cannot be done; says why instead (a string
     when another worker holds the replica: nothing failed, it is being copied now).
     """
     from core.transfer import copy_part
-    from tasks.copy import Heartbeat, _release  # a failed repair releases its claim like a failed copy
 
     settings = stores.settings
     prefix = checkpoint_prefix(ck.run, ck.step)
@@ -184,24 +184,21 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
         return Repair(ck.run, ck.step, part, tier, None, False, "no other verified copy is readable here")
     src_rep, manifest = found
     dst = stores.get(tier)
-    claim = cat.claim_copy(ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor)
-    if not claim.acquired:
-        return (f"{ck.run}/step-{ck.step} part {part} tier {tier}: {claim.replica.state} by another worker, "
+    held, rep = ClaimedCopy.take(cat, ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor,
+                                 what="scrub repair", lease_s=settings.claim_lease_seconds)
+    if held is None:
+        return (f"{ck.run}/step-{ck.step} part {part} tier {tier}: {rep.state} by another worker, "
                 "not repaired here")
-    rep, token = claim.replica, claim.replica.claim_token
     started = time.monotonic()
     try:
-        src = stores.get(src_rep.tier)
-        remove_part(dst, prefix, manifest, whole_folder=ck.parts == 1)
-        result = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
-                           buffer_bytes=settings.io_buffer_bytes,
-                           progress=Heartbeat(cat, rep.id, token, every=60.0))
-        cat.transition(rep.id, VERIFIED, expected=COPYING, actor=actor, claim_token=token, bytes=result.bytes,
-                       copy_seconds=time.monotonic() - started, reason=f"scrub repair from tier {src_rep.tier}")
-    except BaseException as exc:
-        _release(cat, rep.id, token, exc, actor)
-        if not isinstance(exc, CkptError):
-            raise
+        with held:
+            delete_part(cat, dst, ck.run, ck.step, part, ck.parts)  # the bad copy's manifest first
+            result = copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
+                               parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
+                               progress=held.progress())
+            held.verified(bytes=result.bytes, seconds=time.monotonic() - started,
+                          reason=f"scrub repair from tier {src_rep.tier}")
+    except CkptError as exc:
         return Repair(ck.run, ck.step, part, tier, src_rep.tier, False, f"repair failed: {exc}")
     log.info("scrub: repaired %s/step-%d part %d on tier %d from tier %d", ck.run, ck.step, part, tier, src_rep.tier)
     return Repair(ck.run, ck.step, part, tier, src_rep.tier, True, f"copied again from tier {src_rep.tier}")
@@ -223,17 +220,6 @@ def _good_source(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, ti
             if state is not None:
                 mark_bad(cat, rep, state, f"scrub repair source: {exc}", actor=actor)
     return None
-
-
-def remove_part(store: TierStore, prefix: str, manifest: Any, *, whole_folder: bool) -> None:
-    """Delete what a bad copy of a part left: the manifest first (uncommits it), then its files.
-    A single-part checkpoint owns its folder; a part of several shares it, so only its own
-    keys go (``delete_prefix`` of a key deletes that one object on every backend)."""
-    if whole_folder:
-        store.delete_prefix(prefix)
-        return
-    for key in [f"{prefix}/{manifest.name}"] + [f"{prefix}/{f.path}" for f in manifest.files]:
-        store.delete_prefix(key)
 
 
 scrub_task = pipeline_task(scrub, name="scrub", retries=2)

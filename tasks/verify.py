@@ -2,9 +2,11 @@
 
 On Tier 0 this is the gate of the whole pipeline: a part is copied only after its source bytes
 and format proved good. A good Tier 0 part is recorded as a ``verified`` replica on its node,
-so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way). A bad one makes the replica (and, on Tier 0, the checkpoint)
-``corrupt`` with the file and the reason, announces ``ckpt.checkpoint.corrupt`` and raises
-``CorruptCheckpoint``; nothing else changes. On Tier 1/2 a bad copy makes that replica
+so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way). A
+bad one makes the replica ``corrupt`` with the file and the reason, announces
+``ckpt.checkpoint.corrupt`` and raises ``CorruptCheckpoint``; nothing else changes. The
+checkpoint itself is marked corrupt only while no other tier holds a verified copy: rot found
+on Tier 0 during a re-promotion does not condemn the good copies on Tiers 1 and 2. On Tier 1/2 a bad copy makes that replica
 ``corrupt`` (a later promotion copies it again). Tier 2 is checked by the server's
 full-object CRC32C (HeadObject), not by downloading it.
 """
@@ -12,20 +14,21 @@ full-object CRC32C (HeadObject), not by downloading it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import nullcontext
 
 from core import events
 from core.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
+from core.layout import checkpoint_prefix
 from core.settings import Settings
-from core.storage.base import checkpoint_prefix
-from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, ReplicaInfo
-from tasks.base import HopResult, Notify, log, no_notify, open_catalog, open_tier, registered_manifest
+from db.catalog import Catalog
+from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, CheckpointInfo, ReplicaInfo
+from tasks.base import HopResult, log, open_catalog, open_tier, registered_manifest
+from tasks.claim import ClaimedCopy
 from tasks.retry import pipeline_task
 
 
-def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-                   tier: int = 0, node: str | None = None, actor: str = "cli",
-                   notify: Notify = no_notify) -> HopResult:
+def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
+                   tier: int = 0, node: str | None = None, actor: str = "cli") -> HopResult:
     """Recompute the part's checksums and check its format on ``tier``; record the verdict."""
     from core.transfer import verify_part
 
@@ -36,38 +39,33 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, parts
         url = store.url_for(prefix)
         # claim before reading: a replica recorded verified from a read that a prune (or a
         # failed copy) overtook would list files that are gone
-        claim = cat.claim_copy(ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor)
-        claim = claim if claim.acquired else None
-        started = time.monotonic()
-        try:
-            manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
-            verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
-                        buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
-        except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
-            _record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, claim)
-            notify(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
-                   extra_id=f"tier{tier}",
-                   payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
-            raise
-        except NotFound as exc:
-            _record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, claim)
-            raise
-        except BaseException as exc:  # transient: let the claim go so a retry can take it
-            if claim is not None:
-                _transition_claimed(cat, claim, MISSING, f"verify interrupted: {type(exc).__name__}: {exc}", actor)
-            raise
-        seconds = time.monotonic() - started
-        if claim is not None:
-            cat.transition(claim.replica.id, VERIFIED, expected=COPYING, actor=actor,
-                           claim_token=claim.replica.claim_token, bytes=manifest.total_bytes,
-                           reason=f"tier {tier} copy read back against its manifest")
-        notify(events.VERIFIED, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{tier}",
-               payload={"tier": tier, "bytes": manifest.total_bytes, "seconds": round(seconds, 3)})
+        held, _ = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None,
+                                   actor=actor, what="verify", lease_s=settings.claim_lease_seconds)
+        with held if held is not None else nullcontext():
+            started = time.monotonic()
+            try:
+                manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
+                verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
+                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
+            except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
+                _record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
+                events.announce(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
+                                extra_id=f"tier{tier}",
+                                payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
+                raise
+            except NotFound as exc:
+                _record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, held)
+                raise
+            seconds = time.monotonic() - started
+            if held is not None:
+                held.verified(bytes=manifest.total_bytes, reason=f"tier {tier} copy read back against its manifest")
+        events.announce(events.VERIFIED, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{tier}",
+                        payload={"tier": tier, "bytes": manifest.total_bytes, "seconds": round(seconds, 3)})
         return HopResult(hop=f"verify tier {tier}", run=run, step=step, part=part,
                          files=len(manifest.files), bytes=manifest.total_bytes, seconds=seconds)
 
 
-def part_replica(cat: Any, checkpoint_id: int, tier: int, part: int, node: str | None) -> ReplicaInfo | None:
+def part_replica(cat: Catalog, checkpoint_id: int, tier: int, part: int, node: str | None) -> ReplicaInfo | None:
     """The replica of one part on one tier (on Tier 0: the one on ``node``)."""
     for rep in cat.replicas(checkpoint_id, tier):
         if rep.part == part and (tier != 0 or node is None or rep.node == node):
@@ -75,31 +73,26 @@ def part_replica(cat: Any, checkpoint_id: int, tier: int, part: int, node: str |
     return None
 
 
-def _transition_claimed(cat: Any, claim: Any, state: str, reason: str, actor: str) -> None:
-    try:
-        cat.transition(claim.replica.id, state, expected=COPYING, actor=actor,
-                       claim_token=claim.replica.claim_token, reason=reason)
-    except CkptError as lost:
-        log.warning("replica %s: could not record %s: %s", claim.replica.id, state, lost)
-
-
-def _record_bad(cat: Any, ck: Any, tier: int, part: int, node: str, url: str, state: str,
-                exc: Exception, actor: str, claim: Any = None) -> None:
-    """Mark the replica ``state`` (corrupt/missing); on Tier 0 a corrupt source marks the
-    checkpoint corrupt too. Losing a race to another writer is not an error here: the verdict
-    is already raised to the caller, and the catalog keeps whichever change won."""
+def _record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str, url: str, state: str,
+                exc: Exception, actor: str, held: ClaimedCopy | None) -> None:
+    """Mark the replica ``state`` (corrupt/missing). Corruption belongs to the replica: the
+    checkpoint itself becomes corrupt only when a corrupt Tier 0 source leaves it with no
+    verified copy anywhere (a fresh save that is bad from the start). Losing a race to another
+    writer is not an error here: the verdict is already raised to the caller, and the catalog
+    keeps whichever change won."""
     reason = str(exc)
     try:
-        if tier == 0 and state == CORRUPT:
+        if tier == 0 and state == CORRUPT and not any(
+                r.state == VERIFIED and r.tier != 0 for r in cat.replicas(ck.id)):
             cat.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason=reason, actor=actor)
-        if claim is not None:  # this verify holds the replica: record the verdict under it
-            _transition_claimed(cat, claim, state, reason, actor)
+        if held is not None:  # this verify holds the replica: record the verdict under it
+            held.settle(state, reason)
             return
         rep = part_replica(cat, ck.id, tier, part, node)
         if rep is None and tier == 0:
             claim = cat.claim_copy(ck.id, 0, part, url, node=node, actor=actor)
             if claim.acquired:
-                cat.transition(claim.replica.id, state, expected="copying", actor=actor,
+                cat.transition(claim.replica.id, state, expected=COPYING, actor=actor,
                                claim_token=claim.replica.claim_token, reason=reason)
         elif rep is not None and rep.state in (PENDING, VERIFIED):  # never break a live copy
             cat.transition(rep.id, state, expected=rep.state, actor=actor, reason=reason)

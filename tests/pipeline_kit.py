@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from core.manifest import Manifest, checkpoint_dirname
+from core.manifest import Manifest
+from core.layout import checkpoint_dirname
 
 
 def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int = 2, shard_bytes: int = 1 << 20,
@@ -124,7 +125,7 @@ def published_files(root: Path | str, run: str, step: int) -> list[str]:
 
 @dataclass
 class Recorder:
-    """A ``notify`` that records what the pipeline would announce: (event, run, step, part, extra)."""
+    """An announcer (``core.events.announcing``) that records what the pipeline announces: (event, run, step, part, extra)."""
 
     seen: list[tuple[str, str, int, int, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -218,3 +219,24 @@ class FaultProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def expire_claims(settings) -> int:
+    """Make every live claim's lease lapse now, as if its worker died a lease ago (tests never
+    wait on a wall clock for a lease to run out); returns how many were expired."""
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy import update
+
+    from db.models import Replica
+
+    replicas = Replica.__table__
+
+    cat = catalog(settings)
+    try:
+        past = datetime.now(timezone.utc) - timedelta(days=1)
+        with cat.engine.begin() as conn:
+            return conn.execute(update(replicas).where(replicas.c.lease_expires_at.is_not(None))
+                                .values(lease_expires_at=past)).rowcount
+    finally:
+        cat.close()

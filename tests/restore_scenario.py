@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from core.manifest_build import build_manifest, write_manifest
-from core.storage.base import checkpoint_prefix
+from core.layout import checkpoint_prefix
 
 
 def scenario_settings(settings_factory, db_url: str, *, s3_endpoint: str | None = None,

@@ -94,26 +94,58 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
 
 
 def test_a_transient_failure_is_retried_by_the_task(env_settings):
-    """Another worker's live claim (CopyInProgress) makes the copy task retry until it lapses."""
+    """Another worker's live claim (CopyInProgress) makes the copy task retry; once that worker
+    lets go (released here only after the task was seen waiting for its retry, so no wall-clock
+    race decides the outcome), a retry copies."""
+    import threading
+
+    from db.entities import COPYING, MISSING
     from flows.promote import promote_checkpoint
     from tasks.register import register_part
 
-    settings = env_settings(task_retries=4, task_retry_delay_seconds=0.5)
+    settings = env_settings(task_retries=6, task_retry_delay_seconds=1.0)
     write_checkpoint(settings.tier0_url, RUN, 100)
     register_part(settings, RUN, 100)
     cat = catalog(settings)
+    ck = cat.get_checkpoint(RUN, 100)
+    other = cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=3600)
+    assert other.acquired
+    released = threading.Event()
+
+    def release_once_a_retry_waits() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not awaiting_retry("copy-to-tier1"):
+            time.sleep(0.2)
+        cat.transition(other.replica.id, MISSING, expected=COPYING, claim_token=other.replica.claim_token,
+                       actor="other", reason="the other worker gave up")
+        released.set()
+
+    helper = threading.Thread(target=release_once_a_retry_waits, daemon=True)
+    helper.start()
     try:
-        ck = cat.get_checkpoint(RUN, 100)
-        assert cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=1.0).acquired
+        state = promote_checkpoint(RUN, 100, return_state=True)
     finally:
+        helper.join(130)
         cat.close()
 
-    state = promote_checkpoint(RUN, 100, return_state=True)
-
+    assert released.is_set()
     assert state.is_completed(), state.message
     copy = task_runs_of(state.state_details.flow_run_id)["copy-to-tier1"]
     assert copy.run_count > 1
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+
+
+def awaiting_retry(task_name: str) -> bool:
+    """Whether a task run of ``task_name`` is waiting for its retry (state AwaitingRetry)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterState, \
+        TaskRunFilterStateName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+            name=TaskRunFilterName(like_=task_name),
+            state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["AwaitingRetry"]))))
+    return bool(runs)
 
 
 def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from core.errors import CopyInProgress, StorageFull, StorageUnavailable, is_tran
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from pipeline_kit import (FaultProxy, ckpt_dir, pipeline_settings, published_files, replica_states, same_bytes,
+from pipeline_kit import (FaultProxy, ckpt_dir, expire_claims, pipeline_settings, published_files, replica_states, same_bytes,
                           shard_paths, write_checkpoint)
 
 RUN = "run-a"
@@ -40,7 +39,7 @@ def assert_nothing_partial_published(settings, step: int) -> None:
 KILLED_COPY = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    import core.storage.fs as fs
+    import core.storage.local as fs
     from core.settings import load_settings
     from tasks.copy import copy_to_tier1
 
@@ -68,7 +67,7 @@ KILLED_COPY = textwrap.dedent("""
 
     fs.LocalStore.put_verified = put_verified
     settings = load_settings(data_dir=sys.argv[2], node="node-0", catalog_url=sys.argv[3], copy_parallelism=1)
-    copy_to_tier1(settings, "run-a", int(sys.argv[4]), lease_seconds=float(sys.argv[5]))
+    copy_to_tier1(settings, "run-a", int(sys.argv[4]))
     print("FINISHED", flush=True)
 """)
 
@@ -83,7 +82,7 @@ def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_fac
     register_part(settings, RUN, 100)
     verify_replica(settings, RUN, 100, tier=0)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY, str(ROOT), str(settings.data_dir),
-                             settings.catalog_url, "100", "2"], stdout=subprocess.PIPE, text=True)
+                             settings.catalog_url, "100"], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.strip() == "MIDWAY", line
@@ -97,10 +96,10 @@ def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_fac
     assert [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]  # half a file
     assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # a dead claim, never verified
     with pytest.raises(CopyInProgress):
-        copy_to_tier1(settings, RUN, 100)  # its 2 s lease still runs
-    time.sleep(2.2)
+        copy_to_tier1(settings, RUN, 100)  # its lease still runs
+    expire_claims(settings)  # as if a whole lease passed without a heartbeat
 
-    hop = copy_to_tier1(settings, RUN, 100, lease_seconds=2)  # the lease ran out: taken over, resumed
+    hop = copy_to_tier1(settings, RUN, 100)  # the lease ran out: taken over, resumed
 
     assert not hop.skipped and hop.files == len(m.files) - 1  # the file published before the kill is kept
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
@@ -175,7 +174,7 @@ def full_tier1(request, tmp_path, monkeypatch):
         yield str(root)
         subprocess.run(["umount", str(root)], check=False)
         return
-    import core.storage.fs as fs
+    import core.storage.local as fs
 
     monkeypatch.setattr(fs, "os", FullDisk(os, str(root), 4 << 20))
     yield str(root)

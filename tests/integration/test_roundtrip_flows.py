@@ -41,9 +41,32 @@ def artifacts(key: str) -> list:
     return asyncio.run(read())
 
 
+def export_settings(monkeypatch, settings) -> None:
+    """Flows read their settings from the environment (never a flow parameter): export these."""
+    import json
+
+    for name, value in settings.model_dump(mode="json").items():
+        if value is not None:
+            monkeypatch.setenv(f"CKPT_{name.upper()}",
+                               json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+
+
+def stored_flow_run_parameters() -> list[dict]:
+    """Every flow run's parameters as the Prefect server stored them."""
+    from prefect import get_client
+
+    async def read():
+        async with get_client() as c:
+            return [fr.parameters for fr in await c.read_flow_runs(limit=200)]
+
+    return asyncio.run(read())
+
+
 @pytest.fixture
-def settings(prefect_server, settings_factory, db_url, s3_endpoint, s3_bucket):
-    return scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+def settings(prefect_server, settings_factory, db_url, s3_endpoint, s3_bucket, monkeypatch):
+    built = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    export_settings(monkeypatch, built)
+    return built
 
 
 def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, tmp_path, prefect_server):
@@ -57,7 +80,7 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     promote(settings, run, 100)
     shutil.rmtree(tier0_dir(settings, run, 100))
 
-    out = restore_checkpoint(run, str(tmp_path / "r"), settings=settings)
+    out = restore_checkpoint(run, str(tmp_path / "r"))
     assert (out["step"], out["tiers"]) == (100, [1])
     assert (tmp_path / "r" / "w.bin").read_bytes() == files["w.bin"]
     assert artifacts(f"restore-{run}")
@@ -66,15 +89,20 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     [missing] = events_named(prefect_server, "ckpt.checkpoint.corrupt", run)
     assert (missing["payload"]["tier"], missing["payload"]["state"]) == (0, "missing")
 
-    drills = restore_drill(scratch=str(tmp_path / "scratch"), settings=settings)
+    drills = restore_drill(scratch=str(tmp_path / "scratch"))
     assert [(d["tier"], d["ok"]) for d in drills] == [(1, True), (2, True)]
     assert [a for a in artifacts("restore-drill") if run in str(a.data)]
 
     flip_byte(tier1_dir(settings, run, 100) / "w.bin")
-    found = scrub(fraction=1.0, settings=settings)
+    found = scrub(fraction=1.0)
     assert (found["bad"], found["repaired"]) == (1, 1)  # repaired from Tier 2
     assert (tier1_dir(settings, run, 100) / "w.bin").read_bytes() == files["w.bin"]
     assert artifacts("scrub")
+
+    # what Prefect stored for these runs holds no catalog URL or credential
+    stored = str(stored_flow_run_parameters())
+    for secret in (settings.catalog_url, os.environ["AWS_SECRET_ACCESS_KEY"], "catalog_url"):
+        assert secret not in stored
 
 
 def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
@@ -88,7 +116,7 @@ def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
     shutil.rmtree(tier0_dir(settings, run, 100))
     flip_byte(tier1_dir(settings, run, 100) / "w.bin")
 
-    state: State = scrub(fraction=1.0, settings=settings, return_state=True)
+    state: State = scrub(fraction=1.0, return_state=True)
 
     assert state.is_failed()
     assert "could not be repaired" in state.message

@@ -14,7 +14,8 @@ from core import checksum
 from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
 from core.manifest import Manifest
 from core.manifest_build import build_manifest, read_manifest, write_manifest
-from core.storage.fs import LocalStore, staging_name
+from core.storage.local import LocalStore
+from core.layout import staging_name
 
 
 def test_crc32c_spellings_match_the_standard_check_value():

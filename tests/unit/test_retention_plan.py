@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from core.events import announcing
+
 from pathlib import Path
 
 import pytest
@@ -52,7 +54,8 @@ def test_applying_the_plan_prunes_tier0_and_keeps_tier1(settings):
     keep2 = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=2))
     events = Recorder()
 
-    done = retention(keep2, run=RUN, steps=plain_steps(), notify=events)
+    with announcing(events):
+        done = retention(keep2, run=RUN, steps=plain_steps())
 
     assert [(a.step, a.outcome) for a in done] == [(10, PRUNED), (20, PRUNED)]
     for s in (10, 20):

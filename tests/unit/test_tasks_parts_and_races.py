@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from core.events import announcing
+
 import threading
 from pathlib import Path
 
@@ -39,7 +41,8 @@ def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
     write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1")
     events = Recorder()
 
-    first = promote(settings, RUN, 100, 0, 2, steps=plain_steps(), notify=events)
+    with announcing(events):
+        first = promote(settings, RUN, 100, 0, 2, steps=plain_steps())
     assert not first.durable
     cat = catalog(settings)
     try:
@@ -47,7 +50,8 @@ def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
     finally:
         cat.close()
 
-    second = promote(node1, RUN, 100, 1, 2, steps=plain_steps(), notify=events)
+    with announcing(events):
+        second = promote(node1, RUN, 100, 1, 2, steps=plain_steps())
 
     assert second.durable
     assert events.names().count("durable") == 1
@@ -236,7 +240,7 @@ def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
     """Two nodes may both list e.g. config.json in one shared checkpoint folder: removing one
     part's files must not take the other part's copy with it."""
     from core.manifest_build import build_manifest, write_manifest
-    from tasks.base import delete_part_files, open_catalog, open_tier
+    from tasks.base import delete_part, open_catalog, open_tier
 
     node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
     for part, s in ((0, settings), (1, node1)):
@@ -251,10 +255,11 @@ def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
     assert (tier1 / "config.json").is_file()
 
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 1) as store:
-        delete_part_files(cat, store, RUN, 100, 0, 2)
+        delete_part(cat, store, RUN, 100, 0, 2)
 
     assert (tier1 / "config.json").read_text() == '{"layers": 2}'  # part 1 still lists it
     assert not (tier1 / "model-p00-00000.safetensors").exists()  # part 0's own files went
+    assert not (tier1 / "manifest.part-00000-of-00002.json").exists()  # uncommitted first
     assert (tier1 / "model-p01-00000.safetensors").is_file()
 
 

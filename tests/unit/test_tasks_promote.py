@@ -3,6 +3,8 @@ milestones, on moto's S3 server), on a real catalog (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+from core.events import announcing
+
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,8 @@ def test_promotion_copies_verified_bytes_to_tier1_and_records_every_copy(setting
     m = write_checkpoint(tier(settings, 0), RUN, 100)
     events = Recorder()
 
-    result = promote(settings, RUN, 100, steps=plain_steps(), notify=events)
+    with announcing(events):
+        result = promote(settings, RUN, 100, steps=plain_steps())
 
     assert result.durable
     for src in shard_paths(tier(settings, 0), RUN, 100):
@@ -58,7 +61,8 @@ def test_milestone_goes_to_tier2_and_is_verified_there(settings_factory, db_url,
     m = write_checkpoint(tier(settings, 0), RUN, 200, kind="milestone")
     events = Recorder()
 
-    result = promote(settings, RUN, 200, steps=plain_steps(), notify=events)
+    with announcing(events):
+        result = promote(settings, RUN, 200, steps=plain_steps())
 
     assert result.archive is not None and result.archive.archived
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
@@ -90,7 +94,8 @@ def test_corrupt_source_is_never_promoted_and_earlier_checkpoints_are_untouched(
     events = Recorder()
 
     with pytest.raises(CorruptCheckpoint) as err:
-        promote(settings, RUN, 200, steps=plain_steps(), notify=events)
+        with announcing(events):
+            promote(settings, RUN, 200, steps=plain_steps())
 
     assert err.value.path == bad.name
     assert bad.name in str(err.value)
@@ -132,7 +137,8 @@ def test_same_promotion_twice_gives_one_set_of_copies_and_the_same_catalog(setti
     states = replica_states(settings, RUN, 100)
     events = Recorder()
 
-    second = promote(settings, RUN, 100, steps=plain_steps(), notify=events)
+    with announcing(events):
+        second = promote(settings, RUN, 100, steps=plain_steps())
 
     assert first.durable and not second.durable
     assert second.hops[-1].skipped
@@ -151,7 +157,8 @@ def test_two_promotions_at_once_copy_once(settings):
 
     def attempt():
         try:
-            return promote(settings, RUN, 100, steps=plain_steps(), notify=events)
+            with announcing(events):
+                return promote(settings, RUN, 100, steps=plain_steps())
         except CopyInProgress as exc:  # the loser's task would retry; its rerun finds it done
             return exc
 
@@ -172,7 +179,8 @@ def test_unknown_run_is_rejected_and_recorded(settings):
     write_checkpoint(tier(settings, 0), "nobody", 5)
     events = Recorder()
     with pytest.raises(UnknownRun):
-        promote(settings, "nobody", 5, steps=plain_steps(), notify=events)
+        with announcing(events):
+            promote(settings, "nobody", 5, steps=plain_steps())
     assert events.names() == ["rejected"]
     assert published_files(tier(settings, 1), "nobody", 5) == []
 
@@ -189,7 +197,8 @@ def test_manifest_path_escaping_the_checkpoint_is_rejected(settings, bad_path):
     events = Recorder()
 
     with pytest.raises(PathEscape):
-        promote(settings, RUN, 7, steps=plain_steps(), notify=events)
+        with announcing(events):
+            promote(settings, RUN, 7, steps=plain_steps())
 
     assert events.names() == ["rejected"]
     assert published_files(tier(settings, 1), RUN, 7) == []

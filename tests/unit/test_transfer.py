@@ -20,8 +20,9 @@ from safetensors.numpy import save_file
 
 from core.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
 from core.manifest_build import build_manifest, write_manifest
-from core.storage import checkpoint_prefix
-from core.storage.fs import LocalStore, is_staging
+from core.layout import checkpoint_prefix
+from core.storage.local import LocalStore
+from core.layout import is_staging
 from core.storage.s3 import S3Store
 from core.transfer import copy_part, find_committed, read_committed, verify_part
 
@@ -176,7 +177,7 @@ def test_different_committed_part_is_a_conflict(tiers):
 
 @pytest.mark.parametrize("path", ["kernel-copy", "streamed"])
 def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, path):
-    import core.storage.fs as fsmod
+    import core.storage.local as fsmod
 
     t0, t1 = tiers
     _, m = make_checkpoint(t0.root)
@@ -213,8 +214,8 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
 
 KILL_SCRIPT = r"""
 import os, sys, time
-import core.storage.fs as fsmod
-from core.storage.fs import LocalStore
+import core.storage.local as fsmod
+from core.storage.local import LocalStore
 from core.transfer import copy_part, read_committed
 fsmod._copy_range = lambda s, d, n: os.copy_file_range(s, d, min(n, 64 * 1024))  # a slow disk
 t0, t1 = LocalStore(sys.argv[1], 0), LocalStore(sys.argv[2], 1)
@@ -334,7 +335,7 @@ def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_
 
 def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
     """Names (and the new folders holding them) become durable before the manifest does."""
-    import core.storage.fs as fsmod
+    import core.storage.local as fsmod
 
     t0, t1 = tiers
     _, m = make_checkpoint(t0.root, shards=12, rows=16)

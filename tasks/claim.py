@@ -1,0 +1,107 @@
+"""The claimed copy: claim -> write or read back -> ``verified`` | released. The one way any
+step (promotion, archive, scrub repair, verify) changes a replica's bytes or vouches for them.
+
+``ClaimedCopy.take`` moves the replica to ``copying`` under a fresh claim token (or says why
+it could not: already ``verified``, another live claim, a prune owns it). While held, a
+background thread renews the lease every fifth of it, so an operation of any length keeps
+its claim and a killed worker's claim lapses after one lease (``LEASE_S``, the one lease
+policy of the pipeline). Work reports progress through ``held.check`` (or ``held.progress``),
+which raises ``StaleState`` once the claim was lost, so two workers never both publish a replica.
+
+Leaving the ``with`` block by an exception releases the claim (``copying -> missing`` with the
+reason) unless the work already settled the replica (``verified`` or a verdict such as
+``corrupt``); so a retry may claim it again at once and nothing claims a copy that failed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from core.errors import CkptError, StaleState
+from db.entities import COPYING, MISSING, VERIFIED, ReplicaInfo
+from tasks.base import log
+
+if TYPE_CHECKING:
+    from db.catalog import Catalog
+
+LEASE_S = 120.0  # a killed worker blocks the replica this long; renewed every fifth of it
+
+
+class ClaimedCopy:
+    """A replica held in ``copying`` under this worker's claim token (see module doc)."""
+
+    def __init__(self, cat: Catalog, replica: ReplicaInfo, *, actor: str, lease_s: float = LEASE_S,
+                 what: str = "copy"):
+        assert replica.claim_token is not None
+        self.cat, self.replica, self.token = cat, replica, replica.claim_token
+        self.actor, self.what, self.lease_s = actor, what, lease_s
+        self.settled = False
+        self._lost: StaleState | None = None
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, args=(lease_s / 5,), daemon=True,
+                                         name=f"lease-replica-{replica.id}")
+
+    @classmethod
+    def take(cls, cat: Catalog, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
+             actor: str, lease_s: float = LEASE_S, what: str = "copy") -> tuple[ClaimedCopy | None, ReplicaInfo]:
+        """``(held, replica)``: ``held`` is None when the claim was not acquired, and
+        ``replica.state`` says why (``verified``: nothing to do)."""
+        claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor, lease_seconds=lease_s)
+        if not claim.acquired:
+            return None, claim.replica
+        return cls(cat, claim.replica, actor=actor, lease_s=lease_s, what=what), claim.replica
+
+    # --- while held ------------------------------------------------------------------------
+    def _renew(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.cat.heartbeat(self.replica.id, self.token)
+            except StaleState as exc:
+                self._lost = exc
+                return
+            except Exception as exc:  # noqa: BLE001 - a catalog hiccup: the next beat tries again
+                log.warning("replica %s: lease renewal failed: %s", self.replica.id, exc)
+
+    def check(self, *_progress: Any) -> None:
+        """Raise ``StaleState`` once the claim was lost (taken over after a stalled lease)."""
+        if self._lost is not None:
+            raise StaleState(f"replica {self.replica.id}: {self._lost}")
+
+    def progress(self, shown: Callable[[int], None] | None = None) -> Callable[[int], None]:
+        """A ``progress(done)`` callback for a copy: checks the claim, then feeds ``shown``."""
+        def report(done: int) -> None:
+            self.check()
+            if shown is not None:
+                shown(done)
+        return report
+
+    # --- settling ------------------------------------------------------------------------
+    def verified(self, *, reason: str, bytes: int | None = None, seconds: float | None = None) -> ReplicaInfo:
+        """``copying -> verified``: only after the bytes were read back and matched."""
+        self.check()
+        rep = self.cat.transition(self.replica.id, VERIFIED, expected=COPYING, actor=self.actor,
+                                  claim_token=self.token, bytes=bytes, copy_seconds=seconds, reason=reason)
+        self.settled = True
+        return rep
+
+    def settle(self, state: str, reason: str) -> None:
+        """Record a verdict other than verified (``corrupt``, ``missing``) under the claim; a
+        claim lost meanwhile is logged, not raised (the verdict is raised by the caller)."""
+        self.settled = True
+        try:
+            self.cat.transition(self.replica.id, state, expected=COPYING, actor=self.actor,
+                                claim_token=self.token, reason=reason[:500])
+        except CkptError as lost:
+            log.warning("replica %s: could not record %s: %s", self.replica.id, state, lost)
+
+    def __enter__(self) -> ClaimedCopy:
+        self._renewer.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+        self._stop.set()
+        self._renewer.join()
+        if exc is not None and not self.settled:
+            self.settle(MISSING, f"{self.what} failed, nothing trusted: {type(exc).__name__}: {exc}")
