@@ -1,10 +1,10 @@
 """Catalog at scale: query latency and registration throughput on SQLite and PostgreSQL.
 
-Not part of CI. At ``--scale 1`` it fills a catalog with 10,000 runs x 100 steps (1,000,000
-checkpoints, 8 files each, 8,000,000 file rows) whose lineage chains are 50 edges deep where
-the queries walk them, then prints p50/p95 of catalog queries 1, 2, 4, 6 and 7 through the
-public ``Catalog`` API, and bulk registration throughput. Targets (issue 2): every query
-< 50 ms p95, >= 2,000 registrations/s.
+Full size by hand; CI runs only its ``--smoke`` form. At ``--scale 1`` it fills a catalog with
+10,000 runs x 100 steps (1,000,000 checkpoints, 8 files each, 8,000,000 file rows) whose lineage
+chains are 50 edges deep where the queries walk them, then prints p50/p95 of catalog queries 1,
+2, 4, 6 and 7 through the public ``Catalog`` API, and bulk registration throughput. Targets
+(issue 2): every query < 50 ms p95, >= 2,000 registrations/s.
 
 Ratios are against baselines measured in the same run:
 - queries: ``get_checkpoint`` (one primary-key lookup through the same API, transaction and
@@ -37,18 +37,18 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import text  # noqa: E402
+from sqlalchemy import text
 
-from benchmarks.common import bench_parser, parse  # noqa: E402
-from core.manifest import FileEntry, Manifest  # noqa: E402
-from core.settings import RetentionPolicy  # noqa: E402
-from db.catalog import Catalog, upgrade  # noqa: E402
-from db.rows import checkpoints, files, lineage, parts, replicas, runs  # noqa: E402
+from benchmarks.common import bench_parser, parse
+from core.manifest import FileEntry, Manifest
+from core.settings import RetentionPolicy
+from db.catalog import Catalog, upgrade
+from db.rows import checkpoints, files, lineage, parts, replicas, runs
 
 STEPS, FILES, GROUP = 100, 8, 20  # steps per run, files per checkpoint, runs per resume chain
 SMOKE = {"scale": 0.0001, "backend": "sqlite", "registrations": 20, "batch": 10}
@@ -59,7 +59,7 @@ PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@12
 def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
     """Insert ``n_runs`` runs straight into the tables; returns seconds."""
     t0 = time.perf_counter()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for first in range(0, n_runs, chunk):
         rows = _chunk_rows(range(first, min(first + chunk, n_runs)), now)
         with cat.engine.begin() as conn:

@@ -1,7 +1,7 @@
 """Writer stall of the training-side client against plain safetensors saves, same run.
 
-Not part of CI. For one checkpoint of ``--mb`` MB (float32 layers of 4 MB, sharded at
-``--shard-mb``), several rounds each of:
+Full size by hand; CI runs only its ``--smoke`` form. For one checkpoint of ``--mb`` MB
+(float32 layers of 4 MB, sharded at ``--shard-mb``), several rounds each of:
 - baseline: ``safetensors.numpy.save_file`` of the same shards into a fresh folder (what a job
   without this project does; no checksum, no manifest, no fsync);
 - baseline + fsync: the same, then fsync of every file (a durable local write);
@@ -27,13 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import numpy as np
+from safetensors.numpy import save_file
 
-from benchmarks.common import Times, bench_parser, parse, table  # noqa: E402
-from ckpt.client import CheckpointStager  # noqa: E402
-from core.safetensors_writer import as_host_array, plan_shards  # noqa: E402
-from core.settings import load_settings  # noqa: E402
+from benchmarks.common import Times, bench_parser, parse, table
+from ckpt.client import CheckpointStager
+from core.safetensors_writer import as_host_array, plan_shards
+from core.settings import load_settings
 
 SMOKE = {"mb": 8, "shard_mb": 4}
 

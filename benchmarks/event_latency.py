@@ -1,14 +1,14 @@
 """Latency of the event path: emit -> promote flow start, and emit -> verified on Tier 1.
 
-Not part of CI. Starts a Prefect server on SQLite (unless ``--api-url`` names a running one)
-and one agent for a node of its own (no Tier 2), commits ``--rounds`` checkpoints of ``--mb`` MB
-on Tier 0 and announces each with a ``ckpt.checkpoint.completed`` event, ``--gap`` seconds
-apart so that runs do not queue. The baseline, in the same run, is the API path: a flow run
-created directly on the same deployment (what ``ckpt promote`` / ``run_deployment`` does), whose
-start latency is the runner's pickup alone. Printed: medians, and the event path's ratio to
-the baseline. Run and node names are unique per invocation, so a reused server's older flow
-runs are never mistaken for this one's; on a reused server the agent's deployment is deleted
-at the end.
+Full size by hand; CI runs only its ``--smoke`` form. Starts a Prefect server on SQLite (unless
+``--api-url`` names a running one) and one agent for a node of its own (no Tier 2), commits
+``--rounds`` checkpoints of ``--mb`` MB on Tier 0 and announces each with a
+``ckpt.checkpoint.completed`` event, ``--gap`` seconds apart so that runs do not queue. The
+baseline, in the same run, is the API path: a flow run created directly on the same deployment
+(what ``ckpt promote`` / ``run_deployment`` does), whose start latency is the runner's pickup
+alone. Printed: medians, and the event path's ratio to the baseline. Run and node names are
+unique per invocation, so a reused server's older flow runs are never mistaken for this one's;
+on a reused server the agent's deployment is deleted at the end.
 
     python benchmarks/event_latency.py --rounds 6 --gap 8
     python benchmarks/event_latency.py --smoke [--api-url URL]    # one 4 MB checkpoint, no gap
@@ -29,17 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx
+import numpy as np
 
-from benchmarks.common import Times, bench_parser, parse, prefect_api, table  # noqa: E402
+from benchmarks.common import Times, bench_parser, parse, prefect_api, table
 
 SMOKE = {"gap": 0.0, "mb": 4}
 API_PATH = "API create -> flow start"
 
 
 def ts(value: str) -> float:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return datetime.fromisoformat(value).timestamp()
 
 
 def wait(pred, timeout: float = 120.0):

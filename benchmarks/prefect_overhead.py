@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, parse, prefect_api, table, write_shards  # noqa: E402
+from benchmarks.common import bench_parser, parse, prefect_api, table, write_shards
 
 NODE = "bench-node"
 SMOKE = {"size_mib": 2, "shards": 2, "settle": 0.0}

@@ -5,15 +5,16 @@ beside the plain copies of the same bytes, in the same run, several rounds, medi
 - from Tier 1 (a local folder) beside ``cp -r`` of the same folder (target: <= 1.3 x) and
   ``cp -r && sync`` (ours fsyncs every file before it publishes the folder; ``cp -r`` leaves
   the bytes in the page cache);
-- from Tier 2 (moto's S3 server on loopback, started here unless ``--s3-endpoint`` names one) beside boto3 ``download_file`` of the
-  same objects from the same endpoint, one object after the other (boto3's own ranged, threaded
-  download of each) and 4 objects at a time (the parallelism our restore uses).
+- from Tier 2 (moto's S3 server on loopback, started here unless ``--s3-endpoint`` names one)
+  beside boto3 ``download_file`` of the same objects from the same endpoint, one object after
+  the other (boto3's own ranged, threaded download of each) and 4 objects at a time (the
+  parallelism our restore uses).
 
 The checkpoint is written to Tier 0 and promoted through the real pipeline (as a milestone,
 so it reaches Tier 2). moto's server is itself the bottleneck on Tier 2 (50-100 MB/s here),
 so the Tier 2 ratio says how much we add on top of the same endpoint. Best-of-rounds and CPU
 seconds per GB are printed beside the medians: both are steadier than a median of wall times
-when other work shares the machine. Not run in CI.
+when other work shares the machine. Full size by hand; CI runs only ``--smoke``.
 
     .venv/bin/python benchmarks/restore.py [--gib 1] [--shards 64] [--rounds 5] [--s3-rounds 3]
     .venv/bin/python benchmarks/restore.py --smoke [--s3-endpoint URL]    # 4 MiB, 4 shards, one round
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, parse, run_rounds, s3_bucket, table, write_shards  # noqa: E402
+from benchmarks.common import bench_parser, parse, run_rounds, s3_bucket, table, write_shards
 
 RUN, STEP = "bench", 1000
 SMOKE = {"gib": 4 / 1024, "shards": 4, "s3_rounds": 1}

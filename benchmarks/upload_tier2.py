@@ -1,11 +1,12 @@
 """Benchmark: upload a checkpoint part Tier 1 -> Tier 2 (S3) with ``copy_part`` beside boto3's
-``upload_file`` with default settings, both against the same moto S3 server (started here unless ``--s3-endpoint`` names one),
-several rounds, medians, ratios, and client CPU seconds per GB (moto itself is slow, about
+``upload_file`` with default settings, both against the same moto S3 server (started here unless ``--s3-endpoint``
+names one), several rounds, medians, ratios, and client CPU seconds per GB (moto itself is slow, about
 50-100 MB/s here, so wall time mostly measures moto; CPU per GB measures our client).
 
 Ours per file: multipart with per-part CRC32C, full-object CRC32C checked client-side before
 CompleteMultipartUpload (If-None-Match), then HeadObject(ChecksumMode=ENABLED) compared with
-the manifest; manifest object last. boto3 ``upload_file``: no end-to-end check. Not in CI.
+the manifest; manifest object last. boto3 ``upload_file``: no end-to-end check. Full size by hand;
+CI runs only ``--smoke``.
 
     .venv/bin/python benchmarks/upload_tier2.py [--files 4] [--file-mib 64] [--rounds 3]
     .venv/bin/python benchmarks/upload_tier2.py --smoke [--s3-endpoint URL]    # 2 files of 1 MiB, one round
@@ -21,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, load_line, parse, ratio, run_rounds, s3_bucket, table  # noqa: E402
-from core.manifest_build import build_manifest, write_manifest  # noqa: E402
-from core.storage.fs import LocalStore  # noqa: E402
-from core.storage.s3 import S3Store  # noqa: E402
-from core.transfer import copy_part  # noqa: E402
+from benchmarks.common import bench_parser, load_line, parse, ratio, run_rounds, s3_bucket, table
+from core.manifest_build import build_manifest, write_manifest
+from core.storage.fs import LocalStore
+from core.storage.s3 import S3Store
+from core.transfer import copy_part
 
 RUN, STEP = "bench", 2000
 PREFIX = f"{RUN}/step-{STEP:08d}"
@@ -57,8 +58,7 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     folder.mkdir(parents=True)
     for i in range(args.files):
         with open(folder / f"shard-{i:03d}.bin", "wb") as fh:
-            for _ in range(args.file_mib):
-                fh.write(os.urandom(2**20))
+            fh.writelines(os.urandom(2**20) for _ in range(args.file_mib))
     m = build_manifest(folder, RUN, STEP)
     write_manifest(folder, m)
     plain = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
