@@ -1,10 +1,10 @@
 """Catalog at scale: query latency and registration throughput on SQLite and PostgreSQL.
 
-Not part of CI. At ``--scale 1`` it fills a catalog with 10,000 runs x 100 steps (1,000,000
-checkpoints, 8 files each, 8,000,000 file rows) whose lineage chains are 50 edges deep where
-the queries walk them, then prints p50/p95 of catalog queries 1, 2, 4, 6 and 7 through the
-public ``Catalog`` API, and bulk registration throughput. Targets (issue 2): every query
-< 50 ms p95, >= 2,000 registrations/s.
+Full size by hand; CI runs only its ``--smoke`` form. At ``--scale 1`` it fills a catalog with
+10,000 runs x 100 steps (1,000,000 checkpoints, 8 files each, 8,000,000 file rows) whose lineage
+chains are 50 edges deep where the queries walk them, then prints p50/p95 of catalog queries 1,
+2, 4, 6 and 7 through the public ``Catalog`` API, and bulk registration throughput. Targets
+(issue 2): every query < 50 ms p95, >= 2,000 registrations/s.
 
 Ratios are against baselines measured in the same run:
 - queries: ``get_checkpoint`` (one primary-key lookup through the same API, transaction and
@@ -22,6 +22,7 @@ with ``max_depth=50``).
 
     python benchmarks/catalog_scale.py --scale 0.01            # 100 runs, seconds
     python benchmarks/catalog_scale.py --scale 1 --backend pg  # the issue's size
+    python benchmarks/catalog_scale.py --smoke                 # 2 runs on SQLite, one call per query
 """
 
 from __future__ import annotations
@@ -30,23 +31,27 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import text  # noqa: E402
+from sqlalchemy import text
 
-from core.manifest import FileEntry, Manifest  # noqa: E402
-from core.settings import RetentionPolicy  # noqa: E402
-from db.catalog import Catalog, upgrade  # noqa: E402
-from db.rows import checkpoints, files, lineage, parts, replicas, runs  # noqa: E402
+from benchmarks.common import bench_parser, parse
+from core.manifest import FileEntry, Manifest
+from core.settings import RetentionPolicy
+from db.catalog import Catalog, upgrade
+from db.rows import checkpoints, files, lineage, parts, replicas, runs
 
 STEPS, FILES, GROUP = 100, 8, 20  # steps per run, files per checkpoint, runs per resume chain
+SMOKE = {"scale": 0.0001, "backend": "sqlite", "registrations": 20, "batch": 10}
 PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -54,7 +59,7 @@ PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@12
 def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
     """Insert ``n_runs`` runs straight into the tables; returns seconds."""
     t0 = time.perf_counter()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for first in range(0, n_runs, chunk):
         rows = _chunk_rows(range(first, min(first + chunk, n_runs)), now)
         with cat.engine.begin() as conn:
@@ -196,10 +201,8 @@ def registration(cat: Catalog, n: int, batch: int) -> tuple[float, float]:
 
 # --- backends -----------------------------------------------------------------------------------
 def sqlite_url(workdir: Path) -> str:
-    path = workdir / "catalog_scale.db"
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
-    return f"sqlite:///{path}"
+    """A fresh folder per run: two runs at once (or a test beside a manual run) do not share a file."""
+    return f"sqlite:///{Path(tempfile.mkdtemp(prefix='ckpt-catalog-scale-', dir=workdir)) / 'catalog_scale.db'}"
 
 
 def pg_url() -> tuple[str, callable]:
@@ -227,7 +230,7 @@ def bench_backend(label: str, url: str, args) -> None:
               f"{os.cpu_count()} CPUs)", flush=True)
         secs = fill(cat, n_runs)
         print(f"  fill: {secs:.0f} s ({n_runs * STEPS / secs:,.0f} checkpoints/s, direct inserts)")
-        results = run_queries(cat, n_runs, args.samples)
+        results = run_queries(cat, n_runs, args.rounds)
         base95 = results[0][2]
         print(f"  {'query':40s} {'p50 ms':>8s} {'p95 ms':>8s} {'x baseline':>10s} {'vs 50 ms':>9s}")
         for q, p50, p95 in results:
@@ -243,22 +246,21 @@ def bench_backend(label: str, url: str, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__.split("\n\n")[0], rounds=200)  # a round: one timed call per query
+    ap.add_argument("--samples", dest="rounds", type=int, default=argparse.SUPPRESS, help="same as --rounds")
     ap.add_argument("--scale", type=float, default=0.01, help="fraction of 10,000 runs (1 = the issue's size)")
     ap.add_argument("--backend", choices=("sqlite", "pg", "both"), default="both")
-    ap.add_argument("--samples", type=int, default=200, help="timed calls per query")
     ap.add_argument("--registrations", type=int, default=4000, help="manifests registered for throughput")
     ap.add_argument("--batch", type=int, default=500, help="register_many batch size")
     ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
-    args = ap.parse_args()
+    args = parse(ap, SMOKE)
     if args.backend in ("sqlite", "both"):
         url = sqlite_url(args.workdir)
         try:
             bench_backend("SQLite", url, args)
         finally:
             if not os.environ.get("CKPT_BENCH_KEEP"):
-                for suffix in ("", "-wal", "-shm"):
-                    Path(f"{url[len('sqlite:///'):]}{suffix}").unlink(missing_ok=True)
+                shutil.rmtree(Path(url[len("sqlite:///"):]).parent, ignore_errors=True)
     if args.backend in ("pg", "both"):
         url, drop = pg_url()
         try:

@@ -1,7 +1,7 @@
 """Writer stall of the training-side client against plain safetensors saves, same run.
 
-Not part of CI. For one checkpoint of ``--mb`` MB (float32 layers of 4 MB, sharded at
-``--shard-mb``), several rounds each of:
+Full size by hand; CI runs only its ``--smoke`` form. For one checkpoint of ``--mb`` MB
+(float32 layers of 4 MB, sharded at ``--shard-mb``), several rounds each of:
 - baseline: ``safetensors.numpy.save_file`` of the same shards into a fresh folder (what a job
   without this project does; no checksum, no manifest, no fsync);
 - baseline + fsync: the same, then fsync of every file (a durable local write);
@@ -13,14 +13,13 @@ Medians are printed with ratios against the plain baseline. Events and the catal
 (``announce=False``): they never run on the training thread anyway.
 
     python benchmarks/client_stall.py --mb 512 --rounds 5
+    python benchmarks/client_stall.py --smoke    # 8 MB, one round (no steady-state background row)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -28,12 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import numpy as np
+from safetensors.numpy import save_file
 
-from ckpt.client import CheckpointStager  # noqa: E402
-from core.safetensors_writer import as_host_array, plan_shards  # noqa: E402
-from core.settings import load_settings  # noqa: E402
+from benchmarks.common import Times, bench_parser, parse, table
+from ckpt.client import CheckpointStager
+from core.safetensors_writer import as_host_array, plan_shards
+from core.settings import load_settings
+
+SMOKE = {"mb": 8, "shard_mb": 4}
 
 
 def tensors(mb: int) -> dict[str, np.ndarray]:
@@ -56,29 +58,30 @@ def baseline(folder: Path, t: dict[str, np.ndarray], shard_bytes: int, fsync: bo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, rounds=5)
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--shard-mb", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="Tier 0 folder (default: a temp dir)")
-    args = ap.parse_args()
+    args = parse(ap, SMOKE)
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-stall-"))
     t = tensors(args.mb)
     shard = args.shard_mb * 1_000_000
     settings = load_settings(data_dir=root / "data", node="bench", catalog_url=f"sqlite:///{root}/c.db")
-    res: dict[str, list[float]] = {"baseline": [], "baseline+fsync": [], "client": [],
-                                   "client-background (first save)": [], "client-background": []}
+    plain, fsynced, fore, first, back = ("safetensors save_file", "safetensors save_file + fsync",
+                                         "ours: save", "ours: save(background), first save",
+                                         "ours: save(background)")
+    res: Times = {plain: [], fsynced: [], fore: [], first: [], back: []}
     step = 0
     fg = CheckpointStager("bench", settings=settings, shard_bytes=shard, announce=False)
     bg = CheckpointStager("bench", settings=settings, shard_bytes=shard, announce=False, background=True)
     try:
         for r in range(args.rounds):
-            res["baseline"].append(baseline(root / f"b{r}", t, shard, fsync=False))
-            res["baseline+fsync"].append(baseline(root / f"f{r}", t, shard, fsync=True))
+            res[plain].append(baseline(root / f"b{r}", t, shard, fsync=False))
+            res[fsynced].append(baseline(root / f"f{r}", t, shard, fsync=True))
             step += 1
-            res["client"].append(fg.save(step, t).stall_seconds)
+            res[fore].append(fg.save(step, t).stall_seconds)
             step += 1
-            key = "client-background" if r else "client-background (first save)"
+            key = back if r else first
             res[key].append(bg.save(step, t).stall_seconds)  # steady state reuses the snapshot buffers
             bg.wait()  # training runs on; the write finishes before the next save
             for p in root.glob("[bf]*"):
@@ -89,12 +92,11 @@ def main() -> None:
         bg.close()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    base = statistics.median(res["baseline"])
-    mb = sum(a.nbytes for a in t.values()) / 1e6
-    print(f"checkpoint {mb:.0f} MB in {args.shard_mb} MB shards, {args.rounds} rounds, medians:")
-    for name, xs in res.items():
-        m = statistics.median(xs)
-        print(f"  {name:<31} {m * 1000:8.1f} ms  {mb / m / 1000:6.2f} GB/s  x{m / base:5.2f} of baseline")
+    nbytes = sum(a.nbytes for a in t.values())
+    table(f"writer stall, checkpoint {nbytes / 1e6:.0f} MB in {args.shard_mb} MB shards, {args.rounds} rounds",
+          res, plain, nbytes=nbytes)
+    if args.rounds < 2:
+        print(f"({back!r} from the second save on needs --rounds 2 or more)")
 
 
 if __name__ == "__main__":

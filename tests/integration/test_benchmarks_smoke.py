@@ -1,0 +1,109 @@
+"""Every script in benchmarks/ runs in its smoke form (``--smoke``: tiny size, one round) and
+prints its table of medians and ratios, so a benchmark that no longer runs fails ``make test``
+instead of waiting for the next person who measures. The figures of a smoke run mean nothing;
+the tests check that the table is there: its header, the baseline row at ratio 1.00, every
+contender's row with a ratio, and the script's ratio line.
+
+The scripts run as child processes (as a person runs them) against the session's moto and
+Prefect servers (``--s3-endpoint``, ``--api-url``), so none starts a server of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 240  # seconds per script; a smoke run takes 1-25 s on an idle 2-core machine
+
+pytestmark = pytest.mark.timeout(TIMEOUT + 30)
+
+
+def run_benchmark(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>.py --smoke *args``; return its stdout after checking it exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_") and k != "PREFECT_API_URL"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if proc.returncode != 0:
+        pytest.fail(f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc.stdout
+
+
+def table_ratios(out: str, base: str) -> dict[str, float]:
+    """The ``x base`` ratio of every row of the table whose baseline is ``base``
+    (the layout of ``benchmarks.common.table``)."""
+    lines = out.splitlines()
+    title = next((i for i, line in enumerate(lines) if line.endswith(f"(baseline: {base})")), None)
+    assert title is not None, f"no table with baseline {base!r} in:\n{out}"
+    header = lines[title + 1].split()
+    assert header[:4] == ["contender", "median", "s", "x"], lines[title + 1]
+    rows = {}
+    for line in lines[title + 2:]:
+        if not re.match(r".{40} +\d+\.\d+ +\d+\.\d+ ", line):
+            break
+        rows[line[:40].strip()] = float(line[40:].split()[1])
+    assert rows.get(base) == 1.0, f"baseline row {base!r} missing or not at 1.00:\n{out}"
+    return rows
+
+
+def assert_rows(out: str, base: str, contenders: list[str]) -> None:
+    rows = table_ratios(out, base)
+    assert set(contenders) <= set(rows), f"rows {sorted(rows)} lack some of {contenders}:\n{out}"
+    assert all(r > 0 for r in rows.values()), rows
+
+
+def test_promote_tier1():
+    out = run_benchmark("promote_tier1")
+    assert_rows(out, "cp -r", ["cp -r && sync", "cp -r + sha256sum", "ours: copy_part (verified)",
+                               "ours: copy_part + verify_part"])
+    assert re.search(r"target: ours <= 1\.3 x cp -r -> \d+\.\d\d x", out), out
+
+
+def test_client_stall():
+    out = run_benchmark("client_stall")
+    assert_rows(out, "safetensors save_file", ["safetensors save_file + fsync", "ours: save",
+                                               "ours: save(background), first save"])
+
+
+def test_catalog_scale():
+    out = run_benchmark("catalog_scale")
+    assert re.search(r"query +p50 ms +p95 ms +x baseline", out), out
+    assert re.search(r"baseline get_checkpoint +[\d.]+ +[\d.]+ +1\.0 ", out), out
+    for query in ("1 newest_verified", "2 locations", "4 ancestors depth 50", "6 under_replicated (run)",
+                  "7 prune_candidates tier 1 (run)"):
+        assert re.search(re.escape(query) + r" +[\d.]+ +[\d.]+ +\d+\.\d ", out), (query, out)
+    assert re.search(r"register_many x10 [\d,]+/s = x\d+\.\d", out), out
+
+
+def test_upload_tier2(s3_endpoint):
+    out = run_benchmark("upload_tier2", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "boto3 upload_file (defaults)", ["ours: copy_part -> S3 (verified)"])
+    assert re.search(r"ratio: ours / boto3 upload_file = \d+\.\d\d x wall", out), out
+
+
+def test_restore(s3_endpoint):
+    out = run_benchmark("restore", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "cp -r (Tier 1 folder)", ["cp -r && sync", "ours: restore from Tier 1"])
+    assert_rows(out, "boto3 download_file, one at a time", ["boto3 download_file, 4 at a time",
+                                                            "ours: restore from Tier 2"])
+    assert re.search(r"ratios: ours / download_file one at a time = \d+\.\d\d x", out), out
+
+
+@pytest.mark.prefect
+def test_prefect_overhead(prefect_server):
+    out = run_benchmark("prefect_overhead", "--api-url", prefect_server)
+    assert_rows(out, "plain functions", ["flow", "flow, no heartbeat"])
+    assert re.search(r"overhead of 'flow': [+-]\d+ ms per promotion", out), out
+
+
+@pytest.mark.prefect
+def test_event_latency(prefect_server):
+    out = run_benchmark("event_latency", "--api-url", prefect_server)
+    assert_rows(out, "API create -> flow start", ["emit -> flow start", "emit -> verified on Tier 1"])
+    assert re.search(r"ratio: emit -> flow start = \d+\.\d\d x the API path", out), out
