@@ -31,17 +31,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from core import events
 from core.errors import BadInput, ConflictError
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.layout import checkpoint_dirname
 from core.paths import safe_run_name
+from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
+from ckpt.announce import Announcer, RunRegistration
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 512 * 1024 * 1024
-EMIT_RETRIES, EMIT_BACKOFF_SECONDS = 3, 0.5  # a few seconds at most; reconcile covers the rest
 
 
 @dataclass(frozen=True)
@@ -80,16 +80,6 @@ def tier0_root(settings: Settings) -> Path:
     return Path(url).expanduser().absolute()
 
 
-def checkpoint_kind(step: int, *, milestone: bool, epoch_end: bool, settings: Settings) -> str:
-    """``milestone`` when tagged (and the policy honours tags) or on the every-K-steps rule;
-    ``epoch`` at an epoch end; else ``step``. The promote flow archives milestones (and epoch
-    ends when the policy says so)."""
-    policy = settings.milestones
-    if (milestone and policy.tagged) or (policy.every_steps and step % policy.every_steps == 0):
-        return "milestone"
-    return "epoch" if epoch_end else "step"
-
-
 class CheckpointStager:
     """Commit checkpoints of one run (one part of it) on Tier 0 and announce them.
 
@@ -120,7 +110,7 @@ class CheckpointStager:
         origin = resumed_from or fine_tuned_from
         reg = RunRegistration(self.run, project, (origin[0], int(origin[1])) if origin else None,
                               "resumed_from" if resumed_from else "fine_tuned_from")
-        self._announcer = _Announcer(self.settings, reg, enabled=announce)
+        self._announcer = Announcer(self.settings, reg, enabled=announce)
         self._announcer.submit(("register",))
         self._writer = _Writer() if background else None
 
@@ -140,7 +130,8 @@ class CheckpointStager:
         # announcer; the catalog links the run's first checkpoint to it
         parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else None
         meta = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
-                    kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end, settings=self.settings))
+                    kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end,
+                                         policy=self.settings.milestones))
         if isinstance(tensors_or_folder, (str, os.PathLike)):
             self._raise_background_error()
             return self._commit(Path(tensors_or_folder), None, t0, **meta)
@@ -317,132 +308,3 @@ class _Writer:
     def stop(self) -> None:
         self._q.put(None)
         self._t.join(timeout=5)
-
-
-@dataclass
-class RunRegistration:
-    """The run as the catalog should know it, and how much of that is recorded so far."""
-
-    run: str
-    project: str | None
-    origin: tuple[str, int] | None
-    relation: str
-    registered: bool = False
-    origin_recorded: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.registered and (self.origin is None or self.origin_recorded)
-
-
-def register_run(settings: Settings, reg: RunRegistration) -> None:
-    """``ensure_run`` with the run's origin, as far as the catalog allows now. An origin the
-    catalog has not registered yet (its promotion still running) is left for a later attempt:
-    the run itself is registered at once, so its own checkpoints can be promoted. An
-    unreachable catalog leaves everything for later."""
-    from core.errors import NotFound, UnknownRun
-    from db.catalog import Catalog
-
-    try:
-        cat = Catalog(settings.catalog_url)
-    except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
-        log.warning("catalog not reachable to register run %s: %s", reg.run, exc)
-        return
-    actor = f"client:{settings.node}"
-    try:
-        if reg.origin is not None:
-            try:
-                cat.ensure_run(reg.run, project=reg.project, parent=reg.origin, parent_relation=reg.relation,
-                               actor=actor)
-                reg.registered = reg.origin_recorded = True
-                return
-            except (NotFound, UnknownRun) as exc:
-                log.info("origin of run %s not in the catalog yet (%s); recorded later", reg.run, exc)
-        if not reg.registered:
-            cat.ensure_run(reg.run, project=reg.project, actor=actor)
-            reg.registered = True
-    except Exception as exc:  # noqa: BLE001
-        log.warning("registering run %s failed: %s", reg.run, exc)
-    finally:
-        cat.close()
-
-
-class _Announcer:
-    """Registers the run and emits events off the training thread (importing Prefect and
-    reaching the catalog cost seconds the training loop must not wait for). Registration is
-    retried before each event until complete; failed events are logged and dropped:
-    reconcile finds what was never announced."""
-
-    def __init__(self, settings: Settings, registration: RunRegistration, *, enabled: bool) -> None:
-        self.settings = settings
-        self.registration = registration
-        self.enabled = enabled
-        self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
-        self._q: queue.Queue = queue.Queue()
-        self._t = threading.Thread(target=self._loop, name="ckpt-announcer", daemon=True)
-        if enabled:
-            self._t.start()
-
-    def submit(self, job) -> None:
-        if self.enabled:
-            self._q.put(job)
-
-    def _loop(self) -> None:
-        while (job := self._q.get()) is not None:
-            try:
-                if not self.registration.done:
-                    register_run(self.settings, self.registration)
-                if job[0] == "emit":
-                    self._emit(job[1])
-            except Exception as exc:  # noqa: BLE001 - never into training
-                log.warning("announcing %s failed: %s", job[0], exc)
-            finally:
-                self._q.task_done()
-        self._q.task_done()
-
-    def _emit(self, m: Manifest) -> None:
-        url = prefect_api_url(self.settings)
-        ok = emit_completed(m, api_url=url) if url else False
-        if not url:
-            log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
-        self.delivered.append((m.run, m.step, m.part, ok))
-
-    def close(self, timeout: float) -> None:
-        if not self.enabled:
-            return
-        self._q.put(("register",))  # a last try at a pending origin
-        self._q.put(None)
-        self._t.join(timeout)
-        if self._t.is_alive():
-            log.warning("checkpoint events still pending after %.0fs; reconcile will catch them", timeout)
-
-
-def completed_payload(m: Manifest) -> dict[str, object]:
-    """What the promote trigger templates read (run, step, part, parts, node are added by
-    ``events.emit``) and what the UI's event feed shows."""
-    return {"kind": m.kind, "format": m.format, "bytes": m.total_bytes, "files": len(m.files),
-            "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds}
-
-
-def prefect_api_url(settings: Settings) -> str | None:
-    """Where events go: ``settings.prefect_api_url``, else ``PREFECT_API_URL`` (environment,
-    then Prefect's profile). None when nothing is configured: then no event is sent (an
-    ephemeral Prefect server in a training process would be no one's server)."""
-    url = settings.prefect_api_url or os.environ.get("PREFECT_API_URL")
-    if url:
-        return url
-    try:
-        from prefect.settings import PREFECT_API_URL
-
-        return PREFECT_API_URL.value() or None
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
-    """Emit ``ckpt.checkpoint.completed`` for a committed part (deterministic id: the same
-    run, step and part give the same id, so a repeat collapses into one event). True when
-    the server accepted it."""
-    return events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
-                       payload=completed_payload(m), api_url=api_url, retries=EMIT_RETRIES,
-                       backoff=EMIT_BACKOFF_SECONDS)

@@ -1,6 +1,6 @@
 """archive_checkpoint: a milestone that is complete on Tier 1 goes to Tier 2, part by part.
 
-The milestone rule (``tasks.retention.is_milestone``: tagged, epoch end, every K steps) decides;
+The milestone rule (``core.policy.is_milestone``: tagged, epoch end, every K steps) decides;
 without Tier 2 configured nothing happens. Each part is uploaded from Tier 1 (the cluster-wide
 copy, so any node may archive) and proven on Tier 2 by the server's full-object checksums;
 the first caller that sees every part verified there announces ``ckpt.checkpoint.archived``.
@@ -17,7 +17,7 @@ from core.settings import Settings, load_settings
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from tasks.base import open_catalog
 from tasks.register import checkpoint_args, reject_event
-from tasks.retention import is_milestone
+from core.policy import is_milestone
 
 
 def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str = "cli") -> ArchiveResult:

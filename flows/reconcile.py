@@ -33,7 +33,8 @@ from flows.common import Steps, artifact_key, current_actor, publish_table, task
 from flows.promote import promote
 from tasks.base import log, open_catalog, open_tier
 from core.layout import checkpoint_prefix, part_key
-from tasks.retention import FAILED, PRUNED, apply_retention, is_milestone
+from core.policy import is_milestone
+from tasks.retention import FAILED, PRUNED, apply_retention
 
 @dataclass
 class ReconcileReport:

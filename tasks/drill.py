@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import CkptError, NotFound
-from core.settings import Settings
+from core.policy import is_milestone
+from core.settings import MilestonePolicy, Settings
 from core.layout import checkpoint_prefix
 from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
@@ -50,9 +51,11 @@ def drill_row(r: DrillResult) -> dict[str, Any]:
             "MB/s": round(r.bytes / 1e6 / r.seconds, 1) if r.seconds > 0 else 0.0, "detail": r.detail or ""}
 
 
-def newest_milestone(cat: Any, run: str | None) -> CheckpointInfo | None:
-    """The newest committed milestone of ``run`` (by step), or across runs (by commit time)."""
-    found = [c for c in cat.list_checkpoints(run) if c.kind == "milestone" and c.state == CKPT_COMMITTED]
+def newest_milestone(cat: Any, run: str | None, policy: MilestonePolicy) -> CheckpointInfo | None:
+    """The newest committed milestone of ``run`` (by step), or across runs (by commit time),
+    by the same rule the archive uses (``core.policy.is_milestone``)."""
+    found = [c for c in cat.list_checkpoints(run)
+             if c.state == CKPT_COMMITTED and is_milestone(c.kind, c.step, c.tags, policy)]
     if not found:
         return None
     if run is not None:
@@ -65,7 +68,7 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
     """Drill the newest milestone on each tier in ``tiers``; see the module contract."""
     base = Path(scratch) if scratch else Path(settings.data_dir).expanduser().absolute() / "drills"
     with open_catalog(settings.catalog_url) as cat:
-        ck = newest_milestone(cat, run)
+        ck = newest_milestone(cat, run, settings.milestones)
         if ck is None:
             return DrillReport(run, None, skipped=[f"no committed milestone{' of ' + run if run else ''} to drill"])
         held = {loc.tier for loc in cat.locations(ck.run, ck.step)}

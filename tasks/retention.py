@@ -17,20 +17,11 @@ from typing import Any
 
 from core.errors import CkptError, PruneRefused
 from core.settings import MilestonePolicy, Settings
+from core.policy import is_milestone
 from tasks.base import log, open_catalog
 from tasks.retry import pipeline_task
 
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
-TRUE_WORDS = ("1", "true", "yes", "milestone")
-
-
-def is_milestone(kind: str, step: int, tags: dict[str, str], policy: MilestonePolicy) -> bool:
-    """A milestone is archived to Tier 2: tagged by the job, an epoch end, or every K steps."""
-    if policy.tagged and (kind == "milestone" or str(tags.get("milestone", "")).lower() in TRUE_WORDS):
-        return True
-    if policy.epoch_end and kind == "epoch":
-        return True
-    return bool(policy.every_steps) and step % policy.every_steps == 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ def _tensors(seed: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture(autouse=True)
 def _quick_retries(monkeypatch):
-    monkeypatch.setattr("ckpt.client.EMIT_BACKOFF_SECONDS", 0.01)  # events go nowhere here
+    monkeypatch.setattr("ckpt.announce.EMIT_BACKOFF_SECONDS", 0.01)  # events go nowhere here
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
 
 

@@ -1,0 +1,32 @@
+"""The milestone rule, in one place: which checkpoints are milestones (archived to Tier 2 and
+drilled), by the job's tag, by epoch end, or every K steps (``Settings.milestones``).
+
+The writer records a ``kind`` (``checkpoint_kind``) and the pipeline decides again from the
+recorded kind, step and tags (``is_milestone``), so a policy changed after a save still
+applies, and the archive, reconcile, retention and the restore drill agree on the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from core.settings import MilestonePolicy
+
+TRUE_WORDS = ("1", "true", "yes", "milestone")
+
+
+def checkpoint_kind(step: int, *, milestone: bool, epoch_end: bool, policy: MilestonePolicy) -> str:
+    """The kind a writer records: ``milestone`` when tagged (and the policy honours tags) or on
+    the every-K-steps rule; ``epoch`` at an epoch end; else ``step``."""
+    if (milestone and policy.tagged) or (policy.every_steps and step % policy.every_steps == 0):
+        return "milestone"
+    return "epoch" if epoch_end else "step"
+
+
+def is_milestone(kind: str, step: int, tags: Mapping[str, str], policy: MilestonePolicy) -> bool:
+    """A milestone is archived to Tier 2: tagged by the job, an epoch end, or every K steps."""
+    if policy.tagged and (kind == "milestone" or str(tags.get("milestone", "")).lower() in TRUE_WORDS):
+        return True
+    if policy.epoch_end and kind == "epoch":
+        return True
+    return bool(policy.every_steps) and step % policy.every_steps == 0
