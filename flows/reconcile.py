@@ -27,6 +27,7 @@ from prefect import flow
 from core.errors import CkptError, CopyInProgress, NotFound
 from core.events import announcing, emit
 from core.settings import Settings, load_settings
+from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
@@ -100,7 +101,7 @@ def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> No
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
-def _wanted(cat: Any, found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int,
+def _wanted(cat: Catalog, found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int,
             unpromoted: set[tuple[str, int]]) -> bool:
     """Whether a part committed on ``tier`` needs promoting (Tier 0) or adopting (Tier 1)."""
     run, step, part, _parts = found
@@ -162,7 +163,7 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
                     log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
 
 
-def _vanished(cat: Any, store: Any, ck: Any, part: int) -> str | None:
+def _vanished(cat: Catalog, store: Any, ck: Any, part: int) -> str | None:
     """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
     present = {o.key: o.size for o in store.list(checkpoint_prefix(ck.run, ck.step))}
     if part_key(ck.run, ck.step, part, ck.parts) not in present:

@@ -22,6 +22,7 @@ from core.errors import CkptError, NotFound
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, Settings
 from core.layout import checkpoint_prefix
+from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.retry import pipeline_task
@@ -51,7 +52,7 @@ def drill_row(r: DrillResult) -> dict[str, Any]:
             "MB/s": round(r.bytes / 1e6 / r.seconds, 1) if r.seconds > 0 else 0.0, "detail": r.detail or ""}
 
 
-def newest_milestone(cat: Any, run: str | None, policy: MilestonePolicy) -> CheckpointInfo | None:
+def newest_milestone(cat: Catalog, run: str | None, policy: MilestonePolicy) -> CheckpointInfo | None:
     """The newest committed milestone of ``run`` (by step), or across runs (by commit time),
     by the same rule the archive uses (``core.policy.is_milestone``)."""
     found = [c for c in cat.list_checkpoints(run)
@@ -85,7 +86,7 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
     return report
 
 
-def _drill_one(cat: Any, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
+def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
                actor: str) -> tuple[bool, float, str | None]:
     """Restore from ``tier`` alone into ``scratch`` (removed after), check it; (ok, seconds, detail)."""
     from core.storage.local import LocalStore

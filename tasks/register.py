@@ -16,6 +16,7 @@ from core import events
 from core.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
 from core.paths import safe_run_name
 from core.settings import Settings
+from db.catalog import Catalog
 from db.entities import VERIFIED
 from tasks.base import open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
@@ -95,7 +96,7 @@ def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = 
         _reject(cat, f"event:{what}", exc, actor=actor, run=None, step=None)
 
 
-def _reject(cat: Any, subject: str, exc: Exception, *, actor: str, run: str | None, step: Any) -> None:
+def _reject(cat: Catalog, subject: str, exc: Exception, *, actor: str, run: str | None, step: Any) -> None:
     step = step if isinstance(step, int) else None
     cat.record_rejection(subject, f"{type(exc).__name__}: {exc}", actor=actor,
                          run=run if run is not None and _plain_name(run) else None, step=step)

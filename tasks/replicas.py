@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from core.settings import Settings
 from core.storage.base import TierStore
+from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import tier_store
 
@@ -94,7 +95,7 @@ class BadReplica:
     reason: str
 
 
-def mark_bad(catalog, replica: ReplicaInfo, state: str, reason: str, *, actor: str) -> BadReplica:
+def mark_bad(catalog: Catalog, replica: ReplicaInfo, state: str, reason: str, *, actor: str) -> BadReplica:
     """Record that ``replica`` failed a read (verified -> corrupt/missing). Losing the race to
     another writer (the row already moved) is fine: the replica is no longer trusted either way."""
     try:

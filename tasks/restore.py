@@ -35,6 +35,7 @@ from core.errors import ConflictError, NotFound, StorageUnavailable, is_transien
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.layout import checkpoint_prefix
+from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -129,7 +130,7 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
                    + (f" ({'; '.join(notes)})" if notes else ""))
 
 
-def candidates(cat: Any, run: str, step: int | None, fallback: bool) -> list[CheckpointInfo]:
+def candidates(cat: Catalog, run: str, step: int | None, fallback: bool) -> list[CheckpointInfo]:
     """Committed checkpoints to try, newest first: ``step`` (then older ones with ``fallback``),
     or every committed checkpoint of the run."""
     if step is not None:
@@ -149,7 +150,7 @@ def ensure_empty_target(target: Path) -> None:
         raise ConflictError(f"{target} is not empty; restore into a new or empty folder")
 
 
-def _restore_one(cat: Any, stores: TierStores, ck: CheckpointInfo, target: Path, preference: Sequence[int],
+def _restore_one(cat: Catalog, stores: TierStores, ck: CheckpointInfo, target: Path, preference: Sequence[int],
                  progress: Progress, actor: str, bad: list[BadReplica], notes: list[str]) -> list[int]:
     """Fetch every part of ``ck`` into a staging sibling of ``target``, then publish it."""
     replicas = cat.replicas(ck.id)
@@ -165,7 +166,7 @@ def _restore_one(cat: Any, stores: TierStores, ck: CheckpointInfo, target: Path,
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _fetch_parts(cat: Any, stores: TierStores, ck: CheckpointInfo, replicas: list[ReplicaInfo], dst: RestoreStage,
+def _fetch_parts(cat: Catalog, stores: TierStores, ck: CheckpointInfo, replicas: list[ReplicaInfo], dst: RestoreStage,
                  dst_prefix: str, preference: Sequence[int], progress: Progress, actor: str,
                  bad: list[BadReplica], notes: list[str]) -> list[int]:
     """Every part in turn, nearest good copy first; the tier each came from."""
@@ -178,7 +179,7 @@ def _fetch_parts(cat: Any, stores: TierStores, ck: CheckpointInfo, replicas: lis
     return tiers
 
 
-def _fetch_part(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
+def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
                 dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
                 bad: list[BadReplica], notes: list[str]) -> int:
     """Copy one part from its nearest good replica; return the tier it came from."""

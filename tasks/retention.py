@@ -16,8 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from core.errors import CkptError, PruneRefused
-from core.settings import MilestonePolicy, Settings
+from core.settings import Settings
 from core.policy import is_milestone
+from db.catalog import Catalog
 from tasks.base import log, open_catalog
 from tasks.retry import pipeline_task
 
@@ -58,7 +59,7 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     return plan
 
 
-def _annotate(cat: Any, settings: Settings, action: PruneAction, keep_milestones: bool) -> PruneAction:
+def _annotate(cat: Catalog, settings: Settings, action: PruneAction, keep_milestones: bool) -> PruneAction:
     if action.tier < 2 and keep_milestones and settings.tier2_url:
         ck = cat.get_checkpoint(action.run, action.step)
         archived = any(loc.tier == 2 for loc in cat.locations(action.run, action.step))

@@ -32,6 +32,7 @@ from typing import Any
 from core.errors import CkptError, is_transient
 from core.settings import Settings
 from core.layout import checkpoint_prefix
+from db.catalog import Catalog
 from db.entities import VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
 from tasks.claim import ClaimedCopy
@@ -112,7 +113,7 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
     return report
 
 
-def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, report: ScrubReport,
+def _reread(cat: Catalog, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, report: ScrubReport,
             actor: str) -> int | None:
     """Read one replica back in full; mark it bad on a proven failure. Bytes read, or None
     when the read could not finish for a transient reason."""
@@ -137,14 +138,14 @@ def _reread(cat: Any, stores: TierStores, ck: CheckpointInfo, rep: ReplicaInfo, 
         return 0
 
 
-def _repair_bad(cat: Any, stores: TierStores, report: ScrubReport, actor: str) -> None:
+def _repair_bad(cat: Catalog, stores: TierStores, report: ScrubReport, actor: str) -> None:
     """Copy again every corrupt/missing durable replica that has a good copy elsewhere."""
     for bad in cat.bad_replicas([t for t in DURABLE_TIERS if stores.configured(t)]):
         ck, reps = cat.get_checkpoint_by_id(bad.checkpoint_id), cat.replicas(bad.checkpoint_id)
         _note(report, repair_replica(cat, stores, ck, bad.part, bad.tier, reps, actor))
 
 
-def _repair_under_replicated(cat: Any, stores: TierStores, report: ScrubReport, actor: str, *,
+def _repair_under_replicated(cat: Catalog, stores: TierStores, report: ScrubReport, actor: str, *,
                              committed_before: datetime) -> None:
     """Give every checkpoint without a durable verified copy a Tier 1 copy, part by part;
     checkpoints committed after ``committed_before`` are left to the promotion in flight."""
@@ -166,7 +167,7 @@ def _note(report: ScrubReport, outcome: Repair | str) -> None:
         report.skipped.append(outcome)
 
 
-def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
+def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
                    replicas: list[ReplicaInfo], actor: str) -> Repair | str:
     """Make the replica of ``part`` on ``tier`` verified again from a good copy on another tier.
 
@@ -204,7 +205,7 @@ def repair_replica(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, 
     return Repair(ck.run, ck.step, part, tier, src_rep.tier, True, f"copied again from tier {src_rep.tier}")
 
 
-def _good_source(cat: Any, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
+def _good_source(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
                  replicas: list[ReplicaInfo], actor: str) -> tuple[ReplicaInfo, Any] | None:
     """The nearest other verified replica whose committed manifest matches the catalog, with
     that manifest; a source found gone or altered is marked so on the way."""
