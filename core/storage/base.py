@@ -12,9 +12,14 @@ Contract for implementations:
   same bytes to an existing key is a no-op success; different bytes at an existing key raise
   ``ConflictError`` (never a silent overwrite).
 - ``verify_object`` proves the stored bytes match (size, checksum): local tiers read the bytes
-  back; S3 asks the server for its full-object checksum (HeadObject, ChecksumMode=ENABLED).
+  back; S3 asks the server for its full-object checksum (HeadObject, ChecksumMode=ENABLED)
+  where the endpoint is known to validate checksums, and reads the bytes back where not.
 - ``write_small_atomic`` is the commit marker write (manifest): atomic, durable (fsync file and
   directory locally).
+- ``sweep_staging(prefix, older_than_s, *, keys=None)`` (backends with staging data: local
+  staging files, S3 multipart uploads) removes staging data under ``prefix`` older than
+  ``older_than_s``; ``keys`` (tier-relative) limits it to those objects' staging data, so a
+  retry of one part never touches another part's copy in flight; None: the whole prefix.
 - Transient backend failures raise ``StorageUnavailable``; ENOSPC/quota raises ``StorageFull``;
   a missing key raises ``NotFound``. All operations are idempotent.
 """
