@@ -50,8 +50,10 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
             if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
                 delete_part(cat, dst, run, step, part, ck.parts)
             elif prior is not None and prior.state in (COPYING, MISSING):
-                # a copy that died: its staging data, untouched for a lease, is garbage
-                dst.sweep_staging(prefix, older_than_s=held.lease_s)
+                # a copy of this part that died: its staging data, untouched for a lease, is
+                # garbage; other parts' copies under the same prefix are not ours to touch
+                own = [f"{prefix}/{f.path}" for f in manifest.files] + [f"{prefix}/{manifest.name}"]
+                dst.sweep_staging(prefix, older_than_s=held.lease_s, keys=own)
             shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                                buffer_bytes=settings.io_buffer_bytes, progress=held.progress(shown))

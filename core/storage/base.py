@@ -12,13 +12,18 @@ Contract for implementations (every operation idempotent):
   values; otherwise nothing is published and ``CorruptCheckpoint`` is raised. Re-putting the
   same bytes to an existing key is a no-op success; different bytes at an existing key raise
   ``ConflictError`` (never a silent overwrite).
-- ``verify_object`` proves the stored bytes match (size, checksum).
+- ``verify_object`` proves the stored bytes match (size, checksum): local tiers read the bytes
+  back; S3 asks the server for its full-object checksum (HeadObject, ChecksumMode=ENABLED)
+  where the endpoint is known to validate checksums, and reads the bytes back where not.
 - ``write_small_atomic`` is the commit marker write (manifest): atomic and durable, with the
   same no-overwrite rule as ``put_verified``; everything published before it is durable first.
 - ``delete`` removes one object and ``delete_prefix`` everything under a prefix; neither ever
   follows a symlink (a local link is removed itself, never its target, and a key whose folder
   is reached through a link is refused with ``PathEscape``).
-- ``sweep_staging`` removes staging data (a killed copy's) older than a bound.
+- ``sweep_staging(prefix, older_than_s, *, keys=None)`` removes staging data (local staging
+  files, S3 multipart uploads) under ``prefix`` older than ``older_than_s``; ``keys``
+  (tier-relative) limits it to those objects' staging data, so a retry of one part never
+  touches another part's copy in flight; None: the whole prefix.
 - Transient backend failures raise ``StorageUnavailable``; ENOSPC/quota raises ``StorageFull``;
   a missing key raises ``NotFound``.
 """
@@ -113,9 +118,10 @@ class TierStore(ABC):
         return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
 
     @abstractmethod
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:
         """Remove staging data under ``prefix`` (a killed copy's) older than ``older_than_s``;
-        return how many. The age bound spares copies still running elsewhere."""
+        return how many. The age bound spares copies still running elsewhere; ``keys`` limits
+        the sweep to those objects' staging data (None: everything under ``prefix``)."""
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:  # noqa: B027 - most backends hold nothing

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
 from core import checksum
 from core.errors import BadInput, ConflictError, NotFound
-from core.layout import is_staging, staging_name
+from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import safe_relpath
 from core.storage.base import ObjectInfo, TierStore, hash_object
 from core.storage.common import check_match, map_os_error
@@ -129,9 +129,10 @@ class FsspecStore(TierStore):
             return False
         return True
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:
         """Remove staging files under ``prefix`` whose modification time (where the filesystem
-        reports one) is older than ``older_than_s``."""
+        reports one) is older than ``older_than_s``; with ``keys``, only those objects'."""
+        only = None if keys is None else {tuple(self._p(k).rsplit("/", 1)) for k in keys}
         base = self._p(prefix) if prefix else self.root
         cutoff, count = time.time() - older_than_s, 0
         try:
@@ -139,7 +140,10 @@ class FsspecStore(TierStore):
         except FileNotFoundError:
             return 0
         for path, info in found.items():
-            if not is_staging(path.rsplit("/", 1)[-1]):
+            folder, name = path.rsplit("/", 1)
+            if not is_staging(name):
+                continue
+            if only is not None and (folder, name[len(STAGING_MARK):].split("-", 2)[-1]) not in only:
                 continue
             mtime = _mtime(info)
             if mtime is not None and mtime > cutoff:

@@ -21,12 +21,12 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from core import checksum
 from core.checksum import hash_stream
 from core.errors import BadInput, ConflictError, NotFound, PathEscape
-from core.layout import is_staging, staging_name
+from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import confine_local, safe_relpath
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
@@ -325,21 +325,35 @@ class LocalStore(TierStore):
         fsync_dir(base.parent)
         return count
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:
         """Remove staging files under ``prefix`` older than ``older_than_s`` (left by a copy
         that was killed); returns how many. The age guard spares copies still running,
-        on this node or another one sharing the tier."""
+        on this node or another one sharing the tier. ``keys`` (tier-relative) limits the
+        sweep to the staging files of those objects (one part's own files); None: all."""
         base = self.write_path(prefix) if prefix else self.root.resolve()
         if base.is_symlink():
             return 0
+        only = None if keys is None else {safe_relpath(k) for k in keys}
         cutoff, count = time.time() - older_than_s, 0
         for dirpath, _dirs, names in os.walk(base):
             for name in names:
                 full = os.path.join(dirpath, name)
+                if not is_staging(name):
+                    continue
+                if only is not None and self._staged_key(prefix, base, dirpath, name) not in only:
+                    continue
                 try:
-                    if is_staging(name) and os.lstat(full).st_mtime <= cutoff:
+                    if os.lstat(full).st_mtime <= cutoff:
                         os.unlink(full)
                         count += 1
                 except FileNotFoundError:
                     continue
         return count
+
+    @staticmethod
+    def _staged_key(prefix: str, base, dirpath: str, name: str) -> str:
+        """The key a staging file (``staging_name``) is destined for."""
+        final = name[len(STAGING_MARK):].split("-", 2)[-1]
+        rel = os.path.relpath(dirpath, base)
+        parts = [p for p in (prefix, "" if rel == "." else rel.replace(os.sep, "/"), final) if p]
+        return "/".join(parts)

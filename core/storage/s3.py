@@ -13,24 +13,39 @@ Uploads (``put_verified``):
   ``ChecksumCRC32C`` (an endpoint that validates it rejects a mismatch: fail closed) and
   ``If-None-Match: *``, so an existing object is never replaced; if one is there, identical
   bytes are a no-op success and different bytes a ``ConflictError``;
-- afterwards HeadObject(ChecksumMode=ENABLED) must report the manifest's CRC32C and size.
+- afterwards ``verify_object`` must find the manifest's CRC32C and size at the destination.
+
+Verification (``verify_object``) trusts HeadObject's full-object CRC32C only where the endpoint
+is known to check the checksums it is sent (AWS S3 does). An endpoint that stores whatever
+checksum it receives (moto, some S3-compatible servers) merely echoes the client's value, so
+there the bytes are read back and hashed. Which kind an endpoint is, is probed once per
+endpoint and bucket per process (``validates_checksums``): a tiny object sent with a
+deliberately wrong CRC32C under ``PROBE_KEY`` (outside every checkpoint), removed afterwards;
+accepted means not validated. The mode in force is logged once.
 
 Errors: 5xx, throttling, timeouts and connection failures become ``StorageUnavailable``
-after botocore's own retries (``standard`` mode, ``max_attempts``); 404 is ``NotFound``;
-other client errors (access denied, missing bucket) are ``ConfigError``.
+after botocore's own retries (``standard`` mode, ``max_attempts``); a multipart upload aborted
+under our feet (``NoSuchUpload``) is ``StorageUnavailable`` too (the destination lost staging
+data; the source is fine and a retry starts over); 404 is ``NotFound``; 501 NotImplemented to
+the checksum or If-None-Match headers is ``ConfigError`` naming the header (fail closed: this
+store cannot keep its promises on such an endpoint, and no retry changes that); other client
+errors (access denied, missing bucket) are ``ConfigError``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
 from core.paths import safe_relpath
 from core.storage.base import ObjectInfo, TierStore, hash_object
+
+log = logging.getLogger(__name__)
 
 _RETRYABLE_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -38,6 +53,15 @@ _RETRYABLE_CODES = {
 }
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
+_DIGEST_CODES = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"}
+
+# The optional request headers each call relies on, named in the ConfigError of an endpoint
+# that answers 501 NotImplemented (when its error does not name the header itself).
+SEND_CRC32C = ("x-amz-checksum-crc32c", "x-amz-sdk-checksum-algorithm")
+IF_NONE_MATCH = ("If-None-Match",)
+CREATE_CRC32C = ("x-amz-checksum-algorithm", "x-amz-checksum-type")
+COMPLETE_CRC32C = ("x-amz-checksum-crc32c", "x-amz-checksum-type")
+CHECKSUM_MODE = ("x-amz-checksum-mode",)
 
 
 def _code(exc) -> tuple[str, int]:
@@ -45,8 +69,11 @@ def _code(exc) -> tuple[str, int]:
     return str(err.get("Error", {}).get("Code", "")), int(err.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
-def map_s3_error(exc: Exception, what: str) -> Exception:
-    """botocore exception -> this project's taxonomy (the caller raises the result)."""
+def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Exception:
+    """botocore exception -> this project's taxonomy (the caller raises the result).
+
+    ``headers`` are the optional headers the request carried (checksums, If-None-Match): a 501
+    NotImplemented names them when the endpoint's error does not say which one it refused."""
     from botocore.exceptions import (
         BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError, NoCredentialsError,
         ParamValidationError,
@@ -54,6 +81,18 @@ def map_s3_error(exc: Exception, what: str) -> Exception:
 
     if isinstance(exc, ClientError):
         code, status = _code(exc)
+        if code == "NotImplemented" or status == 501:
+            named = exc.response.get("Error", {}).get("Header") or " / ".join(headers) or "a header of this request"
+            return ConfigError(
+                f"the S3 endpoint does not implement {named} (501 NotImplemented to {what}); this store "
+                "needs it to publish and verify safely, so it stops here instead of retrying"
+            )
+        if code == "NoSuchUpload":
+            return StorageUnavailable(
+                f"{what}: the multipart upload at the destination was aborted before it completed "
+                "(NoSuchUpload: a staging sweep, a lifecycle rule or another worker); nothing was "
+                "published and the source is untouched, a retry starts a new upload"
+            )
         if status >= 500 or code in _RETRYABLE_CODES or status == 429:
             return StorageUnavailable(f"S3 unavailable for {what}: {code or status}")
         if code == "NoSuchBucket":
@@ -73,13 +112,13 @@ def map_s3_error(exc: Exception, what: str) -> Exception:
 
 
 @contextmanager
-def s3_errors(what: str) -> Iterator[None]:
+def s3_errors(what: str, headers: tuple[str, ...] = ()) -> Iterator[None]:
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         yield
     except (ClientError, BotoCoreError) as exc:
-        raise map_s3_error(exc, what) from exc
+        raise map_s3_error(exc, what, headers) from exc
 
 
 class _Body:
@@ -109,6 +148,16 @@ def _read_up_to(reader: BinaryIO, n: int) -> bytes:
 
 
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
+
+# Where the checksum probe writes: no run name may start with '.', so this is never inside a
+# checkpoint (nor seen by anything that looks for manifests), and it lives under the store's
+# own prefix, where its credentials are allowed to write.
+PROBE_KEY = ".ckpt-probe/checksum-validation"
+_PROBE_BODY = b"ckpt-tiering probe: sent with a CRC32C that does not match these bytes\n"
+
+# (endpoint URL, bucket) -> whether the endpoint checks the checksums it is sent; per process.
+_validates: dict[tuple[str, str], bool] = {}
+_validates_lock = threading.Lock()
 
 
 def part_size(size: int, chunk_bytes: int) -> int:
@@ -199,7 +248,7 @@ class S3Store(TierStore):
 
     def _head(self, key: str) -> dict | None:
         try:
-            with s3_errors(self.url_for(key)):
+            with s3_errors(self.url_for(key), CHECKSUM_MODE):
                 return self.client.head_object(Bucket=self.bucket, Key=self._k(key), ChecksumMode="ENABLED")
         except NotFound:
             return None
@@ -226,16 +275,81 @@ class S3Store(TierStore):
         return sorted(out, key=lambda o: o.key)
 
     def verify_object(self, key: str, size: int, checksum: str) -> None:
-        """HeadObject in checksum mode: the server's full-object CRC32C and size must match.
-        Objects without a full-object CRC32C (uploaded by other tools) are read and hashed."""
+        """Size from HeadObject, then the CRC32C: the server's full-object value where the
+        endpoint validates checksums (``validates_checksums``), else the bytes read back and
+        hashed (streamed). Objects without a full-object CRC32C are always read back."""
         info = self.stat(key)
         if info is None:
             raise NotFound(f"{self.url_for(key)} does not exist")
         if info.size != size:
             raise CorruptCheckpoint(f"{key}: stored size {info.size} != expected {size}", path=key)
-        got = info.checksum if info.checksum is not None else hash_object(self, key, self.buffer_bytes)[1]
+        if info.checksum is not None and self.validates_checksums():
+            got_size, got = size, info.checksum
+        else:
+            got_size, got = hash_object(self, key, self.buffer_bytes)
+        if got_size != size:
+            raise CorruptCheckpoint(f"{key}: read back {got_size} bytes != expected {size}", path=key)
         if got != checksum:
             raise CorruptCheckpoint(f"{key}: stored crc32c {got} != expected {checksum}", path=key)
+
+    def validates_checksums(self) -> bool:
+        """Whether this endpoint rejects an upload whose CRC32C does not match its bytes.
+
+        Learnt once per endpoint and bucket per process from a probe (see ``_probe``); until
+        then, and where the probe cannot tell, HeadObject's checksum is not trusted."""
+        where = (str(self.client.meta.endpoint_url), self.bucket)
+        known = _validates.get(where)
+        if known is not None:
+            return known
+        with _validates_lock:  # one probe per endpoint, however many threads verify at once
+            if where not in _validates:
+                validates = _validates[where] = self._probe()
+                if validates:
+                    log.info("S3 %s bucket %s checks the checksums it is sent: copies are verified by "
+                             "the server's CRC32C (HeadObject)", where[0], self.bucket)
+                else:
+                    log.warning("S3 %s bucket %s does NOT check the checksums it is sent: copies are "
+                                "verified by reading their bytes back", where[0], self.bucket)
+            return _validates[where]
+
+    def _probe(self) -> bool:
+        """Upload ``PROBE_KEY`` with a wrong CRC32C: rejected (BadDigest) means the endpoint
+        validates. The probe object is removed whatever the answer. A 5xx or a 501 raises
+        (nothing is cached); a refusal of another kind (access denied) answers False."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        full, what = self._k(PROBE_KEY), f"checksum probe {self.url_for(PROBE_KEY)}"
+        wrong = crc.hex_to_s3(crc.hash_bytes(_PROBE_BODY + b"!"))
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=full, Body=_PROBE_BODY,
+                                   ChecksumAlgorithm="CRC32C", ChecksumCRC32C=wrong)
+        except ClientError as exc:
+            code, status = _code(exc)
+            if code in _DIGEST_CODES:
+                return True
+            mapped = map_s3_error(exc, what, SEND_CRC32C)
+            if isinstance(mapped, StorageUnavailable):
+                self._drop_probe(full)
+                raise mapped from exc
+            if status == 501 or code == "NoSuchBucket":
+                raise mapped from exc
+            log.warning("%s refused (%s); taking the endpoint for one that does not check checksums", what, mapped)
+            return False
+        except BotoCoreError as exc:
+            self._drop_probe(full)
+            raise map_s3_error(exc, what, SEND_CRC32C) from exc
+        with s3_errors(f"remove {what}"):  # accepted: it must go (a failure raises, nothing cached)
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+        return False
+
+    def _drop_probe(self, full: str) -> None:
+        """Best effort after a failed probe (a later probe writes and removes the same key)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+        except (BotoCoreError, ClientError) as exc:  # the probe's own error is the one to report
+            log.debug("could not remove the checksum probe %s: %s", full, exc)
 
     # --- writes ------------------------------------------------------------------------
     def _same_or_conflict(self, key: str, size: int, checksum: str) -> None:
@@ -258,17 +372,20 @@ class S3Store(TierStore):
             return ObjectInfo(key=key, size=size, checksum=checksum)
         try:
             self.verify_object(key, size, checksum)
-        except CorruptCheckpoint:
+        except CorruptCheckpoint as exc:
             with s3_errors(self.url_for(key)):  # we created it (If-None-Match): take it back
                 self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
-            raise
+            # the bytes sent matched the manifest, so the source is fine: they changed on the way
+            # or at the endpoint, and a new upload may well succeed
+            raise StorageUnavailable(f"{self.url_for(key)}: the stored bytes differ from the bytes sent "
+                                     f"({exc}); removed, nothing published") from exc
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
         got = crc.hash_bytes(data)
         if (len(data), got) != (size, checksum):
             raise CorruptCheckpoint(f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}", path=key)
-        with s3_errors(self.url_for(key)):
+        with s3_errors(self.url_for(key), SEND_CRC32C + IF_NONE_MATCH):
             self.client.put_object(
                 Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*",
                 ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum),
@@ -277,7 +394,7 @@ class S3Store(TierStore):
     def _upload_part(self, full: str, upload_id: str, number: int, data: bytes) -> dict:
         try:
             part_crc = crc.hex_to_s3(crc.hash_bytes(data))
-            with s3_errors(f"{self.root_url}/{self._rel(full)} part {number}"):
+            with s3_errors(f"{self.root_url}/{self._rel(full)} part {number}", SEND_CRC32C):
                 r = self.client.upload_part(
                     Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number,
                     Body=data, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=part_crc,
@@ -288,7 +405,7 @@ class S3Store(TierStore):
 
     def _put_multipart(self, key: str, reader: BinaryIO, size: int, checksum: str) -> None:
         full, what = self._k(key), self.url_for(key)
-        with s3_errors(what):
+        with s3_errors(what, CREATE_CRC32C):
             upload_id = self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT",
             )["UploadId"]
@@ -316,7 +433,7 @@ class S3Store(TierStore):
                 raise CorruptCheckpoint(
                     f"{key}: source size/crc32c {got}/{crc.to_hex(value)} != expected {size}/{checksum}", path=key
                 )
-            with s3_errors(what):
+            with s3_errors(what, COMPLETE_CRC32C + IF_NONE_MATCH):
                 self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts},
                     ChecksumCRC32C=crc.hex_to_s3(checksum), ChecksumType="FULL_OBJECT", IfNoneMatch="*",
@@ -347,20 +464,33 @@ class S3Store(TierStore):
             self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
         return True
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:
         """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` ago (a
-        killed upload's parts are S3's staging data: invisible, but billed); returns how many."""
+        killed upload's parts are S3's staging data: invisible, but billed); returns how many.
+
+        ``keys`` (tier-relative, as everywhere) limits the sweep to uploads of those objects,
+        so that one part's retry never aborts the uploads of another part still running under
+        the same checkpoint prefix; None sweeps the whole prefix (an operator's clean-up)."""
         import datetime as dt
+
+        from botocore.exceptions import ClientError
 
         cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
         full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        only = None if keys is None else {self._k(k) for k in keys}
         count = 0
         with s3_errors(f"sweep {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
                 for up in page.get("Uploads", []):
-                    if up["Initiated"] <= cutoff:
+                    if up["Initiated"] > cutoff or (only is not None and up["Key"] not in only):
+                        continue
+                    try:
                         self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                        count += 1
+                    except ClientError as exc:
+                        if _code(exc)[0] != "NoSuchUpload":  # gone already: another sweep got there first
+                            raise
+                        continue
+                    count += 1
         return count
 
     def delete_prefix(self, prefix: str) -> int:
