@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -37,8 +38,25 @@ def is_manifest_name(name: str) -> bool:
 
 
 def checkpoint_dirname(step: int) -> str:
-    """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``."""
+    """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``: ``step-`` and the
+    step zero-padded to 8 digits; steps of 100,000,000 and above simply have more digits."""
     return f"step-{step:08d}"
+
+
+# The one pattern of a checkpoint folder name (no anchors, so it can be embedded in a key
+# pattern). Everything that parses folder names uses it or ``parse_checkpoint_dirname``.
+STEP_DIR_PATTERN = r"step-(?P<step>\d{8,})"
+_STEP_DIR = re.compile(STEP_DIR_PATTERN)
+
+
+def parse_checkpoint_dirname(name: str) -> int | None:
+    """The step a checkpoint folder name stands for, or None when ``name`` is not exactly what
+    ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours)."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m["step"])
+    return step if checkpoint_dirname(step) == name else None
 
 
 @dataclass(frozen=True)

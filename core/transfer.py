@@ -19,12 +19,13 @@ from typing import Callable, Iterator
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound
-from core.manifest import FileEntry, Manifest
+from core.manifest import STEP_DIR_PATTERN, FileEntry, Manifest, parse_checkpoint_dirname
 from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
-_MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+_MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/(?P<dir>" + STEP_DIR_PATTERN
+                           + r")/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,10 @@ def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, in
     found by the manifests' names; sorted by run, step, part."""
     for info in store.list(prefix):
         m = _MANIFEST_KEY.match(info.key)
-        if m:
+        step = parse_checkpoint_dirname(m["dir"]) if m else None
+        if step is not None:
             part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
-            yield m["run"], int(m["step"]), part, parts
+            yield m["run"], step, part, parts
 
 
 def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1) -> Manifest:
