@@ -162,23 +162,68 @@ def hf_index_shards(data: bytes, rel: str) -> set[str]:
     return set(wm.values())
 
 
-def dcp_referenced_files(data: bytes, rel: str) -> set[str]:
-    """The ``*.distcp`` names a DCP ``.metadata`` pickle mentions, found without unpickling.
+DCP_METADATA_GLOBAL = ("torch.distributed.checkpoint.metadata", "Metadata")
+# One of these per state-dict entry: a Metadata without any describes nothing.
+DCP_ENTRY_GLOBALS = {("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+                     ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")}
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+               "BINSTRING", "STRING"}
 
-    ``.metadata`` is a pickle of ``torch.distributed.checkpoint.Metadata``; unpickling
-    untrusted bytes runs code, so we never do it. Instead ``pickletools.genops`` walks the
-    opcode stream (no execution) and collects string constants ending in ``.distcp``: the
-    ``relative_path`` of each ``_StorageInfo``. Limits: offsets and lengths inside the data
-    files are not checked, and a future DCP layout that stored names differently would yield
-    an empty set (then only the presence of non-empty ``*.distcp`` files is checked).
+
+def _pickle_scan(data: bytes, rel: str) -> tuple[list[tuple[str, str]], set[str]]:
+    """(globals in order of reference, strings ending in ``.distcp``) of a pickle, found by
+    walking its opcodes with ``pickletools.genops``: nothing is executed or constructed.
+
+    ``GLOBAL`` carries "module name"; ``STACK_GLOBAL`` (protocol 4+) takes the two strings on
+    top of the stack, pushed directly or fetched from the memo, which is tracked for strings.
     """
-    names: set[str] = set()
+    globals_, names, recent, memo = [], set(), [], {}
     try:
         for op, arg, _pos in pickletools.genops(data):
-            if isinstance(arg, str) and arg.endswith(".distcp"):
-                names.add(arg)
+            name = op.name
+            if name in _STRING_OPS:
+                recent.append(arg)
+                if arg.endswith(".distcp"):
+                    names.add(arg)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(arg))
+            elif name == "GLOBAL":
+                globals_.append(tuple(arg.split(" ", 1)))
+            elif name == "STACK_GLOBAL":
+                if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
+                    globals_.append((recent[-2], recent[-1]))
+            elif name not in ("PROTO", "FRAME"):
+                recent.append(None)  # anything else on the stack breaks a string pair
+            del recent[:-2]
     except Exception as exc:  # genops raises ValueError and friends on malformed streams
         raise _bad(rel, f"not a readable pickle ({type(exc).__name__}: {exc})") from None
+    return globals_, names
+
+
+def dcp_referenced_files(data: bytes, rel: str) -> set[str]:
+    """The ``*.distcp`` names a DCP ``.metadata`` pickle mentions, after checking that it has
+    the shape of a ``torch.distributed.checkpoint.metadata.Metadata``; found without unpickling.
+
+    ``.metadata`` is a pickle of that class; unpickling untrusted bytes runs code, so we never
+    do it. Instead the opcode stream is walked (``_pickle_scan``): the first global it
+    references (the class of the root object) must be ``Metadata``, it must reference at least
+    one ``TensorStorageMetadata``/``BytesStorageMetadata`` (an entry of the state dict), and
+    its string constants ending in ``.distcp`` are the ``relative_path`` of each
+    ``_StorageInfo``. Anything else (``None``, a dict, another class) is CorruptCheckpoint.
+    Limits: offsets and lengths inside the data files are not checked.
+    """
+    globals_, names = _pickle_scan(data, rel)
+    # protocols 0-1 build an object through copyreg._reconstructor(cls, ...): skip that helper
+    classes = [g for g in globals_ if g[1] != "_reconstructor" or g[0] not in ("copyreg", "copy_reg")]
+    if not classes or classes[0] != DCP_METADATA_GLOBAL:
+        got = ".".join(classes[0]) if classes else "no class at all"
+        raise _bad(rel, f"not a torch.distributed.checkpoint Metadata pickle (its root is {got})")
+    if not DCP_ENTRY_GLOBALS.intersection(globals_):
+        raise _bad(rel, "DCP metadata describes no tensor or bytes entry (an empty state dict)")
     return names
 
 
