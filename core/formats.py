@@ -21,9 +21,12 @@ import pickletools
 import re
 import struct
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Callable, Mapping
+from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping, Sequence
 
 from core.errors import CorruptCheckpoint
+
+if TYPE_CHECKING:
+    from core.manifest import Manifest
 
 Opener = Callable[[str], AbstractContextManager[BinaryIO]]
 
@@ -376,3 +379,54 @@ def _validate_dcp(sizes: Mapping[str, int], opener: Opener, complete: bool) -> N
         for name in sorted(dcp_referenced_files(_read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES), meta)):
             if complete and base + name not in sizes:
                 raise CorruptCheckpoint(f"{meta} refers to missing data file {name!r}", path=base + name)
+
+
+def check_union_complete(manifests: Sequence[Manifest], opener: Opener) -> None:
+    """Check that the parts of a multi-node checkpoint add up to a whole one.
+
+    Each part's files are validated alone (``validate(..., complete=False)``); only the union
+    shows whether the cross-file references resolve. ``manifests`` are every part's manifest;
+    ``opener(relpath)`` reads a file of the checkpoint folder (where all parts live side by
+    side, e.g. Tier 1). Rules, by the formats the parts declare:
+    - ``hf-sharded``: some part holds ``model.safetensors.index.json`` (parts that hold one
+      hold identical copies) and every shard its ``weight_map`` names is in some part;
+    - ``dcp``: some part holds ``.metadata`` (identical copies if several) and every
+      ``*.distcp`` it refers to is in some part.
+    Raises CorruptCheckpoint naming the first missing file.
+    """
+    entries: dict[str, tuple[int, str]] = {}
+    for m in manifests:
+        for f in m.files:
+            entries.setdefault(f.path, (f.size, f.checksum))
+    declared = {m.format for m in manifests}
+    if "hf-sharded" in declared:
+        for idx in _one_copy_each(manifests, HF_INDEX):
+            base = _group_dir(idx)
+            for shard in sorted(hf_index_shards(_read_bounded(opener, idx, entries[idx][0], MAX_INDEX_BYTES), idx)):
+                if base + shard not in entries:
+                    raise CorruptCheckpoint(f"{idx} refers to shard {shard!r} that no part holds", path=base + shard)
+    if "dcp" in declared:
+        for meta in _one_copy_each(manifests, DCP_METADATA):
+            base = _group_dir(meta)
+            data = _read_bounded(opener, meta, entries[meta][0], MAX_DCP_METADATA_BYTES)
+            for name in sorted(dcp_referenced_files(data, meta)):
+                if base + name not in entries:
+                    raise CorruptCheckpoint(f"{meta} refers to data file {name!r} that no part holds",
+                                            path=base + name)
+
+
+def _one_copy_each(manifests: Sequence[Manifest], basename: str) -> list[str]:
+    """Paths named ``basename`` in any part; several parts holding one path must agree on its
+    bytes (size and checksum); none at all is CorruptCheckpoint."""
+    seen: dict[str, tuple[int, str, int]] = {}
+    for m in manifests:
+        for f in m.files:
+            if _basename(f.path) != basename:
+                continue
+            first = seen.setdefault(f.path, (f.size, f.checksum, m.part))
+            if first[:2] != (f.size, f.checksum):
+                raise CorruptCheckpoint(f"{f.path}: parts {first[2]} and {m.part} hold different copies",
+                                        path=f.path)
+    if not seen:
+        raise CorruptCheckpoint(f"{basename} is missing from every part of the checkpoint", path=basename)
+    return sorted(seen)
