@@ -79,6 +79,11 @@ class BadEvent(BadInput):
     """A malformed or hostile checkpoint event."""
 
 
+class AlreadyRejected(BadInput):
+    """The same manifest of a part was refused before (see the catalog's rejections): refused
+    again without being judged, audited or announced again. Save the part anew to retry."""
+
+
 class PathEscape(BadInput):
     """A path that would leave its tier root (``..``, absolute, or through a symlink)."""
 

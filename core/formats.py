@@ -18,15 +18,28 @@ from __future__ import annotations
 
 import json
 import pickletools
+import re
 import struct
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Callable, Mapping
+from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping, Sequence
 
 from core.errors import CorruptCheckpoint
 
+if TYPE_CHECKING:
+    from core.manifest import Manifest
+
 Opener = Callable[[str], AbstractContextManager[BinaryIO]]
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# The safetensors library's own bound (MAX_HEADER_SIZE in its Rust core): a header it would
+# refuse is refused here too. No need for a lower cap: memory is bounded by parsing (below).
+MAX_HEADER_BYTES = 100_000_000
+# One tensor entry as JSON: three keys, a shape of 64 dims (numpy's limit) of up to 20 digits
+# each and two offsets fit in ~1,700 characters; real entries take ~100-200. A longer entry is
+# refused before it is parsed (a 'shape' of millions of zeros would otherwise pass).
+MAX_ENTRY_CHARS = 4096
+# ``__metadata__`` (str -> str, e.g. a serialized config): bounded so that it alone cannot make
+# the parser build more than this many characters' worth of objects.
+MAX_METADATA_CHARS = 16 * 1024 * 1024
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_DCP_METADATA_BYTES = 256 * 1024 * 1024
 HF_INDEX = "model.safetensors.index.json"
@@ -77,58 +90,151 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_safetensors_header(header: bytes, data_size: int, rel: str) -> int:
-    """Validate a parsed-to-be safetensors JSON header against the data section size.
+def _check_tensor(name: str, info, data_size: int, rel: str) -> tuple[int, int]:
+    """One tensor entry's (begin, end) after checking dtype, shape and offsets."""
+    if not isinstance(info, dict):
+        raise _bad(rel, f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise _bad(rel, f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _bad(rel, f"tensor {name!r}: shape must be a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)):
+        raise _bad(rel, f"tensor {name!r}: data_offsets must be [begin, end] ints")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise _bad(rel, f"tensor {name!r}: offsets {offsets} outside the data ({data_size} bytes)")
+    count = 1
+    for d in shape:
+        count *= d
+        if count > data_size * 8:  # bound the product: no arithmetic on absurd numbers
+            raise _bad(rel, f"tensor {name!r}: shape {shape} larger than the file")
+    bits = count * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        raise _bad(rel, f"tensor {name!r}: {dtype} x {shape} is not {end - begin} bytes")
+    return begin, end
+
+
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _scan_value(text: str, idx: int, limit: int, what: str, rel: str):
+    """The JSON value at ``text[idx:]``, parsed from a window of at most ``limit`` characters
+    (so no single entry can make the parser build more than ``limit`` characters' worth of
+    objects); returns (value, end index in ``text``)."""
+    window = None
+    if len(text) - idx > limit:
+        close = text.find("}", idx, idx + limit)  # a tensor entry ends at its first '}'
+        window = text[idx:close + 1] if close >= 0 else text[idx:idx + limit]
+        try:
+            value, end = _DECODER.scan_once(window, 0)
+            return value, idx + end
+        except (StopIteration, ValueError, RecursionError):
+            window = text[idx:idx + limit]  # a '}' inside a string, or nested: the full window
+    try:
+        value, end = _DECODER.scan_once(window if window is not None else text, 0 if window is not None else idx)
+    except StopIteration:
+        too_long = window is not None
+        raise _bad(rel, f"{what}: " + (f"longer than {limit} characters" if too_long else "not valid JSON")) from None
+    except (ValueError, RecursionError) as exc:
+        raise _bad(rel, f"{what}: not valid JSON ({type(exc).__name__})") from None
+    return value, (idx + end if window is not None else end)
+
+
+def _iter_header(text: str, rel: str):
+    """(key, value) pairs of the header's top-level JSON object, parsed one entry at a time:
+    the whole header is never materialized as Python objects (json.loads of an 86 MB header
+    with 680,000 entries peaked at ~610 MB; see ``check_safetensors_header``)."""
+    idx = _WS.match(text, 0).end()
+    if text[idx:idx + 1] != "{":
+        raise _bad(rel, "safetensors header is not a JSON object")
+    idx = _WS.match(text, idx + 1).end()
+    if text[idx:idx + 1] == "}":
+        idx += 1
+    else:
+        while True:
+            if text[idx:idx + 1] != '"':
+                raise _bad(rel, "safetensors header is not valid JSON (expected a tensor name)")
+            try:
+                key, idx = json.decoder.scanstring(text, idx + 1)
+            except ValueError:
+                raise _bad(rel, "safetensors header is not valid JSON (bad string)") from None
+            idx = _WS.match(text, idx).end()
+            if text[idx:idx + 1] != ":":
+                raise _bad(rel, "safetensors header is not valid JSON (expected ':')")
+            idx = _WS.match(text, idx + 1).end()
+            limit = MAX_METADATA_CHARS if key == "__metadata__" else MAX_ENTRY_CHARS
+            value, idx = _scan_value(text, idx, limit, f"entry {key[:80]!r}", rel)
+            yield key, value
+            idx = _WS.match(text, idx).end()
+            sep = text[idx:idx + 1]
+            idx = _WS.match(text, idx + 1).end()
+            if sep == "}":
+                break
+            if sep != ",":
+                raise _bad(rel, "safetensors header is not valid JSON (expected ',' or '}')")
+    if _WS.match(text, idx).end() != len(text):
+        raise _bad(rel, "safetensors header is not valid JSON (extra data after the object)")
+
+
+def check_safetensors_header(header: bytes | bytearray, data_size: int, rel: str) -> int:
+    """Validate a safetensors JSON header against the data section size.
 
     Checks: a JSON object; ``__metadata__`` (if any) maps str to str; every tensor has a known
     dtype, a shape of non-negative ints, ``data_offsets`` [begin, end] with
     ``dtype bits x prod(shape) / 8 == end - begin``; the spans, sorted, start at 0, touch
     without gap or overlap and end exactly at ``data_size``. Returns the tensor count.
+
+    Memory is bounded by the header's size, not by its entry count: entries are parsed one at
+    a time (``_iter_header``) and only each span is kept, packed in one int. An ~86 MB header
+    of 680,000 tensors peaks at ~2x the header (its bytes and its text) instead of ~7x.
     """
     try:
-        doc = json.loads(header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _bad(rel, f"safetensors header is not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(doc, dict):
-        raise _bad(rel, "safetensors header is not a JSON object")
-    spans: list[tuple[int, int, str]] = []
-    for name, info in doc.items():
+        text = header.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(rel, "safetensors header is not valid JSON (UnicodeDecodeError)") from None
+    spans: list[int] = []  # begin * (data_size + 1) + end: sorts by begin, then end
+    scale = data_size + 1
+    for name, info in _iter_header(text, rel):
         if name == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise _bad(rel, "__metadata__ must map strings to strings")
             continue
-        if not isinstance(info, dict):
-            raise _bad(rel, f"tensor {name!r}: entry is not an object")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in DTYPE_BITS:
-            raise _bad(rel, f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise _bad(rel, f"tensor {name!r}: shape must be a list of non-negative ints")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) for o in offsets)):
-            raise _bad(rel, f"tensor {name!r}: data_offsets must be [begin, end] ints")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_size:
-            raise _bad(rel, f"tensor {name!r}: offsets {offsets} outside the data ({data_size} bytes)")
-        count = 1
-        for d in shape:
-            count *= d
-            if count > data_size * 8:  # bound the product: no arithmetic on absurd numbers
-                raise _bad(rel, f"tensor {name!r}: shape {shape} larger than the file")
-        bits = count * DTYPE_BITS[dtype]
-        if bits % 8 or bits // 8 != end - begin:
-            raise _bad(rel, f"tensor {name!r}: {dtype} x {shape} is not {end - begin} bytes")
-        spans.append((begin, end, name))
+        begin, end = _check_tensor(name, info, data_size, rel)
+        spans.append(begin * scale + end)
+    del text
     spans.sort()
     pos = 0
-    for begin, end, name in spans:
+    for packed in spans:
+        begin, end = divmod(packed, scale)
         if begin != pos:
             kind = "overlaps the previous tensor" if begin < pos else f"leaves a gap at {pos}"
-            raise _bad(rel, f"tensor {name!r}: {kind}")
+            raise _bad(rel, f"tensor at data_offsets [{begin}, {end}] {kind}")
         pos = end
     if pos != data_size:
         raise _bad(rel, f"tensors cover {pos} bytes but the data section has {data_size}")
     return len(spans)
+
+
+def _read_header(reader: BinaryIO, n: int, rel: str) -> bytearray:
+    """Exactly ``n`` bytes into one buffer (no list of chunks joined into a second copy)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        chunk = min(n - got, 4 * 1024 * 1024)
+        if hasattr(reader, "readinto"):
+            k = reader.readinto(view[got:got + chunk]) or 0
+        else:
+            data = reader.read(chunk)
+            k = len(data)
+            view[got:got + k] = data
+        if not k:
+            raise CorruptCheckpoint(f"{rel}: truncated (wanted {n} bytes, got {got})", path=rel)
+        got += k
+    view.release()
+    return buf
 
 
 def validate_safetensors(reader: BinaryIO, size: int, rel: str) -> int:
@@ -140,7 +246,7 @@ def validate_safetensors(reader: BinaryIO, size: int, rel: str) -> int:
         raise _bad(rel, f"safetensors header length {n} exceeds the {MAX_HEADER_BYTES} byte bound")
     if 8 + n > size:
         raise _bad(rel, f"safetensors header length {n} exceeds the file size {size}")
-    return check_safetensors_header(read_exact(reader, n, rel), size - 8 - n, rel)
+    return check_safetensors_header(_read_header(reader, n, rel), size - 8 - n, rel)
 
 
 def _read_bounded(opener: Opener, rel: str, size: int, limit: int) -> bytes:
@@ -162,23 +268,68 @@ def hf_index_shards(data: bytes, rel: str) -> set[str]:
     return set(wm.values())
 
 
-def dcp_referenced_files(data: bytes, rel: str) -> set[str]:
-    """The ``*.distcp`` names a DCP ``.metadata`` pickle mentions, found without unpickling.
+DCP_METADATA_GLOBAL = ("torch.distributed.checkpoint.metadata", "Metadata")
+# One of these per state-dict entry: a Metadata without any describes nothing.
+DCP_ENTRY_GLOBALS = {("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+                     ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")}
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+               "BINSTRING", "STRING"}
 
-    ``.metadata`` is a pickle of ``torch.distributed.checkpoint.Metadata``; unpickling
-    untrusted bytes runs code, so we never do it. Instead ``pickletools.genops`` walks the
-    opcode stream (no execution) and collects string constants ending in ``.distcp``: the
-    ``relative_path`` of each ``_StorageInfo``. Limits: offsets and lengths inside the data
-    files are not checked, and a future DCP layout that stored names differently would yield
-    an empty set (then only the presence of non-empty ``*.distcp`` files is checked).
+
+def _pickle_scan(data: bytes, rel: str) -> tuple[list[tuple[str, str]], set[str]]:
+    """(globals in order of reference, strings ending in ``.distcp``) of a pickle, found by
+    walking its opcodes with ``pickletools.genops``: nothing is executed or constructed.
+
+    ``GLOBAL`` carries "module name"; ``STACK_GLOBAL`` (protocol 4+) takes the two strings on
+    top of the stack, pushed directly or fetched from the memo, which is tracked for strings.
     """
-    names: set[str] = set()
+    globals_, names, recent, memo = [], set(), [], {}
     try:
         for op, arg, _pos in pickletools.genops(data):
-            if isinstance(arg, str) and arg.endswith(".distcp"):
-                names.add(arg)
+            name = op.name
+            if name in _STRING_OPS:
+                recent.append(arg)
+                if arg.endswith(".distcp"):
+                    names.add(arg)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(arg))
+            elif name == "GLOBAL":
+                globals_.append(tuple(arg.split(" ", 1)))
+            elif name == "STACK_GLOBAL":
+                if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
+                    globals_.append((recent[-2], recent[-1]))
+            elif name not in ("PROTO", "FRAME"):
+                recent.append(None)  # anything else on the stack breaks a string pair
+            del recent[:-2]
     except Exception as exc:  # genops raises ValueError and friends on malformed streams
         raise _bad(rel, f"not a readable pickle ({type(exc).__name__}: {exc})") from None
+    return globals_, names
+
+
+def dcp_referenced_files(data: bytes, rel: str) -> set[str]:
+    """The ``*.distcp`` names a DCP ``.metadata`` pickle mentions, after checking that it has
+    the shape of a ``torch.distributed.checkpoint.metadata.Metadata``; found without unpickling.
+
+    ``.metadata`` is a pickle of that class; unpickling untrusted bytes runs code, so we never
+    do it. Instead the opcode stream is walked (``_pickle_scan``): the first global it
+    references (the class of the root object) must be ``Metadata``, it must reference at least
+    one ``TensorStorageMetadata``/``BytesStorageMetadata`` (an entry of the state dict), and
+    its string constants ending in ``.distcp`` are the ``relative_path`` of each
+    ``_StorageInfo``. Anything else (``None``, a dict, another class) is CorruptCheckpoint.
+    Limits: offsets and lengths inside the data files are not checked.
+    """
+    globals_, names = _pickle_scan(data, rel)
+    # protocols 0-1 build an object through copyreg._reconstructor(cls, ...): skip that helper
+    classes = [g for g in globals_ if g[1] != "_reconstructor" or g[0] not in ("copyreg", "copy_reg")]
+    if not classes or classes[0] != DCP_METADATA_GLOBAL:
+        got = ".".join(classes[0]) if classes else "no class at all"
+        raise _bad(rel, f"not a torch.distributed.checkpoint Metadata pickle (its root is {got})")
+    if not DCP_ENTRY_GLOBALS.intersection(globals_):
+        raise _bad(rel, "DCP metadata describes no tensor or bytes entry (an empty state dict)")
     return names
 
 
@@ -228,3 +379,54 @@ def _validate_dcp(sizes: Mapping[str, int], opener: Opener, complete: bool) -> N
         for name in sorted(dcp_referenced_files(_read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES), meta)):
             if complete and base + name not in sizes:
                 raise CorruptCheckpoint(f"{meta} refers to missing data file {name!r}", path=base + name)
+
+
+def check_union_complete(manifests: Sequence[Manifest], opener: Opener) -> None:
+    """Check that the parts of a multi-node checkpoint add up to a whole one.
+
+    Each part's files are validated alone (``validate(..., complete=False)``); only the union
+    shows whether the cross-file references resolve. ``manifests`` are every part's manifest;
+    ``opener(relpath)`` reads a file of the checkpoint folder (where all parts live side by
+    side, e.g. Tier 1). Rules, by the formats the parts declare:
+    - ``hf-sharded``: some part holds ``model.safetensors.index.json`` (parts that hold one
+      hold identical copies) and every shard its ``weight_map`` names is in some part;
+    - ``dcp``: some part holds ``.metadata`` (identical copies if several) and every
+      ``*.distcp`` it refers to is in some part.
+    Raises CorruptCheckpoint naming the first missing file.
+    """
+    entries: dict[str, tuple[int, str]] = {}
+    for m in manifests:
+        for f in m.files:
+            entries.setdefault(f.path, (f.size, f.checksum))
+    declared = {m.format for m in manifests}
+    if "hf-sharded" in declared:
+        for idx in _one_copy_each(manifests, HF_INDEX):
+            base = _group_dir(idx)
+            for shard in sorted(hf_index_shards(_read_bounded(opener, idx, entries[idx][0], MAX_INDEX_BYTES), idx)):
+                if base + shard not in entries:
+                    raise CorruptCheckpoint(f"{idx} refers to shard {shard!r} that no part holds", path=base + shard)
+    if "dcp" in declared:
+        for meta in _one_copy_each(manifests, DCP_METADATA):
+            base = _group_dir(meta)
+            data = _read_bounded(opener, meta, entries[meta][0], MAX_DCP_METADATA_BYTES)
+            for name in sorted(dcp_referenced_files(data, meta)):
+                if base + name not in entries:
+                    raise CorruptCheckpoint(f"{meta} refers to data file {name!r} that no part holds",
+                                            path=base + name)
+
+
+def _one_copy_each(manifests: Sequence[Manifest], basename: str) -> list[str]:
+    """Paths named ``basename`` in any part; several parts holding one path must agree on its
+    bytes (size and checksum); none at all is CorruptCheckpoint."""
+    seen: dict[str, tuple[int, str, int]] = {}
+    for m in manifests:
+        for f in m.files:
+            if _basename(f.path) != basename:
+                continue
+            first = seen.setdefault(f.path, (f.size, f.checksum, m.part))
+            if first[:2] != (f.size, f.checksum):
+                raise CorruptCheckpoint(f"{f.path}: parts {first[2]} and {m.part} hold different copies",
+                                        path=f.path)
+    if not seen:
+        raise CorruptCheckpoint(f"{basename} is missing from every part of the checkpoint", path=basename)
+    return sorted(seen)

@@ -32,9 +32,13 @@ def checkpoint_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    """The step a checkpoint folder name stands for, or None when it is not one."""
+    """The step a checkpoint folder name stands for, or None when ``name`` is not exactly what
+    ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours)."""
     m = _STEP_DIR.match(name)
-    return int(m["step"]) if m else None
+    if m is None:
+        return None
+    step = int(m["step"])
+    return step if checkpoint_dirname(step) == name else None
 
 
 def checkpoint_prefix(run: str, step: int) -> str:
@@ -61,7 +65,7 @@ def part_key(run: str, step: int, part: int = 0, parts: int = 1) -> str:
 def parse_manifest_key(key: str) -> tuple[str, int, int, int] | None:
     """``(run, step, part, parts)`` of a manifest key, or None when ``key`` is not one."""
     m = _MANIFEST_KEY.match(key)
-    if not m:
+    if not m or parse_step_dirname(f"step-{m['step']}") is None:
         return None
     part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
     return m["run"], int(m["step"]), part, parts

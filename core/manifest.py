@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from core.errors import BadInput, CorruptCheckpoint
+from core.errors import BadInput, CkptError, CorruptCheckpoint
 from core.layout import is_manifest_name, manifest_name
 
 MANIFEST_VERSION = 1
@@ -146,6 +146,18 @@ class Manifest:
             if f.size < 0:
                 raise BadInput(f"negative size for {f.path!r}")
             seen.add(f.path)
+
+
+def attempt_digest(data: bytes | None) -> str:
+    """The identity of one attempt to commit a part: its manifest's ``digest()`` when the bytes
+    parse, else ``raw:`` and the SHA-256 of the bytes, ``absent`` when there is no manifest.
+    A rejection is recorded against this, so a re-save with another manifest is a new attempt."""
+    if data is None:
+        return "absent"
+    try:
+        return Manifest.from_json(data).digest()
+    except (CkptError, ValueError, TypeError, KeyError, AttributeError):
+        return "raw:" + hashlib.sha256(data).hexdigest()
 
 
 def utcnow_iso() -> str:

@@ -18,8 +18,8 @@ from typing import Mapping
 
 from core import checksum, formats
 from core.errors import BadInput, CorruptCheckpoint, NotFound
-from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.layout import is_manifest_name, manifest_name
+from core.manifest import FileEntry, Manifest, ParentRef, attempt_digest, utcnow_iso
 from core.paths import confine_local, safe_relpath
 from core.storage.base import TierStore
 from core.storage.local import LocalStore
@@ -108,6 +108,14 @@ def write_manifest(folder: str | os.PathLike, manifest: Manifest) -> Path:
     store = LocalStore(folder, tier=0)
     store.write_small_atomic(manifest.name, manifest.to_json())
     return store.path(manifest.name)
+
+
+def read_attempt_digest(store: TierStore, prefix: str, part: int = 0, parts: int = 1) -> str:
+    """``core.manifest.attempt_digest`` of the part's manifest as it is on ``store`` now."""
+    key = f"{prefix}/{manifest_name(part, parts)}" if prefix else manifest_name(part, parts)
+    if store.stat(key) is None:
+        return attempt_digest(None)
+    return attempt_digest(store.read_small(key))
 
 
 def read_manifest(store: TierStore, prefix: str, part: int = 0, parts: int = 1) -> Manifest:

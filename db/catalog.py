@@ -22,8 +22,10 @@ from core.manifest import Manifest
 from db import lineage as _lineage
 from db import queries as _q
 from db import register as _reg
+from db import rejections as _rej
 from db import state as _state
 from db.entities import (
+    RejectionInfo,
     CKPT_COMMITTED,
     CKPT_CORRUPT,
     CKPT_PARTIAL,
@@ -225,6 +227,24 @@ class Catalog:
         with self._tx() as conn:
             add_audit(conn, at=_now(), actor=actor, subject=subject, action="reject", to_state="rejected",
                       reason=reason, run=run, step=step)
+
+    def reject_part(self, run: str, step: int, part: int, *, digest: str, reason: str, actor: str,
+                    node: str | None = None) -> bool:
+        """Record that this manifest (``digest``: ``core.manifest.attempt_digest``) of a part was
+        refused for a permanent reason; audited once. True if new, False if recorded before.
+        See ``db.rejections`` for when the checkpoint itself becomes ``rejected``."""
+        with self._tx() as conn:
+            return _rej.record(conn, run, step, part, digest=digest, reason=reason, node=node, now=_now(),
+                               actor=actor)
+
+    def rejection(self, run: str, step: int, part: int, digest: str) -> RejectionInfo | None:
+        """The recorded refusal of exactly this manifest of the part, if any."""
+        with self._tx(write=False) as conn:
+            return _rej.find(conn, run, step, part, digest)
+
+    def rejections(self, run: str | None = None) -> list[RejectionInfo]:
+        with self._tx(write=False) as conn:
+            return _rej.listing(conn, run)
 
     # --- replicas (compare-and-set state machine, see db.entities.TRANSITIONS) ----------
     def claim_copy(self, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,

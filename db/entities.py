@@ -154,3 +154,17 @@ class DrillResult:
     bytes: int
     at: datetime
     detail: str | None = None
+
+
+@dataclass(frozen=True)
+class RejectionInfo:
+    """A part refused once for good (until a re-save brings another manifest)."""
+
+    run: str
+    step: int
+    part: int
+    manifest_digest: str  # core.manifest.attempt_digest of the refused manifest
+    node: str | None
+    reason: str
+    rejected_at: datetime
+    actor: str

@@ -245,3 +245,21 @@ class Drill(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime())
     detail: Mapped[str | None] = mapped_column(Text)
     actor: Mapped[str] = mapped_column(String(256))
+
+
+class Rejection(Base):
+    """A part refused for a permanent reason (corrupt or malformed manifest, bad input, conflict),
+    recorded once per content: the key includes the digest of the manifest that was refused
+    (``core.manifest.attempt_digest``), so the same bytes are not re-judged on every reconcile
+    pass, and a re-save with another manifest is a new attempt. The run need not be known."""
+
+    __tablename__ = "rejections"
+
+    run: Mapped[str] = mapped_column(String(128), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    manifest_digest: Mapped[str] = mapped_column(String(80), primary_key=True)
+    node: Mapped[str | None] = mapped_column(String(256))
+    reason: Mapped[str] = mapped_column(Text)
+    rejected_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    actor: Mapped[str] = mapped_column(String(256))

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Row
 from core.errors import ConflictError
 from core.manifest import Manifest
 from core.paths import safe_run_name
-from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CheckpointInfo
+from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.rows import (
     add_audit,
@@ -230,7 +230,8 @@ def _audit_register(conn: Connection, m: Manifest, from_state, to_state, *, now:
 
 def _merge_part(conn: Connection, ck: Row, m: Manifest, *, now: datetime, actor: str) -> None:
     registered = ck.parts_registered + 1
-    state = CKPT_COMMITTED if ck.state == CKPT_PARTIAL and registered == ck.parts else ck.state
+    before = CKPT_PARTIAL if ck.state == CKPT_REJECTED else ck.state  # the refused part came after all
+    state = CKPT_COMMITTED if before == CKPT_PARTIAL and registered == ck.parts else before
     stalls = [s for s in (ck.writer_stall_seconds, m.writer_stall_seconds) if s is not None]
     conn.execute(update(checkpoints).where(checkpoints.c.id == ck.id).values(
         parts_registered=registered, state=state,

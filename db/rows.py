@@ -22,6 +22,7 @@ from db.models import (
     Drill,
     Lineage,
     Pin,
+    Rejection,
     Replica,
     Run,
     TierCompletion,
@@ -38,6 +39,7 @@ pins = Pin.__table__
 aliases = Alias.__table__
 audit = AuditLog.__table__
 drills = Drill.__table__
+rejections = Rejection.__table__
 
 ALL_TIERS = (0, 1, 2)
 

@@ -11,8 +11,9 @@ Runs every few minutes on each node (and on demand). In order:
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
    Tier 0 copies are pruned here (through the same guarded prune).
-Parts of unknown runs and of checkpoints already found corrupt or rejected are left alone
-(and listed), so a bad checkpoint is not re-rejected on every pass. One failing item never
+Parts of unknown runs, of checkpoints already found corrupt, and parts whose manifest the
+catalog already rejected are left alone (and listed), so a bad checkpoint is not re-rejected on
+every pass; a re-saved part (another manifest) is tried again. One failing item never
 stops the others; failures are listed in the report.
 """
 
@@ -34,6 +35,7 @@ from flows.common import Steps, artifact_key, current_actor, publish_table, task
 from flows.promote import promote
 from tasks.base import log, open_catalog, open_tier
 from core.layout import checkpoint_prefix, part_key
+from core.storage.base import TierStore
 from core.policy import is_milestone
 from tasks.retention import FAILED, PRUNED, apply_retention
 
@@ -61,8 +63,10 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
         stale = {(c.run, c.step) for c in cat.unpromoted(older_than_seconds=grace_seconds)}
-        todo0 = [p for p in find_committed(tier0) if _wanted(cat, p, report, tier=0, unpromoted=stale)]
-        todo1 = [p for p in find_committed(tier1) if _wanted(cat, p, report, tier=1, unpromoted=set())]
+        todo0 = [p for p in find_committed(tier0) if _wanted(cat, p, report, tier=0, unpromoted=stale)
+                 and not _rejected(cat, tier0, p, report, tier=0)]
+        todo1 = [p for p in find_committed(tier1) if _wanted(cat, p, report, tier=1, unpromoted=set())
+                 and not _rejected(cat, tier1, p, report, tier=1)]
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
@@ -115,9 +119,11 @@ def _wanted(cat: Catalog, found: tuple[str, int, int, int], report: ReconcileRep
         ck = cat.get_checkpoint(run, step)
     except NotFound:
         return True
-    if ck.state in (CKPT_CORRUPT, CKPT_REJECTED):
+    if ck.state == CKPT_CORRUPT:
         report.skipped.append(f"{item}: checkpoint is {ck.state}")
         return False
+    if ck.state == CKPT_REJECTED:
+        return True  # ``_rejected`` tells a refused manifest from a re-save
     if not cat.files(ck.id, part):
         return True  # this part was never registered
     replica = next((r for r in cat.replicas(ck.id, 1) if r.part == part), None)
@@ -129,6 +135,19 @@ def _wanted(cat: Catalog, found: tuple[str, int, int, int], report: ReconcileRep
     # never copied, or a copy that stalled: only once past the grace period (``unpromoted``),
     # so the event-triggered promotion running right now is not raced for nothing
     return state in (None, PENDING, COPYING) and (run, step) in unpromoted
+
+
+def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], report: ReconcileReport, *,
+              tier: int) -> bool:
+    """Whether the part's manifest on ``store`` is one the catalog already refused (skipped,
+    listed, not judged again); a re-saved part has another digest and is promoted afresh."""
+    from core.manifest_build import read_attempt_digest
+
+    run, step, part, parts = found
+    prior = cat.rejection(run, step, part, read_attempt_digest(store, checkpoint_prefix(run, step), part, parts))
+    if prior is not None:
+        report.skipped.append(f"tier {tier} {run}/{step} part {part}: rejected: {prior.reason}")
+    return prior is not None
 
 
 def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from core.errors import CorruptCheckpoint
 from core.settings import Settings
-from tasks.base import open_catalog
+from db.entities import CKPT_CORRUPT, VERIFIED
+from tasks.base import open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
 
 
@@ -12,7 +14,30 @@ def mark_complete(settings: Settings, run: str, step: int, tier: int, *, actor: 
     verified there. N part promotions thus start the checkpoint-level work once."""
     with open_catalog(settings.catalog_url) as cat:
         ck = cat.get_checkpoint(run, step)
+        if ck.parts > 1 and tier == 1 and _all_parts_verified(cat, ck.id, ck.parts, tier):
+            _check_parts_add_up(settings, cat, ck, tier, actor=actor)
         return cat.complete_on_tier(ck.id, tier, actor=actor)
+
+
+def _all_parts_verified(cat, checkpoint_id: int, parts: int, tier: int) -> bool:
+    return {r.part for r in cat.replicas(checkpoint_id, tier) if r.state == VERIFIED} == set(range(parts))
+
+
+def _check_parts_add_up(settings: Settings, cat, ck, tier: int, *, actor: str) -> None:
+    """Each part was verified alone; before the checkpoint counts as complete, its parts
+    together must form a whole HF/DCP checkpoint (``formats.check_union_complete``). One that
+    does not is recorded ``corrupt`` (reconcile leaves it; its copies stay) and raised."""
+    from core.formats import check_union_complete
+    from core.layout import checkpoint_prefix
+
+    with open_tier(settings, tier) as store:
+        prefix = checkpoint_prefix(ck.run, ck.step)
+        manifests = [read_manifest(store, ck.run, ck.step, p, ck.parts) for p in range(ck.parts)]
+        try:
+            check_union_complete(manifests, lambda rel: store.open_read(f"{prefix}/{rel}"))
+        except CorruptCheckpoint as exc:
+            cat.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason=f"parts do not add up: {exc}", actor=actor)
+            raise
 
 
 mark_complete_task = pipeline_task(mark_complete, name="mark-complete")

@@ -4,7 +4,9 @@ Bad input never reaches the catalog as data: an unknown run, a missing or malfor
 manifest, a path that escapes the checkpoint folder, an unknown format, or a manifest that
 differs from the one already registered for that part is audited as a rejection, announced
 (``ckpt.checkpoint.rejected``) and raised as a permanent error, leaving every earlier
-checkpoint as it was.
+checkpoint as it was. A refused part is recorded in the catalog's rejections against its
+manifest's digest, once: the same manifest again (a duplicate event, a reconcile pass) is
+refused with ``AlreadyRejected`` without a new audit row or event; a re-save is judged afresh.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import events
-from core.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
+from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
+from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
 from core.settings import Settings
+from core.layout import checkpoint_prefix
 from db.catalog import Catalog
 from db.entities import VERIFIED
 from tasks.base import open_catalog, open_tier, read_manifest
@@ -46,21 +50,36 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
         done = _already_promoted(cat, run, step, part)
         if done is not None:
             return done
+        digest = None
         try:
             safe_run_name(run)
             if step < 0 or not (0 <= part < parts):
                 raise BadInput(f"invalid step/part: step {step}, part {part} of {parts}")
             with open_tier(settings, source_tier) as store:
+                digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
+                _refuse_if_rejected_before(cat, run, step, part, digest)
                 manifest = read_manifest(store, run, step, part, parts)
             info = cat.register_part(manifest, actor=actor)
+        except AlreadyRejected:
+            raise
         except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
-            _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
-            events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node,
-                   payload={"reason": f"{type(exc).__name__}: {exc}"})
+            reason = f"{type(exc).__name__}: {exc}"
+            if digest is None or isinstance(exc, NotFound):  # no part to name, or a run yet to be created
+                _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
+            elif not cat.reject_part(run, step, part, digest=digest, reason=reason, node=node, actor=actor):
+                raise  # recorded meanwhile by a concurrent attempt: announced there
+            events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node, payload={"reason": reason})
             raise
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
                       kind=info.kind, state=info.state, files=len(manifest.files),
                       bytes=manifest.total_bytes)
+
+
+def _refuse_if_rejected_before(cat, run: str, step: int, part: int, digest: str) -> None:
+    prior = cat.rejection(run, step, part, digest)
+    if prior is not None:
+        raise AlreadyRejected(f"checkpoint {run}/{step} part {part}: this manifest was rejected at "
+                              f"{prior.rejected_at.isoformat()} ({prior.reason}); save the part again to retry")
 
 
 def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:

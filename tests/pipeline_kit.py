@@ -37,9 +37,12 @@ def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int
         tensor = f"layer{part}.{i}.weight"
         save_file({tensor: rng.standard_normal(shard_bytes // 4, dtype=np.float32)}, str(folder / name))
         weight_map[tensor] = name
-    if parts == 1:
+    if parts > 1 and part == 0:  # rank 0 writes the index of every part's shards
+        weight_map = {f"layer{p}.{i}.weight": f"model-p{p:02d}-{i:05d}.safetensors"
+                      for p in range(parts) for i in range(shards)}
+    if part == 0:
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": shards * shard_bytes}, "weight_map": weight_map}))
+            json.dumps({"metadata": {"total_size": parts * shards * shard_bytes}, "weight_map": weight_map}))
     m = build_manifest(folder, run, step, part=part, parts=parts, node=node, kind=kind, metrics=metrics,
                        tags=tags, fmt="hf-sharded")
     write_manifest(folder, m)

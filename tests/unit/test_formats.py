@@ -10,7 +10,6 @@ import pickle
 import random
 import struct
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -181,24 +180,17 @@ def test_hf_index_missing(tmp_path):
         check(files, "hf-sharded")
 
 
-# A stand-in for torch.distributed.checkpoint's metadata classes: the pickle has the same
-# shape (objects holding relative_path strings); validation must find them without unpickling.
-@dataclass
-class _StorageInfo:
-    relative_path: str
-    offset: int
-    length: int
-
-
-@dataclass
-class _Metadata:
-    state_dict_metadata: dict
-    storage_data: dict
-
-
 def dcp_files(ranks: int = 2) -> dict[str, bytes]:
-    storage = {("w", r): _StorageInfo(f"__{r}_0.distcp", 0, 64) for r in range(ranks)}
-    files = {".metadata": pickle.dumps(_Metadata({"w": [ranks, 8]}, storage))}
+    """A DCP folder in memory: a real ``Metadata`` pickle (torch's classes) and its data files."""
+    torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+    storage = {MetadataIndex(f"w{r}"): _StorageInfo(f"__{r}_0.distcp", 0, 64) for r in range(ranks)}
+    meta = torch_dcp.metadata.Metadata(state_dict_metadata={f"w{r}": BytesStorageMetadata() for r in range(ranks)},
+                                       storage_data=storage)
+    assert isinstance(meta, Metadata)
+    files = {".metadata": pickle.dumps(meta)}
     for r in range(ranks):
         files[f"__{r}_0.distcp"] = bytes(64)
     return files
@@ -240,7 +232,8 @@ def test_dcp_metadata_is_never_unpickled(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     files = {".metadata": pickle.dumps(Evil()), "__0_0.distcp": b"x"}
-    check(files, "dcp")  # no .distcp names inside: only presence is checked
+    with pytest.raises(CorruptCheckpoint, match="not a torch.distributed.checkpoint Metadata"):
+        check(files, "dcp")
     assert not marker.exists()
 
 

@@ -84,7 +84,7 @@ def test_pruning_one_part_on_tier0_deletes_only_that_node_s_files(settings):
     assert not ckpt_dir(settings.tier0_url, RUN, 100).exists() or \
         published_files(settings.tier0_url, RUN, 100) == []
     assert "manifest.part-00001-of-00002.json" in published_files(node1.tier0_url, RUN, 100)
-    assert len(published_files(settings.tier1_url, RUN, 100)) == 6
+    assert len(published_files(settings.tier1_url, RUN, 100)) == 7  # 2 manifests, 4 shards, the index
     assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"
     assert replica_states(settings, RUN, 100)[(0, 1)] == "verified"
 

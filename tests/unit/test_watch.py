@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -62,13 +61,24 @@ def test_hf_folder_is_committed_once_complete_and_only_once(settings_factory, tm
                                       "model.safetensors.index.json"]
 
 
+def _real_dcp(folder) -> None:
+    """A DCP folder as torch writes it (a dict pickled as ``.metadata`` is not one)."""
+    import warnings
+
+    torch = __import__("pytest").importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(1024.0)}, checkpoint_id=str(folder))
+
+
 def test_dcp_and_marker_folders(settings_factory, tmp_path):
     s = settings_factory()
     job = tmp_path / "job"
     dcp = job / "step-10"
     dcp.mkdir(parents=True)
-    (dcp / "__0_0.distcp").write_bytes(os.urandom(4096))
-    (dcp / ".metadata").write_bytes(pickle.dumps({"storage_data": {"a": "__0_0.distcp"}}))
+    _real_dcp(dcp)
     custom = job / "global_step20"
     custom.mkdir()
     (custom / "weights.bin").write_bytes(b"x" * 100)

@@ -1,0 +1,105 @@
+"""A refused part is a recorded state: judged once per manifest, not on every reconcile pass.
+
+Before, each reconcile pass promoted a refused part again: one more audit row and one more
+``ckpt.checkpoint.rejected`` event a minute, forever, and the checkpoint never became
+``rejected``. Its Tier 0 bytes are kept (never delete the only copy silently)."""
+
+from __future__ import annotations
+
+from core.events import announcing
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from core.errors import BadInput
+from flows.common import plain_steps
+from flows.promote import promote
+from flows.reconcile import reconcile_once
+from pipeline_kit import Recorder, catalog, ckpt_dir, pipeline_settings, replica_states, write_checkpoint
+
+RUN = "run-a"
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    return pipeline_settings(settings_factory, db_url)
+
+
+def rejects(settings, step: int) -> int:
+    cat = catalog(settings)
+    try:
+        return sum(1 for e in cat.history(RUN, step) if e.action == "reject")
+    finally:
+        cat.close()
+
+
+def checkpoint_state(settings, step: int) -> str:
+    cat = catalog(settings)
+    try:
+        return cat.get_checkpoint(RUN, step).state
+    finally:
+        cat.close()
+
+
+def test_a_malformed_part_is_rejected_once_and_a_resave_is_judged_afresh(settings):
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    write_checkpoint(settings.tier0_url, RUN, 100, part=0, parts=2, node="node-0")
+    write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1")
+    promote(settings, RUN, 100, 0, 2, steps=plain_steps())
+    manifest = ckpt_dir(node1.tier0_url, RUN, 100) / "manifest.part-00001-of-00002.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(json.dumps({**json.loads(good), "format": "pickle-of-doom"}).encode())
+    events = Recorder()
+
+    with announcing(events):
+        first = reconcile_once(node1, steps=plain_steps())
+    with announcing(events):
+        passes = [reconcile_once(node1, steps=plain_steps()) for _ in range(3)]
+
+    assert any("BadInput" in f for f in first.failed)
+    assert rejects(settings, 100) == 1 and events.names().count("rejected") == 1
+    assert all(p.failed == [] and p.promoted == [] for p in passes)
+    assert all(any("part 1: rejected" in s for s in p.skipped) for p in passes)
+    assert checkpoint_state(settings, 100) == "rejected"
+    with pytest.raises(BadInput, match="rejected at"):  # a duplicate event: refused, not re-judged
+        with announcing(events):
+            promote(node1, RUN, 100, 1, 2, steps=plain_steps())
+    assert rejects(settings, 100) == 1 and events.names().count("rejected") == 1
+    assert (ckpt_dir(node1.tier0_url, RUN, 100) / "model-p01-00000.safetensors").is_file()  # bytes kept
+
+    manifest.write_bytes(good)  # the job saves the part again, correctly
+    with announcing(events):
+        again = reconcile_once(node1, steps=plain_steps())
+
+    assert again.promoted == [f"{RUN}/100 part 1"]
+    assert checkpoint_state(settings, 100) == "committed"
+    assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
+    assert "durable" in events.names()
+
+
+def test_a_conflicting_resave_is_rejected_once_and_the_accepted_checkpoint_stands(settings):
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    plain_steps().register(settings, RUN, 100, 0, 1)  # registered; its event's promotion was lost
+    shutil.rmtree(ckpt_dir(settings.tier0_url, RUN, 100))
+    write_checkpoint(settings.tier0_url, RUN, 100, seed=7)  # another save of the same step
+    events = Recorder()
+
+    with announcing(events):
+        first = reconcile_once(settings, steps=plain_steps())
+    with announcing(events):
+        later = [reconcile_once(settings, steps=plain_steps()) for _ in range(3)]
+
+    assert any("ConflictError" in f for f in first.failed)
+    assert all(p.failed == [] and p.promoted == [] for p in later)
+    assert rejects(settings, 100) == 1 and events.names().count("rejected") == 1
+    assert checkpoint_state(settings, 100) == "committed"  # what was accepted is not what is bad
+    assert replica_states(settings, RUN, 100).get((1, 0)) is None  # the conflicting bytes were never copied
+    cat = catalog(settings)
+    try:
+        (rej,) = cat.rejections(RUN)
+        assert (rej.step, rej.part) == (100, 0) and "ConflictError" in rej.reason
+    finally:
+        cat.close()
