@@ -93,7 +93,7 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     assert want <= events_seen(prefect_server, run, since, want)
 
 
-def test_a_transient_failure_is_retried_by_the_task(env_settings):
+def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server):
     """Another worker's live claim (CopyInProgress) makes the copy task retry; once that worker
     lets go (released here only after the task was seen waiting for its retry, so no wall-clock
     race decides the outcome), a retry copies."""
@@ -114,11 +114,13 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings):
 
     def release_once_a_retry_waits() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not awaiting_retry("copy-to-tier1"):
-            time.sleep(0.2)
-        cat.transition(other.replica.id, MISSING, expected=COPYING, claim_token=other.replica.claim_token,
-                       actor="other", reason="the other worker gave up")
-        released.set()
+        try:
+            while time.monotonic() < deadline and not awaiting_retry(prefect_server, "copy-to-tier1"):
+                time.sleep(0.2)
+        finally:
+            cat.transition(other.replica.id, MISSING, expected=COPYING, claim_token=other.replica.claim_token,
+                           actor="other", reason="the other worker gave up")
+            released.set()
 
     helper = threading.Thread(target=release_once_a_retry_waits, daemon=True)
     helper.start()
@@ -135,17 +137,12 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings):
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
 
 
-def awaiting_retry(task_name: str) -> bool:
+def awaiting_retry(api: str, task_name: str) -> bool:
     """Whether a task run of ``task_name`` is waiting for its retry (state AwaitingRetry)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterState, \
-        TaskRunFilterStateName
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(like_=task_name),
-            state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["AwaitingRetry"]))))
-    return bool(runs)
+    body = {"task_runs": {"name": {"like_": task_name}, "state": {"name": {"any_": ["AwaitingRetry"]}}}}
+    r = httpx.post(f"{api}/task_runs/filter", json=body, timeout=10)
+    r.raise_for_status()
+    return bool(r.json())
 
 
 def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
