@@ -10,7 +10,7 @@ checkpoint as it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from core import events
 from core.errors import BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
@@ -39,32 +39,50 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
                   node: str | None = None, actor: str = "cli",
                   source_tier: int = 0) -> Registered:
     """Read the part's manifest from ``source_tier`` (Tier 0; reconcile adopts parts found only
-    on Tier 1) and register it; idempotent for the same manifest."""
+    on Tier 1) and register it; idempotent for the same manifest (its digest). A manifest whose
+    digest differs from the one registered for the part is a ``ConflictError`` (refused, audited,
+    announced), whether or not the first is on Tier 1 yet; with no manifest left on the source a
+    part already verified on Tier 1 is answered from the catalog."""
     node = node or settings.node
     with open_catalog(settings.catalog_url) as cat:
-        done = _already_promoted(cat, run, step, part)
-        if done is not None:
-            return done
         try:
             safe_run_name(run)
             if step < 0 or not (0 <= part < parts):
                 raise BadInput(f"invalid step/part: step {step}, part {part} of {parts}")
             with open_tier(settings, source_tier) as store:
                 manifest = read_manifest(store, run, step, part, parts)
+        except NotFound as exc:
+            done = _already_promoted(cat, run, step, part)  # a late duplicate after Tier 0 was pruned
+            if done is not None:
+                return done
+            _refuse(cat, exc, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
+        except (BadInput, ConflictError, CorruptCheckpoint) as exc:
+            _refuse(cat, exc, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
+        try:  # the content check: the same digest is a no-op, a different one a ConflictError
             info = cat.register_part(manifest, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
-            _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
-            events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node,
-                   payload={"reason": f"{type(exc).__name__}: {exc}"})
-            raise
+            _refuse(cat, exc, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
+        done = _already_promoted(cat, run, step, part)
+        if done is not None:
+            return done
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
                       kind=info.kind, state=info.state, files=len(manifest.files),
                       bytes=manifest.total_bytes)
 
 
+def _refuse(cat, exc: Exception, *, run: str, step: int, part: int, parts: int, node: str, actor: str) -> NoReturn:
+    """Audit, announce ``ckpt.checkpoint.rejected`` and re-raise the refusal of a part."""
+    _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
+    events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node,
+                    payload={"reason": f"{type(exc).__name__}: {exc}"})
+    raise exc
+
+
 def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:
-    """The registration of a part already verified on Tier 1 (a repeated event): answered from
-    the catalog, so a late duplicate works even after Tier 0 was pruned."""
+    """The registration of a part already verified on Tier 1 (a repeated event), answered from
+    the catalog. Called only once the part's manifest matched the registered digest, or when no
+    manifest is left on the source (a late duplicate after Tier 0 was pruned): a different
+    checkpoint saved under the same run and step is never answered "already promoted"."""
     try:
         ck = cat.get_checkpoint(run, step)
     except NotFound:
