@@ -162,7 +162,10 @@ def test_writes_and_deletes_through_a_symlinked_folder_raise_and_touch_nothing(s
 
 
 # --- 7: a repair keeps the paths another verified part lists -------------------------------------
-def test_repairing_one_part_keeps_the_files_another_verified_part_lists(settings):
+def test_repairing_one_part_keeps_the_files_another_verified_part_lists(settings, monkeypatch):
+    import core.transfer
+    from core.errors import StorageUnavailable
+
     node1 = on_node(settings, "node-1")
     shared = b'{"layers": 2}'
     for part, s in ((0, settings), (1, node1)):
@@ -174,10 +177,17 @@ def test_repairing_one_part_keeps_the_files_another_verified_part_lists(settings
     part1 = {k: v for k, v in folder_bytes(tier1).items() if k in ("config.json", "w1.bin")}
     flip_byte(tier1 / "w0.bin", 7)  # part 0's Tier 1 copy rots
 
+    def copy_fails(*_a, **_k):  # the repair's copy fails after the bad copy was removed, so a
+        raise StorageUnavailable("tier 1 went away")  # shared file it took is not written back
+    monkeypatch.setattr(core.transfer, "copy_part", copy_fails)
     report = scrub(settings, fraction=1.0)
+    assert [(r.part, r.ok) for r in report.repairs] == [(0, False)]
+    assert {k: folder_bytes(tier1).get(k) for k in part1} == part1  # part 1's files, config.json too
 
+    monkeypatch.undo()
+    report = scrub(settings, fraction=1.0)
     assert [(r.part, r.ok) for r in report.repairs] == [(0, True)]
-    assert {k: folder_bytes(tier1)[k] for k in part1} == part1  # part 1's files, config.json too
+    assert {k: folder_bytes(tier1)[k] for k in part1} == part1
     with Catalog(settings.catalog_url) as cat:
         ck = cat.get_checkpoint(RUN, 100)
         assert {(r.part, r.state) for r in cat.replicas(ck.id, 1)} == {(0, "verified"), (1, "verified")}
