@@ -246,6 +246,15 @@ class Catalog:
         with self._tx(write=False) as conn:
             return _rej.listing(conn, run)
 
+    def record_deletion(self, subject: str, reason: str, *, actor: str, run: str | None = None,
+                        step: int | None = None) -> None:
+        """Audit that bytes were deleted from a tier (``subject`` says what: a part's files on a
+        tier, a killed copy's staging data) and why. Every delete leaves one row, so the audit
+        log explains every file that disappeared."""
+        with self._tx() as conn:
+            add_audit(conn, at=_now(), actor=actor, subject=subject, action="delete", reason=reason,
+                      run=run, step=step)
+
     # --- replicas (compare-and-set state machine, see db.entities.TRANSITIONS) ----------
     def claim_copy(self, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
                    actor: str, lease_seconds: float = 600) -> Claim:

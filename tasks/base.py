@@ -8,7 +8,7 @@ announce facts with ``core.events.announce``; the flow that runs them decides wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -95,16 +95,30 @@ def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run:
     return manifest
 
 
-def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, parts: int) -> int:
+def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, parts: int, *,
+                reason: str, actor: str) -> int:
     """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
     single-part checkpoint owns its folder; a part of several leaves the paths another part
-    with a live copy on this tier still lists (``shared_paths``)."""
+    with a live copy on this tier still lists (``shared_paths``). The deletion is audited with
+    ``reason`` before the first byte goes, so even a delete interrupted halfway is explained."""
     prefix = checkpoint_prefix(run, step)
+    cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
     if parts == 1:
         return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
     ck = cat.get_checkpoint(run, step)
     paths = [f.path for f in cat.files(ck.id, part)]
     return store.delete_part(prefix, manifest_name(part, parts), paths, keep=shared_paths(cat, ck.id, part, store.tier))
+
+
+def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,
+                  actor: str, keys: Iterable[str] | None = None) -> int:
+    """``store.sweep_staging`` under the checkpoint's folder (only ``keys``' staging data when
+    given), audited when anything went."""
+    swept = store.sweep_staging(checkpoint_prefix(run, step), older_than_s=older_than_s, keys=keys)
+    if swept:
+        cat.record_deletion(f"staging:{run}/{step}@tier{store.tier}", f"{swept} staging object(s): {reason}",
+                            actor=actor, run=run, step=step)
+    return swept
 
 
 def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[str]:

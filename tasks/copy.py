@@ -18,7 +18,7 @@ from core.layout import checkpoint_prefix
 from core.progress import reporter
 from core.settings import Settings
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
-from tasks.base import HopResult, delete_part, open_catalog, open_tier, registered_manifest
+from tasks.base import HopResult, delete_part, open_catalog, open_tier, registered_manifest, sweep_staging
 from tasks.claim import ClaimedCopy
 from tasks.retry import pipeline_task
 from tasks.verify import part_replica
@@ -48,12 +48,14 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
                                  f"tier {dst_tier} (replica {rep.id}, {rep.state})")
         with held:
             if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
-                delete_part(cat, dst, run, step, part, ck.parts)
+                delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+                            reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
             elif prior is not None and prior.state in (COPYING, MISSING):
                 # a copy of this part that died: its staging data, untouched for a lease, is
                 # garbage; other parts' copies under the same prefix are not ours to touch
                 own = [f"{prefix}/{f.path}" for f in manifest.files] + [f"{prefix}/{manifest.name}"]
-                dst.sweep_staging(prefix, older_than_s=held.lease_s, keys=own)
+                sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, keys=own,
+                              reason=f"left by a copy that died (replica {prior.id} was {prior.state})")
             shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                                buffer_bytes=settings.io_buffer_bytes, progress=held.progress(shown))

@@ -52,7 +52,8 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
                 if not resumed and _still_committed(store, part_key(rep.run, rep.step, rep.part, parts)):
                     _abandon(cat, rep, actor)
                 raise
-            deleted += delete_part(cat, store, rep.run, rep.step, rep.part, parts)
+            why = ("finishing an interrupted prune" if resumed else "prune") + (f": {reason}" if reason else "")
+            deleted += delete_part(cat, store, rep.run, rep.step, rep.part, parts, reason=why, actor=actor)
         cat.transition(rep.id, PRUNED, expected=PRUNING, actor=actor, reason=reason)
     events.announce(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
            extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})

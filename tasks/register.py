@@ -12,7 +12,7 @@ refused with ``AlreadyRejected`` without a new audit row or event; a re-save is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from core import events
 from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
@@ -44,12 +44,13 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
                   node: str | None = None, actor: str = "cli",
                   source_tier: int = 0) -> Registered:
     """Read the part's manifest from ``source_tier`` (Tier 0; reconcile adopts parts found only
-    on Tier 1) and register it; idempotent for the same manifest."""
+    on Tier 1) and register it; idempotent for the same manifest (its digest). A manifest whose
+    digest differs from the one registered for the part is a ``ConflictError`` (refused, audited,
+    announced), whether or not the first is on Tier 1 yet; a manifest refused before is
+    ``AlreadyRejected`` without a new audit row or event; with no manifest left on the source a
+    part already verified on Tier 1 is answered from the catalog."""
     node = node or settings.node
     with open_catalog(settings.catalog_url) as cat:
-        done = _already_promoted(cat, run, step, part)
-        if done is not None:
-            return done
         digest = None
         try:
             safe_run_name(run)
@@ -59,32 +60,49 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
                 digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
                 _refuse_if_rejected_before(cat, run, step, part, digest)
                 manifest = read_manifest(store, run, step, part, parts)
-            info = cat.register_part(manifest, actor=actor)
+            info = cat.register_part(manifest, actor=actor)  # the content check: same digest or ConflictError
         except AlreadyRejected:
             raise
-        except (BadInput, ConflictError, CorruptCheckpoint, NotFound) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if digest is None or isinstance(exc, NotFound):  # no part to name, or a run yet to be created
-                _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
-            elif not cat.reject_part(run, step, part, digest=digest, reason=reason, node=node, actor=actor):
-                raise  # recorded meanwhile by a concurrent attempt: announced there
-            events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node, payload={"reason": reason})
-            raise
+        except NotFound as exc:
+            done = _already_promoted(cat, run, step, part) if digest is None else None
+            if done is not None:  # a late duplicate after Tier 0 was pruned
+                return done
+            _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
+        except (BadInput, ConflictError, CorruptCheckpoint) as exc:
+            _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
+        done = _already_promoted(cat, run, step, part)
+        if done is not None:
+            return done
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
                       kind=info.kind, state=info.state, files=len(manifest.files),
                       bytes=manifest.total_bytes)
 
 
-def _refuse_if_rejected_before(cat, run: str, step: int, part: int, digest: str) -> None:
+def _refuse_if_rejected_before(cat: Catalog, run: str, step: int, part: int, digest: str) -> None:
     prior = cat.rejection(run, step, part, digest)
     if prior is not None:
         raise AlreadyRejected(f"checkpoint {run}/{step} part {part}: this manifest was rejected at "
                               f"{prior.rejected_at.isoformat()} ({prior.reason}); save the part again to retry")
 
 
+def _refuse(cat: Catalog, exc: Exception, digest: str | None, *, run: str, step: int, part: int, parts: int,
+            node: str, actor: str) -> NoReturn:
+    """Record the refusal of a part (once per manifest: ``reject_part``; an unknown run or a
+    missing manifest only in the audit), announce ``ckpt.checkpoint.rejected``, re-raise."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if digest is None or isinstance(exc, NotFound):  # no part to name, or a run yet to be created
+        _reject(cat, f"checkpoint:{run}/{step}/part-{part}", exc, actor=actor, run=run, step=step)
+    elif not cat.reject_part(run, step, part, digest=digest, reason=reason, node=node, actor=actor):
+        raise exc  # recorded meanwhile by a concurrent attempt: announced there
+    events.announce(events.REJECTED, run, step, part=part, parts=parts, node=node, payload={"reason": reason})
+    raise exc
+
+
 def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:
-    """The registration of a part already verified on Tier 1 (a repeated event): answered from
-    the catalog, so a late duplicate works even after Tier 0 was pruned."""
+    """The registration of a part already verified on Tier 1 (a repeated event), answered from
+    the catalog. Called only once the part's manifest matched the registered digest, or when no
+    manifest is left on the source (a late duplicate after Tier 0 was pruned): a different
+    checkpoint saved under the same run and step is never answered "already promoted"."""
     try:
         ck = cat.get_checkpoint(run, step)
     except NotFound:

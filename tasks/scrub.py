@@ -193,7 +193,9 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     started = time.monotonic()
     try:
         with held:
-            delete_part(cat, dst, ck.run, ck.step, part, ck.parts)  # the bad copy's manifest first
+            bad = next((r.state for r in replicas if r.tier == tier and r.part == part), "absent")
+            delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
+                        reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
             result = copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
                                parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
                                progress=held.progress())
