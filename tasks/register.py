@@ -64,8 +64,8 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
         except AlreadyRejected:
             raise
         except NotFound as exc:
-            done = _already_promoted(cat, run, step, part) if digest is None else None
-            if done is not None:  # a late duplicate after Tier 0 was pruned
+            done = _already_promoted(cat, run, step, part)
+            if done is not None:  # no manifest left: a late duplicate after Tier 0 was pruned
                 return done
             _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint) as exc:
