@@ -34,17 +34,17 @@ import statistics
 import sys
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import text  # noqa: E402
+from sqlalchemy import text
 
-from core.manifest import FileEntry, Manifest  # noqa: E402
-from core.settings import RetentionPolicy  # noqa: E402
-from db.catalog import Catalog, upgrade  # noqa: E402
-from db.rows import checkpoints, files, lineage, parts, replicas, runs  # noqa: E402
+from core.manifest import FileEntry, Manifest
+from core.settings import RetentionPolicy
+from db.catalog import Catalog, upgrade
+from db.rows import checkpoints, files, lineage, parts, replicas, runs
 
 STEPS, FILES, GROUP = 100, 8, 20  # steps per run, files per checkpoint, runs per resume chain
 PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -54,7 +54,7 @@ PG_ADMIN = os.environ.get("CKPT_BENCH_PG_URL", "postgresql+psycopg://postgres@12
 def fill(cat: Catalog, n_runs: int, *, chunk: int = 50) -> float:
     """Insert ``n_runs`` runs straight into the tables; returns seconds."""
     t0 = time.perf_counter()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for first in range(0, n_runs, chunk):
         rows = _chunk_rows(range(first, min(first + chunk, n_runs)), now)
         with cat.engine.begin() as conn:

@@ -28,12 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import numpy as np
+from safetensors.numpy import save_file
 
-from ckpt.client import CheckpointStager  # noqa: E402
-from core.safetensors_writer import as_host_array, plan_shards  # noqa: E402
-from core.settings import load_settings  # noqa: E402
+from ckpt.client import CheckpointStager
+from core.safetensors_writer import as_host_array, plan_shards
+from core.settings import load_settings
 
 
 def tensors(mb: int) -> dict[str, np.ndarray]:

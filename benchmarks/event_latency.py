@@ -23,12 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx
+import numpy as np
 
 
 def ts(value: str) -> float:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return datetime.fromisoformat(value).timestamp()
 
 
 def wait(pred, timeout: float = 120.0):
@@ -42,9 +42,9 @@ def wait(pred, timeout: float = 120.0):
 
 
 def main() -> None:
-    from core import events
     from ckpt.client import CheckpointStager
     from ckpt.local_stack import LocalStack
+    from core import events
     from core.settings import load_settings
     from db.catalog import Catalog
     from deployments import names

@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt.local_stack import start_moto, stop_process  # noqa: E402
+from ckpt.local_stack import start_moto, stop_process
 
 RUN, STEP = "bench", 1000
 

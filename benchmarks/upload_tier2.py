@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt.local_stack import start_moto, stop_process  # noqa: E402
-from core.manifest_build import build_manifest, write_manifest  # noqa: E402
-from core.storage.fs import LocalStore  # noqa: E402
-from core.storage.s3 import S3Store  # noqa: E402
-from core.transfer import copy_part  # noqa: E402
+from ckpt.local_stack import start_moto, stop_process
+from core.manifest_build import build_manifest, write_manifest
+from core.storage.fs import LocalStore
+from core.storage.s3 import S3Store
+from core.transfer import copy_part
 
 RUN, STEP = "bench", 2000
 PREFIX = f"{RUN}/step-{STEP:08d}"
@@ -61,8 +61,7 @@ def main() -> None:
         folder.mkdir(parents=True)
         for i in range(args.files):
             with open(folder / f"shard-{i:03d}.bin", "wb") as fh:
-                for _ in range(args.file_mib):
-                    fh.write(os.urandom(2**20))
+                fh.writelines(os.urandom(2**20) for _ in range(args.file_mib))
         m = build_manifest(folder, RUN, STEP)
         write_manifest(folder, m)
         nbytes = m.total_bytes

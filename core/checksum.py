@@ -14,7 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 import crc32c as _crc32c
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import pickletools
 import struct
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Callable, Mapping
+from typing import BinaryIO
 
 from core.errors import CorruptCheckpoint
 
@@ -174,10 +175,10 @@ def dcp_referenced_files(data: bytes, rel: str) -> set[str]:
     """
     names: set[str] = set()
     try:
-        for op, arg, _pos in pickletools.genops(data):
+        for _op, arg, _pos in pickletools.genops(data):
             if isinstance(arg, str) and arg.endswith(".distcp"):
                 names.add(arg)
-    except Exception as exc:  # genops raises ValueError and friends on malformed streams
+    except Exception as exc:  # noqa: BLE001 - genops raises ValueError and friends on malformed streams
         raise _bad(rel, f"not a readable pickle ({type(exc).__name__}: {exc})") from None
     return names
 
@@ -225,6 +226,7 @@ def _validate_dcp(sizes: Mapping[str, int], opener: Opener, complete: bool) -> N
         if sizes[meta] == 0:
             raise CorruptCheckpoint(f"{meta}: empty", path=meta)
         base = _group_dir(meta)
-        for name in sorted(dcp_referenced_files(_read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES), meta)):
+        data = _read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES)
+        for name in sorted(dcp_referenced_files(data, meta)):
             if complete and base + name not in sizes:
                 raise CorruptCheckpoint(f"{meta} refers to missing data file {name!r}", path=base + name)

@@ -11,10 +11,10 @@ tier.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
 
 from core import checksum, formats
 from core.errors import BadInput, CorruptCheckpoint, NotFound

@@ -141,7 +141,7 @@ def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarr
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         size, crc = write_shard(os.path.join(base, fname), names, arrays, buffer_bytes=buffer_bytes, fsync=fsync)
         written.append(WrittenFile(f"{prefix}{fname}", size, crc))
-        weight_map.update({n: fname for n in names})
+        weight_map.update(dict.fromkeys(names, fname))
         total += sum(arrays[n][0].nbytes for n in names)
     index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
     with open(os.path.join(base, INDEX_NAME), "xb") as fh:

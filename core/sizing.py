@@ -11,6 +11,7 @@ and means 2**30. Parsing errors raise ``BadInput`` so the CLI prints one clear l
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -106,7 +107,7 @@ def measured(run: str, saves: list[tuple[datetime, float]]) -> RunFigure | None:
     if not saves:
         return None
     stalls = [s for _, s in saves]
-    gaps = [(b - a).total_seconds() for (a, _), (b, _) in zip(saves, saves[1:])]
+    gaps = [(b - a).total_seconds() for (a, _), (b, _) in itertools.pairwise(saves)]
     dmfu = None
     if gaps:
         wall = (saves[-1][0] - saves[0][0]).total_seconds() + stalls[-1]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound
@@ -24,7 +24,8 @@ from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
-_MANIFEST_KEY = re.compile(r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+_MANIFEST_KEY = re.compile(
+    r"^(?P<run>[^/]+)/step-(?P<step>\d{8})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ def verify_part(
 
     _run_all(one, list(manifest.files), parallelism)
     sizes = {f.path: f.size for f in manifest.files}
-    formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)), complete=manifest.parts == 1)
+    formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)),
+                     complete=manifest.parts == 1)
     return VerifyReport(len(manifest.files), manifest.total_bytes, time.monotonic() - t0, manifest.format)
 
 

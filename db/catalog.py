@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
+from typing import Self
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.engine import make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
 from core.manifest import Manifest
-from db import lineage as _lineage
-from db import queries as _q
-from db import register as _reg
-from db import state as _state
+from db import lineage as _lineage, queries as _q, register as _reg, state as _state
 from db.entities import (
     CKPT_COMMITTED,
     CKPT_CORRUPT,
@@ -74,7 +72,7 @@ CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Catalog:
@@ -95,7 +93,7 @@ class Catalog:
                 raise
 
     @classmethod
-    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> "Catalog":
+    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> Catalog:
         """Open the catalog; with ``auto_upgrade`` first create/upgrade its schema (demo, tests)."""
         if auto_upgrade:
             upgrade(url)
@@ -120,7 +118,7 @@ class Catalog:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "Catalog":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

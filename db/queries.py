@@ -15,7 +15,17 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
-from db.entities import CKPT_COMMITTED, COPYING, PRUNED, PRUNING, VERIFIED, CheckpointInfo, Location, ReplicaInfo, TierUsage
+from db.entities import (
+    CKPT_COMMITTED,
+    COPYING,
+    PRUNED,
+    PRUNING,
+    VERIFIED,
+    CheckpointInfo,
+    Location,
+    ReplicaInfo,
+    TierUsage,
+)
 from db.rows import (
     ALL_TIERS,
     aliases,
@@ -107,7 +117,7 @@ def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, ru
     only the rows asked for (``limit``) are read: at 1M checkpoints with 20,000 under-replicated
     the first 100 cost one index walk, not 20,000 row reads and a sort."""
     durable = sum(tier_bit(t) for t in ALL_TIERS if t >= durable_tier)
-    masks = _masks(lambda m: not (m & durable) or bin(m).count("1") < min_copies)
+    masks = _masks(lambda m: not (m & durable) or m.bit_count() < min_copies)
     ids = select(checkpoints.c.id).where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers.in_(masks))
     if run_id is not None:
         ids = ids.where(checkpoints.c.run_id == run_id)

@@ -7,8 +7,7 @@ different manifest for a recorded (run, step, part) is a ``ConflictError``, neve
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 from sqlalchemy import func, select, update
@@ -111,11 +110,11 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
         return
     rows = [_first_part_values(run.id, m, now) for run, m in fast]
     ids = _insert_checkpoints(conn, rows)
-    _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast)])
-    _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast) for f in _file_values(cid, m)])
-    _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast)])
+    _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast, strict=True)])
+    _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast, strict=True) for f in _file_values(cid, m)])
+    _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast, strict=True)])
     edges, last = [], {}
-    for cid, (run, m) in zip(ids, fast):
+    for cid, (run, m) in zip(ids, fast, strict=True):
         parent, relation = last.get(run.id) or _newest_id(conn, run.id, below=m.step), FOLLOWS
         if parent is None:  # the run's first checkpoint: it comes from the run's origin, if any
             parent, relation = origin_id(conn, run), run.parent_relation
@@ -135,7 +134,7 @@ def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
     ids = list(conn.exec_driver_sql(
         "SELECT nextval(pg_get_serial_sequence('checkpoints', 'id')) FROM generate_series(1, %(n)s)",
         {"n": len(rows)}).scalars())
-    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids)])
+    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids, strict=True)])
     return ids
 
 
@@ -159,7 +158,7 @@ def _copy_value(v):
     if isinstance(v, dict):
         return json.dumps(v)
     if isinstance(v, datetime):
-        return v.astimezone(timezone.utc)
+        return v.astimezone(UTC)
     return v
 
 
@@ -249,4 +248,4 @@ def _parse_time(text: str) -> datetime | None:
         t = datetime.fromisoformat(text)
     except ValueError:
         return None
-    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC)

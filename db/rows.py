@@ -5,7 +5,7 @@ ORM rows never leave ``db/``: everything the catalog returns is built here from 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from sqlalchemy import Select, select
 from sqlalchemy.engine import Connection, Row
@@ -14,8 +14,8 @@ from core.errors import NotFound, UnknownRun
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
-    Base,
     AuditLog,
+    Base,
     Checkpoint,
     CheckpointFile,
     CheckpointPart,
@@ -158,7 +158,7 @@ def insert_new(conn: Connection, table, values: dict, keys: list[str], returning
     return conn.execute(stmt, values).scalar()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _insert_ignore_stmt(dialect: str, table_name: str, keys: tuple[str, ...], returning: str):
     """Built once per shape: SQLAlchemy then reuses the compiled statement (registration speed)."""
     if dialect == "postgresql":

@@ -27,12 +27,13 @@ from prefect import flow
 from core.errors import CkptError, CopyInProgress, NotFound
 from core.events import emit
 from core.settings import Settings, load_settings
-from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
+from db.entities import CKPT_CORRUPT, CKPT_REJECTED, COPYING, CORRUPT, MISSING, PENDING, VERIFIED
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
 from tasks.base import Notify, log, no_notify, open_catalog, open_tier, part_key
 from tasks.retention import FAILED, PRUNED, apply_retention, is_milestone
+
 
 @dataclass
 class ReconcileReport:

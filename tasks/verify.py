@@ -2,7 +2,8 @@
 
 On Tier 0 this is the gate of the whole pipeline: a part is copied only after its source bytes
 and format proved good. A good Tier 0 part is recorded as a ``verified`` replica on its node,
-so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way). A bad one makes the replica (and, on Tier 0, the checkpoint)
+so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way).
+A bad one makes the replica (and, on Tier 0, the checkpoint)
 ``corrupt`` with the file and the reason, announces ``ckpt.checkpoint.corrupt`` and raises
 ``CorruptCheckpoint``; nothing else changes. On Tier 1/2 a bad copy makes that replica
 ``corrupt`` (a later promotion copies it again). Tier 2 is checked by the server's

@@ -24,9 +24,10 @@ import stat as stat_mod
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
@@ -131,8 +132,7 @@ class LocalStore(TierStore):
 
     def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES):
         root = str(root)
-        if root.startswith("file://"):
-            root = root[len("file://"):]
+        root = root.removeprefix("file://")
         self.root = Path(root).expanduser().absolute()
         self.tier = tier
         self.root_url = str(self.root)
@@ -148,7 +148,7 @@ class LocalStore(TierStore):
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
         try:
-            fh = open(self.path(key), "rb", buffering=0)
+            fh = open(self.path(key), "rb", buffering=0)  # noqa: SIM115 - closed by the with below
         except FileNotFoundError:
             raise NotFound(f"{self.url_for(key)} does not exist") from None
         except OSError as exc:

@@ -23,9 +23,10 @@ other client errors (access denied, missing bucket) are ``ConfigError``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
@@ -49,7 +50,11 @@ def _code(exc) -> tuple[str, int]:
 def map_s3_error(exc: Exception, what: str) -> Exception:
     """botocore exception -> this project's taxonomy (the caller raises the result)."""
     from botocore.exceptions import (
-        BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError, NoCredentialsError,
+        BotoCoreError,
+        ClientError,
+        ConnectionError as BotoConnError,
+        HTTPClientError,
+        NoCredentialsError,
         ParamValidationError,
     )
 
@@ -212,7 +217,8 @@ class S3Store(TierStore):
         return ObjectInfo(
             key=key,
             size=int(h["ContentLength"]),
-            checksum=crc.s3_to_hex(h.get("ChecksumCRC32C", "")) if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None,
+            checksum=(crc.s3_to_hex(h.get("ChecksumCRC32C", ""))
+                      if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None),
             etag=h.get("ETag"),
             version_id=h.get("VersionId"),
         )
@@ -222,8 +228,8 @@ class S3Store(TierStore):
         out: list[ObjectInfo] = []
         with s3_errors(f"list {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-                for o in page.get("Contents", []):
-                    out.append(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag")))
+                out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"))
+                           for o in page.get("Contents", []))
         return sorted(out, key=lambda o: o.key)
 
     def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
@@ -246,7 +252,8 @@ class S3Store(TierStore):
         try:
             self.verify_object(key, size, checksum)
         except CorruptCheckpoint as exc:
-            raise ConflictError(f"{self.url_for(key)} already exists with different bytes ({exc}); refusing to overwrite") from None
+            raise ConflictError(f"{self.url_for(key)} already exists with different bytes ({exc}); "
+                                "refusing to overwrite") from None
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
         if self.stat(key) is not None:
@@ -271,7 +278,8 @@ class S3Store(TierStore):
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
         got = crc.hash_bytes(data)
         if (len(data), got) != (size, checksum):
-            raise CorruptCheckpoint(f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}", path=key)
+            raise CorruptCheckpoint(f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}",
+                                    path=key)
         with s3_errors(self.url_for(key)):
             self.client.put_object(
                 Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*",
@@ -334,7 +342,7 @@ class S3Store(TierStore):
                     f.exception()  # wait, so no part lands after the abort
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-            except Exception:  # best effort; a lifecycle rule reaps what is left
+            except Exception:  # noqa: BLE001 - best effort; a lifecycle rule reaps what is left
                 pass
             raise
 
@@ -358,7 +366,7 @@ class S3Store(TierStore):
         killed upload's parts are S3's staging data: invisible, but billed); returns how many."""
         import datetime as dt
 
-        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
         full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         count = 0
         with s3_errors(f"sweep {self.root_url}/{prefix}"):
@@ -382,5 +390,6 @@ class S3Store(TierStore):
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
                 )
             if r.get("Errors"):
-                raise StorageUnavailable(f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}")
+                raise StorageUnavailable(f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: "
+                                         f"{r['Errors'][0]}")
         return len(keys)
