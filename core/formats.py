@@ -74,7 +74,7 @@ def _bad(rel: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{rel}: {reason}", path=rel)
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

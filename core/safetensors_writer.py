@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ class WrittenFile:
     checksum: str  # crc32c hex
 
 
-def as_host_array(t) -> tuple[np.ndarray, str]:
+def as_host_array(t: Any) -> tuple[np.ndarray, str]:  # a torch.Tensor or anything numpy takes
     """A C-contiguous little-endian numpy view (or copy) of ``t`` and its safetensors dtype."""
     if hasattr(t, "detach") and hasattr(t, "cpu"):  # torch.Tensor, without importing torch
         t = t.detach().cpu().contiguous()
@@ -118,7 +119,7 @@ def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, 
 
         put(memoryview(_header(names, arrays)))
         for name in names:
-            data = memoryview(arrays[name][0]).cast("B")
+            data = arrays[name][0].data.cast("B")
             for start in range(0, len(data), buffer_bytes):
                 put(data[start:start + buffer_bytes])
         if fsync:

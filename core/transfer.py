@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar, cast
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound
@@ -64,7 +65,7 @@ class _Counter:
 
 
 class _CountingReader:
-    def __init__(self, inner, counter: _Counter):
+    def __init__(self, inner: Any, counter: _Counter) -> None:  # duck-typed: read, maybe readinto/fileno
         self.inner, self.counter = inner, counter
         if hasattr(inner, "readinto"):
             self.readinto = self._readinto
@@ -74,7 +75,7 @@ class _CountingReader:
         self.counter.add(len(data))
         return data
 
-    def _readinto(self, buf) -> int:
+    def _readinto(self, buf: bytearray | memoryview) -> int:
         n = self.inner.readinto(buf) or 0
         self.counter.add(n)
         return n
@@ -86,7 +87,11 @@ class _CountingReader:
         self.counter.add(n)
 
 
-def _run_all(fn, items, parallelism: int) -> list:
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int) -> list[_R]:
     """fn over items in a bounded pool; the first exception cancels what has not started."""
     if not items:
         return []
@@ -94,10 +99,10 @@ def _run_all(fn, items, parallelism: int) -> list:
         futures = [pool.submit(fn, it) for it in items]
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
+            if f.done() and not f.cancelled() and (exc := f.exception()) is not None:
                 for g in futures:
                     g.cancel()
-                raise f.exception()
+                raise exc
         return [f.result() for f in futures]
 
 
@@ -192,7 +197,8 @@ def copy_part(
             return -1
         try:
             with src_store.open_read(_key(src_prefix, entry.path)) as reader:
-                dst_store.put_verified(key, _CountingReader(reader, counter), entry.size, entry.checksum)
+                counting = cast(BinaryIO, _CountingReader(reader, counter))  # duck-typed: read, readinto, fileno
+                dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
             raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
         except CorruptCheckpoint as exc:

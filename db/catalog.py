@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
 from core.manifest import Manifest
@@ -68,6 +69,9 @@ from db.rows import (
 )
 from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
 
+if TYPE_CHECKING:
+    from core.settings import RetentionPolicy
+
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
@@ -93,7 +97,7 @@ class Catalog:
                 raise
 
     @classmethod
-    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> Catalog:
+    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs: Any) -> Catalog:
         """Open the catalog; with ``auto_upgrade`` first create/upgrade its schema (demo, tests)."""
         if auto_upgrade:
             upgrade(url)
@@ -121,10 +125,10 @@ class Catalog:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _tx(self, write: bool = True):
+    def _tx(self, write: bool = True) -> AbstractContextManager[Connection]:
         return transaction(self.engine, write=write)
 
     # --- runs ------------------------------------------------------------------------
@@ -474,7 +478,7 @@ class Catalog:
             return _q.under_replicated(conn, durable_tier=durable_tier, min_copies=min_copies, run_id=run_id,
                                        limit=limit)
 
-    def prune_candidates(self, tier: int, policy, *, run: str | None = None,
+    def prune_candidates(self, tier: int, policy: RetentionPolicy, *, run: str | None = None,
                          now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
         """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
         no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
@@ -557,12 +561,15 @@ def upgrade(url: str) -> str:
                     if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
                         conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
                     upgrade_connection(conn)
-                    return current_revision(conn)
+                    revision = current_revision(conn)
+                    assert revision is not None  # it was just upgraded to head
+                    return revision
             except CatalogUnavailable:
                 # SQLite: a fresh file's switch to WAL needs the file to itself and can answer
                 # "database is locked" without waiting; the upgrade is idempotent, so try again
                 if attempt == 5:
                     raise
                 time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         engine.dispose()

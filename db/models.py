@@ -8,6 +8,7 @@ comment next to it). Times are stored in UTC and always come back timezone-aware
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -21,6 +22,7 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
@@ -63,6 +65,7 @@ class UTCDateTime(TypeDecorator):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
+    __table__: ClassVar[Table]  # every model here maps one table (SQLAlchemy types it as any FromClause)
 
 
 class Run(Base):

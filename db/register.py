@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from types import SimpleNamespace
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import ConflictError
@@ -38,7 +39,7 @@ _KIND_RANK = {"step": 0, "epoch": 1, "milestone": 2}
 
 
 def ensure_run(conn: Connection, name: str, *, now: datetime, actor: str, parent: tuple[str, int] | None,
-               parent_relation: str, **fields) -> Row:
+               parent_relation: str, **fields: Any) -> Row:
     safe_run_name(name)
     check_relation(parent_relation)
     if parent is not None:
@@ -113,7 +114,8 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
     _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast, strict=True)])
     _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast, strict=True) for f in _file_values(cid, m)])
     _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast, strict=True)])
-    edges, last = [], {}
+    edges: list[dict[str, Any]] = []
+    last: dict[int, int] = {}  # run id -> its newest checkpoint id in this batch
     for cid, (run, m) in zip(ids, fast, strict=True):
         parent, relation = last.get(run.id) or _newest_id(conn, run.id, below=m.step), FOLLOWS
         if parent is None:  # the run's first checkpoint: it comes from the run's origin, if any
@@ -138,7 +140,7 @@ def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
     return ids
 
 
-def _bulk(conn: Connection, table, rows: list[dict]) -> None:
+def _bulk(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
     """Multi-row INSERT inside the current transaction: executemany on SQLite, COPY on
     PostgreSQL (psycopg's executemany sends one INSERT per row, and SQLAlchemy's multi-row
     VALUES spends its time in psycopg's query parser: COPY measured several times faster)."""
@@ -148,7 +150,8 @@ def _bulk(conn: Connection, table, rows: list[dict]) -> None:
         conn.execute(table.insert(), rows)
         return
     cols = list(rows[0])
-    cursor = conn.connection.dbapi_connection.cursor()
+    driver: Any = conn.connection.dbapi_connection  # psycopg's connection: COPY is psycopg's
+    cursor = driver.cursor()
     with cursor.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row([_copy_value(row[c]) for c in cols])
@@ -162,12 +165,13 @@ def _copy_value(v):
     return v
 
 
-def _split_batch(conn: Connection, manifests: list[Manifest]):
+def _split_batch(conn: Connection, manifests: list[Manifest]) -> tuple[list[tuple[Row, Manifest]], list[Manifest]]:
     """(fast: [(run, manifest)] in run/step order, slow: [manifest]) -- see ``register_batch``."""
     by_run: dict[str, list[Manifest]] = {}
     for m in manifests:
         by_run.setdefault(m.run, []).append(m)
-    fast, slow = [], []
+    fast: list[tuple[Row, Manifest]] = []
+    slow: list[Manifest] = []
     for name, ms in by_run.items():
         run = run_row(conn, name, lock=True)
         steps = [m.step for m in ms]
@@ -223,7 +227,8 @@ def _register_audit(m: Manifest, from_state: str | None, to_state: str, now: dat
                 reason=f"part {m.part} of {m.parts}" + (f" from {m.node}" if m.node else ""))
 
 
-def _audit_register(conn: Connection, m: Manifest, from_state, to_state, *, now: datetime, actor: str) -> None:
+def _audit_register(conn: Connection, m: Manifest, from_state: str | None, to_state: str, *, now: datetime,
+                    actor: str) -> None:
     conn.execute(audit.insert(), _register_audit(m, from_state, to_state, now, actor))
 
 

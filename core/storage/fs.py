@@ -24,7 +24,7 @@ import stat as stat_mod
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -69,7 +69,7 @@ def _copy_range(src_fd: int, dst_fd: int, count: int) -> int:
     return os.copy_file_range(src_fd, dst_fd, count)
 
 
-def local_fd(reader) -> int | None:
+def local_fd(reader: BinaryIO) -> int | None:
     """The descriptor of ``reader`` when it is a regular local file (kernel copy possible)."""
     try:
         fd = reader.fileno()
@@ -78,7 +78,7 @@ def local_fd(reader) -> int | None:
         return None
 
 
-def kernel_copy(src_fd: int, dst_fd: int, limit: int, note=None) -> int | None:
+def kernel_copy(src_fd: int, dst_fd: int, limit: int, note: Callable[[int], None] | None = None) -> int | None:
     """Copy up to ``limit`` bytes in the kernel (no user-space buffer); the byte count, or
     None when this pair of files cannot (cross-device on some kernels, unsupported file
     system) and nothing was copied. ``note(n)`` hears about each step, for progress."""
@@ -207,7 +207,7 @@ class LocalStore(TierStore):
         self._changed([target.parent])
         return True
 
-    def _changed(self, folders) -> None:
+    def _changed(self, folders: Iterable[Path]) -> None:
         with self._lock:
             self._unsynced.update(folders)
 
@@ -370,7 +370,8 @@ class LocalStore(TierStore):
 class FsspecStore(TierStore):
     """A tier on any fsspec filesystem (``memory://``, ``sftp://``...), same contract."""
 
-    def __init__(self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, **storage_options):
+    def __init__(self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+                 **storage_options: object) -> None:
         import fsspec
 
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)

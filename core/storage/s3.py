@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
@@ -42,7 +42,7 @@ _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
 
 
-def _code(exc) -> tuple[str, int]:
+def _code(exc: BaseException) -> tuple[str, int]:
     err = getattr(exc, "response", {}) or {}
     return str(err.get("Error", {}).get("Code", "")), int(err.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
@@ -91,7 +91,7 @@ def s3_errors(what: str) -> Iterator[None]:
 class _Body:
     """A GetObject body whose read errors are mapped to the taxonomy."""
 
-    def __init__(self, body, what: str):
+    def __init__(self, body: BinaryIO, what: str) -> None:
         self._body, self._what = body, what
 
     def read(self, n: int = -1) -> bytes:
@@ -141,8 +141,8 @@ class S3Store(TierStore):
         max_concurrency: int = 8,
         max_attempts: int = 5,
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
-        client=None,
-    ):
+        client: Any = None,  # a boto3 S3 client (untyped)
+    ) -> None:
         if not url.startswith("s3://"):
             raise ConfigError(f"not an s3:// URL: {url!r}")
         bucket, _, prefix = url[len("s3://"):].partition("/")
@@ -158,7 +158,7 @@ class S3Store(TierStore):
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(max_concurrency)
 
-    def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int):
+    def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int) -> Any:
         import boto3
         from botocore.config import Config
 
