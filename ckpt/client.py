@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Self
 
 from core.errors import BadInput, ConflictError
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
@@ -73,8 +74,7 @@ class PendingSave:
 def tier0_root(settings: Settings) -> Path:
     """Tier 0 must be a local folder: the training process writes it directly."""
     url = settings.tier0_url or ""
-    if url.startswith("file://"):
-        url = url[len("file://"):]
+    url = url.removeprefix("file://")
     if "://" in url:
         raise BadInput(f"Tier 0 must be a local folder, got {settings.tier0_url!r}")
     return Path(url).expanduser().absolute()
@@ -158,7 +158,7 @@ class CheckpointStager:
                 self._writer.stop()
             self._announcer.close(timeout=min(timeout, 10.0))
 
-    def __enter__(self) -> "CheckpointStager":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -104,7 +104,8 @@ def train(run: str, steps: list[int], args, *, resumed_from: tuple[str, int] | N
                         sum(p.manifest.total_bytes for p in parts))
             saved.append(rec)
             console.print(f"  {run} step {step:>5}: {rec.bytes / 1e6:.0f} MB committed on Tier 0 by "
-                          f"{len(NODES)} ranks, stall {rec.stall * 1000:.0f} ms" + ("  [milestone]" if milestone else ""))
+                          f"{len(NODES)} ranks, stall {rec.stall * 1000:.0f} ms"
+                          + ("  [milestone]" if milestone else ""))
     for st in stagers:
         st.close()
     return saved

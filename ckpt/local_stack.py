@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from core.errors import ConfigError
 
@@ -188,7 +189,7 @@ class LocalStack:
     def ui_url(self) -> str:
         return self.api_url.removesuffix("/api")
 
-    def start(self) -> "LocalStack":
+    def start(self) -> LocalStack:
         from db.catalog import upgrade
 
         self.root = self.root.absolute()
@@ -217,7 +218,7 @@ class LocalStack:
         self.agents.clear()
         self.procs.clear()
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> Self:
         try:
             return self.start()
         except BaseException:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 import crc32c as _crc32c
 
@@ -22,7 +23,7 @@ ALGORITHM = "crc32c"
 DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024  # 1-4 MiB measured best here; 16-64 MiB halves throughput
 
 
-def update(value: int, data) -> int:
+def update(value: int, data: bytes | bytearray | memoryview) -> int:
     """CRC32C of everything hashed so far (``value``) followed by ``data`` (bytes-like)."""
     return _crc32c.crc32c(data, value)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from core.errors import BadInput, CkptError, CorruptCheckpoint
@@ -90,7 +90,7 @@ class Manifest:
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Manifest":
+    def from_json(cls, data: bytes | str) -> Manifest:
         try:
             d: dict[str, Any] = json.loads(data)
             if not isinstance(d, dict):
@@ -161,4 +161,4 @@ def attempt_digest(data: bytes | None) -> str:
 
 
 def utcnow_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")

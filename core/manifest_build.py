@@ -11,10 +11,11 @@ tier.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import BinaryIO
 
 from core import checksum, formats
 from core.errors import BadInput, CorruptCheckpoint, NotFound
@@ -44,11 +45,11 @@ def list_checkpoint_files(folder: str | os.PathLike) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def local_opener(folder: str | os.PathLike):
+def local_opener(folder: str | os.PathLike) -> Callable[[str], AbstractContextManager[BinaryIO]]:
     root = Path(folder)
 
     @contextmanager
-    def opener(rel: str):
+    def opener(rel: str) -> Iterator[BinaryIO]:
         with open(confine_local(root, rel), "rb") as fh:
             yield fh
 

@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ class WrittenFile:
     checksum: str  # crc32c hex
 
 
-def as_host_array(t) -> tuple[np.ndarray, str]:
+def as_host_array(t: Any) -> tuple[np.ndarray, str]:  # a torch.Tensor or anything numpy takes
     """A C-contiguous little-endian numpy view (or copy) of ``t`` and its safetensors dtype."""
     if hasattr(t, "detach") and hasattr(t, "cpu"):  # torch.Tensor, without importing torch
         t = t.detach().cpu().contiguous()
@@ -118,7 +119,7 @@ def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, 
 
         put(memoryview(_header(names, arrays)))
         for name in names:
-            data = memoryview(arrays[name][0]).cast("B")
+            data = arrays[name][0].data.cast("B")
             for start in range(0, len(data), buffer_bytes):
                 put(data[start:start + buffer_bytes])
         if fsync:
@@ -141,7 +142,7 @@ def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarr
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         size, crc = write_shard(os.path.join(base, fname), names, arrays, buffer_bytes=buffer_bytes, fsync=fsync)
         written.append(WrittenFile(f"{prefix}{fname}", size, crc))
-        weight_map.update({n: fname for n in names})
+        weight_map.update(dict.fromkeys(names, fname))
         total += sum(arrays[n][0].nbytes for n in names)
     index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
     with open(os.path.join(base, INDEX_NAME), "xb") as fh:

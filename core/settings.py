@@ -110,7 +110,7 @@ class Settings(BaseSettings):
         return v or None
 
     @model_validator(mode="after")
-    def _fill_defaults(self) -> "Settings":
+    def _fill_defaults(self) -> Settings:
         base = self.data_dir.expanduser().absolute()
         if not self.tier0_url:
             self.tier0_url = str(base / "tier0" / self.node)

@@ -11,7 +11,9 @@ and means 2**30. Parsing errors raise ``BadInput`` so the CLI prints one clear l
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from statistics import median
@@ -27,12 +29,12 @@ _SECONDS = {"": 1, "S": 1, "SEC": 1, "M": 60, "MIN": 60, "H": 3600, "D": 86400}
 _NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 
-def _parse(text: str, units: dict[str, float], what: str, suffix: str = "") -> float:
+def _parse(text: str, units: Mapping[str, float], what: str, suffix: str = "") -> float:
     m = re.fullmatch(_NUM + r"([A-Za-z]*)" + suffix + r"\s*", str(text))
     unit = m.group(2).upper() if m else None
     if not m or unit not in units:
         raise BadInput(f"cannot read {what} {text!r}; e.g. {_EXAMPLES[what]}")
-    value = float(m.group(1)) * units[unit]
+    value = float(m.group(1)) * units[m.group(2).upper()]
     if value <= 0:
         raise BadInput(f"{what} must be positive, got {text!r}")
     return value
@@ -106,7 +108,7 @@ def measured(run: str, saves: list[tuple[datetime, float]]) -> RunFigure | None:
     if not saves:
         return None
     stalls = [s for _, s in saves]
-    gaps = [(b - a).total_seconds() for (a, _), (b, _) in zip(saves, saves[1:])]
+    gaps = [(b - a).total_seconds() for (a, _), (b, _) in itertools.pairwise(saves)]
     dmfu = None
     if gaps:
         wall = (saves[-1][0] - saves[0][0]).total_seconds() + stalls[-1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import bindparam, delete, literal, select
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, LineageCycle
 from db.entities import LineageEdge
@@ -51,7 +51,7 @@ def add_edge(conn: Connection, child_id: int, parent_id: int, relation: str, *, 
     return insert_ignore(conn, lineage, values, ["child_id", "parent_id"]) == 1
 
 
-def link_into_run(conn: Connection, *, run, checkpoint_id: int, step: int, now: datetime) -> None:
+def link_into_run(conn: Connection, *, run: Row, checkpoint_id: int, step: int, now: datetime) -> None:
     """Give a new checkpoint its automatic edges: ``follows`` the previous checkpoint of its run,
     or, for the run's first checkpoint, the run's origin (``ensure_run(parent=...)``). A
     checkpoint registered out of order is spliced in: the next one now follows it."""
@@ -81,7 +81,7 @@ def _neighbours():
 _NEIGHBOURS = _neighbours()  # (previous, next) checkpoint of a run around a step; one round trip
 
 
-def origin_id(conn: Connection, run) -> int | None:
+def origin_id(conn: Connection, run: Row) -> int | None:
     """The checkpoint a run started from, if it is recorded."""
     if run.parent_run is None:
         return None

@@ -9,13 +9,24 @@ index instead of grouping replicas.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
-from db.entities import CKPT_COMMITTED, COPYING, PRUNED, PRUNING, VERIFIED, CheckpointInfo, Location, ReplicaInfo, TierUsage
+from db.entities import (
+    CKPT_COMMITTED,
+    COPYING,
+    PRUNED,
+    PRUNING,
+    VERIFIED,
+    CheckpointInfo,
+    Location,
+    ReplicaInfo,
+    TierUsage,
+)
 from db.rows import (
     ALL_TIERS,
     aliases,
@@ -33,16 +44,19 @@ from db.rows import (
     to_replica,
 )
 
+if TYPE_CHECKING:
+    from core.settings import RetentionPolicy
+
 
 def complete_tiers(mask: int) -> list[int]:
     return [t for t in ALL_TIERS if mask & tier_bit(t)]
 
 
-def _masks(pred) -> list[int]:
+def _masks(pred: Callable[[int], object]) -> list[int]:
     return [m for m in range(1 << len(ALL_TIERS)) if pred(m)]
 
 
-def _has_tier(tiers: Iterable[int]):
+def _has_tier(tiers: Iterable[int]) -> ColumnElement[bool]:
     want = sum(tier_bit(t) for t in tiers)
     return checkpoints.c.verified_tiers.in_(_masks(lambda m: m & want))
 
@@ -107,7 +121,7 @@ def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, ru
     only the rows asked for (``limit``) are read: at 1M checkpoints with 20,000 under-replicated
     the first 100 cost one index walk, not 20,000 row reads and a sort."""
     durable = sum(tier_bit(t) for t in ALL_TIERS if t >= durable_tier)
-    masks = _masks(lambda m: not (m & durable) or bin(m).count("1") < min_copies)
+    masks = _masks(lambda m: not (m & durable) or m.bit_count() < min_copies)
     ids = select(checkpoints.c.id).where(checkpoints.c.state == CKPT_COMMITTED, checkpoints.c.verified_tiers.in_(masks))
     if run_id is not None:
         ids = ids.where(checkpoints.c.run_id == run_id)
@@ -119,7 +133,7 @@ def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, ru
 
 
 # --- (7) prune candidates --------------------------------------------------------------------
-def prune_candidates(conn: Connection, tier: int, policy, *, run_id: int | None, now: datetime,
+def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, run_id: int | None, now: datetime,
                      prunable_only: bool) -> list[ReplicaInfo]:
     if not policy.enabled:
         return []
@@ -151,7 +165,7 @@ def prune_candidates(conn: Connection, tier: int, policy, *, run_id: int | None,
     return [to_replica(r) for r in sorted(doomed, key=lambda r: (r.run_name, r.step, r.part))]
 
 
-def _kept_steps(rows: list[Row], tier: int, policy, now: datetime) -> set[int]:
+def _kept_steps(rows: list[Row], tier: int, policy: RetentionPolicy, now: datetime) -> set[int]:
     """Steps of one run that the policy keeps on ``tier`` (a step is kept if any rule holds)."""
     ckpts = {r.step: r for r in rows}
     steps = sorted(ckpts, reverse=True)

@@ -7,11 +7,11 @@ different manifest for a recorded (run, step, part) is a ``ConflictError``, neve
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 from types import SimpleNamespace
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, func, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import ConflictError
@@ -39,7 +39,7 @@ _KIND_RANK = {"step": 0, "epoch": 1, "milestone": 2}
 
 
 def ensure_run(conn: Connection, name: str, *, now: datetime, actor: str, parent: tuple[str, int] | None,
-               parent_relation: str, **fields) -> Row:
+               parent_relation: str, **fields: Any) -> Row:
     safe_run_name(name)
     check_relation(parent_relation)
     if parent is not None:
@@ -111,11 +111,12 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
         return
     rows = [_first_part_values(run.id, m, now) for run, m in fast]
     ids = _insert_checkpoints(conn, rows)
-    _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast)])
-    _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast) for f in _file_values(cid, m)])
-    _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast)])
-    edges, last = [], {}
-    for cid, (run, m) in zip(ids, fast):
+    _bulk(conn, parts, [_part_values(cid, m, m.digest(), now) for cid, (_, m) in zip(ids, fast, strict=True)])
+    _bulk(conn, files, [f for cid, (_, m) in zip(ids, fast, strict=True) for f in _file_values(cid, m)])
+    _bulk(conn, audit, [_register_audit(m, None, r["state"], now, actor) for r, (_, m) in zip(rows, fast, strict=True)])
+    edges: list[dict[str, Any]] = []
+    last: dict[int, int] = {}  # run id -> its newest checkpoint id in this batch
+    for cid, (run, m) in zip(ids, fast, strict=True):
         parent, relation = last.get(run.id) or _newest_id(conn, run.id, below=m.step), FOLLOWS
         if parent is None:  # the run's first checkpoint: it comes from the run's origin, if any
             parent, relation = origin_id(conn, run), run.parent_relation
@@ -135,11 +136,11 @@ def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
     ids = list(conn.exec_driver_sql(
         "SELECT nextval(pg_get_serial_sequence('checkpoints', 'id')) FROM generate_series(1, %(n)s)",
         {"n": len(rows)}).scalars())
-    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids)])
+    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids, strict=True)])
     return ids
 
 
-def _bulk(conn: Connection, table, rows: list[dict]) -> None:
+def _bulk(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
     """Multi-row INSERT inside the current transaction: executemany on SQLite, COPY on
     PostgreSQL (psycopg's executemany sends one INSERT per row, and SQLAlchemy's multi-row
     VALUES spends its time in psycopg's query parser: COPY measured several times faster)."""
@@ -149,7 +150,8 @@ def _bulk(conn: Connection, table, rows: list[dict]) -> None:
         conn.execute(table.insert(), rows)
         return
     cols = list(rows[0])
-    cursor = conn.connection.dbapi_connection.cursor()
+    driver: Any = conn.connection.dbapi_connection  # psycopg's connection: COPY is psycopg's
+    cursor = driver.cursor()
     with cursor.copy(f"COPY {table.name} ({', '.join(cols)}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row([_copy_value(row[c]) for c in cols])
@@ -159,16 +161,17 @@ def _copy_value(v):
     if isinstance(v, dict):
         return json.dumps(v)
     if isinstance(v, datetime):
-        return v.astimezone(timezone.utc)
+        return v.astimezone(UTC)
     return v
 
 
-def _split_batch(conn: Connection, manifests: list[Manifest]):
+def _split_batch(conn: Connection, manifests: list[Manifest]) -> tuple[list[tuple[Row, Manifest]], list[Manifest]]:
     """(fast: [(run, manifest)] in run/step order, slow: [manifest]) -- see ``register_batch``."""
     by_run: dict[str, list[Manifest]] = {}
     for m in manifests:
         by_run.setdefault(m.run, []).append(m)
-    fast, slow = [], []
+    fast: list[tuple[Row, Manifest]] = []
+    slow: list[Manifest] = []
     for name, ms in by_run.items():
         run = run_row(conn, name, lock=True)
         steps = [m.step for m in ms]
@@ -224,7 +227,8 @@ def _register_audit(m: Manifest, from_state: str | None, to_state: str, now: dat
                 reason=f"part {m.part} of {m.parts}" + (f" from {m.node}" if m.node else ""))
 
 
-def _audit_register(conn: Connection, m: Manifest, from_state, to_state, *, now: datetime, actor: str) -> None:
+def _audit_register(conn: Connection, m: Manifest, from_state: str | None, to_state: str, *, now: datetime,
+                    actor: str) -> None:
     conn.execute(audit.insert(), _register_audit(m, from_state, to_state, now, actor))
 
 
@@ -250,4 +254,4 @@ def _parse_time(text: str) -> datetime | None:
         t = datetime.fromisoformat(text)
     except ValueError:
         return None
-    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC)

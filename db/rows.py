@@ -5,17 +5,20 @@ ORM rows never leave ``db/``: everything the catalog returns is built here from 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from datetime import datetime
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import Executable, Select, Table, select
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
-    Base,
     AuditLog,
+    Base,
     Checkpoint,
     CheckpointFile,
     CheckpointPart,
@@ -109,7 +112,7 @@ def to_run(row: Row) -> RunInfo:
                    parent_step=row.parent_step, parent_relation=row.parent_relation)
 
 
-def to_checkpoint(row: Row) -> CheckpointInfo:
+def to_checkpoint(row: Row | SimpleNamespace) -> CheckpointInfo:  # or the values just inserted
     return CheckpointInfo(
         id=row.id, run=row.run_name, step=row.step, kind=row.kind, state=row.state,
         parts=row.parts, parts_registered=row.parts_registered, total_bytes=row.total_bytes,
@@ -145,7 +148,7 @@ def to_drill(row: Row) -> DrillResult:
                        seconds=row.seconds, bytes=row.bytes, at=row.at, detail=row.detail)
 
 
-def insert_ignore(conn: Connection, table, values: dict, keys: list[str]) -> int:
+def insert_ignore(conn: Connection, table: Table, values: dict[str, Any], keys: list[str]) -> int:
     """INSERT ... ON CONFLICT (keys) DO NOTHING; returns 1 if this call inserted the row.
 
     On PostgreSQL a concurrent insert of the same key waits for the other transaction, so
@@ -153,25 +156,24 @@ def insert_ignore(conn: Connection, table, values: dict, keys: list[str]) -> int
     return 0 if insert_new(conn, table, values, keys, keys[0]) is None else 1
 
 
-def insert_new(conn: Connection, table, values: dict, keys: list[str], returning: str):
+def insert_new(conn: Connection, table: Table, values: dict[str, Any], keys: list[str], returning: str) -> Any:
     """INSERT ... ON CONFLICT (keys) DO NOTHING RETURNING ``returning``: the value, or None if
     the row already existed. (RETURNING, not rowcount: psycopg reports -1 with RETURNING.)"""
     stmt = _insert_ignore_stmt(conn.dialect.name, table.name, tuple(keys), returning)
     return conn.execute(stmt, values).scalar()
 
 
-@lru_cache(maxsize=None)
-def _insert_ignore_stmt(dialect: str, table_name: str, keys: tuple[str, ...], returning: str):
+@cache
+def _insert_ignore_stmt(dialect: str, table_name: str, keys: tuple[str, ...], returning: str) -> Executable:
     """Built once per shape: SQLAlchemy then reuses the compiled statement (registration speed)."""
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     table = Base.metadata.tables[table_name]
     return insert(table).on_conflict_do_nothing(index_elements=list(keys)).returning(table.c[returning])
 
 
-def add_audit(conn: Connection, *, at, actor: str, subject: str, action: str, from_state: str | None = None,
+def add_audit(conn: Connection, *, at: datetime, actor: str, subject: str, action: str, from_state: str | None = None,
               to_state: str | None = None, reason: str | None = None, run: str | None = None,
               step: int | None = None) -> None:
     conn.execute(audit.insert(), dict(at=at, actor=actor, subject=subject, action=action, from_state=from_state,

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from core.errors import CatalogUnavailable, ConfigError, ConflictError
@@ -59,7 +59,7 @@ def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     raise ConfigError(f"unsupported catalog backend {backend!r}: use sqlite:/// or postgresql+psycopg://")
 
 
-def _sqlite_engine(parsed, busy_timeout_s: float) -> Engine:
+def _sqlite_engine(parsed: URL, busy_timeout_s: float) -> Engine:
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(parsed, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})

@@ -77,7 +77,8 @@ def check_legal(rep: Row, to_state: str) -> None:
         raise BadInput(f"unknown replica state {to_state!r}")
     if to_state not in TRANSITIONS[rep.state]:
         raise IllegalTransition(f"replica {rep.id} ({rep.run_name}/{rep.step} tier {rep.tier} part {rep.part}) "
-                                f"cannot move {rep.state} -> {to_state}; legal: {sorted(TRANSITIONS[rep.state]) or 'none'}")
+                                f"cannot move {rep.state} -> {to_state}; "
+                                f"legal: {sorted(TRANSITIONS[rep.state]) or 'none'}")
 
 
 def transition(conn: Connection, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None,

@@ -127,10 +127,9 @@ def agent_environment(settings: Settings) -> dict[str, str]:
     env = {"CKPT_NODE": settings.node, "CKPT_DATA_DIR": str(settings.data_dir.absolute()),
            "CKPT_TIER0_URL": settings.tier0_url, "CKPT_TIER1_URL": settings.tier1_url,
            "CKPT_CATALOG_URL": settings.catalog_url}
-    for key, value in (("CKPT_TIER2_URL", settings.tier2_url), ("CKPT_S3_ENDPOINT_URL", settings.s3_endpoint_url),
-                       ("PREFECT_API_URL", settings.prefect_api_url)):
-        if value:
-            env[key] = value
+    optional = (("CKPT_TIER2_URL", settings.tier2_url), ("CKPT_S3_ENDPOINT_URL", settings.s3_endpoint_url),
+                ("PREFECT_API_URL", settings.prefect_api_url))
+    env.update({key: value for key, value in optional if value})
     return env
 
 

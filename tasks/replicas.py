@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from core.settings import Settings
@@ -48,7 +49,7 @@ class TierStores:
                 close()
         self._open.clear()
 
-    def __enter__(self) -> "TierStores":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:

@@ -205,7 +205,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 copy_part(src, prefix, dst, dst_prefix, manifest, buffer_bytes=settings.io_buffer_bytes,
                           parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency), progress=report)
             return rep.tier
-        except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+        except Exception as exc:  # classified below; the rest propagates
             state = classify_failure(exc)
             if state is None and not is_transient(exc):
                 raise

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from core.errors import CkptError, is_transient
@@ -87,7 +87,7 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
     fraction = settings.scrub_fraction if fraction is None else fraction
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     started = time.monotonic()
     tiers = [t for t in DURABLE_TIERS if settings.tier_url(t)]  # Tiers 1 and 2 are readable wherever configured
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
@@ -126,7 +126,7 @@ def _reread(cat: Catalog, stores: TierStores, ck: CheckpointInfo, rep: ReplicaIn
         verify_part(store, checkpoint_prefix(ck.run, ck.step), manifest, parallelism=settings.copy_parallelism,
                     buffer_bytes=settings.io_buffer_bytes, deep=True)
         return manifest.total_bytes
-    except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+    except Exception as exc:  # classified below; the rest propagates
         state = classify_failure(exc)
         if state is None:
             if not is_transient(exc):
@@ -216,7 +216,7 @@ def _good_source(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int
             continue
         try:
             return rep, registered_manifest(cat, stores.get(rep.tier), ck.id, ck.run, ck.step, part, ck.parts)
-        except Exception as exc:  # noqa: BLE001 - classified below; the rest propagates
+        except Exception as exc:  # classified below; the rest propagates
             state = classify_failure(exc)
             if state is None and not is_transient(exc):
                 raise

@@ -92,7 +92,7 @@ def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
         reps = cat.replicas(ck.id)
         pinned = cat.is_pinned(run, step)
         names = sorted(a for a, s in cat.aliases(run).items() if s == step)
-        parents = [e for e in cat.ancestors(run, step, max_depth=1)]
+        parents = list(cat.ancestors(run, step, max_depth=1))
     if as_json:
         _emit_json({"checkpoint": ck, "replicas": reps, "pinned": pinned, "aliases": names, "parents": parents})
         return
@@ -112,7 +112,8 @@ def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
 def _replica_table(reps) -> Table:
     table = Table("tier", "part", "state", "url", "verified", "bytes", "node")
     for r in reps:
-        table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes), r.node or "-")
+        table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes),
+                      r.node or "-")
     return table
 
 
@@ -158,7 +159,8 @@ def lineage_cmd(run: str, step: int,
     """Where a checkpoint came from (or, with --descendants, what came from it), as a tree."""
     with _catalog() as cat:
         cat.get_checkpoint(run, step)
-        edges = cat.descendants(run, step, max_depth=depth) if descendants else cat.ancestors(run, step, max_depth=depth)
+        walk = cat.descendants if descendants else cat.ancestors
+        edges = walk(run, step, max_depth=depth)
     if as_json:
         _emit_json(edges)
         return

@@ -105,7 +105,8 @@ def _print_plan(plans, figures) -> None:
 # --- ckpt agent, ckpt watch, ckpt up, ckpt run register ---------------------------------------
 def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
-    node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the cluster-wide archive, retention, scrub and drill"),
+    node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the "
+                                   "cluster-wide archive, retention, scrub and drill"),
     limit: int = typer.Option(None, "--limit", help="most flow runs at once on this agent"),
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
@@ -135,9 +136,9 @@ def watch_cmd(
     shards, or a marker file) once, for jobs that cannot use the client."""
     import logging
 
+    from ckpt.watch import watch
     from core.paths import safe_run_name
     from core.settings import load_settings
-    from ckpt.watch import watch
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     settings = load_settings()

@@ -11,8 +11,9 @@ server, ~30 s). Heavy imports happen inside the commands, never at import time.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import typer
 

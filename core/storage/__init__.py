@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["ObjectInfo", "TierStore", "open_store"]
 
 
-def open_store(url: str, tier: int, settings: "Settings | None" = None) -> TierStore:
+def open_store(url: str, tier: int, settings: Settings | None = None) -> TierStore:
     """The store for ``url``; ``settings`` supplies buffers, S3 endpoint and tuning (defaults if None)."""
     buffer_bytes = settings.io_buffer_bytes if settings else 4 * 1024 * 1024
     if url.startswith("s3://"):

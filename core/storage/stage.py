@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Self
 
 from core import checksum
 from core.errors import ConflictError, CorruptCheckpoint
@@ -64,7 +64,7 @@ class RestoreStage(LocalStore):
         for fut in pending:
             fut.result()
 
-    def __enter__(self) -> "RestoreStage":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:

@@ -95,7 +95,7 @@ def wait_for(what: str, pred, *, timeout: float = 90.0, interval: float = 0.5, a
     while True:
         try:
             value = pred()
-        except Exception:  # noqa: BLE001 - e.g. the checkpoint is not registered yet
+        except Exception:  # e.g. the checkpoint is not registered yet
             value = None
         if value:
             return value
@@ -136,7 +136,7 @@ def read_flow_run(api_url: str, run_id: str) -> dict:
 def ts(value: str | datetime) -> float:
     if isinstance(value, datetime):
         return value.timestamp()
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return datetime.fromisoformat(value).timestamp()
 
 
 def tier_files(root: Path) -> list[str]:

@@ -112,7 +112,7 @@ def test_duplicate_event_gives_one_promotion(agents):
     cat = agents.catalog()
     try:
         ck = cat.get_checkpoint("run-dup", 3)
-        assert len([r for r in cat.replicas(ck.id, tier=1)]) == 1
+        assert len(cat.replicas(ck.id, tier=1)) == 1
     finally:
         cat.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import httpx
 import pytest
@@ -74,7 +74,7 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     run = f"run-{uuid.uuid4().hex[:8]}"  # event ids are deterministic per (run, step): keep them new
     settings = env_settings(tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=s3_endpoint, runs=(run,))
     write_checkpoint(settings.tier0_url, run, 100, kind="milestone")
-    since = datetime.now(timezone.utc) - timedelta(seconds=5)
+    since = datetime.now(UTC) - timedelta(seconds=5)
 
     state = promote_checkpoint(run, 100, return_state=True)
 

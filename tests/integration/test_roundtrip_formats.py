@@ -79,7 +79,7 @@ def save_hf(model, folder: Path, shards: int = 3) -> None:
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         chunk = {n: model.state_dict()[n].contiguous() for n in names[i::shards]}
         save_file(chunk, str(folder / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in chunk})
+        weight_map.update(dict.fromkeys(chunk, fname))
         total += sum(t.numel() * t.element_size() for t in chunk.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -22,7 +22,7 @@ def _two_copies(cat, run="r", step=100, tiers=(1, 2)):
 
 
 def test_prune_with_a_durable_copy_elsewhere_is_allowed_and_audited(catalog):
-    _, (t1, t2) = _two_copies(catalog)
+    _, (t1, _t2) = _two_copies(catalog)
     rep = catalog.begin_prune(t1.id, actor="retention", reason="keep_last=10")
     assert rep.state == PRUNING
     assert catalog.transition(rep.id, PRUNED, expected=PRUNING, actor="retention").state == PRUNED

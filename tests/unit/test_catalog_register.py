@@ -51,10 +51,8 @@ def test_different_manifest_for_a_registered_step_is_a_conflict(catalog):
 
 def test_multi_part_checkpoint_commits_when_the_last_part_arrives(catalog):
     catalog.ensure_run("r")
-    states = []
-    for part in (2, 0, 1):
-        states.append(catalog.register_part(manifest("r", 5, part=part, parts=3, node=f"n{part}"),
-                                            actor=f"agent:n{part}").state)
+    states = [catalog.register_part(manifest("r", 5, part=part, parts=3, node=f"n{part}"), actor=f"agent:n{part}").state
+              for part in (2, 0, 1)]
     assert states == [CKPT_PARTIAL, CKPT_PARTIAL, CKPT_COMMITTED]
     ck = catalog.get_checkpoint("r", 5)
     assert (ck.parts, ck.parts_registered, ck.file_count) == (3, 3, 6)
@@ -148,7 +146,7 @@ def test_register_many_follows_the_same_rules_as_one_by_one(catalog):
     assert _edges(catalog.ancestors("s", 2)) == [("s", 2, "s", 1, "follows", 1), ("s", 1, "r", 10, "resumed_from", 2)]
     assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 40)] == [(30, 1), (20, 2), (10, 3)]
     # again: idempotent; out of order and known steps take the one-by-one path
-    catalog.register_many(batch + [manifest("r", 15)], actor="import")
+    catalog.register_many([*batch, manifest("r", 15)], actor="import")
     assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 20)] == [(15, 1), (10, 2)]
     assert len(catalog.files(catalog.get_checkpoint("r", 30).id)) == 2
     assert [e.action for e in catalog.history("r", 30)] == ["register"]

@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from core.errors import BadInput, NotFound, UnknownRun
 from db.entities import CORRUPT, MISSING, VERIFIED
+from datetime import UTC
 
 
 def test_a_replica_is_checked_when_it_becomes_verified(catalog):
@@ -92,14 +93,14 @@ def test_bad_replicas_are_the_corrupt_and_missing_ones_on_the_tiers(catalog):
 
 
 def test_upgrading_a_0002_catalog_starts_verified_replicas_from_their_verified_at(db_url):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from db.catalog import Catalog, upgrade
     from db.migrate import upgrade_connection
     from db.rows import checkpoints, replicas, runs
     from db.session import make_engine
 
-    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     engine = make_engine(db_url)
     with engine.begin() as conn:  # a catalog written before 0003: only the columns it had
         upgrade_connection(conn, "0002")

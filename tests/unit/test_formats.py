@@ -216,7 +216,7 @@ def test_dcp_missing_or_empty_data_file():
 def test_dcp_missing_or_garbage_metadata():
     files = dcp_files()
     del files[".metadata"]
-    with pytest.raises(CorruptCheckpoint, match=".metadata is missing"):
+    with pytest.raises(CorruptCheckpoint, match=r"\.metadata is missing"):
         check(files, "dcp")
     with pytest.raises(CorruptCheckpoint, match="pickle"):
         check({**dcp_files(), ".metadata": b"\x80\x05garbage"}, "dcp")

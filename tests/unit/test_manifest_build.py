@@ -41,7 +41,7 @@ def test_hash_stream_same_with_and_without_readinto(tmp_path):
     assert checksum.hash_stream(io.BytesIO(data), 1024 * 1024) == expected
     assert checksum.hash_stream(NoReadinto(data), 1024 * 1024) == expected
     sunk = bytearray()
-    checksum.hash_stream(io.BytesIO(data), 1024 * 1024, sink=lambda c: sunk.extend(c))
+    checksum.hash_stream(io.BytesIO(data), 1024 * 1024, sink=sunk.extend)
     assert bytes(sunk) == data
 
 
@@ -65,7 +65,7 @@ def test_build_manifest_lists_every_file_with_size_and_crc(tmp_path):
     m = build_manifest(ck, "run-a", 100, node="n0", kind="milestone", metrics={"loss": 1.5})
     assert m.format == "hf-sharded" and m.algorithm == "crc32c"
     assert [f.path for f in m.files] == sorted(
-        ["model-0000%d-of-00004.safetensors" % i for i in range(1, 5)]
+        [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
         + ["model.safetensors.index.json", "sub/optim.bin"]
     )
     for f in m.files:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
@@ -41,7 +41,8 @@ def test_model_values_match_the_formula():
     assert 0.0107 <= fast.delta_mfu < 0.0108
 
 
-@pytest.mark.parametrize("text,value", [("70B", 70e9), ("7.5B", 7.5e9), ("350M", 350e6), ("1.2T", 1.2e12), ("1000", 1000)])
+@pytest.mark.parametrize("text,value", [("70B", 70e9), ("7.5B", 7.5e9), ("350M", 350e6), ("1.2T", 1.2e12),
+                                        ("1000", 1000)])
 def test_parse_params(text, value):
     assert sizing.parse_params(text) == pytest.approx(value)
 
@@ -51,7 +52,8 @@ def test_parse_duration(text, value):
     assert sizing.parse_duration(text) == value
 
 
-@pytest.mark.parametrize("text,value", [("2GB/s", 2e9), ("50 GB/s", 50e9), ("500MB/s", 5e8), ("1GiB/s", 2**30), ("3GB", 3e9)])
+@pytest.mark.parametrize("text,value", [("2GB/s", 2e9), ("50 GB/s", 50e9), ("500MB/s", 5e8), ("1GiB/s", 2**30),
+                                        ("3GB", 3e9)])
 def test_parse_bandwidth(text, value):
     assert sizing.parse_bandwidth(text) == value
 
@@ -71,7 +73,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path):
 
 
 def test_measured_delta_mfu_from_stall_times():
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
     # a save every 100 s, each stalling 5 s: 3 stalls over 205 s of wall time
     saves = [(t0 + timedelta(seconds=100 * i), 5.0) for i in range(3)] + [(t0, None)]
     f = sizing.measured("r", saves)

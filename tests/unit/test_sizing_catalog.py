@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
@@ -24,7 +24,7 @@ def _register(cat: Catalog, run: str, saves: list[tuple[datetime, float]]) -> No
 
 def test_plan_shows_each_runs_measured_delta_mfu(db_url, tmp_path):
     upgrade(db_url)
-    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
     cat = Catalog(db_url)
     try:
         # a save every 100 s stalling 5 s; another run saving every 1800 s stalling 19.6 s

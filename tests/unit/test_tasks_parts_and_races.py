@@ -137,7 +137,7 @@ def test_retention_looping_during_promotions_never_loses_a_checkpoint(settings):
         while not stop.is_set():
             try:
                 retention(tight, run=RUN, steps=plain_steps())
-            except BaseException as exc:  # noqa: BLE001 - the test reports it
+            except BaseException as exc:  # the test reports it
                 errors.append(exc)
 
     pruner = threading.Thread(target=prune_loop)
@@ -285,4 +285,5 @@ def test_a_verify_overtaken_by_a_prune_does_not_record_the_pruned_copy_verified(
     verify_replica(settings, RUN, 100, tier=0)
 
     assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"
-    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists() or not any(ckpt_dir(settings.tier0_url, RUN, 100).iterdir())
+    tier0_dir = ckpt_dir(settings.tier0_url, RUN, 100)
+    assert not tier0_dir.exists() or not any(tier0_dir.iterdir())
