@@ -50,8 +50,8 @@ def main() -> None:
 
 
 def write_checkpoint(tier0_url: str, step: int, total_bytes: int, shards: int) -> None:
-    from core.manifest_build import build_manifest, write_manifest
     from core.layout import checkpoint_prefix
+    from core.manifest_build import build_manifest, write_manifest
 
     folder = Path(tier0_url) / checkpoint_prefix("bench", step)
     write_shards(folder, total_bytes, shards, seed=step)

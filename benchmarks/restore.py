@@ -59,9 +59,9 @@ def main() -> None:
 def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     import boto3
 
+    from core.layout import checkpoint_prefix
     from core.manifest_build import build_manifest, write_manifest
     from core.settings import RetentionPolicy, load_settings
-    from core.layout import checkpoint_prefix
     from db.catalog import Catalog, upgrade
     from flows.common import plain_steps
     from flows.promote import promote

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Self
 
+from ckpt.announce import Announcer, RunRegistration
 from core.errors import BadInput, ConflictError
-from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.layout import checkpoint_dirname
+from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
-from ckpt.announce import Announcer, RunRegistration
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,8 @@ class CheckpointStager:
     def _commit(self, folder: Path | None, arrays, t0: float | None, *, step: int,
                 stall: float | None = None, **meta) -> SavedCheckpoint:
         from core import safetensors_writer as stw
-        from core.storage.local import fsync_dir
         from core.layout import staging_name
+        from core.storage.local import fsync_dir
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import UTC
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1
                 payload: dict[str, Any] | None = None, extra_id: str = "") -> dict[str, Any]:
     """The event as JSON, exactly what ``POST {PREFECT_API_URL}/events`` takes (a list of these):
     a job without Prefect installed can announce a checkpoint with one HTTP call."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     return {
         "id": str(event_id(name, run, step, part, extra_id)),
-        "occurred": datetime.now(timezone.utc).isoformat(),
+        "occurred": datetime.now(UTC).isoformat(),
         "event": name,
         "resource": resource(run, step, part, parts, node),
         "related": [],

@@ -20,8 +20,9 @@ import json
 import pickletools
 import re
 import struct
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, BinaryIO
 
 from core.errors import CorruptCheckpoint
 

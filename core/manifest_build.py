@@ -19,12 +19,11 @@ from typing import BinaryIO
 
 from core import checksum, formats
 from core.errors import BadInput, CorruptCheckpoint, NotFound
-from core.layout import is_manifest_name, manifest_name
+from core.layout import is_manifest_name, is_staging, manifest_name
 from core.manifest import FileEntry, Manifest, ParentRef, attempt_digest, utcnow_iso
 from core.paths import confine_local, safe_relpath
 from core.storage.base import TierStore
 from core.storage.local import LocalStore
-from core.layout import is_staging
 
 
 def list_checkpoint_files(folder: str | os.PathLike) -> dict[str, int]:

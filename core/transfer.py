@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound

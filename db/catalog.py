@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 
 from sqlalchemy import delete, func, select
@@ -19,13 +19,8 @@ from sqlalchemy.engine import make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
 from core.manifest import Manifest
-from db import lineage as _lineage
-from db import queries as _q
-from db import register as _reg
-from db import rejections as _rej
-from db import state as _state
+from db import lineage as _lineage, queries as _q, register as _reg, rejections as _rej, state as _state
 from db.entities import (
-    RejectionInfo,
     CKPT_COMMITTED,
     CKPT_CORRUPT,
     CKPT_PARTIAL,
@@ -40,6 +35,7 @@ from db.entities import (
     FileInfo,
     LineageEdge,
     Location,
+    RejectionInfo,
     ReplicaInfo,
     RunInfo,
     TierUsage,
@@ -76,7 +72,7 @@ CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Catalog:
@@ -97,7 +93,7 @@ class Catalog:
                 raise
 
     @classmethod
-    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> "Catalog":
+    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> Catalog:
         """Open the catalog; with ``auto_upgrade`` first create/upgrade its schema (demo, tests)."""
         if auto_upgrade:
             upgrade(url)
@@ -122,7 +118,7 @@ class Catalog:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "Catalog":
+    def __enter__(self) -> Catalog:
         return self
 
     def __exit__(self, *exc) -> None:

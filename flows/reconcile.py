@@ -27,17 +27,18 @@ from prefect import flow
 
 from core.errors import CkptError, CopyInProgress, NotFound
 from core.events import announcing, emit
+from core.layout import checkpoint_prefix, part_key
+from core.policy import is_milestone
 from core.settings import Settings, load_settings
+from core.storage.base import TierStore
 from db.catalog import Catalog
-from db.entities import CKPT_CORRUPT, CKPT_REJECTED, CORRUPT, MISSING, PENDING, VERIFIED, COPYING
+from db.entities import CKPT_CORRUPT, CKPT_REJECTED, COPYING, CORRUPT, MISSING, PENDING, VERIFIED
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
 from tasks.base import log, open_catalog, open_tier
-from core.layout import checkpoint_prefix, part_key
-from core.storage.base import TierStore
-from core.policy import is_milestone
 from tasks.retention import FAILED, PRUNED, apply_retention
+
 
 @dataclass
 class ReconcileReport:

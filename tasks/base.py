@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.errors import CorruptCheckpoint
+from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
-from core.layout import manifest_name, part_key
 from core.settings import Settings
-from db.catalog import Catalog
 from core.storage.base import TierStore
-from core.layout import checkpoint_prefix
+from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, PRUNED
 
 log = logging.getLogger("ckpt.pipeline")

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import CkptError, NotFound
+from core.layout import checkpoint_prefix
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, Settings
-from core.layout import checkpoint_prefix
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from core import events
 from core.errors import CkptError, ConfigError
+from core.layout import part_key
 from core.settings import Settings
 from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, open_tier
-from core.layout import part_key
 from tasks.retry import pipeline_task
 
 

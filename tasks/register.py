@@ -16,10 +16,10 @@ from typing import Any, NoReturn
 
 from core import events
 from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
+from core.layout import checkpoint_prefix
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
 from core.settings import Settings
-from core.layout import checkpoint_prefix
 from db.catalog import Catalog
 from db.entities import VERIFIED
 from tasks.base import open_catalog, open_tier, read_manifest

@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConflictError, NotFound, StorageUnavailable, is_transient
+from core.layout import checkpoint_prefix
 from core.paths import safe_run_name
 from core.settings import Settings
-from core.layout import checkpoint_prefix
+from core.storage.stage import RestoreStage, fetch_local_part, publish
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
-from core.storage.stage import RestoreStage, fetch_local_part, publish
 from tasks.retry import pipeline_task
 
 # progress(done_bytes, total_bytes, label): the position in the checkpoint being restored; it

@@ -16,8 +16,8 @@ from datetime import datetime
 from typing import Any
 
 from core.errors import CkptError, PruneRefused
-from core.settings import Settings
 from core.policy import is_milestone
+from core.settings import Settings
 from db.catalog import Catalog
 from tasks.base import log, open_catalog
 from tasks.retry import pipeline_task

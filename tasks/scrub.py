@@ -30,8 +30,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from core.errors import CkptError, is_transient
-from core.settings import Settings
 from core.layout import checkpoint_prefix
+from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest

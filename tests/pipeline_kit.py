@@ -17,6 +17,7 @@ import numpy as np
 
 from core.manifest import Manifest
 from core.layout import checkpoint_dirname
+from datetime import UTC
 
 
 def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int = 2, shard_bytes: int = 1 << 20,
@@ -228,7 +229,7 @@ class FaultProxy:
 def expire_claims(settings) -> int:
     """Make every live claim's lease lapse now, as if its worker died a lease ago (tests never
     wait on a wall clock for a lease to run out); returns how many were expired."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from sqlalchemy import update
 
@@ -238,7 +239,7 @@ def expire_claims(settings) -> int:
 
     cat = catalog(settings)
     try:
-        past = datetime.now(timezone.utc) - timedelta(days=1)
+        past = datetime.now(UTC) - timedelta(days=1)
         with cat.engine.begin() as conn:
             return conn.execute(update(replicas).where(replicas.c.lease_expires_at.is_not(None))
                                 .values(lease_expires_at=past)).rowcount

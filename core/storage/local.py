@@ -19,9 +19,10 @@ import os
 import stat as stat_mod
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
@@ -30,6 +31,7 @@ from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import confine_local, safe_relpath
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
+
 
 def _write_all(fd: int, data: memoryview) -> None:
     """os.write until every byte is written (short writes happen on some filesystems)."""
@@ -99,8 +101,7 @@ class LocalStore(TierStore):
 
     def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES):
         root = str(root)
-        if root.startswith("file://"):
-            root = root[len("file://"):]
+        root = root.removeprefix("file://")
         self.root = Path(root).expanduser().absolute()
         self.tier = tier
         self.root_url = str(self.root)

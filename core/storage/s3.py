@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
@@ -75,7 +76,11 @@ def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Ex
     ``headers`` are the optional headers the request carried (checksums, If-None-Match): a 501
     NotImplemented names them when the endpoint's error does not say which one it refused."""
     from botocore.exceptions import (
-        BotoCoreError, ClientError, ConnectionError as BotoConnError, HTTPClientError, NoCredentialsError,
+        BotoCoreError,
+        ClientError,
+        ConnectionError as BotoConnError,
+        HTTPClientError,
+        NoCredentialsError,
         ParamValidationError,
     )
 
@@ -475,7 +480,7 @@ class S3Store(TierStore):
 
         from botocore.exceptions import ClientError
 
-        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
         full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         only = None if keys is None else {self._k(k) for k in keys}
         count = 0

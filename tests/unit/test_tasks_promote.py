@@ -93,9 +93,8 @@ def test_corrupt_source_is_never_promoted_and_earlier_checkpoints_are_untouched(
     damage(bad)
     events = Recorder()
 
-    with pytest.raises(CorruptCheckpoint) as err:
-        with announcing(events):
-            promote(settings, RUN, 200, steps=plain_steps())
+    with pytest.raises(CorruptCheckpoint) as err, announcing(events):
+        promote(settings, RUN, 200, steps=plain_steps())
 
     assert err.value.path == bad.name
     assert bad.name in str(err.value)
@@ -178,9 +177,8 @@ def test_two_promotions_at_once_copy_once(settings):
 def test_unknown_run_is_rejected_and_recorded(settings):
     write_checkpoint(tier(settings, 0), "nobody", 5)
     events = Recorder()
-    with pytest.raises(UnknownRun):
-        with announcing(events):
-            promote(settings, "nobody", 5, steps=plain_steps())
+    with pytest.raises(UnknownRun), announcing(events):
+        promote(settings, "nobody", 5, steps=plain_steps())
     assert events.names() == ["rejected"]
     assert published_files(tier(settings, 1), "nobody", 5) == []
 
@@ -196,9 +194,8 @@ def test_manifest_path_escaping_the_checkpoint_is_rejected(settings, bad_path):
     mpath.write_text(json.dumps(doc))
     events = Recorder()
 
-    with pytest.raises(PathEscape):
-        with announcing(events):
-            promote(settings, RUN, 7, steps=plain_steps())
+    with pytest.raises(PathEscape), announcing(events):
+        promote(settings, RUN, 7, steps=plain_steps())
 
     assert events.names() == ["rejected"]
     assert published_files(tier(settings, 1), RUN, 7) == []
