@@ -7,10 +7,10 @@ import os
 import sys
 
 import pytest
-from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 from typer.testing import CliRunner
 
 from ckpt.cli import app, main
+from tests.kit.catalog import checkpoint, manifest, verified
 
 
 @pytest.fixture

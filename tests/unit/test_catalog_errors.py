@@ -7,7 +7,6 @@ import sqlite3
 
 import psycopg
 import pytest
-from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 from sqlalchemy import insert
 
 from core.errors import CatalogUnavailable, ConflictError, NotFound, is_transient
@@ -15,6 +14,7 @@ from db.catalog import Catalog
 from db.entities import CORRUPT, VERIFIED
 from db.models import Run
 from db.session import transaction
+from tests.kit.catalog import checkpoint, manifest, verified
 
 
 def _closed_port() -> int:

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from core.errors import CorruptCheckpoint
-
 from core.settings import MilestonePolicy, RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.retention import retention
-from pipeline_kit import Recorder, catalog, ckpt_dir, pipeline_settings, replica_states, write_checkpoint
 from tasks.retention import ELSEWHERE, KEPT, PLANNED, PRUNED, REFUSED, apply_retention, is_milestone, plan_retention
+from tests.kit.checkpoints import ckpt_dir, open_catalog, replica_states, write_checkpoint
+from tests.kit.pipeline import Recorder, pipeline_settings
 
 RUN = "run-a"
 OFF = RetentionPolicy(enabled=False)
@@ -77,7 +77,7 @@ def test_tier1_copy_without_a_tier2_copy_is_not_planned(settings):
 
 def test_a_stale_plan_cannot_delete_the_last_good_copy(settings):
     from tasks.verify import verify_replica
-    from pipeline_kit import flip_bit, shard_paths
+    from tests.kit.checkpoints import flip_bit, shard_paths
 
     promote_steps(settings, [10, 20, 30, 40])
     keep2 = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=2))
@@ -96,7 +96,7 @@ def test_a_stale_plan_cannot_delete_the_last_good_copy(settings):
 
 def test_pinned_and_newest_checkpoints_are_never_planned(settings):
     promote_steps(settings, [10, 20, 30])
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         cat.pin(RUN, 10, reason="paper result", actor="test")
     finally:

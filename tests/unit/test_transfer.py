@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -14,44 +13,19 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from core.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
-from core.manifest_build import build_manifest, write_manifest
+from core.manifest_build import build_manifest
 from core.storage import checkpoint_prefix
 from core.storage.fs import LocalStore, is_staging
 from core.storage.s3 import S3Store
 from core.transfer import copy_part, find_committed, read_committed, verify_part
+from tests.kit.checkpoints import ckpt_dir, flip_bit, write_checkpoint
 
 MiB = 1024 * 1024
 RUN, STEP = "run-a", 200
 PREFIX = checkpoint_prefix(RUN, STEP)
-
-
-def make_checkpoint(root: Path, shards: int = 4, rows: int = 256, run: str = RUN, step: int = STEP):
-    """A real HF sharded safetensors checkpoint on 'Tier 0', committed with its manifest."""
-    folder = root / run / f"step-{step:08d}"
-    folder.mkdir(parents=True)
-    wm = {}
-    rng = np.random.default_rng(step)
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({f"layer{i}": rng.random((rows, 1024), dtype=np.float32)}, str(folder / name))
-        wm[f"layer{i}"] = name
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    m = build_manifest(folder, run, step)
-    write_manifest(folder, m)
-    return folder, m
-
-
-def flip_bit(path: Path, offset: int = -100) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
-        b = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([b[0] ^ 0x04]))
 
 
 def all_files(root: Path) -> list[str]:
@@ -73,7 +47,8 @@ def s3_store(s3_endpoint, s3_bucket):
 
 def test_copy_tier0_to_tier1_then_verify(tiers):
     t0, t1 = tiers
-    src, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
+    src = ckpt_dir(t0.root, RUN, STEP)
     seen = []
     report = copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=3, progress=seen.append)
     assert (report.files, report.bytes, report.skipped) == (len(m.files), m.total_bytes, 0)
@@ -91,7 +66,7 @@ def test_copy_tier0_to_tier1_then_verify(tiers):
 
 def test_two_copies_at_once_give_one_set_of_files(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     errors = []
 
     def go():
@@ -111,10 +86,11 @@ def test_two_copies_at_once_give_one_set_of_files(tiers):
 @pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete"])
 def test_bad_source_publishes_nothing(tiers, damage):
     t0, t1 = tiers
-    src, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
+    src = ckpt_dir(t0.root, RUN, STEP)
     victim = src / m.files[1].path
     if damage == "bitflip":
-        flip_bit(victim)
+        flip_bit(victim, -100)
     elif damage == "truncate":
         os.truncate(victim, victim.stat().st_size // 2)
     else:
@@ -132,7 +108,7 @@ def test_bad_source_publishes_nothing(tiers, damage):
 
 def test_resume_after_partial_copy(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     for f in m.files[:2]:  # an earlier attempt published two files and died
         with t0.open_read(f"{PREFIX}/{f.path}") as r:
             t1.put_verified(f"{PREFIX}/{f.path}", r, f.size, f.checksum)
@@ -143,7 +119,7 @@ def test_resume_after_partial_copy(tiers):
 
 def test_bit_flip_on_tier1_after_copy_is_found(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     copy_part(t0, PREFIX, t1, PREFIX, m)
     flip_bit(t1.path(f"{PREFIX}/{m.files[2].path}"), offset=5000)
     for deep in (True, False):
@@ -167,7 +143,7 @@ def test_verify_part_checks_the_format_not_just_the_bytes(tiers):
 
 def test_different_committed_part_is_a_conflict(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     other = dataclasses.replace(m, files=m.files[:-1])
     t1.write_small_atomic(f"{PREFIX}/manifest.json", other.to_json())
     with pytest.raises(ConflictError):
@@ -179,7 +155,7 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
     import core.storage.fs as fsmod
 
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     real_write, real_copy, written = fsmod._write_all, fsmod._copy_range, []
 
     def disk_full_after_2mib():
@@ -226,7 +202,7 @@ copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1, buffer_bytes=64 * 
 
 def test_copy_killed_with_sigkill_then_rerun(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, shards=6)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=6, shard_bytes=MiB)
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(t0.root), str(t1.root), RUN, str(STEP), PREFIX])
     dst = t1.root / PREFIX
     deadline = time.monotonic() + 60
@@ -254,7 +230,7 @@ def test_copy_killed_with_sigkill_then_rerun(tiers):
 
 def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, rows=2048)  # 8 MiB shards: multipart on S3
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=8 * MiB)  # 8 MiB shards: multipart on S3
     copy_part(t0, PREFIX, t1, PREFIX, m)
     report = copy_part(t1, PREFIX, s3_store, PREFIX, m, parallelism=2)
     assert report.bytes == m.total_bytes
@@ -268,7 +244,7 @@ def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
 
 def test_s3_object_replaced_behind_our_back_is_found(tiers, s3_store):
     t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=16)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=64 * 1024)
     copy_part(t0, PREFIX, s3_store, PREFIX, m)
     victim = m.files[0]
     data = bytearray((t0.root / PREFIX / victim.path).read_bytes())
@@ -309,7 +285,7 @@ def inject_500(store: S3Store, ops: tuple[str, ...], times: int | None):
 
 def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
     t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=8 * MiB)
     calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=2)
     report = copy_part(t0, PREFIX, s3_store, PREFIX, m)
     assert calls["n"] > 2 and report.files == len(m.files)
@@ -318,7 +294,7 @@ def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
 
 def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_store):
     t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=8 * MiB)
     calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
     with pytest.raises(StorageUnavailable):
         copy_part(t0, PREFIX, s3_store, PREFIX, m)
@@ -337,7 +313,7 @@ def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
     import core.storage.fs as fsmod
 
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, shards=12, rows=16)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=12, shard_bytes=64 * 1024)
     marker = t1.root / PREFIX / "manifest.json"
     synced, real = [], fsmod.fsync_dir
 
