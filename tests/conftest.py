@@ -4,7 +4,8 @@
   ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``prefect_server``, and fake AWS
   credentials for every test;
 - ``settings_factory``: settings rooted in the test's temp folder;
-- ``catalog``: a fresh, migrated catalog on ``db_url``.
+- ``catalog``: a fresh, migrated catalog on ``db_url``;
+- ``tiers``: local Tier 0 and Tier 1 stores in the test's temp folder.
 
 PostgreSQL: ``CKPT_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``).
 Each test that asks for ``pg_url`` gets a fresh database created from it and dropped after.
@@ -23,3 +24,4 @@ from tests.kit.servers import (  # noqa: F401
     sqlite_url,
 )
 from tests.kit.settings import settings_factory  # noqa: F401
+from tests.kit.stores import tiers  # noqa: F401

@@ -92,14 +92,3 @@ def test_errors_are_one_clear_line(cli, catalog, monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 1
         assert len(err.splitlines()) == 1 and text in err and "Traceback" not in err
-
-
-def test_old_schema_error_names_the_upgrade_command(tmp_path, monkeypatch, capsys):
-    for key in list(os.environ):
-        if key.startswith("CKPT_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("CKPT_CATALOG_URL", f"sqlite:///{tmp_path / 'empty.db'}")
-    monkeypatch.setattr(sys, "argv", ["ckpt", "ls"])
-    with pytest.raises(SystemExit):
-        main()
-    assert "ckpt db upgrade" in capsys.readouterr().err

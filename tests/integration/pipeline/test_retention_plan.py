@@ -11,7 +11,7 @@ from core.settings import MilestonePolicy, RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.retention import retention
-from tasks.retention import ELSEWHERE, KEPT, PLANNED, PRUNED, REFUSED, apply_retention, is_milestone, plan_retention
+from tasks.retention import ELSEWHERE, KEPT, PLANNED, PRUNED, REFUSED, apply_retention, plan_retention
 from tests.kit.checkpoints import ckpt_dir, open_catalog, replica_states, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
 
@@ -140,17 +140,3 @@ def test_promotion_applies_the_default_retention_of_its_run(settings_factory, db
     on_tier0 = sorted(int(p.name.split("-")[1]) for p in (Path(settings.tier0_url) / RUN).iterdir())
     assert on_tier0 == [3, 4, 5]
     assert all(replica_states(settings, RUN, s)[(1, 0)] == "verified" for s in range(1, 6))
-
-
-@pytest.mark.parametrize("kind,step,tags,policy,expected", [
-    ("milestone", 7, {}, MilestonePolicy(), True),
-    ("milestone", 7, {}, MilestonePolicy(tagged=False), False),
-    ("step", 7, {"milestone": "true"}, MilestonePolicy(), True),
-    ("epoch", 7, {}, MilestonePolicy(), True),
-    ("epoch", 7, {}, MilestonePolicy(epoch_end=False), False),
-    ("step", 3000, {}, MilestonePolicy(every_steps=1000), True),
-    ("step", 3001, {}, MilestonePolicy(every_steps=1000), False),
-    ("step", 3000, {}, MilestonePolicy(), False),
-])
-def test_milestone_rule(kind, step, tags, policy, expected):
-    assert is_milestone(kind, step, tags, policy) is expected

@@ -1,0 +1,59 @@
+"""Storage rules that need no backend server: symlinks out of the root, run names, the S3 part-size rule."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from core.errors import PathEscape
+from core.storage.fs import LocalStore
+from tests.kit.stores import all_names, put, read
+
+MiB = 1024 * 1024
+
+
+def test_symlink_out_of_local_root_rejected(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    store = LocalStore(tmp_path / "tier", tier=1)
+    (tmp_path / "tier").mkdir()
+    os.symlink(outside, tmp_path / "tier" / "run")
+    with pytest.raises(PathEscape):
+        read(store, "run/secret")
+    with pytest.raises(PathEscape):
+        put(store, "run/new", b"x")
+    assert not (outside / "new").exists()
+    assert all_names(store) == []  # listing does not follow the link out
+
+
+def test_s3_part_size_stays_within_the_part_limit():
+    from core.storage.s3 import MAX_PARTS, part_size
+
+    assert part_size(100 * MiB, 8 * MiB) == 8 * MiB
+    for size in (10**12, 5 * 10**12, MAX_PARTS * 8 * MiB + 1):
+        p = part_size(size, 8 * MiB)
+        assert -(-size // p) <= MAX_PARTS and p % MiB == 0
+
+
+def test_deleting_a_symlinked_file_removes_the_link_not_its_target(tmp_path):
+    """A checkpoint file that is a link to another checkpoint's file: pruning the first must
+    leave the second intact (another checkpoint's copy, possibly its last)."""
+    store = LocalStore(tmp_path / "tier", tier=0)
+    put(store, "r/step-00000001/w.bin", b"the only copy")
+    (tmp_path / "tier" / "r" / "step-00000002").mkdir()
+    os.symlink("../step-00000001/w.bin", tmp_path / "tier" / "r" / "step-00000002" / "w.bin")
+
+    assert store.delete_prefix("r/step-00000002/w.bin") == 1
+
+    assert not os.path.lexists(tmp_path / "tier" / "r" / "step-00000002" / "w.bin")
+    assert read(store, "r/step-00000001/w.bin") == b"the only copy"
+
+
+@pytest.mark.parametrize("name", ["abc\n", "abc\r", "../x", "a/b", ".hidden", ""])
+def test_run_names_that_are_not_one_clean_path_segment_are_rejected(name):
+    from core.paths import safe_run_name
+
+    with pytest.raises(PathEscape):
+        safe_run_name(name)
