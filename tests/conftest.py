@@ -1,144 +1,27 @@
-"""Shared fixtures: real SQLite and PostgreSQL catalogs, a real moto S3 server over HTTP.
+"""Fixtures for every test, all defined in the kit (``tests/kit/``):
+
+- servers: ``pg_server``, ``pg_url``, ``sqlite_url``, ``db_url`` (SQLite and PostgreSQL),
+  ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``prefect_server``, and fake AWS
+  credentials for every test;
+- ``settings_factory``: settings rooted in the test's temp folder;
+- ``catalog``: a fresh, migrated catalog on ``db_url``;
+- ``tiers``: local Tier 0 and Tier 1 stores in the test's temp folder.
 
 PostgreSQL: ``CKPT_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``).
 Each test that asks for ``pg_url`` gets a fresh database created from it and dropped after.
 With ``CI=true`` an unreachable PostgreSQL fails those tests instead of skipping them.
 """
 
-from __future__ import annotations
-
-import os
-import uuid
-from pathlib import Path
-
-import pytest
-
-PG_URL = os.environ.get("CKPT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def _pg_admin_dsn() -> str:
-    return PG_URL.replace("postgresql+psycopg://", "postgresql://")
-
-
-def _pg_available() -> str | None:
-    try:
-        import psycopg
-
-        with psycopg.connect(_pg_admin_dsn(), connect_timeout=3, autocommit=True):
-            return None
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        return str(exc)
-
-
-@pytest.fixture(scope="session")
-def pg_server() -> str:
-    why = _pg_available()
-    if why:
-        if IN_CI:
-            pytest.fail(f"PostgreSQL is required with CI=true but unreachable: {why}")
-        pytest.skip(f"PostgreSQL unreachable: {why}")
-    return PG_URL
-
-
-@pytest.fixture
-def pg_url(pg_server: str):
-    """A fresh, empty PostgreSQL database for one test."""
-    import psycopg
-
-    name = f"ckpt_t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(_pg_admin_dsn(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base = pg_server.rsplit("/", 1)[0]
-    yield f"{base}/{name}"
-    with psycopg.connect(_pg_admin_dsn(), autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
-        )
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'catalog.db'}"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path: Path) -> str:
-    """Both catalog backends: every catalog test that takes this runs on SQLite and PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return request.getfixturevalue("pg_url")
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
-    """moto's S3 server on loopback, real HTTP, once per session (as ``ckpt up`` starts it)."""
-    from ckpt.local_stack import start_moto, stop_process
-
-    proc, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        yield url
-    finally:
-        stop_process(proc, grace=5.0)
-
-
-@pytest.fixture(autouse=True)
-def _aws_env(monkeypatch):
-    """Fake credentials so boto3 never looks for real ones."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-@pytest.fixture
-def s3_bucket(s3_endpoint):
-    """A fresh bucket on the moto server; returns its name."""
-    import boto3
-
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
-    return name
-
-
-@pytest.fixture
-def settings_factory(tmp_path: Path, monkeypatch):
-    """Build ``Settings`` rooted in a temp folder (env cleared of CKPT_*)."""
-    for k in list(os.environ):
-        if k.startswith("CKPT_"):
-            monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-
-    def make(**overrides):
-        from core.settings import load_settings
-
-        overrides.setdefault("data_dir", tmp_path / "data")
-        overrides.setdefault("node", "node-0")
-        return load_settings(**overrides)
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """A real Prefect server (SQLite) started once per session on a free loopback port.
-
-    Yields the API URL and points this process's Prefect client at it. Starting takes
-    20-30 s here, so tests that need it are few; logic is tested through plain functions.
-    """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from ckpt.local_stack import start_prefect_server, stop_process
-
-    proc, url = start_prefect_server(tmp_path_factory.mktemp("prefect"), port=None, ui=False, timeout=90)
-    old = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = url
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: url}):
-            yield url
-    finally:
-        if old is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = old
-        stop_process(proc, grace=20.0)
+from tests.kit.catalog import catalog  # noqa: F401
+from tests.kit.servers import (  # noqa: F401
+    _aws_env,
+    db_url,
+    pg_server,
+    pg_url,
+    prefect_server,
+    s3_bucket,
+    s3_endpoint,
+    sqlite_url,
+)
+from tests.kit.settings import settings_factory  # noqa: F401
+from tests.kit.stores import tiers  # noqa: F401

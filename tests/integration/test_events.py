@@ -12,7 +12,10 @@ import uuid
 
 import httpx
 import pytest
-from e2e import (
+
+from core import events
+from deployments import names
+from tests.kit.agents import (
     Agents,
     finished,
     flow_runs,
@@ -24,9 +27,6 @@ from e2e import (
     ts,
     wait_for,
 )
-
-from core import events
-from deployments import names
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 

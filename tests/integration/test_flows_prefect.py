@@ -11,7 +11,8 @@ from datetime import datetime, timedelta, UTC
 import httpx
 import pytest
 
-from pipeline_kit import catalog, ckpt_dir, pipeline_settings, replica_states, shard_paths, write_checkpoint
+from tests.kit.checkpoints import ckpt_dir, open_catalog, replica_states, shard_paths, write_checkpoint
+from tests.kit.pipeline import pipeline_settings
 
 pytestmark = pytest.mark.prefect
 RUN = "run-a"
@@ -106,7 +107,7 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
     settings = env_settings(task_retries=6, task_retry_delay_seconds=1.0)
     write_checkpoint(settings.tier0_url, RUN, 100)
     register_part(settings, RUN, 100)
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     ck = cat.get_checkpoint(RUN, 100)
     other = cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=3600)
     assert other.acquired
@@ -147,7 +148,7 @@ def awaiting_retry(api: str, task_name: str) -> bool:
 
 def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
     from flows.promote import promote_checkpoint
-    from pipeline_kit import flip_bit
+    from tests.kit.checkpoints import flip_bit
 
     settings = env_settings(task_retries=3, task_retry_delay_seconds=5)
     write_checkpoint(settings.tier0_url, RUN, 100)
@@ -197,7 +198,7 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
 
     from core.storage.s3 import S3Store
     from flows.promote import promote_checkpoint
-    from pipeline_kit import FaultProxy
+    from tests.kit.s3 import FaultProxy
 
     monkeypatch.setattr(S3Store, "__init__", functools.partialmethod(S3Store.__init__, max_attempts=1))
     proxy = FaultProxy(s3_endpoint)
@@ -235,7 +236,7 @@ def test_event_parameters_arrive_as_strings_and_malformed_ones_fail_with_a_rejec
     assert bad.is_failed()
     with pytest.raises(BadEvent):
         bad.result()
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         assert any(e.action == "reject" and e.subject.startswith("event:promote") for e in cat.audit_log(limit=20))
     finally:

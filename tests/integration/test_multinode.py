@@ -8,9 +8,9 @@ import uuid
 
 import psycopg
 import pytest
-from e2e import finished, flow_runs, start_agents, train, wait_for
 
 from deployments import names
+from tests.kit.agents import finished, flow_runs, start_agents, train, wait_for
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
 

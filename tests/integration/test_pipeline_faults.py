@@ -18,8 +18,17 @@ from core.errors import CopyInProgress, StorageFull, StorageUnavailable, is_tran
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from pipeline_kit import (FaultProxy, ckpt_dir, expire_claims, pipeline_settings, published_files, replica_states, same_bytes,
-                          shard_paths, write_checkpoint)
+from tests.kit.checkpoints import (
+    ckpt_dir,
+    expire_claims,
+    published_files,
+    replica_states,
+    same_bytes,
+    shard_paths,
+    write_checkpoint,
+)
+from tests.kit.pipeline import pipeline_settings
+from tests.kit.s3 import FaultProxy
 
 RUN = "run-a"
 ROOT = Path(__file__).resolve().parents[2]

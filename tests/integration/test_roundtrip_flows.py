@@ -9,7 +9,9 @@ import shutil
 import uuid
 
 import pytest
-from restore_scenario import commit_folder, flip_byte, promote, scenario_settings, tier0_dir, tier1_dir
+
+from tests.kit.checkpoints import flip_bit
+from tests.kit.restore import commit_folder, promote, scenario_settings, tier0_dir, tier1_dir
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -93,7 +95,7 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     assert [(d["tier"], d["ok"]) for d in drills] == [(1, True), (2, True)]
     assert [a for a in artifacts("restore-drill") if run in str(a.data)]
 
-    flip_byte(tier1_dir(settings, run, 100) / "w.bin")
+    flip_bit(tier1_dir(settings, run, 100) / "w.bin", -1)
     found = scrub(fraction=1.0)
     assert (found["bad"], found["repaired"]) == (1, 1)  # repaired from Tier 2
     assert (tier1_dir(settings, run, 100) / "w.bin").read_bytes() == files["w.bin"]
@@ -114,7 +116,7 @@ def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
     commit_folder(settings, run, 100, {"w.bin": os.urandom(1000)})
     promote(settings, run, 100)
     shutil.rmtree(tier0_dir(settings, run, 100))
-    flip_byte(tier1_dir(settings, run, 100) / "w.bin")
+    flip_bit(tier1_dir(settings, run, 100) / "w.bin", -1)
 
     state: State = scrub(fraction=1.0, return_state=True)
 

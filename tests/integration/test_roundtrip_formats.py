@@ -11,19 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from restore_scenario import (
-    commit_folder,
-    corrupt_s3_object,
-    flip_byte,
-    promote,
-    prune,
-    replica_states,
-    scenario_settings,
-    tier0_dir,
-    tier1_dir,
-)
 
 from tasks.restore import restore_checkpoint
+from tests.kit.checkpoints import flip_bit, replica_states
+from tests.kit.restore import commit_folder, promote, prune, scenario_settings, tier0_dir, tier1_dir
+from tests.kit.s3 import corrupt_s3_object
 
 torch = pytest.importorskip("torch", reason="the torch extra: pip install -e '.[torch]'")
 
@@ -118,11 +110,11 @@ def test_saved_promoted_pruned_restored_from_tier2_and_loaded_back_equal(setting
     run = f"rt-{fmt}"
     original = checkpoint(settings, tmp_path, run, 100, fmt, seed=1, milestone=True)
     checkpoint(settings, tmp_path, run, 200, fmt, seed=2, milestone=False)  # 100 is no longer the newest
-    assert replica_states(settings, run, 100) == {0: "verified", 1: "verified", 2: "verified"}
+    assert replica_states(settings, run, 100) == {(0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
 
     prune(settings, run, 100, tier=0)
     prune(settings, run, 100, tier=1)
-    assert replica_states(settings, run, 100) == {0: "pruned", 1: "pruned", 2: "verified"}
+    assert replica_states(settings, run, 100) == {(0, 0): "pruned", (1, 0): "pruned", (2, 0): "verified"}
     assert not tier0_dir(settings, run, 100).exists() and not tier1_dir(settings, run, 100).exists()
 
     dest = tmp_path / "restored"
@@ -139,13 +131,13 @@ def test_tier0_gone_and_tier1_corrupt_restores_from_tier2(settings, tmp_path):
     run = "rt-faults"
     original = checkpoint(settings, tmp_path, run, 100, "dcp", seed=3, milestone=True)
     shutil.rmtree(tier0_dir(settings, run, 100))  # the node died with its NVMe
-    flip_byte(next(tier1_dir(settings, run, 100).glob("*.distcp")), 4096)
+    flip_bit(next(tier1_dir(settings, run, 100).glob("*.distcp")), 4096)
 
     report = restore_checkpoint(settings, run, tmp_path / "r")
 
     assert (report.step, report.tiers) == (100, [2])
     assert same_state(load_dcp(tmp_path / "r"), original)
-    assert replica_states(settings, run, 100) == {0: "missing", 1: "corrupt", 2: "verified"}
+    assert replica_states(settings, run, 100) == {(0, 0): "missing", (1, 0): "corrupt", (2, 0): "verified"}
     assert [b.tier for b in report.bad] == [0, 1]
 
 
@@ -154,7 +146,7 @@ def test_newest_without_a_good_copy_anywhere_falls_back_to_the_previous_and_says
     previous = checkpoint(settings, tmp_path, run, 100, "hf-sharded", seed=4, milestone=True)
     checkpoint(settings, tmp_path, run, 200, "hf-sharded", seed=5, milestone=True)
     shutil.rmtree(tier0_dir(settings, run, 200))
-    flip_byte(tier1_dir(settings, run, 200) / "model-00002-of-00003.safetensors", -3)
+    flip_bit(tier1_dir(settings, run, 200) / "model-00002-of-00003.safetensors", -3)
     corrupt_s3_object(settings, run, 200, "model-00002-of-00003.safetensors")
 
     report = restore_checkpoint(settings, run, tmp_path / "r")
@@ -163,23 +155,22 @@ def test_newest_without_a_good_copy_anywhere_falls_back_to_the_previous_and_says
     assert report.notes[-1] == "fell back from step 200 to step 100"
     assert any("tier 2 copy is corrupt" in n and "model-00002-of-00003.safetensors" in n for n in report.notes)
     assert same_state(load_hf(tmp_path / "r"), previous)
-    assert replica_states(settings, run, 200) == {0: "missing", 1: "corrupt", 2: "corrupt"}
+    assert replica_states(settings, run, 200) == {(0, 0): "missing", (1, 0): "corrupt", (2, 0): "corrupt"}
 
 
 def test_an_unreachable_tier_is_not_a_reason_to_restore_older_state(settings, tmp_path):
     from ckpt.local_stack import free_port
-
     from core.errors import StorageUnavailable
 
     run = "rt-down"
     checkpoint(settings, tmp_path, run, 100, "hf-sharded", seed=6, milestone=True)
     checkpoint(settings, tmp_path, run, 200, "hf-sharded", seed=7, milestone=True)
     shutil.rmtree(tier0_dir(settings, run, 200))
-    flip_byte(tier1_dir(settings, run, 200) / "config.json", 0)
+    flip_bit(tier1_dir(settings, run, 200) / "config.json", 0)
     down = settings.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{free_port()}"})
 
     with pytest.raises(StorageUnavailable, match="not falling back"):
         restore_checkpoint(down, run, tmp_path / "r")
 
     assert not (tmp_path / "r").exists()
-    assert replica_states(settings, run, 200)[2] == "verified"  # unreachable is not corrupt
+    assert replica_states(settings, run, 200)[(2, 0)] == "verified"  # unreachable is not corrupt

@@ -13,7 +13,7 @@ import threading
 
 import boto3
 import pytest
-from s3_proxy import S3Proxy
+from tests.kit.s3_proxy import S3Proxy
 
 from core import checksum
 from core.errors import (
@@ -229,7 +229,8 @@ def test_a_parts_retried_upload_leaves_another_parts_upload_running(settings_fac
                                                                    proxy):
     """Part 0's first upload to Tier 2 dies (its upload aborted); while part 1's upload is in
     flight, part 0's retry sweeps its own dead staging data and nothing of part 1's."""
-    from pipeline_kit import pipeline_settings, replica_states, write_checkpoint
+    from tests.kit.pipeline import pipeline_settings
+    from tests.kit.checkpoints import replica_states, write_checkpoint
 
     from tasks.copy import copy_to_tier1, upload_to_tier2
     from tasks.register import register_part

@@ -11,17 +11,9 @@ import os
 import shutil
 
 import pytest
-from pipeline_kit import Recorder
-from restore_scenario import (
-    commit_folder,
-    flip_byte,
-    on_node,
-    promote,
-    replica_states,
-    scenario_settings,
-    tier0_dir,
-    tier1_dir,
-)
+from tests.kit.pipeline import Recorder
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
+from tests.kit.checkpoints import flip_bit, replica_states
 
 from core.errors import ConflictError, PathEscape
 from core.events import announcing
@@ -71,7 +63,7 @@ def test_a_different_checkpoint_under_a_promoted_step_is_refused_loudly(settings
     assert "rejected" in seen.names() and "promoted" not in seen.names()
     assert [e.to_state for e in audit(settings, RUN, 100, "reject")] == ["rejected"]
     assert folder_bytes(tier1_dir(settings, RUN, 100)).get("weights.bin") == first["weights.bin"]
-    assert replica_states(settings, RUN, 100)[1] == "verified"  # the earlier copy stays intact
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"  # the earlier copy stays intact
     restore_checkpoint(settings, RUN, tmp_path / "r", step=100, preference=(1,))
     assert (tmp_path / "r" / "weights.bin").read_bytes() == first["weights.bin"]
 
@@ -89,7 +81,7 @@ def test_a_different_checkpoint_is_refused_before_tier1_holds_the_first(settings
 
     assert seen.names() == ["rejected"]
     assert len(audit(settings, RUN, 100, "reject")) == 1
-    assert 1 not in replica_states(settings, RUN, 100)  # nothing copied
+    assert (1, 0) not in replica_states(settings, RUN, 100)  # nothing copied
 
 
 def test_the_same_manifest_again_is_idempotent_and_a_late_duplicate_is_answered_after_pruning(settings):
@@ -114,7 +106,7 @@ def test_a_symlinked_run_folder_never_lets_one_runs_repair_touch_anothers_bytes(
     save(settings, 100, "run-b")
     promote(settings, "run-a", 100)
     promote(settings, "run-b", 100)
-    flip_byte(tier1_dir(settings, "run-b", 100) / "weights.bin", 99)  # run-b's Tier 1 copy breaks
+    flip_bit(tier1_dir(settings, "run-b", 100) / "weights.bin", 99)  # run-b's Tier 1 copy breaks
     run_a, run_b = tier1_dir(settings, "run-a", 100).parent, tier1_dir(settings, "run-b", 100).parent
     before = folder_bytes(run_a)
     shutil.rmtree(run_b)
@@ -125,8 +117,8 @@ def test_a_symlinked_run_folder_never_lets_one_runs_repair_touch_anothers_bytes(
     assert folder_bytes(run_a) == before  # run-a's only Tier 1 copy: untouched, nothing written through the link
     assert (run_a / tier1_dir(settings, "run-a", 100).name / "weights.bin").read_bytes() == a["weights.bin"]
     assert os.path.islink(run_b)
-    assert replica_states(settings, "run-a", 100)[1] == "verified"
-    assert replica_states(settings, "run-b", 100)[1] != "verified"
+    assert replica_states(settings, "run-a", 100)[(1, 0)] == "verified"
+    assert replica_states(settings, "run-b", 100)[(1, 0)] != "verified"
     again = scrub(settings, fraction=1.0)  # run-a's verified copy still matches its manifest
     assert not [b for b in again.bad if b.run == "run-a"]
 
@@ -175,7 +167,7 @@ def test_repairing_one_part_keeps_the_files_another_verified_part_lists(settings
     promote(node1, RUN, 100, 1, 2)
     tier1 = tier1_dir(settings, RUN, 100)
     part1 = {k: v for k, v in folder_bytes(tier1).items() if k in ("config.json", "w1.bin")}
-    flip_byte(tier1 / "w0.bin", 7)  # part 0's Tier 1 copy rots
+    flip_bit(tier1 / "w0.bin", 7)  # part 0's Tier 1 copy rots
 
     def copy_fails(*_a, **_k):  # the repair's copy fails after the bad copy was removed, so a
         raise StorageUnavailable("tier 1 went away")  # shared file it took is not written back
@@ -203,12 +195,12 @@ def test_rot_on_tier0_during_a_repromotion_marks_only_that_replica(settings, tmp
     promote(settings, RUN, 100)
     newest = save(settings, 200)
     promote(settings, RUN, 200)
-    flip_byte(tier0_dir(settings, RUN, 200) / "weights.bin", 5)
+    flip_bit(tier0_dir(settings, RUN, 200) / "weights.bin", 5)
 
     with pytest.raises(CorruptCheckpoint):
         verify_replica(settings, RUN, 200, tier=0, actor="test")  # the re-promotion's Tier 0 check
 
-    assert replica_states(settings, RUN, 200) == {0: "corrupt", 1: "verified"}
+    assert replica_states(settings, RUN, 200) == {(0, 0): "corrupt", (1, 0): "verified"}
     with Catalog(settings.catalog_url) as cat:
         assert cat.get_checkpoint(RUN, 200).state != "corrupt"
     report = restore_checkpoint(settings, RUN, tmp_path / "r")
@@ -238,7 +230,7 @@ def test_a_finishing_prune_is_audited(settings):
 def test_scrubs_part_removal_is_audited(settings):
     save(settings, 100)
     promote(settings, RUN, 100)
-    flip_byte(tier1_dir(settings, RUN, 100) / "weights.bin", 3)
+    flip_bit(tier1_dir(settings, RUN, 100) / "weights.bin", 3)
 
     scrub(settings, fraction=1.0)
 

@@ -17,7 +17,8 @@ from core.errors import CorruptCheckpoint
 from core.manifest import FileEntry, Manifest
 from flows.common import plain_steps
 from flows.promote import promote
-from pipeline_kit import catalog, ckpt_dir, pipeline_settings, write_checkpoint
+from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, write_checkpoint
+from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
 

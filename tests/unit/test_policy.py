@@ -30,7 +30,7 @@ def test_a_tag_in_the_manifest_makes_a_milestone():
 
 def test_the_drill_picks_an_epoch_end_milestone_the_archive_uploads(tmp_path):
     """An epoch end is archived by default; the drill used to look for kind == 'milestone' only."""
-    from catalog_testlib import checkpoint
+    from tests.kit.catalog import checkpoint
 
     cat = Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", auto_upgrade=True)
     try:

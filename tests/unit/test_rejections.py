@@ -18,7 +18,8 @@ from core.errors import BadInput
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from pipeline_kit import Recorder, catalog, ckpt_dir, pipeline_settings, replica_states, write_checkpoint
+from tests.kit.pipeline import Recorder, pipeline_settings
+from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, replica_states, write_checkpoint
 
 RUN = "run-a"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -14,67 +13,28 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
-from core.errors import ConflictError, CorruptCheckpoint, StorageFull, StorageUnavailable
-from core.manifest_build import build_manifest, write_manifest
+from core.errors import ConflictError, CorruptCheckpoint, StorageFull
+from core.manifest_build import build_manifest
 from core.layout import checkpoint_prefix
-from core.storage.local import LocalStore
 from core.layout import is_staging
-from core.storage.s3 import S3Store
 from core.transfer import copy_part, find_committed, read_committed, verify_part
+from tests.kit.checkpoints import ckpt_dir, flip_bit, write_checkpoint
 
 MiB = 1024 * 1024
 RUN, STEP = "run-a", 200
 PREFIX = checkpoint_prefix(RUN, STEP)
 
 
-def make_checkpoint(root: Path, shards: int = 4, rows: int = 256, run: str = RUN, step: int = STEP):
-    """A real HF sharded safetensors checkpoint on 'Tier 0', committed with its manifest."""
-    folder = root / run / f"step-{step:08d}"
-    folder.mkdir(parents=True)
-    wm = {}
-    rng = np.random.default_rng(step)
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({f"layer{i}": rng.random((rows, 1024), dtype=np.float32)}, str(folder / name))
-        wm[f"layer{i}"] = name
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-    m = build_manifest(folder, run, step)
-    write_manifest(folder, m)
-    return folder, m
-
-
-def flip_bit(path: Path, offset: int = -100) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
-        b = fh.read(1)
-        fh.seek(-1, os.SEEK_CUR)
-        fh.write(bytes([b[0] ^ 0x04]))
-
-
 def all_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-@pytest.fixture
-def tiers(tmp_path):
-    return LocalStore(tmp_path / "t0", 0), LocalStore(tmp_path / "t1", 1)
-
-
-@pytest.fixture
-def s3_store(s3_endpoint, s3_bucket):
-    s = S3Store(f"s3://{s3_bucket}/vault", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
-                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=4)
-    yield s
-    s.close()
-
-
 def test_copy_tier0_to_tier1_then_verify(tiers):
     t0, t1 = tiers
-    src, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
+    src = ckpt_dir(t0.root, RUN, STEP)
     seen = []
     report = copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=3, progress=seen.append)
     assert (report.files, report.bytes, report.skipped) == (len(m.files), m.total_bytes, 0)
@@ -92,7 +52,7 @@ def test_copy_tier0_to_tier1_then_verify(tiers):
 
 def test_two_copies_at_once_give_one_set_of_files(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     errors = []
 
     def go():
@@ -112,10 +72,11 @@ def test_two_copies_at_once_give_one_set_of_files(tiers):
 @pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete"])
 def test_bad_source_publishes_nothing(tiers, damage):
     t0, t1 = tiers
-    src, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
+    src = ckpt_dir(t0.root, RUN, STEP)
     victim = src / m.files[1].path
     if damage == "bitflip":
-        flip_bit(victim)
+        flip_bit(victim, -100)
     elif damage == "truncate":
         os.truncate(victim, victim.stat().st_size // 2)
     else:
@@ -133,7 +94,7 @@ def test_bad_source_publishes_nothing(tiers, damage):
 
 def test_resume_after_partial_copy(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     for f in m.files[:2]:  # an earlier attempt published two files and died
         with t0.open_read(f"{PREFIX}/{f.path}") as r:
             t1.put_verified(f"{PREFIX}/{f.path}", r, f.size, f.checksum)
@@ -144,7 +105,7 @@ def test_resume_after_partial_copy(tiers):
 
 def test_bit_flip_on_tier1_after_copy_is_found(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     copy_part(t0, PREFIX, t1, PREFIX, m)
     flip_bit(t1.path(f"{PREFIX}/{m.files[2].path}"), offset=5000)
     for deep in (True, False):
@@ -168,7 +129,7 @@ def test_verify_part_checks_the_format_not_just_the_bytes(tiers):
 
 def test_different_committed_part_is_a_conflict(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     other = dataclasses.replace(m, files=m.files[:-1])
     t1.write_small_atomic(f"{PREFIX}/manifest.json", other.to_json())
     with pytest.raises(ConflictError):
@@ -180,7 +141,7 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
     import core.storage.local as fsmod
 
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     real_write, real_copy, written = fsmod._write_all, fsmod._copy_range, []
 
     def disk_full_after_2mib():
@@ -227,7 +188,7 @@ copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1, buffer_bytes=64 * 
 
 def test_copy_killed_with_sigkill_then_rerun(tiers):
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, shards=6)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=6, shard_bytes=MiB)
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(t0.root), str(t1.root), RUN, str(STEP), PREFIX])
     dst = t1.root / PREFIX
     deadline = time.monotonic() + 60
@@ -253,92 +214,12 @@ def test_copy_killed_with_sigkill_then_rerun(tiers):
     assert not any(is_staging(n) for n in os.listdir(dst))
 
 
-def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
-    t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, rows=2048)  # 8 MiB shards: multipart on S3
-    copy_part(t0, PREFIX, t1, PREFIX, m)
-    report = copy_part(t1, PREFIX, s3_store, PREFIX, m, parallelism=2)
-    assert report.bytes == m.total_bytes
-    assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1)]
-    verify_part(s3_store, PREFIX, m, deep=False)  # server-side CRC32C, no download
-    restore = LocalStore(tmp_path / "restore", 0)
-    copy_part(s3_store, PREFIX, restore, "ck", m)
-    for f in m.files:
-        assert (restore.root / "ck" / f.path).read_bytes() == (t0.root / PREFIX / f.path).read_bytes()
-
-
-def test_s3_object_replaced_behind_our_back_is_found(tiers, s3_store):
-    t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=16)
-    copy_part(t0, PREFIX, s3_store, PREFIX, m)
-    victim = m.files[0]
-    data = bytearray((t0.root / PREFIX / victim.path).read_bytes())
-    data[-1] ^= 1
-    s3_store.client.put_object(Bucket=s3_store.bucket, Key=s3_store._k(f"{PREFIX}/{victim.path}"), Body=bytes(data))
-    for deep in (False, True):
-        with pytest.raises(CorruptCheckpoint) as exc:
-            verify_part(s3_store, PREFIX, m, deep=deep)
-        assert exc.value.path == victim.path
-
-
-class _Raw:
-    def __init__(self, body: bytes):
-        self.body = body
-
-    def stream(self, **_):
-        yield self.body
-
-
-def inject_500(store: S3Store, ops: tuple[str, ...], times: int | None):
-    """Answer the first ``times`` calls of ``ops`` with HTTP 500 (None: forever)."""
-    from botocore.awsrequest import AWSResponse
-
-    calls = {"n": 0}
-
-    def hook(request, **_):
-        calls["n"] += 1
-        if times is None or calls["n"] <= times:
-            body = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-            return AWSResponse(request.url, 500, {}, _Raw(body))
-        return None
-
-    for op in ops:
-        store.client.meta.events.register(f"before-send.s3.{op}", hook)
-    calls["stop"] = lambda: [store.client.meta.events.unregister(f"before-send.s3.{op}", hook) for op in ops]
-    return calls
-
-
-def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
-    t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
-    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=2)
-    report = copy_part(t0, PREFIX, s3_store, PREFIX, m)
-    assert calls["n"] > 2 and report.files == len(m.files)
-    verify_part(s3_store, PREFIX, m, deep=False)
-
-
-def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_store):
-    t0, _ = tiers
-    _, m = make_checkpoint(t0.root, shards=2, rows=2048)
-    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
-    with pytest.raises(StorageUnavailable):
-        copy_part(t0, PREFIX, s3_store, PREFIX, m)
-    assert list(find_committed(s3_store)) == []
-    assert not s3_store.client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads")
-    calls["stop"]()  # the endpoint recovers: a retry with the same store completes
-    retry = threading.Thread(target=copy_part, args=(t0, PREFIX, s3_store, PREFIX, m))
-    retry.start()
-    retry.join(timeout=60)
-    assert not retry.is_alive(), "upload slots leaked by the failed attempt"
-    verify_part(s3_store, PREFIX, m, deep=False)
-
-
 def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
     """Names (and the new folders holding them) become durable before the manifest does."""
     import core.storage.local as fsmod
 
     t0, t1 = tiers
-    _, m = make_checkpoint(t0.root, shards=12, rows=16)
+    m = write_checkpoint(t0.root, RUN, STEP, shards=12, shard_bytes=64 * 1024)
     marker = t1.root / PREFIX / "manifest.json"
     synced, real = [], fsmod.fsync_dir
 

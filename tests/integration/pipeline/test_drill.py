@@ -8,10 +8,12 @@ import json
 import os
 
 import pytest
-from restore_scenario import commit_folder, corrupt_s3_object, promote, replica_states, scenario_settings
 
 from db.catalog import Catalog
 from tasks.drill import restore_drill
+from tests.kit.checkpoints import replica_states
+from tests.kit.restore import commit_folder, promote, scenario_settings
+from tests.kit.s3 import corrupt_s3_object
 
 RUN = "llm-d"
 
@@ -54,7 +56,7 @@ def test_a_drill_that_meets_rot_fails_on_that_tier_and_marks_the_copy(settings, 
     assert not report.ok
     assert [(r.tier, r.ok) for r in report.results] == [(1, True), (2, False)]
     assert "model.bin" in report.results[1].detail
-    assert replica_states(settings, RUN, 100)[2] == "corrupt"
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "corrupt"
 
 
 def test_a_tier_without_a_copy_is_skipped_and_no_milestone_means_no_drill(settings, tmp_path):

@@ -9,20 +9,11 @@ import os
 import shutil
 
 import pytest
-from restore_scenario import (
-    commit_folder,
-    corrupt_s3_object,
-    flip_byte,
-    promote,
-    replica_states,
-    s3_client,
-    s3_key,
-    scenario_settings,
-    tier0_dir,
-    tier1_dir,
-)
 
 from tasks.scrub import scrub
+from tests.kit.checkpoints import flip_bit, replica_states
+from tests.kit.restore import commit_folder, promote, scenario_settings, tier0_dir, tier1_dir
+from tests.kit.s3 import corrupt_s3_object, s3_client, s3_key
 
 RUN = "llm-s"
 
@@ -41,7 +32,7 @@ def save(settings, step: int, **kw) -> dict[str, bytes]:
 
 def test_a_bit_flip_on_tier1_is_found_marked_and_repaired(settings):
     files = save(settings, 100)
-    flip_byte(tier1_dir(settings, RUN, 100) / "weights.bin", 1234)
+    flip_bit(tier1_dir(settings, RUN, 100) / "weights.bin", 1234)
 
     report = scrub(settings, fraction=1.0)
 
@@ -49,7 +40,7 @@ def test_a_bit_flip_on_tier1_is_found_marked_and_repaired(settings):
     assert "weights.bin" in report.bad[0].reason
     assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(1, 0, True)]
     assert (tier1_dir(settings, RUN, 100) / "weights.bin").read_bytes() == files["weights.bin"]
-    assert replica_states(settings, RUN, 100) == {0: "verified", 1: "verified"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
     # and the next full scrub finds nothing wrong
     again = scrub(settings, fraction=1.0)
     assert (again.bad, again.repairs, again.checked) == ([], [], 1)
@@ -61,25 +52,25 @@ def test_a_vanished_tier1_copy_is_marked_missing_and_copied_again(settings):
 
     report = scrub(settings, fraction=1.0, repair=False)
     assert [(b.tier, b.state) for b in report.bad] == [(1, "missing")]
-    assert replica_states(settings, RUN, 100)[1] == "missing"
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "missing"
 
     repaired = scrub(settings, fraction=1.0)  # repairs what an earlier run (or a restore) marked
     assert [(r.tier, r.ok) for r in repaired.repairs] == [(1, True)]
     assert (tier1_dir(settings, RUN, 100) / "extra" / "opt.bin").read_bytes() == files["extra/opt.bin"]
-    assert replica_states(settings, RUN, 100)[1] == "verified"
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
 
 
 def test_a_copy_with_no_good_twin_is_reported_not_repaired(settings):
     save(settings, 100)
     shutil.rmtree(tier0_dir(settings, RUN, 100))  # the node is gone
-    flip_byte(tier1_dir(settings, RUN, 100) / "weights.bin")
+    flip_bit(tier1_dir(settings, RUN, 100) / "weights.bin", -1)
 
     report = scrub(settings, fraction=1.0)
 
     assert not report.ok
     assert [(r.tier, r.ok) for r in report.repairs] == [(1, False)]
     assert "no other verified copy" in report.repairs[0].detail
-    assert replica_states(settings, RUN, 100) == {0: "missing", 1: "corrupt"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "missing", (1, 0): "corrupt"}
 
 
 def test_a_fraction_per_run_reads_every_copy_over_a_cycle_oldest_first(settings):
@@ -111,7 +102,7 @@ def test_a_checkpoint_never_copied_to_a_durable_tier_gets_a_tier1_copy(settings)
     steps = plain_steps()
     steps.register(settings, RUN, 100, actor="test")
     steps.verify(settings, RUN, 100, tier=0, actor="test")  # promotion died before the copy
-    assert replica_states(settings, RUN, 100) == {0: "verified"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified"}
 
     assert scrub(settings, fraction=1.0).repairs == []  # just committed: left to its promotion
 
@@ -119,7 +110,7 @@ def test_a_checkpoint_never_copied_to_a_durable_tier_gets_a_tier1_copy(settings)
 
     assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(1, 0, True)]
     assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
-    assert replica_states(settings, RUN, 100) == {0: "verified", 1: "verified"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
 
 
 def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_url, s3_endpoint, s3_bucket):
@@ -127,7 +118,7 @@ def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_ur
     files = {"w.bin": os.urandom(300_000)}
     commit_folder(settings, RUN, 100, files, milestone=True)
     promote(settings, RUN, 100)
-    assert replica_states(settings, RUN, 100)[2] == "verified"
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "verified"
     corrupt_s3_object(settings, RUN, 100, "w.bin")
 
     report = scrub(settings, fraction=1.0)
@@ -136,7 +127,7 @@ def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_ur
     assert [(r.tier, r.source_tier, r.ok) for r in report.repairs] == [(2, 1, True)]
     bucket, key = s3_key(settings, RUN, 100, "w.bin")
     assert s3_client(settings).get_object(Bucket=bucket, Key=key)["Body"].read() == files["w.bin"]
-    assert replica_states(settings, RUN, 100)[2] == "verified"
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "verified"
 
 
 def test_cli_scrub_all(settings, monkeypatch):
@@ -146,7 +137,7 @@ def test_cli_scrub_all(settings, monkeypatch):
 
     save(settings, 100)
     save(settings, 200)
-    flip_byte(tier1_dir(settings, RUN, 200) / "weights.bin")
+    flip_bit(tier1_dir(settings, RUN, 200) / "weights.bin", -1)
     monkeypatch.setenv("CKPT_DATA_DIR", str(settings.data_dir))
     monkeypatch.setenv("CKPT_CATALOG_URL", settings.catalog_url)
     monkeypatch.setenv("CKPT_NODE", settings.node)
@@ -163,7 +154,7 @@ def test_cli_scrub_all(settings, monkeypatch):
 
 
 def test_a_bad_part_of_a_multi_part_checkpoint_is_repaired_alone(settings_factory, db_url, s3_endpoint, s3_bucket):
-    from restore_scenario import on_node
+    from tests.kit.restore import on_node
 
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
     node1 = on_node(settings, "node-1")
@@ -172,7 +163,7 @@ def test_a_bad_part_of_a_multi_part_checkpoint_is_repaired_alone(settings_factor
     commit_folder(node1, RUN, 100, part1, part=1, parts=2, milestone=True)
     promote(settings, RUN, 100, 0, 2)
     promote(node1, RUN, 100, 1, 2)  # the last part: durable, archived to Tier 2
-    flip_byte(tier1_dir(settings, RUN, 100) / "rank1.bin")
+    flip_bit(tier1_dir(settings, RUN, 100) / "rank1.bin", -1)
     corrupt_s3_object(settings, RUN, 100, "rank0.bin")
 
     report = scrub(settings, fraction=1.0)  # on node-0: node-1's NVMe is not readable here
@@ -202,4 +193,4 @@ def test_a_replica_another_worker_is_copying_is_skipped_not_failed(settings):
 
     assert report.ok and report.repairs == []
     assert [s for s in report.skipped if "copying by another worker" in s]
-    assert replica_states(settings, RUN, 100)[1] == "copying"
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"

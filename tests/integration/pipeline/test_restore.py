@@ -10,19 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from restore_scenario import (
-    commit_folder,
-    flip_byte,
-    on_node,
-    promote,
-    replica_states,
-    scenario_settings,
-    tier0_dir,
-    tier1_dir,
-)
 
 from core.errors import ConflictError, NotFound
 from tasks.restore import restore_checkpoint
+from tests.kit.checkpoints import flip_bit, replica_states
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
 
 RUN = "llm-a"
 
@@ -75,7 +67,7 @@ def test_on_another_node_the_nearest_copy_is_tier1(settings, tmp_path):
     newest = save(settings, 100)
     report = restore_checkpoint(on_node(settings, "node-7"), RUN, tmp_path / "r")
     assert report.tiers == [1] and tree(tmp_path / "r") == newest
-    assert replica_states(settings, RUN, 100) == {0: "verified", 1: "verified"}  # nothing judged
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}  # nothing judged
 
 
 def test_lost_nvme_is_marked_missing_and_tier1_serves(settings, tmp_path):
@@ -85,18 +77,18 @@ def test_lost_nvme_is_marked_missing_and_tier1_serves(settings, tmp_path):
     report = restore_checkpoint(settings, RUN, tmp_path / "r")
 
     assert report.tiers == [1] and tree(tmp_path / "r") == newest
-    assert replica_states(settings, RUN, 100) == {0: "missing", 1: "verified"}
+    assert replica_states(settings, RUN, 100) == {(0, 0): "missing", (1, 0): "verified"}
     assert any("tier 0 copy is missing" in n for n in report.notes)
 
 
 def test_a_bit_flip_on_tier0_is_caught_and_marked_corrupt(settings, tmp_path):
     newest = save(settings, 100)
-    flip_byte(tier0_dir(settings, RUN, 100) / "optim" / "state.bin")
+    flip_bit(tier0_dir(settings, RUN, 100) / "optim" / "state.bin", -1)
 
     report = restore_checkpoint(settings, RUN, tmp_path / "r")
 
     assert report.tiers == [1] and tree(tmp_path / "r") == newest
-    assert replica_states(settings, RUN, 100)[0] == "corrupt"
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "corrupt"
     assert [(b.tier, b.state) for b in report.bad] == [(0, "corrupt")]
     assert "optim/state.bin" in report.bad[0].reason
 
@@ -105,13 +97,13 @@ def test_no_good_copy_of_the_newest_falls_back_to_the_previous_and_says_so(setti
     older = save(settings, 100)
     save(settings, 200)
     shutil.rmtree(tier0_dir(settings, RUN, 200))
-    flip_byte(tier1_dir(settings, RUN, 200) / "model-00001-of-00002.bin", 10)
+    flip_bit(tier1_dir(settings, RUN, 200) / "model-00001-of-00002.bin", 10)
 
     report = restore_checkpoint(settings, RUN, tmp_path / "r")
 
     assert report.step == 100 and report.fell_back_from == 200
     assert tree(tmp_path / "r") == older
-    assert replica_states(settings, RUN, 200) == {0: "missing", 1: "corrupt"}
+    assert replica_states(settings, RUN, 200) == {(0, 0): "missing", (1, 0): "corrupt"}
     assert "fell back from step 200 to step 100" in report.notes
     # the next restore knows at once: no copy of 200 is trusted any more
     again = restore_checkpoint(settings, RUN, tmp_path / "again")
@@ -122,7 +114,7 @@ def test_a_named_step_without_a_good_copy_fails_and_leaves_no_folder(settings, t
     save(settings, 100)
     save(settings, 200)
     shutil.rmtree(tier0_dir(settings, RUN, 200))
-    flip_byte(tier1_dir(settings, RUN, 200) / "optim" / "state.bin")
+    flip_bit(tier1_dir(settings, RUN, 200) / "optim" / "state.bin", -1)
     dest = tmp_path / "r"
 
     with pytest.raises(NotFound, match="step 200"):
@@ -207,14 +199,14 @@ def test_a_tampered_manifest_on_tier1_is_corrupt_and_tier0_serves(settings, tmp_
     report = restore_checkpoint(settings, RUN, tmp_path / "r", preference=(1, 0))
 
     assert report.tiers == [0] and tree(tmp_path / "r") == newest
-    assert replica_states(settings, RUN, 100)[1] == "corrupt"
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "corrupt"
     assert "differs from the catalog" in report.bad[0].reason
 
 
 def test_progress_reaches_the_total_once_per_copy_tried(settings, tmp_path):
     newest = save(settings, 100)
     total = sum(map(len, newest.values()))
-    flip_byte(tier0_dir(settings, RUN, 100) / "model-00002-of-00002.bin")
+    flip_bit(tier0_dir(settings, RUN, 100) / "model-00002-of-00002.bin", -1)
     seen: list[tuple[int, int, str]] = []
 
     restore_checkpoint(settings, RUN, tmp_path / "r", progress=lambda d, t, label: seen.append((d, t, label)))
@@ -234,7 +226,7 @@ def test_where_the_kernel_cannot_copy_files_are_streamed_and_checked(settings, t
         raise OSError(errno.EXDEV, "cross-device")  # e.g. an older kernel across file systems
 
     newest = save(settings, 100)
-    flip_byte(tier0_dir(settings, RUN, 100) / "optim" / "state.bin")
+    flip_bit(tier0_dir(settings, RUN, 100) / "optim" / "state.bin", -1)
     monkeypatch.setattr(stage.os, "copy_file_range", no_copy_file_range)
 
     report = restore_checkpoint(settings, RUN, tmp_path / "r")

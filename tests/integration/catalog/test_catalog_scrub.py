@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from catalog_testlib import catalog, checkpoint, replica_in_state, verified  # noqa: F401
 from sqlalchemy import text
 
 from core.errors import BadInput, NotFound, UnknownRun
 from db.entities import CORRUPT, MISSING, VERIFIED
 from datetime import UTC
+from tests.kit.catalog import checkpoint, replica_in_state, verified
 
 
 def test_a_replica_is_checked_when_it_becomes_verified(catalog):
@@ -120,7 +120,7 @@ def test_upgrading_a_0002_catalog_starts_verified_replicas_from_their_verified_a
 
 
 def test_an_abandoned_prune_does_not_count_as_a_read(catalog):
-    from catalog_testlib import prunable_setup
+    from tests.kit.catalog import prunable_setup
 
     old = prunable_setup(catalog)
     rep = verified(catalog, old.id, 1)

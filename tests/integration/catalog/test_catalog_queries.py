@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 
 from core.errors import NotFound, UnknownRun
 from core.settings import RetentionPolicy
 from db.entities import CORRUPT, MISSING, PRUNED, VERIFIED
+from tests.kit.catalog import checkpoint, manifest, verified
 
 
 def _steps(items):

@@ -6,13 +6,13 @@ import threading
 import time
 
 import pytest
-from catalog_testlib import PATHS, catalog, checkpoint, manifest, prunable_setup, replica_in_state, verified  # noqa: F401
 from sqlalchemy import insert
 
 from core.errors import BadInput, IllegalTransition, NotFound, PruneRefused, StaleState
 from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, TRANSITIONS, VERIFIED
 from db.models import Replica
+from tests.kit.catalog import PATHS, checkpoint, manifest, prunable_setup, replica_in_state, verified
 
 ALL = sorted(TRANSITIONS)
 

@@ -8,7 +8,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipeline_kit import ckpt_dir, pipeline_settings, replica_states, write_checkpoint
+from tests.kit.checkpoints import ckpt_dir, replica_states, write_checkpoint
+from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
 

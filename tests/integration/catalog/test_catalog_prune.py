@@ -7,10 +7,10 @@ import queue
 import threading
 
 import pytest
-from catalog_testlib import catalog, checkpoint, prune_worker, verified  # noqa: F401
 
 from core.errors import IllegalTransition, PruneRefused, StaleState
 from db.entities import PRUNED, PRUNING, VERIFIED
+from tests.kit.catalog import checkpoint, prune_worker, verified
 
 
 def _two_copies(cat, run="r", step=100, tiers=(1, 2)):

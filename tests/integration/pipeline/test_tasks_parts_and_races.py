@@ -14,8 +14,8 @@ from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from pipeline_kit import (Recorder, catalog, ckpt_dir, pipeline_settings, published_files, replica_states,
-                          write_checkpoint)
+from tests.kit.checkpoints import ckpt_dir, open_catalog, published_files, replica_states, write_checkpoint
+from tests.kit.pipeline import Recorder, pipeline_settings
 
 RUN = "run-a"
 
@@ -26,7 +26,7 @@ def settings(settings_factory, db_url):
 
 
 def tier0_replica_id(settings, run, step, part=0):
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         ck = cat.get_checkpoint(run, step)
         return next(r.id for r in cat.replicas(ck.id, 0) if r.part == part)
@@ -44,7 +44,7 @@ def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
     with announcing(events):
         first = promote(settings, RUN, 100, 0, 2, steps=plain_steps())
     assert not first.durable
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         assert cat.locations(RUN, 100) == [] or all(loc.tier != 1 for loc in cat.locations(RUN, 100))
     finally:
@@ -62,7 +62,7 @@ def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
         "model-p01-00000.safetensors", "model-p01-00001.safetensors"}
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (0, 1): "verified",
                                                    (1, 0): "verified", (1, 1): "verified"}
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         tier1_loc = next(loc for loc in cat.locations(RUN, 100) if loc.tier == 1)
         assert len(tier1_loc.urls) == 2
@@ -105,7 +105,7 @@ def test_tier0_copy_cannot_be_pruned_before_its_tier1_copy_is_verified(settings)
 
     with pytest.raises(PruneRefused):
         prune_replica(settings, rid)  # no other copy yet
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:  # a copy in flight (claimed, not verified) does not count either
         ck = cat.get_checkpoint(RUN, 100)
         claim = cat.claim_copy(ck.id, 1, 0, "x", node=None, actor="other-worker")
@@ -196,7 +196,7 @@ def test_reconcile_adopts_a_tier1_checkpoint_the_catalog_lost(settings_factory, 
 
 
 def test_reconcile_leaves_unknown_runs_and_corrupt_checkpoints_alone(settings):
-    from pipeline_kit import flip_bit, shard_paths
+    from tests.kit.checkpoints import flip_bit, shard_paths
 
     write_checkpoint(settings.tier0_url, "stranger", 1)
     write_checkpoint(settings.tier0_url, RUN, 100)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from catalog_testlib import catalog, checkpoint, manifest, verified  # noqa: F401
 
 from core.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CKPT_CORRUPT, CKPT_PARTIAL
+from tests.kit.catalog import checkpoint, manifest, verified
 
 
 def test_ensure_run_is_idempotent_and_keeps_fields(catalog):

@@ -12,8 +12,18 @@ import pytest
 from core.errors import CorruptCheckpoint, PathEscape, UnknownRun
 from flows.common import plain_steps
 from flows.promote import promote
-from pipeline_kit import (Recorder, catalog, ckpt_dir, flip_bit, pipeline_settings, published_files,
-                          replica_states, same_bytes, shard_paths, truncate, write_checkpoint)
+from tests.kit.checkpoints import (
+    ckpt_dir,
+    flip_bit,
+    open_catalog,
+    published_files,
+    replica_states,
+    same_bytes,
+    shard_paths,
+    truncate,
+    write_checkpoint,
+)
+from tests.kit.pipeline import Recorder, pipeline_settings
 
 RUN = "run-a"
 
@@ -40,7 +50,7 @@ def test_promotion_copies_verified_bytes_to_tier1_and_records_every_copy(setting
     assert (ckpt_dir(tier(settings, 1), RUN, 100) / "manifest.json").is_file()
     assert not [p for p in published_files(tier(settings, 1), RUN, 100) if ".ckpt-staging-" in p]
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         locs = {loc.tier: loc for loc in cat.locations(RUN, 100)}
         assert set(locs) == {0, 1}
@@ -100,7 +110,7 @@ def test_corrupt_source_is_never_promoted_and_earlier_checkpoints_are_untouched(
     assert bad.name in str(err.value)
     assert published_files(tier(settings, 1), RUN, 200) == []
     assert replica_states(settings, RUN, 200) == {(0, 0): "corrupt"}
-    cat = catalog(settings)
+    cat = open_catalog(settings)
     try:
         assert cat.get_checkpoint(RUN, 200).state == "corrupt"
         assert cat.newest_verified(RUN).step == 100

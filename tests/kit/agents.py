@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from ckpt.local_stack import start_agent, stack_env, stop_process, wait_deployments
+from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
 from deployments import names
 
 

@@ -1,0 +1,106 @@
+"""copy_part / verify_part against moto's S3 server over HTTP: multipart, server-side CRC32C, objects replaced behind our back, and S3 5xx."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from core.errors import CorruptCheckpoint, StorageUnavailable
+from core.layout import checkpoint_prefix
+from core.storage.local import LocalStore
+from core.storage.s3 import S3Store
+from core.transfer import copy_part, find_committed, verify_part
+from tests.kit.checkpoints import write_checkpoint
+
+MiB = 1024 * 1024
+RUN, STEP = "run-a", 200
+PREFIX = checkpoint_prefix(RUN, STEP)
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, s3_bucket):
+    s = S3Store(f"s3://{s3_bucket}/vault", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
+                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=4)
+    yield s
+    s.close()
+
+
+def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
+    t0, t1 = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=8 * MiB)  # 8 MiB shards: multipart on S3
+    copy_part(t0, PREFIX, t1, PREFIX, m)
+    report = copy_part(t1, PREFIX, s3_store, PREFIX, m, parallelism=2)
+    assert report.bytes == m.total_bytes
+    assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1)]
+    verify_part(s3_store, PREFIX, m, deep=False)  # server-side CRC32C, no download
+    restore = LocalStore(tmp_path / "restore", 0)
+    copy_part(s3_store, PREFIX, restore, "ck", m)
+    for f in m.files:
+        assert (restore.root / "ck" / f.path).read_bytes() == (t0.root / PREFIX / f.path).read_bytes()
+
+
+def test_s3_object_replaced_behind_our_back_is_found(tiers, s3_store):
+    t0, _ = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=64 * 1024)
+    copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    victim = m.files[0]
+    data = bytearray((t0.root / PREFIX / victim.path).read_bytes())
+    data[-1] ^= 1
+    s3_store.client.put_object(Bucket=s3_store.bucket, Key=s3_store._k(f"{PREFIX}/{victim.path}"), Body=bytes(data))
+    for deep in (False, True):
+        with pytest.raises(CorruptCheckpoint) as exc:
+            verify_part(s3_store, PREFIX, m, deep=deep)
+        assert exc.value.path == victim.path
+
+
+class _Raw:
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def stream(self, **_):
+        yield self.body
+
+
+def inject_500(store: S3Store, ops: tuple[str, ...], times: int | None):
+    """Answer the first ``times`` calls of ``ops`` with HTTP 500 (None: forever)."""
+    from botocore.awsrequest import AWSResponse
+
+    calls = {"n": 0}
+
+    def hook(request, **_):
+        calls["n"] += 1
+        if times is None or calls["n"] <= times:
+            body = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+            return AWSResponse(request.url, 500, {}, _Raw(body))
+        return None
+
+    for op in ops:
+        store.client.meta.events.register(f"before-send.s3.{op}", hook)
+    calls["stop"] = lambda: [store.client.meta.events.unregister(f"before-send.s3.{op}", hook) for op in ops]
+    return calls
+
+
+def test_s3_5xx_then_recovering_is_retried(tiers, s3_store):
+    t0, _ = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=8 * MiB)
+    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=2)
+    report = copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    assert calls["n"] > 2 and report.files == len(m.files)
+    verify_part(s3_store, PREFIX, m, deep=False)
+
+
+def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_store):
+    t0, _ = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=8 * MiB)
+    calls = inject_500(s3_store, ("UploadPart", "PutObject"), times=None)
+    with pytest.raises(StorageUnavailable):
+        copy_part(t0, PREFIX, s3_store, PREFIX, m)
+    assert list(find_committed(s3_store)) == []
+    assert not s3_store.client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads")
+    calls["stop"]()  # the endpoint recovers: a retry with the same store completes
+    retry = threading.Thread(target=copy_part, args=(t0, PREFIX, s3_store, PREFIX, m))
+    retry.start()
+    retry.join(timeout=60)
+    assert not retry.is_alive(), "upload slots leaked by the failed attempt"
+    verify_part(s3_store, PREFIX, m, deep=False)
