@@ -74,3 +74,11 @@ def staging_name(name: str) -> str:
 
 def is_staging(name: str) -> bool:
     return name.startswith(STAGING_MARK)
+
+
+def staged_for(name: str) -> str | None:
+    """The name a staging file stands in for (None when ``name`` is not a staging name)."""
+    if not is_staging(name):
+        return None
+    rest = name[len(STAGING_MARK):].split("-", 2)
+    return rest[2] if len(rest) == 3 else None

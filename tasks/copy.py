@@ -50,7 +50,12 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
             if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
                 delete_part(cat, dst, run, step, part, ck.parts)
             elif prior is not None and prior.state in (COPYING, MISSING):
-                # a copy that died: its staging data, untouched for a lease, is garbage
+                # a copy that died: its staging data is garbage. This part's own files are ours
+                # alone under the claim just taken (swept now, not after a wall-clock wait);
+                # names another part also lists may be that part's live copy: left a lease.
+                mine = {f.path.rsplit("/", 1)[-1] for f in cat.files(ck.id, part)}
+                theirs = {f.path.rsplit("/", 1)[-1] for f in cat.files(ck.id) if f.part != part}
+                dst.sweep_staging(prefix, older_than_s=0, names=mine - theirs)
                 dst.sweep_staging(prefix, older_than_s=held.lease_s)
             shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,

@@ -113,9 +113,12 @@ class TierStore(ABC):
         return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
 
     @abstractmethod
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *,
+                      names: Collection[str] | None = None) -> int:
         """Remove staging data under ``prefix`` (a killed copy's) older than ``older_than_s``;
-        return how many. The age bound spares copies still running elsewhere."""
+        return how many. The age bound spares copies still running elsewhere. With ``names``
+        only staging data for objects of those base names (a part whose claim the caller holds,
+        so nothing else may be writing them: ``older_than_s=0`` is then safe)."""
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:  # noqa: B027 - most backends hold nothing

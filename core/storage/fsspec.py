@@ -5,6 +5,8 @@ API. Its publish is ``mv`` of a staging file, atomic only where the filesystem's
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import io
 import time
 from collections.abc import Iterator
@@ -13,7 +15,7 @@ from typing import BinaryIO
 
 from core import checksum
 from core.errors import BadInput, ConflictError, NotFound
-from core.layout import is_staging, staging_name
+from core.layout import is_staging, staged_for, staging_name
 from core.paths import safe_relpath
 from core.storage.base import ObjectInfo, TierStore, hash_object
 from core.storage.common import check_match, map_os_error
@@ -129,7 +131,8 @@ class FsspecStore(TierStore):
             return False
         return True
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *,
+                      names: Collection[str] | None = None) -> int:
         """Remove staging files under ``prefix`` whose modification time (where the filesystem
         reports one) is older than ``older_than_s``."""
         base = self._p(prefix) if prefix else self.root
@@ -139,7 +142,8 @@ class FsspecStore(TierStore):
         except FileNotFoundError:
             return 0
         for path, info in found.items():
-            if not is_staging(path.rsplit("/", 1)[-1]):
+            base_name = path.rsplit("/", 1)[-1]
+            if not is_staging(base_name) or (names is not None and staged_for(base_name) not in names):
                 continue
             mtime = _mtime(info)
             if mtime is not None and mtime > cutoff:

@@ -13,6 +13,8 @@ media); media faults that appear later are the scrub's job (``verify_object`` on
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import errno
 import io
 import os
@@ -26,7 +28,7 @@ from typing import BinaryIO, Iterator
 from core import checksum
 from core.checksum import hash_stream
 from core.errors import BadInput, ConflictError, NotFound, PathEscape
-from core.layout import is_staging, staging_name
+from core.layout import is_staging, staged_for, staging_name
 from core.paths import confine_local, safe_relpath
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
@@ -325,7 +327,8 @@ class LocalStore(TierStore):
         fsync_dir(base.parent)
         return count
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *,
+                      names: Collection[str] | None = None) -> int:
         """Remove staging files under ``prefix`` older than ``older_than_s`` (left by a copy
         that was killed); returns how many. The age guard spares copies still running,
         on this node or another one sharing the tier."""
@@ -333,11 +336,12 @@ class LocalStore(TierStore):
         if base.is_symlink():
             return 0
         cutoff, count = time.time() - older_than_s, 0
-        for dirpath, _dirs, names in os.walk(base):
-            for name in names:
+        for dirpath, _dirs, found in os.walk(base):
+            for name in found:
                 full = os.path.join(dirpath, name)
                 try:
-                    if is_staging(name) and os.lstat(full).st_mtime <= cutoff:
+                    if is_staging(name) and (names is None or staged_for(name) in names) \
+                            and os.lstat(full).st_mtime <= cutoff:
                         os.unlink(full)
                         count += 1
                 except FileNotFoundError:

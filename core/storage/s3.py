@@ -22,6 +22,8 @@ other client errors (access denied, missing bucket) are ``ConfigError``.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -347,7 +349,8 @@ class S3Store(TierStore):
             self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
         return True
 
-    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0) -> int:
+    def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *,
+                      names: Collection[str] | None = None) -> int:
         """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` ago (a
         killed upload's parts are S3's staging data: invisible, but billed); returns how many."""
         import datetime as dt
@@ -358,7 +361,7 @@ class S3Store(TierStore):
         with s3_errors(f"sweep {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
                 for up in page.get("Uploads", []):
-                    if up["Initiated"] <= cutoff:
+                    if up["Initiated"] <= cutoff and (names is None or up["Key"].rsplit("/", 1)[-1] in names):
                         self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
                         count += 1
         return count
