@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import lru_cache
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.engine import make_url
 
-from core.errors import BadInput, CatalogUnavailable, NotFound, SchemaOutdated
+from core.errors import BadInput, CatalogUnavailable, NotFound, PruneRefused, SchemaOutdated
 from core.manifest import Manifest
 from db import lineage as _lineage, queries as _q, register as _reg, rejections as _rej, state as _state
 from db.entities import (
@@ -35,6 +35,7 @@ from db.entities import (
     FileInfo,
     LineageEdge,
     Location,
+    PruneClaim,
     RejectionInfo,
     ReplicaInfo,
     RunInfo,
@@ -71,8 +72,19 @@ from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
-def _now() -> datetime:
+def host_now() -> datetime:
+    """The worker's own UTC clock: the one place Python's time is read for catalog stamps."""
     return datetime.now(UTC)
+
+
+def _now(conn) -> datetime:
+    """The catalog's clock, read inside the caller's transaction, so leases, claims and
+    retention ages compare times of one clock whatever the workers' clocks say (a node five
+    minutes fast must not steal live claims). PostgreSQL: the server's ``now()`` (the
+    transaction's start). SQLite is a file on the worker's own host: its clock is the host's."""
+    if conn.dialect.name == "postgresql":
+        return conn.execute(text("SELECT now()")).scalar_one().astimezone(UTC)
+    return host_now()
 
 
 class Catalog:
@@ -137,7 +149,7 @@ class Catalog:
         checkpoint must be recorded (``NotFound`` otherwise); the run's first checkpoint gets
         the lineage edge to it."""
         with self._tx() as conn:
-            row = _reg.ensure_run(conn, name, now=_now(), actor=actor, parent=parent,
+            row = _reg.ensure_run(conn, name, now=_now(conn), actor=actor, parent=parent,
                                   parent_relation=parent_relation, project=project,
                                   config_digest=config_digest, code_digest=code_digest, tags=tags)
             return to_run(row)
@@ -161,7 +173,7 @@ class Catalog:
         manifest.validate()
         digest = manifest.digest()
         with self._tx() as conn:
-            return _reg.register_part(conn, manifest, digest=digest, now=_now(), actor=actor)
+            return _reg.register_part(conn, manifest, digest=digest, now=_now(conn), actor=actor)
 
     def register_many(self, manifests: Sequence[Manifest], *, actor: str) -> int:
         """Bulk ``register_part`` in one transaction (backfills, imports): same rules, one
@@ -170,7 +182,7 @@ class Catalog:
         for m in manifests:
             m.validate()
         with self._tx() as conn:
-            _reg.register_batch(conn, list(manifests), now=_now(), actor=actor)
+            _reg.register_batch(conn, list(manifests), now=_now(conn), actor=actor)
         return len(manifests)
 
     def get_checkpoint(self, run: str, step: int) -> CheckpointInfo:
@@ -210,8 +222,8 @@ class Catalog:
         """e.g. ``corrupt`` when the source failed verification (audited)."""
         if state not in CHECKPOINT_STATES:
             raise BadInput(f"unknown checkpoint state {state!r}; expected one of {CHECKPOINT_STATES}")
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             ck = checkpoint_row_by_id(conn, checkpoint_id, lock=True)
             conn.execute(checkpoints.update().where(checkpoints.c.id == ck.id).values(state=state))
             add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{ck.run_name}/{ck.step}", action="set-state",
@@ -221,7 +233,7 @@ class Catalog:
                          step: int | None = None) -> None:
         """Audit a rejected input (malformed event, unknown run, path escape)."""
         with self._tx() as conn:
-            add_audit(conn, at=_now(), actor=actor, subject=subject, action="reject", to_state="rejected",
+            add_audit(conn, at=_now(conn), actor=actor, subject=subject, action="reject", to_state="rejected",
                       reason=reason, run=run, step=step)
 
     def reject_part(self, run: str, step: int, part: int, *, digest: str, reason: str, actor: str,
@@ -230,7 +242,7 @@ class Catalog:
         refused for a permanent reason; audited once. True if new, False if recorded before.
         See ``db.rejections`` for when the checkpoint itself becomes ``rejected``."""
         with self._tx() as conn:
-            return _rej.record(conn, run, step, part, digest=digest, reason=reason, node=node, now=_now(),
+            return _rej.record(conn, run, step, part, digest=digest, reason=reason, node=node, now=_now(conn),
                                actor=actor)
 
     def rejection(self, run: str, step: int, part: int, digest: str) -> RejectionInfo | None:
@@ -248,7 +260,7 @@ class Catalog:
         tier, a killed copy's staging data) and why. Every delete leaves one row, so the audit
         log explains every file that disappeared."""
         with self._tx() as conn:
-            add_audit(conn, at=_now(), actor=actor, subject=subject, action="delete", reason=reason,
+            add_audit(conn, at=_now(conn), actor=actor, subject=subject, action="delete", reason=reason,
                       run=run, step=step)
 
     # --- replicas (compare-and-set state machine, see db.entities.TRANSITIONS) ----------
@@ -259,13 +271,13 @@ class Catalog:
         live (``copying`` and touched within ``lease_seconds``); a stale claim is taken over.
         (Also ``acquired=False`` while it is ``pruning``: a prune owns it.)"""
         with self._tx() as conn:
-            return _state.claim_copy(conn, checkpoint_id, tier, part, url, node=node, now=_now(), actor=actor,
+            return _state.claim_copy(conn, checkpoint_id, tier, part, url, node=node, now=_now(conn), actor=actor,
                                      lease_seconds=lease_seconds)
 
     def heartbeat(self, replica_id: int, claim_token: str) -> None:
         """Keep a claim alive during a long copy. Raises ``StaleState`` if the claim was lost."""
         with self._tx() as conn:
-            _state.heartbeat(conn, replica_id, claim_token, now=_now())
+            _state.heartbeat(conn, replica_id, claim_token, now=_now(conn))
 
     def transition(self, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None = None,
                    actor: str, reason: str | None = None, claim_token: str | None = None,
@@ -278,25 +290,50 @@ class Catalog:
         values = {k: v for k, v in given.items() if v is not None}
         with self._tx() as conn:
             row = _state.transition(conn, replica_id, to_state, expected=expected, claim_token=claim_token,
-                                    now=_now(), actor=actor, reason=reason, values=values)
+                                    now=_now(conn), actor=actor, reason=reason, values=values)
             return to_replica(row)
 
-    def begin_prune(self, replica_id: int, *, actor: str, reason: str | None = None) -> ReplicaInfo:
-        """verified -> pruning, only if in the same transaction: another replica of the same
-        checkpoint and part is verified on a tier >= this one, and the checkpoint is not the
-        newest verified checkpoint of its run, not pinned and not aliased. Else ``PruneRefused``.
-        Two concurrent prunes of the last two copies: exactly one wins.
+    def claim_prune(self, replica_id: int, *, actor: str, reason: str | None = None,
+                    lease_seconds: float = 120) -> PruneClaim:
+        """Take the prune of a replica as its owner: ``verified -> pruning`` under a fresh claim
+        token and a lease of ``lease_seconds`` (renew it with ``heartbeat``), only if in the same
+        transaction another replica of the same checkpoint and part is verified on a tier >= this
+        one, and the checkpoint is not the newest verified checkpoint of its run, not pinned and
+        not aliased; else ``PruneRefused``. Two concurrent prunes of the last two copies: exactly
+        one wins. A replica already ``pruning`` under a live lease: ``StaleState``. One whose
+        lease lapsed is taken over (``took_over``, audited) with the guard's current verdict in
+        ``refused``. Only the owner's token finishes (``pruned``) or abandons the prune.
         ("Tier >= this one" is by durability class, ``db.rows.durability``: Tiers 1 and 2 both
         survive node loss and stand in for each other; Tier 0 never protects a higher tier.)"""
         with self._tx() as conn:
-            return to_replica(_state.begin_prune(conn, replica_id, now=_now(), actor=actor, reason=reason))
+            return _state.claim_prune(conn, replica_id, now=_now(conn), actor=actor, reason=reason,
+                                      lease_seconds=lease_seconds)
+
+    def begin_prune(self, replica_id: int, *, actor: str, reason: str | None = None,
+                    lease_seconds: float = 120) -> ReplicaInfo:
+        """``claim_prune`` that raises ``PruneRefused`` for any refusal; the returned replica
+        carries the claim token that finishes the prune."""
+        claim = self.claim_prune(replica_id, actor=actor, reason=reason, lease_seconds=lease_seconds)
+        if claim.refused:
+            raise PruneRefused(claim.refused)
+        return claim.replica
+
+    def expired_claims(self) -> list[ReplicaInfo]:
+        """Replicas stuck ``copying`` or ``pruning`` past their lease (by the catalog's clock)."""
+        with self._tx(write=False) as conn:
+            return [to_replica(r) for r in _state.expired_claims(conn, now=_now(conn))]
+
+    def expire_copy_claim(self, replica_id: int, *, actor: str) -> bool:
+        """A ``copying`` replica past its lease -> ``missing`` (audited); False if not stuck."""
+        with self._tx() as conn:
+            return _state.expire_copy_claim(conn, replica_id, now=_now(conn), actor=actor)
 
     def complete_on_tier(self, checkpoint_id: int, tier: int, *, actor: str) -> bool:
         """True exactly once per (checkpoint, tier): for the first caller that observes every
         part of the checkpoint verified on ``tier`` (records the time, audited). Lets N part
         promotions trigger the cluster-level archive and retention once, not N times."""
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             ck = checkpoint_row_by_id(conn, checkpoint_id, lock=True)
             if ck.parts_registered < ck.parts or not ck.verified_tiers & (1 << _state.check_tier(tier)):
                 return False
@@ -380,7 +417,7 @@ class Catalog:
         with self._tx() as conn:
             done = conn.execute(replicas_table.update().where(
                 replicas_table.c.id == replica_id, replicas_table.c.state == VERIFIED).values(
-                checked_at=_now())).rowcount
+                checked_at=_now(conn))).rowcount
             if done != 1:
                 replica_row(conn, replica_id)  # NotFound for an unknown id
             return done == 1
@@ -388,8 +425,8 @@ class Catalog:
     # --- pins, aliases, lineage --------------------------------------------------------
     def pin(self, run: str, step: int, *, reason: str | None = None, actor: str) -> None:
         """Keep this checkpoint on every tier whatever retention says (idempotent, audited)."""
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             ck = checkpoint_row(conn, run, step, lock=True)
             if insert_ignore(conn, pins, dict(checkpoint_id=ck.id, reason=reason, actor=actor, pinned_at=now),
                              ["checkpoint_id"]):
@@ -401,7 +438,7 @@ class Catalog:
         with self._tx() as conn:
             ck = checkpoint_row(conn, run, step, lock=True)
             if conn.execute(delete(pins).where(pins.c.checkpoint_id == ck.id)).rowcount:
-                add_audit(conn, at=_now(), actor=actor, subject=f"checkpoint:{run}/{step}", action="unpin",
+                add_audit(conn, at=_now(conn), actor=actor, subject=f"checkpoint:{run}/{step}", action="unpin",
                           run=run, step=step)
 
     def is_pinned(self, run: str, step: int) -> bool:
@@ -413,8 +450,8 @@ class Catalog:
         """Point ``alias`` (e.g. ``best``) of ``run`` at ``step``; moves an existing alias."""
         if not alias or len(alias) > 128:
             raise BadInput(f"invalid alias {alias!r}")
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             ck = checkpoint_row(conn, run, step, lock=True)
             key = (aliases.c.run_id == ck.run_id) & (aliases.c.name == alias)
             conn.execute(delete(aliases).where(key))
@@ -431,7 +468,7 @@ class Catalog:
                                 .where(key)).scalar()
             if step is not None:
                 conn.execute(delete(aliases).where(key))
-                add_audit(conn, at=_now(), actor=actor, subject=f"checkpoint:{run}/{step}", action="unalias",
+                add_audit(conn, at=_now(conn), actor=actor, subject=f"checkpoint:{run}/{step}", action="unalias",
                           from_state=alias, run=run, step=step)
 
     def resolve_alias(self, run: str, alias: str) -> int:
@@ -456,8 +493,8 @@ class Catalog:
     def add_lineage(self, child: tuple[str, int], parent: tuple[str, int], relation: str, *,
                     actor: str) -> None:
         """Raises ``LineageCycle`` if ``parent`` descends from ``child``; idempotent."""
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             c, p = checkpoint_row(conn, *child), checkpoint_row(conn, *parent)
             if _lineage.add_edge(conn, c.id, p.id, relation, now=now):
                 add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{child[0]}/{child[1]}", action="lineage",
@@ -509,7 +546,7 @@ class Catalog:
         verified copy of the part on a tier at least as durable); ``begin_prune`` still decides."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
-            return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(),
+            return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(conn),
                                        prunable_only=prunable_only)
 
     def history(self, run: str, step: int) -> list[AuditEntry]:
@@ -537,13 +574,13 @@ class Catalog:
         A part whose Tier 1 copy was verified and later pruned counts as promoted."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
-            return _q.unpromoted(conn, now=_now(), older_than_seconds=older_than_seconds, run_id=run_id, limit=limit)
+            return _q.unpromoted(conn, now=_now(conn), older_than_seconds=older_than_seconds, run_id=run_id, limit=limit)
 
     # --- drills -------------------------------------------------------------------------
     def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,
                      detail: str | None = None, actor: str) -> DrillResult:
-        now = _now()
         with self._tx() as conn:
+            now = _now(conn)
             ck = checkpoint_row(conn, run, step)
             did = conn.execute(drills_table.insert().values(
                 checkpoint_id=ck.id, tier=_state.check_tier(tier), ok=ok, seconds=seconds, bytes=bytes, at=now,

@@ -100,6 +100,17 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class PruneClaim:
+    """Result of ``Catalog.claim_prune``: the replica, now ``pruning`` under this caller's
+    ``replica.claim_token``. ``took_over``: a stalled prune (lease lapsed) was taken over;
+    ``refused``: why the guard forbids finishing it (only on a takeover: the owner abandons)."""
+
+    replica: ReplicaInfo
+    took_over: bool = False
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
 class Location:
     """A verified, committed copy of a whole checkpoint on one tier (all parts verified)."""
 

@@ -141,6 +141,7 @@ def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, ru
     aliased = select(aliases.c.checkpoint_id).where(aliases.c.checkpoint_id == checkpoints.c.id).exists()
     stmt = replica_select().add_columns(checkpoints.c.run_id, checkpoints.c.kind, checkpoints.c.metrics,
                                         checkpoints.c.created_at.label("ckpt_created_at"),
+                                        checkpoints.c.committed_at.label("ckpt_committed_at"),
                                         checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
     stmt = stmt.where(checkpoints.c.state == CKPT_COMMITTED)
     if run_id is None:
@@ -180,7 +181,10 @@ def _kept_steps(rows: list[Row], tier: int, policy: RetentionPolicy, now: dateti
         keep |= set(scored[: policy.top_k])
     if policy.max_age_days:
         cutoff = now - timedelta(days=policy.max_age_days)
-        keep |= {s for s in steps if ckpts[s].ckpt_created_at >= cutoff}
+        # the age runs from the later of the writer's stamp and the catalog's commit time (the
+        # catalog's clock): a writer whose clock lags must not see its fresh checkpoint pruned
+        keep |= {s for s in steps if ckpts[s].ckpt_created_at >= cutoff
+                 or (ckpts[s].ckpt_committed_at is not None and ckpts[s].ckpt_committed_at >= cutoff)}
     return keep
 
 

@@ -13,11 +13,11 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, IllegalTransition, PruneRefused, StaleState
-from db.entities import COPYING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim
+from db.entities import COPYING, MISSING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim, PruneClaim
 from db.queries import newest_verified_steps
 from db.rows import (
     ALL_TIERS,
@@ -29,6 +29,7 @@ from db.rows import (
     insert_ignore,
     pins,
     replica_row,
+    replica_select,
     replicas,
     tier_bit,
     to_replica,
@@ -58,7 +59,7 @@ def move(conn: Connection, rep: Row, to_state: str, *, now: datetime, actor: str
         vals["verified_at"] = now
         if rep.state == COPYING:  # a fresh copy was just read back (an abandoned prune was not)
             vals["checked_at"] = now
-    if rep.state == COPYING and to_state != COPYING:
+    if rep.state in (COPYING, PRUNING) and to_state != rep.state:  # a claimed operation settles
         vals.update(claim_token=None, lease_expires_at=None)
     done = conn.execute(update(replicas).where(replicas.c.id == rep.id, replicas.c.state == rep.state)
                         .values(**vals)).rowcount
@@ -95,8 +96,15 @@ def transition(conn: Connection, replica_id: int, to_state: str, *, expected: st
     if claim_token is not None and rep.claim_token != claim_token:
         raise StaleState(f"replica {replica_id}: claim {claim_token} is not the live claim")
     check_legal(rep, to_state)
+    if rep.state == PRUNING and rep.claim_token is not None and claim_token != rep.claim_token:
+        # a prune is finished (pruned) or abandoned (verified, missing) by its owner only;
+        # a stalled one is taken over through ``claim_prune``, never settled from outside
+        raise StaleState(f"replica {replica_id} is being pruned under another claim")
     if to_state == PRUNING:  # the guard is the catalog's rule, whichever door the caller used
-        return begin_prune(conn, replica_id, now=now, actor=actor, reason=reason)
+        claim = claim_prune(conn, replica_id, now=now, actor=actor, reason=reason, lease_seconds=600)
+        if claim.refused:
+            raise PruneRefused(claim.refused)
+        return replica_row(conn, replica_id)
     move(conn, rep, to_state, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=values)
     return replica_row(conn, replica_id)
 
@@ -126,16 +134,26 @@ def claim_copy(conn: Connection, checkpoint_id: int, tier: int, part: int, url: 
 
 def heartbeat(conn: Connection, replica_id: int, claim_token: str, *, now: datetime) -> None:
     rep = replica_row(conn, replica_id, lock=True)
-    if rep.state != COPYING or rep.claim_token != claim_token:
+    if rep.state not in (COPYING, PRUNING) or rep.claim_token != claim_token:
         raise StaleState(f"replica {replica_id}: the claim was lost (state {rep.state!r})")
     conn.execute(update(replicas).where(replicas.c.id == replica_id).values(
         lease_expires_at=now + timedelta(seconds=rep.lease_seconds or 600), updated_at=now))
 
 
-def begin_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str, reason: str | None) -> Row:
-    """verified -> pruning under the guard (see ``Catalog.begin_prune``). Locks the checkpoint
-    row first, then every replica of the same part, in id order, so concurrent prunes and
-    pins serialise on the checkpoint instead of deadlocking."""
+def lease_live(rep: Row, now: datetime) -> bool:
+    return rep.lease_expires_at is not None and rep.lease_expires_at > now
+
+
+def claim_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str, reason: str | None,
+                lease_seconds: float) -> PruneClaim:
+    """Take the prune of a replica under a fresh claim token and lease (see ``Catalog.claim_prune``).
+
+    ``verified -> pruning`` only if the guard allows (else ``PruneRefused``, nothing changed).
+    A ``pruning`` replica under a live lease is another worker's: ``StaleState``. One whose
+    lease lapsed (its worker died) is taken over whatever the guard says now, with the guard's
+    verdict in ``refused``: the new owner must then abandon it, never finish it.
+    Locks the checkpoint row first, then every replica of the same part, in id order, so
+    concurrent prunes and pins serialise on the checkpoint instead of deadlocking."""
     peek = replica_row(conn, replica_id)
     ckpt = checkpoint_row_by_id(conn, peek.checkpoint_id, lock=True)
     same_part = conn.execute(
@@ -143,23 +161,69 @@ def begin_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str,
         .where(replicas.c.checkpoint_id == peek.checkpoint_id, replicas.c.part == peek.part)
         .order_by(replicas.c.id).with_for_update()).all()
     rep = replica_row(conn, replica_id)
-    if rep.state != VERIFIED:
-        if rep.state == PRUNING:
-            raise StaleState(f"replica {replica_id} is already being pruned")
+    took_over = rep.state == PRUNING
+    if took_over and lease_live(rep, now):
+        raise StaleState(f"replica {replica_id} is already being pruned (claim live until {rep.lease_expires_at})")
+    if not took_over:
         check_legal(rep, PRUNING)
+    refused = prune_refusal(conn, ckpt, rep, same_part)
+    if refused and not took_over:
+        raise PruneRefused(refused)
+    token = uuid.uuid4().hex
+    lease = dict(claim_token=token, lease_seconds=lease_seconds,
+                 lease_expires_at=now + timedelta(seconds=lease_seconds))
+    if took_over:
+        done = conn.execute(update(replicas).where(replicas.c.id == rep.id, replicas.c.state == PRUNING,
+                                                   _same_token(rep.claim_token))
+                            .values(updated_at=now, **lease)).rowcount
+        if done != 1:
+            raise StaleState(f"replica {rep.id} changed under us while taking over its prune")
+        add_audit(conn, at=now, actor=actor, subject=f"replica:{rep.id}", action="takeover",
+                  from_state=PRUNING, to_state=PRUNING, run=rep.run_name, step=rep.step,
+                  reason=f"tier {rep.tier} part {rep.part}: stalled prune taken over (lease lapsed)")
+    else:
+        move(conn, rep, PRUNING, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=lease)
+    return PruneClaim(replica=to_replica(replica_row(conn, replica_id)), took_over=took_over, refused=refused)
+
+
+def prune_refusal(conn: Connection, ckpt: Row, rep: Row, same_part: Sequence[Row]) -> str | None:
+    """Why the catalog's rows forbid pruning ``rep`` (None: they allow it)."""
     name = f"{ckpt.run_name}/{ckpt.step}"
     if conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ckpt.id)).first():
-        raise PruneRefused(f"checkpoint {name} is pinned")
+        return f"checkpoint {name} is pinned"
     alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ckpt.id)).scalar()
     if alias is not None:
-        raise PruneRefused(f"checkpoint {name} is aliased as {alias!r}")
+        return f"checkpoint {name} is aliased as {alias!r}"
     if newest_verified_steps(conn, [ckpt.run_id]).get(ckpt.run_id) == ckpt.step:
-        raise PruneRefused(f"checkpoint {name} is the newest verified checkpoint of its run")
+        return f"checkpoint {name} is the newest verified checkpoint of its run"
     others = [r for r in same_part if r.id != rep.id and r.state == VERIFIED
               and durability(r.tier) >= durability(rep.tier)]
     if not others:
-        raise PruneRefused(f"checkpoint {name} part {rep.part}: no other verified copy on a tier at least "
-                           f"as durable as tier {rep.tier}")
-    move(conn, rep, PRUNING, now=now, actor=actor, reason=reason, parts=ckpt.parts)
-    return replica_row(conn, replica_id)
+        return (f"checkpoint {name} part {rep.part}: no other verified copy on a tier at least "
+                f"as durable as tier {rep.tier}")
+    return None
 
+
+def expire_copy_claim(conn: Connection, replica_id: int, *, now: datetime, actor: str) -> bool:
+    """``copying`` past its lease (its worker died mid-copy or mid-verify) -> ``missing``, so
+    promotion and retention can act on it again. False (nothing done) when the replica is not
+    ``copying`` or its lease is still live: idempotent."""
+    ckpt = checkpoint_row_by_id(conn, replica_row(conn, replica_id).checkpoint_id, lock=True)
+    rep = replica_row(conn, replica_id, lock=True)
+    if rep.state != COPYING or lease_live(rep, now):
+        return False
+    move(conn, rep, MISSING, now=now, actor=actor, parts=ckpt.parts,
+         reason=f"claim lapsed at {rep.lease_expires_at}: its worker is gone, nothing it wrote is trusted")
+    return True
+
+
+def expired_claims(conn: Connection, *, now: datetime) -> list[Row]:
+    """Replicas held ``copying`` or ``pruning`` whose lease lapsed (or that never had one)."""
+    return conn.execute(replica_select().where(
+        replicas.c.state.in_([COPYING, PRUNING]),
+        or_(replicas.c.lease_expires_at.is_(None), replicas.c.lease_expires_at <= now))
+        .order_by(replicas.c.id)).all()
+
+
+def _same_token(token: str | None):
+    return replicas.c.claim_token.is_(None) if token is None else replicas.c.claim_token == token

@@ -1,6 +1,10 @@
 """reconcile: make the catalog agree with what the tiers hold, and finish what events missed.
 
 Runs every few minutes on each node (and on demand). In order:
+0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
+   or verify) becomes ``missing`` so promotion acts again; one ``pruning`` past its lease is
+   taken over by the guarded prune, which re-runs the whole guard and then finishes it or
+   gives the copy back (Tier 0 only for this node's own NVMe);
 1. replicas the catalog calls ``verified`` whose manifest or files vanished (Tier 0 of this
    node, Tier 1, Tier 2) become ``missing``;
 2. parts committed on this node's Tier 0 that the catalog does not know, or that were never
@@ -25,14 +29,14 @@ from typing import Any
 
 from prefect import flow
 
-from core.errors import CkptError, CopyInProgress, NotFound
+from core.errors import CkptError, CopyInProgress, NotFound, PruneRefused
 from core.events import announcing, emit
 from core.layout import checkpoint_prefix, part_key
 from core.policy import is_milestone
 from core.settings import Settings, load_settings
 from core.storage.base import TierStore
 from db.catalog import Catalog
-from db.entities import CKPT_CORRUPT, CKPT_REJECTED, COPYING, CORRUPT, MISSING, PENDING, VERIFIED
+from db.entities import CKPT_CORRUPT, CKPT_REJECTED, COPYING, CORRUPT, MISSING, PENDING, PRUNING, VERIFIED
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
@@ -42,6 +46,7 @@ from tasks.retention import FAILED, PRUNED, apply_retention
 
 @dataclass
 class ReconcileReport:
+    recovered: list[str] = field(default_factory=list)  # stuck claims settled, with how
     missing: list[str] = field(default_factory=list)  # 'tier T run/step part P'
     promoted: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
@@ -60,6 +65,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     from core.transfer import find_committed
 
     report = ReconcileReport()
+    recover_claims(settings, report, steps=steps, actor=actor)
     mark_missing(settings, report, actor=actor)
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
@@ -80,6 +86,29 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
                  lambda: archive(settings, run, step, steps=steps, **kw))
     prune_own_tier0(settings, report, steps=steps, **kw)
     return report
+
+
+def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
+    """Step 0: settle every claim whose lease lapsed (by the catalog's clock). Idempotent: a
+    claim that was settled or renewed meanwhile is left alone."""
+    with open_catalog(settings.catalog_url) as cat:
+        stuck = cat.expired_claims()
+        for rep in [r for r in stuck if r.state == COPYING]:
+            if cat.expire_copy_claim(rep.id, actor=actor):
+                report.recovered.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: "
+                                        "stalled copy -> missing")
+    for rep in [r for r in stuck if r.state == PRUNING]:
+        item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+        if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
+            continue  # another node's NVMe: its own reconcile takes it over
+        try:
+            steps.prune(settings, rep.id, actor=actor, reason="stalled prune taken over by reconcile")
+            report.recovered.append(f"{item}: stalled prune finished")
+        except PruneRefused as exc:
+            report.recovered.append(f"{item}: stalled prune given up: {exc}")
+        except CkptError as exc:
+            log.warning("reconcile: stalled prune of %s: %s", item, exc)
+            report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
 def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:

@@ -29,6 +29,44 @@ if TYPE_CHECKING:
 LEASE_S = 120.0  # a killed worker blocks the replica this long; renewed every fifth of it
 
 
+class Lease:
+    """A claim's lease kept alive by a background thread (``catalog.heartbeat`` every fifth of
+    the lease) for as long as its worker holds it: the one renewal of every claimed operation
+    (copy, verify, prune). ``check`` raises ``StaleState`` once the claim was lost."""
+
+    def __init__(self, cat: Catalog, replica_id: int, token: str, lease_s: float):
+        self.cat, self.replica_id, self.token, self.lease_s = cat, replica_id, token, lease_s
+        self.beats = 0  # renewals that reached the catalog (tests watch this)
+        self._lost: StaleState | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, args=(lease_s / 5,), daemon=True,
+                                        name=f"lease-replica-{replica_id}")
+
+    def start(self) -> Lease:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _renew(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.cat.heartbeat(self.replica_id, self.token)
+                self.beats += 1
+            except StaleState as exc:
+                self._lost = exc
+                return
+            except Exception as exc:  # noqa: BLE001 - a catalog hiccup: the next beat tries again
+                log.warning("replica %s: lease renewal failed: %s", self.replica_id, exc)
+
+    def check(self) -> None:
+        if self._lost is not None:
+            raise StaleState(f"replica {self.replica_id}: {self._lost}")
+
+
 class ClaimedCopy:
     """A replica held in ``copying`` under this worker's claim token (see module doc)."""
 
@@ -38,10 +76,7 @@ class ClaimedCopy:
         self.cat, self.replica, self.token = cat, replica, replica.claim_token
         self.actor, self.what, self.lease_s = actor, what, lease_s
         self.settled = False
-        self._lost: StaleState | None = None
-        self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew, args=(lease_s / 5,), daemon=True,
-                                         name=f"lease-replica-{replica.id}")
+        self.lease = Lease(cat, replica.id, self.token, lease_s)
 
     @classmethod
     def take(cls, cat: Catalog, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
@@ -54,20 +89,9 @@ class ClaimedCopy:
         return cls(cat, claim.replica, actor=actor, lease_s=lease_s, what=what), claim.replica
 
     # --- while held ------------------------------------------------------------------------
-    def _renew(self, every: float) -> None:
-        while not self._stop.wait(every):
-            try:
-                self.cat.heartbeat(self.replica.id, self.token)
-            except StaleState as exc:
-                self._lost = exc
-                return
-            except Exception as exc:  # noqa: BLE001 - a catalog hiccup: the next beat tries again
-                log.warning("replica %s: lease renewal failed: %s", self.replica.id, exc)
-
     def check(self, *_progress: Any) -> None:
         """Raise ``StaleState`` once the claim was lost (taken over after a stalled lease)."""
-        if self._lost is not None:
-            raise StaleState(f"replica {self.replica.id}: {self._lost}")
+        self.lease.check()
 
     def progress(self, shown: Callable[[int], None] | None = None) -> Callable[[int], None]:
         """A ``progress(done)`` callback for a copy: checks the claim, then feeds ``shown``."""
@@ -97,11 +121,10 @@ class ClaimedCopy:
             log.warning("replica %s: could not record %s: %s", self.replica.id, state, lost)
 
     def __enter__(self) -> ClaimedCopy:
-        self._renewer.start()
+        self.lease.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
-        self._stop.set()
-        self._renewer.join()
+        self.lease.stop()
         if exc is not None and not self.settled:
             self.settle(MISSING, f"{self.what} failed, nothing trusted: {type(exc).__name__}: {exc}")

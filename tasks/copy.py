@@ -51,11 +51,17 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
                 delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
                             reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
             elif prior is not None and prior.state in (COPYING, MISSING):
-                # a copy of this part that died: its staging data, untouched for a lease, is
-                # garbage; other parts' copies under the same prefix are not ours to touch
-                own = [f"{prefix}/{f.path}" for f in manifest.files] + [f"{prefix}/{manifest.name}"]
-                sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, keys=own,
-                              reason=f"left by a copy that died (replica {prior.id} was {prior.state})")
+                # a copy of this part that died: its staging data is garbage. This part's own
+                # files are ours alone under the claim just taken (swept now, not after a
+                # wall-clock wait); paths another part also lists may be that part's live copy
+                # (left a lease); other parts' files are never touched
+                own = [f.path for f in manifest.files] + [manifest.name]
+                shared = {f.path for f in cat.files(ck.id) if f.part != part}
+                why = f"left by a copy that died (replica {prior.id} was {prior.state})"
+                sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
+                              keys=[f"{prefix}/{p}" for p in own if p not in shared])
+                sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why,
+                              keys=[f"{prefix}/{p}" for p in own if p in shared])
             shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                                buffer_bytes=settings.io_buffer_bytes, progress=held.progress(shown))

@@ -1,12 +1,20 @@
-"""prune: delete one replica's files through the catalog's guarded prune.
+"""prune: delete one replica's files as the owner of a claimed, guarded prune.
 
-``catalog.begin_prune`` decides, in one transaction, whether this copy may go (another verified
-copy at least as durable exists; not the newest verified checkpoint of its run; not pinned or
-aliased); a refusal raises ``PruneRefused``, a normal outcome that retention reports. The part's
-manifest (its commit marker) is deleted first, so a half-deleted part never looks committed;
-then its files. A prune interrupted after the manifest went is resumed by the next call
-(the replica is still ``pruning``); one that fails before deleting anything returns the replica
-to ``verified``.
+``catalog.claim_prune`` decides, in one transaction, whether this copy may go by the rows
+(another verified copy at least as durable exists; not the newest verified checkpoint of its
+run; not pinned or aliased) and hands this worker the prune under a claim token and a lease,
+renewed by ``tasks.claim.Lease`` while it works; a refusal raises ``PruneRefused``, a normal
+outcome that retention reports. Then the evidence: the copies that justify the prune are
+checked on their tiers (``tasks.evidence``); one that fails is marked ``missing``/``corrupt``
+and does not count, and with none left the prune is abandoned and refused, nothing deleted.
+
+The part's manifest (its commit marker) is deleted first, so a half-deleted part never looks
+committed; then its files. Only the owner settles the prune: ``pruned`` when everything went,
+or abandoned, back to ``verified`` only while the part is provably still whole on its tier
+(``missing``/``corrupt`` when it provably is not; left ``pruning`` when that cannot be told).
+A prune found ``pruning`` under a live lease belongs to another worker: refused, nothing done.
+One whose lease lapsed (its worker died) is taken over and goes through the whole guard again,
+rows and evidence, before anything is deleted (reconcile does this for every stuck prune).
 """
 
 from __future__ import annotations
@@ -14,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core import events
-from core.errors import CkptError, ConfigError
+from core.errors import CkptError, ConfigError, PruneRefused, StaleState
 from core.layout import part_key
 from core.settings import Settings
-from db.entities import PRUNED, PRUNING, VERIFIED, ReplicaInfo
+from db.entities import PRUNED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.rows import durability
 from tasks.base import delete_part, log, open_catalog, open_tier
+from tasks.claim import Lease
+from tasks.evidence import check_part
 from tasks.retry import pipeline_task
 
 
@@ -34,44 +45,96 @@ class Pruned:
 
 
 def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None) -> Pruned:
-    """Guarded delete of one replica; raises ``PruneRefused`` when the catalog says no."""
+    """Guarded delete of one replica; raises ``PruneRefused`` when the guard says no (or
+    another worker owns a live prune of it)."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
         if rep.tier == 0 and rep.node and rep.node != settings.node:
             raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
-        resumed = rep.state == PRUNING  # a prune interrupted after its first delete: finish it
-        if not resumed:
-            rep = cat.begin_prune(replica_id, actor=actor, reason=reason)
-        parts = cat.get_checkpoint(rep.run, rep.step).parts
+        try:
+            claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
+                                    lease_seconds=settings.claim_lease_seconds)
+        except StaleState as exc:
+            if cat.get_replica(replica_id).state == PRUNING:
+                raise PruneRefused(f"another worker owns the prune: {exc}") from exc
+            raise
+        rep = claim.replica
+        ck = cat.get_checkpoint(rep.run, rep.step)
         with open_tier(settings, rep.tier) as store:
+            lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
             try:
-                deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, parts)))
-            except BaseException:
-                # only while the manifest is provably still there is it still a good copy; when
-                # that can't be told, the replica stays ``pruning`` and the next call finishes it
-                if not resumed and _still_committed(store, part_key(rep.run, rep.step, rep.part, parts)):
-                    _abandon(cat, rep, actor)
-                raise
-            why = ("finishing an interrupted prune" if resumed else "prune") + (f": {reason}" if reason else "")
-            deleted += delete_part(cat, store, rep.run, rep.step, rep.part, parts, reason=why, actor=actor)
-        cat.transition(rep.id, PRUNED, expected=PRUNING, actor=actor, reason=reason)
-    events.announce(events.PRUNED, rep.run, rep.step, part=rep.part, parts=parts, node=rep.node or "",
-           extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})
+                refused = claim.refused or justification_refused(settings, cat, ck, rep, actor)
+                if refused:
+                    abandon(cat, store, ck, rep, actor, why=f"prune refused: {refused}")
+                    raise PruneRefused(refused)
+                deleted = _delete(cat, store, ck, rep, lease, actor, reason=reason, took_over=claim.took_over)
+                lease.stop()
+                lease.check()
+                cat.transition(rep.id, PRUNED, expected=PRUNING, claim_token=rep.claim_token, actor=actor,
+                               reason=f"{reason or 'pruned'}: {deleted} object(s) deleted")
+            finally:
+                lease.stop()
+    events.announce(events.PRUNED, rep.run, rep.step, part=rep.part, parts=ck.parts, node=rep.node or "",
+                    extra_id=f"tier{rep.tier}", payload={"tier": rep.tier, "bytes": rep.bytes, "url": rep.url})
     return Pruned(replica_id=rep.id, run=rep.run, step=rep.step, tier=rep.tier, part=rep.part,
                   deleted=deleted, bytes=rep.bytes)
 
 
-def _still_committed(store, key: str) -> bool:
+def _delete(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, actor: str, *, reason: str | None,
+            took_over: bool) -> int:
+    """Manifest first, then the files; the claim is checked before each delete."""
+    lease.check()
     try:
-        return store.stat(key) is not None
-    except Exception:  # noqa: BLE001 - unknown counts as gone: never return a doubtful copy to verified
-        return False
+        deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, ck.parts)))
+    except BaseException:
+        # nothing of ours went: the copy is returned only if it is provably still whole
+        lease.stop()
+        abandon(cat, store, ck, rep, actor, why="prune abandoned: the manifest delete failed")
+        raise
+    lease.check()
+    why = "prune" + (" (a prune taken over after its lease lapsed)" if took_over else "") + (f": {reason}" if reason else "")
+    return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=why, actor=actor)
 
 
-def _abandon(cat, rep: ReplicaInfo, actor: str) -> None:
-    """Nothing was deleted: ``pruning -> verified``, the copy stays usable."""
+def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: ReplicaInfo, actor: str) -> str | None:
+    """Check, on their tiers, the verified copies of this part that justify pruning ``rep``
+    (a tier at least as durable), until one holds up; a copy found wanting is marked
+    ``missing``/``corrupt`` (audited). The reason to refuse, or None when one holds up."""
+    others = sorted((r for r in cat.replicas(ck.id) if r.part == rep.part and r.id != rep.id
+                     and r.state == VERIFIED and durability(r.tier) >= durability(rep.tier)),
+                    key=lambda r: r.tier)
+    for other in others:
+        if not settings.tier_url(other.tier):
+            continue
+        try:
+            with open_tier(settings, other.tier) as store:
+                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts)
+        except CkptError as exc:
+            log.warning("prune of replica %s: tier %s copy could not be checked: %s", rep.id, other.tier, exc)
+            continue
+        if finding is None:
+            return None
+        try:
+            cat.transition(other.id, finding.state, expected=VERIFIED, actor=actor,
+                           reason=f"found by a prune's evidence check: {finding.reason}")
+        except CkptError as exc:
+            log.info("replica %s: not marked %s: %s", other.id, finding.state, exc)
+    return (f"checkpoint {ck.run}/{ck.step} part {rep.part}: no other copy on a tier at least as durable as "
+            f"tier {rep.tier} holds up on its tier")
+
+
+def abandon(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, actor: str, *, why: str) -> None:
+    """Settle an unfinished prune as its owner: ``verified`` while the part is provably whole on
+    its tier, ``missing``/``corrupt`` when it provably is not; left ``pruning`` (its lease then
+    lapses, and the next prune or reconcile takes it over) when that cannot be told."""
     try:
-        cat.transition(rep.id, VERIFIED, expected=PRUNING, actor=actor, reason="prune abandoned before delete")
+        finding = check_part(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts)
+    except Exception as exc:  # noqa: BLE001 - unknown counts as gone: never return a doubtful copy
+        log.warning("replica %s: prune left pending, its copy could not be checked: %s", rep.id, exc)
+        return
+    to_state, detail = (VERIFIED, why) if finding is None else (finding.state, f"{why}; {finding.reason}")
+    try:
+        cat.transition(rep.id, to_state, expected=PRUNING, claim_token=rep.claim_token, actor=actor, reason=detail)
     except CkptError as exc:
         log.warning("replica %s: could not abandon the prune: %s", rep.id, exc)
 

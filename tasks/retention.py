@@ -5,7 +5,9 @@ The plan comes from ``catalog.prune_candidates`` (keep last N, top-k, max age, p
 each run's newest verified checkpoint). On top of it a milestone that is not yet archived is
 held on Tiers 0/1 while Tier 2 is configured (the catalog knows ``kind``, not the every-K-steps
 rule), and Tier 0 replicas of other nodes are listed but left to their node. Every prune still
-goes through ``catalog.begin_prune``, so a stale plan can never delete the last good copy.
+goes through the claimed, guarded prune (``tasks.prune``: the catalog's rows, then the justifying
+copy checked on its tier), so a stale plan, or a second retention run overlapping this one, can
+never delete the last good copy.
 """
 
 from __future__ import annotations

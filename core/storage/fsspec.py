@@ -5,6 +5,7 @@ API. Its publish is ``mv`` of a staging file, atomic only where the filesystem's
 
 from __future__ import annotations
 
+
 import io
 import time
 from collections.abc import Iterable, Iterator

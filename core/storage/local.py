@@ -13,6 +13,7 @@ media); media faults that appear later are the scrub's job (``verify_object`` on
 
 from __future__ import annotations
 
+
 import errno
 import io
 import os
@@ -336,8 +337,8 @@ class LocalStore(TierStore):
             return 0
         only = None if keys is None else {safe_relpath(k) for k in keys}
         cutoff, count = time.time() - older_than_s, 0
-        for dirpath, _dirs, names in os.walk(base):
-            for name in names:
+        for dirpath, _dirs, found in os.walk(base):
+            for name in found:
                 full = os.path.join(dirpath, name)
                 if not is_staging(name):
                     continue

@@ -62,7 +62,7 @@ def replica_in_state(cat: Catalog, checkpoint_id: int, tier: int, state: str):
     claim = cat.claim_copy(checkpoint_id, tier, 0, f"file:///tier{tier}/{checkpoint_id}", node=None, actor="test")
     rep = claim.replica
     for to in PATHS[state]:
-        rep = cat.transition(rep.id, to, actor="test")
+        rep = cat.transition(rep.id, to, actor="test", claim_token=rep.claim_token if rep.state == PRUNING else None)
     return rep
 
 

@@ -25,7 +25,8 @@ def test_prune_with_a_durable_copy_elsewhere_is_allowed_and_audited(catalog):
     _, (t1, _t2) = _two_copies(catalog)
     rep = catalog.begin_prune(t1.id, actor="retention", reason="keep_last=10")
     assert rep.state == PRUNING
-    assert catalog.transition(rep.id, PRUNED, expected=PRUNING, actor="retention").state == PRUNED
+    assert catalog.transition(rep.id, PRUNED, expected=PRUNING, actor="retention",
+                              claim_token=rep.claim_token).state == PRUNED
     last = catalog.history("r", 100)[-1]
     assert (last.from_state, last.to_state, last.actor) == (PRUNING, PRUNED, "retention")
 
@@ -81,8 +82,9 @@ def test_prune_of_a_replica_that_is_not_verified(catalog):
 
 def test_abandoned_prune_returns_to_verified(catalog):
     _, (t1, t2) = _two_copies(catalog)
-    catalog.begin_prune(t1.id, actor="a")
-    assert catalog.transition(t1.id, VERIFIED, expected=PRUNING, actor="a").state == VERIFIED
+    owner = catalog.begin_prune(t1.id, actor="a")
+    assert catalog.transition(t1.id, VERIFIED, expected=PRUNING, actor="a",
+                              claim_token=owner.claim_token).state == VERIFIED
     assert catalog.begin_prune(t2.id, actor="a").state == PRUNING
 
 

@@ -124,6 +124,7 @@ def test_an_abandoned_prune_does_not_count_as_a_read(catalog):
 
     old = prunable_setup(catalog)
     rep = verified(catalog, old.id, 1)
-    catalog.begin_prune(rep.id, actor="retention")
-    back = catalog.transition(rep.id, VERIFIED, actor="retention", reason="prune abandoned")
+    owner = catalog.begin_prune(rep.id, actor="retention")
+    back = catalog.transition(rep.id, VERIFIED, actor="retention", reason="prune abandoned",
+                              claim_token=owner.claim_token)
     assert back.checked_at == rep.checked_at  # nothing was read back: its turn in the scrub is kept

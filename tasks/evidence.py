@@ -1,0 +1,55 @@
+"""Evidence: is a replica's part really on its tier? The cheap check a prune makes of the copy
+that justifies it, in the same prune, before deleting anything (a full re-read is scrub's job).
+
+A part is there when its manifest (the commit marker) is present and is the manifest the
+catalog registered, and every registered file is present with its registered size; on object
+storage also the server's own checksum of each file (HeadObject) must be the registered one
+where the server keeps one. Listing, stat and HeadObject only: nothing is read back in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.errors import CorruptCheckpoint, NotFound
+from core.layout import checkpoint_prefix, part_key
+from core.storage.base import TierStore
+from db.entities import CORRUPT, MISSING
+from tasks.base import registered_manifest
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why a copy is not what the catalog says: ``state`` is ``missing`` or ``corrupt``."""
+
+    state: str
+    reason: str
+
+
+def check_part(cat, store: TierStore, checkpoint_id: int, run: str, step: int, part: int,
+               parts: int) -> Finding | None:
+    """None when the part's manifest and files on ``store`` match the catalog; else what is
+    wrong. Transient storage errors propagate (a copy that could not be checked is no evidence,
+    but not a finding either)."""
+    try:
+        registered_manifest(cat, store, checkpoint_id, run, step, part, parts)
+    except NotFound:
+        return Finding(MISSING, f"manifest {part_key(run, step, part, parts)} vanished")
+    except CorruptCheckpoint as exc:
+        return Finding(CORRUPT, f"manifest does not match the catalog: {exc}")
+    prefix = checkpoint_prefix(run, step)
+    present = {o.key: o for o in store.list(prefix)}
+    for f in cat.files(checkpoint_id, part):
+        key = f"{prefix}/{f.path}"
+        got = present.get(key)
+        if got is None:
+            return Finding(MISSING, f"{f.path} vanished")
+        if got.size != f.size:
+            return Finding(CORRUPT, f"{f.path} has {got.size} bytes, expected {f.size}")
+        if store.tier == 2:
+            info = store.stat(key)  # HeadObject: the server's full-object checksum, when it keeps one
+            if info is None:
+                return Finding(MISSING, f"{f.path} vanished")
+            if info.checksum is not None and info.checksum != f.checksum:
+                return Finding(CORRUPT, f"{f.path}: stored crc32c {info.checksum} != registered {f.checksum}")
+    return None

@@ -1,0 +1,171 @@
+"""Issue 9, items 3, 9 and 10: reconcile recovers claims whose worker died (a prune or a copy
+killed mid-way, simulated by leaving the catalog as the killed worker left it and expiring its
+lease in the database, never by waiting), and leases and retention ages use the catalog's clock."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from core.layout import part_key
+from core.settings import RetentionPolicy
+from flows.common import plain_steps
+from flows.promote import promote
+from flows.reconcile import reconcile_once
+from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, expire_claims, replica_states, shard_paths, write_checkpoint
+from tests.kit.pipeline import pipeline_settings
+
+RUN = "run-a"
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    """Steps 100 and 200 on Tiers 0 and 1; Tier 0 keeps 3, so nothing was pruned yet."""
+    s = pipeline_settings(settings_factory, db_url)
+    for step in (100, 200):
+        write_checkpoint(s.tier0_url, RUN, step)
+        promote(s, RUN, step, steps=plain_steps())
+    return s
+
+
+def _tier0(settings, step):
+    cat = catalog(settings)
+    try:
+        ck = cat.get_checkpoint(RUN, step)
+        return next(r for r in cat.replicas(ck.id, 0) if r.part == 0)
+    finally:
+        cat.close()
+
+
+def _killed_prune(settings, step, *, delete_manifest: bool) -> int:
+    """A prune of step's Tier 0 copy whose worker died (after its manifest delete, or before)."""
+    rid = _tier0(settings, step).id
+    cat = catalog(settings)
+    try:
+        cat.begin_prune(rid, actor="killed-worker", reason="retention policy")
+    finally:
+        cat.close()
+    if delete_manifest:
+        (ckpt_dir(settings.tier0_url, RUN, step) / part_key(RUN, step, 0, 1).rsplit("/", 1)[-1]).unlink()
+    return rid
+
+
+def test_reconcile_finishes_a_prune_killed_after_its_manifest_delete(settings):
+    _killed_prune(settings, 100, delete_manifest=True)
+    assert expire_claims(settings) == 1
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()  # no orphan shards left on NVMe
+    assert any("stalled prune finished" in r for r in report.recovered)
+    cat = catalog(settings)
+    try:
+        actions = [(e.action, e.to_state) for e in cat.history(RUN, 100)]
+    finally:
+        cat.close()
+    assert ("takeover", "pruning") in actions and actions[-1] == ("transition", "pruned")
+    again = reconcile_once(settings, steps=plain_steps())  # idempotent
+    assert again.recovered == [] and again.failed == []
+
+
+def test_a_taken_over_prune_rechecks_the_evidence_and_gives_the_copy_back(settings):
+    _killed_prune(settings, 100, delete_manifest=False)
+    shutil.rmtree(ckpt_dir(settings.tier1_url, RUN, 100))  # the justifying copy vanished meanwhile
+    expire_claims(settings)
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "verified"
+    assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
+    assert any("stalled prune given up" in r for r in report.recovered)
+    # and reconcile's own sweeps then restore the Tier 1 copy from the intact Tier 0 one
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+
+
+def test_reconcile_leaves_a_live_prune_alone(settings):
+    rid = _killed_prune(settings, 100, delete_manifest=False)  # lease still live: a worker owns it
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert report.recovered == []
+    assert _tier0(settings, 100).state == "pruning" and _tier0(settings, 100).id == rid
+    assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
+
+
+def test_a_verify_killed_after_its_claim_does_not_leave_the_replica_copying(settings):
+    rid = _tier0(settings, 100).id
+    cat = catalog(settings)
+    try:  # scrub found the NVMe copy wanting; a verify re-claims it, then its process is killed
+        cat.transition(rid, "missing", expected="verified", actor="scrub", reason="test")
+        ck = cat.get_checkpoint(RUN, 100)
+        claim = cat.claim_copy(ck.id, 0, 0, _tier0(settings, 100).url, node=settings.node, actor="verify")
+        assert claim.acquired
+    finally:
+        cat.close()
+    expire_claims(settings)
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert _tier0(settings, 100).state == "missing"
+    assert any("stalled copy -> missing" in r for r in report.recovered)
+    cat = catalog(settings)
+    try:
+        last = [e for e in cat.history(RUN, 100) if e.subject == f"replica:{rid}"][-1]
+    finally:
+        cat.close()
+    assert (last.from_state, last.to_state) == ("copying", "missing") and "claim lapsed" in last.reason
+    assert reconcile_once(settings, steps=plain_steps()).recovered == []
+
+
+# --- item 10: the catalog's clock ---------------------------------------------------------------
+def _skew(monkeypatch, delta: timedelta) -> None:
+    """The worker's clock (what the catalog module reads from Python) runs ``delta`` off."""
+    import db.catalog
+
+    real = datetime
+
+    class Skewed(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.now(tz) + delta
+
+    monkeypatch.setattr(db.catalog, "datetime", Skewed)
+
+
+@pytest.mark.postgres
+def test_a_worker_five_minutes_fast_cannot_steal_a_live_claim(pg_url, monkeypatch):
+    from tests.kit.catalog import checkpoint
+    from db.catalog import Catalog
+
+    cat = Catalog.open(pg_url, auto_upgrade=True)
+    try:
+        ck = checkpoint(cat, "r", 1)
+        first = cat.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="honest", lease_seconds=120)
+        assert first.acquired
+        _skew(monkeypatch, timedelta(minutes=5))
+        second = cat.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="fast-clock", lease_seconds=120)
+        assert not second.acquired
+        assert cat.get_replica(first.replica.id).claim_token == first.replica.claim_token
+    finally:
+        cat.close()
+
+
+def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db_url, monkeypatch):
+    from tests.kit.catalog import checkpoint, manifest, verified
+    from db.catalog import Catalog
+
+    cat = Catalog.open(db_url, auto_upgrade=True)
+    try:
+        cat.ensure_run("r")
+        lagging = (datetime.now(timezone.utc) - timedelta(days=3)).isoformat()
+        ck = cat.register_part(replace(manifest("r", 100), created_at=lagging), actor="writer")
+        verified(cat, ck.id, 0), verified(cat, ck.id, 1)
+        verified(cat, checkpoint(cat, "r", 200).id, 1)  # a newer one, so 100 is not the newest
+        policy = RetentionPolicy(max_age_days=1)
+        assert [r.step for r in cat.prune_candidates(0, policy)] == []
+    finally:
+        cat.close()
