@@ -49,7 +49,7 @@ NODES = ("node-0", "node-1")
 LOCS = ("t0:node-0", "t0:node-1", "t1")
 ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict")
 FAULTS = tuple(f for f in os.environ.get("CKPT_SOAK_FAULTS", ",".join(ALL_FAULTS)).split(",") if f)
-EXAMPLES = int(os.environ.get("CKPT_SOAK_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("CKPT_SOAK_EXAMPLES", "40"))
 STEP_COUNT = int(os.environ.get("CKPT_SOAK_STEPS", "30"))
 SEED = os.environ.get("CKPT_SOAK_SEED")
 STRICT_AUDIT = os.environ.get("CKPT_SOAK_STRICT_AUDIT", "0") == "1"
