@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint test test-fast demo bench clean
+.PHONY: venv lint test test-fast soak demo bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not prefect and not slow" $(PYTEST_ARGS)
+
+# the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS
+soak: venv
+	CKPT_SOAK_EXAMPLES=$${CKPT_SOAK_EXAMPLES:-400} CKPT_SOAK_STEPS=$${CKPT_SOAK_STEPS:-60} \
+	CKPT_SOAK_REPORT=$${CKPT_SOAK_REPORT:-soak-report.json} $(BIN)/python -m pytest tests/soak -o timeout=0 $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/python -m ckpt.demo $(ARGS)
