@@ -3,8 +3,9 @@ that justifies it, in the same prune, before deleting anything (a full re-read i
 
 A part is there when its manifest (the commit marker) is present and is the manifest the
 catalog registered, and every registered file is present with its registered size; on object
-storage also the server's own checksum of each file (HeadObject) must be the registered one
-where the server keeps one. Listing, stat and HeadObject only: nothing is read back in full.
+storage also each file's checksum must be the registered one, as the store proves it
+(HeadObject where the endpoint validates checksums; a read-back on an endpoint that only
+echoes them). Local tiers: listing and sizes only, nothing read back in full.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def check_part(cat, store: TierStore, checkpoint_id: int, run: str, step: int, p
         if got.size != f.size:
             return Finding(CORRUPT, f"{f.path} has {got.size} bytes, expected {f.size}")
         if store.tier == 2:
-            info = store.stat(key)  # HeadObject: the server's full-object checksum, when it keeps one
-            if info is None:
+            # object storage: the stored bytes' checksum, as the store can prove it (HeadObject
+            # where the endpoint validates checksums, a read-back where it only echoes them)
+            try:
+                store.verify_object(key, f.size, f.checksum)
+            except NotFound:
                 return Finding(MISSING, f"{f.path} vanished")
-            if info.checksum is not None and info.checksum != f.checksum:
-                return Finding(CORRUPT, f"{f.path}: stored crc32c {info.checksum} != registered {f.checksum}")
+            except CorruptCheckpoint as exc:
+                return Finding(CORRUPT, f"{f.path}: {exc}")
     return None
