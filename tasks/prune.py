@@ -92,7 +92,8 @@ def _delete(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, acto
         abandon(cat, store, ck, rep, actor, why="prune abandoned: the manifest delete failed")
         raise
     lease.check()
-    why = "prune" + (" (a prune taken over after its lease lapsed)" if took_over else "") + (f": {reason}" if reason else "")
+    why = ("prune" + (" (a prune taken over after its lease lapsed)" if took_over else "")
+           + (f": {reason}" if reason else ""))
     return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=why, actor=actor)
 
 

@@ -14,7 +14,15 @@ from core.errors import PruneRefused, StaleState, StorageUnavailable
 from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
-from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, published_files, replica_states, shard_paths, truncate, write_checkpoint
+from tests.kit.checkpoints import (
+    open_catalog as catalog,
+    ckpt_dir,
+    published_files,
+    replica_states,
+    shard_paths,
+    truncate,
+    write_checkpoint,
+)
 from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
