@@ -175,7 +175,6 @@ def copy_part(
     manifest: Manifest,
     *,
     parallelism: int = 4,
-    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
     progress: Progress | None = None,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).

@@ -198,7 +198,7 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
             delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
                         reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
             result = copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
-                               parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
+                               parallelism=settings.copy_parallelism,
                                progress=held.progress())
             held.verified(bytes=result.bytes, seconds=time.monotonic() - started,
                           reason=f"scrub repair from tier {src_rep.tier}")
