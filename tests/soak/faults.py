@@ -149,7 +149,7 @@ def install(monkeypatch: Any, injector: Injector) -> None:
 
     monkeypatch.setattr(base, "Catalog", catalog_factory)
     for name, mod in list(sys.modules.items()):
-        if not (name.startswith("tasks.") or name.startswith("flows.")):
+        if not (name.startswith(("tasks.", "flows."))):
             continue
         if getattr(mod, "tier_store", None) is real_store:
             monkeypatch.setattr(mod, "tier_store", store_factory)

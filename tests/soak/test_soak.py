@@ -33,10 +33,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-import flows.promote  # noqa: F401 - every step module is imported before the wrapping
-import flows.reconcile  # noqa: F401
+import flows.promote
+import flows.reconcile
 import flows.retention  # noqa: F401
-import tasks.restore  # noqa: F401
+import tasks.restore
 import tasks.scrub  # noqa: F401
 from core.errors import CkptError
 from core.layout import checkpoint_dirname
@@ -149,7 +149,8 @@ class Soak(RuleBasedStateMachine):
 
     def operate(self, name: str, plan: Plan, fn) -> None:
         STATS[f"op:{name.split('(')[0]}"] += 1
-        self.trace.append(f"{name}{'+' + plan.kind + '@' + str(plan.at) + ('a' if plan.after else 'b') if plan.kind else ''}")
+        fault = f"+{plan.kind}@{plan.at}{'a' if plan.after else 'b'}" if plan.kind else ""
+        self.trace.append(f"{name}{fault}")
         INJECTOR.start(plan)
         try:
             fn()
@@ -340,7 +341,7 @@ def test_nothing_is_lost_under_faults(db_url, settings_factory, monkeypatch):
     kw = dict(max_examples=EXAMPLES, stateful_step_count=STEP_COUNT, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), print_blob=True,
               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])  # explain traces: far too slow
-    if SEED == "ci" or SEED is None and EXAMPLES <= 50:
+    if SEED == "ci" or (SEED is None and EXAMPLES <= 50):
         kw["derandomize"] = True  # make test: the same sequences every run
     else:  # make soak: a fresh seed, printed, replayable with CKPT_SOAK_SEED
         import random
