@@ -60,7 +60,8 @@ def event_payload(run: str, step: int, part: int, parts: int, node: str,
 
 
 def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
-                payload: dict[str, Any] | None = None, extra_id: str = "") -> dict[str, Any]:
+                payload: dict[str, Any] | None = None, extra_id: str = "",
+                labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """The event as JSON, exactly what ``POST {PREFECT_API_URL}/events`` takes (a list of these):
     a job without Prefect installed can announce a checkpoint with one HTTP call."""
     from datetime import datetime
@@ -69,7 +70,7 @@ def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1
         "id": str(event_id(name, run, step, part, extra_id)),
         "occurred": datetime.now(UTC).isoformat(),
         "event": name,
-        "resource": resource(run, step, part, parts, node),
+        "resource": resource(run, step, part, parts, node, **(labels or {})),
         "related": [],
         "payload": event_payload(run, step, part, parts, node, payload),
     }
@@ -87,8 +88,9 @@ def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5
 
 def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
          payload: dict[str, Any] | None = None, extra_id: str = "", retries: int = 3,
-         backoff: float = 0.5, api_url: str | None = None) -> bool:
-    """Emit a Prefect event with a deterministic id. Never raises: returns False when the
+         backoff: float = 0.5, api_url: str | None = None, labels: dict[str, Any] | None = None) -> bool:
+    """Emit a Prefect event with a deterministic id. ``labels`` become extra resource labels
+    ``ckpt.<key>`` (triggers match labels, never the payload). Never raises: returns False when the
     event could not be delivered (the reconcile flow catches what events miss).
 
     With ``api_url`` the event is POSTed to that Prefect API and True means the server
@@ -99,13 +101,13 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
         try:
             if api_url:
                 post_events(api_url, [build_event(name, run, step, part=part, parts=parts, node=node,
-                                                  payload=payload, extra_id=extra_id)])
+                                                  payload=payload, extra_id=extra_id, labels=labels)])
                 return True
             from prefect.events import emit_event
 
             ev = emit_event(
                 event=name,
-                resource=resource(run, step, part, parts, node),
+                resource=resource(run, step, part, parts, node, **(labels or {})),
                 payload=event_payload(run, step, part, parts, node, payload),
                 id=event_id(name, run, step, part, extra_id),
             )
