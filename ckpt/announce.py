@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from core import events
+from core.errors import EventTooLarge
 from core.manifest import Manifest
 from core.settings import Settings
 
@@ -96,6 +97,8 @@ class Announcer:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
                     self._emit(job[1])
+            except EventTooLarge as exc:  # a bug or a hostile payload: said loudly, never sent
+                log.error("checkpoint event refused, not sent: %s", exc)
             except Exception as exc:  # noqa: BLE001 - never into training
                 log.warning("announcing %s failed: %s", job[0], exc)
             finally:
