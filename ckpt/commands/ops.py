@@ -165,6 +165,7 @@ def up_cmd(
 ) -> None:
     """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
     and the agents; runs until Ctrl-C, then stops everything cleanly."""
+    import shlex
     import signal
     import time
 
@@ -177,9 +178,8 @@ def up_cmd(
         typer.echo(f"Prefect UI   {stack.ui_url}")
         typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
         typer.echo("for the training job and the CLI, in another shell:")
-        for k, v in sorted(stack.env.items()):
-            if k.startswith(("CKPT_", "PREFECT_")):
-                typer.echo(f"  export {k}={v}")
+        for k, v in stack.exports().items():
+            typer.echo(f"  export {k}={shlex.quote(v)}")
         typer.echo("Ctrl-C stops the stack")
         try:
             while all(p.poll() is None for p in stack.procs + stack.agents):
