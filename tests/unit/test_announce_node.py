@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -15,16 +16,16 @@ from ckpt.local_stack import job_exports, stack_env
 
 
 class _FakePrefect(BaseHTTPRequestHandler):
-    served = {"/api/deployments/name/promote-checkpoint/node-0"}
-    asked: list[str] = []
+    served: ClassVar[set[str]] = {"/api/deployments/name/promote-checkpoint/node-0"}
+    asked: ClassVar[list[str]] = []
 
-    def do_GET(self):  # noqa: N802 - the http.server API
+    def do_GET(self):
         self.asked.append(self.path)
         self.send_response(200 if self.path in self.served else 404)
         self.end_headers()
         self.wfile.write(b"{}")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length", 0)))
         self.send_response(204)
         self.end_headers()
