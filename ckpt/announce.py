@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from core import events
+from core.errors import EventTooLarge
 from core.manifest import Manifest
 from core.settings import Settings
 
@@ -80,6 +81,7 @@ class Announcer:
         self.registration = registration
         self.enabled = enabled
         self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
+        self.node_checked = False
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._loop, name="ckpt-announcer", daemon=True)
         if enabled:
@@ -96,6 +98,8 @@ class Announcer:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
                     self._emit(job[1])
+            except EventTooLarge as exc:  # a bug or a hostile payload: said loudly, never sent
+                log.error("checkpoint event refused, not sent: %s", exc)
             except Exception as exc:  # noqa: BLE001 - never into training
                 log.warning("announcing %s failed: %s", job[0], exc)
             finally:
@@ -104,6 +108,9 @@ class Announcer:
 
     def _emit(self, m: Manifest) -> None:
         url = prefect_api_url(self.settings)
+        if url and not self.node_checked:
+            self.node_checked = True
+            warn_if_unserved(url, m.node or self.settings.node)
         ok = emit_completed(m, api_url=url) if url else False
         if not url:
             log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
@@ -117,6 +124,35 @@ class Announcer:
         self._t.join(timeout)
         if self._t.is_alive():
             log.warning("checkpoint events still pending after %.0fs; reconcile will catch them", timeout)
+
+
+def node_served(api_url: str, node: str, *, timeout: float = 5.0) -> bool | None:
+    """Whether the Prefect API knows a promote deployment for ``node`` (an agent serves it);
+    None when the API cannot say (unreachable, another error)."""
+    import httpx
+
+    from deployments.names import promote_deployment
+
+    try:
+        r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return True if r.status_code == 200 else False if r.status_code == 404 else None
+
+
+def warn_if_unserved(api_url: str, node: str) -> None:
+    """Say once, loudly, that nothing will promote this node's checkpoints."""
+    if node_served(api_url, node) is False:
+        log.warning("NO AGENT SERVES NODE %r: checkpoints saved here are committed on Tier 0 but never "
+                    "promoted (no deployment %s at %s). Set CKPT_NODE to a node an agent serves (`ckpt up` "
+                    "prints it) or start `ckpt agent --node %s` on this machine.", node,
+                    _deployment(node), api_url, node)
+
+
+def _deployment(node: str) -> str:
+    from deployments.names import promote_deployment
+
+    return promote_deployment(node)
 
 
 def completed_payload(m: Manifest) -> dict[str, object]:

@@ -167,6 +167,16 @@ def stack_env(data_dir: Path, *, api_url: str, s3_url: str | None, bucket: str =
     return env
 
 
+def job_exports(env: dict[str, str], *, node: str, catalog_url: str) -> dict[str, str]:
+    """What a training job in another shell needs to use this stack: the CKPT_* and PREFECT_*
+    settings, the node label an agent serves (without it a stager writes under the host name,
+    which no agent serves), the catalog, and the S3 credentials of the local S3 server."""
+    out = {k: v for k, v in env.items() if k.startswith(("CKPT_", "PREFECT_", "AWS_"))}
+    out.pop("PREFECT_RUNNER_POLL_FREQUENCY", None)  # the agents' own setting
+    out.update(CKPT_NODE=node, CKPT_CATALOG_URL=catalog_url)
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class LocalStack:
     """Prefect server + moto + one agent per node, under ``root``. Use as a context manager."""
@@ -184,6 +194,12 @@ class LocalStack:
     env: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
     agents: list[subprocess.Popen] = field(default_factory=list)
+
+    def exports(self) -> dict[str, str]:
+        """``job_exports`` for the first node (the one whose agent also serves the cluster)."""
+        from core.settings import load_settings
+
+        return job_exports(self.env, node=self.nodes[0], catalog_url=str(load_settings().catalog_url))
 
     @property
     def ui_url(self) -> str:

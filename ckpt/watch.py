@@ -9,6 +9,10 @@ Each sub-folder of DIR whose name ends in a number (``step-100``, ``checkpoint-1
   all present (``save_pretrained`` writes the index after the shards).
 A folder with neither is left alone until it is.
 
+Milestones (archived to Tier 2) without any global setting: ``--milestone-every N`` tags every
+step that is a multiple of N, and a folder holding the milestone marker file
+(``--milestone-marker``, default ``MILESTONE``) is tagged whatever its step.
+
 A complete folder is hard-linked (no bytes copied; a copy across file systems) into
 ``<tier0>/<run>/step-XXXXXXXX/`` and committed there with its manifest by the client, which
 announces it. The job's own folder is untouched, so its resume logic and rotation keep
@@ -34,6 +38,7 @@ from core.settings import Settings
 log = logging.getLogger(__name__)
 
 DEFAULT_MARKER = "COMMITTED"
+DEFAULT_MILESTONE_MARKER = "MILESTONE"
 _STEP_RE = re.compile(r"(\d+)$")
 _TEMP_PREFIXES = ("tmp", ".")  # HF's tmp-checkpoint-N, hidden staging folders
 
@@ -92,6 +97,8 @@ class Watcher:
     part: int = 0
     parts: int = 1
     announce: bool = True
+    milestone_every: int | None = None
+    milestone_marker: str = DEFAULT_MILESTONE_MARKER
     seen: set[int] = field(default_factory=set)
     _stager: CheckpointStager | None = field(default=None, repr=False)
 
@@ -131,9 +138,10 @@ class Watcher:
             final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / staging_name(final.name)
             try:
-                link_tree(folder, staging, skip={self.marker})
-                saved = self.stager.save(step, staging)
-                log.info("announced %s step %d (%s, %d files)", self.run, step, why, len(saved.manifest.files))
+                link_tree(folder, staging, skip={self.marker, self.milestone_marker})
+                saved = self.stager.save(step, staging, milestone=self.is_milestone(step, folder))
+                log.info("announced %s step %d (%s, %s, %d files)", self.run, step, why, saved.manifest.kind,
+                         len(saved.manifest.files))
                 done.append(saved)
             except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the watcher
                 log.error("cannot commit %s (step %d): %s", folder, step, exc)
@@ -141,16 +149,23 @@ class Watcher:
                 shutil.rmtree(staging, ignore_errors=True)
         return done
 
+    def is_milestone(self, step: int, folder: Path) -> bool:
+        """Tagged by the every-N rule or by the marker file in the job's folder."""
+        every = self.milestone_every
+        return bool(every and step % every == 0) or (folder / self.milestone_marker).is_file()
+
     def close(self) -> None:
         if self._stager is not None:
             self._stager.close()
 
 
 def watch(root: Path, run: str, settings: Settings, *, marker: str = DEFAULT_MARKER, interval: float = 2.0,
-          once: bool = False, part: int = 0, parts: int = 1, on_commit=None) -> int:
+          once: bool = False, part: int = 0, parts: int = 1, on_commit=None, milestone_every: int | None = None,
+          milestone_marker: str = DEFAULT_MILESTONE_MARKER) -> int:
     """Run the watcher until interrupted (or one pass with ``once``); returns how many
     checkpoints it committed."""
-    w = Watcher(Path(root).absolute(), run, settings, marker=marker, part=part, parts=parts)
+    w = Watcher(Path(root).absolute(), run, settings, marker=marker, part=part, parts=parts,
+                milestone_every=milestone_every, milestone_marker=milestone_marker)
     count = 0
     try:
         while True:

@@ -84,6 +84,10 @@ class AlreadyRejected(BadInput):
     again without being judged, audited or announced again. Save the part anew to retry."""
 
 
+class EventTooLarge(BadEvent):
+    """An event over the orchestrator's size limit: the server would answer 204 and drop it."""
+
+
 class PathEscape(BadInput):
     """A path that would leave its tier root (``..``, absolute, or through a symlink)."""
 

@@ -29,6 +29,12 @@ CORRUPT = "ckpt.checkpoint.corrupt"
 REJECTED = "ckpt.checkpoint.rejected"
 RESTORED = "ckpt.checkpoint.restored"
 
+# Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
+# default) after answering 204, so an event that big must never leave: ``build_event`` refuses
+# it. The headroom covers what the server adds (received time, follows, its own encoding).
+MAX_EVENT_BYTES = 1_500_000
+EVENT_HEADROOM_BYTES = 16 * 1024
+
 _NS = uuid.UUID("6f1c5d2e-7a43-4b8e-9a51-2f0d3c9e8b10")
 
 
@@ -60,19 +66,37 @@ def event_payload(run: str, step: int, part: int, parts: int, node: str,
 
 
 def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
-                payload: dict[str, Any] | None = None, extra_id: str = "") -> dict[str, Any]:
+                payload: dict[str, Any] | None = None, extra_id: str = "",
+                labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """The event as JSON, exactly what ``POST {PREFECT_API_URL}/events`` takes (a list of these):
-    a job without Prefect installed can announce a checkpoint with one HTTP call."""
+    a job without Prefect installed can announce a checkpoint with one HTTP call. Raises
+    ``EventTooLarge`` for an event the server would silently drop (``check_size``)."""
     from datetime import datetime
 
-    return {
+    return check_size({
         "id": str(event_id(name, run, step, part, extra_id)),
         "occurred": datetime.now(UTC).isoformat(),
         "event": name,
-        "resource": resource(run, step, part, parts, node),
+        "resource": resource(run, step, part, parts, node, **(labels or {})),
         "related": [],
         "payload": event_payload(run, step, part, parts, node, payload),
-    }
+    })
+
+
+def check_size(event: dict[str, Any], max_bytes: int = MAX_EVENT_BYTES) -> dict[str, Any]:
+    """``event`` unchanged when its JSON, plus headroom for what the server adds, fits under
+    ``max_bytes``; ``EventTooLarge`` naming the size and the limit otherwise."""
+    import json
+
+    from core.errors import EventTooLarge
+
+    size = len(json.dumps(event, default=str).encode())
+    if size + EVENT_HEADROOM_BYTES > max_bytes:
+        raise EventTooLarge(f"event {event.get('event')} for {event.get('resource', {}).get('prefect.resource.name')} "
+                            f"is {size} bytes; the orchestrator drops events over {max_bytes} bytes "
+                            f"(PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES) less {EVENT_HEADROOM_BYTES} of headroom: "
+                            "keep payloads to counts and names, never file lists")
+    return event
 
 
 def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5.0) -> None:
@@ -87,25 +111,28 @@ def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5
 
 def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
          payload: dict[str, Any] | None = None, extra_id: str = "", retries: int = 3,
-         backoff: float = 0.5, api_url: str | None = None) -> bool:
-    """Emit a Prefect event with a deterministic id. Never raises: returns False when the
-    event could not be delivered (the reconcile flow catches what events miss).
+         backoff: float = 0.5, api_url: str | None = None, labels: dict[str, Any] | None = None) -> bool:
+    """Emit a Prefect event with a deterministic id. ``labels`` become extra resource labels
+    ``ckpt.<key>`` (triggers match labels, never the payload). Returns False when the event
+    could not be delivered (the reconcile flow catches what events miss); raises only
+    ``EventTooLarge``, before anything is sent: an event the server would drop is refused loudly.
 
     With ``api_url`` the event is POSTed to that Prefect API and True means the server
     accepted it (the training client uses this: confirmed, no Prefect import). Without it,
     Prefect's ``emit_event`` queues it to the configured server, linked to the current flow run.
     """
+    body = build_event(name, run, step, part=part, parts=parts, node=node, payload=payload, extra_id=extra_id,
+                       labels=labels)
     for attempt in range(retries):
         try:
             if api_url:
-                post_events(api_url, [build_event(name, run, step, part=part, parts=parts, node=node,
-                                                  payload=payload, extra_id=extra_id)])
+                post_events(api_url, [body])
                 return True
             from prefect.events import emit_event
 
             ev = emit_event(
                 event=name,
-                resource=resource(run, step, part, parts, node),
+                resource=resource(run, step, part, parts, node, **(labels or {})),
                 payload=event_payload(run, step, part, parts, node, payload),
                 id=event_id(name, run, step, part, extra_id),
             )

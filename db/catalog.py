@@ -560,11 +560,14 @@ class Catalog:
             rows = conn.execute(select(audit).where(audit.c.run == run, audit.c.step == step).order_by(audit.c.id))
             return [to_audit(r) for r in rows]
 
-    def audit_log(self, *, run: str | None = None, limit: int = 100) -> list[AuditEntry]:
-        """The newest audit entries (of one run, or all), newest first."""
+    def audit_log(self, *, run: str | None = None, limit: int = 100,
+                  since: datetime | None = None) -> list[AuditEntry]:
+        """The newest audit entries (of one run, or all; at or after ``since``), newest first."""
         stmt = select(audit).order_by(audit.c.id.desc()).limit(limit)
         if run is not None:
             stmt = stmt.where(audit.c.run == run)
+        if since is not None:
+            stmt = stmt.where(audit.c.at >= since)
         with self._tx(write=False) as conn:
             return [to_audit(r) for r in conn.execute(stmt)]
 

@@ -9,7 +9,10 @@ What one agent serves:
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
   share of the stored copies, repair what rotted) on ``scrub_cron`` and
-  ``restore-drill/cluster`` (timed restore of the newest milestone) on ``drill_cron``. Run
+  ``restore-drill/cluster`` (timed restore of the newest milestone) on ``drill_cron``. The
+  archive trigger matches only durable events labelled ``ckpt.milestone = true`` (a milestone
+  with Tier 2 configured, or an inline archive that failed), so a plain checkpoint starts no
+  archive run. Run
   exactly one agent without ``--node-only`` per cluster: two would scrub and drill twice.
 
   The promote flow that completes a checkpoint also archives it inline (flows/promote.py),
@@ -54,8 +57,9 @@ def durable_trigger() -> Any:
 
     return DeploymentEventTrigger(
         name="archive when durable",
-        description="Archive a checkpoint (milestones go to Tier 2) once every part is on Tier 1.",
+        description="Archive a milestone to Tier 2 once every part is on Tier 1.",
         expect={events.DURABLE},
+        match={"ckpt.milestone": "true"},  # a plain checkpoint has nothing to archive: no run
         parameters=dict(names.ARCHIVE_PARAMETERS),
         within=timedelta(0),
     )

@@ -70,18 +70,37 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
         try:
             result.archive = archive(settings, run, step, steps=steps, actor=actor)
         finally:  # announced after the inline archive, so the archive it triggers finds it done
-            events.announce(events.DURABLE, run, step, parts=reg.parts, node=node, payload={"tier": 1})
+            wants = archive_wanted(settings, result.archive)
+            events.announce(events.DURABLE, run, step, parts=reg.parts, node=node,
+                            payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
         result.retention = retention(settings, run=run, steps=steps, actor=actor)
     return result
+
+
+def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:
+    """Whether the durable event should start the archive deployment (its trigger matches the
+    ``ckpt.milestone`` label): a milestone with Tier 2 configured, or an inline archive that
+    never finished (``done`` is None: the safety net must run). A plain checkpoint: no run."""
+    return done is None or (done.milestone and bool(settings.tier2_url))
+
+
+def run_name(params: dict[str, Any]) -> str:
+    """``promote/<run>/step-<step>[/part-i-of-n]``; a malformed event's run reads
+    ``promote/malformed-event/run=...,step=...`` instead of ``promote//step-``."""
+    try:
+        run, step, part, parts = checkpoint_args(params.get("run"), params.get("step"), params.get("part", 0),
+                                                 params.get("parts") or 1)
+    except BadEvent:
+        raw = f"run={params.get('run')!r},step={params.get('step')!r}"
+        return f"promote/malformed-event/{raw[:80]}"
+    name = f"promote/{run}/step-{step}"
+    return name if parts == 1 else f"{name}/part-{part}-of-{parts}"
 
 
 def _run_name() -> str:
     from prefect.runtime import flow_run
 
-    p = flow_run.parameters
-    name = f"promote/{p.get('run')}/step-{p.get('step')}"
-    parts = str(p.get("parts") or 1)
-    return name if parts == "1" else f"{name}/part-{p.get('part', 0)}-of-{parts}"
+    return run_name(dict(flow_run.parameters))
 
 
 @flow(name="promote-checkpoint", flow_run_name=_run_name)

@@ -15,7 +15,8 @@ Runs every few minutes on each node (and on demand). In order:
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
    Tier 0 copies are pruned here (through the same guarded prune).
-Parts of unknown runs, of checkpoints already found corrupt, and parts whose manifest the
+A part of a run the catalog does not know yet is promoted like any other (registering it
+creates the run). Parts of checkpoints already found corrupt, and parts whose manifest the
 catalog already rejected are left alone (and listed), so a bad checkpoint is not re-rejected on
 every pass; a re-saved part (another manifest) is tried again. One failing item never
 stops the others; failures are listed in the report.
@@ -141,13 +142,8 @@ def _wanted(cat: Catalog, found: tuple[str, int, int, int], report: ReconcileRep
     run, step, part, _parts = found
     item = f"tier {tier} {run}/{step} part {part}"
     try:
-        cat.get_run(run)
-    except NotFound:
-        report.skipped.append(f"{item}: unknown run")
-        return False
-    try:
         ck = cat.get_checkpoint(run, step)
-    except NotFound:
+    except NotFound:  # an unknown run too: registering the part creates it
         return True
     if ck.state == CKPT_CORRUPT:
         report.skipped.append(f"{item}: checkpoint is {ck.state}")

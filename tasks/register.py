@@ -1,6 +1,8 @@
 """register: record a part that is committed on Tier 0 in the catalog, from its manifest.
 
-Bad input never reaches the catalog as data: an unknown run, a missing or malformed
+A run seen for the first time is created from the manifest (with its origin when the
+manifest's parent names a recorded checkpoint of another run): only a malformed run name is
+refused. Bad input never reaches the catalog as data: a malformed run name, a missing or malformed
 manifest, a path that escapes the checkpoint folder, an unknown format, or a manifest that
 differs from the one already registered for that part is audited as a rejection, announced
 (``ckpt.checkpoint.rejected``) and raised as a permanent error, leaving every earlier
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from core import events
-from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound
+from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound, UnknownRun
 from core.layout import checkpoint_prefix
+from core.manifest import Manifest
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
 from core.settings import Settings
@@ -60,6 +63,7 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
                 digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
                 _refuse_if_rejected_before(cat, run, step, part, digest)
                 manifest = read_manifest(store, run, step, part, parts)
+            _ensure_run(cat, manifest, actor=actor)
             info = cat.register_part(manifest, actor=actor)  # the content check: same digest or ConflictError
         except AlreadyRejected:
             raise
@@ -76,6 +80,26 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
                       kind=info.kind, state=info.state, files=len(manifest.files),
                       bytes=manifest.total_bytes)
+
+
+def _ensure_run(cat: Catalog, manifest: Manifest, *, actor: str) -> None:
+    """A run seen for the first time is created (audited ``create-run``): any documented way
+    of announcing a checkpoint works without registering the run first. The manifest's parent
+    in another run becomes the run's origin when that checkpoint is recorded; an origin not
+    recorded yet is left out (the manifest's own parent edge still names it)."""
+    try:
+        cat.get_run(manifest.run)
+        return
+    except UnknownRun:
+        pass
+    p = manifest.parent
+    if p is not None and p.run != manifest.run:
+        try:
+            cat.ensure_run(manifest.run, parent=(p.run, p.step), parent_relation=p.relation, actor=actor)
+            return
+        except NotFound:
+            pass
+    cat.ensure_run(manifest.run, actor=actor)
 
 
 def _refuse_if_rejected_before(cat: Catalog, run: str, step: int, part: int, digest: str) -> None:

@@ -1,5 +1,5 @@
 """Catalog query commands: ``ckpt ls``, ``show``, ``locate``, ``latest``, ``lineage``, ``pin``,
-``unpin``. Each takes ``--json`` (stable field names, dates in ISO-8601 UTC); errors of the
+``unpin``, ``audit``. Each takes ``--json`` (stable field names, dates in ISO-8601 UTC); errors of the
 project print as one line (see ``ckpt.cli.main``). Settings are read once per command.
 """
 
@@ -22,7 +22,7 @@ out = Console()
 
 def register(app: typer.Typer) -> None:
     for name, fn in (("ls", ls_cmd), ("show", show_cmd), ("locate", locate_cmd), ("latest", latest_cmd),
-                     ("lineage", lineage_cmd), ("pin", pin_cmd), ("unpin", unpin_cmd)):
+                     ("lineage", lineage_cmd), ("pin", pin_cmd), ("unpin", unpin_cmd), ("audit", audit_cmd)):
         app.command(name)(fn)
 
 
@@ -86,15 +86,18 @@ def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json
 
 
 def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
-    """One checkpoint: its record, replicas, pins, aliases and parents."""
+    """One checkpoint: its record, replicas, pins, aliases, parents and history (every state
+    change with its actor and reason, oldest first)."""
     with _catalog() as cat:
         ck = cat.get_checkpoint(run, step)
         reps = cat.replicas(ck.id)
         pinned = cat.is_pinned(run, step)
         names = sorted(a for a, s in cat.aliases(run).items() if s == step)
         parents = list(cat.ancestors(run, step, max_depth=1))
+        history = cat.history(run, step)
     if as_json:
-        _emit_json({"checkpoint": ck, "replicas": reps, "pinned": pinned, "aliases": names, "parents": parents})
+        _emit_json({"checkpoint": ck, "replicas": reps, "pinned": pinned, "aliases": names, "parents": parents,
+                    "history": history})
         return
     out.print(f"[bold]{run}[/bold] step {step}: {ck.kind}, {ck.state}, {ck.parts_registered}/{ck.parts} part(s), "
               f"{ck.file_count} files, {_size(ck.total_bytes)}, format {ck.format}")
@@ -107,6 +110,53 @@ def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
     for e in parents:
         out.print(f"{e.relation} {e.parent_run}/{e.parent_step}")
     out.print(_replica_table(reps))
+    out.print(_audit_table(history, title="history"))
+
+
+def audit_cmd(run: str = typer.Option(None, "--run", help="only this run"),
+              since: str = typer.Option(None, "--since", help="only entries this recent: 30m, 2h, 7d or ISO-8601"),
+              limit: int = typer.Option(100, "--limit", help="at most this many entries"),
+              as_json: bool = JSON_OPT) -> None:
+    """Recent catalog events (state changes, registrations, prunes), rejections first."""
+    cutoff = parse_since(since) if since else None
+    with _catalog() as cat:
+        entries = rejections_first(cat.audit_log(run=run, limit=limit, since=cutoff))
+    if as_json:
+        _emit_json(entries)
+        return
+    out.print(_audit_table(entries, title="audit") if entries else "no catalog events recorded")
+
+
+def rejections_first(entries: list) -> list:
+    """Rejections ahead of everything else, each group newest first (the order given)."""
+    return sorted(entries, key=lambda e: e.action != "reject")
+
+
+def parse_since(text: str) -> datetime:
+    """``30s``, ``30m``, ``2h``, ``7d`` ago, or an ISO-8601 time (UTC when it names no zone)."""
+    import re
+    from datetime import UTC, timedelta
+
+    from core.errors import BadInput
+
+    m = re.fullmatch(r"(\d+)\s*([smhd])", text.strip())
+    if m:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return datetime.now(UTC) - timedelta(**{unit: int(m.group(1))})
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise BadInput(f"--since {text!r}: use 30m, 2h, 7d or an ISO-8601 time") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def _audit_table(entries, *, title: str) -> Table:
+    table = Table("at", "actor", "subject", "action", "change", "reason", title=title, title_justify="left")
+    for e in entries:
+        change = f"{e.from_state or ''} -> {e.to_state}" if e.from_state else (e.to_state or "")
+        table.add_row(_when(e.at), e.actor, e.subject, e.action, change, e.reason or "",
+                      style="red" if e.action == "reject" else None)
+    return table
 
 
 def _replica_table(reps) -> Table:

@@ -131,9 +131,14 @@ def watch_cmd(
     once: bool = typer.Option(False, "--once", help="scan once and exit"),
     part: int = typer.Option(0, "--part"),
     parts: int = typer.Option(1, "--parts"),
+    milestone_every: int = typer.Option(None, "--milestone-every", min=1,
+                                        help="tag every step that is a multiple of N a milestone (Tier 2)"),
+    milestone_marker: str = typer.Option("MILESTONE", "--milestone-marker",
+                                         help="a folder holding this file is tagged a milestone"),
 ) -> None:
     """Commit and announce each complete checkpoint folder (DCP .metadata, HF index with all
-    shards, or a marker file) once, for jobs that cannot use the client."""
+    shards, or a marker file) once, for jobs that cannot use the client. Milestones: every N
+    steps (--milestone-every) or folders holding the milestone marker file."""
     import logging
 
     from ckpt.watch import watch
@@ -145,10 +150,10 @@ def watch_cmd(
     safe_run_name(run)
 
     def show(saved) -> None:
-        typer.echo(f"committed {saved.run} step {saved.step} -> {saved.path}")
+        typer.echo(f"committed {saved.run} step {saved.step} ({saved.manifest.kind}) -> {saved.path}")
 
     n = watch(directory, run, settings, marker=marker, interval=interval, once=once, part=part, parts=parts,
-              on_commit=show)
+              on_commit=show, milestone_every=milestone_every, milestone_marker=milestone_marker)
     typer.echo(f"{n} checkpoint(s) committed")
 
 
@@ -160,6 +165,7 @@ def up_cmd(
 ) -> None:
     """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
     and the agents; runs until Ctrl-C, then stops everything cleanly."""
+    import shlex
     import signal
     import time
 
@@ -172,9 +178,8 @@ def up_cmd(
         typer.echo(f"Prefect UI   {stack.ui_url}")
         typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
         typer.echo("for the training job and the CLI, in another shell:")
-        for k, v in sorted(stack.env.items()):
-            if k.startswith(("CKPT_", "PREFECT_")):
-                typer.echo(f"  export {k}={v}")
+        for k, v in stack.exports().items():
+            typer.echo(f"  export {k}={shlex.quote(v)}")
         typer.echo("Ctrl-C stops the stack")
         try:
             while all(p.poll() is None for p in stack.procs + stack.agents):

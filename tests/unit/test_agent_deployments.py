@@ -50,3 +50,29 @@ def test_node_only_agent_serves_no_scrub_and_no_drill(settings_factory):
     for archive_trigger in (True, False):
         cluster = _by_full_name(build_deployments(settings, archive_trigger=archive_trigger))
         assert {names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT} <= set(cluster)
+
+
+def test_archive_trigger_fires_only_for_durable_milestones(settings_factory):
+    from prefect.events.schemas.events import Resource
+
+    from core import events
+
+    built = _by_full_name(build_deployments(settings_factory(node=NODE)))
+    (trigger,) = built[names.ARCHIVE_DEPLOYMENT].triggers
+    assert trigger.expect == {events.DURABLE}
+
+    def fires(milestone: bool) -> bool:
+        ev = events.build_event(events.DURABLE, "run-a", 5, payload={"milestone": milestone},
+                                labels={"milestone": str(milestone).lower()})
+        return trigger.match.matches(Resource(ev["resource"]))
+
+    assert fires(True) and not fires(False)
+
+
+def test_malformed_events_name_their_promote_runs_readably():
+    from flows.promote import run_name
+
+    assert run_name({"run": "run-a", "step": "12", "part": "0", "parts": "1"}) == "promote/run-a/step-12"
+    assert run_name({"run": "run-a", "step": 12, "part": 1, "parts": 2}) == "promote/run-a/step-12/part-1-of-2"
+    bad = run_name({"run": "", "step": "", "part": 0, "parts": 1})
+    assert bad.startswith("promote/malformed-event/") and "//" not in bad

@@ -152,3 +152,26 @@ def test_real_torch_dcp_checkpoint_is_committed_and_loads_back(settings_factory,
     dcp.load(back, checkpoint_id=str(saved.path))  # from the Tier 0 copy
     assert torch.equal(back["model"]["w"], state["model"]["w"]) and torch.equal(back["model"]["b"], state["model"]["b"])
     assert int(back["step"]) == 5
+
+
+def test_watched_milestones_come_from_every_n_or_the_marker_file(settings_factory, tmp_path):
+    settings = settings_factory()
+    job = tmp_path / "job"
+    for step in (100, 150, 200):
+        _hf_folder(job / f"checkpoint-{step}")
+    (job / "checkpoint-150" / "MILESTONE").write_text("")
+    w = _watcher(settings, job, milestone_every=100)
+    w.poll()
+    w.close()
+    kinds = {s: _tier0_manifest(settings, s).kind for s in (100, 150, 200)}
+    assert kinds == {100: "milestone", 150: "milestone", 200: "milestone"}
+    assert "MILESTONE" not in [f.path for f in _tier0_manifest(settings, 150).files]
+
+    plain = settings_factory(data_dir=tmp_path / "other")
+    _hf_folder(tmp_path / "job2" / "checkpoint-150")
+    w = Watcher(tmp_path / "job2", "run-w", plain, announce=False, milestone_every=100)
+    w.poll()
+    w.close()
+    m = Manifest.from_json((plain.data_dir / "tier0" / "node-0" / "run-w" / "step-00000150" / "manifest.json")
+                           .read_bytes())
+    assert m.kind == "step"

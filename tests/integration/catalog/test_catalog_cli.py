@@ -92,3 +92,28 @@ def test_errors_are_one_clear_line(cli, catalog, monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 1
         assert len(err.splitlines()) == 1 and text in err and "Traceback" not in err
+
+
+def test_show_prints_the_checkpoint_history_with_actor_and_reason(cli, catalog):
+    _story(catalog)
+    catalog.pin("base", 20, reason="paper result", actor="alice")
+    doc = json.loads(cli("show", "base", "20", "--json"))
+    actions = [(h["action"], h["actor"]) for h in doc["history"]]
+    assert ("pin", "alice") in actions and any(a == "register" for a, _ in actions)
+    assert any(h["to_state"] == "verified" for h in doc["history"])
+    table = cli("show", "base", "20")
+    assert "history" in table and "alice" in table
+
+
+def test_audit_lists_rejections_first_and_filters_by_run_and_time(cli, catalog):
+    _story(catalog)
+    catalog.record_rejection("checkpoint:ft/2/part-0", "CorruptCheckpoint: bad shard", actor="flow-run:x",
+                             run="ft", step=2)
+    catalog.pin("ft", 1, actor="bob")  # newer than the rejection
+    rows = json.loads(cli("audit", "--json"))
+    assert rows[0]["action"] == "reject" and rows[0]["reason"] == "CorruptCheckpoint: bad shard"
+    assert rows[1]["action"] == "pin"  # then everything else, newest first
+    assert {r["run"] for r in json.loads(cli("audit", "--run", "base", "--json"))} == {"base"}
+    assert json.loads(cli("audit", "--since", "2000-01-01T00:00:00", "--json")) == rows
+    assert json.loads(cli("audit", "--since", "2999-01-01T00:00:00+00:00", "--json")) == []
+    assert "bad shard" in cli("audit", "--since", "1h")

@@ -195,7 +195,7 @@ def test_reconcile_adopts_a_tier1_checkpoint_the_catalog_lost(settings_factory, 
     assert replica_states(fresh, RUN, 100) == {(1, 0): "verified"}
 
 
-def test_reconcile_leaves_unknown_runs_and_corrupt_checkpoints_alone(settings):
+def test_reconcile_promotes_new_runs_and_leaves_corrupt_checkpoints_alone(settings):
     from tests.kit.checkpoints import flip_bit, shard_paths
 
     write_checkpoint(settings.tier0_url, "stranger", 1)
@@ -207,7 +207,7 @@ def test_reconcile_leaves_unknown_runs_and_corrupt_checkpoints_alone(settings):
     again = reconcile_once(settings, steps=plain_steps())
 
     assert again.failed == [] and again.promoted == []
-    assert any("stranger" in s and "unknown run" in s for s in again.skipped)
+    assert "stranger/1 part 0" in first.promoted  # a run seen first here is created
     assert any(f"{RUN}/100" in s and "corrupt" in s for s in again.skipped)
     assert published_files(settings.tier1_url, RUN, 100) == []
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import CorruptCheckpoint, PathEscape, UnknownRun
+from core.errors import CorruptCheckpoint, PathEscape
 from flows.common import plain_steps
 from flows.promote import promote
 from tests.kit.checkpoints import (
@@ -184,13 +184,42 @@ def test_two_promotions_at_once_copy_once(settings):
     assert len([p for p in published_files(tier(settings, 1), RUN, 100) if p.endswith(".safetensors")]) == 4
 
 
-def test_unknown_run_is_rejected_and_recorded(settings):
-    write_checkpoint(tier(settings, 0), "nobody", 5)
+def test_a_new_run_is_created_on_first_sight_and_promoted(settings):
+    write_checkpoint(tier(settings, 0), "newcomer", 5)
     events = Recorder()
-    with pytest.raises(UnknownRun), announcing(events):
-        promote(settings, "nobody", 5, steps=plain_steps())
+    with announcing(events):
+        promote(settings, "newcomer", 5, steps=plain_steps(), actor="flow-run:x")
+    assert "rejected" not in events.names() and "durable" in events.names()
+    assert replica_states(settings, "newcomer", 5)[(1, 0)] == "verified"
+    with open_catalog(settings) as cat:
+        created = [e for e in cat.audit_log(run="newcomer") if e.action == "create-run"]
+    assert [(e.subject, e.actor) for e in created] == [("run:newcomer", "flow-run:x")]
+
+
+def test_a_new_run_takes_its_origin_from_the_manifest_parent(settings):
+    from core.manifest import ParentRef
+    from tests.kit.checkpoints import commit_manifest
+
+    write_checkpoint(tier(settings, 0), RUN, 100)
+    promote(settings, RUN, 100, steps=plain_steps())
+    write_checkpoint(tier(settings, 0), "child-run", 1)
+    (ckpt_dir(tier(settings, 0), "child-run", 1) / "manifest.json").unlink()
+    commit_manifest(ckpt_dir(tier(settings, 0), "child-run", 1), "child-run", 1, parent=ParentRef(RUN, 100),
+                    node="node-0")
+    promote(settings, "child-run", 1, steps=plain_steps())
+    with open_catalog(settings) as cat:
+        run = cat.get_run("child-run")
+        assert (run.parent_run, run.parent_step) == (RUN, 100)
+        assert [(e.parent_run, e.parent_step) for e in cat.ancestors("child-run", 1)][:1] == [(RUN, 100)]
+
+
+def test_a_malformed_run_name_is_still_refused(settings):
+    from core.errors import BadInput
+
+    events = Recorder()
+    with pytest.raises(BadInput), announcing(events):
+        promote(settings, "bad name", 5, steps=plain_steps())
     assert events.names() == ["rejected"]
-    assert published_files(tier(settings, 1), "nobody", 5) == []
 
 
 @pytest.mark.parametrize("bad_path", ["../escape.safetensors", "/etc/passwd", "a/../../b"])
@@ -231,3 +260,19 @@ def test_symlink_leaving_tier0_is_refused(settings, tmp_path):
 def test_run_name_escaping_the_tier_is_rejected(settings):
     with pytest.raises(PathEscape):
         promote(settings, "../etc", 1, steps=plain_steps())
+
+
+@pytest.mark.parametrize("kind", ["step", "milestone"])
+def test_the_durable_event_says_whether_an_archive_is_wanted(settings, kind):
+    seen = []
+
+    def record(name, run, step, **kw):
+        seen.append((name, kw))
+        return True
+
+    write_checkpoint(tier(settings, 0), RUN, 3, kind=kind)
+    with announcing(record):
+        promote(settings, RUN, 3, steps=plain_steps())
+    (durable,) = [kw for name, kw in seen if name.endswith("durable")]
+    wanted = kind == "milestone" and bool(settings.tier2_url)
+    assert durable["labels"] == {"milestone": str(wanted).lower()} and durable["payload"]["milestone"] is wanted

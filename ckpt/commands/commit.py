@@ -1,0 +1,45 @@
+"""``ckpt commit DIR --run R --step S``: commit and announce a folder a job wrote (see
+``ckpt/commit.py``). Heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("commit")(commit_cmd)
+
+
+def commit_cmd(
+    directory: Path = typer.Argument(..., help="the checkpoint folder the job wrote"),
+    run: str = typer.Option(..., "--run", help="the run it belongs to"),
+    step: int = typer.Option(..., "--step", min=0, help="its training step"),
+    milestone: bool = typer.Option(False, "--milestone", help="tag it a milestone (archived to Tier 2)"),
+    epoch_end: bool = typer.Option(False, "--epoch-end", help="it closes an epoch"),
+    parent: str = typer.Option(None, "--parent", help="RUN:STEP it was resumed from"),
+    part: int = typer.Option(0, "--part", help="this node's part (multi-node checkpoints)"),
+    parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
+    announce: bool = typer.Option(True, "--announce/--no-announce",
+                                  help="emit ckpt.checkpoint.completed (--no-announce: commit only, e.g. "
+                                       "to POST the event yourself)"),
+) -> None:
+    """Check the folder's format, write its manifest (CRC32C), commit it under
+    <tier0>/<run>/step-XXXXXXXX/ and announce it. Exit 1 when the event did not arrive (the
+    checkpoint stays committed; reconcile promotes it)."""
+    from ckpt.commands.ops import _run_step
+    from ckpt.commit import commit_folder
+    from core.settings import load_settings
+
+    done = commit_folder(directory, run, step, load_settings(), milestone=milestone, epoch_end=epoch_end,
+                         parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce)
+    m = done.saved.manifest
+    typer.echo(f"committed {m.run} step {m.step} part {m.part}/{m.parts} ({m.format}, {m.kind}, "
+               f"{len(m.files)} files) -> {done.saved.path / m.name}")
+    if done.announced is False:
+        typer.echo("ckpt.checkpoint.completed NOT delivered (is PREFECT_API_URL set and the server up?); "
+                   "reconcile will promote it", err=True)
+        raise typer.Exit(1)
+    if done.announced:
+        typer.echo("announced ckpt.checkpoint.completed")
