@@ -10,7 +10,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,torch,lint]'
+	$(BIN)/python -m pip install -q -e '.[test,torch,lint,hf,lightning]'
 	touch $(STAMP)
 
 # ruff (rules in pyproject's [tool.ruff]), the import layers (import-linter), types of core/ and db/

@@ -12,6 +12,14 @@ Full size by hand; CI runs only its ``--smoke`` form. For one checkpoint of ``--
 Medians are printed with ratios against the plain baseline. Events and the catalog are off
 (``announce=False``): they never run on the training thread anyway.
 
+With torch installed, a second table for ``torch.distributed.checkpoint`` jobs (single process,
+the same tensors as torch tensors), each the stall of the training loop:
+- baseline: ``dcp.save`` (synchronous write, nothing committed or announced);
+- ``dcp.async_save``: the call only (DCP's staging), its write then finishes on DCP's thread;
+- ours: ``dcp.save`` + ``save(folder)`` (adopt the folder DCP wrote: CRC32C pass, manifest, rename);
+- ours: ``async_save_and_commit`` (``ckpt.integrations.dcp``): the call only; DCP's write, then
+  our commit and announcement, finish off the training thread before the next round.
+
     python benchmarks/client_stall.py --mb 512 --rounds 5
     python benchmarks/client_stall.py --smoke    # 8 MB, one round (no steady-state background row)
 """
@@ -97,6 +105,54 @@ def main() -> None:
           res, plain, nbytes=nbytes)
     if args.rounds < 2:
         print(f"({back!r} from the second save on needs --rounds 2 or more)")
+    dcp_table(root, t, settings, args.rounds, cleanup=args.dir is None)
+
+
+def dcp_table(root: Path, t: dict[str, np.ndarray], settings, rounds: int, *, cleanup: bool) -> None:
+    """The stall of a DCP job: ``dcp.save``, ``dcp.async_save`` and ``async_save_and_commit``."""
+    try:
+        import torch
+        import torch.distributed.checkpoint as dcp
+    except ImportError:
+        print("(torch not installed: no DCP table)")
+        return
+    import warnings
+
+    from ckpt.integrations.dcp import async_save_and_commit
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    sd = {k: torch.from_numpy(v) for k, v in t.items()}
+    sync, asyn, adopt, ours = ("dcp.save", "dcp.async_save (call)", "ours: dcp.save + save(folder)",
+                               "ours: async_save_and_commit (call)")
+    res: Times = {sync: [], asyn: [], adopt: [], ours: []}
+    root.mkdir(parents=True, exist_ok=True)
+    stager = CheckpointStager("bench-dcp", settings=settings, announce=False)
+    try:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            dcp.save(sd, checkpoint_id=str(root / f"d{r}"), no_dist=True)
+            res[sync].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fut = dcp.async_save(sd, checkpoint_id=str(root / f"a{r}"), no_dist=True)
+            res[asyn].append(time.perf_counter() - t0)
+            fut.result()
+            t0 = time.perf_counter()
+            dcp.save(sd, checkpoint_id=str(root / f"s{r}"), no_dist=True)
+            stager.save(2 * r + 1, root / f"s{r}")
+            res[adopt].append(time.perf_counter() - t0)
+            pending = async_save_and_commit(sd, stager, 2 * r + 2)
+            res[ours].append(pending.stall_seconds)
+            pending.result()  # training runs on; write and commit finish before the next save
+            for p in root.glob("[da]*"):
+                shutil.rmtree(p)
+            shutil.rmtree(root / "data" / "tier0", ignore_errors=True)
+    finally:
+        stager.close()
+        if cleanup:
+            shutil.rmtree(root, ignore_errors=True)
+    nbytes = sum(a.nbytes for a in t.values())
+    table(f"DCP job stall, checkpoint {nbytes / 1e6:.0f} MB, single process, {rounds} rounds", res, sync,
+          nbytes=nbytes)
 
 
 if __name__ == "__main__":

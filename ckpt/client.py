@@ -117,10 +117,14 @@ class CheckpointStager:
     # --- the training loop's calls -------------------------------------------------------
     def save(self, step: int, tensors_or_folder: Mapping[str, object] | str | os.PathLike, *,
              metrics: Mapping[str, float] | None = None, milestone: bool = False,
-             epoch_end: bool = False, parent: tuple[str, int] | None = None) -> SavedCheckpoint | PendingSave:
+             epoch_end: bool = False, parent: tuple[str, int] | None = None,
+             stall_seconds: float | None = None) -> SavedCheckpoint | PendingSave:
         """Commit ``step`` on Tier 0: a dict of arrays (written as safetensors shards) or the
         path of a folder a framework already wrote (DCP, HF), which is adopted by rename.
-        Returns once the part is committed locally (background mode: once it is snapshotted)."""
+        Returns once the part is committed locally (background mode: once it is snapshotted).
+        ``stall_seconds``: for an adopted folder, the stall the caller measured itself (a trainer
+        integration, whose library's own save came before this call, or an async save committed
+        from another thread); by default the time this call took."""
         from core import safetensors_writer as stw
 
         t0 = time.perf_counter()
@@ -134,7 +138,7 @@ class CheckpointStager:
                                          policy=self.settings.milestones))
         if isinstance(tensors_or_folder, (str, os.PathLike)):
             self._raise_background_error()
-            return self._commit(Path(tensors_or_folder), None, t0, **meta)
+            return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
         if self._writer is None:
             arrays = {k: stw.as_host_array(v) for k, v in tensors_or_folder.items()}
             return self._commit(None, arrays, t0, **meta)

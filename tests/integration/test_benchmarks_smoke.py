@@ -69,6 +69,8 @@ def test_client_stall():
     out = run_benchmark("client_stall")
     assert_rows(out, "safetensors save_file", ["safetensors save_file + fsync", "ours: save",
                                                "ours: save(background), first save"])
+    assert_rows(out, "dcp.save", ["dcp.async_save (call)", "ours: dcp.save + save(folder)",
+                                  "ours: async_save_and_commit (call)"])
 
 
 def test_catalog_scale():

@@ -1,0 +1,94 @@
+"""PyTorch Lightning: a ``CheckpointIO`` plugin that commits every checkpoint Lightning saves
+(``ModelCheckpoint``, ``trainer.save_checkpoint``) as a step of a run and announces it.
+
+    from ckpt.integrations.lightning import TieringCheckpointIO
+
+    trainer = L.Trainer(..., plugins=[TieringCheckpointIO(run="lit-run")])
+
+Why a ``CheckpointIO`` and not a ``Callback``: a callback's ``on_save_checkpoint`` runs
+*before* the file is written; the checkpoint I/O plugin is the one place that knows the write
+has finished. Lightning's own write is unchanged (``TorchCheckpointIO``, to the path
+``ModelCheckpoint`` chose, which keeps tracking, rotating and loading its files as before); the
+file is then hard-linked into Tier 0's layout (no byte copied when ``dirpath`` is on Tier 0's
+file system; copied otherwise) and the CRC32C pass, the manifest and the announcement run on a
+thread of their own. The job stalls for Lightning's save plus one link. A name Lightning
+writes again (``last.ckpt``) is unlinked first, so the committed copy's bytes never change.
+A step is committed once: the second file of the same step (``last.ckpt`` beside
+``epoch=0-step=N.ckpt``) is the same state.
+
+Resuming: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
+with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the
+lineage. Needs ``pip install ckpt-tiering[lightning]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir
+
+log = logging.getLogger(__name__)
+
+
+class TieringCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose every save is also committed as step ``global_step`` of ``run``.
+
+    ``resumed_from``: ``(run, step)`` or a folder (or ``.ckpt`` file) ``ckpt restore`` wrote;
+    ``milestone``: a step predicate on top of the settings' milestone policy; every other
+    keyword goes to ``CheckpointStager`` (``settings``, ``node``, ``project``, ``announce``...).
+    """
+
+    def __init__(self, run: str, *, resumed_from: tuple[str, int] | str | os.PathLike | None = None,
+                 milestone: Callable[[int], bool] | None = None, **stager_options: Any) -> None:
+        super().__init__()
+        self.run = run
+        self.origin = origin_of(resumed_from)
+        self.milestone = milestone
+        self.stager_options = stager_options
+        self.commits: BackgroundCommits | None = None
+        self.saved: list = []  # Futures of the commits (result: SavedCheckpoint)
+        self.stalls: dict[int, float] = {}  # step -> seconds the save kept training waiting
+        self._committed: set[int] = set()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        t0 = time.perf_counter()
+        target = Path(path)
+        if target.is_file() or target.is_symlink():
+            target.unlink()  # a new inode: a committed hard link keeps its bytes
+        super().save_checkpoint(checkpoint, path, storage_options)
+        step = int(checkpoint.get("global_step", 0))
+        if step in self._committed:
+            return
+        if self.commits is None:
+            from ckpt.client import CheckpointStager
+
+            self.commits = BackgroundCommits(CheckpointStager(self.run, resumed_from=self.origin,
+                                                              **self.stager_options))
+        staging = staging_dir(self.commits.stager, step)
+        if not link_or_copy(target, staging / target.name):
+            log.warning("TieringCheckpointIO: %s is not on Tier 0's file system; the checkpoint was copied",
+                        target)
+        stall = time.perf_counter() - t0
+        self.stalls[step] = stall
+        self._committed.add(step)
+        self.saved.append(self.commits.submit(step, staging, stall_seconds=stall,
+                                              milestone=bool(self.milestone and self.milestone(step))))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every checkpoint saved so far is committed on Tier 0 (and announced)."""
+        if self.commits is not None:
+            self.commits.wait(timeout)
+
+    def teardown(self) -> None:
+        """End of ``fit``: wait for the commits and let pending events leave."""
+        super().teardown()
+        if self.commits is not None:
+            self.commits.close()
+            self.commits = None

@@ -1,0 +1,101 @@
+"""The Lightning integration with the real ``lightning`` Trainer: a tiny LightningModule trains a
+few steps on CPU; ``TieringCheckpointIO`` commits each checkpoint ``ModelCheckpoint`` writes; the
+real promotion and restore (plain functions, SQLite catalog) bring step N back; ``ckpt_path``
+resumes from it and the resumed run's lineage points at it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+
+from tests.kit.restore import promote, scenario_settings, tier0_dir
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    # Lightning's own notes on what this test does on purpose (a new dirpath, a mid-epoch resume)
+    # and a deprecation inside Lightning's pytree helper
+    pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:You're resuming from a checkpoint",
+                                "ignore:.*LeafSpec.*is deprecated"),
+]
+
+
+def _module():
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, _idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _trainer(out, io, max_steps: int, callbacks=()):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mc = ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=str(out), callbacks=[mc, *callbacks],
+                     plugins=[io])
+
+
+def test_lightning_checkpoints_commit_restore_and_resume(settings_factory, sqlite_url, tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt.integrations.lightning import TieringCheckpointIO
+    from core.manifest import Manifest
+    from db.catalog import Catalog
+    from tasks.restore import restore_checkpoint
+
+    monkeypatch.setenv("PREFECT_API_URL", "")  # no Prefect server: the announcer registers the run, sends nothing
+    settings = scenario_settings(settings_factory, sqlite_url)
+
+    io = TieringCheckpointIO(run="lit-run", settings=settings)
+    _trainer(tmp_path / "out", io, max_steps=4).fit(_module(), _loader())
+    assert [f.result().step for f in io.saved] == [2, 4]
+    ck4 = tier0_dir(settings, "lit-run", 4)
+    manifest = Manifest.from_json((ck4 / "manifest.json").read_bytes())
+    [ckpt_file] = [f.path for f in manifest.files]
+    assert ckpt_file.endswith(".ckpt") and manifest.writer_stall_seconds == pytest.approx(io.stalls[4], abs=1e-5)
+    assert (tmp_path / "out" / ckpt_file).is_file(), "Lightning's own file stays where ModelCheckpoint put it"
+    assert (tmp_path / "out" / "last.ckpt").is_file()
+
+    promote(settings, "lit-run", 4)
+    restored = tmp_path / "restored"
+    restore_checkpoint(settings, "lit-run", restored, step=4)
+
+    seen: list[int] = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, *_args):
+            seen.append(trainer.global_step)
+
+    io2 = TieringCheckpointIO(run="lit-run-2", settings=settings, resumed_from=restored / ckpt_file)
+    assert io2.origin == ("lit-run", 4)
+    _trainer(tmp_path / "out2", io2, max_steps=6, callbacks=[Steps()]).fit(
+        _module(), _loader(), ckpt_path=str(restored / ckpt_file))
+    assert seen == [4, 5], "resumed at step 4, trained two more steps"
+    assert [f.result().step for f in io2.saved] == [6]
+
+    promote(settings, "lit-run-2", 6)
+    with Catalog(settings.catalog_url) as cat:
+        edges = cat.ancestors("lit-run-2", 6)
+    assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("lit-run", 4, "resumed_from")]
