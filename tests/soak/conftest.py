@@ -18,7 +18,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     stats = dict(sorted(mod.STATS.items()))
     tr = terminalreporter
     tr.section("fault soak figures")
-    steps = sum(v for k, v in stats.items() if k.startswith("op:") or k in ("saves",))
+    steps = sum(v for k, v in stats.items() if k.startswith("op:") or k == "saves")
     tr.write_line(f"steps run (operations + saves): {steps}")
     for k, v in stats.items():
         tr.write_line(f"  {k}: {v}")
