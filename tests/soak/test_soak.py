@@ -69,9 +69,18 @@ INJECTOR = Injector()
 # where a fault lands: a store call (the gap between a storage operation and its catalog
 # commit: copy publishes with put_verified/write_small_atomic, verify reads, prune deletes) or a
 # catalog call (the commit itself, a claim, an audit row)
-STORE_TARGETS = ("put_verified", "write_small_atomic", "open_read", "read_small", "list", "delete", "delete_part",
-                 "delete_prefix", "")
-CATALOG_TARGETS = ("transition", "claim_copy", "claim_prune", "record_deletion", "register_part", "")
+_PRUNE_STORE = ("delete", "delete_part", "list", "stat", "open_read", "read_small")
+_PRUNE_CATALOG = ("claim_prune", "transition", "record_deletion", "prune_candidates", "replicas")
+_COPY_STORE = ("put_verified", "write_small_atomic", "open_read", "read_small", "verify_object", "list", "stat")
+_COPY_CATALOG = ("register_part", "claim_copy", "transition", "complete_on_tier", "files", "get_checkpoint")
+TARGETS = {  # operation -> (store methods, catalog methods) it calls, so a planned fault mostly fires
+    "promote": ((*_COPY_STORE, "delete", "delete_part"), (*_COPY_CATALOG, "claim_prune", "record_deletion")),
+    "retention": (_PRUNE_STORE, _PRUNE_CATALOG),
+    "reconcile": (_COPY_STORE + _PRUNE_STORE, _COPY_CATALOG + _PRUNE_CATALOG + ("expired_claims",
+                                                                                "expire_copy_claim")),
+    "scrub": (("open_read", "verify_object", "put_verified", "write_small_atomic", "delete_part", "delete", "list"),
+              ("scrub_candidates", "transition", "mark_checked", "claim_copy", "record_deletion", "bad_replicas")),
+}
 _KINDS = [k for k in ("kill", "catalog_outage", "storage_outage") if k in FAULTS]
 
 
@@ -79,18 +88,20 @@ def _plan(kind: str, target: str, method: str, at: int, after: bool) -> Plan:
     return Plan(kind=kind, at=at, after=after, target=target, method=method)
 
 
-def _plans() -> st.SearchStrategy[Plan]:
+def plans(op: str) -> st.SearchStrategy[Plan]:
+    """No fault half of the time; otherwise a kill or an outage at one of the store or catalog
+    calls ``op`` makes (its first or second such call), or at its n-th wrapped call."""
     if not _KINDS:
         return st.just(Plan())
-    store = st.builds(_plan, st.sampled_from(_KINDS), st.just("store"), st.sampled_from(STORE_TARGETS),
-                      st.integers(0, 2), st.booleans())
-    catalog = st.builds(_plan, st.sampled_from(_KINDS), st.just("catalog"), st.sampled_from(CATALOG_TARGETS),
-                        st.integers(0, 3), st.booleans())
-    anywhere = st.builds(_plan, st.sampled_from(_KINDS), st.just(""), st.just(""), st.integers(0, 30), st.booleans())
-    return st.one_of(st.just(Plan()), store, catalog, anywhere)
+    store_m, catalog_m = TARGETS[op]
+    kinds = st.sampled_from(_KINDS)
+    store = st.builds(_plan, kinds, st.just("store"), st.sampled_from(store_m), st.integers(0, 1), st.booleans())
+    catalog = st.builds(_plan, kinds, st.just("catalog"), st.sampled_from(catalog_m), st.integers(0, 1),
+                        st.booleans())
+    anywhere = st.builds(_plan, kinds, st.just(""), st.just(""), st.integers(0, 20), st.booleans())
+    return st.one_of(st.just(Plan()), st.just(Plan()), store, catalog, anywhere, st.just(Plan()))
 
 
-PLANS = _plans()
 PICK = st.integers(0, 1 << 16)  # an index into whatever exists when the rule runs
 
 
@@ -197,8 +208,8 @@ class Soak(RuleBasedStateMachine):
             STATS["faults_planned"] += 1
         if fired:
             STATS[f"fault:{fired}"] += 1
-            STATS["fault_kind:" + ("kill_at_" + fired.split("_")[-1].split(".")[0] if fired.startswith("kill")
-                                   else fired.split("_after")[0].split("_before")[0])] += 1
+            kind, _, where = fired.replace("_before_", "|").replace("_after_", "|").partition("|")
+            STATS["fault_kind:" + (f"kill_at_{where.split('.')[0]}" if kind == "kill" else kind)] += 1
             self.trace[-1] += f"[{fired}]"
         if fired.startswith("kill") and lapse_after_kill:
             expire_claims(self.settings["node-0"])  # a lease later, as if the dead worker's lease passed
@@ -226,13 +237,13 @@ class Soak(RuleBasedStateMachine):
                      lambda: promote(self.settings[node], RUN, step, steps=plain_steps(), node=node, actor="soak"))
 
     # --- rules: training and events ----------------------------------------------------------
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("promote"))
     def save_and_promote(self, node: str, plan: Plan) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
         self._save(node, step, 0)
         self._promote(node, step, plan)
 
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("promote"))
     def save_and_promote_twice(self, node: str, plan: Plan) -> None:
         """An event delivered twice (the first maybe faulted): the second must settle it."""
         step, self.next_step = self.next_step, self.next_step + 100
@@ -246,7 +257,7 @@ class Soak(RuleBasedStateMachine):
         self._save(node, step, 0)
         STATS["events_lost"] += 1
 
-    @rule(node=st.sampled_from(NODES), pick=PICK, plan=PLANS)
+    @rule(node=st.sampled_from(NODES), pick=PICK, plan=plans("promote"))
     def promote_again(self, node: str, pick: int, plan: Plan) -> None:
         """A duplicate (or late) event for a step this node holds."""
         have = self.committed(f"t0:{node}")
@@ -267,14 +278,14 @@ class Soak(RuleBasedStateMachine):
         self._promote(node, step, Plan(), label="promote_conflicting")
 
     # --- rules: scheduled flows --------------------------------------------------------------
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("retention"))
     def retention(self, node: str, plan: Plan) -> None:
         from flows.common import plain_steps
         from flows.retention import retention
         self.operate(f"retention({node})", plan,
                      lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
 
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("retention"))
     def retention_killed_then_again(self, node: str, plan: Plan) -> None:
         """A retention run dies (at a store delete unless the plan says otherwise); its lease is
         left live, so a second retention on the same node must not touch the claimed replica;
@@ -292,14 +303,14 @@ class Soak(RuleBasedStateMachine):
         self.operate(f"reconcile({node})", Plan(),
                      lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
 
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("reconcile"))
     def reconcile(self, node: str, plan: Plan) -> None:
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
         self.operate(f"reconcile({node})", plan,
                      lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
 
-    @rule(node=st.sampled_from(NODES), plan=PLANS)
+    @rule(node=st.sampled_from(NODES), plan=plans("scrub"))
     def scrub(self, node: str, plan: Plan) -> None:
         from tasks.scrub import scrub
         self.operate(f"scrub({node})", plan,
