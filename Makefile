@@ -23,7 +23,7 @@ test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest -m "not prefect and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS
 soak: venv

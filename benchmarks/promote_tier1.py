@@ -54,12 +54,12 @@ def main() -> None:
         t_build = time.perf_counter() - t_build
         write_manifest(src, m)
         nbytes = m.total_bytes
-        t0, t1 = LocalStore(t0_root, 0), LocalStore(t1_root, 1)
-        cp_dst = work / "cp"
         buf = args.buffer_mib * 2**20
+        t0, t1 = LocalStore(t0_root, 0, buffer_bytes=buf), LocalStore(t1_root, 1, buffer_bytes=buf)
+        cp_dst = work / "cp"
 
         def ours():
-            copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=args.parallelism, buffer_bytes=buf)
+            copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=args.parallelism)
 
         def ours_plus_verify():
             ours()

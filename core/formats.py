@@ -20,9 +20,9 @@ import json
 import pickletools
 import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from core.errors import CorruptCheckpoint
 
@@ -87,11 +87,11 @@ def _bad(rel: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(f"{rel}: {reason}", path=rel)
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_tensor(name: str, info, data_size: int, rel: str) -> tuple[int, int]:
+def _check_tensor(name: str, info: object, data_size: int, rel: str) -> tuple[int, int]:
     """One tensor entry's (begin, end) after checking dtype, shape and offsets."""
     if not isinstance(info, dict):
         raise _bad(rel, f"tensor {name!r}: entry is not an object")
@@ -118,10 +118,22 @@ def _check_tensor(name: str, info, data_size: int, rel: str) -> tuple[int, int]:
 
 
 _DECODER = json.JSONDecoder()
+# JSONDecoder.__init__ sets scan_once (json.scanner.make_scanner(self)); typeshed does not declare it.
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
+# json.decoder's string scanner (C or pure Python), which typeshed's json/decoder.pyi does not declare.
+_SCANSTRING: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-def _scan_value(text: str, idx: int, limit: int, what: str, rel: str):
+def _skip_ws(text: str, idx: int) -> int:
+    """The index of the first non-whitespace character at or after ``idx``."""
+    m = _WS.match(text, idx)
+    if m is None:  # unreachable: ``[ \t\n\r]*`` matches the empty string at any position
+        return idx
+    return m.end()
+
+
+def _scan_value(text: str, idx: int, limit: int, what: str, rel: str) -> tuple[Any, int]:
     """The JSON value at ``text[idx:]``, parsed from a window of at most ``limit`` characters
     (so no single entry can make the parser build more than ``limit`` characters' worth of
     objects); returns (value, end index in ``text``)."""
@@ -130,28 +142,29 @@ def _scan_value(text: str, idx: int, limit: int, what: str, rel: str):
         close = text.find("}", idx, idx + limit)  # a tensor entry ends at its first '}'
         window = text[idx:close + 1] if close >= 0 else text[idx:idx + limit]
         try:
-            value, end = _DECODER.scan_once(window, 0)
+            value, end = _SCAN_ONCE(window, 0)
             return value, idx + end
         except (StopIteration, ValueError, RecursionError):
             window = text[idx:idx + limit]  # a '}' inside a string, or nested: the full window
     try:
-        value, end = _DECODER.scan_once(window if window is not None else text, 0 if window is not None else idx)
+        value, end = _SCAN_ONCE(window if window is not None else text, 0 if window is not None else idx)
     except StopIteration:
         too_long = window is not None
-        raise _bad(rel, f"{what}: " + (f"longer than {limit} characters" if too_long else "not valid JSON")) from None
+        problem = f"longer than {limit} characters" if too_long else "not valid JSON"
+        raise _bad(rel, f"{what}: {problem}") from None
     except (ValueError, RecursionError) as exc:
         raise _bad(rel, f"{what}: not valid JSON ({type(exc).__name__})") from None
     return value, (idx + end if window is not None else end)
 
 
-def _iter_header(text: str, rel: str):
+def _iter_header(text: str, rel: str) -> Iterator[tuple[str, Any]]:
     """(key, value) pairs of the header's top-level JSON object, parsed one entry at a time:
     the whole header is never materialized as Python objects (json.loads of an 86 MB header
     with 680,000 entries peaked at ~610 MB; see ``check_safetensors_header``)."""
-    idx = _WS.match(text, 0).end()
+    idx = _skip_ws(text, 0)
     if text[idx:idx + 1] != "{":
         raise _bad(rel, "safetensors header is not a JSON object")
-    idx = _WS.match(text, idx + 1).end()
+    idx = _skip_ws(text, idx + 1)
     if text[idx:idx + 1] == "}":
         idx += 1
     else:
@@ -159,24 +172,24 @@ def _iter_header(text: str, rel: str):
             if text[idx:idx + 1] != '"':
                 raise _bad(rel, "safetensors header is not valid JSON (expected a tensor name)")
             try:
-                key, idx = json.decoder.scanstring(text, idx + 1)
+                key, idx = _SCANSTRING(text, idx + 1)
             except ValueError:
                 raise _bad(rel, "safetensors header is not valid JSON (bad string)") from None
-            idx = _WS.match(text, idx).end()
+            idx = _skip_ws(text, idx)
             if text[idx:idx + 1] != ":":
                 raise _bad(rel, "safetensors header is not valid JSON (expected ':')")
-            idx = _WS.match(text, idx + 1).end()
+            idx = _skip_ws(text, idx + 1)
             limit = MAX_METADATA_CHARS if key == "__metadata__" else MAX_ENTRY_CHARS
             value, idx = _scan_value(text, idx, limit, f"entry {key[:80]!r}", rel)
             yield key, value
-            idx = _WS.match(text, idx).end()
+            idx = _skip_ws(text, idx)
             sep = text[idx:idx + 1]
-            idx = _WS.match(text, idx + 1).end()
+            idx = _skip_ws(text, idx + 1)
             if sep == "}":
                 break
             if sep != ",":
                 raise _bad(rel, "safetensors header is not valid JSON (expected ',' or '}')")
-    if _WS.match(text, idx).end() != len(text):
+    if _skip_ws(text, idx) != len(text):
         raise _bad(rel, "safetensors header is not valid JSON (extra data after the object)")
 
 
@@ -284,29 +297,38 @@ def _pickle_scan(data: bytes, rel: str) -> tuple[list[tuple[str, str]], set[str]
     ``GLOBAL`` carries "module name"; ``STACK_GLOBAL`` (protocol 4+) takes the two strings on
     top of the stack, pushed directly or fetched from the memo, which is tracked for strings.
     """
-    globals_, names, recent, memo = [], set(), [], {}
+    globals_: list[tuple[str, str]] = []
+    names: set[str] = set()
+    recent: list[str | None] = []  # the top of the stack: a string, or None for anything else
+    memo: dict[int, str | None] = {}
     try:
+        # genops decodes every string opcode's argument to str, a memo index to int, and GLOBAL's
+        # two lines to one "module name" str; the isinstance checks only narrow the types.
         for op, arg, _pos in pickletools.genops(data):
             name = op.name
             if name in _STRING_OPS:
-                recent.append(arg)
-                if arg.endswith(".distcp"):
-                    names.add(arg)
+                string = arg if isinstance(arg, str) else None
+                recent.append(string)
+                if string is not None and string.endswith(".distcp"):
+                    names.add(string)
             elif name == "MEMOIZE":
                 memo[len(memo)] = recent[-1] if recent else None
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = recent[-1] if recent else None
+                if isinstance(arg, int):
+                    memo[arg] = recent[-1] if recent else None
             elif name in ("GET", "BINGET", "LONG_BINGET"):
-                recent.append(memo.get(arg))
+                recent.append(memo.get(arg) if isinstance(arg, int) else None)
             elif name == "GLOBAL":
-                globals_.append(tuple(arg.split(" ", 1)))
+                if isinstance(arg, str):
+                    module, qualname = arg.split(" ", 1)
+                    globals_.append((module, qualname))
             elif name == "STACK_GLOBAL":
                 if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
                     globals_.append((recent[-2], recent[-1]))
             elif name not in ("PROTO", "FRAME"):
                 recent.append(None)  # anything else on the stack breaks a string pair
             del recent[:-2]
-    except Exception as exc:  # genops raises ValueError and friends on malformed streams
+    except Exception as exc:  # noqa: BLE001 - genops raises ValueError and friends on malformed streams
         raise _bad(rel, f"not a readable pickle ({type(exc).__name__}: {exc})") from None
     return globals_, names
 
@@ -377,7 +399,8 @@ def _validate_dcp(sizes: Mapping[str, int], opener: Opener, complete: bool) -> N
         if sizes[meta] == 0:
             raise CorruptCheckpoint(f"{meta}: empty", path=meta)
         base = _group_dir(meta)
-        for name in sorted(dcp_referenced_files(_read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES), meta)):
+        metadata = _read_bounded(opener, meta, sizes[meta], MAX_DCP_METADATA_BYTES)
+        for name in sorted(dcp_referenced_files(metadata, meta)):
             if complete and base + name not in sizes:
                 raise CorruptCheckpoint(f"{meta} refers to missing data file {name!r}", path=base + name)
 

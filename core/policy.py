@@ -29,4 +29,5 @@ def is_milestone(kind: str, step: int, tags: Mapping[str, str], policy: Mileston
         return True
     if policy.epoch_end and kind == "epoch":
         return True
-    return bool(policy.every_steps) and step % policy.every_steps == 0
+    every = policy.every_steps
+    return every is not None and every != 0 and step % every == 0

@@ -81,7 +81,14 @@ class Settings(BaseSettings):
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)
-    claim_lease_seconds: float = Field(default=120.0, gt=0, description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives")
+    prune_evidence: Literal["read", "stat"] = Field(
+        default="read",
+        description="how a prune checks the copy that justifies it: 'read' reads its bytes back (a same-size "
+                    "bit flip scrub has not reached yet is found), 'stat' checks presence and sizes only")
+    claim_lease_seconds: float = Field(
+        default=120.0, gt=0,
+        description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives",
+    )
     retention_cron: str = "*/15 * * * *"
     scrub_cron: str = "0 3 * * *"
     scrub_fraction: float = Field(default=0.1, gt=0, le=1)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import BinaryIO, TypeVar, cast
 
 from core import checksum, formats
 from core.errors import ConflictError, CorruptCheckpoint, NotFound
@@ -24,6 +25,8 @@ from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,12 @@ class _Counter:
 
 
 class _CountingReader:
-    def __init__(self, inner, counter: _Counter):
+    """The reader ``put_verified`` is handed: counts the bytes read (or copied in the kernel)."""
+
+    def __init__(self, inner: BinaryIO, counter: _Counter):
         self.inner, self.counter = inner, counter
         if hasattr(inner, "readinto"):
+            self._inner_readinto = inner.readinto
             self.readinto = self._readinto
 
     def read(self, n: int = -1) -> bytes:
@@ -72,8 +78,8 @@ class _CountingReader:
         self.counter.add(len(data))
         return data
 
-    def _readinto(self, buf) -> int:
-        n = self.inner.readinto(buf) or 0
+    def _readinto(self, buf: bytearray | memoryview) -> int:
+        n = self._inner_readinto(buf) or 0
         self.counter.add(n)
         return n
 
@@ -84,7 +90,7 @@ class _CountingReader:
         self.counter.add(n)
 
 
-def _run_all(fn, items, parallelism: int) -> list:
+def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int) -> list[_R]:
     """fn over items in a bounded pool; the first exception cancels what has not started."""
     if not items:
         return []
@@ -92,10 +98,12 @@ def _run_all(fn, items, parallelism: int) -> list:
         futures = [pool.submit(fn, it) for it in items]
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                for g in futures:
-                    g.cancel()
-                raise f.exception()
+            if f.done() and not f.cancelled():
+                exc = f.exception()
+                if exc is not None:
+                    for g in futures:
+                        g.cancel()
+                    raise exc
         return [f.result() for f in futures]
 
 
@@ -143,7 +151,8 @@ def verify_part(
 
     _run_all(one, list(manifest.files), parallelism)
     sizes = {f.path: f.size for f in manifest.files}
-    formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)), complete=manifest.parts == 1)
+    formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)),
+                     complete=manifest.parts == 1)
     return VerifyReport(len(manifest.files), manifest.total_bytes, time.monotonic() - t0, manifest.format)
 
 
@@ -166,7 +175,6 @@ def copy_part(
     manifest: Manifest,
     *,
     parallelism: int = 4,
-    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
     progress: Progress | None = None,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).
@@ -189,7 +197,9 @@ def copy_part(
             return -1
         try:
             with src_store.open_read(_key(src_prefix, entry.path)) as reader:
-                dst_store.put_verified(key, _CountingReader(reader, counter), entry.size, entry.checksum)
+                # duck-typed: it has the reads put_verified makes (read, readinto, fileno, note_copied)
+                counting = cast(BinaryIO, _CountingReader(reader, counter))
+                dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
             raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
         except CorruptCheckpoint as exc:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy import delete, func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import Select, delete, func, select, text
+from sqlalchemy.engine import Connection, make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, PruneRefused, SchemaOutdated
 from core.manifest import Manifest
@@ -69,6 +71,9 @@ from db.rows import (
 )
 from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
 
+if TYPE_CHECKING:
+    from core.settings import RetentionPolicy
+
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
@@ -77,7 +82,7 @@ def host_now() -> datetime:
     return datetime.now(UTC)
 
 
-def _now(conn) -> datetime:
+def _now(conn: Connection) -> datetime:
     """The catalog's clock, read inside the caller's transaction, so leases, claims and
     retention ages compare times of one clock whatever the workers' clocks say (a node five
     minutes fast must not steal live claims). PostgreSQL: the server's ``now()`` (the
@@ -105,7 +110,7 @@ class Catalog:
                 raise
 
     @classmethod
-    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs) -> Catalog:
+    def open(cls, url: str, *, auto_upgrade: bool = False, **kwargs: Any) -> Catalog:
         """Open the catalog; with ``auto_upgrade`` first create/upgrade its schema (demo, tests)."""
         if auto_upgrade:
             upgrade(url)
@@ -130,13 +135,13 @@ class Catalog:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> Catalog:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _tx(self, write: bool = True):
+    def _tx(self, write: bool = True) -> AbstractContextManager[Connection]:
         return transaction(self.engine, write=write)
 
     # --- runs ------------------------------------------------------------------------
@@ -538,7 +543,7 @@ class Catalog:
             return _q.under_replicated(conn, durable_tier=durable_tier, min_copies=min_copies, run_id=run_id,
                                        limit=limit)
 
-    def prune_candidates(self, tier: int, policy, *, run: str | None = None,
+    def prune_candidates(self, tier: int, policy: RetentionPolicy, *, run: str | None = None,
                          now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
         """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
         no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
@@ -574,7 +579,8 @@ class Catalog:
         A part whose Tier 1 copy was verified and later pruned counts as promoted."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
-            return _q.unpromoted(conn, now=_now(conn), older_than_seconds=older_than_seconds, run_id=run_id, limit=limit)
+            return _q.unpromoted(conn, now=_now(conn), older_than_seconds=older_than_seconds, run_id=run_id,
+                                 limit=limit)
 
     # --- drills -------------------------------------------------------------------------
     def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,
@@ -599,7 +605,7 @@ class Catalog:
             return [to_drill(r) for r in conn.execute(stmt)]
 
 
-def _drill_select():
+def _drill_select() -> Select:
     return select(drills_table, checkpoints.c.step, runs.c.name.label("run_name")).select_from(
         drills_table.join(checkpoints, checkpoints.c.id == drills_table.c.checkpoint_id)
         .join(runs, runs.c.id == checkpoints.c.run_id))
@@ -621,12 +627,17 @@ def upgrade(url: str) -> str:
                     if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
                         conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
                     upgrade_connection(conn)
-                    return current_revision(conn)
+                    rev = current_revision(conn)
+                    if rev is None:  # never after an upgrade to head; narrows the type
+                        where = make_url(url).render_as_string(hide_password=True)
+                        raise SchemaOutdated(f"the catalog at {where} has no schema revision after the upgrade")
+                    return rev
             except CatalogUnavailable:
                 # SQLite: a fresh file's switch to WAL needs the file to itself and can answer
                 # "database is locked" without waiting; the upgrade is idempotent, so try again
                 if attempt == 5:
                     raise
                 time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
     finally:
         engine.dispose()

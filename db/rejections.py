@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import select, update
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Row
 
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, RejectionInfo
 from db.rows import add_audit, checkpoints, insert_ignore, parts, rejections, runs
@@ -53,6 +53,6 @@ def listing(conn: Connection, run: str | None = None) -> list[RejectionInfo]:
     return [_to_info(r) for r in conn.execute(stmt)]
 
 
-def _to_info(row) -> RejectionInfo:
+def _to_info(row: Row) -> RejectionInfo:
     return RejectionInfo(run=row.run, step=row.step, part=row.part, manifest_digest=row.manifest_digest,
                          node=row.node, reason=row.reason, rejected_at=row.rejected_at, actor=row.actor)

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, IllegalTransition, PruneRefused, StaleState
@@ -217,7 +217,7 @@ def expire_copy_claim(conn: Connection, replica_id: int, *, now: datetime, actor
     return True
 
 
-def expired_claims(conn: Connection, *, now: datetime) -> list[Row]:
+def expired_claims(conn: Connection, *, now: datetime) -> Sequence[Row]:
     """Replicas held ``copying`` or ``pruning`` whose lease lapsed (or that never had one)."""
     return conn.execute(replica_select().where(
         replicas.c.state.in_([COPYING, PRUNING]),
@@ -225,5 +225,5 @@ def expired_claims(conn: Connection, *, now: datetime) -> list[Row]:
         .order_by(replicas.c.id)).all()
 
 
-def _same_token(token: str | None):
+def _same_token(token: str | None) -> ColumnElement[bool]:
     return replicas.c.claim_token.is_(None) if token is None else replicas.c.claim_token == token

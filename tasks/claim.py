@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
 
 from core.errors import CkptError, StaleState
 from db.entities import COPYING, MISSING, VERIFIED, ReplicaInfo
@@ -120,11 +121,13 @@ class ClaimedCopy:
         except CkptError as lost:
             log.warning("replica %s: could not record %s: %s", self.replica.id, state, lost)
 
-    def __enter__(self) -> ClaimedCopy:
+    def __enter__(self) -> Self:
         self.lease.start()
         return self
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, _tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
+    ) -> None:
         self.lease.stop()
         if exc is not None and not self.settled:
             self.settle(MISSING, f"{self.what} failed, nothing trusted: {type(exc).__name__}: {exc}")

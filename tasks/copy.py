@@ -64,7 +64,7 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
                               keys=[f"{prefix}/{p}" for p in own if p in shared])
             shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
             report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
-                               buffer_bytes=settings.io_buffer_bytes, progress=held.progress(shown))
+                               progress=held.progress(shown))
             held.verified(bytes=report.bytes, seconds=report.seconds,
                           reason=f"copied from tier {src_tier} and read back")
     event = events.PROMOTED if dst_tier == 1 else events.VERIFIED

@@ -3,8 +3,10 @@ that justifies it, in the same prune, before deleting anything (a full re-read i
 
 A part is there when its manifest (the commit marker) is present and is the manifest the
 catalog registered, and every registered file is present with its registered size; on object
-storage also the server's own checksum of each file (HeadObject) must be the registered one
-where the server keeps one. Listing, stat and HeadObject only: nothing is read back in full.
+storage also each file's checksum must be the registered one, as the store proves it
+(HeadObject where the endpoint validates checksums; a read-back on an endpoint that only
+echoes them). With ``read_back`` (what a prune asks by default, ``Settings.prune_evidence``)
+every file is read back and checksummed on its tier as well.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from core.errors import CorruptCheckpoint, NotFound
 from core.layout import checkpoint_prefix, part_key
 from core.storage.base import TierStore
+from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING
 from tasks.base import registered_manifest
 
@@ -26,11 +29,13 @@ class Finding:
     reason: str
 
 
-def check_part(cat, store: TierStore, checkpoint_id: int, run: str, step: int, part: int,
-               parts: int) -> Finding | None:
+def check_part(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, step: int, part: int,
+               parts: int, *, read_back: bool = False) -> Finding | None:
     """None when the part's manifest and files on ``store`` match the catalog; else what is
-    wrong. Transient storage errors propagate (a copy that could not be checked is no evidence,
-    but not a finding either)."""
+    wrong. With ``read_back`` every file's bytes are read back and checksummed on its tier
+    (``verify_object``): a same-size bit flip that scrub has not reached yet is found too.
+    Transient storage errors propagate (a copy that could not be checked is no evidence, but
+    not a finding either)."""
     try:
         registered_manifest(cat, store, checkpoint_id, run, step, part, parts)
     except NotFound:
@@ -46,10 +51,13 @@ def check_part(cat, store: TierStore, checkpoint_id: int, run: str, step: int, p
             return Finding(MISSING, f"{f.path} vanished")
         if got.size != f.size:
             return Finding(CORRUPT, f"{f.path} has {got.size} bytes, expected {f.size}")
-        if store.tier == 2:
-            info = store.stat(key)  # HeadObject: the server's full-object checksum, when it keeps one
-            if info is None:
+        if read_back or store.tier == 2:
+            # the stored bytes' checksum as the store proves it: read back on a file system; on
+            # object storage HeadObject where the endpoint validates checksums, else a read-back
+            try:
+                store.verify_object(key, f.size, f.checksum)
+            except NotFound:
                 return Finding(MISSING, f"{f.path} vanished")
-            if info.checksum is not None and info.checksum != f.checksum:
-                return Finding(CORRUPT, f"{f.path}: stored crc32c {info.checksum} != registered {f.checksum}")
+            except CorruptCheckpoint as exc:
+                return Finding(CORRUPT, f"{f.path}: {exc}")
     return None

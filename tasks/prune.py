@@ -92,7 +92,8 @@ def _delete(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, acto
         abandon(cat, store, ck, rep, actor, why="prune abandoned: the manifest delete failed")
         raise
     lease.check()
-    why = "prune" + (" (a prune taken over after its lease lapsed)" if took_over else "") + (f": {reason}" if reason else "")
+    why = ("prune" + (" (a prune taken over after its lease lapsed)" if took_over else "")
+           + (f": {reason}" if reason else ""))
     return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=why, actor=actor)
 
 
@@ -108,11 +109,14 @@ def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: Repl
             continue
         try:
             with open_tier(settings, other.tier) as store:
-                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts)
+                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts,
+                                     read_back=settings.prune_evidence == "read")
         except CkptError as exc:
             log.warning("prune of replica %s: tier %s copy could not be checked: %s", rep.id, other.tier, exc)
             continue
         if finding is None:
+            if settings.prune_evidence == "read":
+                cat.mark_checked(other.id, actor=actor)  # just read back in full: scrub may wait
             return None
         try:
             cat.transition(other.id, finding.state, expected=VERIFIED, actor=actor,

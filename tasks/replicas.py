@@ -44,9 +44,7 @@ class TierStores:
     def close(self) -> None:
         """Release what the stores hold (S3 transfer threads); they reopen on the next ``get``."""
         for store in self._open.values():
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            store.close()
         self._open.clear()
 
     def __enter__(self) -> Self:

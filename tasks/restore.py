@@ -202,7 +202,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=settings.copy_parallelism,
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow
-                copy_part(src, prefix, dst, dst_prefix, manifest, buffer_bytes=settings.io_buffer_bytes,
+                copy_part(src, prefix, dst, dst_prefix, manifest,
                           parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency), progress=report)
             return rep.tier
         except Exception as exc:  # classified below; the rest propagates

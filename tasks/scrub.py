@@ -172,9 +172,10 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     """Make the replica of ``part`` on ``tier`` verified again from a good copy on another tier.
 
     As a claimed copy (``tasks.claim``): remove whatever the bad copy left (its manifest first,
-    so it stops being committed; paths another live part lists stay), copy from the nearest verified replica readable here, read back,
-    then ``verified``. Never raises for a repair that cannot be done; says why instead (a string
-    when another worker holds the replica: nothing failed, it is being copied now).
+    so it stops being committed; paths another live part lists stay), copy from the nearest
+    verified replica readable here, read back, then ``verified``. Never raises for a repair
+    that cannot be done; says why instead (a string when another worker holds the replica:
+    nothing failed, it is being copied now).
     """
     from core.transfer import copy_part
 
@@ -197,7 +198,7 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
             delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
                         reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
             result = copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
-                               parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes,
+                               parallelism=settings.copy_parallelism,
                                progress=held.progress())
             held.verified(bytes=result.bytes, seconds=time.monotonic() - started,
                           reason=f"scrub repair from tier {src_rep.tier}")

@@ -6,8 +6,8 @@ so the catalog knows every copy (reconcile records parts it finds on Tier 1 the 
 bad one makes the replica ``corrupt`` with the file and the reason, announces
 ``ckpt.checkpoint.corrupt`` and raises ``CorruptCheckpoint``; nothing else changes. The
 checkpoint itself is marked corrupt only while no other tier holds a verified copy: rot found
-on Tier 0 during a re-promotion does not condemn the good copies on Tiers 1 and 2. On Tier 1/2 a bad copy makes that replica
-``corrupt`` (a later promotion copies it again). Tier 2 is checked by the server's
+on Tier 0 during a re-promotion does not condemn the good copies on Tiers 1 and 2. On Tier 1/2
+a bad copy makes that replica ``corrupt`` (a later promotion copies it again). Tier 2 is checked by the server's
 full-object CRC32C (HeadObject), not by downloading it.
 """
 

@@ -35,7 +35,7 @@ from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Self
 
 from core import checksum
 from core.errors import CorruptCheckpoint
@@ -127,7 +127,7 @@ class TierStore(ABC):
     def close(self) -> None:  # noqa: B027 - most backends hold nothing
         """Release what the store holds (S3: its transfer threads). Idempotent."""
 
-    def __enter__(self) -> TierStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:

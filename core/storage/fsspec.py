@@ -5,7 +5,6 @@ API. Its publish is ``mv`` of a staging file, atomic only where the filesystem's
 
 from __future__ import annotations
 
-
 import io
 import time
 from collections.abc import Iterable, Iterator
@@ -23,7 +22,9 @@ from core.storage.common import check_match, map_os_error
 class FsspecStore(TierStore):
     """A tier on any fsspec filesystem (``memory://``, ``sftp://``...), same contract."""
 
-    def __init__(self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, **storage_options):
+    def __init__(
+        self, url: str, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, **storage_options: object
+    ) -> None:
         import fsspec
 
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)

@@ -13,15 +13,14 @@ media); media faults that appear later are the scrub's job (``verify_object`` on
 
 from __future__ import annotations
 
-
 import errno
 import io
 import os
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -46,7 +45,7 @@ def _copy_range(src_fd: int, dst_fd: int, count: int) -> int:
     return os.copy_file_range(src_fd, dst_fd, count)
 
 
-def local_fd(reader) -> int | None:
+def local_fd(reader: BinaryIO) -> int | None:
     """The descriptor of ``reader`` when it is a regular local file (kernel copy possible)."""
     try:
         fd = reader.fileno()
@@ -55,7 +54,9 @@ def local_fd(reader) -> int | None:
         return None
 
 
-def kernel_copy(src_fd: int, dst_fd: int, limit: int, note=None) -> int | None:
+def kernel_copy(
+    src_fd: int, dst_fd: int, limit: int, note: Callable[[int], object] | None = None
+) -> int | None:
     """Copy up to ``limit`` bytes in the kernel (no user-space buffer); the byte count, or
     None when this pair of files cannot (cross-device on some kernels, unsupported file
     system) and nothing was copied. ``note(n)`` hears about each step, for progress."""
@@ -135,13 +136,13 @@ class LocalStore(TierStore):
     # --- reads -------------------------------------------------------------------------
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
-        try:
-            fh = open(self.path(key), "rb", buffering=0)
-        except FileNotFoundError:
-            raise NotFound(f"{self.url_for(key)} does not exist") from None
-        except OSError as exc:
-            raise map_os_error(exc, key) from exc
-        with fh:
+        with ExitStack() as stack:  # only the open's errors are mapped, not the caller's
+            try:
+                fh = stack.enter_context(open(self.path(key), "rb", buffering=0))
+            except FileNotFoundError:
+                raise NotFound(f"{self.url_for(key)} does not exist") from None
+            except OSError as exc:
+                raise map_os_error(exc, key) from exc
             yield fh
 
     def stat(self, key: str) -> ObjectInfo | None:
@@ -193,7 +194,7 @@ class LocalStore(TierStore):
         self._changed([target.parent])
         return True
 
-    def _changed(self, folders) -> None:
+    def _changed(self, folders: Iterable[Path]) -> None:
         with self._lock:
             self._unsynced.update(folders)
 
@@ -353,7 +354,7 @@ class LocalStore(TierStore):
         return count
 
     @staticmethod
-    def _staged_key(prefix: str, base, dirpath: str, name: str) -> str:
+    def _staged_key(prefix: str, base: Path, dirpath: str, name: str) -> str:
         """The key a staging file (``staging_name``) is destined for."""
         final = name[len(STAGING_MARK):].split("-", 2)[-1]
         rel = os.path.relpath(dirpath, base)

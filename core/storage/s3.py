@@ -39,7 +39,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from core import checksum as crc
 from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
@@ -65,7 +65,7 @@ COMPLETE_CRC32C = ("x-amz-checksum-crc32c", "x-amz-checksum-type")
 CHECKSUM_MODE = ("x-amz-checksum-mode",)
 
 
-def _code(exc) -> tuple[str, int]:
+def _code(exc: BaseException) -> tuple[str, int]:
     err = getattr(exc, "response", {}) or {}
     return str(err.get("Error", {}).get("Code", "")), int(err.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
@@ -129,7 +129,7 @@ def s3_errors(what: str, headers: tuple[str, ...] = ()) -> Iterator[None]:
 class _Body:
     """A GetObject body whose read errors are mapped to the taxonomy."""
 
-    def __init__(self, body, what: str):
+    def __init__(self, body: Any, what: str) -> None:  # botocore's StreamingBody (untyped)
         self._body, self._what = body, what
 
     def read(self, n: int = -1) -> bytes:
@@ -189,8 +189,8 @@ class S3Store(TierStore):
         max_concurrency: int = 8,
         max_attempts: int = 5,
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
-        client=None,
-    ):
+        client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
+    ) -> None:
         if not url.startswith("s3://"):
             raise ConfigError(f"not an s3:// URL: {url!r}")
         bucket, _, prefix = url[len("s3://"):].partition("/")
@@ -206,7 +206,7 @@ class S3Store(TierStore):
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(max_concurrency)
 
-    def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int):
+    def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int) -> Any:
         import boto3
         from botocore.config import Config
 
@@ -265,7 +265,8 @@ class S3Store(TierStore):
         return ObjectInfo(
             key=key,
             size=int(h["ContentLength"]),
-            checksum=crc.s3_to_hex(h.get("ChecksumCRC32C", "")) if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None,
+            checksum=(crc.s3_to_hex(h.get("ChecksumCRC32C", ""))
+                      if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None),
             etag=h.get("ETag"),
             version_id=h.get("VersionId"),
         )
@@ -275,8 +276,8 @@ class S3Store(TierStore):
         out: list[ObjectInfo] = []
         with s3_errors(f"list {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-                for o in page.get("Contents", []):
-                    out.append(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag")))
+                out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"))
+                           for o in page.get("Contents", []))
         return sorted(out, key=lambda o: o.key)
 
     def verify_object(self, key: str, size: int, checksum: str) -> None:
@@ -361,7 +362,9 @@ class S3Store(TierStore):
         try:
             self.verify_object(key, size, checksum)
         except CorruptCheckpoint as exc:
-            raise ConflictError(f"{self.url_for(key)} already exists with different bytes ({exc}); refusing to overwrite") from None
+            raise ConflictError(
+                f"{self.url_for(key)} already exists with different bytes ({exc}); refusing to overwrite"
+            ) from None
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
         if self.stat(key) is not None:
@@ -389,7 +392,9 @@ class S3Store(TierStore):
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
         got = crc.hash_bytes(data)
         if (len(data), got) != (size, checksum):
-            raise CorruptCheckpoint(f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}", path=key)
+            raise CorruptCheckpoint(
+                f"{key}: source size/crc32c {len(data)}/{got} != expected {size}/{checksum}", path=key
+            )
         with s3_errors(self.url_for(key), SEND_CRC32C + IF_NONE_MATCH):
             self.client.put_object(
                 Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*",
@@ -452,7 +457,7 @@ class S3Store(TierStore):
                     f.exception()  # wait, so no part lands after the abort
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-            except Exception:  # best effort; a lifecycle rule reaps what is left
+            except Exception:  # noqa: BLE001 - best effort; a lifecycle rule reaps what is left
                 pass
             raise
 
@@ -511,5 +516,7 @@ class S3Store(TierStore):
                     Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
                 )
             if r.get("Errors"):
-                raise StorageUnavailable(f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}")
+                raise StorageUnavailable(
+                    f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}"
+                )
         return len(keys)

@@ -134,8 +134,11 @@ def _clone(source: Path, target: Path, buffer_bytes: int, advance: Callable[[int
             except OSError as exc:
                 if exc.errno not in _NO_CLONE:
                     raise
-                checksum.hash_stream(fin, buffer_bytes, lambda chunk: (_write_all(fout.fileno(), chunk),
-                                                                       advance(len(chunk))))
+                def sink(chunk: memoryview) -> None:
+                    _write_all(fout.fileno(), chunk)
+                    advance(len(chunk))
+
+                checksum.hash_stream(fin, buffer_bytes, sink)
                 return
             if n == 0:
                 return

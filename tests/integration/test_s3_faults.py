@@ -211,7 +211,9 @@ def test_sweeping_one_parts_staging_spares_the_uploads_of_other_keys(direct, tmp
     c.create_multipart_upload(Bucket=direct.bucket, Key=direct._k(mine))
     c.create_multipart_upload(Bucket=direct.bucket, Key=direct._k(theirs))
 
-    assert direct.sweep_staging(PREFIX, older_than_s=60, keys=[mine, f"{PREFIX}/manifest.part-00000-of-00002.json"]) == 1
+    assert direct.sweep_staging(
+        PREFIX, older_than_s=60, keys=[mine, f"{PREFIX}/manifest.part-00000-of-00002.json"]
+    ) == 1
     left = c.list_multipart_uploads(Bucket=direct.bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == [direct._k(theirs)]
     assert direct.sweep_staging(PREFIX, older_than_s=60, keys=[mine]) == 0  # idempotent

@@ -40,7 +40,8 @@ def write_checkpoint(tier0_root: Path | str, run: str, step: int, *, shards: int
     rng = np.random.default_rng(seed * 1_000_003 + step * 101 + part)
     weight_map = {}
     for i in range(shards):
-        name = f"model-p{part:02d}-{i:05d}.safetensors" if parts > 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        name = (f"model-p{part:02d}-{i:05d}.safetensors" if parts > 1
+                else f"model-{i + 1:05d}-of-{shards:05d}.safetensors")
         tensor = f"layer{part}.{i}.weight"
         save_file({tensor: rng.standard_normal(shard_bytes // 4, dtype=np.float32)}, str(folder / name))
         weight_map[tensor] = name

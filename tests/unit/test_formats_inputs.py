@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import struct
 
 import pytest
@@ -35,7 +36,7 @@ def check_dcp(metadata: bytes) -> None:
                          ids=["None", "empty-dict", "plain-dict", "list", "str"])
 @pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL])
 def test_a_pickle_that_is_not_dcp_metadata_is_corrupt(obj, protocol):
-    with pytest.raises(CorruptCheckpoint, match="not a torch.distributed.checkpoint Metadata"):
+    with pytest.raises(CorruptCheckpoint, match=re.escape("not a torch.distributed.checkpoint Metadata")):
         check_dcp(pickle.dumps(obj, protocol=protocol))
 
 

@@ -164,7 +164,7 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
     if path == "streamed":
         monkeypatch.setattr(fsmod, "local_fd", lambda reader: None)
     with pytest.raises(StorageFull):
-        copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2, buffer_bytes=256 * 1024)
+        copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2)
     assert sum(written) > 2 * MiB  # the fault was hit on the path under test
     assert list(find_committed(t1)) == []
     assert not any(is_staging(Path(p).name) for p in all_files(t1.root))
@@ -181,7 +181,7 @@ from core.transfer import copy_part, read_committed
 fsmod._copy_range = lambda s, d, n: os.copy_file_range(s, d, min(n, 64 * 1024))  # a slow disk
 t0, t1 = LocalStore(sys.argv[1], 0), LocalStore(sys.argv[2], 1)
 m = read_committed(t0, sys.argv[3], int(sys.argv[4]))
-copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1, buffer_bytes=64 * 1024,
+copy_part(t0, sys.argv[5], t1, sys.argv[5], m, parallelism=1,
           progress=lambda done: time.sleep(0.01))
 """
 

@@ -29,9 +29,11 @@ def test_postgres_row_lock_timeout_is_transient(pg_url):
 
 def test_integrity_error_is_a_clear_permanent_conflict(catalog):
     catalog.ensure_run("r")
-    with pytest.raises(ConflictError, match="conflicts with recorded data") as info:
-        with transaction(catalog.engine) as conn:
-            conn.execute(insert(Run).values(name="r", created_at=catalog.get_run("r").created_at, tags={}))
+    with (
+        pytest.raises(ConflictError, match="conflicts with recorded data") as info,
+        transaction(catalog.engine) as conn,
+    ):
+        conn.execute(insert(Run).values(name="r", created_at=catalog.get_run("r").created_at, tags={}))
     assert not is_transient(info.value)
 
 

@@ -170,7 +170,8 @@ def test_unpromoted_lists_committed_checkpoints_never_copied_to_tier_1(catalog):
     verified(catalog, ids[4], 2)
     verified(catalog, ids[5], 0)  # newest verified now 5, so 4 may be pruned
     owner = catalog.begin_prune(rep.id, actor="t")
-    catalog.transition(rep.id, PRUNED, actor="t", claim_token=owner.claim_token)  # promoted once, then pruned by retention
+    # promoted once, then pruned by retention
+    catalog.transition(rep.id, PRUNED, actor="t", claim_token=owner.claim_token)
     assert _steps(catalog.unpromoted()) == [("r", 3), ("r", 5)]
     assert catalog.unpromoted(older_than_seconds=3600) == []
     assert _steps(catalog.unpromoted(run="r", limit=1)) == [("r", 3)]

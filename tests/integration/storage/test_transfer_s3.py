@@ -1,4 +1,5 @@
-"""copy_part / verify_part against moto's S3 server over HTTP: multipart, server-side CRC32C, objects replaced behind our back, and S3 5xx."""
+"""copy_part / verify_part against moto's S3 server over HTTP: multipart, server-side CRC32C,
+objects replaced behind our back, and S3 5xx."""
 
 from __future__ import annotations
 

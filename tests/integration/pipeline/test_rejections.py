@@ -65,9 +65,9 @@ def test_a_malformed_part_is_rejected_once_and_a_resave_is_judged_afresh(setting
     assert all(p.failed == [] and p.promoted == [] for p in passes)
     assert all(any("part 1: rejected" in s for s in p.skipped) for p in passes)
     assert checkpoint_state(settings, 100) == "rejected"
-    with pytest.raises(BadInput, match="rejected at"):  # a duplicate event: refused, not re-judged
-        with announcing(events):
-            promote(node1, RUN, 100, 1, 2, steps=plain_steps())
+    # a duplicate event: refused, not re-judged
+    with pytest.raises(BadInput, match="rejected at"), announcing(events):
+        promote(node1, RUN, 100, 1, 2, steps=plain_steps())
     assert rejects(settings, 100) == 1 and events.names().count("rejected") == 1
     assert (ckpt_dir(node1.tier0_url, RUN, 100) / "model-p01-00000.safetensors").is_file()  # bytes kept
 

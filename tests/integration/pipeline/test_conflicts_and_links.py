@@ -13,7 +13,7 @@ import shutil
 import pytest
 from tests.kit.pipeline import Recorder
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
-from tests.kit.checkpoints import flip_bit, replica_states
+from tests.kit.checkpoints import expire_claims, flip_bit, replica_states
 
 from core.errors import ConflictError, PathEscape
 from core.events import announcing
@@ -219,11 +219,12 @@ def test_a_finishing_prune_is_audited(settings):
     with Catalog(settings.catalog_url) as cat:
         rep = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id, 0))
         cat.begin_prune(rep.id, actor="test", reason="keep_last=1")  # a prune killed here
-    prune_replica(settings, rep.id, actor="test", reason="keep_last=1")  # the next call finishes it
+    expire_claims(settings)  # ...a lease ago
+    prune_replica(settings, rep.id, actor="test", reason="keep_last=1")  # taken over, guard re-run, finished
 
     deletes = audit(settings, RUN, 100, "delete")
     assert len(deletes) == 1 and "tier0" in deletes[0].subject
-    assert "finishing an interrupted prune" in deletes[0].reason
+    assert "taken over after its lease lapsed" in deletes[0].reason
     assert not tier0_dir(settings, RUN, 100).exists()
 
 

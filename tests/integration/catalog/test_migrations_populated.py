@@ -4,7 +4,7 @@ checkpoint, file, replica and audit row intact and readable through the catalog 
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import sqlalchemy as sa
 
@@ -14,7 +14,7 @@ from db.session import make_engine
 
 
 def _populate_at_0001(url: str) -> None:
-    now = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    now = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
     engine = make_engine(url)
     try:
         with engine.begin() as conn:

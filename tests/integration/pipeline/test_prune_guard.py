@@ -14,7 +14,16 @@ from core.errors import PruneRefused, StaleState, StorageUnavailable
 from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
-from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, published_files, replica_states, shard_paths, truncate, write_checkpoint
+from tests.kit.checkpoints import (
+    flip_bit,
+    open_catalog as catalog,
+    ckpt_dir,
+    published_files,
+    replica_states,
+    shard_paths,
+    truncate,
+    write_checkpoint,
+)
 from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
@@ -96,6 +105,20 @@ def test_a_truncated_tier1_file_does_not_justify_pruning_tier0(settings):
     write_checkpoint(settings.tier0_url, RUN, 100)
     promote(settings, RUN, 100, steps=plain_steps())
     truncate(shard_paths(settings.tier1_url, RUN, 100)[0])  # rot scrub has not reached yet
+
+    write_checkpoint(settings.tier0_url, RUN, 200)
+    promote(settings, RUN, 200, steps=plain_steps())
+
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "corrupt"}
+    assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
+
+
+def test_a_same_size_bit_flip_on_tier1_does_not_justify_pruning_tier0(settings):
+    """Rot that keeps the size (found by the fault soak): only reading the justifying copy's
+    bytes back finds it, so the prune does that before deleting the Tier 0 copy."""
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    promote(settings, RUN, 100, steps=plain_steps())
+    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[0])  # same size, wrong bytes, scrub not there yet
 
     write_checkpoint(settings.tier0_url, RUN, 200)
     promote(settings, RUN, 200, steps=plain_steps())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -15,7 +15,14 @@ from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, expire_claims, replica_states, shard_paths, write_checkpoint
+from tests.kit.checkpoints import (
+    open_catalog as catalog,
+    ckpt_dir,
+    expire_claims,
+    replica_states,
+    shard_paths,
+    write_checkpoint,
+)
 from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
@@ -161,7 +168,7 @@ def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db
     cat = Catalog.open(db_url, auto_upgrade=True)
     try:
         cat.ensure_run("r")
-        lagging = (datetime.now(timezone.utc) - timedelta(days=3)).isoformat()
+        lagging = (datetime.now(UTC) - timedelta(days=3)).isoformat()
         ck = cat.register_part(replace(manifest("r", 100), created_at=lagging), actor="writer")
         verified(cat, ck.id, 0), verified(cat, ck.id, 1)
         verified(cat, checkpoint(cat, "r", 200).id, 1)  # a newer one, so 100 is not the newest
