@@ -27,7 +27,7 @@ test-fast: venv
 
 # the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS
 soak: venv
-	CKPT_SOAK_EXAMPLES=$${CKPT_SOAK_EXAMPLES:-400} CKPT_SOAK_STEPS=$${CKPT_SOAK_STEPS:-60} \
+	CKPT_SOAK_SEED=$${CKPT_SOAK_SEED:-random} CKPT_SOAK_EXAMPLES=$${CKPT_SOAK_EXAMPLES:-400} CKPT_SOAK_STEPS=$${CKPT_SOAK_STEPS:-60} \
 	CKPT_SOAK_REPORT=$${CKPT_SOAK_REPORT:-soak-report.json} $(BIN)/python -m pytest tests/soak -o timeout=0 $(PYTEST_ARGS)
 
 demo: venv

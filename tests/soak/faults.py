@@ -32,11 +32,22 @@ CATALOG_SKIP = {"close", "engine", "url", "check_schema"}
 @dataclass
 class Plan:
     """What to do to one operation: ``kind`` in {'', 'kill', 'catalog_outage', 'storage_outage'};
-    fire at the ``at``-th wrapped call (0-based), ``after`` the call instead of before it."""
+    fire at the ``at``-th (0-based) wrapped call that matches ``target`` ('store', 'catalog' or
+    '' for any) and ``method`` (a method name, or '' for any), ``after`` the call instead of
+    before it. A targeted store method (``put_verified``, ``delete``...) puts the fault exactly
+    between a storage operation and its catalog commit."""
 
     kind: str = ""
     at: int = 0
     after: bool = False
+    target: str = ""
+    method: str = ""
+
+    def label(self) -> str:
+        if not self.kind:
+            return ""
+        where = f"{self.target or 'any'}{'.' + self.method if self.method else ''}"
+        return f"+{self.kind}@{where}#{self.at}{'a' if self.after else 'b'}"
 
 
 @dataclass
@@ -60,7 +71,7 @@ class Injector:
         self.dead = self.catalog_down = self.storage_down = False
         return self.fired
 
-    def around(self, what: str, fn: Any, args: tuple, kwargs: dict) -> Any:
+    def around(self, what: str, fn: Any, args: tuple, kwargs: dict, name: str = "") -> Any:
         if not self.enabled:
             return fn(*args, **kwargs)
         if self.dead:
@@ -69,23 +80,26 @@ class Injector:
             raise CatalogUnavailable("injected catalog outage")
         if what == "store" and self.storage_down:
             raise StorageUnavailable("injected storage outage")
-        n = self.calls
-        self.calls += 1
-        fire = self.plan.kind and n == self.plan.at and not self.fired
-        if fire and not self.plan.after:
-            self._fire(what)
+        p = self.plan
+        matches = (not p.target or p.target == what) and (not p.method or p.method == name)
+        fire = False
+        if matches and not self.fired and p.kind:
+            fire = self.calls == p.at
+            self.calls += 1
+        if fire and not p.after:
+            self._fire(what, name)
         result = fn(*args, **kwargs)
-        if fire and self.plan.after:
-            self._fire(what)
+        if fire and p.after:
+            self._fire(what, name)
         return result
 
-    def _fire(self, what: str) -> None:
+    def _fire(self, what: str, name: str = "") -> None:
         kind = self.plan.kind
         if kind == "storage_outage" and what != "store":
             kind = "catalog_outage"
         if kind == "catalog_outage" and what != "catalog":
             kind = "storage_outage"
-        label = f"{kind}_{'after' if self.plan.after else 'before'}_{what}"
+        label = f"{kind}_{'after' if self.plan.after else 'before'}_{what}" + (f".{name}" if name else "")
         self.fired = label
         self.counts[label] += 1
         if kind == "kill":
@@ -114,7 +128,7 @@ class _Proxy:
         inj, what = self._inj, self._what
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return inj.around(what, attr, args, kwargs)
+            return inj.around(what, attr, args, kwargs, name)
         return call
 
     def __enter__(self) -> Any:
