@@ -28,6 +28,7 @@ PRUNED = "ckpt.checkpoint.pruned"
 CORRUPT = "ckpt.checkpoint.corrupt"
 REJECTED = "ckpt.checkpoint.rejected"
 RESTORED = "ckpt.checkpoint.restored"
+LATE = "ckpt.checkpoint.late"  # completed, not durable within the RPO (emitted by the RPO automation)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
 # default) after answering 204, so an event that big must never leave: ``build_event`` refuses

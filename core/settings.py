@@ -81,6 +81,11 @@ class Settings(BaseSettings):
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)
+    rpo_seconds: int = Field(
+        default=900, ge=10,
+        description="recovery point objective: a checkpoint completed but not durable (every part on Tier 1) "
+                    "this long after its first part's event raises ckpt.checkpoint.late (the RPO automation; Prefect's "
+                    "proactive triggers need at least 10 s)")
     prune_evidence: Literal["read", "stat"] = Field(
         default="read",
         description="how a prune checks the copy that justifies it: 'read' reads its bytes back (a same-size "

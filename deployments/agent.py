@@ -14,6 +14,9 @@ What one agent serves:
   with Tier 2 configured, or an inline archive that failed), so a plain checkpoint starts no
   archive run. Run
   exactly one agent without ``--node-only`` per cluster: two would scrub and drill twice.
+  That agent also creates (or updates, by name) the RPO automation ``ckpt-rpo-late``
+  (deployments/automations.py): a checkpoint not durable within ``rpo_seconds`` of its
+  completed event raises ``ckpt.checkpoint.late``.
 
   The promote flow that completes a checkpoint also archives it inline (flows/promote.py),
   so the durable-triggered archive run is a safety net that finds nothing left to do in the
@@ -137,6 +140,19 @@ def agent_environment(settings: Settings) -> dict[str, str]:
     return env
 
 
+def ensure_alerts(settings: Settings) -> None:
+    """The cluster agent creates (or updates) the RPO automation; a failure is logged, never
+    fatal: promotions matter more than the alert about them."""
+    import logging
+
+    from deployments.automations import ensure_rpo_automation
+
+    try:
+        ensure_rpo_automation(settings.rpo_seconds, settings.prefect_api_url)
+    except Exception as exc:  # noqa: BLE001 - see above
+        logging.getLogger(__name__).warning("RPO automation not created: %s: %s", type(exc).__name__, exc)
+
+
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
@@ -146,5 +162,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     os.environ.update(agent_environment(settings))
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
+        if not node_only:
+            ensure_alerts(settings)
         serve(*build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger), limit=limit,
               print_starting_message=True)

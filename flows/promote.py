@@ -25,6 +25,7 @@ from core.settings import Settings, load_settings
 from flows.archive import archive
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from flows.retention import retention
+from flows.status import publish_run_status
 from tasks.base import HopResult
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
@@ -106,7 +107,8 @@ def _run_name() -> str:
 @flow(name="promote-checkpoint", flow_run_name=_run_name)
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion.
+    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion,
+    and the run's status page (``run-<name>``, flows/status.py) republished.
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
@@ -122,4 +124,10 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     hops = result.hops + (result.archive.hops if result.archive else [])
     publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
                   f"promotion of {run} step {step} part {part + 1}/{result.parts}")
+    try:  # the run's status page (key run-<name>); never fails a promotion that succeeded
+        publish_run_status(str(settings.catalog_url), run)
+    except Exception as exc:  # noqa: BLE001 - see above
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning("run status artifact not published: %s: %s", type(exc).__name__, exc)
     return result.summary()

@@ -1,0 +1,142 @@
+"""The per-run status artifact: one markdown page per run (key ``run-<name>``), republished
+after every promotion, so the Prefect UI's Artifacts tab answers "where is this run?" at a
+glance: the newest verified step on each tier, how long checkpoints take to become durable
+(commit -> every part verified on Tier 1), the run's measured ΔMFU (the sizing model with its
+own writer stalls and save interval from the catalog) and the lineage chain of its newest
+checkpoint.
+
+``gather`` reads the catalog; ``status_markdown`` is a plain function of what it read
+(tested without Prefect); ``publish_run_status`` publishes it from inside a flow run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from statistics import median
+
+from core import sizing
+from db.catalog import Catalog
+from db.entities import LineageEdge
+
+TIERS = (0, 1, 2)
+TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
+RECENT = 20  # checkpoints looked at for the time to durable
+
+
+@dataclass(frozen=True)
+class TierNewest:
+    tier: int
+    step: int | None
+    verified_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run: str
+    newest: list[TierNewest]
+    # (step, seconds from commit to every part verified on Tier 1), newest last
+    time_to_durable: list[tuple[int, float]] = field(default_factory=list)
+    figure: sizing.RunFigure | None = None
+    newest_step: int | None = None  # the lineage chain starts here
+    lineage: list[LineageEdge] = field(default_factory=list)
+    checkpoints: int = 0
+    generated_at: datetime | None = None
+
+
+def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
+    """Everything the page shows, read from the catalog."""
+    newest = []
+    for tier in TIERS:
+        c = cat.newest_verified(run, tier=tier)
+        loc = next((x for x in cat.locations(run, c.step) if x.tier == tier), None) if c else None
+        newest.append(TierNewest(tier, c.step if c else None, loc.verified_at if loc else None))
+    ckpts = sorted(cat.list_checkpoints(run), key=lambda c: c.step)
+    ttd = []
+    for c in ckpts[-RECENT:]:
+        start = c.committed_at or c.created_at
+        loc = next((x for x in cat.locations(run, c.step) if x.tier == 1), None)
+        if loc is not None and start is not None:
+            ttd.append((c.step, max(0.0, (loc.verified_at - start).total_seconds())))
+    figure = sizing.measured(run, [(c.created_at, c.writer_stall_seconds) for c in ckpts
+                                   if c.writer_stall_seconds is not None])
+    head = ckpts[-1].step if ckpts else None
+    lineage = cat.ancestors(run, head, max_depth=500) if head is not None else []
+    return RunStatus(run, newest, ttd, figure, head, lineage, len(ckpts), now)
+
+
+def _when(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else ""
+
+
+def status_markdown(s: RunStatus) -> str:
+    """The artifact's markdown (plain function of ``s``)."""
+    out = [f"# Run `{s.run}`", ""]
+    if s.generated_at:
+        out += [f"_{s.checkpoints} checkpoint(s); updated {_when(s.generated_at)} UTC after a promotion._", ""]
+    out += ["## Newest verified checkpoint per tier", "", "| tier | step | verified at |", "|---|---:|---|"]
+    out += [f"| {TIER_NAMES[n.tier]} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
+            for n in s.newest]
+    out += ["", "## Time to durable (commit → every part verified on Tier 1)", ""]
+    if s.time_to_durable:
+        secs = [t for _, t in s.time_to_durable]
+        step, last = s.time_to_durable[-1]
+        out += [f"- newest durable, step {step}: **{sizing.fmt_seconds(last)}**",
+                (f"- median of the last {len(secs)}: {sizing.fmt_seconds(median(secs))}, "
+                 f"worst: {sizing.fmt_seconds(max(secs))}")]
+    else:
+        out += ["- no checkpoint of this run is durable yet"]
+    out += ["", "## Measured cost of checkpointing (ΔMFU = T_save / (T_interval + T_save))", ""]
+    f = s.figure
+    if f is None:
+        out += ["- no writer stall recorded for this run"]
+    else:
+        out += [f"- writer stall: median {sizing.fmt_seconds(f.median_stall_seconds)} over {f.checkpoints} save(s)"]
+        if f.median_interval_seconds is not None and f.delta_mfu is not None:
+            out += [f"- save interval: median {sizing.fmt_seconds(f.median_interval_seconds)}",
+                    f"- **ΔMFU: {sizing.fmt_percent(f.delta_mfu)}** of compute spent stalled on checkpoints"]
+        else:
+            out += ["- ΔMFU: needs two saves (no interval yet)"]
+    out += ["", "## Lineage (newest first)", ""]
+    out += [lineage_line(s.run, s.newest_step, s.lineage)]
+    return "\n".join(out) + "\n"
+
+
+def lineage_line(run: str, head: int | None, edges: list[LineageEdge]) -> str:
+    """The ancestors of ``run``/``head`` as one line, consecutive checkpoints of one run
+    (``follows`` edges) folded into a range: ``run-b steps 300..500 (3) ← resumed from run-a
+    steps 100..200 (2)``."""
+    if head is None:
+        return "- no checkpoint"
+    segs: list[dict] = [{"run": run, "new": head, "old": head, "n": 1, "how": ""}]
+    for e in sorted(edges, key=lambda e: e.depth):
+        seg = segs[-1]
+        if e.relation == "follows" and e.parent_run == seg["run"]:
+            seg["old"], seg["n"] = e.parent_step, seg["n"] + 1
+        else:
+            segs.append({"run": e.parent_run, "new": e.parent_step, "old": e.parent_step, "n": 1,
+                         "how": e.relation.replace("_", " ")})
+    parts = []
+    for g in segs:
+        where = f"step {g['new']}" if g["n"] == 1 else f"steps {g['old']}..{g['new']} ({g['n']})"
+        parts.append((f"*{g['how']}* " if g["how"] else "") + f"`{g['run']}` {where}")
+    return " ← ".join(parts)
+
+
+def publish_run_status(catalog_url: str, run: str) -> str | None:
+    """Publish (a new version of) the run's status artifact from the current flow run; the
+    markdown, or None outside a flow run. Key: ``run-<name>`` made a valid artifact key."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    from flows.common import artifact_key
+
+    if FlowRunContext.get() is None:
+        return None
+    cat = Catalog(catalog_url)
+    try:
+        md = status_markdown(gather(cat, run, now=datetime.now(UTC)))
+    finally:
+        cat.close()
+    create_markdown_artifact(md, key=artifact_key("run", run), description=f"status of run {run}")
+    return md

@@ -1,0 +1,92 @@
+"""The per-run status page (flows/status.py) as plain markdown, and the RPO automation's
+definition and late-event template (deployments/automations.py), without Prefect's server."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+
+from core import events, sizing
+from db.entities import LineageEdge
+from flows.common import artifact_key
+from flows.status import RunStatus, TierNewest, lineage_line, status_markdown
+
+T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def _status(**kw) -> RunStatus:
+    base = dict(
+        run="run-b",
+        newest=[TierNewest(0, 500, T0), TierNewest(1, 400, T0 + timedelta(seconds=30)), TierNewest(2, None)],
+        time_to_durable=[(300, 4.0), (400, 6.5)],
+        figure=sizing.measured("run-b", [(T0, 2.0), (T0 + timedelta(seconds=98), 2.0)]),
+        newest_step=500,
+        lineage=[LineageEdge("run-b", 500, "run-b", 400, "follows", 1),
+                 LineageEdge("run-b", 400, "run-b", 300, "follows", 2),
+                 LineageEdge("run-b", 300, "run-a", 200, "resumed_from", 3),
+                 LineageEdge("run-a", 200, "run-a", 100, "follows", 4)],
+        checkpoints=3, generated_at=T0)
+    base.update(kw)
+    return RunStatus(**base)
+
+
+def test_status_markdown_has_every_section():
+    md = status_markdown(_status())
+    assert md.startswith("# Run `run-b`")
+    assert "| Tier 0 (node NVMe) | 500 |" in md and "| Tier 1 (shared FS) | 400 |" in md
+    assert "| Tier 2 (object store) | — | — |" in md
+    assert "newest durable, step 400: **6.50 s**" in md
+    assert "median of the last 2" in md
+    # two saves of 2 s stall, 98 s apart: 4 / 100 = 4 %
+    assert "**ΔMFU: 4.00 %**" in md, md
+    assert "`run-b` steps 300..500 (3) ← *resumed from* `run-a` steps 100..200 (2)" in md
+
+
+def test_status_markdown_of_a_new_run():
+    md = status_markdown(_status(newest=[TierNewest(t, None) for t in (0, 1, 2)], time_to_durable=[],
+                                 figure=None, newest_step=None, lineage=[], checkpoints=0))
+    assert "no checkpoint of this run is durable yet" in md
+    assert "no writer stall recorded" in md
+    assert "- no checkpoint" in md
+
+
+def test_lineage_line_single_checkpoint_and_branch():
+    assert lineage_line("r", 7, []) == "`r` step 7"
+    edges = [LineageEdge("r", 7, "base", 3, "fine_tuned_from", 1)]
+    assert lineage_line("r", 7, edges) == "`r` step 7 ← *fine tuned from* `base` step 3"
+
+
+def test_artifact_key_of_a_run_is_valid():
+    assert artifact_key("run", "My_Run.v2") == "run-my-run-v2"
+
+
+def test_rpo_trigger_is_proactive_per_checkpoint():
+    from deployments.automations import rpo_trigger
+
+    t = rpo_trigger(900)
+    assert t.posture == "Proactive" and t.after == {events.COMPLETED} and t.expect == {events.DURABLE}
+    assert t.for_each == {"prefect.resource.id"} and t.threshold == 1
+    assert t.within == timedelta(seconds=900)
+
+
+def test_late_event_template_renders_a_valid_event():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from deployments.automations import late_payload
+
+    completed = events.build_event(events.COMPLETED, "run-a", 1200, part=1, parts=2, node="gpu-7")
+    res = completed["resource"]
+    ctx = {"event": SimpleNamespace(id=completed["id"], occurred=T0,
+                                    resource={**res, "id": res["prefect.resource.id"],
+                                              "name": res["prefect.resource.name"]}),
+           "firing": SimpleNamespace(id="0190b3c2-0000-7000-8000-000000000001", triggered=T0 + timedelta(minutes=15)),
+           "automation": SimpleNamespace(id="a-1", name="ckpt-rpo-late")}
+    body = json.loads(ImmutableSandboxedEnvironment().from_string(late_payload(900)).render(**ctx))
+    (ev,) = body
+    assert ev["event"] == events.LATE
+    assert ev["resource"]["prefect.resource.id"] == "ckpt.checkpoint.run-a.1200"
+    assert ev["resource"]["ckpt.node"] == "gpu-7"
+    assert ev["payload"] == {"run": "run-a", "step": 1200, "node": "gpu-7", "rpo_seconds": 900,
+                             "completed_event": completed["id"], "completed_at": T0.isoformat()}
+    assert ev["occurred"] == (T0 + timedelta(minutes=15)).isoformat()
