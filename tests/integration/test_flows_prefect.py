@@ -89,6 +89,11 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     assert table is not None and table.type == "table"
     hops = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert {h["hop"] for h in hops} >= {"verify tier 0", "tier 0 -> tier 1", "tier 1 -> tier 2"}
+    page = Artifact.get(f"run-{run}")  # the run's status page, republished after each promotion
+    assert page is not None and page.type == "markdown"
+    for row in ("| Tier 0 (node NVMe) | 100 |", "| Tier 1 (shared FS) | 100 |", "| Tier 2 (object store) | 100 |"):
+        assert row in page.data, page.data
+    assert "newest durable, step 100:" in page.data and f"`{run}` step 100" in page.data
     want = {"ckpt.checkpoint.verified", "ckpt.checkpoint.promoted", "ckpt.checkpoint.durable",
             "ckpt.checkpoint.archived"}
     assert want <= events_seen(prefect_server, run, since, want)
