@@ -134,7 +134,8 @@ def node_served(api_url: str, node: str, *, timeout: float = 5.0) -> bool | None
     from deployments.names import promote_deployment
 
     try:
-        r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout)
+        r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout,
+                      headers=events.auth_headers())
     except httpx.HTTPError:
         return None
     return True if r.status_code == 200 else False if r.status_code == 404 else None

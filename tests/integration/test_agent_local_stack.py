@@ -1,4 +1,4 @@
-"""`ckpt up`: the local stack starts (Prefect server, S3 server, agent) and stops cleanly."""
+"""`ckpt up`: the local stack starts (Prefect server with API auth on, S3 server, agent) and stops cleanly."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from ckpt.local_stack import free_port
+from core.events import auth_headers
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -54,7 +55,10 @@ def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
         s3 = next(ln.split()[-1] for ln in lines if ln.startswith("S3 endpoint"))
         assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200
         assert httpx.get(f"{s3}/ckpt", timeout=5).status_code == 200  # the bucket exists
-        d = httpx.get(f"http://127.0.0.1:{port}/api/deployments/name/promote-checkpoint/node-0", timeout=5).json()
+        secret = next(ln.split("=", 1)[1].strip() for ln in lines if "export PREFECT_API_AUTH_STRING=" in ln)
+        dep_url = f"http://127.0.0.1:{port}/api/deployments/name/promote-checkpoint/node-0"
+        assert httpx.get(dep_url, timeout=5).status_code == 401  # API auth is on by default
+        d = httpx.get(dep_url, timeout=5, headers=auth_headers(secret)).json()
         assert d["status"] == "READY"
         children = _children(proc.pid)
         assert len(children) >= 3  # server, S3 server, agent
