@@ -152,6 +152,14 @@ class Settings(BaseSettings):
         return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part replaced by ``***``: the form
+    in which a connection URL may appear in a message, a log line or anything Prefect stores."""
+    import re
+
+    return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"]+@", r"\1:***@", url)
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Read settings once; turn validation errors into one clear ``ConfigError``."""
     from pydantic import ValidationError
