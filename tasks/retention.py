@@ -74,7 +74,11 @@ def _mark_locked(cat: Catalog, settings: Settings, plan: list[PruneAction]) -> l
         for a in plan:
             until = None
             if a.tier == 2 and a.outcome == PLANNED:
-                until = store.locked_until([part_key(a.run, a.step, a.part, cat.get_checkpoint(a.run, a.step).parts)])
+                key = part_key(a.run, a.step, a.part, cat.get_checkpoint(a.run, a.step).parts)
+                try:
+                    until = store.locked_until([key])
+                except CkptError as exc:  # left planned: the prune checks the lock again itself
+                    log.warning("retention: Object Lock of %s not known: %s", store.url_for(key), exc)
             out.append(a if until is None else
                        replace(a, outcome=LOCKED, detail=f"Object Lock until {until.isoformat()}; pruned after that"))
         return out

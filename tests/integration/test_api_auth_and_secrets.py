@@ -1,7 +1,8 @@
 """A locked-down stack: a Prefect server with its API auth on (``PREFECT_SERVER_API_AUTH_STRING``),
 agents and the training job holding the secret (``PREFECT_API_AUTH_STRING``), a catalog URL with a
 password and an S3 secret key. An event without the secret is refused and starts nothing; the
-job's own announcement (with it) promotes; after a full promotion (Tier 1 and the Tier 2
+job's own announcement (with it) promotes; the RPO alert's webhook, which calls the server, gets
+through; after a full promotion (Tier 1 and the Tier 2
 archive) none of the secrets is anywhere the Prefect server keeps: flow and task runs, logs,
 artifacts, events, automations, deployments, blocks, variables, nor its database file.
 
@@ -23,7 +24,7 @@ import pytest
 
 from core import events
 from deployments import names
-from tests.kit.agents import flow_runs, start_agents, train, wait_for
+from tests.kit.agents import finished, flow_runs, start_agents, train, wait_for
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres]
 
@@ -81,7 +82,7 @@ def agents(locked_server, catalog_url, s3_endpoint, tmp_path_factory):
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key=S3_SECRET).create_bucket(Bucket=bucket)
     a = start_agents(api, root, (NODE,), catalog_url=catalog_url, s3_url=s3_endpoint, bucket=bucket,
-                     auth_string=AUTH, extra={"AWS_SECRET_ACCESS_KEY": S3_SECRET})
+                     auth_string=AUTH, extra={"AWS_SECRET_ACCESS_KEY": S3_SECRET, "CKPT_RPO_SECONDS": "10"})
     yield a
     a.stop()
 
@@ -118,6 +119,17 @@ def test_an_event_without_the_secret_is_refused_and_one_with_it_promotes(agents)
              agents=agents)
     assert _runs_for("run-auth", 100, api) == []  # the refused event started nothing
     assert len(_runs_for("run-auth", 200, api)) == 1
+
+
+def test_the_rpo_alert_still_reaches_the_server_it_calls(agents):
+    """The RPO automation's webhook posts to the server's own /events: with auth on it must
+    carry the secret, or the alert would be refused exactly when it matters."""
+    since = datetime.now(UTC) - timedelta(seconds=5)
+    events.post_events(agents.api_url, [events.build_event(events.COMPLETED, "run-late", 5, node="no-agent-here")])
+    late = wait_for("ckpt.checkpoint.late", lambda: [e for e in _events(agents.api_url, since)
+                                                     if e["event"] == events.LATE
+                                                     and e["resource"].get("ckpt.run") == "run-late"], timeout=120)
+    assert len(late) == 1
 
 
 def _pages(api: str, path: str, body: dict) -> list:
@@ -173,9 +185,15 @@ def test_no_secret_reaches_what_the_prefect_server_stores(agents, locked_server)
     assert out["delivered"] == [["run-secret", 300, 0, True]]
     wait_for("step 300 verified on tiers 0, 1 and 2", lambda: _tiers(agents, "run-secret", 300) == {0, 1, 2},
              timeout=180, agents=agents)
+    # what the flows sent is stored asynchronously (runs finishing, events persisted in batches)
+    wait_for("the promotion's runs finished",
+             lambda: (runs := [r for r in flow_runs(api) if "run-secret" in r["name"]]) and all(map(finished, runs)),
+             timeout=120, agents=agents)
+    wait_for("the archived event stored", lambda: any(e["event"] == events.ARCHIVED for e in _events(api, since)),
+             timeout=120, agents=agents)
     kept = _what_the_server_keeps(api, home, since)
     assert json.loads(kept["logs"]), "no flow-run logs reached the server: the grep would prove nothing"
-    assert "run-secret" in kept["flow_runs"] and "ckpt.checkpoint.archived" in kept["events"]
+    assert "run-secret" in kept["flow_runs"]
     assert any(k.startswith("file prefect.db") for k in kept)
     assert "ckpt-rpo-late" in kept["automations"]  # the agent created it through the auth'd API
     leaks = [(what, where) for what, secret in SECRETS.items() for where, text in kept.items() if secret in text]
