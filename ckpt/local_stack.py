@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -97,22 +98,34 @@ def auth_env(auth_string: str | None, *, server: bool = False) -> dict[str, str]
     return {"PREFECT_SERVER_API_AUTH_STRING" if server else "PREFECT_API_AUTH_STRING": auth_string}
 
 
+def server_env(base: Mapping[str, str], *, home: Path, api_url: str, ui: bool) -> dict[str, str]:
+    """The environment of a local Prefect server whose API is ``api_url``.
+
+    The UI asks ``/ui-settings`` where the API is. Prefect answers with its UI API URL setting,
+    which otherwise falls back to ``PREFECT_API_URL`` (dropped here: an inherited one names some
+    other server) and then to the *default* port 4200, not the ``--port`` the server was
+    started with: on any other port every page of the UI would call a wrong server. So the
+    server is told its own URL, for the UI's API calls and for the links it renders."""
+    env = {k: v for k, v in base.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL", "PREFECT_UI_URL")}
+    env.update(PREFECT_HOME=str(home), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="true" if ui else "false",
+               PREFECT_SERVER_UI_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"),
+               PREFECT_LOGGING_LEVEL="WARNING")
+    return env
+
+
 def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0,
                          auth_string: str | None = None):
     """Prefect server on SQLite under ``home`` (API auth on with ``auth_string``); returns
     (process, API URL)."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port(port)
-    env = dict(os.environ)
-    env.pop("PREFECT_API_URL", None)
-    env.update(PREFECT_HOME=str(home), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="true" if ui else "false",
-               PREFECT_LOGGING_LEVEL="WARNING")
+    url = f"http://{LOOPBACK}:{port}/api"
+    env = server_env(os.environ, home=home, api_url=url, ui=ui)
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
     env.update(auth_env(auth_string, server=True))
     proc = _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
                   home / "server.log", env)
-    url = f"http://{LOOPBACK}:{port}/api"
     try:
         wait_http(f"{url}/health", timeout=timeout, proc=proc, what="Prefect server")
     except BaseException:

@@ -54,6 +54,10 @@ def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
         assert f"export PREFECT_API_URL=http://127.0.0.1:{port}/api" in text
         s3 = next(ln.split()[-1] for ln in lines if ln.startswith("S3 endpoint"))
         assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200
+        # the UI asks the server where the API is: this stack's port, not Prefect's default 4200
+        ui = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=5).json()
+        assert ui["api_url"] == f"http://127.0.0.1:{port}/api"
+        assert ui["auth"] == "BASIC"  # the UI asks for the secret
         assert httpx.get(f"{s3}/ckpt", timeout=5).status_code == 200  # the bucket exists
         secret = next(ln.split("=", 1)[1].strip() for ln in lines if "export PREFECT_API_AUTH_STRING=" in ln)
         dep_url = f"http://127.0.0.1:{port}/api/deployments/name/promote-checkpoint/node-0"
