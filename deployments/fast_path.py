@@ -21,8 +21,9 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 
 Nothing here creates flow runs: the deployment trigger stays the one source of runs, so a
 duplicate event is still one run and the UI shows the same runs as before. The runner stays the
-fallback: a run this path does not take (no warm process ready yet, the subscription down, a
-run scheduled for later) starts at the runner's next poll, as without it.
+fallback: a run this path does not take (the warm process not ready within a minute, the
+subscription down, a run scheduled for later) starts at the runner's next poll, as without it;
+whichever proposes ``Pending`` first starts it.
 
 The warm process runs without Prefect's flow-run heartbeats. Its liveness is watched by the
 agent that spawned it (4.), whereas a self-hosted Prefect server acts on heartbeats only through
@@ -64,11 +65,12 @@ def claim_message(node: str) -> str:
 
 
 def run_warm(conn: Any, env: dict[str, str]) -> None:
-    """The warm process: import what a promote run needs, say ready, run the one flow run it is
-    given (its id over ``conn``; None: stop), exit. Prefect's engine records every outcome of
-    the flow itself; the process dying is the supervisor's to record."""
+    """The warm process: import what a promote run needs and build Prefect's settings, say
+    ready, run the one flow run it is then given (a ``FlowRun`` as JSON over ``conn``; None: stop), exit.
+    Prefect's engine records every outcome of the flow itself; the process dying is the
+    supervisor's to record."""
     os.environ.update(env)
-    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import FlowRun
     from prefect.context import SettingsContext, get_settings_context
     from prefect.flow_engine import run_flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings, temporary_settings
@@ -78,15 +80,12 @@ def run_warm(conn: Any, env: dict[str, str]) -> None:
 
     step_tasks()  # the task modules (and what they import) load now, not during the run
     warm_up()
-    conn.send(READY)
-    flow_run_id = conn.recv()
-    if flow_run_id is None:
-        return
     with SettingsContext(profile=get_settings_context().profile, settings=Settings()), \
             temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        with get_client(sync_client=True) as client:
-            flow_run = client.read_flow_run(UUID(flow_run_id))
-        run_flow(promote_checkpoint, flow_run=flow_run, return_type="state")
+        conn.send(READY)
+        flow_run = conn.recv()
+        if flow_run is not None:
+            run_flow(promote_checkpoint, flow_run=FlowRun.model_validate(flow_run), return_type="state")
 
 
 def warm_up() -> None:
@@ -125,8 +124,8 @@ class WarmProcess:
             return False
         return self._ready and self.process.is_alive()
 
-    def run(self, flow_run_id: UUID) -> None:
-        self.conn.send(str(flow_run_id))
+    def run(self, flow_run: Any) -> None:
+        self.conn.send(flow_run.model_dump(mode="json"))
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():
@@ -271,10 +270,14 @@ class FastPath:
             return
         with self._lock:
             self._running[flow_run_id] = warm
-        warm.run(flow_run_id)
-        await client.update_flow_run(flow_run_id, infrastructure_pid=f"{socket.gethostname()}:{warm.process.pid}")
         _in_context(self._supervise, flow_run_id, warm, name=f"ckpt-fast-path-{flow_run_id}")
         self._refill()
+        try:
+            warm.run(flow_run.model_copy(update={"state": result.state}))  # as claimed: no read back
+        except Exception:
+            warm.process.terminate()  # claimed but never started: the supervisor records it Crashed
+            raise
+        await client.update_flow_run(flow_run_id, infrastructure_pid=f"{socket.gethostname()}:{warm.process.pid}")
 
     async def _wait_spare(self) -> WarmProcess | None:
         """The warm process, waiting while it is still importing (it started before this run was
