@@ -141,6 +141,9 @@ def measure(api: str, cat, events, run: str, step: int, node: str, times: Times,
     name = f"promote/{run}/step-{step}"
     done = wait(lambda: [r for r in _body(httpx.post(f"{api}/flow_runs/filter", json={
         "flow_runs": {"name": {"any_": [name]}}})) or () if r["end_time"]])[0]
+    if done["state_type"] != "COMPLETED":  # said, not measured: the table holds promotions only
+        print(f"{label:24} step {step}: run {done['state_type']}: {done['state']['message']}", flush=True)
+        return
     verified = wait(lambda: [r for r in cat.replicas(cat.get_checkpoint(run, step).id, 1) if r.verified_at])
     states: dict[str, float] = {}
     for s in _body(httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": done["id"]})):

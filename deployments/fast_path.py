@@ -224,37 +224,42 @@ class FastPath:
 
     async def _subscribe(self, client: Any, deployment_id: UUID) -> None:
         from prefect.events.clients import get_events_subscriber
-        from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+        from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 
+        # any_resource, not related: the server applies a related-resource filter to stored
+        # events only, and would stream every deployment's runs to this subscription
         wanted = EventFilter(event=EventNameFilter(name=[SCHEDULED, CANCELLING]),
-                             related=EventRelatedFilter(id=[f"prefect.deployment.{deployment_id}"]))
+                             any_resource=EventAnyResourceFilter(id=[f"prefect.deployment.{deployment_id}"]))
         async with get_events_subscriber(filter=wanted) as subscriber:
             log.info("fast path: listening for promote runs of %s", names.promote_deployment(self.node))
             async for event in subscriber:
                 flow_run_id = UUID(event.resource.id.removeprefix("prefect.flow-run."))
                 if event.event == SCHEDULED:
-                    offer = asyncio.create_task(self._offer_safely(client, flow_run_id))
+                    offer = asyncio.create_task(self._offer_safely(client, flow_run_id, deployment_id))
                     self._offers.add(offer)  # a reference until done (asyncio keeps weak ones)
                     offer.add_done_callback(self._offers.discard)
                 else:
                     self._cancel(flow_run_id)
 
-    async def _offer_safely(self, client: Any, flow_run_id: UUID) -> None:
+    async def _offer_safely(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
         try:
             async with self._one_at_a_time:  # runs take the warm process in the order scheduled
-                await self._offer(client, flow_run_id)
+                await self._offer(client, flow_run_id, deployment_id)
         except Exception as exc:  # noqa: BLE001 - one run's trouble must not end the subscription
             log.warning("fast path: flow run %s left to the runner: %s: %s", flow_run_id, type(exc).__name__, exc)
 
     # --- claiming and starting a run ------------------------------------------------------
-    async def _offer(self, client: Any, flow_run_id: UUID) -> None:
-        """Start ``flow_run_id`` now if it is still scheduled, due, and a warm process is ready."""
+    async def _offer(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
+        """Start ``flow_run_id`` now if it is a run of this node's promote deployment, still
+        scheduled, due, and a warm process is ready."""
         from prefect.client.schemas.responses import SetStateStatus
         from prefect.states import Pending
 
         flow_run = await client.read_flow_run(flow_run_id)
         state = flow_run.state
-        if state is None or not state.is_scheduled() or self._stopping.is_set():
+        if flow_run.deployment_id != deployment_id or self._stopping.is_set():
+            return  # another node's: its Tier 0 is not here
+        if state is None or not state.is_scheduled():
             return  # the runner (or an earlier event) took it
         due = state.state_details.scheduled_time
         if due is not None and due > datetime.now(UTC) + DUE_WITHIN:
