@@ -38,6 +38,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import Times, bench_parser, parse, prefect_api, table
+from core.events import auth_headers
 
 SMOKE = {"gap": 0.0, "mb": 4}
 PATHS = {"trigger": "trigger", "subscribe": "fast path"}  # trigger: the runner's poll picks the run up
@@ -111,7 +112,8 @@ def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tupl
     deps = []
     try:
         wait_deployments(api, [names.promote_deployment(n) for n in nodes.values()], procs=list(agents.values()))
-        deps = [httpx.get(f"{api}/deployments/name/{names.promote_deployment(n)}").json()["id"] for n in nodes.values()]
+        deps = [httpx.get(f"{api}/deployments/name/{names.promote_deployment(n)}", headers=auth_headers()).json()["id"]
+                for n in nodes.values()]
         with ExitStack() as stack:
             cat = stack.enter_context(Catalog(load_settings().catalog_url))
             stagers = {p: stack.enter_context(CheckpointStager(run, settings=load_settings(node=nodes[p]),
@@ -130,7 +132,7 @@ def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tupl
             stop_process(proc)
         if reused:  # someone else's server: take our deployments (and their runs' home) away
             for dep in deps:
-                httpx.delete(f"{api}/deployments/{dep}")
+                httpx.delete(f"{api}/deployments/{dep}", headers=auth_headers())
     return times, stages
 
 
@@ -140,16 +142,16 @@ def measure(api: str, cat, events, run: str, step: int, node: str, times: Times,
     assert events.emit(events.COMPLETED, run, step, node=node, api_url=api)
     name = f"promote/{run}/step-{step}"
     done = wait(lambda: [r for r in _body(httpx.post(f"{api}/flow_runs/filter", json={
-        "flow_runs": {"name": {"any_": [name]}}})) or () if r["end_time"]])[0]
+        "flow_runs": {"name": {"any_": [name]}}}, headers=auth_headers())) or () if r["end_time"]])[0]
     if done["state_type"] != "COMPLETED":  # said, not measured: the table holds promotions only
         print(f"{label:24} step {step}: run {done['state_type']}: {done['state']['message']}", flush=True)
         return
     verified = wait(lambda: [r for r in cat.replicas(cat.get_checkpoint(run, step).id, 1) if r.verified_at])
     states: dict[str, float] = {}
-    for s in _body(httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": done["id"]})):
+    for s in _body(httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": done["id"]}, headers=auth_headers())):
         states[s["type"]] = min(states.get(s["type"], float("inf")), ts(s["timestamp"]))  # the first of each
     received = _body(httpx.post(f"{api}/events/filter", json={"filter": {"id": {"id": [
-        str(events.event_id(events.COMPLETED, run, step))]}}}))["events"]
+        str(events.event_id(events.COMPLETED, run, step))]}}}, headers=auth_headers()))["events"]
     at = {"received": ts(received[0]["received"]) if received else float("nan"), "run created": ts(done["created"]),
           "claimed (Pending)": states.get("PENDING", float("nan")), "flow running": ts(done["start_time"]),
           "verified on Tier 1": verified[0].verified_at.timestamp(), "run completed": ts(done["end_time"])}

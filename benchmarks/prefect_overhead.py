@@ -138,11 +138,14 @@ def flow_phases(flow_run_id, t0: float, t_end: float) -> dict[str, float]:
     import httpx
     from prefect.settings import PREFECT_API_URL
 
+    from core.events import auth_headers
+
     api = PREFECT_API_URL.value()
-    states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": str(flow_run_id)}, timeout=30).json()
+    states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": str(flow_run_id)}, timeout=30,
+                       headers=auth_headers()).json()
     at = {s["type"]: datetime.fromisoformat(s["timestamp"]).timestamp() for s in states}
     tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [str(flow_run_id)]}}},
-                       timeout=30).json()
+                       timeout=30, headers=auth_headers()).json()
     stamp = lambda value: datetime.fromisoformat(value).timestamp()  # noqa: E731
     spans = sorted((stamp(t["start_time"]), stamp(t["end_time"])) for t in tasks if t["start_time"] and t["end_time"])
     inside = sum(end - start for start, end in spans)

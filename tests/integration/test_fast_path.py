@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from core import events
+from core.events import auth_headers
 from deployments import names
 from deployments.fast_path import claim_message
 from tests.kit.agents import Agents, finished, flow_runs, start_agents, train, wait_for
@@ -44,7 +45,8 @@ def _runs(agents: Agents, run: str, step: int) -> list[dict]:
 def _states(agents: Agents, flow_run_id: str) -> list[dict]:
     import httpx
 
-    r = httpx.get(f"{agents.api_url}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=10)
+    r = httpx.get(f"{agents.api_url}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=10,
+                  headers=auth_headers())
     r.raise_for_status()
     return sorted(r.json(), key=lambda s: s["timestamp"])
 
@@ -79,7 +81,8 @@ def test_event_is_promoted_at_once_by_the_fast_path_and_duplicates_are_one_run(a
                      timeout=120, agents=agents)
     assert [r["state_type"] for r in later] == ["COMPLETED"]
 
-    runs = _runs(agents, "run-fp", 1)
+    runs = wait_for("the runs of step 1 finished", lambda: (rs := _runs(agents, "run-fp", 1)) and
+                    all(finished(r) for r in rs) and rs, agents=agents)  # it may end after the later one
     assert [(r["name"], r["state_type"]) for r in runs] == [("promote/run-fp/step-1", "COMPLETED")]
     assert _on_tier1(agents, "run-fp", 1)
     states = _states(agents, runs[0]["id"])
