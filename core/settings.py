@@ -89,6 +89,10 @@ class Settings(BaseSettings):
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)
+    fast_path: bool = Field(
+        default=True,
+        description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
+                    "event subscription); off: the runner's poll and a fresh process, as Prefect serves it")
     rpo_seconds: int = Field(
         default=900, ge=10,
         description="recovery point objective: a checkpoint completed but not durable (every part on Tier 1) "
