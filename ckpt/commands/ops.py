@@ -162,27 +162,50 @@ def up_cmd(
     port: int = typer.Option(4200, "--port", help="Prefect server port (a free one if taken)"),
     nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
+    production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
+                                    "(--no-services) and services processes on PostgreSQL + Redis; "
+                                    "catalog on PostgreSQL"),
+    pg_url: str = typer.Option(None, "--pg-url", help="PostgreSQL server for --production (databases "
+                               "'prefect' and 'ckpt_catalog' are created there) "
+                               "[postgresql://postgres@127.0.0.1:5432/postgres]"),
+    redis_url: str = typer.Option(None, "--redis-url", help="Redis for --production; redis://HOST:PORT/N uses "
+                                  "database N, without /N the first free of 1-15 [redis://127.0.0.1:6379]"),
+    api_workers: int = typer.Option(1, "--api-workers", min=1, help="API server worker processes (--production)"),
 ) -> None:
-    """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
-    and the agents; runs until Ctrl-C, then stops everything cleanly."""
+    """The local stack on loopback: Prefect server (SQLite; with --production on PostgreSQL +
+    Redis, services in their own process), moto's S3 server with its bucket, and the agents;
+    runs until Ctrl-C, then stops everything cleanly."""
     import shlex
     import signal
     import time
 
     from ckpt.local_stack import LocalStack
+    from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+    from core.errors import BadInput
 
-    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2)
-    typer.echo("starting the Prefect server, the S3 server and the agents ...")
+    if not production and (pg_url or redis_url or api_workers > 1):
+        raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
+    prod = None
+    if production:
+        # API auth (PREFECT_SERVER_API_AUTH_STRING) would go into ProductionStack.server_env_extra
+        prod = ProductionStack(root.absolute() / "prefect", pg_server_url=pg_url or DEFAULT_PG_URL,
+                               redis_url=redis_url or DEFAULT_REDIS_URL, port=port, workers=api_workers)
+    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2,
+                       production=prod)
+    typer.echo("starting the Prefect server" + (" (PostgreSQL + Redis, services apart)" if prod else "")
+               + ", the S3 server and the agents ...")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
     with stack:
         typer.echo(f"Prefect UI   {stack.ui_url}")
         typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
+        if prod is not None:
+            typer.echo(f"Prefect on   {prod.describe()}")
         typer.echo("for the training job and the CLI, in another shell:")
         for k, v in stack.exports().items():
             typer.echo(f"  export {k}={shlex.quote(v)}")
         typer.echo("Ctrl-C stops the stack")
         try:
-            while all(p.poll() is None for p in stack.procs + stack.agents):
+            while stack.alive():
                 time.sleep(1)
             typer.echo("a stack process exited; see the logs under " + str(root / "logs"), err=True)
             raise typer.Exit(1)
