@@ -12,6 +12,7 @@ and means 2**30. Parsing errors raise ``BadInput`` so the CLI prints one clear l
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -138,3 +139,79 @@ def _sig3(x: float) -> str:
         return "0"
     digits = max(0, 2 - int(f"{abs(x):e}".split("e")[1]))
     return f"{x:.{digits}f}"
+
+
+# --- orchestration load: one checkpoint burst of N nodes against one Prefect server -------------
+@dataclass(frozen=True)
+class ServerCapacity:
+    """What one Prefect server sustained during a measured checkpoint burst, and the work one
+    checkpoint part costs it. ``source`` says where the figures come from."""
+
+    flow_runs_per_s: float
+    task_runs_per_s: float
+    flow_runs_per_part: float
+    task_runs_per_part: float
+    source: str
+
+
+# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01, this project's 2-core,
+# 24 GiB machine shared with other work, load average 10-16): Prefect 3.9.1 API server
+# (--no-services) + services process on PostgreSQL 15 + Redis 7, 38 agent processes serving
+# 64 parts. The rates are what the server sustained while the agents' flow runs shared the same
+# two cores with it, so they are a floor for a server on a machine of its own. Per part: one
+# promote flow run (plus one archive flow run per checkpoint) and its task runs.
+MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.5, task_runs_per_s=2.5, flow_runs_per_part=1.0,
+                                 task_runs_per_part=7.0, source="benchmarks/burst.py --nodes 64, 2 shared cores")
+
+
+@dataclass(frozen=True)
+class OrchestrationLoad:
+    """The Prefect work of one checkpoint of ``nodes`` parts every ``interval_seconds``."""
+
+    nodes: int
+    interval_seconds: float
+    capacity: ServerCapacity
+
+    @property
+    def flow_runs_per_burst(self) -> float:
+        return self.nodes * self.capacity.flow_runs_per_part + 1  # + the checkpoint's archive run
+
+    @property
+    def task_runs_per_burst(self) -> float:
+        return self.nodes * self.capacity.task_runs_per_part
+
+    @property
+    def drain_seconds(self) -> float:
+        """How long the server needs for one burst at its measured rates (the slower of flow
+        runs and task runs)."""
+        return max(self.flow_runs_per_burst / self.capacity.flow_runs_per_s,
+                   self.task_runs_per_burst / self.capacity.task_runs_per_s)
+
+    @property
+    def utilisation(self) -> float:
+        """Share of the interval the server spends on the burst; 1 = saturated (the next burst
+        arrives before this one is through)."""
+        return self.drain_seconds / self.interval_seconds
+
+    @property
+    def saturation_nodes(self) -> int:
+        """The smallest N whose burst takes the server the whole interval: the drain time is the
+        larger of (N f + 1) / F and N t / T (f, t: flow and task runs per part; F, T: the
+        server's rates), so it reaches the interval I at N = min((I F - 1) / f, I T / t)."""
+        c, i = self.capacity, self.interval_seconds
+        by_flows = (i * c.flow_runs_per_s - 1) / c.flow_runs_per_part
+        by_tasks = i * c.task_runs_per_s / c.task_runs_per_part
+        return max(1, math.ceil(min(by_flows, by_tasks)))
+
+
+def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> ServerCapacity:
+    """The capacity a ``benchmarks/burst.py --json`` report measured for ``server``."""
+    for phase in report:
+        if phase.get("server") == server:
+            parts = phase["parts"] or 1
+            if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
+                raise BadInput(f"the burst report's {server} phase measured no rates")
+            return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
+                                  (phase["flow_runs"] - 1) / parts, phase["task_runs"] / parts,
+                                  source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)")
+    raise BadInput(f"the burst report has no {server!r} phase")
