@@ -276,10 +276,13 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         if limit:  # the first agent was started unlimited: restart it like the others
             stop_process(first)
             procs.clear()
-        procs.extend(start_agent(env, root / "logs" / f"agent-{node[i]}.log", node=node[i], node_only=i > 0,
-                                 limit=limit) for i in range(len(procs), k))
-        wait_deployments(api, [names.promote_deployment(n) for n in node[:k]] + [names.ARCHIVE_DEPLOYMENT],
-                         timeout=120 + 15 * k, procs=procs)
+
+        def start(i: int):
+            return start_agent(env, root / "logs" / f"agent-{node[i]}.log", node=node[i], node_only=i > 0,
+                               limit=limit)
+
+        procs.extend(start(i) for i in range(len(procs), k))
+        serve_all(api, node[:k], procs, start, phase, root / "logs")
         owner = [node[p % k] for p in range(setup.nodes)]
 
         # every part committed on its node's Tier 0, nothing announced yet
@@ -338,12 +341,48 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         drop_database(setup.pg_admin, catalog_db)
 
 
+def serve_all(api: str, nodes: list[str], procs: list, start, phase: Phase, logs: Path, restarts: int = 3) -> None:
+    """Until every node's promote deployment (and the archive) is served. An agent that exits
+    first is started again, as a service manager would (compose: ``restart: unless-stopped``),
+    and the phase notes it with the end of its log (a SQLite server answering "database is
+    locked" to many agents registering at once is one cause)."""
+    from ckpt.local_stack import wait_deployments
+    from core.errors import ConfigError
+    from deployments import names
+
+    wanted = [names.promote_deployment(n) for n in nodes] + [names.ARCHIVE_DEPLOYMENT]
+    for attempt in range(restarts + 1):
+        try:
+            wait_deployments(api, wanted, timeout=120 + 15 * len(nodes), procs=procs)
+            return
+        except ConfigError:
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if not dead or attempt == restarts:
+                raise
+            for i in dead:
+                log = (logs / f"agent-{nodes[i]}.log").read_text(errors="replace").strip().splitlines()
+                phase.notes.append(f"agent {nodes[i]} exited with {procs[i].returncode} while starting "
+                                   f"({log[-1][:200] if log else 'no log'}); restarted")
+                procs[i] = start(i)
+
+
 def _all_finished(api: str) -> bool:
     import httpx
 
     r = httpx.post(f"{api}/flow_runs/count", json={"flow_runs": {"state": {"type": {"any_": [
         "SCHEDULED", "PENDING", "RUNNING"]}}, "name": {"like_": RUN}}}, timeout=30)
     return r.status_code == 200 and r.json() == 0
+
+
+def guarded(name: str, setup: Setup, run) -> Phase:
+    """``run()``'s phase, printed at once; a phase that raised is a failed phase that says why
+    (the other server's figures still print)."""
+    try:
+        phase = run()
+    except Exception as exc:  # noqa: BLE001 - reported as the phase's failure
+        phase = Phase(name, setup.nodes, setup.agents or 0, notes=[f"FAILED: {type(exc).__name__}: {exc}"])
+    print(report([phase]), flush=True)
+    return phase
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -380,18 +419,23 @@ def main() -> int:
                                  prefect_database=prefect_db, catalog_database=None, port=None, ui=False,
                                  fresh=True) as stack:
                 print(f"production stack up in {stack.start_seconds:.1f} s: {stack.describe()}", flush=True)
-                phases.append(run_phase("postgres+redis", stack.api_url, [p.pid for p in stack.procs],
-                                        [prefect_db], setup))
+                phases.append(guarded("postgres+redis", setup, lambda: run_phase(
+                    "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup)))
             if not args.no_sqlite:
                 t = time.monotonic()
                 proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)
                 try:
                     print(f"sqlite server up in {time.monotonic() - t:.1f} s", flush=True)
-                    phases.append(run_phase("sqlite", url, [proc.pid], [], setup))
+                    phases.append(guarded("sqlite", setup, lambda: run_phase("sqlite", url, [proc.pid], [], setup)))
                 finally:
                     stop_process(proc, grace=20.0)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if any(p.failures() for p in phases):  # keep the logs, not the checkpoints
+            for data in work.glob("*/data"):
+                shutil.rmtree(data, ignore_errors=True)
+            print(f"logs kept under {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
     print(f"{args.nodes} parts of {args.part_mb:g} MB, one milestone checkpoint; load average at start {load0:.1f}, "
           f"now {os.getloadavg()[0]:.1f} (2 cores shared: figures are noisy, compare the columns)")

@@ -118,7 +118,7 @@ def claim_redis_db(url: str, owner: int | None = None) -> RedisDb:
             held = int(r.get(REDIS_OWNER_KEY) or 0)
             if held == owner:
                 return db
-            if not _pid_alive(held):
+            if held <= 0 or not _pid_alive(held):
                 r.flushdb()
                 r.set(REDIS_OWNER_KEY, owner)
                 return db
