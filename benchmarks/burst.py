@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 import uuid
@@ -336,6 +337,9 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
         return phase
     finally:
+        for p in procs:  # all at once, then one by one (each gets its grace period from now)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
         for p in procs:
             stop_process(p)
         drop_database(setup.pg_admin, catalog_db)

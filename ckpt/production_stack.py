@@ -159,6 +159,10 @@ def server_env(database_url: str, redis: RedisDb) -> dict[str, str]:
         "PREFECT_REDIS_WORKER_CLEANUP_QUEUE_DB": str(redis.db),
         # one migration before the processes start, not one per process racing the others
         "PREFECT_SERVER_DATABASE_MIGRATE_ON_START": "false",
+        # Prefect's default pool (5 + 10 overflow, 30 s wait) answered 500 (QueuePool limit
+        # reached) to a 64-part burst in benchmarks/burst.py: runs crashed before they started
+        "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "15",
+        "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "60",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     if redis.password:
