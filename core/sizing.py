@@ -154,14 +154,18 @@ class ServerCapacity:
     source: str
 
 
-# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01, this project's 2-core,
-# 24 GiB machine shared with other work, load average 10-16): Prefect 3.9.1 API server
-# (--no-services) + services process on PostgreSQL 15 + Redis 7, 38 agent processes serving
-# 64 parts. The rates are what the server sustained while the agents' flow runs shared the same
-# two cores with it, so they are a floor for a server on a machine of its own. Per part: one
-# promote flow run (plus one archive flow run per checkpoint) and its task runs.
-MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.5, task_runs_per_s=2.5, flow_runs_per_part=1.0,
-                                 task_runs_per_part=7.0, source="benchmarks/burst.py --nodes 64, 2 shared cores")
+# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01): Prefect 3.9.1 API
+# server (--no-services) + services process on PostgreSQL + Redis (ckpt.production_stack),
+# 64 parts served by 40 agent processes (64 did not fit in half the free memory), on this
+# project's 2-core, 24 GiB machine shared with other work (load average ~20). Sustained over
+# the burst: 65 flow runs (64 promote + 1 archive) and 386 task runs in ~464 s, i.e. 0.14 flow
+# runs/s and 0.9 task runs/s (2,271 events, 5.0/s). The agents' flow-run subprocesses (5.2 CPU s
+# per part outside the byte copy) shared the two cores with the server, so these rates are
+# what the whole machine sustained: a floor for a server with cores of its own. A report from
+# the target cluster (`ckpt plan --burst-report`) replaces them.
+MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.14, task_runs_per_s=0.9, flow_runs_per_part=1.0,
+                                 task_runs_per_part=386 / 64,
+                                 source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
 
 
 @dataclass(frozen=True)
