@@ -1,5 +1,8 @@
 """The local stack on loopback: a Prefect server on SQLite, moto's S3 server with a bucket,
 and agents (``ckpt agent``) — what ``ckpt up``, ``make demo`` and the end-to-end tests run.
+With ``production`` (a ``ckpt.production_stack.ProductionStack``) the Prefect server is the
+production shape instead: API server and services processes on PostgreSQL + Redis, and the
+catalog on PostgreSQL.
 
 API auth: with an auth string the server runs with ``PREFECT_SERVER_API_AUTH_STRING`` (every
 API route but ``GET /health`` and ``GET /ready`` then answers 401 without HTTP Basic
@@ -24,9 +27,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ckpt.production_stack import ProductionStack
 
 LOOPBACK = "127.0.0.1"
 
@@ -220,8 +226,29 @@ def job_exports(env: dict[str, str], *, node: str, catalog_url: str) -> dict[str
     return dict(sorted(out.items()))
 
 
+class Started:
+    """A context manager over ``start()`` / ``stop()``: a start that fails half way stops
+    what it had started."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 @dataclass
-class LocalStack:
+class LocalStack(Started):
     """Prefect server + moto + one agent per node, under ``root``. Use as a context manager.
     ``auth_string``: the Prefect API's secret (None: auth off)."""
 
@@ -234,6 +261,7 @@ class LocalStack:
     limit: int | None = None
     auth_string: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    production: ProductionStack | None = None  # Prefect on PostgreSQL + Redis instead of SQLite
     api_url: str = ""
     s3_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -246,6 +274,11 @@ class LocalStack:
 
         return job_exports(self.env, node=self.nodes[0], catalog_url=str(load_settings().catalog_url))
 
+    def alive(self) -> bool:
+        """Every process of the stack (servers, agents) still runs."""
+        server = self.production.procs if self.production is not None else []
+        return all(p.poll() is None for p in server + self.procs + self.agents)
+
     @property
     def ui_url(self) -> str:
         return self.api_url.removesuffix("/api")
@@ -254,14 +287,19 @@ class LocalStack:
         from db.catalog import upgrade
 
         self.root = self.root.absolute()
-        server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui,
-                                                  auth_string=self.auth_string)
-        self.procs.append(server)
+        if self.production is not None:
+            self.production.server_env_extra.update(auth_env(self.auth_string, server=True))
+            self.api_url = self.production.start().api_url
+        else:
+            server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui,
+                                                      auth_string=self.auth_string)
+            self.procs.append(server)
         if self.tier2:
             moto, self.s3_url = start_moto(self.root / "logs" / "moto.log")
             self.procs.append(moto)
+        catalog_url = self.production.catalog_url if self.production is not None else None
         self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url,
-                                auth_string=self.auth_string), **self.extra_env}
+                                catalog_url=catalog_url, auth_string=self.auth_string), **self.extra_env}
         os.environ.update(self.env)  # this process (the demo's training job) sees the same stack
         from core.settings import load_settings
 
@@ -280,13 +318,5 @@ class LocalStack:
             stop_process(p)
         self.agents.clear()
         self.procs.clear()
-
-    def __enter__(self) -> Self:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        if self.production is not None:
+            self.production.stop()

@@ -12,6 +12,7 @@ and means 2**30. Parsing errors raise ``BadInput`` so the CLI prints one clear l
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -138,3 +139,83 @@ def _sig3(x: float) -> str:
         return "0"
     digits = max(0, 2 - int(f"{abs(x):e}".split("e")[1]))
     return f"{x:.{digits}f}"
+
+
+# --- orchestration load: one checkpoint burst of N nodes against one Prefect server -------------
+@dataclass(frozen=True)
+class ServerCapacity:
+    """What one Prefect server sustained during a measured checkpoint burst, and the work one
+    checkpoint part costs it. ``source`` says where the figures come from."""
+
+    flow_runs_per_s: float
+    task_runs_per_s: float
+    flow_runs_per_part: float
+    task_runs_per_part: float
+    source: str
+
+
+# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01): Prefect 3.9.1 API
+# server (--no-services) + services process on PostgreSQL + Redis (ckpt.production_stack),
+# 64 parts served by 40 agent processes (64 did not fit in half the free memory), on this
+# project's 2-core, 24 GiB machine shared with other work (load average ~20). Sustained over
+# the burst: 65 flow runs (64 promote + 1 archive) and 386 task runs in ~464 s, i.e. 0.14 flow
+# runs/s and 0.9 task runs/s (2,271 events, 5.0/s). The agents' flow-run subprocesses (5.2 CPU s
+# per part outside the byte copy) shared the two cores with the server, so these rates are
+# what the whole machine sustained: a floor for a server with cores of its own. A report from
+# the target cluster (`ckpt plan --burst-report`) replaces them.
+MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.14, task_runs_per_s=0.9, flow_runs_per_part=1.0,
+                                 task_runs_per_part=386 / 64,
+                                 source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
+
+
+@dataclass(frozen=True)
+class OrchestrationLoad:
+    """The Prefect work of one checkpoint of ``nodes`` parts every ``interval_seconds``."""
+
+    nodes: int
+    interval_seconds: float
+    capacity: ServerCapacity
+
+    @property
+    def flow_runs_per_burst(self) -> float:
+        return self.nodes * self.capacity.flow_runs_per_part + 1  # + the checkpoint's archive run
+
+    @property
+    def task_runs_per_burst(self) -> float:
+        return self.nodes * self.capacity.task_runs_per_part
+
+    @property
+    def drain_seconds(self) -> float:
+        """How long the server needs for one burst at its measured rates (the slower of flow
+        runs and task runs)."""
+        return max(self.flow_runs_per_burst / self.capacity.flow_runs_per_s,
+                   self.task_runs_per_burst / self.capacity.task_runs_per_s)
+
+    @property
+    def utilisation(self) -> float:
+        """Share of the interval the server spends on the burst; 1 = saturated (the next burst
+        arrives before this one is through)."""
+        return self.drain_seconds / self.interval_seconds
+
+    @property
+    def saturation_nodes(self) -> int:
+        """The smallest N whose burst takes the server the whole interval: the drain time is the
+        larger of (N f + 1) / F and N t / T (f, t: flow and task runs per part; F, T: the
+        server's rates), so it reaches the interval I at N = min((I F - 1) / f, I T / t)."""
+        c, i = self.capacity, self.interval_seconds
+        by_flows = (i * c.flow_runs_per_s - 1) / c.flow_runs_per_part
+        by_tasks = i * c.task_runs_per_s / c.task_runs_per_part
+        return max(1, math.ceil(min(by_flows, by_tasks)))
+
+
+def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> ServerCapacity:
+    """The capacity a ``benchmarks/burst.py --json`` report measured for ``server``."""
+    for phase in report:
+        if phase.get("server") == server:
+            parts = phase["parts"] or 1
+            if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
+                raise BadInput(f"the burst report's {server} phase measured no rates")
+            return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
+                                  (phase["flow_runs"] - 1) / parts, phase["task_runs"] / parts,
+                                  source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)")
+    raise BadInput(f"the burst report has no {server!r} phase")

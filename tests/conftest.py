@@ -1,8 +1,8 @@
 """Fixtures for every test, all defined in the kit (``tests/kit/``):
 
 - servers: ``pg_server``, ``pg_url``, ``sqlite_url``, ``db_url`` (SQLite and PostgreSQL),
-  ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``prefect_server``, and fake AWS
-  credentials for every test;
+  ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``prefect_server`` (SQLite),
+  ``production_server`` (PostgreSQL + Redis, services apart), and fake AWS credentials for every test;
 - ``settings_factory``: settings rooted in the test's temp folder;
 - ``catalog``: a fresh, migrated catalog on ``db_url``;
 - ``tiers``: local Tier 0 and Tier 1 stores in the test's temp folder.
@@ -19,6 +19,7 @@ from tests.kit.servers import (  # noqa: F401
     pg_server,
     pg_url,
     prefect_server,
+    production_server,
     s3_bucket,
     s3_endpoint,
     sqlite_url,

@@ -27,28 +27,68 @@ def plan_cmd(
     interval: str = typer.Option("30m", "--interval", help="time between checkpoints, e.g. 30m"),
     bandwidth: list[str] = typer.Option(["2GB/s"], "--bandwidth", help="write bandwidth; repeat to compare"),
     runs: bool = typer.Option(True, "--runs/--no-runs", help="also show each run's measured ΔMFU from the catalog"),
+    nodes: int = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
+                              "checkpoint burst of this many nodes on one Prefect server"),
+    burst_report: Path = typer.Option(None, "--burst-report", help="server capacity from a "
+                                      "`benchmarks/burst.py --json` report instead of the built-in measurement"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The sizing model: checkpoint size, save time and compute lost (ΔMFU), per bandwidth,
-    plus each run's measured ΔMFU from the writer stall times in the catalog."""
+    plus each run's measured ΔMFU from the writer stall times in the catalog. With --nodes,
+    the orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis)
+    and the cluster size that saturates it."""
     from core import sizing
     from core.errors import BadInput
 
-    if (params is None) == (size is None):
-        raise BadInput("give exactly one of --params (e.g. 70B) or --size (e.g. 980GB)")
-    volume = sizing.parse_size(size) if size else sizing.BYTES_PER_PARAM * sizing.parse_params(params)
+    if params is not None and size is not None:
+        raise BadInput("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
+    if params is None and size is None and nodes is None:
+        raise BadInput("give --params (e.g. 70B), --size (e.g. 980GB) or --nodes (e.g. 64)")
     secs = sizing.parse_duration(interval)
-    plans = [sizing.Plan(volume, secs, sizing.parse_bandwidth(b)) for b in bandwidth]
-    figures = _measured_runs() if runs else []
+    plans = []
+    if params is not None or size is not None:
+        volume = sizing.parse_size(size) if size else sizing.BYTES_PER_PARAM * sizing.parse_params(params)
+        plans = [sizing.Plan(volume, secs, sizing.parse_bandwidth(b)) for b in bandwidth]
+    load = None
+    if nodes is not None:
+        capacity = sizing.MEASURED_SERVER
+        if burst_report is not None:
+            capacity = sizing.capacity_from_report(json.loads(burst_report.read_text()))
+        load = sizing.OrchestrationLoad(nodes, secs, capacity)
+    figures = _measured_runs() if runs and plans else []
     if as_json:
-        typer.echo(json.dumps({
-            "model": [{"checkpoint_bytes": p.checkpoint_bytes, "interval_seconds": p.interval_seconds,
-                       "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "save_seconds": p.save_seconds,
-                       "delta_mfu": p.delta_mfu} for p in plans],
-            "runs": [f.__dict__ for f in figures],
-        }, indent=1))
+        out: dict = {"model": [{"checkpoint_bytes": p.checkpoint_bytes, "interval_seconds": p.interval_seconds,
+                                "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "save_seconds": p.save_seconds,
+                                "delta_mfu": p.delta_mfu} for p in plans],
+                     "runs": [f.__dict__ for f in figures]}
+        if load is not None:
+            out["orchestration"] = {"nodes": load.nodes, "interval_seconds": load.interval_seconds,
+                                    "flow_runs_per_burst": load.flow_runs_per_burst,
+                                    "task_runs_per_burst": load.task_runs_per_burst,
+                                    "drain_seconds": load.drain_seconds, "utilisation": load.utilisation,
+                                    "saturation_nodes": load.saturation_nodes,
+                                    "capacity": load.capacity.__dict__}
+        typer.echo(json.dumps(out, indent=1))
         return
-    _print_plan(plans, figures)
+    if plans:
+        _print_plan(plans, figures)
+    if load is not None:
+        _print_load(load)
+
+
+def _print_load(load) -> None:
+    from core.sizing import fmt_percent, fmt_seconds
+
+    c = load.capacity
+    typer.echo(f"Orchestration load: {load.nodes} nodes, one checkpoint every {fmt_seconds(load.interval_seconds)}")
+    typer.echo(f"  per burst: {load.flow_runs_per_burst:.0f} flow runs, {load.task_runs_per_burst:.0f} task runs "
+               f"({c.flow_runs_per_part:.3g} flow and {c.task_runs_per_part:.3g} task runs per part, one archive run)")
+    typer.echo(f"  one server sustains {c.flow_runs_per_s:g} flow runs/s, {c.task_runs_per_s:g} task runs/s "
+               f"[{c.source}]")
+    typer.echo(f"  it drains a burst in {fmt_seconds(load.drain_seconds)}: {fmt_percent(load.utilisation)} "
+               "of the interval")
+    typer.echo(f"  one server on PostgreSQL + Redis is saturated at {load.saturation_nodes} nodes "
+               f"(a burst then takes the whole interval)")
 
 
 def _measured_runs():
@@ -165,32 +205,53 @@ def up_cmd(
     auth: bool = typer.Option(True, "--auth/--no-auth",
                               help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else a new one) "
                                    "that every API call must carry; printed as PREFECT_API_AUTH_STRING"),
+    production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
+                                    "(--no-services) and services processes on PostgreSQL + Redis; "
+                                    "catalog on PostgreSQL"),
+    pg_url: str = typer.Option(None, "--pg-url", help="PostgreSQL server for --production (databases "
+                               "'prefect' and 'ckpt_catalog' are created there) "
+                               "[postgresql://postgres@127.0.0.1:5432/postgres]"),
+    redis_url: str = typer.Option(None, "--redis-url", help="Redis for --production; redis://HOST:PORT/N uses "
+                                  "database N, without /N the first free of 1-15 [redis://127.0.0.1:6379]"),
+    api_workers: int = typer.Option(1, "--api-workers", min=1, help="API server worker processes (--production)"),
 ) -> None:
-    """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
-    and the agents; runs until Ctrl-C, then stops everything cleanly. API auth is on unless
-    ``--no-auth``: loopback is shared by every user of a login node."""
+    """The local stack on loopback: Prefect server (SQLite; with --production on PostgreSQL +
+    Redis, services in their own process), moto's S3 server with its bucket, and the agents;
+    runs until Ctrl-C, then stops everything cleanly. API auth is on unless ``--no-auth``:
+    loopback is shared by every user of a login node."""
     import os
     import shlex
     import signal
     import time
 
     from ckpt.local_stack import LocalStack, new_auth_string
+    from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+    from core.errors import BadInput
 
+    if not production and (pg_url or redis_url or api_workers > 1):
+        raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
     secret = (os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or new_auth_string()) if auth else None
+    prod = None
+    if production:
+        prod = ProductionStack(root.absolute() / "prefect", pg_server_url=pg_url or DEFAULT_PG_URL,
+                               redis_url=redis_url or DEFAULT_REDIS_URL, port=port, workers=api_workers)
     stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2,
-                       auth_string=secret)
-    typer.echo("starting the Prefect server, the S3 server and the agents ...")
+                       auth_string=secret, production=prod)
+    typer.echo("starting the Prefect server" + (" (PostgreSQL + Redis, services apart)" if prod else "")
+               + ", the S3 server and the agents ...")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
     with stack:
         typer.echo(f"Prefect UI   {stack.ui_url}")
         typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
+        if prod is not None:
+            typer.echo(f"Prefect on   {prod.describe()}")
         typer.echo("API auth     " + ("on: the UI asks for PREFECT_API_AUTH_STRING below" if secret else "off"))
         typer.echo("for the training job and the CLI, in another shell:")
         for k, v in stack.exports().items():
             typer.echo(f"  export {k}={shlex.quote(v)}")
         typer.echo("Ctrl-C stops the stack")
         try:
-            while all(p.poll() is None for p in stack.procs + stack.agents):
+            while stack.alive():
                 time.sleep(1)
             typer.echo("a stack process exited; see the logs under " + str(root / "logs"), err=True)
             raise typer.Exit(1)

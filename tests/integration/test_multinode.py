@@ -1,5 +1,6 @@
-"""Four simulated nodes, one agent each (three with --node-only), the catalog on PostgreSQL:
-each node promotes the part on its own Tier 0; the checkpoint becomes complete on Tier 1
+"""Four simulated nodes, one agent each (three with --node-only), on the production shape:
+Prefect's API server and services processes on PostgreSQL + Redis, the catalog on PostgreSQL.
+Each node promotes the part on its own Tier 0; the checkpoint becomes complete on Tier 1
 once, is archived once, and the cluster-wide deployments are served once."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def pg_catalog(pg_server):
 
 
 @pytest.fixture(scope="module")
-def agents(prefect_server, s3_endpoint, pg_catalog, tmp_path_factory):
+def agents(production_server, s3_endpoint, pg_catalog, tmp_path_factory):
     import boto3
 
     root = tmp_path_factory.mktemp("multinode")
@@ -40,7 +41,7 @@ def agents(prefect_server, s3_endpoint, pg_catalog, tmp_path_factory):
                  aws_secret_access_key="testing").create_bucket(Bucket=bucket)
     # reconcile's first scheduled pass would come a minute in, in the middle of the test: this
     # test is about events, so its agents reconcile hourly
-    a = start_agents(prefect_server, root, NODES, catalog_url=pg_catalog, s3_url=s3_endpoint, bucket=bucket,
+    a = start_agents(production_server.api_url, root, NODES, catalog_url=pg_catalog, s3_url=s3_endpoint, bucket=bucket,
                      extra={"CKPT_RECONCILE_INTERVAL_SECONDS": "3600"})
     a.bucket = bucket
     yield a

@@ -1,7 +1,8 @@
 """The servers the integration tests run against, as fixtures: PostgreSQL (``pg_server``,
 ``pg_url``), both catalog backends (``db_url``; ``sqlite_url`` for SQLite only), moto's S3 server
-(``s3_endpoint``, ``s3_bucket``) and a real Prefect server (``prefect_server``); and fake AWS
-credentials for every test (``_aws_env``).
+(``s3_endpoint``, ``s3_bucket``), a real Prefect server (``prefect_server``, SQLite) and Prefect
+in its production shape (``production_server``: API server and services processes on
+PostgreSQL + Redis); and fake AWS credentials for every test (``_aws_env``).
 
 PostgreSQL: ``CKPT_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``).
 Each test that asks for ``pg_url`` gets a fresh database created from it and dropped after.
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 PG_URL = os.environ.get("CKPT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CKPT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -127,3 +129,50 @@ def prefect_server(tmp_path_factory):
         else:
             os.environ["PREFECT_API_URL"] = old
         stop_process(proc, grace=20.0)
+
+
+def _redis_available() -> str | None:
+    try:
+        import redis
+
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
+        return None
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return str(exc)
+
+
+def _drop_orphaned_prefect_databases(server: str) -> None:
+    """Databases ``ckpt_prefect_<pid>_*`` of test sessions that died without cleaning up."""
+    import psycopg
+
+    from ckpt.production_stack import _pid_alive, drop_database
+
+    with psycopg.connect(_pg_admin_dsn(), autocommit=True) as conn:
+        names = [r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'ckpt_prefect_%'")]
+    for name in names:
+        pid = name.split("_")[2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            drop_database(server, name)
+
+
+@pytest.fixture(scope="session")
+def production_server(pg_server, tmp_path_factory):
+    """Prefect as in production, once per session: ``prefect server start --no-services`` and
+    ``prefect server services start`` on a fresh PostgreSQL database and a Redis database of
+    their own (claimed, flushed and given back at the end). Yields the ``ProductionStack``
+    (``api_url``, ``start_seconds``); the database is dropped and the processes stopped even
+    when a test fails. This process's Prefect client is left pointing where it was."""
+    from ckpt.production_stack import ProductionStack
+
+    why = _redis_available()
+    if why:
+        if IN_CI:
+            pytest.fail(f"Redis is required with CI=true but unreachable: {why}")
+        pytest.skip(f"Redis unreachable: {why}")
+    server = pg_server.replace("postgresql+psycopg://", "postgresql://")
+    _drop_orphaned_prefect_databases(server)
+    stack = ProductionStack(tmp_path_factory.mktemp("prefect-prod"), pg_server_url=server, redis_url=REDIS_URL,
+                            prefect_database=f"ckpt_prefect_{os.getpid()}_{uuid.uuid4().hex[:8]}",
+                            catalog_database=None, port=None, ui=False, fresh=True, timeout=180)
+    with stack:
+        yield stack

@@ -49,15 +49,69 @@ def test_every_ckpt_variable_is_a_setting():
     assert seen >= 10  # the agent and the migration job are configured through CKPT_*
 
 
-def test_every_prefect_variable_is_a_prefect_setting():
+def _redis_plugin_settings() -> dict[str, type]:
+    """prefect-redis' own settings classes, by environment prefix."""
+    from prefect_redis.cleanup_queue import RedisWorkerCleanupQueueSettings
+    from prefect_redis.client import RedisMessagingSettings
+
+    return {"PREFECT_REDIS_MESSAGING_": RedisMessagingSettings,
+            "PREFECT_REDIS_WORKER_CLEANUP_QUEUE_": RedisWorkerCleanupQueueSettings}
+
+
+def _prefect_setting_exists(var: str) -> bool:
     from prefect.settings import Settings as PrefectSettings
 
     legacy = pytest.importorskip("prefect.settings.legacy")
-    valid = legacy._get_valid_setting_names(PrefectSettings)
+    if var in legacy._get_valid_setting_names(PrefectSettings):
+        return True
+    for prefix, cls in _redis_plugin_settings().items():
+        if var.startswith(prefix):
+            return var.removeprefix(prefix).lower() in cls.model_fields
+    return False
+
+
+def test_every_prefect_variable_is_a_prefect_setting():
+    seen = 0
     for service, env in _env_of_every_service().items():
         for var in env:
             if var.startswith("PREFECT_"):
-                assert var in valid, f"{service}: {var} is not a Prefect setting"
+                seen += 1
+                assert _prefect_setting_exists(var), f"{service}: {var} is not a Prefect (or prefect-redis) setting"
+    assert seen >= 20  # the server processes are configured through PREFECT_*
+
+
+def test_server_processes_run_with_the_settings_the_local_stack_uses():
+    """compose and ``ckpt up --production`` start Prefect the same way: the same settings
+    (values differ only in host names and credentials), every module named is importable."""
+    import importlib
+
+    from ckpt.production_stack import RedisDb, server_env
+
+    env = _env_of_every_service()
+    code = server_env("postgresql+asyncpg://postgres@127.0.0.1:5432/prefect", RedisDb("127.0.0.1", 6379, 0))
+    for service in ("prefect-server", "prefect-services", "prefect-migrate"):
+        assert set(code) <= set(env[service]), f"{service} lacks {set(code) - set(env[service])}"
+        for var, value in code.items():
+            if value.startswith("prefect_redis."):
+                assert env[service][var] == value
+                importlib.import_module(value)
+        assert env[service]["PREFECT_REDIS_MESSAGING_HOST"] == "redis"
+        assert env[service]["PREFECT_SERVER_DATABASE_MIGRATE_ON_START"] == "false"
+    services = _compose()["services"]
+    assert services["prefect-server"]["command"].startswith("prefect server start --no-services")
+    assert services["prefect-services"]["command"] == "prefect server services start"
+    assert services["prefect-migrate"]["command"] == "prefect server database upgrade -y"
+    assert "redis" in services["prefect-server"]["depends_on"] and "redis" in services
+
+
+def test_redis_settings_arrive_in_prefect_redis(monkeypatch):
+    from ckpt.production_stack import RedisDb, server_env
+
+    for k, v in server_env("postgresql+asyncpg://x@h/p", RedisDb("redis-host", 6390, 7)).items():
+        monkeypatch.setenv(k, v)
+    for cls in _redis_plugin_settings().values():
+        s = cls()
+        assert (s.host, s.port, s.db) == ("redis-host", 6390, 7)
 
 
 def test_agent_environment_loads_into_settings(monkeypatch, tmp_path):
@@ -92,6 +146,9 @@ def test_stack_has_its_parts_wired_together():
 
 
 def test_checker_notices_an_unknown_variable():
+    assert not _prefect_setting_exists("PREFECT_REDIS_MESSAGING_HOSTNAME")
+    assert not _prefect_setting_exists("PREFECT_MESSAGING_BROKERS")
+    assert _prefect_setting_exists("PREFECT_REDIS_MESSAGING_DB")
     assert not _ckpt_setting_exists("CKPT_TIER3_URL")
     assert not _ckpt_setting_exists("CKPT_RETENTION_TIER0__KEEP_FIRST")
     assert _ckpt_setting_exists("CKPT_RETENTION_TIER0__KEEP_LAST")

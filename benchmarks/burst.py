@@ -1,0 +1,463 @@
+"""A checkpoint burst: N nodes commit their parts of one checkpoint at the same instant.
+
+Each node is served by its own agent process (``ckpt agent --node ...``, as in production),
+Tier 1 (a local folder) and Tier 2 (moto's S3 server) are shared, the catalog is on
+PostgreSQL. The checkpoint is a milestone, so durable means every part verified on Tier 1,
+the checkpoint complete there once and archived to Tier 2 once. All N parts are committed on
+their nodes' Tier 0 first; the burst is one ``POST /events`` carrying the N
+``ckpt.checkpoint.completed`` events.
+
+The same burst runs twice in one invocation: against Prefect in its production shape (API
+server and services processes on PostgreSQL + Redis, ``ckpt.production_stack``) and, as the
+baseline beside it, against a Prefect server on SQLite. Printed per server: time from the
+burst to every part verified on Tier 1 and to durable; orchestrator events/s, flow runs/s and
+task runs/s sustained over the burst (from the burst to the last flow run's end); CPU seconds
+per part spent outside the byte copy (all CPU of the Prefect server processes, the agents and
+their flow-run subprocesses and the PostgreSQL backends of the stack's databases, less what the
+same byte work costs done directly with the transfer engine here; Redis and moto not counted).
+
+Memory: an agent and each flow-run subprocess it starts hold ~100-150 MB each (measured and
+printed). When N agents plus one flow run each do not fit in ``--mem-fraction`` of the
+available memory (the machine is shared), fewer agent processes run, each serving the parts of
+several ranks of one node (a node with several GPUs) one flow run at a time (``--limit 1``);
+the figures say how many ran.
+
+    python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
+    python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import bench_parser, parse
+
+SMOKE = {"nodes": 2, "part_mb": 1.0}
+RUN, STEP = "burst", 1000
+
+
+# --- the figures (plain, tested in tests/unit/test_burst_summary.py) ----------------------------
+@dataclass
+class Phase:
+    """What one burst against one Prefect server measured."""
+
+    server: str
+    parts: int
+    agents: int
+    verified: int = 0                 # parts verified on Tier 1
+    completions: int = 0              # times the checkpoint became complete on Tier 1
+    archives: int = 0                 # times it became complete on Tier 2
+    to_verified_s: float | None = None
+    to_durable_s: float | None = None
+    span_s: float = 0.0               # burst -> last flow run's end
+    events: int = 0
+    flow_runs: int = 0
+    task_runs: int = 0
+    cpu_s: float = 0.0                # orchestration + byte work, all processes counted
+    copy_cpu_per_part_s: float = 0.0  # the byte work alone, per part
+    agent_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0          # agents and their flow runs together
+    notes: list[str] = field(default_factory=list)
+
+    def rate(self, n: int) -> float:
+        return n / self.span_s if self.span_s > 0 else 0.0
+
+    @property
+    def cpu_outside_copy_per_part_s(self) -> float:
+        return max(0.0, self.cpu_s / self.parts - self.copy_cpu_per_part_s) if self.parts else 0.0
+
+    def failures(self) -> list[str]:
+        out = []
+        if self.verified < self.parts:
+            out.append(f"{self.server}: {self.parts - self.verified} of {self.parts} parts not verified on Tier 1")
+        if self.completions != 1:
+            out.append(f"{self.server}: the checkpoint completed {self.completions} times on Tier 1 (want 1)")
+        if self.archives > 1:
+            out.append(f"{self.server}: the checkpoint was archived {self.archives} times (want 1)")
+        return out
+
+
+def agents_that_fit(nodes: int, agent_rss: float, available: float, fraction: float) -> int:
+    """How many agent processes (each with one flow-run subprocess of about its size) fit in
+    ``fraction`` of ``available`` bytes; at least 1, at most ``nodes``."""
+    per_agent = 2 * agent_rss
+    return max(1, min(nodes, int(fraction * available // per_agent)))
+
+
+def fmt(x: float | None, unit: str = "s") -> str:
+    return "-" if x is None else f"{x:.1f} {unit}".strip()
+
+
+def report(phases: list[Phase]) -> str:
+    """The table: one column per server, the last column the first server over the second."""
+    rows = [
+        ("agent processes (parts)", lambda p: f"{p.agents} ({p.parts})"),
+        ("burst -> all parts verified on Tier 1", lambda p: fmt(p.to_verified_s)),
+        ("burst -> durable (complete + archived)", lambda p: fmt(p.to_durable_s)),
+        ("parts verified / completions / archives", lambda p: f"{p.verified} / {p.completions} / {p.archives}"),
+        ("events/s sustained", lambda p: f"{p.rate(p.events):.1f} ({p.events})"),
+        ("flow runs/s sustained", lambda p: f"{p.rate(p.flow_runs):.2f} ({p.flow_runs})"),
+        ("task runs/s sustained", lambda p: f"{p.rate(p.task_runs):.1f} ({p.task_runs})"),
+        ("CPU s per part outside the byte copy", lambda p: f"{p.cpu_outside_copy_per_part_s:.2f}"),
+        ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
+        ("RSS per agent / peak all agents", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
+    ]
+    width = 42
+    lines = [f"{'':{width}}" + "".join(f"{p.server:>26}" for p in phases)]
+    for name, get in rows:
+        lines.append(f"{name:{width}}" + "".join(f"{get(p):>26}" for p in phases))
+    if len(phases) == 2 and phases[0].to_durable_s and phases[1].to_durable_s:
+        lines.append(f"durable time, {phases[0].server} / {phases[1].server}: "
+                     f"x{phases[0].to_durable_s / phases[1].to_durable_s:.2f}")
+    return "\n".join(lines)
+
+
+def last_line(prod: Phase, sqlite: Phase | None) -> str:
+    theirs = "skipped" if sqlite is None else "never"
+    if sqlite is not None and sqlite.to_durable_s:
+        theirs = f"{sqlite.to_durable_s:.1f} s"
+    ours = f"{prod.to_durable_s:.1f} s" if prod.to_durable_s else "never"
+    return (f"burst: {prod.verified}/{prod.parts} parts verified, {prod.completions} completion"
+            f"{'' if prod.completions == 1 else 's'}, durable in {ours} (sqlite server: {theirs})")
+
+
+# --- measuring ----------------------------------------------------------------------------------
+def proc_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its waited-for children (flow runs an agent reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss(pid: int) -> float:
+    """Resident bytes of ``pid`` and its live children."""
+    total = 0.0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            total += proc_rss(int(child))
+    except OSError:
+        pass
+    return total
+
+
+def mem_available() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0.0
+
+
+def pg_backends(admin_dsn: str, databases: list[str]) -> list[int]:
+    import psycopg
+
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = ANY(%s)",
+                                           (databases,))]
+
+
+def byte_copy_cpu(settings, manifest, prefix: str, scratch: str) -> float:
+    """CPU seconds of one part's byte work done directly: verify on Tier 0, copy to Tier 1
+    (read back inside), and when Tier 2 is on, copy to Tier 2."""
+    from benchmarks.common import cpu_seconds
+    from core.storage import open_store
+    from core.transfer import copy_part, verify_part
+
+    t0 = open_store(settings.tier0_url, 0, settings)
+    c0 = cpu_seconds()
+    verify_part(t0, prefix, manifest)
+    t1 = open_store(str(Path(scratch) / "tier1"), 1, settings)
+    copy_part(t0, prefix, t1, prefix, manifest)
+    if settings.tier2_url:
+        t2 = open_store(settings.tier2_url.rstrip("/") + "-bytecopy", 2, settings)
+        copy_part(t1, prefix, t2, prefix, manifest)
+    return cpu_seconds() - c0
+
+
+def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]:
+    """(events, promote+archive flow runs, task runs, seconds from t0 to the last flow run's end)."""
+    import httpx
+
+    from deployments import names
+
+    since = _iso(t0 - 1)
+    until = _iso(t_end + 1)
+    ev = httpx.post(f"{api}/events/filter", json={"filter": {"occurred": {"since": since, "until": until}},
+                                                   "limit": 1}, timeout=60).json()
+    flows = {"flows": {"name": {"any_": [names.PROMOTE_FLOW, names.ARCHIVE_DEPLOYMENT.split("/")[0]]}},
+             "flow_runs": {"expected_start_time": {"after_": since}}}
+    runs = httpx.post(f"{api}/flow_runs/filter", json={**flows, "limit": 200}, timeout=60).json()
+    tasks = httpx.post(f"{api}/task_runs/count",
+                       json={"task_runs": {"start_time": {"after_": since}}}, timeout=60).json()
+    ends = [datetime_ts(r["end_time"]) for r in runs if r.get("end_time")]
+    return int(ev.get("total", 0)), len(runs), int(tasks), (max(ends) - t0) if ends else 0.0
+
+
+def _iso(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).isoformat()
+
+
+def datetime_ts(s: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(s).timestamp()
+
+
+# --- one burst against one server ---------------------------------------------------------------
+@dataclass
+class Setup:
+    work: Path
+    pg_admin: str          # libpq DSN of the PostgreSQL server (catalog databases)
+    s3_url: str
+    bucket: str
+    nodes: int
+    part_mb: float
+    mem_fraction: float
+    timeout: float
+    agents: int | None = None  # decided by the first phase, kept for the second
+
+
+def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup) -> Phase:
+    import httpx
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+    from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
+    from ckpt.production_stack import create_database, drop_database, pg_url
+    from core import events
+    from core.settings import Settings
+    from db.catalog import Catalog, upgrade
+    from deployments import names
+
+    tag = uuid.uuid4().hex[:6]
+    root = setup.work / name
+    catalog_db = f"ckpt_burst_{os.getpid()}_{tag}"
+    create_database(setup.pg_admin, catalog_db)
+    catalog_url = pg_url(setup.pg_admin, catalog_db, "psycopg")
+    procs: list = []
+    try:
+        upgrade(catalog_url)
+        env = stack_env(root / "data", api_url=api, s3_url=setup.s3_url, bucket=setup.bucket,
+                        catalog_url=catalog_url)
+        env.update(CKPT_RECONCILE_INTERVAL_SECONDS="3600",      # the burst is about events
+                   CKPT_TIER2_URL=f"s3://{setup.bucket}/{name}-{tag}",
+                   PREFECT_RUNNER_POLL_FREQUENCY="5")            # as docker-compose.yml
+        node = [f"b{tag}-n{i:02d}" for i in range(setup.nodes)]
+        first = start_agent(env, root / "logs" / f"agent-{node[0]}.log", node=node[0])
+        procs.append(first)
+        wait_deployments(api, [names.promote_deployment(node[0]), names.ARCHIVE_DEPLOYMENT], timeout=300,
+                         procs=procs)
+        agent_rss = proc_rss(first.pid)
+        if setup.agents is None:
+            setup.agents = agents_that_fit(setup.nodes, agent_rss, mem_available(), setup.mem_fraction)
+        k = setup.agents
+        phase = Phase(name, setup.nodes, k, agent_rss_mb=agent_rss / 1e6)
+        limit = None if k == setup.nodes else 1
+        if k < setup.nodes:
+            phase.notes.append(f"{setup.nodes} agents + one flow run each would need ~"
+                               f"{setup.nodes * 2 * agent_rss / 1e9:.1f} GB; {k} fit in {setup.mem_fraction:.0%} "
+                               f"of the available memory: {k} agents, ~{math.ceil(setup.nodes / k)} parts each, "
+                               "one flow run at a time")
+        if limit:  # the first agent was started unlimited: restart it like the others
+            stop_process(first)
+            procs.clear()
+
+        def start(i: int):
+            return start_agent(env, root / "logs" / f"agent-{node[i]}.log", node=node[i], node_only=i > 0,
+                               limit=limit)
+
+        procs.extend(start(i) for i in range(len(procs), k))
+        serve_all(api, node[:k], procs, start, phase, root / "logs")
+        owner = [node[p % k] for p in range(setup.nodes)]
+
+        # every part committed on its node's Tier 0, nothing announced yet
+        rng = np.random.default_rng(0)
+        size = max(1, int(setup.part_mb * 1e6 / 4))
+        first_saved = None
+        for p in range(setup.nodes):
+            s = Settings(**{key[5:].lower(): v for key, v in env.items() if key.startswith("CKPT_")}, node=owner[p])
+            with CheckpointStager(RUN, settings=s, part=p, parts=setup.nodes, announce=False,
+                                  shard_bytes=4 << 20) as st:
+                saved = st.save(STEP, {"w": rng.standard_normal(size, dtype=np.float32)}, milestone=True)
+            first_saved = first_saved or (s, saved)
+        s0, saved0 = first_saved
+        phase.copy_cpu_per_part_s = byte_copy_cpu(s0, saved0.manifest, f"{RUN}/step-{STEP:08d}",
+                                                  str(root / "bytecopy"))
+
+        admin = setup.pg_admin
+        pids = server_pids + [p.pid for p in procs]
+        cpu0 = {pid: proc_cpu(pid) for pid in pids + pg_backends(admin, [*server_dbs, catalog_db])}
+        body = [events.build_event(events.COMPLETED, RUN, STEP, part=p, parts=setup.nodes, node=owner[p],
+                                   payload={"kind": "milestone"}) for p in range(setup.nodes)]
+        t0 = time.time()
+        httpx.post(f"{api}/events", json=body, timeout=60).raise_for_status()
+
+        cat = Catalog(catalog_url)
+        try:
+            deadline = time.monotonic() + setup.timeout
+            while time.monotonic() < deadline:
+                phase.peak_rss_mb = max(phase.peak_rss_mb, sum(proc_rss(p.pid) for p in procs) / 1e6)
+                try:
+                    ck = cat.get_checkpoint(RUN, STEP)
+                    phase.verified = sum(r.state == "verified" for r in cat.replicas(ck.id, tier=1))
+                    done = [h.to_state for h in cat.history(RUN, STEP) if h.action == "complete"]
+                except Exception:  # noqa: BLE001 - not registered yet
+                    ck, done = None, []
+                now = time.time() - t0
+                if phase.verified == setup.nodes and phase.to_verified_s is None:
+                    phase.to_verified_s = now
+                if "tier2" in done and phase.to_durable_s is None:
+                    phase.to_durable_s = now
+                if phase.to_durable_s is not None and _all_finished(api):
+                    break
+                time.sleep(0.5)
+            phase.completions, phase.archives = done.count("tier1"), done.count("tier2")
+        finally:
+            cat.close()
+        t_end = time.time()
+        backends = pg_backends(admin, [*server_dbs, catalog_db])
+        phase.cpu_s = sum(proc_cpu(pid) - cpu0.get(pid, 0.0) for pid in set(pids + backends))
+        time.sleep(3)  # the event persister writes in batches
+        phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
+        return phase
+    finally:
+        for p in procs:  # all at once, then one by one (each gets its grace period from now)
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            stop_process(p)
+        drop_database(setup.pg_admin, catalog_db)
+
+
+def serve_all(api: str, nodes: list[str], procs: list, start, phase: Phase, logs: Path, restarts: int = 3) -> None:
+    """Until every node's promote deployment (and the archive) is served. An agent that exits
+    first is started again, as a service manager would (compose: ``restart: unless-stopped``),
+    and the phase notes it with the end of its log (a SQLite server answering "database is
+    locked" to many agents registering at once is one cause)."""
+    from ckpt.local_stack import wait_deployments
+    from core.errors import ConfigError
+    from deployments import names
+
+    wanted = [names.promote_deployment(n) for n in nodes] + [names.ARCHIVE_DEPLOYMENT]
+    for attempt in range(restarts + 1):
+        try:
+            wait_deployments(api, wanted, timeout=120 + 15 * len(nodes), procs=procs)
+            return
+        except ConfigError:
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if not dead or attempt == restarts:
+                raise
+            for i in dead:
+                log = (logs / f"agent-{nodes[i]}.log").read_text(errors="replace").strip().splitlines()
+                phase.notes.append(f"agent {nodes[i]} exited with {procs[i].returncode} while starting "
+                                   f"({log[-1][:200] if log else 'no log'}); restarted")
+                procs[i] = start(i)
+
+
+def _all_finished(api: str) -> bool:
+    import httpx
+
+    r = httpx.post(f"{api}/flow_runs/count", json={"flow_runs": {"state": {"type": {"any_": [
+        "SCHEDULED", "PENDING", "RUNNING"]}}, "name": {"like_": RUN}}}, timeout=30)
+    return r.status_code == 200 and r.json() == 0
+
+
+def guarded(name: str, setup: Setup, run) -> Phase:
+    """``run()``'s phase, printed at once; a phase that raised is a failed phase that says why
+    (the other server's figures still print)."""
+    try:
+        phase = run()
+    except Exception as exc:  # noqa: BLE001 - reported as the phase's failure
+        phase = Phase(name, setup.nodes, setup.agents or 0, notes=[f"FAILED: {type(exc).__name__}: {exc}"])
+    print(report([phase]), flush=True)
+    return phase
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main() -> int:
+    ap = bench_parser(__doc__, rounds=1, s3_endpoint=True)
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--part-mb", type=float, default=16.0)
+    ap.add_argument("--mem-fraction", type=float, default=0.5,
+                    help="share of the available memory the agents and their flow runs may use")
+    ap.add_argument("--pg-url", default=os.environ.get("CKPT_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379")
+    ap.add_argument("--no-sqlite", action="store_true", help="skip the SQLite server baseline")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
+    ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
+    ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    args = parse(ap, SMOKE)
+
+    import shutil
+    import tempfile
+
+    from benchmarks.common import s3_bucket
+    from ckpt.local_stack import start_prefect_server, stop_process
+    from ckpt.production_stack import ProductionStack
+
+    work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
+    phases: list[Phase] = []
+    load0 = os.getloadavg()[0]
+    try:
+        with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
+            setup = Setup(work, args.pg_url, s3_url, bucket, args.nodes, args.part_mb, args.mem_fraction,
+                          args.timeout)
+            prefect_db = f"ckpt_prefect_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+            with ProductionStack(work / "prefect-prod", pg_server_url=args.pg_url, redis_url=args.redis_url,
+                                 prefect_database=prefect_db, catalog_database=None, port=None, ui=False,
+                                 fresh=True) as stack:
+                print(f"production stack up in {stack.start_seconds:.1f} s: {stack.describe()}", flush=True)
+                phases.append(guarded("postgres+redis", setup, lambda: run_phase(
+                    "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup)))
+            if not args.no_sqlite:
+                t = time.monotonic()
+                proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)
+                try:
+                    print(f"sqlite server up in {time.monotonic() - t:.1f} s", flush=True)
+                    phases.append(guarded("sqlite", setup, lambda: run_phase("sqlite", url, [proc.pid], [], setup)))
+                finally:
+                    stop_process(proc, grace=20.0)
+    finally:
+        if any(p.failures() for p in phases):  # keep the logs, not the checkpoints
+            for data in work.glob("*/data"):
+                shutil.rmtree(data, ignore_errors=True)
+            print(f"logs kept under {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{args.nodes} parts of {args.part_mb:g} MB, one milestone checkpoint; load average at start {load0:.1f}, "
+          f"now {os.getloadavg()[0]:.1f} (2 cores shared: figures are noisy, compare the columns)")
+    for p in phases:
+        for note in p.notes:
+            print(f"{p.server}: {note}")
+    print(report(phases))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(p) | {
+            "events_per_s": p.rate(p.events), "flow_runs_per_s": p.rate(p.flow_runs),
+            "task_runs_per_s": p.rate(p.task_runs),
+            "cpu_outside_copy_per_part_s": p.cpu_outside_copy_per_part_s} for p in phases], indent=1))
+    problems = [f for p in phases for f in p.failures()]
+    for f in problems:
+        print(f"FAILED: {f}")
+    print(last_line(phases[0], phases[1] if len(phases) > 1 else None))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""benchmarks/burst.py's summary: the figures it derives, its verdict and its last line
+(the burst itself needs servers and minutes: run by hand, see the script)."""
+
+from __future__ import annotations
+
+from benchmarks.burst import Phase, agents_that_fit, last_line, report
+
+
+def _phase(**kw) -> Phase:
+    base = dict(server="postgres+redis", parts=64, agents=64, verified=64, completions=1, archives=1,
+                to_verified_s=40.0, to_durable_s=52.5, span_s=50.0, events=1000, flow_runs=65, task_runs=450,
+                cpu_s=200.0, copy_cpu_per_part_s=0.125)
+    return Phase(**{**base, **kw})
+
+
+def test_rates_are_per_second_of_the_burst_and_cpu_is_per_part_less_the_copy():
+    p = _phase()
+    assert p.rate(p.flow_runs) == 1.3 and p.rate(p.task_runs) == 9.0 and p.rate(p.events) == 20.0
+    assert p.cpu_outside_copy_per_part_s == 200 / 64 - 0.125
+
+
+def test_last_line_has_the_exact_form():
+    assert last_line(_phase(), _phase(server="sqlite", to_durable_s=75.04)) == (
+        "burst: 64/64 parts verified, 1 completion, durable in 52.5 s (sqlite server: 75.0 s)")
+    assert last_line(_phase(verified=63, completions=0, to_durable_s=None), None) == (
+        "burst: 63/64 parts verified, 0 completions, durable in never (sqlite server: skipped)")
+
+
+def test_a_missing_part_or_a_second_completion_fails_the_run():
+    assert _phase().failures() == []
+    assert "1 of 64 parts not verified" in _phase(verified=63).failures()[0]
+    assert "completed 2 times" in _phase(completions=2).failures()[0]
+    assert "archived 2 times" in _phase(archives=2).failures()[0]
+
+
+def test_report_compares_the_two_servers():
+    out = report([_phase(), _phase(server="sqlite", to_durable_s=105.0)])
+    assert "postgres+redis / sqlite: x0.50" in out
+    assert "64 / 1 / 1" in out
+
+
+def test_agents_that_fit_in_the_memory_share():
+    mb = 1e6
+    assert agents_that_fit(64, 130 * mb, 20_000 * mb, 0.5) == 38      # 10 GB / 260 MB
+    assert agents_that_fit(64, 130 * mb, 40_000 * mb, 0.5) == 64
+    assert agents_that_fit(64, 130 * mb, 100 * mb, 0.5) == 1
