@@ -452,9 +452,14 @@ def main() -> int:
             "events_per_s": p.rate(p.events), "flow_runs_per_s": p.rate(p.flow_runs),
             "task_runs_per_s": p.rate(p.task_runs),
             "cpu_outside_copy_per_part_s": p.cpu_outside_copy_per_part_s} for p in phases], indent=1))
-    problems = [f for p in phases for f in p.failures()]
+    # the exit status is the production shape's; the SQLite server is the baseline beside it, whose
+    # losses under a burst are a finding of the run (the reason for the production shape), not a failure
+    problems = phases[0].failures() if phases else ["no phase ran"]
     for f in problems:
         print(f"FAILED: {f}")
+    for p in phases[1:]:
+        for f in p.failures():
+            print(f"baseline {p.server}: {f}")
     print(last_line(phases[0], phases[1] if len(phases) > 1 else None))
     return 1 if problems else 0
 

@@ -92,10 +92,17 @@ def current_actor(default: str = "cli") -> str:
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    """A table artifact in the current flow run; silently nothing outside one."""
+    """A table artifact in the current flow run; silently nothing outside one. Best effort: the
+    work it reports is done and recorded in the catalog, so an orchestrator that answers 5xx
+    under a burst costs the artifact (a warning in the run's log), never the run's result."""
     from prefect.artifacts import create_table_artifact
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:
         return
-    create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
+    try:
+        create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
+    except Exception as exc:  # noqa: BLE001 - see above
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning("artifact %s not published: %s: %s", key, type(exc).__name__, exc)
