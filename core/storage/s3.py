@@ -187,6 +187,7 @@ class S3Store(TierStore):
         multipart_threshold: int = 64 * 1024 * 1024,
         chunk_bytes: int = 64 * 1024 * 1024,
         max_concurrency: int = 8,
+        parallelism: int = 4,
         max_attempts: int = 5,
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
@@ -200,6 +201,7 @@ class S3Store(TierStore):
         self.tier, self.root_url = tier, url.rstrip("/")
         self.multipart_threshold = max(multipart_threshold, chunk_bytes)
         self.chunk_bytes, self.max_concurrency = chunk_bytes, max_concurrency
+        self.parallelism = parallelism
         self.buffer_bytes = buffer_bytes
         self.client = client or self._make_client(endpoint_url, region, max_attempts)
         self._pool: ThreadPoolExecutor | None = None
@@ -214,13 +216,22 @@ class S3Store(TierStore):
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=10,
             read_timeout=120,
-            max_pool_connections=max(16, 2 * self.max_concurrency),
+            max_pool_connections=self.pool_connections(),
             tcp_keepalive=True,
             # We send the manifest's CRC32C ourselves; don't let botocore hash bodies again.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
         return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
+
+    def pool_connections(self) -> int:
+        """HTTP connections the client keeps: one per request that can be in flight at once,
+        ``max_concurrency`` multipart parts plus ``parallelism`` files read, headed or published
+        by the transfer engine's threads (a restore reads ``max(copy_parallelism,
+        s3_max_concurrency)`` files at once). botocore's default of 10 is smaller than that:
+        every request above it opened a fresh connection and urllib3 logged "Connection pool is
+        full, discarding connection" when handing it back."""
+        return max(10, self.max_concurrency + self.parallelism)
 
     def _k(self, key: str) -> str:
         safe_relpath(key)
