@@ -291,6 +291,15 @@ class S3Store(TierStore):
                            for o in page.get("Contents", []))
         return sorted(out, key=lambda o: o.key)
 
+    def folders(self) -> tuple[str, ...]:
+        full = self.prefix + "/" if self.prefix else ""
+        names: set[str] = set()
+        with s3_errors(f"list {self.root_url}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full,
+                                                                               Delimiter="/"):
+                names.update(p["Prefix"][len(full):].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return tuple(sorted(names))
+
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         """Size from HeadObject, then the CRC32C: the server's full-object value where the
         endpoint validates checksums (``validates_checksums``), else the bytes read back and
