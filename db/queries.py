@@ -174,10 +174,15 @@ def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, ru
         stmt = stmt.where(checkpoints.c.run_id == run_id, _filter_only(conn, replicas.c.tier) == tier,
                           _filter_only(conn, replicas.c.state) == VERIFIED)
     rows = conn.execute(stmt).all()
-    newest = newest_verified_steps(conn, [run_id] if run_id is not None else None)
     by_run: dict[int, list[Row]] = defaultdict(list)
     for r in rows:
         by_run[r.run_id].append(r)
+    # the newest of the runs that hold replicas on the tier only (not a GROUP BY over every
+    # checkpoint of the catalog: reconcile plans Tier 0 on every pass)
+    ids = sorted(by_run)
+    newest: dict[int, int] = {}
+    for i in range(0, len(ids), 500):
+        newest |= newest_verified_steps(conn, ids[i:i + 500])
     doomed: list[Row] = []
     for rid, rs in by_run.items():
         keep = _kept_steps(rs, tier, policy, now) | {newest.get(rid)}
