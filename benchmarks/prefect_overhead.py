@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,21 +76,26 @@ def run_rounds(args) -> None:
         promote(settings, "bench", step, steps=plain_steps())
         return time.perf_counter() - t0
 
-    def as_flow(step: int) -> float:
-        t0 = time.perf_counter()
+    phases: dict[str, dict[str, list[float]]] = {}
+
+    def as_flow(step: int, label: str = "flow") -> float:
+        t0_wall, t0 = time.time(), time.perf_counter()
         state = promote_checkpoint("bench", step, return_state=True)
         elapsed = time.perf_counter() - t0
         assert state.is_completed(), state.message
+        for phase, seconds in flow_phases(state.state_details.flow_run_id, t0_wall, t0_wall + elapsed).items():
+            phases.setdefault(label, {}).setdefault(phase, []).append(seconds)
         return elapsed
 
     def as_flow_no_heartbeat(step: int) -> float:
         from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            return as_flow(step)
+            return as_flow(step, "flow, no heartbeat")
 
     write_checkpoint(settings.tier0_url, 1, 2 << 20, 2)
-    as_flow(1)  # warm-up: flow and task registration, client connections
+    as_flow(1, "warm-up")  # flow and task registration, client connections
+    phases.clear()
     ways = [("plain functions", plain), ("flow", as_flow), ("flow, no heartbeat", as_flow_no_heartbeat)]
     times: dict[str, list[float]] = {name: [] for name, _ in ways}
     step = 10
@@ -106,10 +112,46 @@ def run_rounds(args) -> None:
     base = table("promotion Tier 0 -> Tier 1", times, "plain functions", nbytes=size)
     for name, _ in ways[1:]:
         print(f"overhead of {name!r}: {(statistics.median(times[name]) - base) * 1000:+.0f} ms per promotion")
+    print(f"\nwhere the flow's time goes, median seconds (Prefect server timestamps)\n{'contender':22}"
+          + "".join(f"{p:>16}" for p in PHASES))
+    for label, by_phase in phases.items():
+        print(f"{label:22}" + "".join(f"{statistics.median(by_phase[p]):16.3f}" for p in PHASES))
+    plain_med, flow_med = statistics.median(times["plain functions"]), statistics.median(times["flow, no heartbeat"])
+    print(f"goal: flow <= 1.10 x plain functions: 'flow, no heartbeat' (how the agent's fast path runs it) "
+          f"{flow_med / plain_med:.2f} x, 'flow' {statistics.median(times['flow']) / plain_med:.2f} x")
     print("(5 task runs per promotion: register, verify, copy-to-tier1, mark-complete, plan-retention;\n"
           " 'flow' runs with Prefect's default flow heartbeats, whose thread is joined at the end of\n"
           " every flow run after sleeping in 1 s steps; 'flow, no heartbeat' sets\n"
-          " PREFECT_FLOWS_HEARTBEAT_FREQUENCY to None and loses crashed-run detection)")
+          " PREFECT_FLOWS_HEARTBEAT_FREQUENCY to None, as the agent's fast path runs the promote flow:\n"
+          " a killed run is detected by the agent that started its process, and a self-hosted server acts\n"
+          " on heartbeats only through a zombie automation, which this stack does not create)")
+
+
+PHASES = ("to running", "to first task", "in tasks", "between tasks", "to completed", "to return")
+
+
+def flow_phases(flow_run_id, t0: float, t_end: float) -> dict[str, float]:
+    """Where one in-process flow run spent its time, from the server's records: the call to
+    Running (create the run, Pending, Running), Running to the first task, inside task runs,
+    between them, the last task to Completed (artifacts, the run's status page), Completed to
+    the call's return (engine teardown, the heartbeat thread's join)."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    from core.events import auth_headers
+
+    api = PREFECT_API_URL.value()
+    states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": str(flow_run_id)}, timeout=30,
+                       headers=auth_headers()).json()
+    at = {s["type"]: datetime.fromisoformat(s["timestamp"]).timestamp() for s in states}
+    tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [str(flow_run_id)]}}},
+                       timeout=30, headers=auth_headers()).json()
+    stamp = lambda value: datetime.fromisoformat(value).timestamp()  # noqa: E731
+    spans = sorted((stamp(t["start_time"]), stamp(t["end_time"])) for t in tasks if t["start_time"] and t["end_time"])
+    inside = sum(end - start for start, end in spans)
+    return {"to running": at["RUNNING"] - t0, "to first task": spans[0][0] - at["RUNNING"], "in tasks": inside,
+            "between tasks": spans[-1][1] - spans[0][0] - inside, "to completed": at["COMPLETED"] - spans[-1][1],
+            "to return": t_end - at["COMPLETED"]}
 
 
 if __name__ == "__main__":

@@ -108,10 +108,10 @@ class Announcer:
 
     def _emit(self, m: Manifest) -> None:
         url = prefect_api_url(self.settings)
-        if url and not self.node_checked:
+        ok = emit_completed(m, api_url=url) if url else False
+        if url and not self.node_checked:  # after the event: it is the one with a deadline (exit)
             self.node_checked = True
             warn_if_unserved(url, m.node or self.settings.node)
-        ok = emit_completed(m, api_url=url) if url else False
         if not url:
             log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
         self.delivered.append((m.run, m.step, m.part, ok))
@@ -134,7 +134,8 @@ def node_served(api_url: str, node: str, *, timeout: float = 5.0) -> bool | None
     from deployments.names import promote_deployment
 
     try:
-        r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout)
+        r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout,
+                      headers=events.auth_headers())
     except httpx.HTTPError:
         return None
     return True if r.status_code == 200 else False if r.status_code == 404 else None

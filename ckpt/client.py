@@ -155,12 +155,17 @@ class CheckpointStager:
             self._raise_background_error()
 
     def close(self, timeout: float = 30.0) -> None:
+        """Wait up to ``timeout`` for background writes, then up to ``timeout`` for the events
+        still queued. A job that saves and exits at once must not lose its event to the
+        announcer's first import of the catalog and HTTP libraries (seconds on a busy node):
+        an event that never leaves is promoted only by the next reconcile, a minute or more
+        later."""
         try:
             self.wait(timeout)
         finally:
             if self._writer:
                 self._writer.stop()
-            self._announcer.close(timeout=min(timeout, 10.0))
+            self._announcer.close(timeout=timeout)
 
     def __enter__(self) -> Self:
         return self

@@ -1,6 +1,12 @@
 """The local stack on loopback: a Prefect server on SQLite, moto's S3 server with a bucket,
 and agents (``ckpt agent``) — what ``ckpt up``, ``make demo`` and the end-to-end tests run.
 
+API auth: with an auth string the server runs with ``PREFECT_SERVER_API_AUTH_STRING`` (every
+API route but ``GET /health`` and ``GET /ready`` then answers 401 without HTTP Basic
+credentials) and the agents, the job's exports and every call made from here carry it as
+``PREFECT_API_AUTH_STRING`` (``auth_env``). ``ckpt up`` turns it on with a fresh secret
+(``new_auth_string``); a production-shaped stack calls the same two functions.
+
 Each piece is a child process started with its own log file and stopped cleanly (SIGINT,
 then SIGTERM, then SIGKILL after a grace period), so nothing is left behind. Ports are the
 asked ones when free, else any free loopback port.
@@ -9,11 +15,13 @@ asked ones when free, else any free loopback port.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -76,18 +84,48 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Pa
                                 start_new_session=True)  # a Ctrl-C in the terminal reaches us, not them
 
 
-def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0):
-    """Prefect server on SQLite under ``home``; returns (process, API URL)."""
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port(port)
-    env = dict(os.environ)
-    env.pop("PREFECT_API_URL", None)
+def new_auth_string() -> str:
+    """A fresh API secret (256 bits, URL-safe: it travels in shell exports and HTTP headers)."""
+    return secrets.token_urlsafe(32)
+
+
+def auth_env(auth_string: str | None, *, server: bool = False) -> dict[str, str]:
+    """The Prefect setting that carries ``auth_string``: the server's
+    (``PREFECT_SERVER_API_AUTH_STRING``: enforce it) or a client's (``PREFECT_API_AUTH_STRING``:
+    send it; agents, flow runs, the training job, the CLI). Empty without one: auth off."""
+    if not auth_string:
+        return {}
+    return {"PREFECT_SERVER_API_AUTH_STRING" if server else "PREFECT_API_AUTH_STRING": auth_string}
+
+
+def server_env(base: Mapping[str, str], *, home: Path, api_url: str, ui: bool) -> dict[str, str]:
+    """The environment of a local Prefect server whose API is ``api_url``.
+
+    The UI asks ``/ui-settings`` where the API is. Prefect answers with its UI API URL setting,
+    which otherwise falls back to ``PREFECT_API_URL`` (dropped here: an inherited one names some
+    other server) and then to the *default* port 4200, not the ``--port`` the server was
+    started with: on any other port every page of the UI would call a wrong server. So the
+    server is told its own URL, for the UI's API calls and for the links it renders."""
+    env = {k: v for k, v in base.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL", "PREFECT_UI_URL")}
     env.update(PREFECT_HOME=str(home), PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="true" if ui else "false",
+               PREFECT_SERVER_UI_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"),
                PREFECT_LOGGING_LEVEL="WARNING")
+    return env
+
+
+def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0,
+                         auth_string: str | None = None):
+    """Prefect server on SQLite under ``home`` (API auth on with ``auth_string``); returns
+    (process, API URL)."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port(port)
+    url = f"http://{LOOPBACK}:{port}/api"
+    env = server_env(os.environ, home=home, api_url=url, ui=ui)
+    env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
+    env.update(auth_env(auth_string, server=True))
     proc = _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
                   home / "server.log", env)
-    url = f"http://{LOOPBACK}:{port}/api"
     try:
         wait_http(f"{url}/health", timeout=timeout, proc=proc, what="Prefect server")
     except BaseException:
@@ -127,17 +165,21 @@ def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = 
 
 
 def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
-                     procs: list[subprocess.Popen] = ()) -> None:
+                     procs: list[subprocess.Popen] = (), auth_string: str | None = None) -> None:
     """Until every ``flow/deployment`` in ``names`` exists, is not paused and is polled by a
     runner (status READY): then its triggers and schedules are live."""
     import httpx
+
+    from core.events import auth_headers
+
+    headers = auth_headers(auth_string)
 
     deadline = time.monotonic() + timeout
     todo = list(names)
     while todo:
         name = todo[0]
         try:
-            r = httpx.get(f"{api_url}/deployments/name/{name}", timeout=5)
+            r = httpx.get(f"{api_url}/deployments/name/{name}", timeout=5, headers=headers)
             d = r.json() if r.status_code == 200 else {}
         except httpx.HTTPError:
             d = {}
@@ -153,8 +195,8 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
 
 
 def stack_env(data_dir: Path, *, api_url: str, s3_url: str | None, bucket: str = "ckpt",
-              catalog_url: str | None = None) -> dict[str, str]:
-    """The CKPT_* environment of the agents and the training job on the local stack."""
+              catalog_url: str | None = None, auth_string: str | None = None) -> dict[str, str]:
+    """The CKPT_* and PREFECT_* environment of the agents and the training job on the local stack."""
     env = {"CKPT_DATA_DIR": str(data_dir), "CKPT_PREFECT_API_URL": api_url, "PREFECT_API_URL": api_url,
            # a served agent looks for triggered runs every N s (Prefect's default 10 s dominates
            # the emit -> flow start latency); 2 s costs one small query per agent per poll
@@ -164,6 +206,7 @@ def stack_env(data_dir: Path, *, api_url: str, s3_url: str | None, bucket: str =
         env.update(CKPT_TIER2_URL=f"s3://{bucket}/ckpt", CKPT_S3_ENDPOINT_URL=s3_url)
     if catalog_url:
         env["CKPT_CATALOG_URL"] = catalog_url
+    env.update(auth_env(auth_string))
     return env
 
 
@@ -179,7 +222,8 @@ def job_exports(env: dict[str, str], *, node: str, catalog_url: str) -> dict[str
 
 @dataclass
 class LocalStack:
-    """Prefect server + moto + one agent per node, under ``root``. Use as a context manager."""
+    """Prefect server + moto + one agent per node, under ``root``. Use as a context manager.
+    ``auth_string``: the Prefect API's secret (None: auth off)."""
 
     root: Path
     nodes: tuple[str, ...] = ("node-0",)
@@ -188,6 +232,7 @@ class LocalStack:
     tier2: bool = True
     archive_trigger: bool = True
     limit: int | None = None
+    auth_string: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     api_url: str = ""
     s3_url: str | None = None
@@ -209,12 +254,14 @@ class LocalStack:
         from db.catalog import upgrade
 
         self.root = self.root.absolute()
-        server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui)
+        server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui,
+                                                  auth_string=self.auth_string)
         self.procs.append(server)
         if self.tier2:
             moto, self.s3_url = start_moto(self.root / "logs" / "moto.log")
             self.procs.append(moto)
-        self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url), **self.extra_env}
+        self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url,
+                                auth_string=self.auth_string), **self.extra_env}
         os.environ.update(self.env)  # this process (the demo's training job) sees the same stack
         from core.settings import load_settings
 
@@ -225,7 +272,7 @@ class LocalStack:
         from deployments import names
 
         wanted = [names.promote_deployment(n) for n in self.nodes] + [names.ARCHIVE_DEPLOYMENT]
-        wait_deployments(self.api_url, wanted, procs=self.agents)
+        wait_deployments(self.api_url, wanted, procs=self.agents, auth_string=self.auth_string)
         return self
 
     def stop(self) -> None:

@@ -67,6 +67,15 @@ class PruneRefused(PermanentError):
     """Deleting this replica would break a retention or durability guarantee."""
 
 
+class ObjectLocked(PermanentError):
+    """The object store refused a delete because the object is under retention (S3 Object Lock)
+    until ``until`` (None when the store did not say): kept, not an error to retry."""
+
+    def __init__(self, message: str, until: object = None) -> None:
+        super().__init__(message)
+        self.until = until
+
+
 class LineageCycle(PermanentError):
     """Adding this lineage edge would make a checkpoint its own ancestor."""
 

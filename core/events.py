@@ -100,12 +100,39 @@ def check_size(event: dict[str, Any], max_bytes: int = MAX_EVENT_BYTES) -> dict[
     return event
 
 
+AUTH_STRING_ENV = "PREFECT_API_AUTH_STRING"
+
+
+def auth_headers(auth_string: str | None = None) -> dict[str, str]:
+    """The header a Prefect server started with ``PREFECT_SERVER_API_AUTH_STRING`` wants on every
+    API call but ``GET /health`` and ``GET /ready``: HTTP Basic whose credentials are the base64 of
+    the auth string itself (no ``user:`` part), as Prefect's own clients send it. ``auth_string``
+    defaults to ``PREFECT_API_AUTH_STRING`` (the environment, read now, else Prefect's profile when
+    Prefect is installed); ``{}`` when none is set (a server without auth)."""
+    import base64
+    import os
+
+    value = auth_string if auth_string is not None else os.environ.get(AUTH_STRING_ENV)
+    if value is None:
+        try:
+            from prefect.settings import get_current_settings
+
+            secret = get_current_settings().api.auth_string
+            value = secret.get_secret_value() if secret is not None else None
+        except Exception:  # noqa: BLE001 - a job without Prefect installed
+            value = None
+    if not value:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(value.encode()).decode()}
+
+
 def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5.0) -> None:
     """Deliver events over Prefect's HTTP events endpoint; raises unless the server took them
-    (204). Unlike the websocket worker behind ``emit_event``, the caller knows it arrived."""
+    (204). Unlike the websocket worker behind ``emit_event``, the caller knows it arrived. Sends
+    ``auth_headers()``: a server with API auth on answers 401 without them."""
     import httpx
 
-    r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout)
+    r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout, headers=auth_headers())
     if r.status_code != 204:
         raise ConnectionError(f"Prefect events endpoint answered {r.status_code}: {r.text[:200]}")
 

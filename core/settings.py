@@ -62,6 +62,14 @@ class Settings(BaseSettings):
     tier2_url: str | None = Field(default=None, description="object store root, s3://bucket/prefix; unset = no Tier 2")
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto)")
     s3_region: str = "us-east-1"
+    tier2_lock_days: float | None = Field(
+        default=None, gt=0,
+        description="write Tier 2 copies under S3 Object Lock for this many days (the bucket must have been "
+                    "created with Object Lock enabled); unset = no lock")
+    tier2_lock_mode: Literal["governance", "compliance"] = Field(
+        default="governance",
+        description="Object Lock mode: governance (a principal with s3:BypassGovernanceRetention may still "
+                    "delete) or compliance (nobody can delete or shorten it before its date, not even root)")
     catalog_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in data_dir")
     node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
 
@@ -91,6 +99,10 @@ class Settings(BaseSettings):
                     "catalog by the scheduled retention; 0 keeps them forever")
     audit_export_dir: Path | None = Field(default=None, description="where expired audit rows are exported; "
                                                                       "default <data_dir>/audit-export")
+    fast_path: bool = Field(
+        default=True,
+        description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
+                    "event subscription); off: the runner's poll and a fresh process, as Prefect serves it")
     rpo_seconds: int = Field(
         default=900, ge=10,
         description="recovery point objective: a checkpoint completed but not durable (every part on Tier 1) "
@@ -124,6 +136,11 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
 
+    @field_validator("tier2_lock_mode", mode="before")
+    @classmethod
+    def _lower_mode(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
     @field_validator("tier2_url")
     @classmethod
     def _tier2_is_s3(cls, v: str | None) -> str | None:
@@ -149,6 +166,14 @@ class Settings(BaseSettings):
 
     def retention(self, tier: int) -> RetentionPolicy:
         return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part replaced by ``***``: the form
+    in which a connection URL may appear in a message, a log line or anything Prefect stores."""
+    import re
+
+    return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"]+@", r"\1:***@", url)
 
 
 def load_settings(**overrides: Any) -> Settings:

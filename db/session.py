@@ -28,6 +28,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from core.errors import CatalogUnavailable, ConfigError, ConflictError
+from core.settings import redact_url
 
 DEFAULT_BUSY_TIMEOUT_S = 30.0
 _WRITE = "ckpt_write"
@@ -47,7 +48,8 @@ def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     try:
         parsed = make_url(normalize_url(url))
     except ArgumentError as exc:
-        raise ConfigError(f"invalid catalog URL {url!r}: {exc}") from None
+        # the URL may carry a password, and this message may reach a flow run's state and logs
+        raise ConfigError(redact_url(f"invalid catalog URL {url!r}: {exc}")) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return _sqlite_engine(parsed, busy_timeout_s)

@@ -28,7 +28,9 @@ parameter schema: a malformed or hostile event then becomes a *failed* flow run 
 says what was wrong (the flow validates), never a silently dropped one, and nothing is copied.
 
 Flow runs execute in subprocesses that inherit this process's environment, so the agent's
-settings (``CKPT_*``) are the flows' settings.
+settings (``CKPT_*``) are the flows' settings. With ``fast_path`` (the default) a promote run
+starts the moment it is scheduled, in a warm process of the agent (deployments/fast_path.py);
+the runner's poll stays the fallback.
 """
 
 from __future__ import annotations
@@ -156,13 +158,18 @@ def ensure_alerts(settings: Settings) -> None:
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
+    from contextlib import nullcontext
+
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.fast_path import fast_path
 
     os.environ.update(agent_environment(settings))
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:
             ensure_alerts(settings)
-        serve(*build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger), limit=limit,
-              print_starting_message=True)
+        with fast_path(settings.node) if settings.fast_path else nullcontext():
+            serve(*build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger), limit=limit,
+                  print_starting_message=True)

@@ -94,11 +94,13 @@ def rpo_automation(rpo_seconds: int, webhook_block_id: UUID) -> Any:
 
 
 def save_webhook(api_url: str) -> UUID:
-    """The Webhook block the action calls: POST ``<api_url>/events`` (the server calls itself)."""
+    """The Webhook block the action calls: POST ``<api_url>/events`` (the server calls itself),
+    with the API auth header when auth is on (the block's headers are a secret field, stored
+    encrypted by the server)."""
     from prefect.blocks.webhook import Webhook
 
     block = Webhook(method="POST", url=api_url.rstrip("/") + "/events",
-                    headers={"Content-Type": "application/json"})
+                    headers={"Content-Type": "application/json", **events.auth_headers()})
     block_id = block.save(WEBHOOK_BLOCK, overwrite=True)
     return UUID(str(block_id))
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core import events
-from core.errors import CkptError, ConfigError, PruneRefused, StaleState
-from core.layout import part_key
+from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
+from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
 from db.entities import PRUNED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from db.rows import durability
@@ -63,11 +63,15 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
         with open_tier(settings, rep.tier) as store:
             lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
             try:
-                refused = claim.refused or justification_refused(settings, cat, ck, rep, actor)
+                refused = (claim.refused or lock_refused(cat, store, ck, rep)
+                           or justification_refused(settings, cat, ck, rep, actor))
                 if refused:
                     abandon(cat, store, ck, rep, actor, why=f"prune refused: {refused}")
                     raise PruneRefused(refused)
-                deleted = _delete(cat, store, ck, rep, lease, actor, reason=reason, took_over=claim.took_over)
+                try:
+                    deleted = _delete(cat, store, ck, rep, lease, actor, reason=reason, took_over=claim.took_over)
+                except ObjectLocked as exc:  # the store's retention outlived our look at it: kept
+                    raise PruneRefused(f"kept: {exc}") from exc
                 lease.stop()
                 lease.check()
                 cat.transition(rep.id, PRUNED, expected=PRUNING, claim_token=rep.claim_token, actor=actor,
@@ -92,9 +96,30 @@ def _delete(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, acto
         abandon(cat, store, ck, rep, actor, why="prune abandoned: the manifest delete failed")
         raise
     lease.check()
-    why = ("prune" + (" (a prune taken over after its lease lapsed)" if took_over else "")
+    try:
+        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=_why(reason, took_over),
+                                     actor=actor)
+    except ObjectLocked:  # the manifest went, a file is locked: settled by what is left
+        lease.stop()
+        abandon(cat, store, ck, rep, actor, why="prune abandoned: a file is under Object Lock")
+        raise
+
+
+def _why(reason: str | None, took_over: bool) -> str:
+    return ("prune" + (" (a prune taken over after its lease lapsed)" if took_over else "")
            + (f": {reason}" if reason else ""))
-    return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=why, actor=actor)
+
+
+def lock_refused(cat, store, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None:
+    """Why the part cannot be deleted yet: an object of it under retention on its tier (S3 Object
+    Lock), with the date after which a retention pass may prune it; None when nothing is locked."""
+    keys = [part_key(rep.run, rep.step, rep.part, ck.parts)]
+    keys += [f"{checkpoint_prefix(rep.run, rep.step)}/{f.path}" for f in cat.files(ck.id, rep.part)]
+    until = store.locked_until(keys)
+    if until is None:
+        return None
+    return (f"checkpoint {ck.run}/{ck.step} part {rep.part} is under Object Lock on tier {rep.tier} until "
+            f"{until.isoformat()}: kept, a retention pass after that date prunes it")
 
 
 def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: ReplicaInfo, actor: str) -> str | None:

@@ -18,13 +18,15 @@ from datetime import datetime
 from typing import Any
 
 from core.errors import CkptError, PruneRefused
+from core.layout import part_key
 from core.policy import is_milestone
 from core.settings import Settings
 from db.catalog import Catalog
-from tasks.base import log, open_catalog
+from tasks.base import log, open_catalog, open_tier
 from tasks.retry import pipeline_task
 
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
+LOCKED = "locked"  # under the store's retention (S3 Object Lock) until a date: planned for after it
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class PruneAction:
     node: str | None
     url: str
     bytes: int | None
-    outcome: str = PLANNED  # planned | pruned | refused | kept | elsewhere | failed
+    outcome: str = PLANNED  # planned | pruned | refused | kept | locked | elsewhere | failed
     detail: str = ""
 
     def row(self) -> dict[str, Any]:
@@ -60,7 +62,28 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
                 action = PruneAction(tier=tier, replica_id=rep.id, run=rep.run, step=rep.step,
                                      part=rep.part, node=rep.node, url=rep.url, bytes=rep.bytes)
                 plan.append(_annotate(cat, settings, action, policy.keep_milestones))
+        if any(a.tier == 2 and a.outcome == PLANNED for a in plan):
+            plan = _mark_locked(cat, settings, plan)
     return plan
+
+
+def _mark_locked(cat: Catalog, settings: Settings, plan: list[PruneAction]) -> list[PruneAction]:
+    """Tier 2 actions whose part is under Object Lock become ``locked`` (with the date after
+    which a retention pass prunes them), so no delete is tried and refused every pass. The
+    manifest, written last, carries the latest retain-until date of its part."""
+    with open_tier(settings, 2) as store:
+        out = []
+        for a in plan:
+            until = None
+            if a.tier == 2 and a.outcome == PLANNED:
+                key = part_key(a.run, a.step, a.part, cat.get_checkpoint(a.run, a.step).parts)
+                try:
+                    until = store.locked_until([key])
+                except CkptError as exc:  # left planned: the prune checks the lock again itself
+                    log.warning("retention: Object Lock of %s not known: %s", store.url_for(key), exc)
+            out.append(a if until is None else
+                       replace(a, outcome=LOCKED, detail=f"Object Lock until {until.isoformat()}; pruned after that"))
+        return out
 
 
 def _annotate(cat: Catalog, settings: Settings, action: PruneAction, keep_milestones: bool) -> PruneAction:

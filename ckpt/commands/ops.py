@@ -162,21 +162,29 @@ def up_cmd(
     port: int = typer.Option(4200, "--port", help="Prefect server port (a free one if taken)"),
     nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
+    auth: bool = typer.Option(True, "--auth/--no-auth",
+                              help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else a new one) "
+                                   "that every API call must carry; printed as PREFECT_API_AUTH_STRING"),
 ) -> None:
     """The local stack on loopback: Prefect server (SQLite), moto's S3 server with its bucket,
-    and the agents; runs until Ctrl-C, then stops everything cleanly."""
+    and the agents; runs until Ctrl-C, then stops everything cleanly. API auth is on unless
+    ``--no-auth``: loopback is shared by every user of a login node."""
+    import os
     import shlex
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack
+    from ckpt.local_stack import LocalStack, new_auth_string
 
-    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2)
+    secret = (os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or new_auth_string()) if auth else None
+    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2,
+                       auth_string=secret)
     typer.echo("starting the Prefect server, the S3 server and the agents ...")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
     with stack:
         typer.echo(f"Prefect UI   {stack.ui_url}")
         typer.echo(f"S3 endpoint  {stack.s3_url or '(off)'}")
+        typer.echo("API auth     " + ("on: the UI asks for PREFECT_API_AUTH_STRING below" if secret else "off"))
         typer.echo("for the training job and the CLI, in another shell:")
         for k, v in stack.exports().items():
             typer.echo(f"  export {k}={shlex.quote(v)}")

@@ -34,6 +34,8 @@ def open_store(url: str, tier: int, settings: Settings | None = None) -> TierSto
             max_concurrency=settings.s3_max_concurrency,
             parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency),
             buffer_bytes=buffer_bytes,
+            lock_days=settings.tier2_lock_days if tier == 2 else None,
+            lock_mode=settings.tier2_lock_mode,
         )
     if url.startswith("file://") or "://" not in url:
         from core.storage.local import LocalStore

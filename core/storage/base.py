@@ -24,6 +24,9 @@ Contract for implementations (every operation idempotent):
   files, S3 multipart uploads) under ``prefix`` older than ``older_than_s``; ``keys``
   (tier-relative) limits it to those objects' staging data, so a retry of one part never
   touches another part's copy in flight; None: the whole prefix.
+- ``locked_until(keys)`` is the latest date until which the store refuses to delete any of
+  ``keys`` (S3 Object Lock), None where nothing is locked; a delete of a locked object raises
+  ``ObjectLocked`` and leaves it whole.
 - Transient backend failures raise ``StorageUnavailable``; ENOSPC/quota raises ``StorageFull``;
   a missing key raises ``NotFound``.
 """
@@ -34,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Self
 
@@ -121,6 +125,11 @@ class TierStore(ABC):
         the same checkpoint still lists). Returns the objects deleted."""
         deleted = int(self.delete(f"{prefix}/{manifest_name}"))
         return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
+
+    def locked_until(self, keys: Iterable[str]) -> datetime | None:
+        """The latest retain-until date, still in the future, of any of ``keys``; None when the
+        store can delete them all now (backends without retention: always)."""
+        return None
 
     @abstractmethod
     def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:

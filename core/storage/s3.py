@@ -23,6 +23,17 @@ endpoint and bucket per process (``validates_checksums``): a tiny object sent wi
 deliberately wrong CRC32C under ``PROBE_KEY`` (outside every checkpoint), removed afterwards;
 accepted means not validated. The mode in force is logged once.
 
+Object Lock (``lock_days``, ``lock_mode``): every checkpoint object is uploaded with
+``ObjectLockMode`` and ``ObjectLockRetainUntilDate`` (upload time + ``lock_days``), so nobody
+holding this store's credentials can delete it before then (compliance: nobody at all). S3 turns
+Object Lock on only when a bucket is created (``ObjectLockEnabledForBucket``); before the first
+locked upload the bucket's lock configuration is checked once per process, and a bucket without
+it is a ``ConfigError`` (never a silently unlocked copy). Object Lock implies versioning, where a
+delete without a version id only adds a delete marker and keeps the bytes: on a versioned bucket
+``delete`` and ``delete_prefix`` remove every version of the keys they delete, so a pruned copy
+is really gone. A locked version refuses (AccessDenied): ``ObjectLocked``, nothing else deleted
+in that call; ``locked_until`` tells beforehand (HeadObject's ``ObjectLockRetainUntilDate``).
+
 Errors: 5xx, throttling, timeouts and connection failures become ``StorageUnavailable``
 after botocore's own retries (``standard`` mode, ``max_attempts``); a multipart upload aborted
 under our feet (``NoSuchUpload``) is ``StorageUnavailable`` too (the destination lost staging
@@ -39,10 +50,19 @@ import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO
 
 from core import checksum as crc
-from core.errors import BadInput, ConfigError, ConflictError, CorruptCheckpoint, NotFound, StorageUnavailable
+from core.errors import (
+    BadInput,
+    ConfigError,
+    ConflictError,
+    CorruptCheckpoint,
+    NotFound,
+    ObjectLocked,
+    StorageUnavailable,
+)
 from core.paths import safe_relpath
 from core.storage.base import ObjectInfo, TierStore, hash_object
 
@@ -163,6 +183,9 @@ _PROBE_BODY = b"ckpt-tiering probe: sent with a CRC32C that does not match these
 # (endpoint URL, bucket) -> whether the endpoint checks the checksums it is sent; per process.
 _validates: dict[tuple[str, str], bool] = {}
 _validates_lock = threading.Lock()
+# (endpoint URL, bucket) -> (Object Lock enabled, versioning on); per process.
+_bucket_modes: dict[tuple[str, str], tuple[bool, bool]] = {}
+_LOCK_MODES = {"governance": "GOVERNANCE", "compliance": "COMPLIANCE"}
 
 
 def part_size(size: int, chunk_bytes: int) -> int:
@@ -190,8 +213,12 @@ class S3Store(TierStore):
         parallelism: int = 4,
         max_attempts: int = 5,
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
+        lock_days: float | None = None,
+        lock_mode: str = "governance",
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
     ) -> None:
+        if lock_mode not in _LOCK_MODES:
+            raise ConfigError(f"Object Lock mode must be governance or compliance, not {lock_mode!r}")
         if not url.startswith("s3://"):
             raise ConfigError(f"not an s3:// URL: {url!r}")
         bucket, _, prefix = url[len("s3://"):].partition("/")
@@ -203,6 +230,7 @@ class S3Store(TierStore):
         self.chunk_bytes, self.max_concurrency = chunk_bytes, max_concurrency
         self.parallelism = parallelism
         self.buffer_bytes = buffer_bytes
+        self.lock_days, self.lock_mode = lock_days, lock_mode
         self.client = client or self._make_client(endpoint_url, region, max_attempts)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -347,8 +375,8 @@ class S3Store(TierStore):
         full, what = self._k(PROBE_KEY), f"checksum probe {self.url_for(PROBE_KEY)}"
         wrong = crc.hex_to_s3(crc.hash_bytes(_PROBE_BODY + b"!"))
         try:
-            self.client.put_object(Bucket=self.bucket, Key=full, Body=_PROBE_BODY,
-                                   ChecksumAlgorithm="CRC32C", ChecksumCRC32C=wrong)
+            put = self.client.put_object(Bucket=self.bucket, Key=full, Body=_PROBE_BODY,
+                                         ChecksumAlgorithm="CRC32C", ChecksumCRC32C=wrong)
         except ClientError as exc:
             code, status = _code(exc)
             if code in _DIGEST_CODES:
@@ -365,6 +393,12 @@ class S3Store(TierStore):
             self._drop_probe(full)
             raise map_s3_error(exc, what, SEND_CRC32C) from exc
         with s3_errors(f"remove {what}"):  # accepted: it must go (a failure raises, nothing cached)
+            try:  # on a versioned bucket, the version itself (a plain delete only hides it)
+                if put.get("VersionId"):
+                    self.client.delete_object(Bucket=self.bucket, Key=full, VersionId=put["VersionId"])
+                    return False
+            except ClientError:  # locked by a default retention rule of the bucket: hidden, then
+                pass
             self.client.delete_object(Bucket=self.bucket, Key=full)
         return False
 
@@ -387,6 +421,8 @@ class S3Store(TierStore):
             ) from None
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        if self.lock_days:
+            self.require_object_lock()
         if self.stat(key) is not None:
             self._same_or_conflict(key, size, checksum)
             return ObjectInfo(key=key, size=size, checksum=checksum)
@@ -401,12 +437,13 @@ class S3Store(TierStore):
         try:
             self.verify_object(key, size, checksum)
         except CorruptCheckpoint as exc:
-            with s3_errors(self.url_for(key)):  # we created it (If-None-Match): take it back
-                self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+            self.delete(key)  # we created it (If-None-Match): take it back (ObjectLocked if it is locked)
             # the bytes sent matched the manifest, so the source is fine: they changed on the way
             # or at the endpoint, and a new upload may well succeed
             raise StorageUnavailable(f"{self.url_for(key)}: the stored bytes differ from the bytes sent "
                                      f"({exc}); removed, nothing published") from exc
+        if self.lock_days:
+            self._ensure_locked(key)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
@@ -418,7 +455,7 @@ class S3Store(TierStore):
         with s3_errors(self.url_for(key), SEND_CRC32C + IF_NONE_MATCH):
             self.client.put_object(
                 Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*",
-                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum),
+                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc.hex_to_s3(checksum), **self._lock_args(),
             )
 
     def _upload_part(self, full: str, upload_id: str, number: int, data: bytes) -> dict:
@@ -438,6 +475,7 @@ class S3Store(TierStore):
         with s3_errors(what, CREATE_CRC32C):
             upload_id = self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT",
+                **self._lock_args(),
             )["UploadId"]
         futures: list[Future] = []
         part_bytes = part_size(size, self.chunk_bytes)
@@ -488,6 +526,8 @@ class S3Store(TierStore):
         return self.put_verified(key, io.BytesIO(data), len(data), crc.hash_bytes(data))
 
     def delete(self, key: str) -> bool:
+        if self._modes()[1]:
+            return bool(self._delete_versions(key, exact=True))
         if self.stat(key) is None:
             return False
         with s3_errors(f"delete {self.url_for(key)}"):
@@ -526,6 +566,8 @@ class S3Store(TierStore):
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:
             raise BadInput("refusing to delete the whole tier (empty prefix)")
+        if self._modes()[1]:
+            return self._delete_versions(prefix, exact=False)
         keys = [self._k(o.key) for o in self.list(prefix)]
         if self.stat(prefix) is not None:  # a single object, as on a file system
             keys.append(self._k(prefix))
@@ -540,3 +582,104 @@ class S3Store(TierStore):
                     f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}"
                 )
         return len(keys)
+
+    # --- Object Lock and versions ---------------------------------------------------------
+    def _lock_args(self) -> dict[str, Any]:
+        if not self.lock_days:
+            return {}
+        until = datetime.now(UTC) + timedelta(days=self.lock_days)
+        return {"ObjectLockMode": _LOCK_MODES[self.lock_mode], "ObjectLockRetainUntilDate": until}
+
+    def _modes(self) -> tuple[bool, bool]:
+        """(Object Lock enabled, versioning on) for this bucket, asked once per process."""
+        where = (str(self.client.meta.endpoint_url), self.bucket)
+        if where not in _bucket_modes:
+            from botocore.exceptions import ClientError
+
+            def ask(what: str, call: Any) -> dict:
+                """The answer; {} where the endpoint refuses the question (no lock configuration:
+                ObjectLockConfigurationNotFoundError; not allowed to ask; not implemented)."""
+                try:
+                    with s3_errors(f"{what} of bucket {self.bucket}"):
+                        return call(Bucket=self.bucket)
+                except (ConfigError, NotFound) as exc:
+                    if not isinstance(exc.__cause__, ClientError) or _code(exc.__cause__)[0] == "NoSuchBucket":
+                        raise
+                    return {}
+
+            conf = ask("Object Lock configuration", self.client.get_object_lock_configuration)
+            locked = conf.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
+            status = ask("versioning", self.client.get_bucket_versioning).get("Status")
+            _bucket_modes[where] = (locked, locked or status in ("Enabled", "Suspended"))
+        return _bucket_modes[where]
+
+    def require_object_lock(self) -> None:
+        """``ConfigError`` unless the bucket has Object Lock enabled (S3 turns it on only at bucket
+        creation), so that a store asked to lock never writes an unlocked copy."""
+        if not self._modes()[0]:
+            raise ConfigError(
+                f"CKPT_TIER2_LOCK_DAYS is set but bucket {self.bucket!r} does not have S3 Object Lock enabled; "
+                "it can only be turned on when the bucket is created (CreateBucket with "
+                "ObjectLockEnabledForBucket=true, `aws s3api create-bucket --object-lock-enabled-for-bucket`). "
+                "Nothing was uploaded: use a bucket with Object Lock or unset CKPT_TIER2_LOCK_DAYS")
+
+    def _ensure_locked(self, key: str) -> None:
+        """The lock asked at upload is on the stored version; where an endpoint dropped it (moto
+        ignores it on CreateMultipartUpload) it is set with PutObjectRetention; ``ConfigError``
+        when that does not hold either: never a silently unlocked copy."""
+        what = f"Object Lock of {self.url_for(key)}"
+        head = self._head(key) or {}
+        if head.get("ObjectLockRetainUntilDate"):
+            return
+        args = self._lock_args()
+        with s3_errors(what):
+            self.client.put_object_retention(
+                Bucket=self.bucket, Key=self._k(key), VersionId=head.get("VersionId"),
+                Retention={"Mode": args["ObjectLockMode"], "RetainUntilDate": args["ObjectLockRetainUntilDate"]})
+        if not (self._head(key) or {}).get("ObjectLockRetainUntilDate"):
+            raise ConfigError(f"{what}: the endpoint accepted the upload but keeps no retention on it")
+
+    def locked_until(self, keys: Iterable[str]) -> datetime | None:
+        """HeadObject's retain-until date of each key's current version (only on a bucket with
+        Object Lock); the latest one still in the future."""
+        if not self._modes()[0]:
+            return None
+        now, latest = datetime.now(UTC), None
+        for key in keys:
+            h = self._head(key)
+            until = (h or {}).get("ObjectLockRetainUntilDate")
+            if until is not None and until > now and (latest is None or until > latest):
+                latest = until
+        return latest
+
+    def _versions(self, full_prefix: str) -> Iterator[dict]:
+        with s3_errors(f"list versions {self.bucket}/{full_prefix}"):
+            for page in self.client.get_paginator("list_object_versions").paginate(Bucket=self.bucket,
+                                                                                   Prefix=full_prefix):
+                for v in page.get("Versions", []):
+                    yield {"Key": v["Key"], "VersionId": v["VersionId"], "data": True}
+                for m in page.get("DeleteMarkers", []):
+                    yield {"Key": m["Key"], "VersionId": m["VersionId"], "data": False}
+
+    def _delete_versions(self, key_or_prefix: str, *, exact: bool) -> int:
+        """Every version and delete marker of ``key_or_prefix`` (exactly that key, or that key and
+        everything under it as a folder); returns how many keys had data. ``ObjectLocked`` when a
+        version is under retention (the others in its batch may be gone; the locked one stays)."""
+        full = self._k(key_or_prefix)
+        found = [v for v in self._versions(full) if v["Key"] == full or (not exact and v["Key"].startswith(full + "/"))]
+        for i in range(0, len(found), 1000):
+            batch = found[i:i + 1000]
+            with s3_errors(f"delete {self.root_url}/{key_or_prefix}"):
+                r = self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": v["Key"], "VersionId": v["VersionId"]} for v in batch], "Quiet": True})
+            errors = r.get("Errors") or []
+            locked = [e for e in errors if e.get("Code") == "AccessDenied"]
+            if locked:
+                key = self._rel(locked[0]["Key"])
+                raise ObjectLocked(f"{self.url_for(key)} is under S3 Object Lock (or this principal may not delete "
+                                   f"its versions): kept ({locked[0].get('Message', 'AccessDenied')})",
+                                   until=self.locked_until([key]))
+            if errors:
+                raise StorageUnavailable(f"S3 failed to delete {len(errors)} object versions under "
+                                         f"{key_or_prefix}: {errors[0]}")
+        return len({v["Key"] for v in found if v["data"]})

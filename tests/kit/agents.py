@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
+from core.events import auth_headers
 from deployments import names
 
 
@@ -52,19 +53,21 @@ class Agents:
 
 
 def start_agents(api_url: str, root: Path, nodes: tuple[str, ...], *, catalog_url: str, s3_url: str | None,
-                 bucket: str | None, extra: dict[str, str] | None = None) -> Agents:
-    """One agent per node; the first also serves the cluster-wide deployments."""
+                 bucket: str | None, extra: dict[str, str] | None = None, auth_string: str | None = None) -> Agents:
+    """One agent per node; the first also serves the cluster-wide deployments. ``auth_string``:
+    the Prefect API's secret, when the server runs with auth on."""
     from db.catalog import upgrade
 
     upgrade(catalog_url)
-    env = stack_env(root / "data", api_url=api_url, s3_url=s3_url, bucket=bucket or "ckpt", catalog_url=catalog_url)
+    env = stack_env(root / "data", api_url=api_url, s3_url=s3_url, bucket=bucket or "ckpt", catalog_url=catalog_url,
+                    auth_string=auth_string)
     env.update(extra or {})
     agents = Agents(api_url, root, nodes, env)
     for i, node in enumerate(nodes):
         agents.procs.append(start_agent(env, root / "logs" / f"agent-{node}.log", node=node, node_only=i > 0))
     try:
         wanted = [names.promote_deployment(n) for n in nodes] + [names.ARCHIVE_DEPLOYMENT]
-        wait_deployments(api_url, wanted, timeout=120, procs=agents.procs)
+        wait_deployments(api_url, wanted, timeout=120, procs=agents.procs, auth_string=auth_string)
     except BaseException:
         agents.stop()
         raise
@@ -110,9 +113,9 @@ def flow_runs(api_url: str, name: str | None = None, deployment: str | None = No
     if name:
         body["flow_runs"] = {"name": {"any_": [name]}}
     if deployment:
-        d = httpx.get(f"{api_url}/deployments/name/{deployment}", timeout=10).json()
+        d = httpx.get(f"{api_url}/deployments/name/{deployment}", timeout=10, headers=auth_headers()).json()
         body["deployments"] = {"id": {"any_": [d["id"]]}}
-    r = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10)
+    r = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10, headers=auth_headers())
     r.raise_for_status()
     return r.json()
 
@@ -122,15 +125,15 @@ def finished(run: dict) -> bool:
 
 
 def run_deployment_now(api_url: str, deployment: str, parameters: dict | None = None) -> str:
-    d = httpx.get(f"{api_url}/deployments/name/{deployment}", timeout=10).json()
+    d = httpx.get(f"{api_url}/deployments/name/{deployment}", timeout=10, headers=auth_headers()).json()
     r = httpx.post(f"{api_url}/deployments/{d['id']}/create_flow_run", json={"parameters": parameters or {}},
-                   timeout=10)
+                   timeout=10, headers=auth_headers())
     r.raise_for_status()
     return r.json()["id"]
 
 
 def read_flow_run(api_url: str, run_id: str) -> dict:
-    return httpx.get(f"{api_url}/flow_runs/{run_id}", timeout=10).json()
+    return httpx.get(f"{api_url}/flow_runs/{run_id}", timeout=10, headers=auth_headers()).json()
 
 
 def ts(value: str | datetime) -> float:

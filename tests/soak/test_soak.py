@@ -1,46 +1,62 @@
 """A model-based fault soak (Hypothesis stateful testing) of "nothing is lost".
 
-Two nodes (a Tier 0 folder each) and a shared Tier 1 folder on a real catalog (SQLite and
-PostgreSQL). Training moves forward: each ``save_and_promote`` writes the next step on a node
-and promotes it (the event arrived); ``save_event_lost`` writes one that only reconcile can
-find; ``promote_again`` repeats an event; ``conflicting_resave`` rewrites an earlier step with
-other bytes and promotes it (must be refused). Retention (Tier 0 keep_last 1; Tier 1 keep_last
-2, held back by the guard without a Tier 2), reconcile, scrub with repair, restore (bytes compared with
-what was saved), pins, worker kills and catalog or storage outages at a chosen call of an
-operation (``faults.py``: a store call such as ``put_verified``/``delete``/``delete_part``, or
-a catalog call such as ``transition``/``claim_prune``/``record_deletion``, before or after
-it), leases that lapse (a direct DB update, never a wall-clock wait) and external deletes, bit
-flips and truncations on Tier 0 and Tier 1 behind the catalog's back.
+Two nodes (a Tier 0 folder each), a shared Tier 1 folder and Tier 2 on moto's S3 server over
+HTTP (a bucket per example, reached through a proxy that can answer errors) on a real catalog
+(SQLite and PostgreSQL). Training moves forward: each ``save_and_promote`` writes the next step
+on a node and promotes it (the event arrived); every second step is a milestone, which the
+promotion archives to Tier 2; ``save_event_lost`` writes one that only reconcile can find;
+``promote_again`` repeats an event; ``conflicting_resave`` rewrites an earlier step with other
+bytes and promotes it (must be refused). Retention (Tier 0 keep_last 1; Tier 1 keep_last 2, so
+archived milestones leave Tier 1 on the strength of a Tier 2 copy the guard reads back; Tier 2
+keeps an hour), reconcile, scrub with repair, restore (bytes compared with what was saved; from
+Tier 2 once the nearer copies are gone), pins, worker kills and catalog or storage outages at a
+chosen call of an operation (``faults.py``: a store call such as ``put_verified``/``delete``/
+``delete_part``, of any tier or of Tier 2 only, or a catalog call such as ``transition``/
+``claim_prune``/``record_deletion``, before or after it), S3 errors over HTTP (transient 5xx and
+SlowDown that botocore's retries absorb, the server unavailable beyond every retry, access
+denied), a worker clock minutes or hours off (a writer's days), leases that lapse (a direct DB
+update, never a wall-clock wait) and external deletes, bit flips and truncations on every tier
+behind the catalog's back.
 
 After every step the invariants are checked against the bytes in the tier folders, not the
 catalog: every checkpoint that reached ``verified`` and that retention has not expired keeps at
 least one committed copy whose bytes are the ones saved, unless the test itself destroyed
 every good copy (the model tracks its own damage); the newest checkpoint that ever reached
 verified and pinned ones are never expired; restore returns the bytes saved; files outside
-the tier roots are untouched; every file the product deleted is explained by a new audit row
-(a ``delete`` row or a prune transition). ``check_pass`` lets leases lapse, runs reconcile and
-scrub on both nodes without faults and then requires every replica the catalog calls
-``verified`` to match on its tier, and no claim (``copying``/``pruning``) left behind.
+the tier roots (and objects outside Tier 2's prefix) are untouched; every file the product
+deleted is explained by a new audit row (a ``delete`` row or a prune transition); a copy whose
+bytes match is never marked ``corrupt``/``missing`` (an S3 error or an outage is no verdict on
+the bytes); no Tier 2 copy is pruned before its age on the catalog's clock, and a second
+retention or a reconcile on a worker whose clock runs minutes fast takes over no live claim.
+``check_pass`` lets leases lapse, runs reconcile and scrub on both nodes without faults and
+then requires every replica the catalog calls ``verified`` on Tier 1 or 2 to match on its tier,
+and no claim (``copying``/``pruning``) left behind.
 
 Tier 0 is node-local scratch that scrub does not read (by design): the check pass holds the
-durable tier (1) to "verified matches on disk"; for Tier 0 the invariant is that a rotted copy
-is never used as truth (a restore never returns other bytes, a Tier 1 copy never verifies with
-bytes other than the registered ones). Tier 1 rot is left for the pipeline to find (no scrub
-follows it): the prune guard must read the justifying copy back.
+durable tiers (1, 2) to "verified matches on its tier"; for Tier 0 the invariant is that a
+rotted copy is never used as truth (a restore never returns other bytes, a Tier 1 or 2 copy
+never verifies with bytes other than the registered ones). Rot on Tiers 1 and 2 is left for the
+pipeline to find (no scrub follows it): the prune guard must read the justifying copy back.
+
+Clock skew: ``faults.Clock`` moves the worker's Python clock. On PostgreSQL the catalog's clock
+is the server's ``now()``, so leases and ages must not move; on SQLite the catalog is a file on
+the workers' one host, whose clock it is, so there the skew reaches the writer's manifest stamp
+and scrub's grace but not the catalog (workers on one host cannot disagree about the time).
 
 Budget: ``CKPT_SOAK_EXAMPLES`` / ``CKPT_SOAK_STEPS`` (defaults for ``make test``: 4 examples of
 60 operations); the seed is fixed (``DEFAULT_SEED``) unless ``CKPT_SOAK_SEED`` names one
 (``random`` draws a fresh one, printed and replayable). ``CKPT_SOAK_SHRINK=0`` skips
 shrinking, ``CKPT_SOAK_VIOLATIONS`` appends each violation with its trace to a file,
 ``CKPT_SOAK_REPORT`` writes the figures as JSON, ``CKPT_SOAK_FAULTS`` is the comma list of
-enabled fault kinds. Tier 1 is never pruned here: the guard keeps the last copy on a durable
-tier, and the soak has no Tier 2 (S3) yet.
+enabled fault kinds (``s3`` and ``skew`` among them).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
+from datetime import timedelta
 import shutil
 import tempfile
 from collections import Counter
@@ -56,14 +72,17 @@ import flows.retention  # noqa: F401
 import tasks.restore
 import tasks.scrub  # noqa: F401
 from core.errors import CkptError
-from core.layout import checkpoint_dirname, is_staging
-from faults import Injector, Killed, Plan, install
+from core.layout import checkpoint_dirname, checkpoint_prefix, is_staging, part_key
+from faults import Clock, Injector, Killed, Plan, S3Faults, S3Plan, install
 from tests.kit.checkpoints import expire_claims, flip_bit, truncate, write_checkpoint
 
 RUN = "run-a"
 NODES = ("node-0", "node-1")
-LOCS = ("t0:node-0", "t0:node-1", "t1")
-ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict")
+LOCS = ("t0:node-0", "t0:node-1", "t1", "t2")
+T2_PREFIX = "ckpt"  # Tier 2 is s3://<bucket of the example>/ckpt
+NEIGHBOUR_KEY = "neighbour/precious.bin"  # in the same bucket, outside the tier root: never touched
+MILESTONE_EVERY = 200  # every second save is a milestone, archived to Tier 2
+ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict", "s3", "skew")
 FAULTS = tuple(f for f in os.environ.get("CKPT_SOAK_FAULTS", ",".join(ALL_FAULTS)).split(",") if f)
 EXAMPLES = int(os.environ.get("CKPT_SOAK_EXAMPLES", "4"))
 STEP_COUNT = int(os.environ.get("CKPT_SOAK_STEPS", "60"))
@@ -74,9 +93,12 @@ SHRINK = os.environ.get("CKPT_SOAK_SHRINK", "1") == "1"
 STRICT_AUDIT = os.environ.get("CKPT_SOAK_STRICT_AUDIT", "1") == "1"
 
 STATS: Counter = Counter()  # read by conftest's terminal summary
+SECONDS: Counter = Counter()  # wall seconds per operation (and the invariant checks), for the report
 VIOLATIONS: list[str] = []
 REPORTS: dict[str, dict] = {}  # catalog backend -> its figures (conftest prints and writes them)
 INJECTOR = Injector()
+S3_FAULTS = S3Faults()  # the hook of the HTTP proxy the product's S3 client talks to
+CLOCK = Clock()
 
 # where a fault lands: a store call (the gap between a storage operation and its catalog
 # commit: copy publishes with put_verified/write_small_atomic, verify reads, prune deletes) or a
@@ -93,16 +115,25 @@ TARGETS = {  # operation -> (store methods, catalog methods) it calls, so a plan
     "scrub": (("open_read", "verify_object", "put_verified", "write_small_atomic", "delete_part", "delete", "list"),
               ("scrub_candidates", "transition", "mark_checked", "claim_copy", "record_deletion", "bad_replicas")),
 }
+# the Tier 2 (S3) store calls each operation makes: the archive's upload and read-back, the prune
+# guard's evidence read of a Tier 2 copy, reconcile's listing, scrub's read and repair (delete, upload)
+TIER2_TARGETS = {
+    "promote": ("put_verified", "write_small_atomic", "verify_object", "open_read", "read_small", "stat"),
+    "retention": ("verify_object", "list", "read_small", "open_read"),
+    "reconcile": ("list", "put_verified", "write_small_atomic", "verify_object"),
+    "scrub": ("open_read", "read_small", "verify_object", "delete", "delete_prefix", "put_verified"),
+}
 _KINDS = [k for k in ("kill", "catalog_outage", "storage_outage") if k in FAULTS]
 
 
-def _plan(kind: str, target: str, method: str, at: int, after: bool) -> Plan:
-    return Plan(kind=kind, at=at, after=after, target=target, method=method)
+def _plan(kind: str, target: str, method: str, at: int, after: bool, tier: int | None = None) -> Plan:
+    return Plan(kind=kind, at=at, after=after, target=target, method=method, tier=tier)
 
 
 def plans(op: str) -> st.SearchStrategy[Plan]:
     """No fault half of the time; otherwise a kill or an outage at one of the store or catalog
-    calls ``op`` makes (its first or second such call), or at its n-th wrapped call."""
+    calls ``op`` makes (its first or second such call), at one of its Tier 2 (S3) store calls,
+    or at its n-th wrapped call."""
     if not _KINDS:
         return st.just(Plan())
     store_m, catalog_m = TARGETS[op]
@@ -110,8 +141,28 @@ def plans(op: str) -> st.SearchStrategy[Plan]:
     store = st.builds(_plan, kinds, st.just("store"), st.sampled_from(store_m), st.integers(0, 1), st.booleans())
     catalog = st.builds(_plan, kinds, st.just("catalog"), st.sampled_from(catalog_m), st.integers(0, 1),
                         st.booleans())
+    tier2 = st.builds(_plan, kinds, st.just("store"), st.sampled_from(TIER2_TARGETS[op]), st.integers(0, 1),
+                      st.booleans(), st.just(2))
     anywhere = st.builds(_plan, kinds, st.just(""), st.just(""), st.integers(0, 20), st.booleans())
-    return st.one_of(st.just(Plan()), st.just(Plan()), store, catalog, anywhere, st.just(Plan()))
+    return st.one_of(st.just(Plan()), st.just(Plan()), store, catalog, tier2, tier2, anywhere, st.just(Plan()))
+
+
+def _s3_plans() -> st.SearchStrategy[S3Plan]:
+    """Mostly none; else a transient error (1-2 requests: botocore's retries absorb it), the
+    server unavailable beyond every retry, or access denied, from the n-th request of a method."""
+    if "s3" not in FAULTS:
+        return st.just(S3Plan())
+    kinds = st.sampled_from(["s3_transient", "s3_transient", "s3_unavailable", "s3_denied"])
+    fault = st.builds(S3Plan, kind=kinds, at=st.integers(0, 4), method=st.sampled_from(["", "", "GET", "PUT", "HEAD"]),
+                      count=st.integers(1, 2), variant=st.integers(0, 2))
+    return st.one_of(st.just(S3Plan()), fault)
+
+
+# a worker's clock off by minutes (more than a lease) or hours (more than Tier 2's max age), or a
+# writer lagging days; most operations run on a true clock
+SKEWS = [timedelta(0)] * 5 + [timedelta(minutes=m) for m in (6, -6, 120, -120)] + [timedelta(days=-3)]
+SKEW = st.sampled_from(SKEWS if "skew" in FAULTS else [timedelta(0)])
+S3P = _s3_plans()
 
 
 PICK = st.integers(0, 1 << 16)  # an index into whatever exists when the rule runs
@@ -124,35 +175,49 @@ _DAMAGE = [h for h in ("delete", "flip", "truncate") if h in FAULTS]
 # check_pass/lapse alone and never restored a saved checkpoint. Here the simplest choice is a
 # fault-free save_and_promote, and every example draws from the whole mix.
 OPS: dict[str, tuple[int, dict[str, st.SearchStrategy]]] = {
-    "save_and_promote": (8, {"node": NODE, "plan": plans("promote")}),
-    "save_and_promote_twice": (2, {"node": NODE, "plan": plans("promote")}),
-    "save_event_lost": (2, {"node": NODE}),
-    "promote_again": (2, {"node": NODE, "pick": PICK, "plan": plans("promote")}),
+    "save_and_promote": (8, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
+    "save_and_promote_twice": (2, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
+    "save_event_lost": (2, {"node": NODE, "skew": SKEW}),
+    "promote_again": (2, {"node": NODE, "pick": PICK, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
     "conflicting_resave": (2 if "conflict" in FAULTS else 0, {"node": NODE, "pick": PICK,
                                                               "variant": st.integers(1, 3)}),
-    "retention": (4, {"node": NODE, "plan": plans("retention")}),
-    "retention_killed_then_again": (2 if "kill" in FAULTS else 0, {"node": NODE, "plan": plans("retention")}),
-    "reconcile": (3, {"node": NODE, "plan": plans("reconcile")}),
-    "scrub": (2, {"node": NODE, "plan": plans("scrub")}),
+    "retention": (4, {"node": NODE, "plan": plans("retention"), "s3": S3P, "skew": SKEW}),
+    "retention_killed_then_again": (2 if "kill" in FAULTS else 0, {"node": NODE, "plan": plans("retention"),
+                                                                   "skew": SKEW}),
+    "reconcile": (3, {"node": NODE, "plan": plans("reconcile"), "s3": S3P, "skew": SKEW}),
+    "scrub": (2, {"node": NODE, "plan": plans("scrub"), "s3": S3P, "skew": SKEW}),
     "lapse": (1, {}),
     "pin": (1, {"pick": PICK}),
-    "restore": (4, {"node": NODE, "pick": PICK, "newest": st.booleans()}),
-    "damage": (5 if _DAMAGE else 0, {"loc": st.sampled_from(LOCS), "pick": PICK,
+    "restore": (4, {"node": NODE, "pick": PICK, "newest": st.booleans(), "s3": S3P, "skew": SKEW}),
+    "damage": (6 if _DAMAGE else 0, {"loc": st.sampled_from((*LOCS, "t2")), "pick": PICK,
                                      "how": st.sampled_from(_DAMAGE or ["none"])}),
     "check_pass": (1, {}),
 }
 OP_CHOICE = st.sampled_from([name for name, (weight, _) in OPS.items() for _ in range(weight)])
 
 
+_SHAS: dict[tuple, str] = {}  # (path, inode, size, mtime) -> sha256: the invariants re-read every folder
+
+
 def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+    st_ = p.stat()
+    key = (str(p), st_.st_ino, st_.st_size, st_.st_mtime_ns)
+    if key not in _SHAS:
+        _SHAS[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return _SHAS[key]
 
 
 class Soak(RuleBasedStateMachine):
     db_url: str = ""  # set by the test
+    s3_url: str = ""  # moto's S3 server (the test's own reads and damage go straight to it)
+    s3_proxy_url: str = ""  # the proxy in front of it that the product talks to (``S3_FAULTS``)
 
     @initialize()
     def setup(self) -> None:
+        import uuid
+
+        import boto3
+
         from core.settings import load_settings
         from db.catalog import Catalog, upgrade
 
@@ -165,8 +230,19 @@ class Soak(RuleBasedStateMachine):
             cat.ensure_run(RUN, actor="soak")
         finally:
             cat.close()
+        self.s3 = boto3.client("s3", endpoint_url=self.s3_url, region_name="us-east-1")
+        self.bucket = f"soak-{uuid.uuid4().hex[:12]}"
+        self.s3.create_bucket(Bucket=self.bucket)
+        self.s3.put_object(Bucket=self.bucket, Key=NEIGHBOUR_KEY, Body=os.urandom(512))
+        self.epoch = 0  # bumped whenever Tier 2 may have changed: the listing below is cached per epoch
+        self._t2: tuple[int, dict[str, tuple[int, str]]] = (-1, {})
+        # Tier 2 keeps archives for an hour (no milestone rule): every example is younger than
+        # that on the catalog's clock, so any Tier 2 prune is one made early (a skewed clock)
         common = dict(data_dir=data, catalog_url=url, task_retries=0, copy_parallelism=1,
-                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2})
+                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2},
+                      retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False},
+                      milestones={"every_steps": MILESTONE_EVERY},
+                      tier2_url=f"s3://{self.bucket}/{T2_PREFIX}", s3_endpoint_url=self.s3_proxy_url)
         self.settings = {n: load_settings(node=n, **common) for n in NODES}
         self.roots = {"t0:node-0": Path(self.settings["node-0"].tier0_url),
                       "t0:node-1": Path(self.settings["node-1"].tier0_url),
@@ -186,6 +262,9 @@ class Soak(RuleBasedStateMachine):
         self.audit_seen = 0  # audit rows up to this id were there at the last check
         self.pinned: set[int] = set()
         self.t1_damaged: set[int] = set()  # steps whose Tier 1 folder the test rotted or truncated
+        self.t2_damaged: set[int] = set()  # steps whose Tier 2 objects the test rotted or truncated
+        self.md5: dict[str, str] = {}  # sha256 of a saved file -> its MD5 (a single-PUT object's ETag)
+        self.good_replicas: set[int] = set()  # verified replicas whose bytes matched at the last check
         self.seen_pruned: set[int] = set()  # replica ids already counted as pruned
         self.trace: list[str] = []
         STATS["examples"] += 1
@@ -197,15 +276,38 @@ class Soak(RuleBasedStateMachine):
     # --- helpers -----------------------------------------------------------------------------
     def _outside(self) -> dict[str, str]:
         files = [self.outside / "precious.bin", self.tmp / "data" / "next-to-roots.txt"]
-        return {str(p): _sha(p) if p.exists() else "GONE" for p in files}
+        out = {str(p): _sha(p) if p.exists() else "GONE" for p in files}
+        out[NEIGHBOUR_KEY] = self.t2_objects().get(NEIGHBOUR_KEY, (0, "GONE"))[1]
+        return out
 
     def folder(self, loc: str, step: int) -> Path:
         return self.roots[loc] / RUN / checkpoint_dirname(step)
 
+    def t2_objects(self) -> dict[str, tuple[int, str]]:
+        """Every object in the example's bucket: key -> (size, ETag), listed straight from moto
+        (one request, cached until something may have changed Tier 2). Objects here are single
+        PUTs (far below the multipart threshold), so an ETag is the MD5 of the stored bytes."""
+        if self._t2[0] != self.epoch:
+            objs: dict[str, tuple[int, str]] = {}
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
+                objs.update({o["Key"]: (int(o["Size"]), o["ETag"].strip('"')) for o in page.get("Contents", [])})
+            self._t2 = (self.epoch, objs)
+        return self._t2[1]
+
+    def t2_key(self, step: int, rel: str = "") -> str:
+        return f"{T2_PREFIX}/{checkpoint_prefix(RUN, step)}/{rel}" if rel else f"{T2_PREFIX}/{part_key(RUN, step)}"
+
     def committed(self, loc: str) -> list[int]:
+        if loc == "t2":
+            objs = self.t2_objects()
+            return sorted(s for s in self.saved if self.t2_key(s) in objs)
         return sorted(s for s in self.saved if (self.folder(loc, s) / "manifest.json").is_file())
 
     def matches(self, loc: str, step: int, version: dict[str, str]) -> bool:
+        if loc == "t2":
+            objs = self.t2_objects()
+            return self.t2_key(step) in objs and all(
+                objs.get(self.t2_key(step, rel), (0, ""))[1] == self.md5.get(sha) for rel, sha in version.items())
         d = self.folder(loc, step)
         if not (d / "manifest.json").is_file():
             return False
@@ -246,30 +348,52 @@ class Soak(RuleBasedStateMachine):
                 fh.write(msg + "\n\n")
         raise AssertionError(msg)
 
-    def operate(self, name: str, plan: Plan, fn, *, lapse_after_kill: bool = True) -> None:
+    def operate(self, name: str, plan: Plan, fn, *, lapse_after_kill: bool = True, s3: S3Plan | None = None,
+                skew: timedelta = timedelta(0)) -> None:
+        s3 = s3 or S3Plan()
         STATS[f"op:{name.split('(')[0]}"] += 1
-        self.trace.append(f"{name}{plan.label()}")
+        self.trace.append(f"{name}{plan.label()}{s3.label()}{_skew_label(skew)}")
+        self.epoch += 1
+        CLOCK.offset = skew
+        S3_FAULTS.arm(s3)
         INJECTOR.start(plan)
+        raised = None
+        started = time.monotonic()
         try:
             fn()
         except Killed:
             pass  # the worker died; its claims lapse later (here, or by ``lapse``)
         except CkptError as exc:
             STATS[f"error:{type(exc).__name__}"] += 1
+            raised = exc
         finally:
             fired = INJECTOR.stop()
+            s3_failed = S3_FAULTS.disarm()
+            CLOCK.offset = timedelta(0)
+            self.epoch += 1
+            SECONDS[name.split("(")[0]] += time.monotonic() - started
+        if skew:
+            STATS["fault_kind:clock_skew"] += 1
+            STATS[f"clock_skew:{_skew_label(skew)[1:]}"] += 1
+        if s3_failed:
+            STATS[f"fault_kind:{s3.kind}"] += 1
+            STATS["s3_requests_answered_with_an_error"] += s3_failed
+            self.trace[-1] += f"[{s3_failed} S3 errors{': ' + type(raised).__name__ if raised else ''}]"
+            if s3.kind == "s3_transient" and raised is None:
+                STATS["s3_transient_absorbed_by_retries"] += 1
         if plan.kind:
             STATS["faults_planned"] += 1
         if fired:
             STATS[f"fault:{fired}"] += 1
             kind, _, where = fired.replace("_before_", "|").replace("_after_", "|").partition("|")
-            STATS["fault_kind:" + (f"kill_at_{where.split('.')[0]}" if kind == "kill" else kind)] += 1
+            tier2 = "_tier2" if fired.endswith("@tier2") else ""
+            STATS["fault_kind:" + (f"kill_at_{where.split('.')[0]}" if kind == "kill" else kind) + tier2] += 1
             self.trace[-1] += f"[{fired}]"
         if fired.startswith("kill") and lapse_after_kill:
             expire_claims(self.settings["node-0"])  # a lease later, as if the dead worker's lease passed
             STATS["lease_expired_after_kill"] += 1
 
-    def _save(self, node: str, step: int, variant: int) -> None:
+    def _save(self, node: str, step: int, variant: int, skew: timedelta = timedelta(0)) -> None:
         loc = f"t0:{node}"
         before = self.good_now(step)
         if self.folder(loc, step).exists():  # a re-save (a rolled-back job) rewrites its folder
@@ -277,18 +401,26 @@ class Soak(RuleBasedStateMachine):
             self.test_removed.add((step, loc))
         if before and before <= {loc}:
             self.excused.add(step)  # the re-save overwrote the only good copy itself
-        m = write_checkpoint(self.roots[loc], RUN, step, shards=1, shard_bytes=1024, node=node, seed=variant)
+        CLOCK.offset = skew  # the writer's clock stamps its manifest
+        try:
+            m = write_checkpoint(self.roots[loc], RUN, step, shards=1, shard_bytes=1024, node=node, seed=variant)
+        finally:
+            CLOCK.offset = timedelta(0)
         d = self.folder(loc, step)
         version = {f.path: _sha(d / f.path) for f in m.files}
+        self.md5.update({version[f.path]: hashlib.md5((d / f.path).read_bytes()).hexdigest() for f in m.files})
+        if skew:
+            STATS["saves_by_a_skewed_writer"] += 1
         self.saved.setdefault(step, {})[frozenset((f.path, f.checksum) for f in m.files)] = version
         STATS["saves"] += 1
-        self.trace.append(f"save({node},{step},v{variant})")
+        self.trace.append(f"save({node},{step},v{variant}){_skew_label(skew)}")
 
-    def _promote(self, node: str, step: int, plan: Plan, label: str = "promote") -> None:
+    def _promote(self, node: str, step: int, plan: Plan, label: str = "promote", s3: S3Plan | None = None,
+                 skew: timedelta = timedelta(0)) -> None:
         from flows.common import plain_steps
         from flows.promote import promote
-        self.operate(f"{label}({node},{step})", plan,
-                     lambda: promote(self.settings[node], RUN, step, steps=plain_steps(), node=node, actor="soak"))
+        self.operate(f"{label}({node},{step})", plan, s3=s3, skew=skew,
+                     fn=lambda: promote(self.settings[node], RUN, step, steps=plain_steps(), node=node, actor="soak"))
 
     # --- the one rule: an operation drawn with a weight ---------------------------------------
     @rule(data=st.data())
@@ -299,29 +431,29 @@ class Soak(RuleBasedStateMachine):
         getattr(self, op)(**kwargs)
 
     # --- operations: training and events -----------------------------------------------------
-    def save_and_promote(self, node: str, plan: Plan) -> None:
+    def save_and_promote(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0)
-        self._promote(node, step, plan)
+        self._save(node, step, 0, skew)
+        self._promote(node, step, plan, s3=s3, skew=skew)
 
-    def save_and_promote_twice(self, node: str, plan: Plan) -> None:
+    def save_and_promote_twice(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         """An event delivered twice (the first maybe faulted): the second must settle it."""
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0)
-        self._promote(node, step, plan)
+        self._save(node, step, 0, skew)
+        self._promote(node, step, plan, s3=s3, skew=skew)
         self._promote(node, step, Plan(), label="promote_duplicate")
 
-    def save_event_lost(self, node: str) -> None:
+    def save_event_lost(self, node: str, skew: timedelta) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0)
+        self._save(node, step, 0, skew)
         STATS["events_lost"] += 1
 
-    def promote_again(self, node: str, pick: int, plan: Plan) -> None:
+    def promote_again(self, node: str, pick: int, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         """A duplicate (or late) event for a step this node holds."""
         have = self.committed(f"t0:{node}")
         if not have:
             return
-        self._promote(node, have[pick % len(have)], plan, label="promote_duplicate")
+        self._promote(node, have[pick % len(have)], plan, label="promote_duplicate", s3=s3, skew=skew)
 
     def conflicting_resave(self, node: str, pick: int, variant: int) -> None:
         """A rolled-back job or another node writes an earlier step again with other bytes."""
@@ -334,16 +466,18 @@ class Soak(RuleBasedStateMachine):
         self._promote(node, step, Plan(), label="promote_conflicting")
 
     # --- operations: scheduled flows --------------------------------------------------------------
-    def retention(self, node: str, plan: Plan) -> None:
+    def retention(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
         from flows.retention import retention
-        self.operate(f"retention({node})", plan,
-                     lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+        self.operate(f"retention({node})", plan, s3=s3, skew=skew,
+                     fn=lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
 
-    def retention_killed_then_again(self, node: str, plan: Plan) -> None:
+    def retention_killed_then_again(self, node: str, plan: Plan, skew: timedelta) -> None:
         """A retention run dies at a store delete (before or after it); its lease is
-        left live, so a second retention on the same node must not touch the claimed replica;
-        then the lease lapses and reconcile takes the prune over (two prunes of one replica)."""
+        left live, so a second retention (on a worker clock ``skew`` off) and a reconcile on the
+        same node (on a clock at least 6 minutes fast: past the lease by the worker's reckoning)
+        must not touch the claimed replica; then the lease lapses and reconcile takes the prune
+        over (two prunes of one replica)."""
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
         from flows.retention import retention
@@ -355,10 +489,18 @@ class Soak(RuleBasedStateMachine):
         claimed = self._replicas_in("pruning") - before
         if claimed:
             STATS["retention_killed_mid_prune"] += 1
-        self.operate(f"retention({node})", Plan(),
-                     lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+        self.operate(f"retention({node})", Plan(), skew=skew,
+                     fn=lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
         if claimed - self._replicas_in("pruning"):
             self.violate(f"a second retention took over prune claims {sorted(claimed)} under a live lease")
+        if claimed:  # reconcile takes over lapsed claims: here on a clock at least 6 minutes fast
+            fast = max(skew, timedelta(minutes=6))
+            self.operate(f"reconcile({node})", Plan(), skew=fast,
+                         fn=lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
+            if claimed - self._replicas_in("pruning"):
+                self.violate(f"reconcile on a clock {_skew_label(fast)[1:]} fast took over prune claims "
+                             f"{sorted(claimed)} under a live lease")
+            STATS["live_claims_kept_from_a_fast_worker"] += len(claimed)
         self.lapse()
         self.operate(f"reconcile({node})", Plan(),
                      lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
@@ -374,16 +516,16 @@ class Soak(RuleBasedStateMachine):
         finally:
             cat.close()
 
-    def reconcile(self, node: str, plan: Plan) -> None:
+    def reconcile(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
-        self.operate(f"reconcile({node})", plan,
-                     lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
+        self.operate(f"reconcile({node})", plan, s3=s3, skew=skew,
+                     fn=lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
 
-    def scrub(self, node: str, plan: Plan) -> None:
+    def scrub(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from tasks.scrub import scrub
-        self.operate(f"scrub({node})", plan,
-                     lambda: scrub(self.settings[node], fraction=1.0, actor="soak", grace_seconds=0.0))
+        self.operate(f"scrub({node})", plan, s3=s3, skew=skew,
+                     fn=lambda: scrub(self.settings[node], fraction=1.0, actor="soak", grace_seconds=0.0))
 
     def lapse(self) -> None:
         """Time passes: every live lease runs out (as if its holder died a lease ago)."""
@@ -408,27 +550,37 @@ class Soak(RuleBasedStateMachine):
         finally:
             cat.close()
 
-    def restore(self, node: str, pick: int, newest: bool) -> None:
+    def restore(self, node: str, pick: int, newest: bool, s3: S3Plan, skew: timedelta) -> None:
+        # aimed at a checkpoint that should have a copy: one that reached verified and still has
+        # good bytes on a tier this node reads (its own Tier 0, Tier 1, Tier 2); else the newest
+        step = None
+        readable = {"t1", "t2", f"t0:{node}"}
+        steps = sorted(s for s in self.ever_verified if self.good_now(s) & readable)
+        on_t2_only = [s for s in steps if self.good_now(s) & readable == {"t2"}]
+        pool = on_t2_only if on_t2_only and pick % 2 == 0 else steps  # half the time one only Tier 2 holds
+        if not newest and pool:
+            step = pool[(pick // 2) % len(pool)]
+        only_t2 = step is not None and step in on_t2_only
+        STATS["restores_aimed_at_a_tier2_only_copy"] += only_t2
+        dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.tmp)) / "out"
+        outcome: list[str] = []
+        self.operate(f"restore({node},{step or 'newest'})", Plan(), s3=s3, skew=skew,
+                     fn=lambda: self._restore_into(node, dest, step, outcome))
+        shutil.rmtree(dest.parent, ignore_errors=True)
+        if only_t2 and outcome == ["ok"]:
+            STATS["restores_when_only_tier2_was_good"] += 1
+
+    def _restore_into(self, node: str, dest: Path, step: int | None, outcome: list[str]) -> None:
         from db.catalog import Catalog
         from tasks.restore import restore_checkpoint
-        # aimed at a checkpoint that should have a copy: one that reached verified and still has
-        # good bytes on a tier this node reads (its own Tier 0, Tier 1); else the newest
-        step = None
-        readable = {"t1", f"t0:{node}"}
-        steps = sorted(s for s in self.ever_verified if self.good_now(s) & readable)
-        if not newest and steps:
-            step = steps[pick % len(steps)]
-        dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.tmp)) / "out"
-        self.trace.append(f"restore({node},{step or 'newest'})")
-        STATS["op:restore"] += 1
         try:
             report = restore_checkpoint(self.settings[node], RUN, dest, step=step, actor="soak")
         except CkptError as exc:
+            outcome.append(type(exc).__name__)
             STATS[f"restore_error:{type(exc).__name__}"] += 1
-            if step is not None:  # a good copy was there: found nothing is a fault worth seeing
+            if step is not None and not S3_FAULTS.failed:  # a good copy was there: a fault worth seeing
                 STATS["restore_missed_a_good_copy"] += 1
                 self.trace[-1] += f"[{type(exc).__name__}: {exc}]"
-            shutil.rmtree(dest.parent, ignore_errors=True)
             return
         cat = Catalog(self.settings[node].catalog_url)
         try:
@@ -443,13 +595,17 @@ class Soak(RuleBasedStateMachine):
         STATS["restores_bytes_match"] += 1
         if report.fell_back_from is not None or report.bad:
             STATS["restores_past_a_bad_copy"] += 1
-        shutil.rmtree(dest.parent, ignore_errors=True)
+        if 2 in report.tiers:
+            STATS["restores_read_tier2"] += 1
+        outcome.append("ok")
 
     def damage(self, loc: str, pick: int, how: str) -> None:
         have = self.committed(loc)
         if how == "none" or not have:
             return
         step = have[pick % len(have)]
+        if loc == "t2":
+            return self._damage_t2(step, how)
         d = self.folder(loc, step)
         shards = sorted(d.glob("*.safetensors"))
         if not shards:
@@ -468,10 +624,34 @@ class Soak(RuleBasedStateMachine):
         if loc == "t1":
             self.t1_damaged.add(step)  # left for the pipeline to find: no scrub follows
 
+    def _damage_t2(self, step: int, how: str) -> None:
+        """Behind the catalog's back on S3: a lifecycle rule or an operator deletes the
+        checkpoint's objects, or an object is rewritten with a bit flipped / cut short."""
+        keys = [k for k in self.t2_objects() if k.startswith(f"{T2_PREFIX}/{checkpoint_prefix(RUN, step)}/")]
+        shards = sorted(k for k in keys if k.endswith(".safetensors"))
+        if not shards:
+            return
+        if self.good_now(step) <= {"t2"}:
+            self.excused.add(step)
+        if how == "delete":
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+            self.test_removed.add((step, "t2"))
+        else:
+            data = bytearray(self.s3.get_object(Bucket=self.bucket, Key=shards[0])["Body"].read())
+            if how == "flip":
+                data[len(data) // 2] ^= 0x01
+            else:
+                data = data[: len(data) // 2]
+            self.s3.put_object(Bucket=self.bucket, Key=shards[0], Body=bytes(data))
+        self.epoch += 1
+        STATS[f"fault:external_{how}_t2"] += 1
+        self.trace.append(f"{how}(t2,{step})")
+        self.t2_damaged.add(step)
+
     def check_pass(self) -> None:
         """Leases lapse, then reconcile and scrub run on both nodes without faults: afterwards
-        every replica on a durable tier (1) the catalog calls ``verified`` matches on its tier and
-        no claim is left. Tier 0 is node-local scratch that scrub does not read by design: a
+        every replica on a durable tier (1, 2) the catalog calls ``verified`` matches on its tier
+        and no claim is left. Tier 0 is node-local scratch that scrub does not read by design: a
         rotted Tier 0 copy may stay ``verified`` until its next use, which reads it back against
         the manifest (``restore`` checks it never returns wrong bytes; ``nothing_is_lost``
         that a copy made from it never verifies on Tier 1)."""
@@ -492,11 +672,11 @@ class Soak(RuleBasedStateMachine):
             for ck in cat.list_checkpoints(RUN):
                 version = self.canonical(cat, ck.step)
                 for rep in cat.replicas(ck.id):
-                    loc = "t1" if rep.tier == 1 else f"t0:{rep.node}"
+                    loc = _loc(rep)
                     if rep.state in ("copying", "pruning", "verifying"):
                         self.violate(f"step {ck.step} tier {rep.tier} ({loc}) still {rep.state} after lapse + "
                                      "reconcile on every node")
-                    bad = rep.state == "verified" and loc in self.roots and (
+                    bad = rep.state == "verified" and loc in LOCS and (
                         version is None or not self.matches(loc, ck.step, version))
                     if bad and rep.tier >= 1:
                         self.violate(f"step {ck.step}: the catalog calls {loc} verified after reconcile and "
@@ -512,8 +692,16 @@ class Soak(RuleBasedStateMachine):
     def nothing_is_lost(self) -> None:
         if not hasattr(self, "settings"):
             return
+        started = time.monotonic()
+        try:
+            self._nothing_is_lost()
+        finally:
+            SECONDS["invariants"] += time.monotonic() - started
+
+    def _nothing_is_lost(self) -> None:
         from db.catalog import Catalog
         cat = Catalog(self.settings["node-0"].catalog_url)
+        good_now: set[int] = set()
         try:
             newest_ever = max(self.ever_verified, default=None)
             for step in sorted(self.saved):
@@ -526,10 +714,20 @@ class Soak(RuleBasedStateMachine):
                     if r.state == "pruned" and r.id not in self.seen_pruned:
                         self.seen_pruned.add(r.id)
                         STATS[f"prunes_tier{r.tier}"] += 1
-                    if (r.tier == 1 and r.state == "verified" and step not in self.t1_damaged
-                            and not self.matches("t1", step, version)):
-                        self.violate(f"step {step}: Tier 1 is verified with bytes other than the registered "
+                    damaged = self.t1_damaged if r.tier == 1 else self.t2_damaged
+                    if (r.tier >= 1 and r.state == "verified" and step not in damaged
+                            and not self.matches(_loc(r), step, version)):
+                        self.violate(f"step {step}: Tier {r.tier} is verified with bytes other than the registered "
                                      "ones, and the test never touched it (a bad source was taken as truth)")
+                    if r.tier == 2 and r.state in ("pruning", "pruned"):
+                        self.violate(f"step {step}: its Tier 2 copy was pruned although Tier 2 keeps an hour and "
+                                     "every checkpoint here is younger on the catalog's clock (pruned early)")
+                    if r.state in ("corrupt", "missing") and r.id in self.good_replicas and self.matches(
+                            _loc(r), step, version):
+                        self.violate(f"step {step}: the catalog marked its Tier {r.tier} copy ({_loc(r)}) {r.state} "
+                                     "although its bytes match (an error taken as a verdict on the bytes)")
+                    if r.state == "verified" and self.matches(_loc(r), step, version):
+                        good_now.add(r.id)
                 if any(r.state == "verified" for r in reps):
                     if step not in self.ever_verified:
                         STATS["checkpoints_verified"] += 1
@@ -554,10 +752,14 @@ class Soak(RuleBasedStateMachine):
             self._audited_deletes(cat)
         finally:
             cat.close()
+        self.good_replicas = good_now
         if self._outside() != self.outside_digest:
             self.violate("a file outside the tier roots changed")
 
     def _listing(self, loc: str, step: int) -> frozenset[str]:
+        if loc == "t2":
+            prefix = f"{T2_PREFIX}/{checkpoint_prefix(RUN, step)}/"
+            return frozenset(k[len(prefix):] for k in self.t2_objects() if k.startswith(prefix))
         d = self.folder(loc, step)
         if not d.is_dir():
             return frozenset()
@@ -585,6 +787,37 @@ class Soak(RuleBasedStateMachine):
                         self.violate(f"{sorted(gone)} of step {step} at {loc} vanished without an audit row")
 
 
+def _loc(rep) -> str:
+    """Where a replica's bytes are, in the model's names."""
+    return {1: "t1", 2: "t2"}.get(rep.tier, f"t0:{rep.node}")
+
+
+def _skew_label(skew: timedelta) -> str:
+    if not skew:
+        return ""
+    minutes = int(skew.total_seconds() // 60)
+    return f"~{'+' if minutes > 0 else '-'}{abs(minutes) // 1440}d" if abs(minutes) >= 1440 else (
+        f"~{'+' if minutes > 0 else '-'}{abs(minutes)}m")
+
+
+def share_s3_clients(monkeypatch) -> None:
+    """One boto3 client per configuration for the whole soak: every step opens its own
+    ``S3Store``, and building a client costs about half a second of CPU on a busy machine
+    (the soak opens hundreds). The client, its retry mode and its settings are the product's."""
+    from core.storage.s3 import S3Store
+
+    made: dict[tuple, object] = {}
+    real = S3Store._make_client
+
+    def shared(self, endpoint_url, region, max_attempts):
+        key = (endpoint_url, region, max_attempts, self.max_concurrency)
+        if key not in made:
+            made[key] = real(self, endpoint_url, region, max_attempts)
+        return made[key]
+
+    monkeypatch.setattr(S3Store, "_make_client", shared)
+
+
 def fresh_catalog(base_url: str, tmp: Path) -> str:
     """A clean catalog per example: a new SQLite file, or the test's PostgreSQL database emptied."""
     if base_url.startswith("sqlite"):
@@ -596,22 +829,28 @@ def fresh_catalog(base_url: str, tmp: Path) -> str:
     return base_url
 
 
-def test_nothing_is_lost_under_faults(db_url, settings_factory, monkeypatch, request):
-    import time
+def test_nothing_is_lost_under_faults(db_url, s3_endpoint, settings_factory, monkeypatch, request):
+    from tests.kit.s3_proxy import S3Proxy
     backend = request.node.callspec.params.get("db_url", "?")
     STATS.clear()
+    SECONDS.clear()
     started = time.monotonic()
+    proxy = S3Proxy(s3_endpoint, on_request=S3_FAULTS)
     try:
-        _run(db_url, settings_factory, monkeypatch)
+        _run(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
     finally:
+        proxy.close()
         STATS["wall_s"] = round(time.monotonic() - started)
+        STATS.update({f"seconds:{k}": round(v, 1) for k, v in SECONDS.items()})
         REPORTS[backend] = dict(STATS)
 
 
-def _run(db_url, settings_factory, monkeypatch):
+def _run(db_url, s3_url, proxy_url, settings_factory, monkeypatch):
     settings_factory()  # clears CKPT_* from the environment
     install(monkeypatch, INJECTOR)
-    Soak.db_url = db_url
+    share_s3_clients(monkeypatch)
+    CLOCK.install(monkeypatch, catalog_on_host=db_url.startswith("sqlite"))
+    Soak.db_url, Soak.s3_url, Soak.s3_proxy_url = db_url, s3_url, proxy_url
     kw = dict(max_examples=EXAMPLES, stateful_step_count=STEP_COUNT, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), print_blob=True,
               phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if SHRINK else [])])

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from core.errors import CatalogUnavailable, is_transient
+from core.errors import CatalogUnavailable, CkptError, is_transient
 from db.catalog import Catalog
 from tests.kit.catalog import manifest
 
@@ -23,6 +23,15 @@ def test_unreachable_postgres_is_transient():
     with pytest.raises(CatalogUnavailable) as info:
         Catalog(url)
     assert is_transient(info.value)
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg//ckpt:hunter2-marker@db/ckpt",  # a typo: no ':'
+                                 f"postgresql+psycopg://ckpt:hunter2-marker@127.0.0.1:{_closed_port()}/ckpt"])
+def test_a_catalog_error_never_shows_the_password(url):
+    """Such a message ends up in a flow run's state and logs, which the Prefect server keeps."""
+    with pytest.raises(CkptError) as info:
+        Catalog(url)
+    assert "hunter2-marker" not in str(info.value)
 
 
 def test_locked_sqlite_is_transient_and_the_retry_succeeds(tmp_path):

@@ -81,7 +81,8 @@ def test_stack_has_its_parts_wired_together():
     assert "postgresql+asyncpg://" in server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     bucket_cmd = " ".join(services["minio-bucket"]["command"])
     bucket = _env_of_every_service()["agent"]["CKPT_TIER2_URL"].removeprefix("s3://").split("/")[0]
-    assert f"mc mb --ignore-existing local/{bucket}" in bucket_cmd
+    assert f"--ignore-existing local/{bucket}" in bucket_cmd
+    assert "mc mb --with-lock" in bucket_cmd  # so that CKPT_TIER2_LOCK_DAYS can be turned on
     agent = services["agent"]
     assert agent["command"].startswith("ckpt agent")
     assert {"prefect-server", "minio-bucket", "catalog-migrate"} <= set(agent["depends_on"])

@@ -29,7 +29,22 @@ def s3_store(s3_endpoint, s3_bucket):
     s.close()
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture
+def s3_versioned_store(s3_endpoint):
+    """S3 on a bucket created with Object Lock (so versioned), nothing locked: deletes must
+    remove versions, not only hide them behind delete markers."""
+    import boto3
+
+    bucket = f"ver-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket, ObjectLockEnabledForBucket=True)
+    s = S3Store(f"s3://{bucket}/root", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
+                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=["local", "memory", "s3", "s3-versioned"])
 def store(request, tmp_path):
     if request.param == "local":
         yield LocalStore(tmp_path / "tier", tier=1)
@@ -38,8 +53,10 @@ def store(request, tmp_path):
         yield s
         if s.fs.exists(s.root):
             s.fs.rm(s.root, recursive=True)
-    else:
+    elif request.param == "s3":
         yield request.getfixturevalue("s3_store")
+    else:
+        yield request.getfixturevalue("s3_versioned_store")
 
 
 def corrupt(store, key: str, data: bytes) -> None:

@@ -1,0 +1,373 @@
+"""The promote fast path: a scheduled promote run starts at once, in a process that is already
+warm, instead of at the runner's next poll in a freshly spawned interpreter.
+
+Where the time went (``benchmarks/event_latency.py --path trigger``): the deployment trigger
+creates the run 0.1-0.4 s after the event, then the served runner finds it at its next poll
+(``PREFECT_RUNNER_POLL_FREQUENCY``) and spawns a Python process that imports Prefect and the
+pipeline before the flow body starts: seconds, most of the total. The agent therefore
+
+1. subscribes (Prefect's events websocket, ``get_events_subscriber``) to the
+   ``prefect.flow-run.Scheduled`` events of its node's promote deployment: the run that the
+   deployment trigger (or ``ckpt promote``) has just created;
+2. keeps one *warm* process: spawned ahead of time, Prefect and the flow imported, waiting;
+3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
+   (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
+   never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
+   states, task runs, logs and artifacts as in any served run) and exits; a new warm process
+   is spawned at once for the next run;
+4. supervises it: a process that exits before its run is final (killed, out of memory) leaves
+   the run ``Crashed``, as Prefect's runner does for the processes it starts; a run cancelled
+   from the UI has its process stopped and ends ``Cancelled``.
+
+Nothing here creates flow runs: the deployment trigger stays the one source of runs, so a
+duplicate event is still one run and the UI shows the same runs as before. The runner stays the
+fallback: a run this path does not take (the warm process not ready within a minute, the
+subscription down, a run scheduled for later) starts at the runner's next poll, as without it;
+whichever proposes ``Pending`` first starts it.
+
+The warm process runs without Prefect's flow-run heartbeats. Its liveness is watched by the
+agent that spawned it (4.), whereas a self-hosted Prefect server acts on heartbeats only through
+a "zombie" automation, which this stack does not create; and the sync engine joins the heartbeat
+thread, which sleeps in 1 s steps, at the end of every run: up to a second per promotion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from deployments import names
+
+log = logging.getLogger("ckpt.agent.fast_path")
+
+SCHEDULED = "prefect.flow-run.Scheduled"
+CANCELLING = "prefect.flow-run.Cancelling"
+READY = "ready"
+DUE_WITHIN = timedelta(seconds=1)  # a run scheduled later than this (on purpose) is the runner's
+RESUBSCRIBE_SECONDS = 5.0
+SPARE_WAIT_SECONDS = 60.0  # longer, and the runner's poll has started the run in a process of its own
+
+
+def claim_message(node: str) -> str:
+    """The message of the ``Pending`` state by which the fast path takes a run (UI, tests)."""
+    return f"started at once by the fast path of the agent on {node}"
+
+
+def run_warm(conn: Any, env: dict[str, str]) -> None:
+    """The warm process: import what a promote run needs and build Prefect's settings, say
+    ready, run the one flow run it is then given (a ``FlowRun`` as JSON over ``conn``; None: stop), exit.
+    Prefect's engine records every outcome of the flow itself; the process dying is the
+    supervisor's to record."""
+    os.environ.update(env)
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.context import SettingsContext, get_settings_context
+    from prefect.flow_engine import run_flow
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings, temporary_settings
+
+    from flows.common import step_tasks
+    from flows.promote import promote_checkpoint
+
+    step_tasks()  # the task modules (and what they import) load now, not during the run
+    warm_up()
+    with SettingsContext(profile=get_settings_context().profile, settings=Settings()), \
+            temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        conn.send(READY)
+        flow_run = conn.recv()
+        if flow_run is not None:
+            run_flow(promote_checkpoint, flow_run=FlowRun.model_validate(flow_run), return_type="state")
+
+
+def warm_up() -> None:
+    """First-use costs paid before the run instead of during it: Prefect's parameter encoder
+    (FastAPI's, imported on first use), the catalog's schema check (Alembic reads its scripts)
+    and SQLAlchemy's first compilations. A failure here is the run's to report, not ours."""
+    import fastapi.encoders  # noqa: F401
+
+    from core.errors import NotFound
+    from core.settings import load_settings
+    from db.catalog import Catalog
+
+    try:
+        with Catalog(load_settings().catalog_url) as cat, suppress(NotFound):
+            cat.get_checkpoint("warm-up", 0)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.debug("warm-up: %s: %s", type(exc).__name__, exc)
+
+
+class WarmProcess:
+    """One spawned process (``run_warm``) waiting for one promote run."""
+
+    def __init__(self, ctx: Any, env: dict[str, str]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_warm, args=(child, env), name="ckpt-promote-warm", daemon=True)
+        self.process.start()
+        child.close()
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Imports done and still alive (never blocks)."""
+        try:
+            if not self._ready and self.conn.poll():
+                self._ready = self.conn.recv() == READY
+        except (EOFError, OSError):
+            return False
+        return self._ready and self.process.is_alive()
+
+    def run(self, flow_run: Any) -> None:
+        self.conn.send(flow_run.model_dump(mode="json"))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process.is_alive():
+            with suppress(OSError):
+                self.conn.send(None)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        self.conn.close()
+
+
+def _in_context(target: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
+    """A daemon thread that sees this thread's context (Prefect's settings live in a contextvar:
+    a bare thread would fall back to the settings read at import time)."""
+    ctx = contextvars.copy_context()
+    thread = threading.Thread(target=ctx.run, args=(target, *args), name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class FastPath:
+    """The subscription, the warm process and the supervision of the runs it started."""
+
+    def __init__(self, node: str) -> None:
+        from prefect.settings import get_current_settings
+
+        self.node = node
+        self._ctx = multiprocessing.get_context("spawn")
+        self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
+        self._lock = threading.Lock()
+        self._spare: WarmProcess | None = None
+        self._running: dict[UUID, WarmProcess] = {}
+        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
+        self._offers: set[asyncio.Task] = set()
+        self._one_at_a_time = asyncio.Lock()
+
+    def start(self) -> None:
+        self._refill()
+        self._thread = _in_context(self._listen_forever, name="ckpt-fast-path")
+
+    def stop(self) -> None:
+        """Stop listening; a run still in a warm process is stopped and left ``Crashed``
+        (reconcile finishes its checkpoint), as the runner stops its own on the way out."""
+        self._stopping.set()
+        if self._loop is not None and self._main is not None:
+            with suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(self._main.cancel)
+        if self._thread is not None:
+            self._thread.join(10)
+        with self._lock:
+            spare, self._spare = self._spare, None
+            running = dict(self._running)
+        if spare is not None:
+            spare.stop()
+        for flow_run_id, warm in running.items():
+            warm.process.terminate()
+            warm.process.join(10)
+            self._finish(flow_run_id, f"the agent on {self.node} stopped before the run finished")
+
+    # --- the subscription ------------------------------------------------------------------
+    def _listen_forever(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._main = self._loop.create_task(self._listen())
+            with suppress(asyncio.CancelledError):
+                self._loop.run_until_complete(self._main)
+        finally:
+            self._loop.close()
+
+    async def _listen(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            deployment_id = await self._deployment_id(client)
+            while not self._stopping.is_set():
+                try:
+                    await self._subscribe(client, deployment_id)
+                except Exception as exc:  # noqa: BLE001 - the runner's poll covers the gap
+                    log.warning("fast path: event subscription lost (%s: %s); runs start at the runner's poll "
+                                "until it is back", type(exc).__name__, exc)
+                await asyncio.sleep(RESUBSCRIBE_SECONDS)
+
+    async def _deployment_id(self, client: Any) -> UUID:
+        """The node's promote deployment (``serve`` registers it as the agent starts)."""
+        from prefect.exceptions import ObjectNotFound
+
+        while True:
+            try:
+                return (await client.read_deployment_by_name(names.promote_deployment(self.node))).id
+            except ObjectNotFound:
+                await asyncio.sleep(0.5)
+
+    async def _subscribe(self, client: Any, deployment_id: UUID) -> None:
+        from prefect.events.clients import get_events_subscriber
+        from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
+
+        # any_resource, not related: the server applies a related-resource filter to stored
+        # events only, and would stream every deployment's runs to this subscription
+        wanted = EventFilter(event=EventNameFilter(name=[SCHEDULED, CANCELLING]),
+                             any_resource=EventAnyResourceFilter(id=[f"prefect.deployment.{deployment_id}"]))
+        async with get_events_subscriber(filter=wanted) as subscriber:
+            log.info("fast path: listening for promote runs of %s", names.promote_deployment(self.node))
+            async for event in subscriber:
+                flow_run_id = UUID(event.resource.id.removeprefix("prefect.flow-run."))
+                if event.event == SCHEDULED:
+                    offer = asyncio.create_task(self._offer_safely(client, flow_run_id, deployment_id))
+                    self._offers.add(offer)  # a reference until done (asyncio keeps weak ones)
+                    offer.add_done_callback(self._offers.discard)
+                else:
+                    self._cancel(flow_run_id)
+
+    async def _offer_safely(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
+        try:
+            async with self._one_at_a_time:  # runs take the warm process in the order scheduled
+                await self._offer(client, flow_run_id, deployment_id)
+        except Exception as exc:  # noqa: BLE001 - one run's trouble must not end the subscription
+            log.warning("fast path: flow run %s left to the runner: %s: %s", flow_run_id, type(exc).__name__, exc)
+
+    # --- claiming and starting a run ------------------------------------------------------
+    async def _offer(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
+        """Start ``flow_run_id`` now if it is a run of this node's promote deployment, still
+        scheduled, due, and a warm process is ready."""
+        from prefect.client.schemas.responses import SetStateStatus
+        from prefect.states import Pending
+
+        flow_run = await client.read_flow_run(flow_run_id)
+        state = flow_run.state
+        if flow_run.deployment_id != deployment_id or self._stopping.is_set():
+            return  # another node's: its Tier 0 is not here
+        if state is None or not state.is_scheduled():
+            return  # the runner (or an earlier event) took it
+        due = state.state_details.scheduled_time
+        if due is not None and due > datetime.now(UTC) + DUE_WITHIN:
+            return
+        warm = await self._wait_spare()
+        if warm is None:
+            log.warning("fast path: no warm process ready for %s; the runner starts it at its next poll",
+                        flow_run.name)
+            return
+        result = await client.set_flow_run_state(flow_run_id, Pending(message=claim_message(self.node)))
+        if result.status != SetStateStatus.ACCEPT:
+            self._put_back(warm)  # the runner was first: one run, one execution
+            return
+        with self._lock:
+            self._running[flow_run_id] = warm
+        _in_context(self._supervise, flow_run_id, warm, name=f"ckpt-fast-path-{flow_run_id}")
+        self._refill()
+        try:
+            warm.run(flow_run.model_copy(update={"state": result.state}))  # as claimed: no read back
+        except Exception:
+            warm.process.terminate()  # claimed but never started: the supervisor records it Crashed
+            raise
+        await client.update_flow_run(flow_run_id, infrastructure_pid=f"{socket.gethostname()}:{warm.process.pid}")
+
+    async def _wait_spare(self) -> WarmProcess | None:
+        """The warm process, waiting while it is still importing (it started before this run was
+        scheduled: never later than a process the runner would spawn at its next poll)."""
+        deadline = time.monotonic() + SPARE_WAIT_SECONDS
+        while not self._stopping.is_set() and time.monotonic() < deadline:
+            warm = self._take_spare()
+            if warm is not None:
+                return warm
+            await asyncio.sleep(0.05)
+        return None
+
+    def _take_spare(self) -> WarmProcess | None:
+        """The warm process if it is ready (None while it is still importing)."""
+        with self._lock:
+            warm = self._spare
+            if warm is not None and warm.ready():
+                self._spare = None
+                return warm
+            dead = warm is not None and not warm.process.is_alive()
+            if dead:
+                self._spare = None
+        if dead:
+            log.warning("fast path: the warm process exited (code %s); starting another", warm.process.exitcode)
+            self._refill()
+        return None
+
+    def _put_back(self, warm: WarmProcess) -> None:
+        with self._lock:
+            if self._spare is None:
+                self._spare, warm = warm, None
+        if warm is not None:
+            warm.stop()
+
+    def _refill(self) -> None:
+        with self._lock:
+            if self._stopping.is_set() or (self._spare is not None and self._spare.process.is_alive()):
+                return
+            self._spare = WarmProcess(self._ctx, self._env)
+
+    # --- supervision ---------------------------------------------------------------------
+    def _supervise(self, flow_run_id: UUID, warm: WarmProcess) -> None:
+        warm.process.join()
+        warm.conn.close()
+        with self._lock:
+            self._running.pop(flow_run_id, None)
+        self._finish(flow_run_id, f"the flow process (pid {warm.process.pid}) exited with code "
+                                  f"{warm.process.exitcode} before the run finished")
+
+    def _cancel(self, flow_run_id: UUID) -> None:
+        """A run cancelled from the UI or the API: stop its process (``_finish`` records it)."""
+        with self._lock:
+            warm = self._running.get(flow_run_id)
+        if warm is not None:
+            log.info("fast path: cancelling flow run %s", flow_run_id)
+            warm.process.terminate()
+
+    def _finish(self, flow_run_id: UUID, why: str) -> None:
+        """After the process exited: a run not in a final state is ``Cancelled`` when a
+        cancellation was asked for, else ``Crashed`` (its checkpoint is left to reconcile)."""
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelled, Crashed
+
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(flow_run_id).state
+                if state is not None and state.is_final():
+                    return
+                if state is not None and state.is_cancelling():
+                    client.set_flow_run_state(flow_run_id, Cancelled(message="cancelled; its process was stopped"),
+                                              force=True)
+                    return
+                client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+                log.warning("fast path: flow run %s crashed: %s", flow_run_id, why)
+        except Exception as exc:  # noqa: BLE001 - reconcile still finishes the checkpoint
+            log.warning("fast path: could not record the end of flow run %s: %s: %s", flow_run_id,
+                        type(exc).__name__, exc)
+
+
+@contextmanager
+def fast_path(node: str) -> Iterator[FastPath]:
+    """The fast path of ``node``'s agent for the duration of the block (around ``serve``)."""
+    path = FastPath(node)
+    path.start()
+    try:
+        yield path
+    finally:
+        path.stop()

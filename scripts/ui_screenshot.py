@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Screenshots of a promotion in the Prefect UI, as shown in the README (``docs/img/``).
+
+    python scripts/ui_screenshot.py                  # starts `ckpt up`, stops it afterwards
+    python scripts/ui_screenshot.py --api-url "$PREFECT_API_URL"   # a running `ckpt up --no-auth`
+
+It starts ``ckpt up --no-auth`` on a free port and takes the exports it prints (with
+``--api-url`` it attaches to a running stack instead, in a shell that holds those exports; a
+headless browser cannot answer the UI's login, so that stack must run without API auth), trains a tiny run
+with the client (``<run>-pt`` step 1000; once it is promoted, ``<run>`` resumed from it, steps
+100 and 200, ``--interval`` seconds apart; milestones 1000 and 200, so Tier 2 archive runs
+show), waits until every promote and archive flow run has completed, and has headless
+Chromium load four pages of the UI:
+
+    flow-runs.png       the flow runs list (promote/<run>/step-<n>, archive/<run>/step-<n>)
+    promote-run.png     one promote flow run: its task-run graph and task runs
+    rpo-automation.png  the automation ckpt-rpo-late
+    run-status.png      the status artifact run-<run> (markdown)
+
+Chromium renders the single-page app with a virtual time budget (timers fast-forward; network
+requests are waited for) and dumps the DOM in the same load: a page whose DOM lacks the text it
+is meant to show (a spinner, an error page, a UI that calls a wrong API) is retried once with a
+longer budget, then fails the script; nothing blank is saved. Needs Chromium (Debian:
+``apt-get install chromium``) and the project's venv; ``make test`` does not need Chromium.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs" / "img"
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+SIZE_WARN_BYTES = 200_000  # the README's images stay small
+
+
+@dataclass(frozen=True)
+class Page:
+    file: str     # PNG name under the output folder
+    url: str
+    expect: str   # text the rendered DOM must hold
+    height: int   # window height: what is captured (the width is --width)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ui_screenshot.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the PNGs (default: docs/img)")
+    p.add_argument("--api-url", default=None,
+                   help="attach to the `ckpt up` whose Prefect API this is (run in a shell holding its "
+                        "exports); default: start `ckpt up` and stop it afterwards")
+    p.add_argument("--port", type=int, default=4300, help="Prefect port of the started stack (a free one if taken)")
+    p.add_argument("--dir", type=Path, default=None, help="data folder of the started stack (default: a temp folder)")
+    p.add_argument("--run", default="gpt-sft", help="run to train (its parent is <run>-pt)")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds of \"training\" between the run's saves")
+    p.add_argument("--chromium", default=None,
+                   help=f"browser binary (default: the first of {', '.join(BROWSERS)} on PATH)")
+    p.add_argument("--width", type=int, default=1400, help="window width in CSS pixels")
+    p.add_argument("--budget-ms", type=int, default=20_000, help="virtual time Chromium gives a page to render")
+    p.add_argument("--timeout", type=float, default=300, help="seconds to wait for the stack and the promotions")
+    return p.parse_args(argv)
+
+
+def find_chromium(explicit: str | None = None) -> str | None:
+    for name in (explicit,) if explicit else BROWSERS:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def chromium_command(chromium: str, url: str, png: Path, *, width: int, height: int, budget_ms: int,
+                     profile: Path) -> list[str]:
+    """One headless load of ``url``: a PNG of the window and the rendered DOM on stdout."""
+    return [chromium, "--headless=new", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            "--no-sandbox",  # root in a container has no user namespaces; the pages are our own loopback UI
+            "--force-device-scale-factor=1", f"--user-data-dir={profile}",
+            f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}",
+            f"--screenshot={png}", "--dump-dom", url]
+
+
+def pages(ui_base: str, *, run: str, promote_run_id: str, automation_id: str, artifact_id: str) -> list[Page]:
+    """What is shot, with the text each page must show once rendered. ``ui_base``: the UI's
+    root with the current UI's base path (``http://127.0.0.1:4200/v2``)."""
+    from deployments.automations import AUTOMATION_NAME
+
+    return [
+        Page("flow-runs.png", f"{ui_base}/runs", f"promote/{run}/step-", 1250),
+        Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "copy-to-tier1", 900),
+        Page("rpo-automation.png", f"{ui_base}/automations/automation/{automation_id}", AUTOMATION_NAME, 330),
+        Page("run-status.png", f"{ui_base}/artifacts/artifact/{artifact_id}", "Newest verified checkpoint", 1200),
+    ]
+
+
+def parse_exports(text: str) -> dict[str, str]:
+    """The ``export K=V`` lines ``ckpt up`` prints (values shell-quoted)."""
+    out = {}
+    for line in text.splitlines():
+        words = shlex.split(line.strip()) if line.strip().startswith("export ") else []
+        if len(words) == 2 and "=" in words[1]:
+            key, _, value = words[1].partition("=")
+            out[key] = value
+    return out
+
+
+def start_stack(root: Path, port: int, timeout: float) -> tuple[subprocess.Popen, dict[str, str]]:
+    """``ckpt up`` in a child process; returns it and the exports it printed once ready."""
+    log = root / "ckpt-up.log"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "up", "--dir", str(root / "stack"),
+                                 "--port", str(port), "--no-auth"], stdout=fh, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
+                                     # the promotions shown are the event-driven ones, not reconcile's
+                                     "CKPT_RECONCILE_INTERVAL_SECONDS": "3600"},
+                                start_new_session=True)  # a Ctrl-C reaches this script, which stops it
+    deadline = time.monotonic() + timeout
+    while "Ctrl-C stops the stack" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_stack(proc)
+            raise SystemExit(f"`ckpt up` did not come up; its output:\n{log.read_text()}")
+        time.sleep(0.5)
+    return proc, parse_exports(log.read_text())
+
+
+def stop_stack(proc: subprocess.Popen) -> None:
+    """SIGTERM, which ``ckpt up`` handles as Ctrl-C (a SIGINT may be ignored where this script
+    runs in the background); SIGKILL if it is not down in two minutes."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _pythonpath() -> str:
+    """This checkout first, for ``ckpt up`` too."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milestone: int,
+          interval: float = 0.0) -> list[str]:
+    """A tiny job with the client, in this process's environment: ``steps`` of ``run`` (the
+    first resumed from ``parent`` step 1000, if given), ``interval`` seconds of "training"
+    between saves (the status page's save interval and ΔMFU come from it). Returns the flow
+    runs to wait for: a promote per step, an archive for the milestone."""
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+
+    rng = np.random.default_rng(steps[0])
+    origin = (parent, 1000) if parent else None
+    with CheckpointStager(run, resumed_from=origin) as stager:
+        for i, step in enumerate(steps):
+            if i:
+                time.sleep(interval)
+            stager.save(step, {"w": rng.standard_normal((512, 512), dtype=np.float32)}, milestone=step == milestone,
+                        metrics={"loss": 2.0 - step / 1000}, parent=origin if i == 0 else None)
+    return [f"promote/{run}/step-{s}" for s in steps] + [f"archive/{run}/step-{milestone}"]
+
+
+def _post(api_url: str, path: str, body: dict) -> list[dict]:
+    import httpx
+
+    r = httpx.post(f"{api_url}{path}", json=body, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_flow_runs(api_url: str, names: list[str], timeout: float) -> dict[str, str]:
+    """Until a flow run of each name has COMPLETED; their ids by name. Fails at once on a
+    FAILED or CRASHED one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = _post(api_url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": names}}, "limit": 200})
+        bad = [r["name"] for r in runs if r["state_type"] in ("FAILED", "CRASHED")]
+        if bad:
+            raise SystemExit(f"flow runs failed: {bad}")
+        done = {r["name"]: r["id"] for r in runs if r["state_type"] == "COMPLETED"}
+        if set(names) <= done.keys():
+            return done
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not completed after {timeout:.0f}s: {sorted(set(names) - done.keys())}")
+        time.sleep(1)
+
+
+def ui_base(api_url: str) -> str:
+    """The UI's root for this API, from the server's own ``/ui-settings``; refuses a UI that
+    would call another API than ``api_url`` (its pages would render errors)."""
+    import httpx
+
+    root = api_url.rstrip("/").removesuffix("/api")
+    ui = httpx.get(f"{root}/ui-settings", timeout=10).json()
+    if ui["api_url"].rstrip("/") != api_url.rstrip("/"):
+        raise SystemExit(f"the UI at {root} calls {ui['api_url']}, not {api_url}: "
+                         "start the server with PREFECT_SERVER_UI_API_URL set to its API URL")
+    base = (ui.get("v2_base_url") if ui.get("default_ui") == "v2" else ui.get("v1_base_url")) or "/"
+    return root + base.rstrip("/")
+
+
+def busiest_promote(api_url: str, run: str, flow_runs: dict[str, str]) -> str:
+    """The promote run with the most task runs, the milestone first among equals: on a stack
+    whose reconcile runs often, reconcile may have done a promotion before its event-driven
+    run, which then only registers and finds it done."""
+    import httpx
+
+    ids = [flow_runs[f"promote/{run}/step-{s}"] for s in (200, 100)] + [flow_runs[f"promote/{run}-pt/step-1000"]]
+    counts = [httpx.post(f"{api_url}/task_runs/count", json={"flow_runs": {"id": {"any_": [i]}}}, timeout=10).json()
+              for i in ids]
+    return ids[counts.index(max(counts))]
+
+
+def lookup(api_url: str, run: str, flow_runs: dict[str, str]) -> dict[str, str]:
+    """Ids of what is shot: a promote run (``busiest_promote``), the RPO automation, the newest
+    version of the run's status artifact."""
+    from deployments.automations import AUTOMATION_NAME
+    from flows.common import artifact_key
+
+    autos = [a for a in _post(api_url, "/automations/filter", {}) if a["name"] == AUTOMATION_NAME]
+    arts = _post(api_url, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": [artifact_key("run", run)]}}})
+    if not autos or not arts:
+        raise SystemExit(f"missing in the UI: {'' if autos else AUTOMATION_NAME} "
+                         f"{'' if arts else artifact_key('run', run)}")
+    return {"promote_run_id": busiest_promote(api_url, run, flow_runs), "automation_id": autos[0]["id"],
+            "artifact_id": arts[0]["latest_id"]}
+
+
+def shoot(page: Page, out: Path, *, chromium: str, width: int, budget_ms: int) -> int:
+    """Render ``page`` into ``out/page.file``; its size in bytes. Retries once with twice the
+    budget when the rendered DOM lacks ``page.expect``."""
+    png = out / page.file
+    for budget in (budget_ms, 2 * budget_ms):
+        png.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(prefix="ckpt-shot-") as profile:
+            cmd = chromium_command(chromium, page.url, png, width=width, height=page.height, budget_ms=budget,
+                                   profile=Path(profile))
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=budget / 1000 + 120)
+        if page.expect in done.stdout and png.exists():
+            return png.stat().st_size
+    png.unlink(missing_ok=True)
+    raise SystemExit(f"{page.url} did not show {page.expect!r} (chromium exit {done.returncode}):\n"
+                     f"{done.stderr[-2000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chromium = find_chromium(args.chromium)
+    if chromium is None:
+        raise SystemExit("no Chromium found (Debian: apt-get install chromium), or name it with --chromium")
+    sys.path.insert(0, str(REPO))
+    stack, tmp = None, None
+    try:
+        if args.api_url:
+            api_url = args.api_url
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="ckpt-shot-")
+            root = args.dir or Path(tmp.name)
+            print(f"starting `ckpt up` under {root} ...", flush=True)
+            stack, exports = start_stack(root, args.port, args.timeout)
+            os.environ.update(exports)  # the job below runs with exactly what `ckpt up` printed
+            api_url = exports["PREFECT_API_URL"]
+        base = ui_base(api_url)
+        print(f"training {args.run}-pt and {args.run} against {api_url} ...", flush=True)
+        parent = f"{args.run}-pt"
+        flow_runs = wait_flow_runs(api_url, train(parent, steps=(1000,), milestone=1000), args.timeout)
+        # once the parent is in the catalog, the child's first checkpoint links to it
+        flow_runs |= wait_flow_runs(api_url, train(args.run, parent=parent, steps=(100, 200), milestone=200,
+                                                   interval=args.interval), args.timeout)
+        todo = pages(base, run=args.run, **lookup(api_url, args.run, flow_runs))
+        args.out.mkdir(parents=True, exist_ok=True)
+        for page in todo:
+            size = shoot(page, args.out, chromium=chromium, width=args.width, budget_ms=args.budget_ms)
+            warn = f"  (over {SIZE_WARN_BYTES // 1000} KB)" if size > SIZE_WARN_BYTES else ""
+            print(f"{args.out / page.file}: {size // 1024} KiB, {page.url}{warn}", flush=True)
+    finally:
+        if stack is not None:
+            stop_stack(stack)
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The agent's fast path on a real Prefect server: a promote run starts in the agent's warm
+process the moment the deployment trigger schedules it; duplicates stay one run; a killed flow
+process ends ``Crashed`` and reconcile finishes its checkpoint.
+
+The agent's runner polls once an hour here, so every run these tests see started was started
+by the fast path (the runner's poll is the fallback, covered by tests/integration/test_events.py
+and the ``--path trigger`` benchmark).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import uuid
+
+import pytest
+
+from core import events
+from core.events import auth_headers
+from deployments import names
+from deployments.fast_path import claim_message
+from tests.kit.agents import Agents, finished, flow_runs, start_agents, train, wait_for
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+NODE = f"fp-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def agents(prefect_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast-path")
+    a = start_agents(prefect_server, root, (NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}", s3_url=None,
+                     bucket=None, extra={"PREFECT_RUNNER_POLL_FREQUENCY": "3600", "CKPT_TASK_RETRIES": "4"})
+    yield a
+    a.stop()
+
+
+def _runs(agents: Agents, run: str, step: int) -> list[dict]:
+    """Runs of the node's promote deployment for (run, step), whatever their name or state."""
+    return [r for r in flow_runs(agents.api_url, deployment=names.promote_deployment(NODE))
+            if r["parameters"].get("run") == run and str(r["parameters"].get("step")) == str(step)]
+
+
+def _states(agents: Agents, flow_run_id: str) -> list[dict]:
+    import httpx
+
+    r = httpx.get(f"{agents.api_url}/flow_run_states/", params={"flow_run_id": flow_run_id}, timeout=10,
+                  headers=auth_headers())
+    r.raise_for_status()
+    return sorted(r.json(), key=lambda s: s["timestamp"])
+
+
+def _on_tier1(agents: Agents, run: str, step: int) -> bool:
+    from core.errors import NotFound, UnknownRun
+
+    cat = agents.catalog()
+    try:
+        return 1 in {loc.tier for loc in cat.locations(run, step)}
+    except (NotFound, UnknownRun):  # not even registered
+        return False
+    finally:
+        cat.close()
+
+
+def _commit(agents: Agents, run: str, step: int) -> None:
+    """A checkpoint committed on the node's Tier 0, not announced."""
+    train(agents, f"""
+        with CheckpointStager("{run}", node="{NODE}", shard_bytes=1 << 20, announce=False) as st:
+            st.save({step}, tensors(seed={step}))
+    """)
+
+
+def test_event_is_promoted_at_once_by_the_fast_path_and_duplicates_are_one_run(agents):
+    _commit(agents, "run-fp", 1)
+    for _ in range(3):  # the same fact announced three times (a retry, a second watcher)
+        assert events.emit(events.COMPLETED, "run-fp", 1, node=NODE, api_url=agents.api_url)
+    _commit(agents, "run-fp", 2)  # a later event: once its run is done, the duplicates were seen
+    assert events.emit(events.COMPLETED, "run-fp", 2, node=NODE, api_url=agents.api_url)
+    later = wait_for("the later run finished", lambda: [r for r in _runs(agents, "run-fp", 2) if finished(r)],
+                     timeout=120, agents=agents)
+    assert [r["state_type"] for r in later] == ["COMPLETED"]
+
+    runs = wait_for("the runs of step 1 finished", lambda: (rs := _runs(agents, "run-fp", 1)) and
+                    all(finished(r) for r in rs) and rs, agents=agents)  # it may end after the later one
+    assert [(r["name"], r["state_type"]) for r in runs] == [("promote/run-fp/step-1", "COMPLETED")]
+    assert _on_tier1(agents, "run-fp", 1)
+    states = _states(agents, runs[0]["id"])
+    pending = [s for s in states if s["type"] == "PENDING"]
+    assert [s["message"] for s in pending] == [claim_message(NODE)], states  # taken by the fast path alone
+    assert [s["type"] for s in states][-2:] == ["RUNNING", "COMPLETED"]
+    assert runs[0]["infrastructure_pid"]  # host:pid of the warm process, shown in the UI
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_killed_flow_process_ends_crashed_and_reconcile_finishes_it(agents):
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    _commit(agents, "run-kill", 3)
+    lock = sqlite3.connect(agents.env["CKPT_CATALOG_URL"].removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # the run's first catalog write waits on it: the run stays running
+        assert events.emit(events.COMPLETED, "run-kill", 3, node=NODE, api_url=agents.api_url)
+        run = wait_for("the promote run running", lambda: [r for r in _runs(agents, "run-kill", 3)
+                                                           if r["state_type"] == "RUNNING"], agents=agents)[0]
+        pid = int(run["infrastructure_pid"].rsplit(":", 1)[1])
+        assert _parent(pid) == agents.procs[0].pid  # a process the agent spawned, not the agent
+        os.kill(pid, signal.SIGKILL)
+        crashed = wait_for("the run crashed", lambda: [r for r in _runs(agents, "run-kill", 3) if finished(r)],
+                           timeout=60, agents=agents)
+    finally:
+        lock.rollback()
+        lock.close()
+    assert [r["state_type"] for r in crashed] == ["CRASHED"]
+    assert "exited with code -9" in crashed[0]["state"]["message"]
+    assert agents.procs[0].poll() is None  # the agent lives on
+    assert not _on_tier1(agents, "run-kill", 3)
+
+    reconcile_once(agents.settings(NODE), steps=plain_steps(), actor="test")  # what its schedule does
+
+    assert _on_tier1(agents, "run-kill", 3)
