@@ -76,22 +76,16 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     two checkpoints of one run registered at once still form one ``follows`` chain. ``now``
     None (PostgreSQL): the server's clock, read with that lock in the same round trip.
 
-    The common case, a new checkpoint, costs three statements on PostgreSQL: the run (locked,
-    with the clock), the checkpoint with its part, files and audit row (``_insert_first_part``,
-    one statement), its place in the run's lineage (``link_into_run``); on SQLite, an embedded
-    file with no round trips to save, one INSERT per table."""
+    The common case, a new checkpoint, costs six statements: the run (locked), the checkpoint,
+    its part, its files (one multi-row INSERT), its audit row, its place in the run's lineage."""
     run = run_row(conn, m.run, lock=True, with_clock=now is None)
     if now is None:
         now = run.catalog_now.astimezone(UTC)
     first = _first_part_values(run.id, m, now)
-    if conn.dialect.name == "postgresql":
-        cid = _insert_first_part(conn, first, m, digest=digest, now=now, actor=actor)
-    else:
-        cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
-        if cid is not None:
-            _add_part(conn, cid, m, digest=digest, now=now)
-            _audit_register(conn, m, None, first["state"], now=now, actor=actor)
+    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
+        _add_part(conn, cid, m, digest=digest, now=now)
+        _audit_register(conn, m, None, first["state"], now=now, actor=actor)
         link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
         _link_parent(conn, cid, m, now=now, new=True)
         return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
@@ -225,39 +219,6 @@ def _add_part(conn: Connection, cid: int, m: Manifest, *, digest: str, now: date
     rows = _file_values(cid, m)  # one multi-row INSERT per 500: executemany costs round trips per row on psycopg
     for i in range(0, len(rows), 500):
         conn.execute(files.insert().values(rows[i:i + 500]))
-
-
-def _insert_first_part(conn: Connection, first: dict, m: Manifest, *, digest: str, now: datetime,
-                       actor: str) -> int | None:
-    """PostgreSQL: the new checkpoint row, its part, its files and its audit row in one statement
-    (data-modifying CTEs hung on ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``). The new
-    id, or None when the checkpoint exists (nothing inserted: the caller takes the merge path)."""
-    from sqlalchemy import column, insert, literal, true, values
-    from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-    new = (pg_insert(checkpoints).values(first).on_conflict_do_nothing(index_elements=["run_id", "step"])
-           .returning(checkpoints.c.id).cte("new_checkpoint"))
-
-    def rows_for(table: Table, row: dict[str, Any]) -> Any:
-        """INSERT INTO ``table`` the ``row`` once per new checkpoint (its id filled in)."""
-        cols = [k for k in row if k != "checkpoint_id"]
-        lits = [literal(row[k], table.c[k].type) for k in cols]
-        keyed = "checkpoint_id" in row
-        return insert(table).from_select((["checkpoint_id"] if keyed else []) + cols,
-                                         select(*([new.c.id] if keyed else []), *lits).select_from(new))
-
-    stmt = select(new.c.id).add_cte(rows_for(parts, _part_values(0, m, digest, now)).cte("new_part"))
-    stmt = stmt.add_cte(rows_for(audit, _register_audit(m, None, first["state"], now, actor)).cte("new_audit"))
-    if m.files:
-        listed = values(column("path", files.c.path.type), column("size", files.c.size.type),
-                        column("checksum", files.c.checksum.type), name="listed").data(
-            [(f.path, f.size, f.checksum) for f in m.files])
-        stmt = stmt.add_cte(insert(files).from_select(
-            ["checkpoint_id", "part", "path", "size", "algorithm", "checksum"],
-            select(new.c.id, literal(m.part, files.c.part.type), listed.c.path, listed.c.size,
-                   literal(m.algorithm, files.c.algorithm.type), listed.c.checksum)
-            .select_from(new.join(listed, true()))).cte("new_files"))
-    return conn.execute(stmt).scalar()
 
 
 def _link_parent(conn: Connection, cid: int, m: Manifest, *, now: datetime, new: bool) -> None:
