@@ -76,8 +76,9 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     two checkpoints of one run registered at once still form one ``follows`` chain. ``now``
     None (PostgreSQL): the server's clock, read with that lock in the same round trip.
 
-    The common case, a new checkpoint, costs six statements: the run (locked), the checkpoint,
-    its part, its files (one multi-row INSERT), its audit row, its place in the run's lineage."""
+    The common case, a new checkpoint: the run (locked; on PostgreSQL with the clock, one round
+    trip less), the checkpoint, its part, its files, its audit row, its place in the run's
+    lineage."""
     run = run_row(conn, m.run, lock=True, with_clock=now is None)
     if now is None:
         now = run.catalog_now.astimezone(UTC)
@@ -216,9 +217,8 @@ def _file_values(cid: int, m: Manifest) -> list[dict]:
 
 def _add_part(conn: Connection, cid: int, m: Manifest, *, digest: str, now: datetime) -> None:
     conn.execute(parts.insert(), _part_values(cid, m, digest, now))
-    rows = _file_values(cid, m)  # one multi-row INSERT per 500: executemany costs round trips per row on psycopg
-    for i in range(0, len(rows), 500):
-        conn.execute(files.insert().values(rows[i:i + 500]))
+    if m.files:  # executemany: one cached statement, pipelined by psycopg (a multi-row VALUES compiles per call)
+        conn.execute(files.insert(), _file_values(cid, m))
 
 
 def _link_parent(conn: Connection, cid: int, m: Manifest, *, now: datetime, new: bool) -> None:
