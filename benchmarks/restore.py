@@ -22,6 +22,7 @@ when other work shares the machine. Full size by hand; CI runs only ``--smoke``.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import statistics
 import subprocess
@@ -56,8 +57,21 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+class PoolFull(logging.Handler):
+    """Counts urllib3's "Connection pool is full, discarding connection" warnings: each is a
+    connection opened beyond the client's pool and thrown away after one request."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "Connection pool is full" in record.getMessage()
+
+
 def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     import boto3
+    from botocore.config import Config
 
     from core.layout import checkpoint_prefix
     from core.manifest_build import build_manifest, write_manifest
@@ -88,7 +102,12 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
           f"parallelism {args.parallelism}, buffer {settings.io_buffer_bytes >> 20} MiB")
 
     dest = work / "restored"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    # download_file runs up to 10 ranged GETs per object (TransferConfig's default), so
+    # ``parallelism`` objects at a time need that many connections, not botocore's default 10
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          config=Config(max_pool_connections=10 * args.parallelism))
+    pool_full = PoolFull()
+    logging.getLogger("urllib3.connectionpool").addHandler(pool_full)
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="ckpt/")
             for o in page.get("Contents", [])]
 
@@ -130,6 +149,7 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     med_ours = statistics.median(t2["ours: restore from Tier 2"])
     print(f"ratios: ours / download_file one at a time = {med_ours / base2:.2f} x, "
           f"ours / download_file {args.parallelism} at a time = {med_ours / statistics.median(t2[parallel]):.2f} x")
+    print(f"'Connection pool is full' warnings during the Tier 2 rounds: {pool_full.count}")
 
 
 if __name__ == "__main__":

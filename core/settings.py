@@ -89,6 +89,16 @@ class Settings(BaseSettings):
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)
+    reconcile_check_limit: int = Field(
+        default=2000, ge=1,
+        description="verified copies per tier that one reconcile pass checks are still on their tier (the next "
+                    "pass goes on where it stopped, so every copy is checked in rotation)")
+    audit_retain_days: float = Field(
+        default=90, ge=0,
+        description="audit rows older than this are exported (gzip'd JSON lines) and then deleted from the "
+                    "catalog by the scheduled retention; 0 keeps them forever")
+    audit_export_dir: Path | None = Field(default=None, description="where expired audit rows are exported; "
+                                                                      "default <data_dir>/audit-export")
     fast_path: bool = Field(
         default=True,
         description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
@@ -147,6 +157,8 @@ class Settings(BaseSettings):
             self.tier1_url = str(base / "tier1")
         if not self.catalog_url:
             self.catalog_url = f"sqlite:///{base / 'catalog.db'}"
+        if self.audit_export_dir is None:
+            self.audit_export_dir = base / "audit-export"
         return self
 
     def tier_url(self, tier: int) -> str | None:

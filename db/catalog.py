@@ -37,10 +37,12 @@ from db.entities import (
     FileInfo,
     LineageEdge,
     Location,
+    PromotionStatus,
     PruneClaim,
     RejectionInfo,
     ReplicaInfo,
     RunInfo,
+    StoredCopy,
     TierUsage,
 )
 from db.migrate import current_revision, head_revision, known_revisions, upgrade_connection
@@ -53,6 +55,7 @@ from db.rows import (
     checkpoint_select,
     checkpoints,
     completions,
+    cursors,
     drills as drills_table,
     files as files_table,
     insert_ignore,
@@ -72,7 +75,7 @@ from db.rows import (
 from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
 
 if TYPE_CHECKING:
-    from core.settings import RetentionPolicy
+    from core.settings import MilestonePolicy, RetentionPolicy
 
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
@@ -178,7 +181,8 @@ class Catalog:
         manifest.validate()
         digest = manifest.digest()
         with self._tx() as conn:
-            return _reg.register_part(conn, manifest, digest=digest, now=_now(conn), actor=actor)
+            now = None if conn.dialect.name == "postgresql" else _now(conn)  # None: read with the run's lock
+            return _reg.register_part(conn, manifest, digest=digest, now=now, actor=actor)
 
     def register_many(self, manifests: Sequence[Manifest], *, actor: str) -> int:
         """Bulk ``register_part`` in one transaction (backfills, imports): same rules, one
@@ -571,6 +575,29 @@ class Catalog:
         with self._tx(write=False) as conn:
             return [to_audit(r) for r in conn.execute(stmt)]
 
+    def clock(self) -> datetime:
+        """The catalog's clock (see ``_now``): what leases, ages and retentions compare against."""
+        with self._tx(write=False) as conn:
+            return _now(conn)
+
+    def expired_audit(self, before: datetime, *, after_id: int = 0, limit: int = 5000) -> list[AuditEntry]:
+        """Audit entries stamped before ``before``, by id after ``after_id``, at most ``limit``:
+        pages of what the audit retention exports (``ix_audit_log_at``)."""
+        stmt = (select(audit).where(audit.c.at < before, audit.c.id > after_id).order_by(audit.c.id).limit(limit))
+        with self._tx(write=False) as conn:
+            return [to_audit(r) for r in conn.execute(stmt)]
+
+    def delete_audit(self, before: datetime, *, upto_id: int, actor: str, exported_to: str) -> int:
+        """Delete the audit entries stamped before ``before`` with id <= ``upto_id``: exactly the
+        pages ``expired_audit`` returned for the same ``before``, once they are exported (the
+        caller's duty). Leaves one audit entry saying how many and where they went."""
+        with self._tx() as conn:
+            gone = conn.execute(delete(audit).where(audit.c.at < before, audit.c.id <= upto_id)).rowcount
+            if gone:
+                add_audit(conn, at=_now(conn), actor=actor, subject="audit", action="expire-audit",
+                          reason=f"{gone} entries before {before.isoformat()} exported to {exported_to}")
+            return gone
+
     def usage(self, run: str | None = None) -> list[TierUsage]:
         """(9) Verified bytes and checkpoint counts per run per tier."""
         with self._tx(write=False) as conn:
@@ -584,6 +611,38 @@ class Catalog:
             run_id = run_row(conn, run).id if run is not None else None
             return _q.unpromoted(conn, now=_now(conn), older_than_seconds=older_than_seconds, run_id=run_id,
                                  limit=limit)
+
+    # --- reconcile: set-based reads and sweep cursors -------------------------------------
+    def promotion_status(self, pairs: Sequence[tuple[str, int]], *,
+                         older_than_seconds: float = 0) -> dict[tuple[str, int], PromotionStatus]:
+        """(run, step) -> ``PromotionStatus`` of each listed checkpoint the catalog knows (absent:
+        unknown), in a few queries per 500 whatever the catalog holds. ``stale``: committed more
+        than ``older_than_seconds`` ago (catalog clock) with a part not promoted (``unpromoted``)."""
+        with self._tx(write=False) as conn:
+            return _q.promotion_status(conn, pairs, now=_now(conn), older_than_seconds=older_than_seconds)
+
+    def verified_page(self, tier: int, *, after_id: int = 0, limit: int = 1000,
+                      node: str | None = None) -> list[StoredCopy]:
+        """The next ``limit`` verified replicas on ``tier`` by id after ``after_id``, each with
+        the files its tier must hold; ``node``: only that node's (or node-less) replicas."""
+        with self._tx(write=False) as conn:
+            return _q.verified_page(conn, _state.check_tier(tier), after_id=after_id, limit=limit, node=node)
+
+    def milestone_backlog(self, policy: MilestonePolicy) -> list[CheckpointInfo]:
+        """Milestones (by ``policy``) complete on Tier 1 with no complete copy on Tier 2."""
+        with self._tx(write=False) as conn:
+            return _q.milestone_backlog(conn, policy)
+
+    def sweep_cursor(self, name: str) -> int:
+        """Where the sweep ``name`` stopped (0: at the start)."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(cursors.c.position).where(cursors.c.name == name)).scalar() or 0
+
+    def set_sweep_cursor(self, name: str, position: int) -> None:
+        with self._tx() as conn:
+            now = _now(conn)
+            if not insert_ignore(conn, cursors, dict(name=name, position=position, updated_at=now), ["name"]):
+                conn.execute(cursors.update().where(cursors.c.name == name).values(position=position, updated_at=now))
 
     # --- drills -------------------------------------------------------------------------
     def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,

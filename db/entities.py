@@ -179,3 +179,28 @@ class RejectionInfo:
     reason: str
     rejected_at: datetime
     actor: str
+
+
+@dataclass(frozen=True)
+class PromotionStatus:
+    """What reconcile needs to know of one checkpoint it found committed on a tier
+    (``Catalog.promotion_status``: one set-based read for all of them)."""
+
+    id: int
+    run: str
+    step: int
+    state: str
+    parts: int
+    registered: frozenset[int]  # parts whose manifest is recorded
+    tier1: dict[int, str]  # part -> state of its Tier 1 replica (absent: none)
+    stale: bool  # committed longer ago than the grace, with a part not (being) promoted
+
+
+@dataclass(frozen=True)
+class StoredCopy:
+    """A verified replica with what must be on its tier: the checkpoint's part count (for the
+    manifest's name) and the part's files (``Catalog.verified_page``)."""
+
+    replica: ReplicaInfo
+    parts: int
+    files: tuple[FileInfo, ...]

@@ -147,7 +147,7 @@ class Replica(Base):
     __tablename__ = "replicas"
     __table_args__ = (
         UniqueConstraint("checkpoint_id", "tier", "part"),  # queries 2, 3, 6, 7: a checkpoint's copies
-        Index(None, "tier", "state"),  # queries 7, 9: verified replicas on a tier
+        Index(None, "tier", "state", "id"),  # queries 7, 9; reconcile's vanished-copy sweep pages by id
         Index(None, "state", "checked_at", "id"),  # scrub: verified replicas, least recently read first
     )
 
@@ -219,7 +219,10 @@ class AuditLog(Base):
     """Every state change: when, who (flow-run id, ``cli``, ``agent:<node>``), what, why."""
 
     __tablename__ = "audit_log"
-    __table_args__ = (Index(None, "run", "step", "id"),)  # query 8: a checkpoint's history
+    __table_args__ = (
+        Index(None, "run", "step", "id"),  # query 8: a checkpoint's history
+        Index(None, "at"),  # audit retention: rows older than the retention, oldest first
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -266,3 +269,15 @@ class Rejection(Base):
     reason: Mapped[str] = mapped_column(Text)
     rejected_at: Mapped[datetime] = mapped_column(UTCDateTime())
     actor: Mapped[str] = mapped_column(String(256))
+
+
+class SweepCursor(Base):
+    """Where a periodic sweep that visits a bounded slice per pass stopped (e.g. reconcile's
+    check for vanished copies, by replica id), so the next pass, on any machine, goes on from
+    there and the whole table is covered in rotation."""
+
+    __tablename__ = "sweep_cursors"
+
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    position: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -71,10 +71,17 @@ def _adopt_origin(conn: Connection, run: Row, parent: tuple[str, int], relation:
               reason=f"{relation} {parent[0]}/{parent[1]}", run=run.name)
 
 
-def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime, actor: str) -> CheckpointInfo:
+def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime | None, actor: str) -> CheckpointInfo:
     """Record one part; returns the checkpoint as it now stands. The run row is locked so that
-    two checkpoints of one run registered at once still form one ``follows`` chain."""
-    run = run_row(conn, m.run, lock=True)
+    two checkpoints of one run registered at once still form one ``follows`` chain. ``now``
+    None (PostgreSQL): the server's clock, read with that lock in the same round trip.
+
+    The common case, a new checkpoint: the run (locked; on PostgreSQL with the clock, one round
+    trip less), the checkpoint, its part, its files, its audit row, its place in the run's
+    lineage."""
+    run = run_row(conn, m.run, lock=True, with_clock=now is None)
+    if now is None:
+        now = run.catalog_now.astimezone(UTC)
     first = _first_part_values(run.id, m, now)
     cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
@@ -210,7 +217,7 @@ def _file_values(cid: int, m: Manifest) -> list[dict]:
 
 def _add_part(conn: Connection, cid: int, m: Manifest, *, digest: str, now: datetime) -> None:
     conn.execute(parts.insert(), _part_values(cid, m, digest, now))
-    if m.files:
+    if m.files:  # executemany: one cached statement, pipelined by psycopg (a multi-row VALUES compiles per call)
         conn.execute(files.insert(), _file_values(cid, m))
 
 

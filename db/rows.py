@@ -10,7 +10,7 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Executable, Select, Table, select
+from sqlalchemy import Executable, Select, Table, func, select
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
@@ -28,6 +28,7 @@ from db.models import (
     Rejection,
     Replica,
     Run,
+    SweepCursor,
     TierCompletion,
 )
 
@@ -43,6 +44,7 @@ aliases = Alias.__table__
 audit = AuditLog.__table__
 drills = Drill.__table__
 rejections = Rejection.__table__
+cursors = SweepCursor.__table__
 
 ALL_TIERS = (0, 1, 2)
 
@@ -71,8 +73,10 @@ def replica_select() -> Select:
         .join(runs, checkpoints.c.run_id == runs.c.id))
 
 
-def run_row(conn: Connection, name: str, *, lock: bool = False) -> Row:
-    stmt = select(runs).where(runs.c.name == name)
+def run_row(conn: Connection, name: str, *, lock: bool = False, with_clock: bool = False) -> Row:
+    """The run's row; ``with_clock`` adds the server's ``now()`` as ``catalog_now`` (PostgreSQL:
+    the catalog's clock read in the same round trip)."""
+    stmt = (select(runs, func.now().label("catalog_now")) if with_clock else select(runs)).where(runs.c.name == name)
     row = conn.execute(stmt.with_for_update() if lock else stmt).one_or_none()
     if row is None:
         raise UnknownRun(f"unknown run {name!r}: it is not in the catalog")

@@ -6,16 +6,20 @@ Runs every few minutes on each node (and on demand). In order:
    taken over by the guarded prune, which re-runs the whole guard and then finishes it or
    gives the copy back (Tier 0 only for this node's own NVMe);
 1. replicas the catalog calls ``verified`` whose manifest or files vanished (Tier 0 of this
-   node, Tier 1, Tier 2) become ``missing``;
+   node, Tier 1, Tier 2) become ``missing``: a bounded slice per tier per pass
+   (``reconcile_check_limit``), in rotation, so a pass costs the same at any catalog size;
 2. parts committed on this node's Tier 0 that the catalog does not know, or that were never
    (or no longer, after step 1) verified on Tier 1, are promoted;
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
-   manifest, verified in place and recorded (a catalog restored from an older backup);
+   manifest, verified in place and recorded (a catalog restored from an older backup): a
+   bounded share of Tier 1 per pass, run folder by run folder, in rotation;
 4. milestones complete on Tier 1 but not on Tier 2 are archived;
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
    Tier 0 copies are pruned here (through the same guarded prune).
-A part of a run the catalog does not know yet is promoted like any other (registering it
+What the catalog says of the parts found committed (steps 2, 3) is one set-based read, and
+the archive backlog (step 4) one query: a pass's queries grow with what it finds to do, not
+with what the catalog holds. A part of a run the catalog does not know yet is promoted like any other (registering it
 creates the run). Parts of checkpoints already found corrupt, and parts whose manifest the
 catalog already rejected are left alone (and listed), so a bad checkpoint is not re-rejected on
 every pass; a re-saved part (another manifest) is tried again. One failing item never
@@ -30,19 +34,31 @@ from typing import Any
 
 from prefect import flow
 
-from core.errors import CkptError, CopyInProgress, NotFound, PruneRefused
+from core.errors import CkptError, CopyInProgress, PruneRefused
 from core.events import announcing, emit
 from core.layout import checkpoint_prefix, part_key
-from core.policy import is_milestone
 from core.settings import Settings, load_settings
 from core.storage.base import TierStore
 from db.catalog import Catalog
-from db.entities import CKPT_CORRUPT, CKPT_REJECTED, COPYING, CORRUPT, MISSING, PENDING, PRUNING, VERIFIED
+from db.entities import (
+    CKPT_CORRUPT,
+    CKPT_REJECTED,
+    COPYING,
+    CORRUPT,
+    MISSING,
+    PENDING,
+    PRUNING,
+    VERIFIED,
+    PromotionStatus,
+    StoredCopy,
+)
 from flows.archive import archive
 from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
 from tasks.base import log, open_catalog, open_tier
 from tasks.retention import FAILED, PRUNED, apply_retention
+
+ADOPT_CURSOR = "reconcile-adopt:tier1"
 
 
 @dataclass
@@ -70,11 +86,9 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     mark_missing(settings, report, actor=actor)
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
-        stale = {(c.run, c.step) for c in cat.unpromoted(older_than_seconds=grace_seconds)}
-        todo0 = [p for p in find_committed(tier0) if _wanted(cat, p, report, tier=0, unpromoted=stale)
-                 and not _rejected(cat, tier0, p, report, tier=0)]
-        todo1 = [p for p in find_committed(tier1) if _wanted(cat, p, report, tier=1, unpromoted=set())
-                 and not _rejected(cat, tier1, p, report, tier=1)]
+        todo0 = _todo(cat, tier0, list(find_committed(tier0)), report, tier=0, grace_seconds=grace_seconds)
+        todo1 = _todo(cat, tier1, _adoption_slice(cat, tier1, settings.reconcile_check_limit), report, tier=1,
+                      grace_seconds=grace_seconds)
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
@@ -116,7 +130,7 @@ def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps
     """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
     if not settings.retention(0).enabled:
         return
-    plan = [a for a in steps.plan_retention(settings) if a.tier == 0 and a.node == settings.node]
+    plan = [a for a in steps.plan_retention(settings, tiers=(0,)) if a.node == settings.node]
     for action in apply_retention(settings, plan, prune=steps.prune, actor=actor):
         item = f"tier 0 {action.run}/{action.step} part {action.part}"
         if action.outcome == PRUNED:
@@ -136,31 +150,56 @@ def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> No
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
-def _wanted(cat: Catalog, found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int,
-            unpromoted: set[tuple[str, int]]) -> bool:
+def _todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int]], report: ReconcileReport, *,
+          tier: int, grace_seconds: float) -> list[tuple[str, int, int, int]]:
+    """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
+    catalog's view of all of them in one set-based read (``promotion_status``), not queries per
+    part; a part's manifest is read only for the few that look wanted (``_rejected``)."""
+    status = cat.promotion_status([(run, step) for run, step, _, _ in found], older_than_seconds=grace_seconds)
+    return [p for p in found if _wanted(status.get((p[0], p[1])), p, report, tier=tier)
+            and not _rejected(cat, store, p, report, tier=tier)]
+
+
+def _adoption_slice(cat: Catalog, tier1: TierStore, limit: int) -> list[tuple[str, int, int, int]]:
+    """Parts committed on Tier 1, run folder by run folder from where the last pass (of any
+    node: one shared ``sweep_cursor``) stopped, until about ``limit`` parts are found (at least
+    one run per pass); past the last run the next pass starts again at the first. A pass lists
+    a bounded share of Tier 1, not all of it; a run folder added or removed meanwhile shifts the
+    rotation by one, which at worst checks a run twice or leaves it to the next rotation."""
+    from core.transfer import find_committed
+
+    runs = tier1.folders()
+    i = cat.sweep_cursor(ADOPT_CURSOR)
+    i = i if i < len(runs) else 0
+    found: list[tuple[str, int, int, int]] = []
+    while i < len(runs) and len(found) < limit:
+        found += find_committed(tier1, runs[i])
+        i += 1
+    cat.set_sweep_cursor(ADOPT_CURSOR, i if i < len(runs) else 0)
+    return found
+
+
+def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int], report: ReconcileReport, *,
+            tier: int) -> bool:
     """Whether a part committed on ``tier`` needs promoting (Tier 0) or adopting (Tier 1)."""
     run, step, part, _parts = found
-    item = f"tier {tier} {run}/{step} part {part}"
-    try:
-        ck = cat.get_checkpoint(run, step)
-    except NotFound:  # an unknown run too: registering the part creates it
+    if ck is None:  # an unknown checkpoint or run: registering the part creates it
         return True
     if ck.state == CKPT_CORRUPT:
-        report.skipped.append(f"{item}: checkpoint is {ck.state}")
+        report.skipped.append(f"tier {tier} {run}/{step} part {part}: checkpoint is {ck.state}")
         return False
     if ck.state == CKPT_REJECTED:
         return True  # ``_rejected`` tells a refused manifest from a re-save
-    if not cat.files(ck.id, part):
+    if part not in ck.registered:
         return True  # this part was never registered
-    replica = next((r for r in cat.replicas(ck.id, 1) if r.part == part), None)
-    state = replica.state if replica else None
+    state = ck.tier1.get(part)
     if tier == 1:
-        return replica is None
+        return state is None
     if state in (MISSING, CORRUPT):
         return True  # a broken Tier 1 copy: copy it again from here
-    # never copied, or a copy that stalled: only once past the grace period (``unpromoted``),
-    # so the event-triggered promotion running right now is not raced for nothing
-    return state in (None, PENDING, COPYING) and (run, step) in unpromoted
+    # never copied, or a copy that stalled: only once past the grace period (``stale``), so the
+    # event-triggered promotion running right now is not raced for nothing
+    return state in (None, PENDING, COPYING) and ck.stale
 
 
 def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], report: ReconcileReport, *,
@@ -191,30 +230,38 @@ def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str) -> 
 
 
 def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileReport, *, actor: str) -> None:
+    """Check the next ``reconcile_check_limit`` verified copies of each tier (Tier 0: this
+    node's) against the tier: one page query and one listing per copy, whatever the catalog
+    holds. Where the page stopped is kept in the catalog (``sweep_cursor``: one per node for
+    Tier 0, one shared by every node for Tiers 1 and 2), so the next pass, on any node, goes on
+    from there and every copy is checked in rotation; a page shorter than the limit wraps."""
+    limit = settings.reconcile_check_limit
     with open_catalog(settings.catalog_url) as cat:
-        for ck in cat.list_checkpoints():
-            for rep in cat.replicas(ck.id):
-                if rep.state != VERIFIED or rep.tier not in stores:
-                    continue
-                if rep.tier == 0 and rep.node not in (None, "", settings.node):
-                    continue
-                gone = _vanished(cat, stores[rep.tier], ck, rep.part)
+        for tier, store in stores.items():
+            cursor = f"reconcile-vanished:tier{tier}" + (f":{settings.node}" if tier == 0 else "")
+            page = cat.verified_page(tier, after_id=cat.sweep_cursor(cursor), limit=limit,
+                                     node=settings.node if tier == 0 else None)
+            for copy in page:
+                rep = copy.replica
+                gone = _vanished(store, copy)
                 if gone is None:
                     continue
                 try:
                     cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
-                    report.missing.append(f"tier {rep.tier} {ck.run}/{ck.step} part {rep.part}: {gone}")
+                    report.missing.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: {gone}")
                 except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
                     log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
+            cat.set_sweep_cursor(cursor, page[-1].replica.id if len(page) == limit else 0)
 
 
-def _vanished(cat: Catalog, store: Any, ck: Any, part: int) -> str | None:
+def _vanished(store: Any, copy: StoredCopy) -> str | None:
     """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
-    present = {o.key: o.size for o in store.list(checkpoint_prefix(ck.run, ck.step))}
-    if part_key(ck.run, ck.step, part, ck.parts) not in present:
+    rep = copy.replica
+    prefix = checkpoint_prefix(rep.run, rep.step)
+    present = {o.key: o.size for o in store.list(prefix)}
+    if part_key(rep.run, rep.step, rep.part, copy.parts) not in present:
         return "manifest vanished"
-    prefix = checkpoint_prefix(ck.run, ck.step)
-    for f in cat.files(ck.id, part):
+    for f in copy.files:
         size = present.get(f"{prefix}/{f.path}")
         if size is None:
             return f"{f.path} vanished"
@@ -224,18 +271,11 @@ def _vanished(cat: Catalog, store: Any, ck: Any, part: int) -> str | None:
 
 
 def archive_backlog(settings: Settings) -> list[tuple[str, int]]:
-    """Milestones with a complete verified copy on Tier 1 but none on Tier 2."""
+    """Milestones with a complete verified copy on Tier 1 but none on Tier 2 (one query)."""
     if not settings.tier2_url:
         return []
-    out = []
     with open_catalog(settings.catalog_url) as cat:
-        for ck in cat.list_checkpoints():
-            if not is_milestone(ck.kind, ck.step, ck.tags, settings.milestones):
-                continue
-            tiers = {loc.tier for loc in cat.locations(ck.run, ck.step)}
-            if 1 in tiers and 2 not in tiers:
-                out.append((ck.run, ck.step))
-    return out
+        return [(ck.run, ck.step) for ck in cat.milestone_backlog(settings.milestones)]
 
 
 @flow(name="reconcile", flow_run_name="reconcile/{node}")

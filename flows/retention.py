@@ -1,5 +1,6 @@
 """enforce_retention: plan what each tier's policy lets go, show the plan, apply it through
-the guarded prune. Runs on a schedule and after every checkpoint that became durable.
+the guarded prune. Runs on a schedule and after every checkpoint that became durable. The
+scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``).
 
 A dry run only plans. Applying prunes Tier 0 (of this node) first, then Tier 1, then Tier 2;
 ``PruneRefused`` is a normal outcome (the catalog found a reason to keep the copy) and is
@@ -44,4 +45,8 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
     settings = load_settings(**({"node": node} if node else {}))
     with announcing(emit):
         actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor())
+    if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
+        from tasks.audit import expire_audit_task
+
+        expire_audit_task(settings, actor=current_actor())
     return [a.row() for a in actions]

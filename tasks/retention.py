@@ -12,7 +12,7 @@ never delete the last good copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -48,11 +48,13 @@ class PruneAction:
                 "detail": self.detail}
 
 
-def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None) -> list[PruneAction]:
-    """Per tier, the replicas its policy no longer keeps, each with what will happen to it."""
+def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None,
+                   tiers: Sequence[int] = (0, 1, 2)) -> list[PruneAction]:
+    """Per tier (of ``tiers``), the replicas its policy no longer keeps, each with what will
+    happen to it."""
     plan: list[PruneAction] = []
     with open_catalog(settings.catalog_url) as cat:
-        for tier in (0, 1, 2):
+        for tier in tiers:
             policy = settings.retention(tier)
             if not policy.enabled or not settings.tier_url(tier):
                 continue

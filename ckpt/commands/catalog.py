@@ -116,8 +116,13 @@ def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
 def audit_cmd(run: str = typer.Option(None, "--run", help="only this run"),
               since: str = typer.Option(None, "--since", help="only entries this recent: 30m, 2h, 7d or ISO-8601"),
               limit: int = typer.Option(100, "--limit", help="at most this many entries"),
+              expire: bool = typer.Option(False, "--expire", help="export the entries older than "
+                                          "CKPT_AUDIT_RETAIN_DAYS to CKPT_AUDIT_EXPORT_DIR, then delete them"),
               as_json: bool = JSON_OPT) -> None:
     """Recent catalog events (state changes, registrations, prunes), rejections first."""
+    if expire:
+        _expire_audit(as_json)
+        return
     cutoff = parse_since(since) if since else None
     with _catalog() as cat:
         entries = rejections_first(cat.audit_log(run=run, limit=limit, since=cutoff))
@@ -125,6 +130,22 @@ def audit_cmd(run: str = typer.Option(None, "--run", help="only this run"),
         _emit_json(entries)
         return
     out.print(_audit_table(entries, title="audit") if entries else "no catalog events recorded")
+
+
+def _expire_audit(as_json: bool) -> None:
+    from core.settings import load_settings
+    from tasks.audit import expire_audit
+
+    done = expire_audit(load_settings(), actor="cli")
+    if as_json:
+        _emit_json(done)
+    elif done.before is None:
+        out.print("audit retention is off (CKPT_AUDIT_RETAIN_DAYS=0): nothing expired")
+    elif done.exported:
+        out.print(f"exported {done.exported} audit entries older than {_when(done.before)} to {done.file}; "
+                  f"deleted {done.deleted} from the catalog")
+    else:
+        out.print(f"no audit entries older than {_when(done.before)}")
 
 
 def rejections_first(entries: list) -> list:

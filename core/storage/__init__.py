@@ -32,6 +32,7 @@ def open_store(url: str, tier: int, settings: Settings | None = None) -> TierSto
             multipart_threshold=settings.s3_multipart_threshold,
             chunk_bytes=settings.s3_multipart_chunksize,
             max_concurrency=settings.s3_max_concurrency,
+            parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency),
             buffer_bytes=buffer_bytes,
             lock_days=settings.tier2_lock_days if tier == 2 else None,
             lock_mode=settings.tier2_lock_mode,

@@ -77,6 +77,11 @@ class TierStore(ABC):
         """Every object under ``prefix`` (recursive), keys relative to the root, sorted;
         staging objects are never listed."""
 
+    def folders(self) -> tuple[str, ...]:
+        """The names of the folders at the root (on this project's tiers: one per run), sorted,
+        without listing what is inside them (backends override this with a shallow listing)."""
+        return tuple(sorted({o.key.split("/", 1)[0] for o in self.list("") if "/" in o.key}))
+
     def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
         """A small object (a manifest): at most ``limit`` bytes, else ``CorruptCheckpoint``."""
         return read_limited(self, key, limit)

@@ -69,6 +69,13 @@ class FsspecStore(TierStore):
         ]
         return sorted(out, key=lambda o: o.key)
 
+    def folders(self) -> tuple[str, ...]:
+        try:
+            found = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return ()
+        return tuple(sorted(self._key(i["name"]) for i in found if i.get("type") == "directory"))
+
     def _hash(self, key: str) -> tuple[int, str]:
         return hash_object(self, key, self.buffer_bytes)
 

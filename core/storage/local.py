@@ -170,6 +170,14 @@ class LocalStore(TierStore):
                     continue
         return sorted(out, key=lambda o: o.key)
 
+    def folders(self) -> tuple[str, ...]:
+        try:
+            with os.scandir(self.root.resolve()) as entries:
+                names = [e.name for e in entries if e.is_dir(follow_symlinks=False) and not is_staging(e.name)]
+        except FileNotFoundError:
+            return ()
+        return tuple(sorted(names))
+
     def _hash(self, path: Path) -> tuple[int, str]:
         return checksum.hash_file(path, self.buffer_bytes)
 

@@ -210,6 +210,7 @@ class S3Store(TierStore):
         multipart_threshold: int = 64 * 1024 * 1024,
         chunk_bytes: int = 64 * 1024 * 1024,
         max_concurrency: int = 8,
+        parallelism: int = 4,
         max_attempts: int = 5,
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
         lock_days: float | None = None,
@@ -227,6 +228,7 @@ class S3Store(TierStore):
         self.tier, self.root_url = tier, url.rstrip("/")
         self.multipart_threshold = max(multipart_threshold, chunk_bytes)
         self.chunk_bytes, self.max_concurrency = chunk_bytes, max_concurrency
+        self.parallelism = parallelism
         self.buffer_bytes = buffer_bytes
         self.lock_days, self.lock_mode = lock_days, lock_mode
         self.client = client or self._make_client(endpoint_url, region, max_attempts)
@@ -242,13 +244,22 @@ class S3Store(TierStore):
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=10,
             read_timeout=120,
-            max_pool_connections=max(16, 2 * self.max_concurrency),
+            max_pool_connections=self.pool_connections(),
             tcp_keepalive=True,
             # We send the manifest's CRC32C ourselves; don't let botocore hash bodies again.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
         return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
+
+    def pool_connections(self) -> int:
+        """HTTP connections the client keeps: one per request that can be in flight at once,
+        ``max_concurrency`` multipart parts plus ``parallelism`` files read, headed or published
+        by the transfer engine's threads (a restore reads ``max(copy_parallelism,
+        s3_max_concurrency)`` files at once). botocore's default of 10 is smaller than that:
+        every request above it opened a fresh connection and urllib3 logged "Connection pool is
+        full, discarding connection" when handing it back."""
+        return max(10, self.max_concurrency + self.parallelism)
 
     def _k(self, key: str) -> str:
         safe_relpath(key)
@@ -307,6 +318,15 @@ class S3Store(TierStore):
                 out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"))
                            for o in page.get("Contents", []))
         return sorted(out, key=lambda o: o.key)
+
+    def folders(self) -> tuple[str, ...]:
+        full = self.prefix + "/" if self.prefix else ""
+        names: set[str] = set()
+        with s3_errors(f"list {self.root_url}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full,
+                                                                               Delimiter="/"):
+                names.update(p["Prefix"][len(full):].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return tuple(sorted(names))
 
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         """Size from HeadObject, then the CRC32C: the server's full-object value where the

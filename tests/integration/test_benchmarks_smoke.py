@@ -81,6 +81,8 @@ def test_catalog_scale():
                   "7 prune_candidates tier 1 (run)"):
         assert re.search(re.escape(query) + r" +[\d.]+ +[\d.]+ +\d+\.\d ", out), (query, out)
     assert re.search(r"register_many x10 [\d,]+/s = x\d+\.\d", out), out
+    for case in ("nothing changed", "2 copies vanished"):  # reconcile's cost per pass
+        assert re.search(re.escape(case) + r" +\d+ queries, +[\d.]+ ms in SQL; pass p50 +[\d.]+ ms", out), (case, out)
 
 
 def test_upload_tier2(s3_endpoint):
@@ -95,6 +97,7 @@ def test_restore(s3_endpoint):
     assert_rows(out, "boto3 download_file, one at a time", ["boto3 download_file, 4 at a time",
                                                             "ours: restore from Tier 2"])
     assert re.search(r"ratios: ours / download_file one at a time = \d+\.\d\d x", out), out
+    assert "'Connection pool is full' warnings during the Tier 2 rounds: 0" in out, out
 
 
 @pytest.mark.prefect

@@ -89,3 +89,30 @@ def prune_worker(url: str, replica_ids: list[int], barrier, results) -> None:
                 results.put((rid, type(exc).__name__))
     finally:
         cat.close()
+
+
+def catalog_cli(monkeypatch, tmp_path, db_url: str, **env: str):
+    """A ``run(*args) -> output`` of the real CLI (Typer's runner) on the catalog at ``db_url``,
+    in ``tmp_path`` with ``CKPT_*`` cleared but for ``env`` (names without the prefix); a
+    non-zero exit fails the test with the output."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    for key in list(os.environ):
+        if key.startswith("CKPT_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPT_CATALOG_URL", db_url)
+    for key, value in env.items():
+        monkeypatch.setenv(f"CKPT_{key}", value)
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(app, list(args), catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    return run

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
-from ckpt.cli import app, main
-from tests.kit.catalog import checkpoint, manifest, verified
+from ckpt.cli import main
+from tests.kit.catalog import catalog_cli, checkpoint, manifest, verified
 
 
 @pytest.fixture
 def cli(catalog, db_url, monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("CKPT_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CKPT_CATALOG_URL", db_url)
-    runner = CliRunner()
-
-    def run(*args: str):
-        result = runner.invoke(app, list(args), catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        return result.output
-
-    return run
+    return catalog_cli(monkeypatch, tmp_path, db_url)
 
 
 def _story(cat):

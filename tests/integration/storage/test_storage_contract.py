@@ -173,6 +173,13 @@ def test_list_and_delete_prefix(store):
     assert all_names(store) == ["b/4"]
 
 
+def test_folders_are_the_top_level_names_only(store):
+    assert store.folders() == ()
+    for k in ["a/1", "a/sub/2", "ab/3", "b/4", "top"]:
+        put(store, k, k.encode())
+    assert store.folders() == ("a", "ab", "b")
+
+
 def test_write_small_atomic_and_read_small(store):
     store.write_small_atomic("r/s/manifest.json", b'{"a": 1}')
     store.write_small_atomic("r/s/manifest.json", b'{"a": 1}')  # same bytes: fine

@@ -105,3 +105,24 @@ def test_s3_persistent_5xx_is_storage_unavailable_and_commits_nothing(tiers, s3_
     retry.join(timeout=60)
     assert not retry.is_alive(), "upload slots leaked by the failed attempt"
     verify_part(s3_store, PREFIX, m, deep=False)
+
+
+def test_the_client_pool_holds_every_request_a_parallel_transfer_makes(s3_endpoint, s3_bucket, tiers, tmp_path,
+                                                                       settings_factory, caplog):
+    """Without a connection per concurrent request urllib3 opens extra ones, logs "Connection
+    pool is full, discarding connection" and throws each away after one request."""
+    from core.storage import open_store
+
+    settings = settings_factory(tier2_url=f"s3://{s3_bucket}/pool", s3_endpoint_url=s3_endpoint,
+                                copy_parallelism=24, s3_max_concurrency=2)
+    store = open_store(settings.tier2_url, 2, settings)
+    try:
+        assert store.client.meta.config.max_pool_connections >= settings.copy_parallelism + 2
+        t0, _ = tiers
+        m = write_checkpoint(t0.root, RUN, STEP, shards=24, shard_bytes=256 * 1024)
+        caplog.set_level("WARNING", logger="urllib3.connectionpool")
+        copy_part(t0, PREFIX, store, PREFIX, m, parallelism=settings.copy_parallelism)
+        copy_part(store, PREFIX, LocalStore(tmp_path / "back", 0), "ck", m, parallelism=settings.copy_parallelism)
+    finally:
+        store.close()
+    assert [r.getMessage() for r in caplog.records if "pool is full" in r.getMessage()] == []
