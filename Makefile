@@ -19,8 +19,14 @@ lint: venv
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 
+# two pytest workers (pytest-xdist), a module per worker at a time (module-scoped servers stay
+# shared): most integration time is spent waiting on servers and agents, so the suite takes about
+# half its serial time on 2 cores. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -26,7 +26,8 @@ def test_unreachable_postgres_is_transient():
 
 
 @pytest.mark.parametrize("url", ["postgresql+psycopg//ckpt:hunter2-marker@db/ckpt",  # a typo: no ':'
-                                 f"postgresql+psycopg://ckpt:hunter2-marker@127.0.0.1:{_closed_port()}/ckpt"])
+                                 f"postgresql+psycopg://ckpt:hunter2-marker@127.0.0.1:{_closed_port()}/ckpt"],
+                         ids=["malformed", "unreachable"])
 def test_a_catalog_error_never_shows_the_password(url):
     """Such a message ends up in a flow run's state and logs, which the Prefect server keeps."""
     with pytest.raises(CkptError) as info:
