@@ -115,3 +115,13 @@ def test_event_latency(prefect_server):
                                                              "fast path: emit -> flow start",
                                                              "fast path: emit -> verified on Tier 1"])
     assert re.search(r"ratio: fast path / trigger, emit -> verified on Tier 1 = \d+\.\d\d x", out), out
+
+
+def test_trainer_stall():
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    out = run_benchmark("trainer_stall")
+    assert_rows(out, "Trainer save (no callback)", ["ours: Trainer save + TieringCallback"])
+    assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])
+    assert re.search(r"ratio \(HF Trainer\): ours / Trainer save \(no callback\) = \d+\.\d\d x", out), out
+    assert re.search(r"ratio \(Lightning\): ours / ModelCheckpoint, TorchCheckpointIO = \d+\.\d\d x", out), out
