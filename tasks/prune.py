@@ -112,7 +112,10 @@ def _why(reason: str | None, took_over: bool) -> str:
 
 def lock_refused(cat, store, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None:
     """Why the part cannot be deleted yet: an object of it under retention on its tier (S3 Object
-    Lock), with the date after which a retention pass may prune it; None when nothing is locked."""
+    Lock), with the date after which a retention pass may prune it; None when nothing is locked.
+    A store without retention (every tier but an Object Lock bucket) costs no catalog query here."""
+    if not store.retains:
+        return None
     keys = [part_key(rep.run, rep.step, rep.part, ck.parts)]
     keys += [f"{checkpoint_prefix(rep.run, rep.step)}/{f.path}" for f in cat.files(ck.id, rep.part)]
     until = store.locked_until(keys)

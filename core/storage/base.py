@@ -126,6 +126,12 @@ class TierStore(ABC):
         deleted = int(self.delete(f"{prefix}/{manifest_name}"))
         return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
 
+    @property
+    def retains(self) -> bool:
+        """Whether objects here can be under retention (S3 Object Lock): when False,
+        ``locked_until`` is always None and callers need not gather keys for it."""
+        return False
+
     def locked_until(self, keys: Iterable[str]) -> datetime | None:
         """The latest retain-until date, still in the future, of any of ``keys``; None when the
         store can delete them all now (backends without retention: always)."""

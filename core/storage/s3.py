@@ -639,10 +639,14 @@ class S3Store(TierStore):
         if not (self._head(key) or {}).get("ObjectLockRetainUntilDate"):
             raise ConfigError(f"{what}: the endpoint accepted the upload but keeps no retention on it")
 
+    @property
+    def retains(self) -> bool:
+        return self._modes()[0]
+
     def locked_until(self, keys: Iterable[str]) -> datetime | None:
         """HeadObject's retain-until date of each key's current version (only on a bucket with
         Object Lock); the latest one still in the future."""
-        if not self._modes()[0]:
+        if not self.retains:
             return None
         now, latest = datetime.now(UTC), None
         for key in keys:
