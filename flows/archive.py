@@ -31,10 +31,7 @@ def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str
         return ArchiveResult(run, step, milestone=True, reason="tier 2 not configured")
     result = ArchiveResult(run, step, milestone=True)
     for part in range(ck.parts):
-        hop = steps.upload_to_tier2(settings, run, step, part, actor=actor)
-        result.hops.append(hop)
-        if not hop.skipped:
-            result.hops.append(steps.verify(settings, run, step, part, tier=2, actor=actor))
+        result.hops += steps.tier2_hop(settings, run, step, part, actor=actor)
     result.archived = steps.mark_complete(settings, run, step, 2, actor=actor)
     if result.archived:
         events.announce(events.ARCHIVED, run, step, parts=ck.parts, node=settings.node,

@@ -5,8 +5,12 @@ Both sets take the same arguments, so the composition is written once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from core.settings import Settings
@@ -19,26 +23,28 @@ Step = Callable[..., Any]
 class Steps:
     register: Step
     verify: Step
-    copy_to_tier1: Step
-    upload_to_tier2: Step
     mark_complete: Step
     plan_retention: Step
     prune: Step
+    tier1_hop: Step  # register, verify on Tier 0, copy to Tier 1, mark complete: one part, one step
+    tier2_hop: Step  # upload to Tier 2, verify there: one part, one step
 
 
 def step_tasks() -> dict[str, Any]:
     """The one registry of pipeline steps: field name of ``Steps`` -> its Prefect task (the
-    plain function is the task's ``.fn``)."""
-    from tasks.copy import copy_to_tier1_task, upload_to_tier2_task
+    plain function is the task's ``.fn``). A hop of one part is one task run (``tasks.hop``):
+    each task run costs the flow round trips and the server ingest, which a burst of N parts pays
+    N times."""
+    from tasks.hop import tier1_hop_task, tier2_hop_task
     from tasks.prune import prune_task
     from tasks.record import mark_complete_task
     from tasks.register import register_task
     from tasks.retention import plan_retention_task
     from tasks.verify import verify_task
 
-    return {"register": register_task, "verify": verify_task, "copy_to_tier1": copy_to_tier1_task,
-            "upload_to_tier2": upload_to_tier2_task, "mark_complete": mark_complete_task,
-            "plan_retention": plan_retention_task, "prune": prune_task}
+    return {"register": register_task, "verify": verify_task, "mark_complete": mark_complete_task,
+            "plan_retention": plan_retention_task, "prune": prune_task, "tier1_hop": tier1_hop_task,
+            "tier2_hop": tier2_hop_task}
 
 
 def plain_steps() -> Steps:
@@ -48,11 +54,19 @@ def plain_steps() -> Steps:
 
 def task_steps(settings: Settings | None = None) -> Steps:
     """The Prefect tasks with the configured retry budget (``Settings.task_retries``...)."""
-    from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, with_policy
+    from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES
 
     r = settings.task_retries if settings is not None else DEFAULT_RETRIES
     d = settings.task_retry_delay_seconds if settings is not None else DEFAULT_BASE_DELAY_S
-    return Steps(**{name: with_policy(task, r, d) for name, task in step_tasks().items()})
+    return _task_steps(r, d)
+
+
+@lru_cache(maxsize=8)
+def _task_steps(retries: int, base_delay: float) -> Steps:
+    """Built once per retry budget and process (``Task.with_options`` costs ~2 ms a task)."""
+    from tasks.retry import with_policy
+
+    return Steps(**{name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()})
 
 
 @dataclass
@@ -92,17 +106,59 @@ def current_actor(default: str = "cli") -> str:
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    """A table artifact in the current flow run; silently nothing outside one. Best effort: the
-    work it reports is done and recorded in the catalog, so an orchestrator that answers 5xx
-    under a burst costs the artifact (a warning in the run's log), never the run's result."""
-    from prefect.artifacts import create_table_artifact
+    """A table artifact in the current flow run; silently nothing outside one. Inside
+    ``artifact_batch`` it is posted with the batch, at its end."""
+    def post() -> None:
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
+
+    publish(key, post)
+
+
+def publish(key: str, post: Callable[[], Any]) -> None:
+    """Run ``post`` (which creates the artifact ``key`` in the current flow run) now, or with the
+    open ``artifact_batch``. Best effort: the work an artifact reports is done and recorded in the
+    catalog, so an orchestrator that answers 5xx under a burst costs the artifact (a warning in
+    the run's log), never the run's result."""
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:
         return
+    batch = _BATCH.get()
+    if batch is not None:
+        batch.append((key, post))
+        return
+    _post(key, post)
+
+
+def _post(key: str, post: Callable[[], Any]) -> None:
     try:
-        create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
-    except Exception as exc:  # noqa: BLE001 - see above
+        post()
+    except Exception as exc:  # noqa: BLE001 - see publish
         from prefect.logging import get_run_logger
 
         get_run_logger().warning("artifact %s not published: %s: %s", key, type(exc).__name__, exc)
+
+
+_BATCH: ContextVar[list[tuple[str, Callable[[], Any]]] | None] = ContextVar("ckpt_artifact_batch", default=None)
+
+
+@contextmanager
+def artifact_batch() -> Iterator[None]:
+    """The artifacts published inside, posted together on exit, each on its own thread (in the
+    flow run's context): a flow's end waits for about one API round trip, not one per artifact
+    (a promotion publishes up to five: its hop table, the archive's, the retention plan and
+    result, and the run's status page). On exit, also after an error: what was done is shown."""
+    token = _BATCH.set([])
+    try:
+        yield
+    finally:
+        batch = _BATCH.get() or []
+        _BATCH.reset(token)
+        if len(batch) == 1:
+            _post(*batch[0])
+        elif batch:
+            with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="ckpt-artifact") as pool:
+                for key, post in batch:
+                    pool.submit(copy_context().run, _post, key, post)

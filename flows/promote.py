@@ -2,7 +2,8 @@
 and prune.
 
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
-this node) -> copy to Tier 1 (claimed, read back, published manifest last) -> when the
+this node) -> copy to Tier 1 (claimed, read back, published manifest last), one step
+(``tasks.hop``: one task run per part) -> when the
 catalog reports every part verified on Tier 1 (``complete_on_tier``, true for exactly one
 caller): archive a milestone to Tier 2, announce ``ckpt.checkpoint.durable`` (after the
 archive, so the archive deployment it triggers, a safety net, finds nothing left to do), and
@@ -23,7 +24,16 @@ from core.errors import BadEvent
 from core.events import announcing, emit
 from core.settings import Settings, load_settings
 from flows.archive import archive
-from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
+from flows.common import (
+    ArchiveResult,
+    Steps,
+    artifact_batch,
+    artifact_key,
+    current_actor,
+    hop_rows,
+    publish_table,
+    task_steps,
+)
 from flows.retention import retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
@@ -57,22 +67,14 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
             node: str | None = None, actor: str = "cli") -> PromoteResult:
     """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks)."""
     node = node or settings.node
-    kw = dict(node=node, actor=actor)
-    reg = steps.register(settings, run, step, part, parts, **kw)
-    result = PromoteResult(run, step, part, reg.parts, reg.checkpoint_id)
-    if reg.promoted:
-        result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,
-                                     bytes=reg.bytes, seconds=0.0, skipped=True))
-    else:
-        result.hops.append(steps.verify(settings, run, step, part, tier=0, **kw))
-        result.hops.append(steps.copy_to_tier1(settings, run, step, part, **kw))
-    result.durable = steps.mark_complete(settings, run, step, 1, actor=actor)
+    hop = steps.tier1_hop(settings, run, step, part, parts, node=node, actor=actor)
+    result = PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops, durable=hop.durable)
     if result.durable:
         try:
             result.archive = archive(settings, run, step, steps=steps, actor=actor)
         finally:  # announced after the inline archive, so the archive it triggers finds it done
             wants = archive_wanted(settings, result.archive)
-            events.announce(events.DURABLE, run, step, parts=reg.parts, node=node,
+            events.announce(events.DURABLE, run, step, parts=hop.parts, node=node,
                             payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
         result.retention = retention(settings, run=run, steps=steps, actor=actor)
     return result
@@ -108,7 +110,8 @@ def _run_name() -> str:
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion,
-    and the run's status page (``run-<name>``, flows/status.py) republished.
+    and the run's status page (``run-<name>``, flows/status.py) republished, all posted together
+    at the end (``artifact_batch``).
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
@@ -118,16 +121,11 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     except BadEvent as exc:
         reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
         raise
-    with announcing(emit):
+    with artifact_batch(), announcing(emit):
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
                          actor=actor)
-    hops = result.hops + (result.archive.hops if result.archive else [])
-    publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
-                  f"promotion of {run} step {step} part {part + 1}/{result.parts}")
-    try:  # the run's status page (key run-<name>); never fails a promotion that succeeded
-        publish_run_status(str(settings.catalog_url), run)
-    except Exception as exc:  # noqa: BLE001 - see above
-        from prefect.logging import get_run_logger
-
-        get_run_logger().warning("run status artifact not published: %s: %s", type(exc).__name__, exc)
+        hops = result.hops + (result.archive.hops if result.archive else [])
+        publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
+                      f"promotion of {run} step {step} part {part + 1}/{result.parts}")
+        publish_run_status(str(settings.catalog_url), run)  # the run's status page (key run-<name>)
     return result.summary()

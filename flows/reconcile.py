@@ -53,7 +53,7 @@ from db.entities import (
     StoredCopy,
 )
 from flows.archive import archive
-from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
+from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
 from flows.promote import promote
 from tasks.base import log, open_catalog, open_tier
 from tasks.retention import FAILED, PRUNED, apply_retention
@@ -282,8 +282,8 @@ def archive_backlog(settings: Settings) -> list[tuple[str, int]]:
 def reconcile(node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
-    with announcing(emit):
+    with artifact_batch(), announcing(emit):
         report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
                                 grace_seconds=settings.reconcile_interval_seconds)
-    publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+        publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
     return {k: list(v) for k, v in vars(report).items()}

@@ -13,7 +13,7 @@ from prefect import flow
 
 from core.events import announcing, emit
 from core.settings import Settings, load_settings
-from flows.common import Steps, artifact_key, current_actor, publish_table, task_steps
+from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
 from tasks.retention import PruneAction, apply_retention
 
 
@@ -43,7 +43,7 @@ def _run_name() -> str:
 def enforce_retention(run: str | None = None, dry_run: bool = False, node: str | None = None) -> list[dict]:
     """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
-    with announcing(emit):
+    with artifact_batch(), announcing(emit):
         actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor())
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         from tasks.audit import expire_audit_task

@@ -123,20 +123,20 @@ def lineage_line(run: str, head: int | None, edges: list[LineageEdge]) -> str:
     return " ← ".join(parts)
 
 
-def publish_run_status(catalog_url: str, run: str) -> str | None:
-    """Publish (a new version of) the run's status artifact from the current flow run; the
-    markdown, or None outside a flow run. Key: ``run-<name>`` made a valid artifact key."""
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.context import FlowRunContext
+def publish_run_status(catalog_url: str, run: str) -> None:
+    """Publish (a new version of) the run's status artifact from the current flow run (with the
+    open ``artifact_batch``, at its end); nothing outside a flow run. Key: ``run-<name>`` made a
+    valid artifact key. Best effort, like every artifact."""
+    from flows.common import artifact_key, publish
 
-    from flows.common import artifact_key
+    def post() -> None:
+        from prefect.artifacts import create_markdown_artifact
 
-    if FlowRunContext.get() is None:
-        return None
-    cat = Catalog(catalog_url)
-    try:
-        md = status_markdown(gather(cat, run, now=datetime.now(UTC)))
-    finally:
-        cat.close()
-    create_markdown_artifact(md, key=artifact_key("run", run), description=f"status of run {run}")
-    return md
+        cat = Catalog(catalog_url)
+        try:
+            md = status_markdown(gather(cat, run, now=datetime.now(UTC)))
+        finally:
+            cat.close()
+        create_markdown_artifact(md, key=artifact_key("run", run), description=f"status of run {run}")
+
+    publish(artifact_key("run", run), post)

@@ -20,7 +20,6 @@ from core.settings import Settings
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
 from tasks.base import HopResult, delete_part, open_catalog, open_tier, registered_manifest, sweep_staging
 from tasks.claim import ClaimedCopy
-from tasks.retry import pipeline_task
 from tasks.verify import part_replica
 
 
@@ -86,6 +85,3 @@ def upload_to_tier2(settings: Settings, run: str, step: int, part: int = 0, *,
     """Tier 1 -> Tier 2 (milestones; the archive flow decides)."""
     return copy_between_tiers(settings, run, step, part, src_tier=1, dst_tier=2, node=node, actor=actor)
 
-
-copy_to_tier1_task = pipeline_task(copy_to_tier1, name="copy-to-tier1")
-upload_to_tier2_task = pipeline_task(upload_to_tier2, name="upload-to-tier2")

@@ -83,6 +83,9 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     result = state.result()
     assert result["durable"] and result["archive"]["archived"]
     assert flow_run_of(state).name == f"promote/{run}/step-100"
+    # one task run per hop of a part (the orchestrator's cost per part), then the checkpoint's own
+    tasks = sorted(task_runs_of(state.state_details.flow_run_id))
+    assert tasks == ["mark-complete", "plan-retention", "tier0-to-tier1", "tier1-to-tier2"], tasks
     assert {(t, p): s for (t, p), s in replica_states(settings, run, 100).items()} == {
         (0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
     table = Artifact.get(f"promote-{run}-100-0")
@@ -121,7 +124,7 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
     def release_once_a_retry_waits() -> None:
         deadline = time.monotonic() + 120
         try:
-            while time.monotonic() < deadline and not awaiting_retry(prefect_server, "copy-to-tier1"):
+            while time.monotonic() < deadline and not awaiting_retry(prefect_server, "tier0-to-tier1"):
                 time.sleep(0.2)
         finally:
             cat.transition(other.replica.id, MISSING, expected=COPYING, claim_token=other.replica.claim_token,
@@ -138,8 +141,8 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
 
     assert released.is_set()
     assert state.is_completed(), state.message
-    copy = task_runs_of(state.state_details.flow_run_id)["copy-to-tier1"]
-    assert copy.run_count > 1
+    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
+    assert hop.run_count > 1
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
 
 
@@ -164,8 +167,8 @@ def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
 
     assert state.is_failed()
     assert time.monotonic() - started < 5  # no retry delay was waited
-    verify = task_runs_of(state.state_details.flow_run_id)["verify"]
-    assert verify.run_count == 1
+    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
+    assert hop.run_count == 1
     assert "crc32c" in (state.message or "") or "CorruptCheckpoint" in (state.message or "")
     assert ckpt_dir(settings.tier0_url, RUN, 100).is_dir()
     assert not ckpt_dir(settings.tier1_url, RUN, 100).exists()
@@ -218,7 +221,7 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
         proxy.close()
 
     assert state.is_failed()
-    upload = task_runs_of(state.state_details.flow_run_id)["upload-to-tier2"]
+    upload = task_runs_of(state.state_details.flow_run_id)["tier1-to-tier2"]
     assert upload.run_count == 3  # the first try and both retries
     states = replica_states(settings, RUN, 100)
     assert states[(0, 0)] == "verified" and states[(1, 0)] == "verified" and states[(2, 0)] != "verified"
