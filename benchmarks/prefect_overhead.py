@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,10 +94,23 @@ def run_rounds(args) -> None:
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             return as_flow(step, "flow, no heartbeat")
 
+    def floor(step: int) -> float:
+        """Prefect's own cost: an empty flow with the promotion's task runs, no heartbeats."""
+        from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            t0 = time.perf_counter()
+            state = prefect_floor()
+            elapsed = time.perf_counter() - t0
+        assert state.is_completed(), state.message
+        return elapsed
+
     write_checkpoint(settings.tier0_url, 1, 2 << 20, 2)
     as_flow(1, "warm-up")  # flow and task registration, client connections
+    floor(1)
     phases.clear()
-    ways = [("plain functions", plain), ("flow", as_flow), ("flow, no heartbeat", as_flow_no_heartbeat)]
+    ways = [("plain functions", plain), ("flow", as_flow), ("flow, no heartbeat", as_flow_no_heartbeat),
+            (FLOOR, floor)]
     times: dict[str, list[float]] = {name: [] for name, _ in ways}
     step = 10
     print(f"checkpoint: {args.size_mib} MiB in {args.shards} safetensors shards; {args.rounds} rounds")
@@ -109,9 +123,13 @@ def run_rounds(args) -> None:
             time.sleep(args.settle)  # and the server done digesting the previous run's events
             times[name].append(fn(step))
         print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n, _ in ways))
+    floor_s = statistics.median(times.pop(FLOOR))
     base = table("promotion Tier 0 -> Tier 1", times, "plain functions", nbytes=size)
-    for name, _ in ways[1:]:
+    for name, _ in ways[1:3]:
         print(f"overhead of {name!r}: {(statistics.median(times[name]) - base) * 1000:+.0f} ms per promotion")
+    over = statistics.median(times["flow, no heartbeat"]) - base
+    print(f"Prefect's floor ({FLOOR}): {floor_s * 1000:.0f} ms median; the promotion flow's overhead "
+          f"{over * 1000:+.0f} ms is {over / floor_s:.2f} x that floor ({(over - floor_s) * 1000:+.0f} ms above it)")
     print(f"\nwhere the flow's time goes, median seconds (Prefect server timestamps)\n{'contender':22}"
           + "".join(f"{p:>16}" for p in PHASES))
     for label, by_phase in phases.items():
@@ -119,12 +137,40 @@ def run_rounds(args) -> None:
     plain_med, flow_med = statistics.median(times["plain functions"]), statistics.median(times["flow, no heartbeat"])
     print(f"goal: flow <= 1.10 x plain functions: 'flow, no heartbeat' (how the agent's fast path runs it) "
           f"{flow_med / plain_med:.2f} x, 'flow' {statistics.median(times['flow']) / plain_med:.2f} x")
-    print("(5 task runs per promotion: register, verify, copy-to-tier1, mark-complete, plan-retention;\n"
+    print("(2 task runs per promotion: tier0-to-tier1 (register, verify, copy, mark complete) and\n"
+          " plan-retention; 3 artifacts posted together at the end;\n"
           " 'flow' runs with Prefect's default flow heartbeats, whose thread is joined at the end of\n"
           " every flow run after sleeping in 1 s steps; 'flow, no heartbeat' sets\n"
           " PREFECT_FLOWS_HEARTBEAT_FREQUENCY to None, as the agent's fast path runs the promote flow:\n"
           " a killed run is detected by the agent that started its process, and a self-hosted server acts\n"
           " on heartbeats only through a zombie automation, which this stack does not create)")
+
+
+FLOOR = "floor: empty flow, 2 no-op tasks"
+
+
+def _noop() -> None:
+    return None
+
+
+def prefect_floor():
+    """What Prefect itself costs the promotion, without any of its work: one flow run with the
+    promotion's two task runs; its final state."""
+    return _floor_flow()(return_state=True)
+
+
+@lru_cache(maxsize=1)
+def _floor_flow():
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+
+    noop = task(_noop, name="bench-noop", cache_policy=NO_CACHE, persist_result=False)
+
+    def body() -> None:
+        noop()
+        noop()
+
+    return flow(body, name="bench-prefect-floor")
 
 
 PHASES = ("to running", "to first task", "in tasks", "between tasks", "to completed", "to return")
