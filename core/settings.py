@@ -176,6 +176,35 @@ def redact_url(url: str) -> str:
     return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"]+@", r"\1:***@", url)
 
 
+# query parameters that carry credentials: tokens, keys, signatures (S3 presigned, Azure SAS)
+_SECRET_PARAMS = ("token", "secret", "passw", "pwd", "key", "sig", "credential", "auth", "session")
+
+
+def display_url(url: str) -> str:
+    """The form of a store's URL that may be recorded and shown (catalog replicas, events,
+    artifacts, ``ckpt show``): the password of ``scheme://user:password@`` becomes ``***``
+    (one holding ``@`` or ``/`` included) and query parameters that look like credentials are
+    dropped. The store itself keeps the real URL."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url  # a plain path
+    netloc = rest.split("/", 1)[0]
+    if "@" in netloc:
+        at = netloc.rfind("@")
+    elif ":" in netloc and not netloc.split(":", 1)[1].isdigit():  # not host:port: a password holding "/"
+        at = rest.rfind("@")
+    else:
+        at = -1
+    if at >= 0 and ":" in rest[:at]:
+        rest = f"{rest[:at].split(':', 1)[0]}:***{rest[at:]}"
+    parts = urlsplit(f"{scheme}://{rest}")
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
+                       if not any(word in k.lower() for word in _SECRET_PARAMS)], safe="/:")
+    return urlunsplit(parts._replace(query=query)) if parts.query else f"{scheme}://{rest}"
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Read settings once; turn validation errors into one clear ``ConfigError``."""
     from pydantic import ValidationError

@@ -10,18 +10,18 @@ What one agent serves:
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
   share of the stored copies, repair what rotted) on ``scrub_cron`` and
   ``restore-drill/cluster`` (timed restore of the newest milestone) on ``drill_cron``. The
-  archive trigger matches only durable events labelled ``ckpt.milestone = true`` (a milestone
-  with Tier 2 configured, or an inline archive that failed), so a plain checkpoint starts no
-  archive run. Run
+  archive trigger matches only durable events labelled ``ckpt.milestone = true`` (an inline
+  archive that failed with Tier 2 configured), so a milestone archived inline, or a plain
+  checkpoint, starts no archive run. Run
   exactly one agent without ``--node-only`` per cluster: two would scrub and drill twice.
   That agent also creates (or updates, by name) the RPO automation ``ckpt-rpo-late``
   (deployments/automations.py): a checkpoint not durable within ``rpo_seconds`` of its
   completed event raises ``ckpt.checkpoint.late``.
 
   The promote flow that completes a checkpoint also archives it inline (flows/promote.py),
-  so the durable-triggered archive run is a safety net that finds nothing left to do in the
-  normal case; ``archive_trigger=False`` serves the archive deployment for on-demand runs
-  only, saving one flow run per checkpoint where CPU is scarce (the demo on 2 cores).
+  so the durable-triggered archive run is only the safety net for an inline archive that
+  failed; ``archive_trigger=False`` serves the archive deployment for on-demand runs only,
+  without that safety net (the demo on 2 cores).
 
 Trigger templates pass the event's values through raw and the deployments do not enforce a
 parameter schema: a malformed or hostile event then becomes a *failed* flow run whose message

@@ -82,9 +82,12 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
 
 def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:
     """Whether the durable event should start the archive deployment (its trigger matches the
-    ``ckpt.milestone`` label): a milestone with Tier 2 configured, or an inline archive that
-    never finished (``done`` is None: the safety net must run). A plain checkpoint: no run."""
-    return done is None or (done.milestone and bool(settings.tier2_url))
+    ``ckpt.milestone`` label): only as the safety net for an inline archive that never finished
+    (``done`` is None: it raised) while Tier 2 is configured. ``archive`` returns only once every
+    part of a milestone is verified on Tier 2 (``done.archived``, or another caller completed
+    Tier 2 first) or once it found nothing to archive (not a milestone, Tier 2 not configured),
+    so after any returned result an archive run would find nothing left to do."""
+    return done is None and bool(settings.tier2_url)
 
 
 def run_name(params: dict[str, Any]) -> str:

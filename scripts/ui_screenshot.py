@@ -8,11 +8,11 @@ It starts ``ckpt up --no-auth`` on a free port and takes the exports it prints (
 ``--api-url`` it attaches to a running stack instead, in a shell that holds those exports; a
 headless browser cannot answer the UI's login, so that stack must run without API auth), trains a tiny run
 with the client (``<run>-pt`` step 1000; once it is promoted, ``<run>`` resumed from it, steps
-100 and 200, ``--interval`` seconds apart; milestones 1000 and 200, so Tier 2 archive runs
-show), waits until every promote and archive flow run has completed, and has headless
+100 and 200, ``--interval`` seconds apart; milestones 1000 and 200, which their promote runs
+archive to Tier 2 inline), waits until every promote flow run has completed, and has headless
 Chromium load four pages of the UI:
 
-    flow-runs.png       the flow runs list (promote/<run>/step-<n>, archive/<run>/step-<n>)
+    flow-runs.png       the flow runs list (promote/<run>/step-<n>)
     promote-run.png     one promote flow run: its task-run graph and task runs
     rpo-automation.png  the automation ckpt-rpo-late
     run-status.png      the status artifact run-<run> (markdown)
@@ -153,7 +153,7 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
     """A tiny job with the client, in this process's environment: ``steps`` of ``run`` (the
     first resumed from ``parent`` step 1000, if given), ``interval`` seconds of "training"
     between saves (the status page's save interval and ΔMFU come from it). Returns the flow
-    runs to wait for: a promote per step, an archive for the milestone."""
+    runs to wait for: a promote per step (it archives the milestone inline)."""
     import numpy as np
 
     from ckpt.client import CheckpointStager
@@ -166,7 +166,7 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
                 time.sleep(interval)
             stager.save(step, {"w": rng.standard_normal((512, 512), dtype=np.float32)}, milestone=step == milestone,
                         metrics={"loss": 2.0 - step / 1000}, parent=origin if i == 0 else None)
-    return [f"promote/{run}/step-{s}" for s in steps] + [f"archive/{run}/step-{milestone}"]
+    return [f"promote/{run}/step-{s}" for s in steps]
 
 
 def _post(api_url: str, path: str, body: dict) -> list[dict]:

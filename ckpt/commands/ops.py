@@ -154,12 +154,13 @@ def agent_cmd(
     """Serve the deployments on this node until interrupted: promote (event-triggered),
     reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
     the restore drill (cron)."""
-    from core.settings import load_settings
+    from core.settings import display_url, load_settings
     from deployments.agent import serve_agent
 
     settings = load_settings(**({"node": node} if node else {}))
-    typer.echo(f"agent for node {settings.node}: Tier 0 {settings.tier0_url}, Tier 1 {settings.tier1_url}, "
-               f"Tier 2 {settings.tier2_url or '(off)'}" + (" [node only]" if node_only else ""))
+    t0, t1, t2 = (display_url(settings.tier_url(t) or "(off)") for t in (0, 1, 2))
+    typer.echo(f"agent for node {settings.node}: Tier 0 {t0}, Tier 1 {t1}, Tier 2 {t2}"
+               + (" [node only]" if node_only else ""))
     serve_agent(settings, node_only=node_only, limit=limit, archive_trigger=archive_trigger)
 
 

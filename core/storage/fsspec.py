@@ -15,6 +15,7 @@ from core import checksum
 from core.errors import BadInput, ConflictError, NotFound
 from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import safe_relpath
+from core.settings import display_url
 from core.storage.base import ObjectInfo, TierStore, hash_object
 from core.storage.common import check_match, map_os_error
 
@@ -30,7 +31,7 @@ class FsspecStore(TierStore):
         self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = root.rstrip("/")
         self.tier = tier
-        self.root_url = url.rstrip("/")
+        self.root_url = display_url(url.rstrip("/"))  # recorded and shown; ``fs`` holds the credentials
         self.buffer_bytes = buffer_bytes
 
     def _p(self, key: str) -> str:

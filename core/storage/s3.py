@@ -538,21 +538,23 @@ class S3Store(TierStore):
         """Abort multipart uploads under ``prefix`` started more than ``older_than_s`` ago (a
         killed upload's parts are S3's staging data: invisible, but billed); returns how many.
 
+        The age is taken on the server's clock (``Initiated`` against the ``Date`` of the listing
+        that reported it, rounded down to the second, so an upload is never judged older than it
+        is), never this worker's: a worker whose clock runs fast would abort live uploads.
+        ``older_than_s <= 0`` aborts every upload found, whatever its age.
         ``keys`` (tier-relative, as everywhere) limits the sweep to uploads of those objects,
         so that one part's retry never aborts the uploads of another part still running under
         the same checkpoint prefix; None sweeps the whole prefix (an operator's clean-up)."""
-        import datetime as dt
-
         from botocore.exceptions import ClientError
 
-        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
         full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         only = None if keys is None else {self._k(k) for k in keys}
         count = 0
         with s3_errors(f"sweep {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full):
+                cutoff = server_clock(page) - timedelta(seconds=older_than_s)
                 for up in page.get("Uploads", []):
-                    if up["Initiated"] > cutoff or (only is not None and up["Key"] not in only):
+                    if (older_than_s > 0 and up["Initiated"] > cutoff) or (only is not None and up["Key"] not in only):
                         continue
                     try:
                         self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
@@ -687,3 +689,19 @@ class S3Store(TierStore):
                 raise StorageUnavailable(f"S3 failed to delete {len(errors)} object versions under "
                                          f"{key_or_prefix}: {errors[0]}")
         return len({v["Key"] for v in found if v["data"]})
+
+
+def server_clock(response: dict[str, Any]) -> datetime:
+    """The S3 server's time when it answered ``response`` (a boto3 response): its ``Date``
+    header, which has whole seconds; this machine's clock only where the header is missing or
+    unreadable."""
+    from email.utils import parsedate_to_datetime
+
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        at = parsedate_to_datetime(date) if date else None
+    except (TypeError, ValueError):
+        at = None
+    if at is None:
+        return datetime.now(UTC)
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)

@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import threading
+from datetime import UTC, timedelta
 
 import boto3
 import pytest
@@ -225,6 +226,33 @@ def test_sweeping_one_parts_staging_spares_the_uploads_of_other_keys(direct, tmp
     (d / ".ckpt-staging-2-bbbbbbbb-model-p01-00000.safetensors").write_bytes(b"theirs")
     assert local.sweep_staging(PREFIX, older_than_s=0, keys=[mine]) == 1
     assert sorted(os.listdir(d)) == [".ckpt-staging-2-bbbbbbbb-model-p01-00000.safetensors"]
+
+
+def test_staging_age_is_taken_on_the_servers_clock_not_on_the_workers(direct):
+    """moto stamps every multipart upload with one fixed date in 2010: to this worker's clock
+    (years ahead) it looks ancient. Told by the server (the listing's ``Date`` header, set
+    here) that the upload began 10 s ago, a sweep of uploads older than a minute leaves it
+    running; told two hours later, the sweep aborts it."""
+    from email.utils import format_datetime
+
+    c, key = direct.client, direct._k(f"{PREFIX}/model-00001.safetensors")
+    c.create_multipart_upload(Bucket=direct.bucket, Key=key)
+    (initiated,) = [u["Initiated"] for u in c.list_multipart_uploads(Bucket=direct.bucket)["Uploads"]]
+    server_now = initiated
+
+    def server_date(response_dict, **_):
+        response_dict["headers"]["Date"] = format_datetime(server_now.astimezone(UTC), usegmt=True)
+
+    c.meta.events.register("before-parse.s3.ListMultipartUploads", server_date, unique_id="server-date")
+    try:
+        server_now = initiated + timedelta(seconds=10)
+        assert direct.sweep_staging(PREFIX, older_than_s=60) == 0
+        assert [u["Key"] for u in c.list_multipart_uploads(Bucket=direct.bucket)["Uploads"]] == [key]
+        server_now = initiated + timedelta(hours=2)
+        assert direct.sweep_staging(PREFIX, older_than_s=60) == 1
+    finally:
+        c.meta.events.unregister("before-parse.s3.ListMultipartUploads", unique_id="server-date")
+    assert c.list_multipart_uploads(Bucket=direct.bucket).get("Uploads", []) == []
 
 
 def test_a_parts_retried_upload_leaves_another_parts_upload_running(settings_factory, db_url, s3_endpoint, s3_bucket,

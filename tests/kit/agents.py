@@ -120,6 +120,14 @@ def flow_runs(api_url: str, name: str | None = None, deployment: str | None = No
     return r.json()
 
 
+def recorded_events(api_url: str, name: str, run: str) -> list[dict]:
+    """The events ``name`` about ``run`` that the server has stored so far (of the last day)."""
+    body = {"filter": {"event": {"name": [name]}, "resource": {"labels": {"ckpt.run": [run]}}}, "limit": 50}
+    r = httpx.post(f"{api_url}/events/filter", json=body, timeout=10, headers=auth_headers())
+    r.raise_for_status()
+    return r.json()["events"]
+
+
 def finished(run: dict) -> bool:
     return run["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 

@@ -57,3 +57,14 @@ def test_run_names_that_are_not_one_clean_path_segment_are_rejected(name):
 
     with pytest.raises(PathEscape):
         safe_run_name(name)
+
+
+def test_s3_server_clock_is_the_responses_date_and_this_machines_clock_without_one():
+    from datetime import UTC, datetime
+
+    from core.storage.s3 import server_clock
+
+    said = {"ResponseMetadata": {"HTTPHeaders": {"date": "Wed, 10 Nov 2010 20:48:43 GMT"}}}
+    assert server_clock(said) == datetime(2010, 11, 10, 20, 48, 43, tzinfo=UTC)
+    for silent in ({}, {"ResponseMetadata": {"HTTPHeaders": {"date": "not a date"}}}):
+        assert abs((server_clock(silent) - datetime.now(UTC)).total_seconds()) < 60

@@ -3,13 +3,14 @@ milestones, on moto's S3 server), on a real catalog (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
-from core.events import announcing
-
+import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from core.errors import CorruptCheckpoint, PathEscape
+from core.events import announcing
 from flows.common import plain_steps
 from flows.promote import promote
 from tests.kit.checkpoints import (
@@ -262,17 +263,33 @@ def test_run_name_escaping_the_tier_is_rejected(settings):
         promote(settings, "../etc", 1, steps=plain_steps())
 
 
-@pytest.mark.parametrize("kind", ["step", "milestone"])
-def test_the_durable_event_says_whether_an_archive_is_wanted(settings, kind):
+def _upload_fails(*args, **kwargs):
+    raise ConnectionError("tier 2 unreachable")
+
+
+@pytest.mark.parametrize(("kind", "upload_fails", "wanted"), [
+    ("step", False, False),  # nothing to archive
+    ("milestone", False, False),  # archived inline: an archive run would find nothing to do
+    ("milestone", True, True),  # the inline archive failed: the archive run is the safety net
+])
+def test_the_durable_event_asks_for_an_archive_run_only_when_the_inline_archive_failed(
+        settings_factory, db_url, s3_endpoint, s3_bucket, kind, upload_fails, wanted):
+    settings = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault",
+                                 s3_endpoint_url=s3_endpoint)
     seen = []
 
     def record(name, run, step, **kw):
         seen.append((name, kw))
         return True
 
+    steps = plain_steps()
+    if upload_fails:
+        steps = dataclasses.replace(steps, upload_to_tier2=_upload_fails)
     write_checkpoint(tier(settings, 0), RUN, 3, kind=kind)
-    with announcing(record):
-        promote(settings, RUN, 3, steps=plain_steps())
+    with announcing(record), contextlib.suppress(ConnectionError):
+        result = promote(settings, RUN, 3, steps=steps)
     (durable,) = [kw for name, kw in seen if name.endswith("durable")]
-    wanted = kind == "milestone" and bool(settings.tier2_url)
     assert durable["labels"] == {"milestone": str(wanted).lower()} and durable["payload"]["milestone"] is wanted
+    if kind == "milestone" and not upload_fails:
+        assert result.archive is not None and result.archive.archived
+        assert replica_states(settings, RUN, 3).get((2, 0)) == "verified"

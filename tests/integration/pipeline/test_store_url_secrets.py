@@ -1,0 +1,59 @@
+"""A tier URL may carry credentials (``sftp://user:password@host/...``, a token in its query):
+the store works on the URL as given, and what the catalog records and the CLI and the events
+show is the URL without them (``display_url``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import fsspec
+
+from core.events import announcing
+from core.layout import checkpoint_prefix
+from core.settings import display_url
+from core.storage import open_store
+from core.storage.fsspec import FsspecStore
+from flows.common import plain_steps
+from flows.promote import promote
+from tests.kit.catalog import catalog_cli
+from tests.kit.checkpoints import write_checkpoint
+from tests.kit.pipeline import pipeline_settings
+
+RUN = "run-a"
+PASSWORD, TOKEN = f"pw-{uuid.uuid4().hex[:8]}", f"tok-{uuid.uuid4().hex[:8]}"
+
+
+def test_display_url_hides_passwords_and_credential_parameters():
+    assert display_url(f"sftp://ckpt:{PASSWORD}@nas:22/ckpt") == "sftp://ckpt:***@nas:22/ckpt"
+    assert display_url(f"s3://AKIA:se/cr@t{PASSWORD}@bucket/x") == "s3://AKIA:***@bucket/x"  # "/" and "@" in it
+    assert display_url(f"https://h/ckpt?region=eu&token={TOKEN}&X-Amz-Signature={TOKEN}&sig={TOKEN}") == (
+        "https://h/ckpt?region=eu")
+    for plain in ("/lustre/ckpt", "file:///lustre/ckpt", "sftp://ckpt@nas/ckpt", "memory://root/v@2",
+                  "sftp://nas:22/ckpt/v@2"):
+        assert display_url(plain) == plain
+    store = FsspecStore(f"memory://ckpt:{PASSWORD}@nas/x?token={TOKEN}", 1)
+    assert store.url_for("run/step") == "memory://ckpt:***@nas/x/run/step"
+
+
+def test_tier1_credentials_are_used_but_never_recorded_or_shown(settings_factory, db_url, monkeypatch, tmp_path):
+    root = f"nas/{uuid.uuid4().hex[:8]}"
+    url = f"memory://ckpt:{PASSWORD}@{root}/tier1"  # memory://: the password is part of the path
+    settings = pipeline_settings(settings_factory, db_url, tier1_url=url)
+    m = write_checkpoint(settings.tier0_url, RUN, 100)
+    seen = []
+    try:
+        with announcing(lambda *args, **kw: seen.append((args, kw)) or True):
+            promote(settings, RUN, 100, steps=plain_steps())
+        with open_store(url, 1) as store:  # the copy is where the real URL points
+            assert {o.key for o in store.list(checkpoint_prefix(RUN, 100))} >= {
+                f"{checkpoint_prefix(RUN, 100)}/{f.path}" for f in m.files}
+    finally:
+        fsspec.filesystem("memory").rm(f"/ckpt:{PASSWORD}@{root}", recursive=True)
+
+    cli = catalog_cli(monkeypatch, tmp_path, settings.catalog_url)
+    located = json.loads(cli("locate", RUN, "100", "--json"))
+    (tier1,) = [r["url"] for r in located if r["tier"] == 1]
+    assert tier1 == f"memory://ckpt:***@{root}/tier1/{checkpoint_prefix(RUN, 100)}"
+    shown = cli("show", RUN, "100", "--json") + json.dumps(located) + repr(seen)
+    assert PASSWORD not in shown
