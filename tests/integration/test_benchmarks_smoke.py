@@ -91,6 +91,13 @@ def test_upload_tier2(s3_endpoint):
     assert re.search(r"ratio: ours / boto3 upload_file = \d+\.\d\d x wall", out), out
 
 
+def test_promotion_cpu(s3_endpoint):
+    out = run_benchmark("promotion_cpu", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "cold: new engine, check, client per step", ["warm: shared per process"])
+    assert re.search(r"CPU outside the bytes: cold -?\d+ ms, warm -?\d+ ms per promotion", out), out
+    assert re.search(r"ratio: warm / cold = \d+\.\d\d x CPU per promotion", out), out
+
+
 def test_restore(s3_endpoint):
     out = run_benchmark("restore", "--s3-endpoint", s3_endpoint)
     assert_rows(out, "cp -r (Tier 1 folder)", ["cp -r && sync", "ours: restore from Tier 1"])
