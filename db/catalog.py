@@ -72,7 +72,7 @@ from db.rows import (
     to_replica,
     to_run,
 )
-from db.session import DEFAULT_BUSY_TIMEOUT_S, make_engine, transaction
+from db.session import DEFAULT_BUSY_TIMEOUT_S, lease_engine, make_engine, normalize_url, release_engine, transaction
 
 if TYPE_CHECKING:
     from core.settings import MilestonePolicy, RetentionPolicy
@@ -101,15 +101,19 @@ class Catalog:
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         """Open the catalog at a SQLAlchemy URL. SQLite: WAL, foreign keys, busy timeout.
         With ``check_schema`` a schema behind the migrations' head raises ``SchemaOutdated``
-        naming ``ckpt db upgrade``. ``busy_timeout_s``: how long a SQLite writer waits for the
-        lock before the call fails with ``CatalogUnavailable``."""
+        naming ``ckpt db upgrade`` (checked once per URL per process, again after
+        ``SCHEMA_RECHECK_S`` and after ``upgrade``). ``busy_timeout_s``: how long a SQLite
+        writer waits for the lock before the call fails with ``CatalogUnavailable``.
+        The engine is the process's shared one for this URL (``db.session.lease_engine``);
+        ``close`` gives it back without disposing it."""
         self.url = url
-        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s)
-        if check_schema:
+        self._lease = lease_engine(url, busy_timeout_s=busy_timeout_s)
+        self.engine = self._lease.engine
+        if check_schema and not _schema_passed_recently(url):
             try:
                 self.check_schema()
             except Exception:
-                self.engine.dispose()
+                self.close()
                 raise
 
     @classmethod
@@ -125,6 +129,7 @@ class Catalog:
             rev = current_revision(conn)
         head = _head()
         if rev == head:
+            _schema_passed[normalize_url(self.url)] = time.monotonic()
             return
         where = make_url(self.engine.url).render_as_string(hide_password=True)
         if rev is None:
@@ -136,7 +141,8 @@ class Catalog:
                              f"run `ckpt db upgrade`")
 
     def close(self) -> None:
-        self.engine.dispose()
+        """Give the shared engine back (its pool stays for the next ``Catalog`` on this URL)."""
+        release_engine(self._lease)
 
     def __enter__(self) -> Self:
         return self
@@ -678,9 +684,28 @@ def _head() -> str:
     return head_revision()
 
 
+# A schema at head once is at head for a while: every pipeline step opens a Catalog, and each
+# check costs a transaction and Alembic's reading of the version table. Rechecked after
+# SCHEMA_RECHECK_S, so a long-lived worker still refuses a catalog that a newer ckpt migrated
+# past it; forgotten by ``upgrade`` of that URL in this process. Only a passed check is kept.
+SCHEMA_RECHECK_S = 300.0
+_schema_passed: dict[str, float] = {}  # normalized URL -> time.monotonic() of the last passed check
+
+
+def _schema_passed_recently(url: str) -> bool:
+    at = _schema_passed.get(normalize_url(url))
+    return at is not None and time.monotonic() - at < SCHEMA_RECHECK_S
+
+
+def forget_schema_checks() -> None:
+    """The next ``Catalog`` of every URL checks its schema again (tests, benchmarks)."""
+    _schema_passed.clear()
+
+
 def upgrade(url: str) -> str:
     """Apply Alembic migrations up to head on the catalog at ``url``; return the revision.
     Creates the SQLite file (and its folder) if needed. Safe to run again."""
+    _schema_passed.pop(normalize_url(url), None)
     engine = make_engine(url)
     try:
         for attempt in range(6):

@@ -11,6 +11,14 @@ on success, rolls back on any error, and maps database failures onto the project
 
 Because the whole method is one transaction, nothing is half-written after either.
 
+Engines are shared per process (``lease_engine``): every pipeline step opens a ``Catalog`` and
+closes it on the way out, and a new engine each time meant a new pool, new connections and a
+new dialect set-up in every step. A lease is returned with ``release_engine``, which never
+disposes an engine another lease still uses; the registry keeps the few most recently used
+engines (``MAX_SHARED_ENGINES``) with their idle connections, disposes the others once no lease
+holds them, and is dropped in a forked child (a parent's pooled connections must not be used
+by two processes).
+
 SQLite: WAL (readers never block the writer), foreign keys on, a busy timeout, and write
 transactions opened with ``BEGIN IMMEDIATE`` so that the compare-and-set checks of a writer
 cannot be invalidated by another writer between its read and its write (PostgreSQL gets the
@@ -19,8 +27,12 @@ same guarantee from ``SELECT ... FOR UPDATE`` in ``db.catalog``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import create_engine, event
@@ -59,6 +71,96 @@ def make_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
         return create_engine(parsed, pool_pre_ping=True,
                              connect_args={"connect_timeout": connect_timeout_s, "options": options})
     raise ConfigError(f"unsupported catalog backend {backend!r}: use sqlite:/// or postgresql+psycopg://")
+
+
+MAX_SHARED_ENGINES = 8  # distinct catalogs (URL, options) whose engines a process keeps warm
+
+
+class _Shared:
+    """A shared engine, how many leases hold it, and whether the registry still lists it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.leases, self.listed = engine, 0, True
+
+
+@dataclass(eq=False)
+class EngineLease:
+    """One holder's use of a shared engine: give it back with ``release_engine``."""
+
+    _entry: _Shared
+    released: bool = False
+
+    @property
+    def engine(self) -> Engine:
+        return self._entry.engine
+
+
+_shared: OrderedDict[tuple[str, float, int], _Shared] = OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def lease_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+                 connect_timeout_s: int = 10) -> EngineLease:
+    """The process's engine for this catalog URL and these options (made on first use)."""
+    key = (normalize_url(url), float(busy_timeout_s), int(connect_timeout_s))
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = _Shared(make_engine(url, busy_timeout_s=busy_timeout_s,
+                                                       connect_timeout_s=connect_timeout_s))
+        _shared.move_to_end(key)
+        entry.leases += 1
+        idle = [_unlist(k) for k in list(_shared)[:max(0, len(_shared) - MAX_SHARED_ENGINES)]]
+    _dispose(idle)
+    return EngineLease(entry)
+
+
+def release_engine(lease: EngineLease) -> None:
+    """Give a lease back (a second call does nothing). The engine stays for the next lease
+    unless the registry dropped it meanwhile and this was its last lease: then it is disposed."""
+    with _shared_lock:
+        if lease.released:
+            return
+        lease.released = True
+        entry = lease._entry
+        entry.leases -= 1
+        done = [] if entry.listed or entry.leases else [entry]
+    _dispose(done)
+
+
+def forget_engines() -> None:
+    """Drop every shared engine, so that the next lease makes a new one (tests, benchmarks);
+    one still leased is disposed when its last lease comes back."""
+    with _shared_lock:
+        idle = [_unlist(k) for k in list(_shared)]
+    _dispose(idle)
+
+
+def _unlist(key: tuple[str, float, int]) -> _Shared | None:
+    """Take ``key`` off the registry (lock held); the entry when nobody leases it (to dispose)."""
+    entry = _shared.pop(key)
+    entry.listed = False
+    return None if entry.leases else entry
+
+
+def _dispose(entries: Iterable[_Shared | None]) -> None:
+    for entry in entries:
+        if entry is not None:
+            entry.engine.dispose()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with no shared engine, and its pools drop the parent's connections
+    without closing them (``close=False``: closing from here would end the parent's sessions)."""
+    global _shared_lock  # noqa: PLW0603 - a lock some parent thread held at the fork is never released here
+    _shared_lock = threading.Lock()
+    for entry in _shared.values():
+        entry.listed = False
+        entry.engine.dispose(close=False)
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _sqlite_engine(parsed: URL, busy_timeout_s: float) -> Engine:

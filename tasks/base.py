@@ -1,7 +1,9 @@
 """What every pipeline step shares: opening the catalog and a tier, the part's manifest, results.
 
 Steps are plain functions over plain values (``Settings``, run, step, part, tier, ids); they
-open what they need and close it before returning, so a Prefect retry starts clean. They
+open what they need and close it before returning, so a Prefect retry starts clean. What is
+costly to open is shared per process underneath (the catalog's engine and schema check, an S3
+client: see ``db.session`` and ``core.storage.s3``), so opening in every step stays cheap. They
 announce facts with ``core.events.announce``; the flow that runs them decides where those go.
 """
 

@@ -91,6 +91,16 @@ def test_upload_tier2(s3_endpoint):
     assert re.search(r"ratio: ours / boto3 upload_file = \d+\.\d\d x wall", out), out
 
 
+def test_promotion_cpu(s3_endpoint):
+    out = run_benchmark("promotion_cpu", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "cold: new engine, check, client per step", ["warm: shared per process",
+                                                                  "shared, cleared before the promotion"])
+    assert re.search(r"CPU outside the bytes: cold -?\d+ ms, cleared before the promotion -?\d+ ms, "
+                     r"warm -?\d+ ms ", out), out
+    assert re.search(r"ratio: warm / cold = \d+\.\d\d x CPU per promotion; "
+                     r"cleared before the promotion / cold = \d+\.\d\d x", out), out
+
+
 def test_restore(s3_endpoint):
     out = run_benchmark("restore", "--s3-endpoint", s3_endpoint)
     assert_rows(out, "cp -r (Tier 1 folder)", ["cp -r && sync", "ours: restore from Tier 1"])

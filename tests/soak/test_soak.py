@@ -800,24 +800,6 @@ def _skew_label(skew: timedelta) -> str:
         f"~{'+' if minutes > 0 else '-'}{abs(minutes)}m")
 
 
-def share_s3_clients(monkeypatch) -> None:
-    """One boto3 client per configuration for the whole soak: every step opens its own
-    ``S3Store``, and building a client costs about half a second of CPU on a busy machine
-    (the soak opens hundreds). The client, its retry mode and its settings are the product's."""
-    from core.storage.s3 import S3Store
-
-    made: dict[tuple, object] = {}
-    real = S3Store._make_client
-
-    def shared(self, endpoint_url, region, max_attempts):
-        key = (endpoint_url, region, max_attempts, self.max_concurrency)
-        if key not in made:
-            made[key] = real(self, endpoint_url, region, max_attempts)
-        return made[key]
-
-    monkeypatch.setattr(S3Store, "_make_client", shared)
-
-
 def fresh_catalog(base_url: str, tmp: Path) -> str:
     """A clean catalog per example: a new SQLite file, or the test's PostgreSQL database emptied."""
     if base_url.startswith("sqlite"):
@@ -848,7 +830,6 @@ def test_nothing_is_lost_under_faults(db_url, s3_endpoint, settings_factory, mon
 def _run(db_url, s3_url, proxy_url, settings_factory, monkeypatch):
     settings_factory()  # clears CKPT_* from the environment
     install(monkeypatch, INJECTOR)
-    share_s3_clients(monkeypatch)
     CLOCK.install(monkeypatch, catalog_on_host=db_url.startswith("sqlite"))
     Soak.db_url, Soak.s3_url, Soak.s3_proxy_url = db_url, s3_url, proxy_url
     kw = dict(max_examples=EXAMPLES, stateful_step_count=STEP_COUNT, deadline=None, database=None,

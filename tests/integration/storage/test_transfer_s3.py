@@ -10,7 +10,7 @@ import pytest
 from core.errors import CorruptCheckpoint, StorageUnavailable
 from core.layout import checkpoint_prefix
 from core.storage.local import LocalStore
-from core.storage.s3 import S3Store
+from core.storage.s3 import S3Store, new_client
 from core.transfer import copy_part, find_committed, verify_part
 from tests.kit.checkpoints import write_checkpoint
 
@@ -23,6 +23,8 @@ PREFIX = checkpoint_prefix(RUN, STEP)
 def s3_store(s3_endpoint, s3_bucket):
     s = S3Store(f"s3://{s3_bucket}/vault", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
                 chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=4)
+    # a client of its own: inject_500 hooks into it, and the process's shared one must not see that
+    s.client = new_client(s3_endpoint, "us-east-1", 4, s.pool_connections())
     yield s
     s.close()
 
