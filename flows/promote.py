@@ -2,12 +2,11 @@
 and prune.
 
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
-this node) -> copy to Tier 1 (claimed, read back, published manifest last), one step
-(``tasks.hop``: one task run per part) -> when the
-catalog reports every part verified on Tier 1 (``complete_on_tier``, true for exactly one
-caller): archive a milestone to Tier 2, announce ``ckpt.checkpoint.durable`` (after the
-archive, so the archive deployment it triggers, a safety net, finds nothing left to do), and
-apply the run's retention. A part already verified on Tier 1 (a repeated or concurrent event)
+this node) -> copy to Tier 1 (claimed, read back, published manifest last), as one step
+(``tasks.hop``: one task run per part) -> when the catalog reports every part verified on
+Tier 1 (``complete_on_tier``, true for exactly one caller): archive a milestone to Tier 2,
+announce ``ckpt.checkpoint.durable`` (after the archive: it asks for the archive deployment,
+a safety net, only when the inline archive did not finish), and apply the run's retention. A part already verified on Tier 1 (a repeated or concurrent event)
 skips the copy, so any number of promotions of the same part leave one set of copies and the
 same catalog state. A corrupt source stops at verify: nothing is copied, nothing else changes.
 """
