@@ -163,8 +163,13 @@ class ServerCapacity:
 # per part outside the byte copy) shared the two cores with the server, so these rates are
 # what the whole machine sustained: a floor for a server with cores of its own. A report from
 # the target cluster (`ckpt plan --burst-report`) replaces them.
+# Task runs per part: that burst ran 386 (per part: register, verify, copy, mark-complete, then
+# the archive's upload and verify; plus the checkpoint's mark-complete and plan-retention). Each
+# hop of a part is now one task run (tasks/hop.py): 64 tier0-to-tier1 + 64 tier1-to-tier2 + 2 =
+# 130, counted from the flows (tests/integration/test_flows_prefect.py checks a promotion's task
+# runs), not re-measured.
 MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.14, task_runs_per_s=0.9, flow_runs_per_part=1.0,
-                                 task_runs_per_part=386 / 64,
+                                 task_runs_per_part=130 / 64,
                                  source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
 
 
