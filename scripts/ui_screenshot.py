@@ -95,7 +95,7 @@ def pages(ui_base: str, *, run: str, promote_run_id: str, automation_id: str, ar
 
     return [
         Page("flow-runs.png", f"{ui_base}/runs", f"promote/{run}/step-", 1250),
-        Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "copy-to-tier1", 900),
+        Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "tier0-to-tier1", 900),
         Page("rpo-automation.png", f"{ui_base}/automations/automation/{automation_id}", AUTOMATION_NAME, 330),
         Page("run-status.png", f"{ui_base}/artifacts/artifact/{artifact_id}", "Newest verified checkpoint", 1200),
     ]
