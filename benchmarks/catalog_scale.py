@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -232,8 +233,7 @@ def reconcile_cost(url: str, n_runs: int, rounds: int, k: int) -> list[tuple[str
     work = Path(tempfile.mkdtemp(prefix="ckpt-reconcile-"))
     settings = load_settings(data_dir=work, node="node-0", catalog_url=url, tier0_url="ckptbench://t0",
                              tier1_url="ckptbench://t1")
-    steps = Steps(register=hold, verify=hold, copy_to_tier1=hold, upload_to_tier2=hold, mark_complete=hold,
-                  plan_retention=plan_retention, prune=hold)
+    steps = Steps(**{f.name: hold for f in fields(Steps)} | {"plan_retention": plan_retention})
     seen: list[float] = []  # seconds of each SQL statement, as the client waited for it
     started: list[float] = []
 
