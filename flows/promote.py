@@ -6,9 +6,10 @@ this node) -> copy to Tier 1 (claimed, read back, published manifest last), as o
 (``tasks.hop``: one task run per part) -> when the catalog reports every part verified on
 Tier 1 (``complete_on_tier``, true for exactly one caller): archive a milestone to Tier 2,
 announce ``ckpt.checkpoint.durable`` (after the archive: it asks for the archive deployment,
-a safety net, only when the inline archive did not finish), and apply the run's retention. A part already verified on Tier 1 (a repeated or concurrent event)
-skips the copy, so any number of promotions of the same part leave one set of copies and the
-same catalog state. A corrupt source stops at verify: nothing is copied, nothing else changes.
+a safety net, only when the inline archive did not finish), and apply the run's retention.
+A part already verified on Tier 1 (a repeated or concurrent event) skips the copy, so any
+number of promotions of the same part leave one set of copies and the same catalog state. A
+corrupt source stops at verify: nothing is copied, nothing else changes.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def _run_name() -> str:
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion,
-    and the run's status page (``run-<name>``, flows/status.py) republished, all posted together
-    at the end (``artifact_batch``).
+    and, by the promotion that made the checkpoint durable, the run's status page
+    (``run-<name>``, flows/status.py) republished; all posted together at the end
+    (``artifact_batch``).
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
@@ -129,5 +131,6 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
         hops = result.hops + (result.archive.hops if result.archive else [])
         publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
                       f"promotion of {run} step {step} part {part + 1}/{result.parts}")
-        publish_run_status(str(settings.catalog_url), run)  # the run's status page (key run-<name>)
+        if result.durable:  # the run's status page (key run-<name>) changes when a checkpoint does,
+            publish_run_status(str(settings.catalog_url), run)  # not with each of its 64 parts
     return result.summary()

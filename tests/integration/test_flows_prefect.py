@@ -92,7 +92,7 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     assert table is not None and table.type == "table"
     hops = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert {h["hop"] for h in hops} >= {"verify tier 0", "tier 0 -> tier 1", "tier 1 -> tier 2"}
-    page = Artifact.get(f"run-{run}")  # the run's status page, republished after each promotion
+    page = Artifact.get(f"run-{run}")  # the run's status page, republished when a checkpoint becomes durable
     assert page is not None and page.type == "markdown"
     for row in ("| Tier 0 (node NVMe) | 100 |", "| Tier 1 (shared FS) | 100 |", "| Tier 2 (object store) | 100 |"):
         assert row in page.data, page.data
@@ -100,6 +100,31 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     want = {"ckpt.checkpoint.verified", "ckpt.checkpoint.promoted", "ckpt.checkpoint.durable",
             "ckpt.checkpoint.archived"}
     assert want <= events_seen(prefect_server, run, since, want)
+
+
+def test_the_status_page_is_republished_by_the_part_that_makes_the_checkpoint_durable(env_settings):
+    """Of a checkpoint's N part promotions, only the one that completes it republishes the run's
+    status page (a 64-node burst posts 1 page, not 64); every part gets its hop table."""
+    from prefect.artifacts import Artifact
+
+    from flows.promote import promote_checkpoint
+
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(runs=(run,))
+    for part in (0, 1):
+        write_checkpoint(settings.tier0_url, run, 100, part=part, parts=2, shard_bytes=64 << 10)
+
+    first = promote_checkpoint(run, 100, 0, 2, return_state=True)
+    assert first.is_completed(), first.message
+    assert not first.result()["durable"]
+    assert Artifact.get(f"promote-{run}-100-0") is not None
+    assert Artifact.get(f"run-{run}") is None
+
+    second = promote_checkpoint(run, 100, 1, 2, return_state=True)
+    assert second.is_completed(), second.message
+    assert second.result()["durable"]
+    page = Artifact.get(f"run-{run}")
+    assert page is not None and "| Tier 1 (shared FS) | 100 |" in page.data, page and page.data
 
 
 def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server):
