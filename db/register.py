@@ -84,14 +84,8 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     if now is None:
         now = run.catalog_now.astimezone(UTC)
     first = _first_part_values(run.id, m, now)
-    if conn.dialect.name == "postgresql":
-        cid = _insert_new_pg(conn, run, first, m, digest=digest, now=now, actor=actor)
-    else:
-        cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
-        if cid is not None:
-            _add_part(conn, cid, m, digest=digest, now=now)
-            _audit_register(conn, m, None, first["state"], now=now, actor=actor)
-            link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+    new = _insert_new_pg if conn.dialect.name == "postgresql" else _insert_new_each
+    cid = new(conn, run, first, m, digest=digest, now=now, actor=actor)
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
         _link_parent(conn, cid, m, now=now, new=True)
         return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
@@ -148,6 +142,18 @@ WITH ck AS (
 )
 SELECT ck.id, nb.prev, nb.nxt FROM ck, nb
 """
+
+
+def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,
+                     actor: str) -> int | None:
+    """A new checkpoint a statement per table (SQLite, where a statement is no round trip): its
+    id, or None if (run, step) is recorded."""
+    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
+    if cid is not None:
+        _add_part(conn, cid, m, digest=digest, now=now)
+        _audit_register(conn, m, None, first["state"], now=now, actor=actor)
+        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+    return cid
 
 
 def _insert_new_pg(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,
