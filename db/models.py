@@ -119,7 +119,7 @@ class Checkpoint(Base):
     # ``core.policy.milestone_marks`` of the recorded kind and tags, kept by registration (the
     # only writer of kind and tags): which checkpoints the job itself marked a milestone or an
     # epoch end, so the archive backlog is an index read of the marked ones (migration 0006).
-    milestone_marks: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
+    milestone_marks: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
 
 
 class CheckpointPart(Base):
