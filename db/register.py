@@ -79,7 +79,8 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
 
     The common case, a new checkpoint: the run (locked; on PostgreSQL with the clock, one round
     trip less), the checkpoint, its part, its files, its audit row, its place in the run's
-    lineage."""
+    lineage: on PostgreSQL two statements in all (``_NEW_CHECKPOINT_PG``), on SQLite one per
+    table (``_insert_new_each``)."""
     run = run_row(conn, m.run, lock=True, with_clock=now is None)
     if now is None:
         now = run.catalog_now.astimezone(UTC)
