@@ -23,11 +23,18 @@ with ``max_depth=50``).
     python benchmarks/catalog_scale.py --scale 0.01            # 100 runs, seconds
     python benchmarks/catalog_scale.py --scale 1 --backend pg  # the issue's size
     python benchmarks/catalog_scale.py --smoke                 # 2 runs on SQLite, one call per query
+    python benchmarks/catalog_scale.py --scale 1 --cache /var/tmp/ckpt-bench  # fill once, reuse after
+
+With ``--cache DIR`` the filled catalog is kept (SQLite: a file in DIR; PostgreSQL: a database
+``ckpt_bench_cache_<scale>``) and later runs start from a copy of it (the runs' writes never
+reach the cache). A cached catalog is upgraded to the current schema like any existing one, so
+a cache filled before a migration also exercises that migration on a full catalog.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -120,7 +127,7 @@ def _chunk_rows(run_range, now):
                 id=cid, run_id=r + 1, step=step, kind="milestone" if milestone else "step", state="committed",
                 format="safetensors", parts=1, parts_registered=1, total_bytes=FILES * 2**30, file_count=FILES,
                 metrics={"loss": random.random()}, tags={}, created_at=at, committed_at=at,
-                writer_stall_seconds=1.0, verified_tiers=mask))
+                writer_stall_seconds=1.0, verified_tiers=mask, milestone_marks=1 if milestone else 0))
             out["parts"].append(dict(checkpoint_id=cid, part=0, node="node-0", manifest_digest=uuid.uuid4().hex,
                                      bytes=FILES * 2**30, file_count=FILES, registered_at=at))
             out["files"] += [dict(checkpoint_id=cid, part=0, path=f"model-{f:05d}.safetensors", size=2**30,
@@ -186,36 +193,73 @@ def _check(edges, want_max: int) -> None:
     assert edges and max(e.depth for e in edges) <= want_max
 
 
-def registration(cat: Catalog, n: int, batch: int) -> tuple[float, float]:
-    """(registrations/s one per transaction, registrations/s with register_many)."""
+def registration(cat: Catalog, n: int, batch: int) -> dict[str, float]:
+    """Registrations/s: ``one`` (one ``register_part`` per transaction, what an agent does per
+    part; ``statements``: what the client sent for each, BEGIN/COMMIT not counted), ``many``
+    (``register_many``), ``floor`` (a bare committed one-row INSERT per transaction) and, on
+    PostgreSQL, ``each``: the same registrations a statement per table (the path before the
+    one-statement form, SQLite's path), in alternating rounds with ``one``."""
+    from sqlalchemy import event
+
+    from db import register
+
+    with cat.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS bench_commit (id INTEGER)"))
+    t = time.perf_counter()
+    for i in range(n):
+        with cat.engine.begin() as conn:
+            conn.execute(text("INSERT INTO bench_commit (id) VALUES (:i)"), {"i": i})
+    out = {"floor": n / (time.perf_counter() - t)}
     tag = uuid.uuid4().hex[:6]
 
-    def manifests(run: str):
+    def manifests(run: str, count: int):
+        cat.ensure_run(run)
         return [Manifest(run=run, step=s, files=tuple(FileEntry(f"model-{f:05d}.safetensors", 2**30, f"{f:08x}")
                                                       for f in range(FILES)), format="safetensors")
-                for s in range(n)]
+                for s in range(count)]
 
-    cat.ensure_run(f"reg-single-{tag}")
-    cat.ensure_run(f"reg-bulk-{tag}")
-    single = manifests(f"reg-single-{tag}")
-    t = time.perf_counter()
-    for m in single:
-        cat.register_part(m, actor="bench")
-    one = n / (time.perf_counter() - t)
-    bulk = manifests(f"reg-bulk-{tag}")
+    one_statement = register._insert_new_pg
+    variants = {"one": one_statement}
+    if cat.engine.dialect.name == "postgresql":
+        variants["each"] = register._insert_new_each
+    sent, spent = [0], dict.fromkeys(variants, 0.0)
+
+    def count(*_args) -> None:
+        sent[0] += 1
+
+    rounds = 4
+    event.listen(cat.engine, "before_cursor_execute", count)
+    try:
+        for r in range(rounds):
+            for label in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                register._insert_new_pg = variants[label]
+                todo = manifests(f"reg-{label}-{r}-{tag}", n // rounds)
+                before, t = sent[0], time.perf_counter()
+                for m in todo:
+                    cat.register_part(m, actor="bench")
+                spent[label] += time.perf_counter() - t
+                if label == "one":
+                    out["statements"] = (sent[0] - before) / len(todo)
+    finally:
+        register._insert_new_pg = one_statement
+        event.remove(cat.engine, "before_cursor_execute", count)
+    out |= {label: rounds * (n // rounds) / secs for label, secs in spent.items()}
+    bulk = manifests(f"reg-bulk-{tag}", n)
     t = time.perf_counter()
     for i in range(0, n, batch):
         cat.register_many(bulk[i:i + batch], actor="bench")
-    many = n / (time.perf_counter() - t)
-    return one, many
+    out["many"] = n / (time.perf_counter() - t)
+    return out
 
 
 # --- reconcile ----------------------------------------------------------------------------------
-def reconcile_cost(url: str, n_runs: int, rounds: int, k: int) -> list[tuple[str, float, float, float, float]]:
+def reconcile_cost(url: str, n_runs: int, rounds: int, k: int, top: int = 3,
+                   ) -> tuple[list[tuple[str, float, float, float, float]], list[tuple[float, str]]]:
     """One reconcile pass of ``node-0`` over the filled catalog with both tiers present
     (``FilledTier``): (label, queries per pass, p50 s, p95 s, median s spent in SQL) with nothing
     changed and with
-    ``k`` Tier 1 copies of the pass's slice vanished. The pipeline's steps are held
+    ``k`` Tier 1 copies of the pass's slice vanished; and the ``top`` statements by SQL time per
+    quiet pass (seconds, text). The pipeline's steps are held
     (``CopyInProgress``): what is timed is reconcile's own work, not copies."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
@@ -236,12 +280,14 @@ def reconcile_cost(url: str, n_runs: int, rounds: int, k: int) -> list[tuple[str
     steps = Steps(**{f.name: hold for f in fields(Steps)} | {"plan_retention": plan_retention})
     seen: list[float] = []  # seconds of each SQL statement, as the client waited for it
     started: list[float] = []
+    by_statement: collections.Counter[str] = collections.Counter()  # seconds per statement text
 
     def start(*_args) -> None:
         started.append(time.perf_counter())
 
-    def done(*_args) -> None:
+    def done(_conn, _cursor, statement, *_args) -> None:
         seen.append(time.perf_counter() - started.pop())
+        by_statement[statement] += seen[-1]
 
     def one_pass() -> tuple[float, int, int, float]:
         before, t = len(seen), time.perf_counter()
@@ -254,6 +300,7 @@ def reconcile_cost(url: str, n_runs: int, rounds: int, k: int) -> list[tuple[str
     event.listen(Engine, "after_cursor_execute", done)
     try:
         quiet = [one_pass() for _ in range(rounds)]
+        quiet_statements = by_statement.copy()
         changed = []
         with Catalog(url) as cat:
             for _ in range(rounds):  # k copies of the coming Tier 1 slice vanish behind the catalog's back
@@ -272,7 +319,7 @@ def reconcile_cost(url: str, n_runs: int, rounds: int, k: int) -> list[tuple[str
         secs = [p[0] for p in passes]
         out.append((label, statistics.median(p[1] for p in passes), pct(secs, 50), pct(secs, 95),
                     statistics.median(p[3] for p in passes)))
-    return out
+    return out, [(sql / rounds, " ".join(stmt.split())) for stmt, sql in quiet_statements.most_common(top)]
 
 
 # --- backends -----------------------------------------------------------------------------------
@@ -281,47 +328,93 @@ def sqlite_url(workdir: Path) -> str:
     return f"sqlite:///{Path(tempfile.mkdtemp(prefix='ckpt-catalog-scale-', dir=workdir)) / 'catalog_scale.db'}"
 
 
-def pg_url() -> tuple[str, callable]:
+def pg_url(template: str | None = None) -> tuple[str, callable]:
+    """A new database (a copy of ``template`` when given) and the function that drops it."""
+    name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
+    _pg_admin(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
+    return PG_ADMIN.rsplit("/", 1)[0] + f"/{name}", lambda: _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _pg_admin(sql: str) -> list[tuple]:
     import psycopg
 
-    admin = PG_ADMIN.replace("postgresql+psycopg://", "postgresql://")
-    name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-
-    def drop():
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    return PG_ADMIN.rsplit("/", 1)[0] + f"/{name}", drop
+    with psycopg.connect(PG_ADMIN.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        cur = conn.execute(sql)
+        return cur.fetchall() if cur.description else []
 
 
-def bench_backend(label: str, url: str, args) -> None:
+class Cache:
+    """The filled catalog of one size, kept between runs (``--cache``): a run restores a copy
+    of it instead of filling, or fills and saves one."""
+
+    def __init__(self, folder: Path, scale: float) -> None:
+        self.file = folder / f"catalog_scale-{scale:g}.db"
+        self.database = f"ckpt_bench_cache_{scale:g}".replace(".", "_")
+
+    def sqlite_restore(self, url: str) -> bool:
+        if not self.file.exists():
+            return False
+        shutil.copyfile(self.file, url[len("sqlite:///"):])
+        return True
+
+    def pg_template(self) -> str | None:
+        found = _pg_admin(f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'")
+        return self.database if found else None
+
+    def save(self, url: str) -> None:
+        if url.startswith("sqlite"):
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(url[len("sqlite:///"):], self.file.with_suffix(".tmp"))
+            self.file.with_suffix(".tmp").rename(self.file)
+        else:
+            _pg_admin(f'CREATE DATABASE "{self.database}" TEMPLATE "{url.rsplit("/", 1)[1]}"')
+        where = self.file if url.startswith("sqlite") else self.database
+        print(f"  saved the filled catalog for later runs (--cache): {where}")
+
+
+def bench_backend(label: str, url: str, args, *, cache: Cache | None = None, restored: bool = False) -> None:
     n_runs = max(2, round(10_000 * args.scale))
-    upgrade(url)
+    t = time.perf_counter()
+    rev = upgrade(url)
+    if restored:
+        print(f"  restored the filled catalog from the cache; upgrade to {rev}: {time.perf_counter() - t:.1f} s")
     cat = Catalog(url)
     try:
         print(f"\n== {label}: {n_runs:,} runs x {STEPS} steps = {n_runs * STEPS:,} checkpoints, "
               f"{n_runs * STEPS * FILES:,} files (load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs)", flush=True)
-        secs = fill(cat, n_runs)
-        print(f"  fill: {secs:.0f} s ({n_runs * STEPS / secs:,.0f} checkpoints/s, direct inserts)")
+        if not restored:
+            secs = fill(cat, n_runs)
+            print(f"  fill: {secs:.0f} s ({n_runs * STEPS / secs:,.0f} checkpoints/s, direct inserts)")
+            if cache is not None:
+                cat.close()  # no connection may hold the file (SQLite's WAL folded in) or the database
+                cache.save(url)
+                cat = Catalog(url)
         results = run_queries(cat, n_runs, args.rounds)
         base95 = results[0][2]
         print(f"  {'query':40s} {'p50 ms':>8s} {'p95 ms':>8s} {'x baseline':>10s} {'vs 50 ms':>9s}")
         for q, p50, p95 in results:
             print(f"  {q:40s} {p50 * 1e3:8.2f} {p95 * 1e3:8.2f} {p95 / base95:10.1f} "
                   f"{'ok' if p95 < 0.050 else 'SLOW':>9s}")
-        passes = reconcile_cost(url, n_runs, args.reconcile_rounds, args.changed)
+        passes, top = reconcile_cost(url, n_runs, args.reconcile_rounds, args.changed)
         limit = Settings.model_fields["reconcile_check_limit"].default
         print(f"  reconcile pass on node-0 (checks {limit:,} verified copies per tier per pass, in rotation):")
         for label, queries, p50, p95, sql in passes:
             print(f"    {label:28s} {queries:5.0f} queries, {sql * 1e3:7.1f} ms in SQL; pass p50 {p50 * 1e3:7.1f} ms, "
                   f"p95 {p95 * 1e3:7.1f} ms (the rest: listing the checked copies' folders, Python)")
-        one, many = registration(cat, args.registrations, args.batch)
-        print(f"  registration, 8 files each: one per transaction {one:,.0f}/s (baseline); "
-              f"register_many x{args.batch} {many:,.0f}/s = x{many / one:.1f}; "
-              f"target 2,000/s: {'ok' if max(one, many) >= 2000 else 'MISSED'}")
+        print("    costliest statements of a quiet pass (ms per pass):")
+        for sql, stmt in top:
+            print(f"    {sql * 1e3:9.1f}  {stmt[:150]}")
+        reg = registration(cat, args.registrations, args.batch)
+        one = reg["one"]
+        print(f"  registration, 8 files each: one per transaction {one:,.0f}/s ({reg['statements']:.1f} statements "
+              f"each; the baseline of what follows); register_many x{args.batch} {reg['many']:,.0f}/s = "
+              f"x{reg['many'] / one:.1f}; target 2,000/s: {'ok' if max(one, reg['many']) >= 2000 else 'MISSED'}")
+        if "each" in reg:
+            print(f"    the same a statement per table (as before; alternating rounds): {reg['each']:,.0f}/s = "
+                  f"x{reg['each'] / one:.2f}")
+        print(f"    a bare committed one-row INSERT per transaction (the commit's floor): {reg['floor']:,.0f}/s = "
+              f"x{reg['floor'] / one:.2f}")
         print(f"  (load average at the end {os.getloadavg()[0]:.1f}: other work on the machine skews these)")
     finally:
         cat.close()
@@ -337,18 +430,23 @@ def main() -> None:
     ap.add_argument("--reconcile-rounds", type=int, default=10, help="reconcile passes timed per case")
     ap.add_argument("--changed", type=int, default=10, help="copies that vanish before each 'changed' pass")
     ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="keep the filled catalog here (PostgreSQL: a database) and start later runs from a copy")
     args = parse(ap, SMOKE)
+    cache = Cache(args.cache, args.scale) if args.cache else None
     if args.backend in ("sqlite", "both"):
         url = sqlite_url(args.workdir)
         try:
-            bench_backend("SQLite", url, args)
+            restored = cache is not None and cache.sqlite_restore(url)
+            bench_backend("SQLite", url, args, cache=cache, restored=restored)
         finally:
             if not os.environ.get("CKPT_BENCH_KEEP"):
                 shutil.rmtree(Path(url[len("sqlite:///"):]).parent, ignore_errors=True)
     if args.backend in ("pg", "both"):
-        url, drop = pg_url()
+        template = cache.pg_template() if cache else None
+        url, drop = pg_url(template)
         try:
-            bench_backend("PostgreSQL", url, args)
+            bench_backend("PostgreSQL", url, args, cache=cache, restored=template is not None)
         finally:
             drop()  # also on Ctrl-C; a killed run leaves a ckpt_bench_* database to drop by hand
 

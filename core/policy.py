@@ -13,6 +13,10 @@ from collections.abc import Mapping
 from core.settings import MilestonePolicy
 
 TRUE_WORDS = ("1", "true", "yes", "milestone")
+# What a checkpoint says of itself, whatever the policy (``milestone_marks``): the catalog keeps
+# these bits per checkpoint (``checkpoints.milestone_marks``) so that the archive backlog reads
+# the few marked checkpoints through an index instead of testing every one.
+MARK_TAGGED, MARK_EPOCH = 1, 2
 
 
 def checkpoint_kind(step: int, *, milestone: bool, epoch_end: bool, policy: MilestonePolicy) -> str:
@@ -23,11 +27,21 @@ def checkpoint_kind(step: int, *, milestone: bool, epoch_end: bool, policy: Mile
     return "epoch" if epoch_end else "step"
 
 
+def milestone_marks(kind: str, tags: Mapping[str, str]) -> int:
+    """``MARK_TAGGED`` if the job marked it a milestone (its kind or its tag), ``MARK_EPOCH`` if
+    it ends an epoch: the policy-free half of ``is_milestone``."""
+    tagged = kind == "milestone" or str(tags.get("milestone", "")).lower() in TRUE_WORDS
+    return (MARK_TAGGED if tagged else 0) | (MARK_EPOCH if kind == "epoch" else 0)
+
+
+def marks_wanted(policy: MilestonePolicy) -> int:
+    """The ``milestone_marks`` bits that make a milestone under ``policy`` (any one suffices)."""
+    return (MARK_TAGGED if policy.tagged else 0) | (MARK_EPOCH if policy.epoch_end else 0)
+
+
 def is_milestone(kind: str, step: int, tags: Mapping[str, str], policy: MilestonePolicy) -> bool:
     """A milestone is archived to Tier 2: tagged by the job, an epoch end, or every K steps."""
-    if policy.tagged and (kind == "milestone" or str(tags.get("milestone", "")).lower() in TRUE_WORDS):
-        return True
-    if policy.epoch_end and kind == "epoch":
+    if milestone_marks(kind, tags) & marks_wanted(policy):
         return True
     every = policy.every_steps
     return every is not None and every != 0 and step % every == 0

@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -91,6 +92,9 @@ class Checkpoint(Base):
         UniqueConstraint("run_id", "step"),  # queries 1, 7: a run's checkpoints by step
         Index(None, "state", "verified_tiers"),  # query 6: under-replicated by tier mask
         Index(None, "state", "committed_at"),  # query 10: committed, never promoted
+        # reconcile's archive backlog: the marked checkpoints (few) by tier mask (migration 0006)
+        Index("ix_checkpoints_milestone_backlog", "milestone_marks", "verified_tiers",
+              sqlite_where=text("milestone_marks > 0"), postgresql_where=text("milestone_marks > 0")),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -112,6 +116,10 @@ class Checkpoint(Base):
     # replica state change (in the same transaction), so "where is a complete copy" is a
     # column read instead of a GROUP BY over replicas.
     verified_tiers: Mapped[int] = mapped_column(Integer)
+    # ``core.policy.milestone_marks`` of the recorded kind and tags, kept by registration (the
+    # only writer of kind and tags): which checkpoints the job itself marked a milestone or an
+    # epoch end, so the archive backlog is an index read of the marked ones (migration 0006).
+    milestone_marks: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
 
 
 class CheckpointPart(Base):

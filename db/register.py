@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Row
 from core.errors import ConflictError
 from core.manifest import Manifest
 from core.paths import safe_run_name
+from core.policy import milestone_marks
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.rows import (
@@ -78,16 +79,15 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
 
     The common case, a new checkpoint: the run (locked; on PostgreSQL with the clock, one round
     trip less), the checkpoint, its part, its files, its audit row, its place in the run's
-    lineage."""
+    lineage: on PostgreSQL two statements in all (``_NEW_CHECKPOINT_PG``), on SQLite one per
+    table (``_insert_new_each``)."""
     run = run_row(conn, m.run, lock=True, with_clock=now is None)
     if now is None:
         now = run.catalog_now.astimezone(UTC)
     first = _first_part_values(run.id, m, now)
-    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
+    new = _insert_new_pg if conn.dialect.name == "postgresql" else _insert_new_each
+    cid = new(conn, run, first, m, digest=digest, now=now, actor=actor)
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
-        _add_part(conn, cid, m, digest=digest, now=now)
-        _audit_register(conn, m, None, first["state"], now=now, actor=actor)
-        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
         _link_parent(conn, cid, m, now=now, new=True)
         return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
     ck = checkpoint_row(conn, m.run, m.step, lock=True)
@@ -104,6 +104,74 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
         raise ConflictError(f"{where} part {m.part} is already registered with a different manifest "
                             f"(digest {recorded[:12]}, this one {digest[:12]}); refusing to overwrite it")
     return to_checkpoint(checkpoint_row_by_id(conn, ck.id))
+
+
+# A new checkpoint on PostgreSQL in one statement, whatever its file count: the checkpoint row
+# (nothing if the (run, step) exists: then nothing else is written either), its part, its files
+# (arrays, so the text never changes and psycopg prepares it once per connection), its audit
+# row and its ``follows`` edge to the run's previous checkpoint. It returns the new id and the
+# run's previous and next checkpoints; the rare rest (a run's first checkpoint linked to its
+# origin, one registered out of order spliced in) is ``link_into_run``'s, as before.
+_NEW_CHECKPOINT_PG = """
+WITH ck AS (
+    INSERT INTO checkpoints (run_id, step, kind, state, format, parts, parts_registered, total_bytes, file_count,
+                             metrics, tags, created_at, committed_at, writer_stall_seconds, verified_tiers,
+                             milestone_marks)
+    VALUES (%(run_id)s, %(step)s, %(kind)s, %(state)s, %(format)s, %(parts)s, %(parts_registered)s,
+            %(total_bytes)s, %(file_count)s, %(metrics)s::json, %(tags)s::json, %(created_at)s, %(committed_at)s,
+            %(writer_stall_seconds)s, %(verified_tiers)s, %(milestone_marks)s)
+    ON CONFLICT (run_id, step) DO NOTHING
+    RETURNING id
+), nb AS (
+    SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s
+            ORDER BY step DESC LIMIT 1) AS prev,
+           (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step > %(step)s
+            ORDER BY step LIMIT 1) AS nxt
+), part AS (
+    INSERT INTO checkpoint_parts (checkpoint_id, part, node, manifest_digest, bytes, file_count, registered_at)
+    SELECT id, %(part)s, %(node)s, %(digest)s, %(total_bytes)s, %(file_count)s, %(now)s FROM ck
+), file AS (
+    INSERT INTO checkpoint_files (checkpoint_id, part, path, size, algorithm, checksum)
+    SELECT ck.id, %(part)s, f.path, f.size, %(algorithm)s, f.checksum
+    FROM ck, unnest(%(paths)s::text[], %(sizes)s::bigint[], %(checksums)s::text[]) AS f(path, size, checksum)
+), audit AS (
+    INSERT INTO audit_log (at, actor, subject, action, from_state, to_state, reason, run, step)
+    SELECT %(now)s, %(actor)s, %(subject)s, %(action)s, NULL, %(state)s, %(reason)s, %(run)s, %(step)s FROM ck
+), edge AS (
+    INSERT INTO lineage (child_id, parent_id, relation, created_at)
+    SELECT ck.id, nb.prev, 'follows', %(now)s FROM ck, nb WHERE nb.prev IS NOT NULL
+)
+SELECT ck.id, nb.prev, nb.nxt FROM ck, nb
+"""
+
+
+def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,
+                     actor: str) -> int | None:
+    """A new checkpoint a statement per table (SQLite, where a statement is no round trip): its
+    id, or None if (run, step) is recorded."""
+    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
+    if cid is not None:
+        _add_part(conn, cid, m, digest=digest, now=now)
+        _audit_register(conn, m, None, first["state"], now=now, actor=actor)
+        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+    return cid
+
+
+def _insert_new_pg(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,
+                   actor: str) -> int | None:
+    """``_NEW_CHECKPOINT_PG``: the new checkpoint's id, or None if (run, step) is recorded."""
+    note = _register_audit(m, None, first["state"], now, actor)
+    row = conn.exec_driver_sql(_NEW_CHECKPOINT_PG, dict(
+        first, metrics=json.dumps(first["metrics"]), tags=json.dumps(first["tags"]), part=m.part,
+        node=m.node or None, digest=digest, now=now, algorithm=m.algorithm, paths=[f.path for f in m.files],
+        sizes=[f.size for f in m.files], checksums=[f.checksum for f in m.files], actor=actor,
+        subject=note["subject"], action=note["action"], reason=note["reason"], run=m.run)).one_or_none()
+    if row is None:
+        return None
+    cid, prev, nxt = row
+    if prev is None or nxt is not None:  # a run's first checkpoint, or one registered out of order
+        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+    return cid
 
 
 def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime, actor: str) -> None:
@@ -202,7 +270,8 @@ def _first_part_values(run_id: int, m: Manifest, now: datetime) -> dict:
                 parts_registered=1, total_bytes=m.total_bytes, file_count=len(m.files), metrics=dict(m.metrics),
                 tags=dict(m.tags), created_at=_parse_time(m.created_at) or now,
                 committed_at=now if state == CKPT_COMMITTED else None,
-                writer_stall_seconds=m.writer_stall_seconds, verified_tiers=0)
+                writer_stall_seconds=m.writer_stall_seconds, verified_tiers=0,
+                milestone_marks=milestone_marks(m.kind, m.tags))
 
 
 def _part_values(cid: int, m: Manifest, digest: str, now: datetime) -> dict:
@@ -244,12 +313,12 @@ def _merge_part(conn: Connection, ck: Row, m: Manifest, *, now: datetime, actor:
     before = CKPT_PARTIAL if ck.state == CKPT_REJECTED else ck.state  # the refused part came after all
     state = CKPT_COMMITTED if before == CKPT_PARTIAL and registered == ck.parts else before
     stalls = [s for s in (ck.writer_stall_seconds, m.writer_stall_seconds) if s is not None]
+    kind, tags = max(ck.kind, m.kind, key=lambda k: _KIND_RANK.get(k, 0)), {**(ck.tags or {}), **m.tags}
     conn.execute(update(checkpoints).where(checkpoints.c.id == ck.id).values(
         parts_registered=registered, state=state,
         committed_at=now if state == CKPT_COMMITTED and ck.state != CKPT_COMMITTED else ck.committed_at,
         total_bytes=ck.total_bytes + m.total_bytes, file_count=ck.file_count + len(m.files),
-        kind=max(ck.kind, m.kind, key=lambda k: _KIND_RANK.get(k, 0)),
-        metrics={**(ck.metrics or {}), **m.metrics}, tags={**(ck.tags or {}), **m.tags},
+        kind=kind, milestone_marks=milestone_marks(kind, tags), metrics={**(ck.metrics or {}), **m.metrics}, tags=tags,
         writer_stall_seconds=max(stalls) if stalls else None))
     _audit_register(conn, m, ck.state, state, now=now, actor=actor)
 

@@ -180,3 +180,28 @@ def test_checkpoints_registered_at_once_still_form_one_chain(catalog, db_url):
     for c in cats:
         c.close()
     assert [(e.parent_step, e.depth) for e in catalog.ancestors("r", 40)] == [(30, 1), (20, 2), (10, 3), (0, 4)]
+
+
+def test_a_new_part_is_two_statements_on_postgresql(catalog):
+    """The run's row (locked, with the catalog's clock), then one statement for the checkpoint,
+    its part, files, audit row and edge (PostgreSQL; before: 7, the files one executemany).
+    SQLite (no round trips) keeps a statement per table."""
+    from sqlalchemy import event
+
+    checkpoint(catalog, "r", 10)
+    sent: list[str] = []
+    listener = lambda _c, _cur, stmt, *_a: sent.append(stmt)  # noqa: E731
+    event.listen(catalog.engine, "before_cursor_execute", listener)
+    try:
+        ck = catalog.register_part(manifest("r", 20, n_files=3), actor="t")
+    finally:
+        event.remove(catalog.engine, "before_cursor_execute", listener)
+    writes = [s for s in sent if not s.startswith("BEGIN")]
+    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 7), writes
+    assert [f.path for f in catalog.files(ck.id)] == [f"shard-0-{i}.safetensors" for i in range(3)]
+    assert [(e.action, e.to_state, e.actor) for e in catalog.history("r", 20)] == [("register", CKPT_COMMITTED, "t")]
+    assert [(e.parent_step, e.relation) for e in catalog.ancestors("r", 20, max_depth=1)] == [(10, "follows")]
+    assert catalog.register_part(manifest("r", 20, n_files=3), actor="t") == ck  # idempotent
+    with pytest.raises(ConflictError):
+        catalog.register_part(manifest("r", 20, n_files=3, salt="other"), actor="t")
+    assert len(catalog.files(ck.id)) == 3 and len(catalog.history("r", 20)) == 1
