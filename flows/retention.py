@@ -19,16 +19,28 @@ from tasks.retention import PruneAction, apply_retention
 
 def retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
               actor: str = "cli") -> list[PruneAction]:
-    """Plan, publish the plan, and (unless ``dry_run``) apply it; returns the actions with outcomes."""
+    """Plan and (unless ``dry_run``) apply it; returns the actions with outcomes. Artifacts: a
+    dry run's plan; the result (each planned action with its outcome), or the plan when applying
+    it failed. A run's retention after each durable checkpoint that found nothing to do
+    publishes nothing (the scheduled, catalog-wide run always does)."""
     plan = steps.plan_retention(settings, run=run)
     scope = run or "all runs"
-    publish_table(artifact_key("retention-plan", run or "all"), [a.row() for a in plan],
-                  f"retention plan for {scope}{' (dry run)' if dry_run else ''}")
+
+    def show_plan(why: str) -> None:
+        publish_table(artifact_key("retention-plan", run or "all"), [a.row() for a in plan],
+                      f"retention plan for {scope}{why}")
+
     if dry_run:
+        show_plan(" (dry run)")
         return plan
-    done = apply_retention(settings, plan, prune=steps.prune, actor=actor)
-    publish_table(artifact_key("retention-result", run or "all"), [a.row() for a in done],
-                  f"retention applied to {scope}")
+    try:
+        done = apply_retention(settings, plan, prune=steps.prune, actor=actor)
+    except BaseException:
+        show_plan(" (applying it failed)")
+        raise
+    if done or run is None:
+        publish_table(artifact_key("retention-result", run or "all"), [a.row() for a in done],
+                      f"retention applied to {scope}")
     return done
 
 

@@ -143,3 +143,28 @@ def test_promotion_applies_the_default_retention_of_its_run(settings_factory, db
     on_tier0 = sorted(int(p.name.split("-")[1]) for p in (Path(settings.tier0_url) / RUN).iterdir())
     assert on_tier0 == [3, 4, 5]
     assert all(replica_states(settings, RUN, s)[(1, 0)] == "verified" for s in range(1, 6))
+
+
+def test_artifacts_show_a_dry_runs_plan_and_an_applied_result_and_nothing_when_nothing_was_to_do(settings,
+                                                                                             monkeypatch):
+    """What the Prefect UI gets: a dry run's plan; the result of applying it; after a durable
+    checkpoint whose run had nothing to let go, no artifact (one per checkpoint would be noise
+    and an orchestrator round trip per promotion); the catalog-wide run always reports."""
+    import flows.retention
+
+    shown: list[tuple[str, list]] = []
+    monkeypatch.setattr(flows.retention, "publish_table", lambda key, rows, _description: shown.append((key, rows)))
+    promote_steps(settings, [10, 20, 30])
+    keep2 = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=2))
+
+    retention(settings, run=RUN, steps=plain_steps())  # Tier 0 retention off: nothing to do
+    assert shown == []
+    retention(keep2, run=RUN, dry_run=True, steps=plain_steps())
+    assert [(k, [r["step"] for r in rows]) for k, rows in shown] == [(f"retention-plan-{RUN}", [10])]
+    shown.clear()
+    retention(keep2, run=RUN, steps=plain_steps())
+    assert [(k, [(r["step"], r["outcome"]) for r in rows]) for k, rows in shown] == [
+        (f"retention-result-{RUN}", [(10, PRUNED)])]
+    shown.clear()
+    retention(keep2, steps=plain_steps())  # catalog-wide: reports even an empty result
+    assert [k for k, _ in shown] == ["retention-result-all"]
