@@ -154,21 +154,19 @@ class ServerCapacity:
     source: str
 
 
-# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01): Prefect 3.9.1 API
-# server (--no-services) + services process on PostgreSQL + Redis (ckpt.production_stack),
-# 64 parts served by 40 agent processes (64 did not fit in half the free memory), on this
-# project's 2-core, 24 GiB machine shared with other work (load average ~20). Sustained over
-# the burst: 65 flow runs (64 promote + 1 archive) and 386 task runs in ~464 s, i.e. 0.14 flow
-# runs/s and 0.9 task runs/s (2,271 events, 5.0/s). The agents' flow-run subprocesses (5.2 CPU s
-# per part outside the byte copy) shared the two cores with the server, so these rates are
-# what the whole machine sustained: a floor for a server with cores of its own. A report from
-# the target cluster (`ckpt plan --burst-report`) replaces them.
-# Task runs per part: that burst ran 386 (per part: register, verify, copy, mark-complete, then
-# the archive's upload and verify; plus the checkpoint's mark-complete and plan-retention). Each
-# hop of a part is now one task run (tasks/hop.py): 64 tier0-to-tier1 + 64 tier1-to-tier2 + 2 =
-# 130, counted from the flows (tests/integration/test_flows_prefect.py checks a promotion's task
-# runs), not re-measured.
-MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.14, task_runs_per_s=0.9, flow_runs_per_part=1.0,
+# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01, 06:20 UTC): Prefect
+# 3.9.1 API server (--no-services) + services process on PostgreSQL + Redis
+# (ckpt.production_stack), 64 parts served by 20 agent processes with their warm promote
+# processes (64 did not fit in half the free memory), on this project's 2-core, 24 GiB machine.
+# Sustained over the burst: 64 flow runs (one promote per part; the milestone archived inline,
+# so no archive run) and 130 task runs (per part tier0-to-tier1 and tier1-to-tier2, plus the
+# checkpoint's mark-complete and plan-retention) in 175 s, i.e. 0.37 flow runs/s and 0.74 task
+# runs/s (1,298 events, 7.4/s). The agents (4.1 CPU s per part outside the byte copy) shared the
+# two cores with the server, so these rates are what the whole machine sustained: a floor for a
+# server with cores of its own. A report from the target cluster (`ckpt plan --burst-report`)
+# replaces them. (The burst before each hop of a part became one task run: 65 flow runs and
+# 386 task runs, 0.14 and 0.9 per second, durable in 451 s with 40 agents.)
+MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.37, task_runs_per_s=0.74, flow_runs_per_part=1.0,
                                  task_runs_per_part=130 / 64,
                                  source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
 
@@ -183,7 +181,7 @@ class OrchestrationLoad:
 
     @property
     def flow_runs_per_burst(self) -> float:
-        return self.nodes * self.capacity.flow_runs_per_part + 1  # + the checkpoint's archive run
+        return self.nodes * self.capacity.flow_runs_per_part  # the archive runs inline (a run only if it failed)
 
     @property
     def task_runs_per_burst(self) -> float:
@@ -205,10 +203,10 @@ class OrchestrationLoad:
     @property
     def saturation_nodes(self) -> int:
         """The smallest N whose burst takes the server the whole interval: the drain time is the
-        larger of (N f + 1) / F and N t / T (f, t: flow and task runs per part; F, T: the
-        server's rates), so it reaches the interval I at N = min((I F - 1) / f, I T / t)."""
+        larger of N f / F and N t / T (f, t: flow and task runs per part; F, T: the server's
+        rates), so it reaches the interval I at N = min(I F / f, I T / t)."""
         c, i = self.capacity, self.interval_seconds
-        by_flows = (i * c.flow_runs_per_s - 1) / c.flow_runs_per_part
+        by_flows = i * c.flow_runs_per_s / c.flow_runs_per_part
         by_tasks = i * c.task_runs_per_s / c.task_runs_per_part
         return max(1, math.ceil(min(by_flows, by_tasks)))
 
@@ -221,6 +219,6 @@ def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> 
             if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
                 raise BadInput(f"the burst report's {server} phase measured no rates")
             return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
-                                  (phase["flow_runs"] - 1) / parts, phase["task_runs"] / parts,
+                                  phase["flow_runs"] / parts, phase["task_runs"] / parts,
                                   source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)")
     raise BadInput(f"the burst report has no {server!r} phase")

@@ -82,7 +82,7 @@ def _print_load(load) -> None:
     c = load.capacity
     typer.echo(f"Orchestration load: {load.nodes} nodes, one checkpoint every {fmt_seconds(load.interval_seconds)}")
     typer.echo(f"  per burst: {load.flow_runs_per_burst:.0f} flow runs, {load.task_runs_per_burst:.0f} task runs "
-               f"({c.flow_runs_per_part:.3g} flow and {c.task_runs_per_part:.3g} task runs per part, one archive run)")
+               f"({c.flow_runs_per_part:.3g} flow and {c.task_runs_per_part:.3g} task runs per part)")
     typer.echo(f"  one server sustains {c.flow_runs_per_s:g} flow runs/s, {c.task_runs_per_s:g} task runs/s "
                f"[{c.source}]")
     typer.echo(f"  it drains a burst in {fmt_seconds(load.drain_seconds)}: {fmt_percent(load.utilisation)} "

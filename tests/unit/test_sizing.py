@@ -89,31 +89,31 @@ CAP = sizing.ServerCapacity(flow_runs_per_s=2.0, task_runs_per_s=10.0, flow_runs
                             task_runs_per_part=8.0, source="test")
 
 
-def test_burst_load_counts_one_flow_run_per_part_plus_the_archive():
+def test_burst_load_counts_the_flow_runs_of_each_part():
     load = sizing.OrchestrationLoad(64, 1800, CAP)
-    assert load.flow_runs_per_burst == 65 and load.task_runs_per_burst == 512
-    # flow runs: 65 / 2 = 32.5 s; task runs: 512 / 10 = 51.2 s -> the task runs bound it
+    assert load.flow_runs_per_burst == 64 and load.task_runs_per_burst == 512
+    # flow runs: 64 / 2 = 32 s; task runs: 512 / 10 = 51.2 s -> the task runs bound it
     assert load.drain_seconds == pytest.approx(51.2)
     assert load.utilisation == pytest.approx(51.2 / 1800)
 
 
 def test_saturation_is_the_first_cluster_whose_burst_fills_the_interval():
     load = sizing.OrchestrationLoad(64, 1800, CAP)
-    # task runs: N * 8 / 10 = 1800 s at N = 2250; flow runs: (N + 1) / 2 = 1800 at N = 3599
+    # task runs: N * 8 / 10 = 1800 s at N = 2250; flow runs: N / 2 = 1800 at N = 3600
     assert load.saturation_nodes == 2250
     at = sizing.OrchestrationLoad(2250, 1800, CAP)
     below = sizing.OrchestrationLoad(2249, 1800, CAP)
     assert at.utilisation >= 1 > below.utilisation
     flow_bound = sizing.ServerCapacity(0.1, 1000.0, 1.0, 1.0, "test")
-    # (N + 1) / 0.1 = 600 s at N = 59
-    assert sizing.OrchestrationLoad(8, 600, flow_bound).saturation_nodes == 59
-    assert sizing.OrchestrationLoad(59, 600, flow_bound).utilisation == pytest.approx(1.0)
+    # N / 0.1 = 600 s at N = 60
+    assert sizing.OrchestrationLoad(8, 600, flow_bound).saturation_nodes == 60
+    assert sizing.OrchestrationLoad(60, 600, flow_bound).utilisation == pytest.approx(1.0)
 
 
 def test_capacity_from_a_burst_report():
-    report = [{"server": "postgres+redis", "parts": 64, "agents": 64, "flow_runs": 65, "task_runs": 448,
+    report = [{"server": "postgres+redis", "parts": 64, "agents": 64, "flow_runs": 64, "task_runs": 448,
                "flow_runs_per_s": 0.8, "task_runs_per_s": 5.5},
-              {"server": "sqlite", "parts": 64, "agents": 64, "flow_runs": 65, "task_runs": 448,
+              {"server": "sqlite", "parts": 64, "agents": 64, "flow_runs": 64, "task_runs": 448,
                "flow_runs_per_s": 0.6, "task_runs_per_s": 4.0}]
     c = sizing.capacity_from_report(report)
     assert (c.flow_runs_per_s, c.task_runs_per_s, c.flow_runs_per_part, c.task_runs_per_part) == (0.8, 5.5, 1.0, 7.0)
@@ -128,7 +128,7 @@ def test_cli_says_where_one_server_saturates(tmp_path):
     out = _plan_output("--nodes", "64", "--interval", "30m", env_dir=tmp_path)
     load = sizing.OrchestrationLoad(64, 1800, sizing.MEASURED_SERVER)
     assert f"saturated at {load.saturation_nodes} nodes" in out
-    assert "65 flow runs" in out
+    assert "64 flow runs" in out
     report = tmp_path / "burst.json"
     report.write_text(json.dumps([{"server": "postgres+redis", "parts": 4, "agents": 4, "flow_runs": 5,
                                    "task_runs": 32, "flow_runs_per_s": 2.0, "task_runs_per_s": 10.0}]))
