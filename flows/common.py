@@ -117,17 +117,17 @@ def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> Non
 
 
 def publish(key: str, post: Callable[[], Any]) -> None:
-    """Run ``post`` (which creates the artifact ``key`` in the current flow run) now, or with the
-    open ``artifact_batch``. Best effort: the work an artifact reports is done and recorded in the
-    catalog, so an orchestrator that answers 5xx under a burst costs the artifact (a warning in
-    the run's log), never the run's result."""
+    """Run ``post`` (which creates the artifact ``key`` in the current flow run) now, or hand it
+    to the open ``artifact_batch``. Best effort: the work an artifact reports is done and recorded
+    in the catalog, so an orchestrator that answers 5xx under a burst costs the artifact (a
+    warning in the run's log), never the run's result."""
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:
         return
     batch = _BATCH.get()
     if batch is not None:
-        batch.append((key, post))
+        batch.submit(copy_context().run, _post, key, post)
         return
     _post(key, post)
 
@@ -141,24 +141,20 @@ def _post(key: str, post: Callable[[], Any]) -> None:
         get_run_logger().warning("artifact %s not published: %s: %s", key, type(exc).__name__, exc)
 
 
-_BATCH: ContextVar[list[tuple[str, Callable[[], Any]]] | None] = ContextVar("ckpt_artifact_batch", default=None)
+_BATCH: ContextVar[ThreadPoolExecutor | None] = ContextVar("ckpt_artifact_batch", default=None)
 
 
 @contextmanager
-def artifact_batch() -> Iterator[None]:
-    """The artifacts published inside, posted together on exit, each on its own thread (in the
-    flow run's context): a flow's end waits for about one API round trip, not one per artifact
-    (a promotion publishes up to five: its hop table, the archive's, the retention plan and
-    result, and the run's status page). On exit, also after an error: what was done is shown."""
-    token = _BATCH.set([])
+def artifact_batch(workers: int = 4) -> Iterator[None]:
+    """The artifacts published inside are posted on background threads (in the flow run's
+    context) while the flow goes on, and waited for on exit: a flow's end waits for at most about
+    one API round trip, not one per artifact, and an artifact published before the flow's last
+    step (the run's status page, before retention) costs it nothing. Also after an error: what
+    was done is shown."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-artifact")
+    token = _BATCH.set(pool)
     try:
         yield
     finally:
-        batch = _BATCH.get() or []
         _BATCH.reset(token)
-        if len(batch) == 1:
-            _post(*batch[0])
-        elif batch:
-            with ThreadPoolExecutor(max_workers=len(batch), thread_name_prefix="ckpt-artifact") as pool:
-                for key, post in batch:
-                    pool.submit(copy_context().run, _post, key, post)
+        pool.shutdown(wait=True)

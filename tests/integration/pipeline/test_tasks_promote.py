@@ -284,7 +284,7 @@ def test_the_durable_event_asks_for_an_archive_run_only_when_the_inline_archive_
 
     steps = plain_steps()
     if upload_fails:
-        steps = dataclasses.replace(steps, upload_to_tier2=_upload_fails)
+        steps = dataclasses.replace(steps, tier2_hop=_upload_fails)
     write_checkpoint(tier(settings, 0), RUN, 3, kind=kind)
     with announcing(record), contextlib.suppress(ConnectionError):
         result = promote(settings, RUN, 3, steps=steps)
