@@ -66,10 +66,10 @@ class PromoteResult:
 
 def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *, steps: Steps,
             node: str | None = None, actor: str = "cli",
-            on_durable: Callable[[], None] | None = None) -> PromoteResult:
+            on_durable: Callable[[PromoteResult], None] | None = None) -> PromoteResult:
     """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks).
-    ``on_durable`` runs once this promotion made the checkpoint durable (and archived it, if a
-    milestone), before retention."""
+    ``on_durable(result)`` runs once this promotion made the checkpoint durable (and archived
+    it, if a milestone), before retention."""
     node = node or settings.node
     hop = steps.tier1_hop(settings, run, step, part, parts, node=node, actor=actor)
     result = PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops, durable=hop.durable)
@@ -81,7 +81,7 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
             events.announce(events.DURABLE, run, step, parts=hop.parts, node=node,
                             payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
         if on_durable is not None:
-            on_durable()
+            on_durable(result)
         result.retention = retention(settings, run=run, steps=steps, actor=actor)
     return result
 
@@ -132,11 +132,19 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
         reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
         raise
     with artifact_batch(), announcing(emit):
-        # the run's status page (key run-<name>) changes when a checkpoint does, not with each of
-        # its 64 parts; posted while retention runs (retention keeps the newest, which it shows)
+        def show(result: PromoteResult) -> None:
+            hops = result.hops + (result.archive.hops if result.archive else [])
+            publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
+                          f"promotion of {run} step {step} part {part + 1}/{result.parts}")
+
+        def durable(result: PromoteResult) -> None:
+            # posted while retention runs (which keeps the newest checkpoints the page shows); the
+            # run's status page (key run-<name>) changes when a checkpoint does, not with each part
+            show(result)
+            publish_run_status(str(settings.catalog_url), run)
+
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
-                         actor=actor, on_durable=lambda: publish_run_status(str(settings.catalog_url), run))
-        hops = result.hops + (result.archive.hops if result.archive else [])
-        publish_table(artifact_key("promote", run, step, part), hop_rows(hops),
-                      f"promotion of {run} step {step} part {part + 1}/{result.parts}")
+                         actor=actor, on_durable=durable)
+        if not result.durable:
+            show(result)
     return result.summary()
