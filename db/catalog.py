@@ -554,15 +554,17 @@ class Catalog:
                                        limit=limit)
 
     def prune_candidates(self, tier: int, policy: RetentionPolicy, *, run: str | None = None,
-                         now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
+                         now: datetime | None = None, prunable_only: bool = True,
+                         node: str | None = None) -> list[ReplicaInfo]:
         """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
         no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
         With ``prunable_only`` (default) also only those the prune guard would let go (another
-        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides."""
+        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides.
+        ``node``: only the replicas held by that node (the same ones the whole plan lists for it)."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
             return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(conn),
-                                       prunable_only=prunable_only)
+                                       prunable_only=prunable_only, node=node)
 
     def history(self, run: str, step: int) -> list[AuditEntry]:
         """(8) The checkpoint's audit trail, oldest first."""
