@@ -217,6 +217,34 @@ class Catalog:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return [to_checkpoint(r) for r in conn.execute(stmt)]
 
+    def count_checkpoints(self, run: str) -> int:
+        """How many checkpoints the run has (any state). Raises ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(func.count()).select_from(checkpoints)
+                                .where(checkpoints.c.run_id == run_row(conn, run).id)).scalar_one()
+
+    def newest_checkpoints(self, run: str, limit: int) -> list[CheckpointInfo]:
+        """The run's ``limit`` checkpoints of highest step (any state), newest first. Raises
+        ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return _q.newest_checkpoints(conn, run_row(conn, run).id, limit)
+
+    def recorded_stalls(self, run: str, limit: int) -> list[tuple[datetime, float]]:
+        """(created_at, writer_stall_seconds) of the run's ``limit`` checkpoints of highest step
+        that recorded a writer stall, newest first (``core.sizing.measured``'s input over a
+        window). Raises ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return _q.recorded_stalls(conn, run_row(conn, run).id, limit)
+
+    def complete_at(self, checkpoint_ids: Sequence[int], tier: int) -> dict[int, datetime]:
+        """checkpoint id -> when it became complete on ``tier`` (the newest ``verified_at`` of
+        its parts' verified replicas there, as ``locations`` reports it), for those of
+        ``checkpoint_ids`` that are complete on ``tier``; one query for all of them."""
+        if not checkpoint_ids:
+            return {}
+        with self._tx(write=False) as conn:
+            return _q.complete_at(conn, checkpoint_ids, _state.check_tier(tier))
+
     def checkpoint_tiers(self, run: str | None = None) -> dict[tuple[str, int], tuple[int, ...]]:
         """(run, step) -> the tiers holding a complete verified copy, for listings."""
         stmt = select(runs.c.name, checkpoints.c.step, checkpoints.c.verified_tiers).join(

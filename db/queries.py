@@ -146,6 +146,34 @@ def locations(conn: Connection, ckpt: Row) -> list[Location]:
     ]
 
 
+# --- a run's status page: bounded reads, whatever the run holds --------------------------------
+def newest_checkpoints(conn: Connection, run_id: int, limit: int) -> list[CheckpointInfo]:
+    """The run's ``limit`` checkpoints of highest step (any state), newest first: a walk down
+    ``(run_id, step)``."""
+    stmt = checkpoint_select().where(checkpoints.c.run_id == run_id).order_by(checkpoints.c.step.desc()).limit(limit)
+    return [to_checkpoint(r) for r in conn.execute(stmt)]
+
+
+def recorded_stalls(conn: Connection, run_id: int, limit: int) -> list[tuple[datetime, float]]:
+    """(created_at, writer_stall_seconds) of the run's ``limit`` checkpoints of highest step
+    that recorded a stall, newest first."""
+    stmt = (select(checkpoints.c.created_at, checkpoints.c.writer_stall_seconds)
+            .where(checkpoints.c.run_id == run_id, checkpoints.c.writer_stall_seconds.is_not(None))
+            .order_by(checkpoints.c.step.desc()).limit(limit))
+    return [(at, stall) for at, stall in conn.execute(stmt)]
+
+
+def complete_at(conn: Connection, checkpoint_ids: Sequence[int], tier: int) -> dict[int, datetime]:
+    """checkpoint id -> when the last of its parts was verified on ``tier`` (``locations``'
+    ``verified_at``), for those of ``checkpoint_ids`` complete on ``tier``: one query."""
+    stmt = (select(replicas.c.checkpoint_id, func.max(replicas.c.verified_at))
+            .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
+            .where(replicas.c.checkpoint_id.in_(checkpoint_ids), replicas.c.tier == tier,
+                   replicas.c.state == VERIFIED, _has_tier([tier]))
+            .group_by(replicas.c.checkpoint_id))
+    return {cid: at for cid, at in conn.execute(stmt) if at is not None}
+
+
 # --- (6) under-replicated --------------------------------------------------------------------
 def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, run_id: int | None,
                      limit: int | None) -> list[CheckpointInfo]:
