@@ -217,6 +217,34 @@ class Catalog:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return [to_checkpoint(r) for r in conn.execute(stmt)]
 
+    def count_checkpoints(self, run: str) -> int:
+        """How many checkpoints the run has (any state). Raises ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(func.count()).select_from(checkpoints)
+                                .where(checkpoints.c.run_id == run_row(conn, run).id)).scalar_one()
+
+    def newest_checkpoints(self, run: str, limit: int) -> list[CheckpointInfo]:
+        """The run's ``limit`` checkpoints of highest step (any state), newest first. Raises
+        ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return _q.newest_checkpoints(conn, run_row(conn, run).id, limit)
+
+    def recorded_stalls(self, run: str, limit: int) -> list[tuple[datetime, float]]:
+        """(created_at, writer_stall_seconds) of the run's ``limit`` checkpoints of highest step
+        that recorded a writer stall, newest first (``core.sizing.measured``'s input over a
+        window). Raises ``UnknownRun``."""
+        with self._tx(write=False) as conn:
+            return _q.recorded_stalls(conn, run_row(conn, run).id, limit)
+
+    def complete_at(self, checkpoint_ids: Sequence[int], tier: int) -> dict[int, datetime]:
+        """checkpoint id -> when it became complete on ``tier`` (the newest ``verified_at`` of
+        its parts' verified replicas there, as ``locations`` reports it), for those of
+        ``checkpoint_ids`` that are complete on ``tier``; one query for all of them."""
+        if not checkpoint_ids:
+            return {}
+        with self._tx(write=False) as conn:
+            return _q.complete_at(conn, checkpoint_ids, _state.check_tier(tier))
+
     def checkpoint_tiers(self, run: str | None = None) -> dict[tuple[str, int], tuple[int, ...]]:
         """(run, step) -> the tiers holding a complete verified copy, for listings."""
         stmt = select(runs.c.name, checkpoints.c.step, checkpoints.c.verified_tiers).join(
@@ -554,15 +582,17 @@ class Catalog:
                                        limit=limit)
 
     def prune_candidates(self, tier: int, policy: RetentionPolicy, *, run: str | None = None,
-                         now: datetime | None = None, prunable_only: bool = True) -> list[ReplicaInfo]:
+                         now: datetime | None = None, prunable_only: bool = True,
+                         node: str | None = None) -> list[ReplicaInfo]:
         """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
         no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
         With ``prunable_only`` (default) also only those the prune guard would let go (another
-        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides."""
+        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides.
+        ``node``: only the replicas held by that node (the same ones the whole plan lists for it)."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
             return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(conn),
-                                       prunable_only=prunable_only)
+                                       prunable_only=prunable_only, node=node)
 
     def history(self, run: str, step: int) -> list[AuditEntry]:
         """(8) The checkpoint's audit trail, oldest first."""

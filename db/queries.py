@@ -146,6 +146,34 @@ def locations(conn: Connection, ckpt: Row) -> list[Location]:
     ]
 
 
+# --- a run's status page: bounded reads, whatever the run holds --------------------------------
+def newest_checkpoints(conn: Connection, run_id: int, limit: int) -> list[CheckpointInfo]:
+    """The run's ``limit`` checkpoints of highest step (any state), newest first: a walk down
+    ``(run_id, step)``."""
+    stmt = checkpoint_select().where(checkpoints.c.run_id == run_id).order_by(checkpoints.c.step.desc()).limit(limit)
+    return [to_checkpoint(r) for r in conn.execute(stmt)]
+
+
+def recorded_stalls(conn: Connection, run_id: int, limit: int) -> list[tuple[datetime, float]]:
+    """(created_at, writer_stall_seconds) of the run's ``limit`` checkpoints of highest step
+    that recorded a stall, newest first."""
+    stmt = (select(checkpoints.c.created_at, checkpoints.c.writer_stall_seconds)
+            .where(checkpoints.c.run_id == run_id, checkpoints.c.writer_stall_seconds.is_not(None))
+            .order_by(checkpoints.c.step.desc()).limit(limit))
+    return [(at, stall) for at, stall in conn.execute(stmt)]
+
+
+def complete_at(conn: Connection, checkpoint_ids: Sequence[int], tier: int) -> dict[int, datetime]:
+    """checkpoint id -> when the last of its parts was verified on ``tier`` (``locations``'
+    ``verified_at``), for those of ``checkpoint_ids`` complete on ``tier``: one query."""
+    stmt = (select(replicas.c.checkpoint_id, func.max(replicas.c.verified_at))
+            .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
+            .where(replicas.c.checkpoint_id.in_(checkpoint_ids), replicas.c.tier == tier,
+                   replicas.c.state == VERIFIED, _has_tier([tier]))
+            .group_by(replicas.c.checkpoint_id))
+    return {cid: at for cid, at in conn.execute(stmt) if at is not None}
+
+
 # --- (6) under-replicated --------------------------------------------------------------------
 def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, run_id: int | None,
                      limit: int | None) -> list[CheckpointInfo]:
@@ -166,7 +194,11 @@ def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, ru
 
 # --- (7) prune candidates --------------------------------------------------------------------
 def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, run_id: int | None, now: datetime,
-                     prunable_only: bool) -> list[ReplicaInfo]:
+                     prunable_only: bool, node: str | None = None) -> list[ReplicaInfo]:
+    """``node``: only that node's replicas (a node's reconcile prunes its own Tier 0). What a
+    run keeps is still decided over all of its replicas on the tier (keep the last N counts the
+    checkpoints on every node), so the rows read are those of the runs with a replica on
+    ``node``, not of every run on the tier."""
     if not policy.enabled:
         return []
     pinned = select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == checkpoints.c.id).exists()
@@ -176,14 +208,16 @@ def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, ru
                                         checkpoints.c.committed_at.label("ckpt_committed_at"),
                                         checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
     stmt = stmt.where(checkpoints.c.state == CKPT_COMMITTED)
-    if run_id is None:
-        stmt = stmt.where(replicas.c.tier == tier, replicas.c.state == VERIFIED)
+    if run_id is None and node is None:
+        rows = conn.execute(stmt.where(replicas.c.tier == tier, replicas.c.state == VERIFIED)).all()
     else:
-        # One run: drive from its checkpoints (run_id, step) and their replicas (checkpoint_id,
-        # tier, part); the replica's tier and state must not be index terms (``_filter_only``).
-        stmt = stmt.where(checkpoints.c.run_id == run_id, _filter_only(conn, replicas.c.tier) == tier,
-                          _filter_only(conn, replicas.c.state) == VERIFIED)
-    rows = conn.execute(stmt).all()
+        # Given runs: drive from their checkpoints (run_id, step) and their replicas
+        # (checkpoint_id, tier, part); the replica's tier and state must not be index terms
+        # (``_filter_only``).
+        ids = [run_id] if run_id is not None else _runs_on_node(conn, tier, node)
+        stmt = stmt.where(_filter_only(conn, replicas.c.tier) == tier, _filter_only(conn, replicas.c.state) == VERIFIED)
+        rows = [r for i in range(0, len(ids), 500)
+                for r in conn.execute(stmt.where(checkpoints.c.run_id.in_(ids[i:i + 500])))]
     by_run: dict[int, list[Row]] = defaultdict(list)
     for r in rows:
         by_run[r.run_id].append(r)
@@ -196,10 +230,18 @@ def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, ru
     doomed: list[Row] = []
     for rid, rs in by_run.items():
         keep = _kept_steps(rs, tier, policy, now) | {newest.get(rid)}
-        doomed += [r for r in rs if r.step not in keep and not r.held]
+        doomed += [r for r in rs if r.step not in keep and not r.held and (node is None or r.node == node)]
     if prunable_only:
         doomed = _with_other_copy(conn, doomed, tier)
     return [to_replica(r) for r in sorted(doomed, key=lambda r: (r.run_name, r.step, r.part))]
+
+
+def _runs_on_node(conn: Connection, tier: int, node: str | None) -> list[int]:
+    """Ids of the runs with a verified replica on ``tier`` held by ``node``."""
+    return sorted(conn.execute(
+        select(checkpoints.c.run_id).distinct()
+        .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
+        .where(replicas.c.tier == tier, replicas.c.state == VERIFIED, replicas.c.node == node)).scalars())
 
 
 def _kept_steps(rows: list[Row], tier: int, policy: RetentionPolicy, now: datetime) -> set[int]:

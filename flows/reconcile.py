@@ -130,7 +130,7 @@ def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps
     """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
     if not settings.retention(0).enabled:
         return
-    plan = [a for a in steps.plan_retention(settings, tiers=(0,)) if a.node == settings.node]
+    plan = steps.plan_retention(settings, tiers=(0,), node=settings.node)
     for action in apply_retention(settings, plan, prune=steps.prune, actor=actor):
         item = f"tier 0 {action.run}/{action.step} part {action.part}"
         if action.outcome == PRUNED:

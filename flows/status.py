@@ -2,8 +2,8 @@
 after every promotion, so the Prefect UI's Artifacts tab answers "where is this run?" at a
 glance: the newest verified step on each tier, how long checkpoints take to become durable
 (commit -> every part verified on Tier 1), the run's measured ΔMFU (the sizing model with its
-own writer stalls and save interval from the catalog) and the lineage chain of its newest
-checkpoint.
+own writer stalls and save interval from the catalog, over its newest ``STALL_WINDOW`` saves)
+and the lineage chain of its newest checkpoint. What it reads does not grow with the run.
 
 ``gather`` reads the catalog; ``status_markdown`` is a plain function of what it read
 (tested without Prefect); ``publish_run_status`` publishes it from inside a flow run.
@@ -22,6 +22,7 @@ from db.entities import LineageEdge
 TIERS = (0, 1, 2)
 TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
 RECENT = 20  # checkpoints looked at for the time to durable
+STALL_WINDOW = 1000  # the newest saves with a recorded stall that the measured ΔMFU covers
 
 
 @dataclass(frozen=True)
@@ -42,27 +43,29 @@ class RunStatus:
     lineage: list[LineageEdge] = field(default_factory=list)
     checkpoints: int = 0
     generated_at: datetime | None = None
+    stalls_windowed: bool = False  # the figure covers the newest saves only (the run recorded more)
 
 
 def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
-    """Everything the page shows, read from the catalog."""
+    """Everything the page shows, read from the catalog in a bounded number of queries, each
+    reading a bounded number of rows, however many checkpoints the run holds (it runs each time
+    a checkpoint becomes durable): the count, the newest ``RECENT`` checkpoints, their time to
+    durable in one query, and the stall figure over the newest ``STALL_WINDOW`` saves."""
     newest = []
     for tier in TIERS:
         c = cat.newest_verified(run, tier=tier)
         loc = next((x for x in cat.locations(run, c.step) if x.tier == tier), None) if c else None
         newest.append(TierNewest(tier, c.step if c else None, loc.verified_at if loc else None))
-    ckpts = sorted(cat.list_checkpoints(run), key=lambda c: c.step)
-    ttd = []
-    for c in ckpts[-RECENT:]:
-        start = c.committed_at or c.created_at
-        loc = next((x for x in cat.locations(run, c.step) if x.tier == 1), None)
-        if loc is not None and start is not None:
-            ttd.append((c.step, max(0.0, (loc.verified_at - start).total_seconds())))
-    figure = sizing.measured(run, [(c.created_at, c.writer_stall_seconds) for c in ckpts
-                                   if c.writer_stall_seconds is not None])
-    head = ckpts[-1].step if ckpts else None
+    recent = cat.newest_checkpoints(run, RECENT)[::-1]
+    durable = cat.complete_at([c.id for c in recent], 1)
+    ttd = [(c.step, max(0.0, (durable[c.id] - start).total_seconds())) for c in recent
+           if c.id in durable and (start := c.committed_at or c.created_at) is not None]
+    stalls = cat.recorded_stalls(run, STALL_WINDOW + 1)
+    figure = sizing.measured(run, stalls[:STALL_WINDOW])
+    head = recent[-1].step if recent else None
     lineage = cat.ancestors(run, head, max_depth=500) if head is not None else []
-    return RunStatus(run, newest, ttd, figure, head, lineage, len(ckpts), now)
+    return RunStatus(run, newest, ttd, figure, head, lineage, cat.count_checkpoints(run), now,
+                     stalls_windowed=len(stalls) > STALL_WINDOW)
 
 
 def _when(t: datetime | None) -> str:
@@ -91,7 +94,8 @@ def status_markdown(s: RunStatus) -> str:
     if f is None:
         out += ["- no writer stall recorded for this run"]
     else:
-        out += [f"- writer stall: median {sizing.fmt_seconds(f.median_stall_seconds)} over {f.checkpoints} save(s)"]
+        over = f"the last {f.checkpoints} saves" if s.stalls_windowed else f"{f.checkpoints} save(s)"
+        out += [f"- writer stall: median {sizing.fmt_seconds(f.median_stall_seconds)} over {over}"]
         if f.median_interval_seconds is not None and f.delta_mfu is not None:
             out += [f"- save interval: median {sizing.fmt_seconds(f.median_interval_seconds)}",
                     f"- **ΔMFU: {sizing.fmt_percent(f.delta_mfu)}** of compute spent stalled on checkpoints"]

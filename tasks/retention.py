@@ -49,16 +49,17 @@ class PruneAction:
 
 
 def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None,
-                   tiers: Sequence[int] = (0, 1, 2)) -> list[PruneAction]:
+                   tiers: Sequence[int] = (0, 1, 2), node: str | None = None) -> list[PruneAction]:
     """Per tier (of ``tiers``), the replicas its policy no longer keeps, each with what will
-    happen to it."""
+    happen to it. ``node``: of Tier 0, only the replicas on that node's NVMe (the catalog
+    selects them; what a run keeps is still decided over all of its Tier 0 replicas)."""
     plan: list[PruneAction] = []
     with open_catalog(settings.catalog_url) as cat:
         for tier in tiers:
             policy = settings.retention(tier)
             if not policy.enabled or not settings.tier_url(tier):
                 continue
-            for rep in cat.prune_candidates(tier, policy, run=run, now=now):
+            for rep in cat.prune_candidates(tier, policy, run=run, now=now, node=node if tier == 0 else None):
                 action = PruneAction(tier=tier, replica_id=rep.id, run=rep.run, step=rep.step,
                                      part=rep.part, node=rep.node, url=rep.url, bytes=rep.bytes)
                 plan.append(_annotate(cat, settings, action, policy.keep_milestones))

@@ -90,3 +90,81 @@ def test_late_event_template_renders_a_valid_event():
     assert ev["payload"] == {"run": "run-a", "step": 1200, "node": "gpu-7", "rpo_seconds": 900,
                              "completed_event": completed["id"], "completed_at": T0.isoformat()}
     assert ev["occurred"] == (T0 + timedelta(minutes=15)).isoformat()
+
+
+# --- gather: what the page reads from the catalog ---------------------------------------------
+def _filled_run(cat, run: str, n: int) -> None:
+    """``n`` checkpoints saving every 100 s with a stall of 1-3 s; the newest five verified on
+    Tier 1 (some time after their commit) and the newest on Tier 0."""
+    from core.manifest import FileEntry, Manifest
+    from tests.kit.catalog import verified
+
+    cat.ensure_run(run, actor="test")
+    cat.register_many([Manifest(run=run, step=10 * (i + 1), files=(FileEntry("f.bin", 10, "00000000"),),
+                                writer_stall_seconds=1.0 + i % 3,
+                                created_at=(T0 + timedelta(seconds=100 * i)).isoformat()) for i in range(n)],
+                      actor="test")
+    for c in cat.newest_checkpoints(run, 5):
+        verified(cat, c.id, 1)
+    verified(cat, cat.newest_checkpoints(run, 1)[0].id, 0)
+
+
+def _statements(cat, fn) -> int:
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def count(_conn, _cursor, statement, *_args) -> None:
+        seen.append(statement)
+
+    event.listen(cat.engine, "before_cursor_execute", count)
+    try:
+        fn()
+    finally:
+        event.remove(cat.engine, "before_cursor_execute", count)
+    return len(seen)
+
+
+def _gather_whole_run(cat, run: str) -> RunStatus:
+    """The page's figures read the way the page once did: every checkpoint of the run and one
+    ``locations`` per recent checkpoint (the reference for a small run)."""
+    from flows.status import RECENT, TIERS, gather
+
+    page = gather(cat, run)
+    ckpts = sorted(cat.list_checkpoints(run), key=lambda c: c.step)
+    ttd = []
+    for c in ckpts[-RECENT:]:
+        loc = next((x for x in cat.locations(run, c.step) if x.tier == 1), None)
+        if loc is not None:
+            ttd.append((c.step, max(0.0, (loc.verified_at - (c.committed_at or c.created_at)).total_seconds())))
+    figure = sizing.measured(run, [(c.created_at, c.writer_stall_seconds) for c in ckpts
+                                   if c.writer_stall_seconds is not None])
+    assert [n.tier for n in page.newest] == list(TIERS)
+    return RunStatus(run, page.newest, ttd, figure, ckpts[-1].step, cat.ancestors(run, ckpts[-1].step, max_depth=500),
+                     len(ckpts))
+
+
+def test_gather_reads_the_same_few_statements_however_large_the_run(catalog, monkeypatch):
+    from flows import status
+
+    monkeypatch.setattr(status, "STALL_WINDOW", 50, raising=False)
+    _filled_run(catalog, "small", 30)
+    _filled_run(catalog, "large", 300)
+    small = _statements(catalog, lambda: status.gather(catalog, "small"))
+    large = _statements(catalog, lambda: status.gather(catalog, "large"))
+    assert small == large <= 30  # not one or more per recent checkpoint (RECENT = 20: 60 more)
+    page = status.gather(catalog, "large")
+    assert page.checkpoints == 300 and page.newest_step == 3000 and len(page.time_to_durable) == 5
+    assert page.figure is not None and page.figure.checkpoints == 50
+    assert "median 2.00 s over the last 50 saves" in status_markdown(page)
+    assert "over 30 save(s)" in status_markdown(status.gather(catalog, "small"))
+
+
+def test_gather_of_a_small_run_matches_reading_the_whole_run(catalog):
+    from flows.status import gather
+
+    _filled_run(catalog, "run-s", 30)
+    page = gather(catalog, "run-s")
+    assert page == _gather_whole_run(catalog, "run-s")
+    assert [s for s, _ in page.time_to_durable] == [260, 270, 280, 290, 300]
+    assert page.figure is not None and page.figure.checkpoints == 30 and page.figure.median_interval_seconds == 100

@@ -132,6 +132,29 @@ def test_prune_candidates_milestones_leave_once_archived_and_age_rule(catalog):
     assert all(r.tier == 0 and r.state == VERIFIED for r in catalog.prune_candidates(0, young, now=later))
 
 
+def test_prune_candidates_of_one_node_are_its_share_of_the_whole_plan(catalog):
+    """Run r's Tier 0 copies: steps 1-3 on node-a, 4-6 on node-b (all also on Tier 1); run q
+    only on node-b. Keep the last 3 counts every node's copies: node-a lets all three go."""
+    def on_node(ck, node):
+        claim = catalog.claim_copy(ck.id, 0, 0, f"file:///t0/{ck.id}", node=node, actor="t")
+        catalog.transition(claim.replica.id, VERIFIED, expected="copying", claim_token=claim.replica.claim_token,
+                           actor="t", bytes=2000)
+        verified(catalog, ck.id, 1)
+
+    for run in ("r", "q"):
+        catalog.ensure_run(run)
+        for step in range(1, 7):
+            on_node(catalog.register_part(manifest(run, step), actor="t"), "node-a" if run == "r" and step < 4
+                    else "node-b")
+    policy = RetentionPolicy(keep_last=3)
+    whole = catalog.prune_candidates(0, policy)
+    assert _steps(whole) == [("q", 1), ("q", 2), ("q", 3), ("r", 1), ("r", 2), ("r", 3)]
+    for node in ("node-a", "node-b", "node-c"):
+        assert catalog.prune_candidates(0, policy, node=node) == [r for r in whole if r.node == node]
+    assert _steps(catalog.prune_candidates(0, policy, node="node-a")) == [("r", 1), ("r", 2), ("r", 3)]
+    assert _steps(catalog.prune_candidates(0, policy, run="r", node="node-b")) == []
+
+
 # (8) -------------------------------------------------------------------------------------------
 def test_history_is_the_checkpoints_audit_trail_oldest_first(catalog):
     ck = checkpoint(catalog, "r", 1)
