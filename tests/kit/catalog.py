@@ -4,12 +4,35 @@ and a way to bring a replica into any state through legal moves only."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from core.manifest import FileEntry, Manifest, ParentRef
 from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, PENDING, PRUNED, PRUNING, VERIFIED
+
+
+@contextmanager
+def at_revision(url: str, revision: str) -> Iterator[tuple]:
+    """A catalog migrated only up to ``revision`` (an old release's): yields a connection in one
+    transaction and the tables as they were then, to fill with that release's rows."""
+    import sqlalchemy as sa
+
+    from db.migrate import upgrade_connection
+    from db.session import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            upgrade_connection(conn, revision)
+        with engine.begin() as conn:
+            md = sa.MetaData()
+            md.reflect(conn)
+            yield conn, md.tables
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture

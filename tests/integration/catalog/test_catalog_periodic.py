@@ -16,10 +16,8 @@ from sqlalchemy import event
 from core.settings import MilestonePolicy
 from db import queries
 from db.catalog import Catalog, upgrade
-from db.migrate import upgrade_connection
 from db.rows import runs
-from db.session import make_engine
-from tests.kit.catalog import manifest, verified
+from tests.kit.catalog import at_revision, manifest, verified
 
 
 def _register(cat: Catalog, run: str, step: int, *, tags: dict | None = None, **kw):
@@ -98,26 +96,17 @@ def test_newest_complete_step_per_run_walks_each_run_not_the_catalog(sqlite_url)
 
 def test_upgrade_marks_the_milestones_of_an_existing_catalog(db_url):
     now = datetime(2026, 11, 30, tzinfo=UTC)
-    engine = make_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            upgrade_connection(conn, "0005")
-        with engine.begin() as conn:
-            md = sa.MetaData()
-            md.reflect(conn)
-            t = md.tables
-            conn.execute(t["runs"].insert(), [dict(id=1, name="old", created_at=now, tags={})])
-            rows = [(1, "milestone", {}), (2, "epoch", {}), (3, "step", {"milestone": "True"}),
-                    (4, "step", {"note": "no milestone here"}), (5, "step", {}), (6, "epoch", {"milestone": "1"})]
-            conn.execute(t["checkpoints"].insert(), [dict(
-                id=i, run_id=1, step=i, kind=kind, state="committed", format="safetensors", parts=1,
-                parts_registered=1, total_bytes=1, file_count=0, metrics={}, tags=tags, created_at=now,
-                committed_at=now, verified_tiers=2) for i, kind, tags in rows])
-            conn.execute(t["checkpoint_files"].insert(), [dict(  # rows that reference the checkpoints
-                id=i, checkpoint_id=i, part=0, path="model.safetensors", size=1, algorithm="crc32c",
-                checksum="0badf00d") for i, _, _ in rows])
-    finally:
-        engine.dispose()
+    with at_revision(db_url, "0005") as (conn, t):
+        conn.execute(t["runs"].insert(), [dict(id=1, name="old", created_at=now, tags={})])
+        rows = [(1, "milestone", {}), (2, "epoch", {}), (3, "step", {"milestone": "True"}),
+                (4, "step", {"note": "no milestone here"}), (5, "step", {}), (6, "epoch", {"milestone": "1"})]
+        conn.execute(t["checkpoints"].insert(), [dict(
+            id=i, run_id=1, step=i, kind=kind, state="committed", format="safetensors", parts=1,
+            parts_registered=1, total_bytes=1, file_count=0, metrics={}, tags=tags, created_at=now,
+            committed_at=now, verified_tiers=2) for i, kind, tags in rows])
+        conn.execute(t["checkpoint_files"].insert(), [dict(  # rows that reference the checkpoints
+            id=i, checkpoint_id=i, part=0, path="model.safetensors", size=1, algorithm="crc32c",
+            checksum="0badf00d") for i, _, _ in rows])
     upgrade(db_url)
     cat = Catalog(db_url)
     try:

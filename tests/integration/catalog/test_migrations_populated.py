@@ -6,44 +6,33 @@ from __future__ import annotations
 
 from datetime import datetime, UTC
 
-import sqlalchemy as sa
-
 from db.catalog import Catalog, upgrade
-from db.migrate import head_revision, upgrade_connection
-from db.session import make_engine
+from db.migrate import head_revision
+from tests.kit.catalog import at_revision
 
 
 def _populate_at_0001(url: str) -> None:
     now = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            upgrade_connection(conn, "0001")
-        with engine.begin() as conn:
-            md = sa.MetaData()
-            md.reflect(conn)
-            t = md.tables
-            conn.execute(t["runs"].insert(), [dict(id=1, name="run-old", created_at=now, tags={})])
-            conn.execute(t["checkpoints"].insert(), [dict(
-                id=1, run_id=1, step=100, kind="step", state="complete", format="hf-sharded", parts=1,
-                parts_registered=1, total_bytes=4096, file_count=1, metrics={"loss": 1.5}, tags={},
-                created_at=now, committed_at=now, verified_tiers=2)])
-            conn.execute(t["checkpoint_files"].insert(), [dict(
-                id=1, checkpoint_id=1, part=0, path="model.safetensors", size=4096, algorithm="crc32c",
-                checksum="0badf00d")])
-            rows = [dict(id=i + 1, checkpoint_id=1, tier=tier, part=0, node="node-0" if tier == 0 else None,
-                         url=f"file:///tier{tier}/run-old/step-00000100", state="verified", bytes=4096,
-                         verified_at=now, created_at=now, updated_at=now) for i, tier in enumerate((0, 1))]
-            conn.execute(t["replicas"].insert(), rows)
-            if "checkpoint_parts" in t:
-                conn.execute(t["checkpoint_parts"].insert(), [dict(
-                    checkpoint_id=1, part=0, node="node-0", manifest_digest="d" * 64, bytes=4096, file_count=1,
-                    registered_at=now)])
-            conn.execute(t["audit_log"].insert(), [dict(
-                id=1, at=now, actor="old-release", subject="checkpoint:run-old/100", action="register",
-                run="run-old", step=100)])
-    finally:
-        engine.dispose()
+    with at_revision(url, "0001") as (conn, t):
+        conn.execute(t["runs"].insert(), [dict(id=1, name="run-old", created_at=now, tags={})])
+        conn.execute(t["checkpoints"].insert(), [dict(
+            id=1, run_id=1, step=100, kind="step", state="complete", format="hf-sharded", parts=1,
+            parts_registered=1, total_bytes=4096, file_count=1, metrics={"loss": 1.5}, tags={},
+            created_at=now, committed_at=now, verified_tiers=2)])
+        conn.execute(t["checkpoint_files"].insert(), [dict(
+            id=1, checkpoint_id=1, part=0, path="model.safetensors", size=4096, algorithm="crc32c",
+            checksum="0badf00d")])
+        rows = [dict(id=i + 1, checkpoint_id=1, tier=tier, part=0, node="node-0" if tier == 0 else None,
+                     url=f"file:///tier{tier}/run-old/step-00000100", state="verified", bytes=4096,
+                     verified_at=now, created_at=now, updated_at=now) for i, tier in enumerate((0, 1))]
+        conn.execute(t["replicas"].insert(), rows)
+        if "checkpoint_parts" in t:
+            conn.execute(t["checkpoint_parts"].insert(), [dict(
+                checkpoint_id=1, part=0, node="node-0", manifest_digest="d" * 64, bytes=4096, file_count=1,
+                registered_at=now)])
+        conn.execute(t["audit_log"].insert(), [dict(
+            id=1, at=now, actor="old-release", subject="checkpoint:run-old/100", action="register",
+            run="run-old", step=100)])
 
 
 def test_upgrade_from_0001_keeps_a_populated_catalog(db_url):
