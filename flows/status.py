@@ -1,6 +1,6 @@
 """The per-run status artifact: one markdown page per run (key ``run-<name>``), republished
-after every promotion, so the Prefect UI's Artifacts tab answers "where is this run?" at a
-glance: the newest verified step on each tier, how long checkpoints take to become durable
+each time one of its checkpoints becomes durable, so the Prefect UI's Artifacts tab answers
+"where is this run?" at a glance: the newest verified step on each tier, how long checkpoints take to become durable
 (commit -> every part verified on Tier 1), the run's measured ΔMFU (the sizing model with its
 own writer stalls and save interval from the catalog, over its newest ``STALL_WINDOW`` saves)
 and the lineage chain of its newest checkpoint. What it reads does not grow with the run.
