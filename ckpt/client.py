@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Self
 
 from ckpt.announce import Announcer, RunRegistration
-from ckpt.space import Tier0Space, tensors_needed
+from ckpt.space import Tier0Space, state_needed
 from core.errors import BadInput, ConflictError
 from core.layout import checkpoint_dirname
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
-from core.space import Reading, state_bytes
+from core.space import Reading
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class CheckpointStager:
             self._raise_background_error()
             return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
         self._raise_background_error()
-        needed = tensors_needed(state_bytes(tensors_or_folder), len(tensors_or_folder))
+        needed = state_needed(tensors_or_folder)
         if self._writer is None:
             self.space.ensure_room(self.run, step, needed)
             arrays = {k: stw.as_host_array(v) for k, v in tensors_or_folder.items()}

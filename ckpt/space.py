@@ -28,7 +28,7 @@ from pathlib import Path
 from core.errors import StorageFull
 from core.settings import Settings
 from core.sizing import fmt_bytes
-from core.space import Reading, free_bytes, headroom
+from core.space import Reading, free_bytes, headroom, state_size
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ def tensors_needed(data_bytes: int, tensors: int) -> int:
     """What a save of ``tensors`` arrays of ``data_bytes`` in all takes on disk, with headroom
     for headers, index, manifest and block rounding."""
     return data_bytes + tensors * TENSOR_OVERHEAD_BYTES + FILES_OVERHEAD_BYTES
+
+
+def state_needed(state: object) -> int:
+    """``tensors_needed`` of the arrays in a trainer's state (a state dict, a Lightning
+    checkpoint dict, nested as they come)."""
+    return tensors_needed(*state_size(state))
 
 
 class Tier0Space:

@@ -2,7 +2,7 @@
 
 - ``free_bytes(path)``: one ``statvfs`` of the nearest existing folder at or above ``path``
   (the bytes an unprivileged writer may still use). This is all a save pays on its hot path.
-- ``state_bytes(obj)``: the bytes of the arrays in a state (a dict of tensors, nested dicts and
+- ``state_size(obj)``: the bytes (and number) of the arrays in a state (a dict of tensors, nested dicts and
   lists as trainers hand them over), so a save knows its size before writing it.
 - ``Headroom``: whether a tier's free space is below a few checkpoints' worth, reported once
   per crossing (a save that crosses the line says so; the saves after it, still below, do not;
@@ -34,19 +34,28 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 
 def state_bytes(obj: object) -> int:
-    """The bytes of every array in ``obj``: numpy arrays and anything with ``nbytes``, torch
-    tensors (``numel() * element_size()``), inside mappings, lists and tuples; other values
-    count 0 (scalars, strings: what a trainer adds is small beside the tensors)."""
+    """The bytes of every array in ``obj`` (see ``state_size``)."""
+    return state_size(obj)[0]
+
+
+def state_size(obj: object) -> tuple[int, int]:
+    """(bytes, arrays) of every array in ``obj``: numpy arrays and anything with an integer
+    ``nbytes``, torch tensors (``numel() * element_size()``; a DTensor by its local shard, what
+    this process writes), inside mappings, lists and tuples. Other values count 0 (scalars,
+    strings: what a trainer adds is small beside the tensors)."""
     if isinstance(obj, Mapping):
-        return sum(state_bytes(v) for v in obj.values())
+        obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
+        sizes = [state_size(v) for v in obj]
+        return sum(b for b, _ in sizes), sum(n for _, n in sizes)
+    if callable(getattr(obj, "to_local", None)):
+        obj = obj.to_local()  # type: ignore[attr-defined]
     nbytes = getattr(obj, "nbytes", None)
     if isinstance(nbytes, int):
-        return nbytes
+        return nbytes, 1
     if callable(getattr(obj, "element_size", None)) and callable(getattr(obj, "numel", None)):
-        return int(obj.numel()) * int(obj.element_size())  # type: ignore[attr-defined]
-    return 0
+        return int(obj.numel()) * int(obj.element_size()), 1  # type: ignore[attr-defined]
+    return 0, 0
 
 
 @dataclass(frozen=True)
