@@ -131,3 +131,19 @@ def test_low_headroom_is_announced_once_per_crossing(settings_factory, tier0, mo
     assert res["ckpt.tier"] == "0" and res["ckpt.node"] == "node-0" and res["ckpt.run"] == RUN
     assert payload["threshold"] == 2 and 0 < payload["headroom_checkpoints"] < 2
     assert payload["free_bytes"] < 2 * payload["checkpoint_bytes"]
+
+
+def test_tier1_low_headroom_is_announced_once_by_the_promotion_that_crosses(settings_factory, db_url, tier0):
+    from core.events import announcing
+    from tests.kit.checkpoints import write_checkpoint
+    from tests.kit.pipeline import Recorder
+
+    tier1 = tier0("4m")  # here the small tmpfs is Tier 1
+    settings = pipeline_settings(settings_factory, db_url, tier1_url=str(tier1), tier_low_headroom_checkpoints=2.5)
+    rec = Recorder()
+    with announcing(rec):
+        for step in (100, 200, 300):  # 1 MiB each: after 200 fewer than 2.5 more fit
+            write_checkpoint(settings.tier0_url, RUN, step, shards=2, shard_bytes=512 * 1024)
+            promote(settings, RUN, step, steps=plain_steps())
+    low = [s for s in rec.seen if s[0] == events.TIER_LOW]
+    assert low == [(events.TIER_LOW, RUN, 200, 0, "tier1")]
