@@ -13,6 +13,11 @@ recorded in the manifest (``writer_stall_seconds``), so the catalog can report e
 real ΔMFU (see ``core.sizing``). With ``background=True`` the stall is only the copy of the
 tensors to host memory; the shards are written by a writer thread, in order.
 
+Before a save of tensors writes (and before a trainer integration's library writes:
+``ensure_room``), Tier 0 must have room for it (``ckpt.space``): else this node's Tier 0
+retention is asked for room and waited for, then ``StorageFull`` is raised with nothing
+written. Background writes still queued count as taken (whole, until they finish).
+
 Multi-node jobs: each node creates its stager with its ``part`` and ``parts`` (and its node
 label, default ``settings.node``); a part's files live under ``part-0000p/`` so that every
 part can sit in one checkpoint folder on Tier 1.
