@@ -25,6 +25,7 @@ part can sit in one checkpoint folder on Tier 1.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -39,13 +40,13 @@ from typing import Self
 
 from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
-from core.errors import BadInput, ConflictError
+from core.errors import BadInput, ConflictError, StorageFull
 from core.layout import checkpoint_dirname
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
-from core.space import Reading
+from core.space import Reading, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,12 @@ class CheckpointStager:
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)
+            except OSError as exc:  # room taken since the check (another writer): nothing published
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise StorageFull(f"Tier 0 at {self.root} ran out of space writing {self.run} step {step} "
+                                  f"(taken by another writer since the check?): {exc}; nothing was published",
+                                  free=free_bytes(self.root)) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
         if self.fsync:

@@ -147,3 +147,24 @@ def test_tier1_low_headroom_is_announced_once_by_the_promotion_that_crosses(sett
             promote(settings, RUN, step, steps=plain_steps())
     low = [s for s in rec.seen if s[0] == events.TIER_LOW]
     assert low == [(events.TIER_LOW, RUN, 200, 0, "tier1")]
+
+
+def test_room_taken_after_the_check_still_ends_in_storage_full_and_nothing_published(settings_factory, tier0,
+                                                                                     monkeypatch):
+    tier0 = tier0("1m")
+    settings = settings_factory(tier0_url=str(tier0))
+    monkeypatch.setattr(ckpt.space.Tier0Space, "ensure_room", lambda self, *a, **kw: 0)  # another writer won
+    with CheckpointStager(RUN, settings=settings, announce=False) as st, pytest.raises(StorageFull) as err:
+        st.save(100, tensors(1) | tensors(2) | {"extra": np.zeros(256 * 1024, dtype=np.float32)})
+    assert "nothing was published" in str(err.value) and "\n" not in str(err.value)
+    assert list((tier0 / RUN).iterdir()) == []  # the staging folder went too
+
+
+def test_without_a_catalog_the_save_still_fails_cleanly_with_the_numbers(settings_factory, tier0):
+    tier0 = tier0("1m")
+    settings = settings_factory(tier0_url=str(tier0), tier0_space_wait_seconds=0)  # catalog never created
+    with CheckpointStager(RUN, settings=settings, announce=False) as st, pytest.raises(StorageFull) as err:
+        st.save(100, tensors(1) | {"extra": np.zeros(256 * 1024, dtype=np.float32)})
+    assert err.value.waiting is None and "not known" in str(err.value)
+    assert err.value.free <= MiB < err.value.needed
+    assert not (tier0 / RUN).exists() or list((tier0 / RUN).iterdir()) == []
