@@ -49,6 +49,17 @@ def state_needed(state: object) -> int:
     return tensors_needed(*state_size(state))
 
 
+def ensure_room_for_folder(stager, step: int, folder: Path) -> None:
+    """Before ``folder`` is linked into Tier 0 for ``step`` (``ckpt commit``, ``ckpt watch``):
+    room for its bytes when they must be copied (another file system); nothing to check when
+    they are hard-linked (no byte written)."""
+    from ckpt.integrations import same_filesystem
+    from core.space import folder_bytes
+
+    if not same_filesystem(folder, stager.checkpoint_dir(step).parent):
+        stager.ensure_room(step, tensors_needed(folder_bytes(folder), 0))
+
+
 class Tier0Space:
     """Free-space checks of one stager's Tier 0 at ``root``. ``on_low(reading, run, step)``
     announces a crossing below the headroom line (the stager sends ``ckpt.tier.low``)."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +57,16 @@ def state_size(obj: object) -> tuple[int, int]:
     if callable(getattr(obj, "element_size", None)) and callable(getattr(obj, "numel", None)):
         return int(obj.numel()) * int(obj.element_size()), 1  # type: ignore[attr-defined]
     return 0, 0
+
+
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """The bytes of the regular files under ``folder`` (links not followed)."""
+    total = 0
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            st = os.lstat(os.path.join(dirpath, name))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,19 @@ def test_without_a_catalog_the_save_still_fails_cleanly_with_the_numbers(setting
     assert err.value.waiting is None and "not known" in str(err.value)
     assert err.value.free <= MiB < err.value.needed
     assert not (tier0 / RUN).exists() or list((tier0 / RUN).iterdir()) == []
+
+
+def test_ckpt_commit_of_a_folder_on_another_disk_checks_room_before_copying(settings_factory, tier0, tmp_path):
+    from safetensors.numpy import save_file
+
+    from ckpt.commit import commit_folder
+
+    tier0 = tier0("1m")
+    settings = settings_factory(tier0_url=str(tier0), tier0_space_wait_seconds=0)
+    job = tmp_path / "job-out"  # not the tmpfs: its files would be copied, not linked
+    job.mkdir()
+    save_file(tensors(1) | {"extra": np.zeros(256 * 1024, dtype=np.float32)}, str(job / "model.safetensors"))
+    with pytest.raises(StorageFull, match="run-a step 7 needs"):
+        commit_folder(job, RUN, 7, settings, announce=False)
+    assert not (tier0 / RUN).exists() or list((tier0 / RUN).iterdir()) == []
+    assert (job / "model.safetensors").is_file()  # the job's own folder as it was
