@@ -59,7 +59,7 @@ def state_size(obj: object) -> tuple[int, int]:
     return 0, 0
 
 
-def folder_bytes(folder: str | os.PathLike) -> int:
+def folder_bytes(folder: str | os.PathLike[str]) -> int:
     """The bytes of the regular files under ``folder`` (links not followed)."""
     total = 0
     for dirpath, _dirs, names in os.walk(folder):
