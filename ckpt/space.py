@@ -81,7 +81,8 @@ class Tier0Space:
     # --- short of room -----------------------------------------------------------------------
     def _make_room(self, run: str, step: int, needed: int, pending: int, free: int) -> int:
         t0 = time.monotonic()
-        deadline = t0 + self.settings.tier0_space_wait_seconds
+        retention_on = self.settings.retention(0).enabled
+        deadline = t0 + (self.settings.tier0_space_wait_seconds if retention_on else 0)  # off: nothing to wait for
         before = free
         log.warning("Tier 0 at %s: %s free, %s/%d needs %s; running this node's Tier 0 retention",
                     self.root, fmt_bytes(max(free, 0)), run, step, fmt_bytes(needed))
@@ -96,11 +97,12 @@ class Tier0Space:
                 break
             time.sleep(min(POLL_SECONDS, left))
         count, waiting = self._waiting()
+        tried = (f"retention of node {self.settings.node!r} freed {fmt_bytes(max(free - before, 0))} in "
+                 f"{time.monotonic() - t0:.0f} s (tier0_space_wait_seconds={self.settings.tier0_space_wait_seconds:g})"
+                 if retention_on else "Tier 0 retention is off (retention_tier0.enabled)")
         raise StorageFull(
-            f"Tier 0 at {self.root} has {fmt_bytes(max(free, 0))} free, {run} step {step} needs "
-            f"{fmt_bytes(needed)}: retention of node {self.settings.node!r} freed {fmt_bytes(max(free - before, 0))} "
-            f"in {time.monotonic() - t0:.0f} s (tier0_space_wait_seconds={self.settings.tier0_space_wait_seconds:g}); "
-            f"{_waiting_text(count, waiting)}; nothing of this save was written",
+            f"Tier 0 at {self.root} has {fmt_bytes(max(free, 0))} free, {run} step {step} needs {fmt_bytes(needed)}: "
+            f"{tried}; {_waiting_text(count, waiting)}; nothing of this save was written",
             free=max(free, 0), needed=needed, waiting=None if count is None else (count, waiting))
 
     def _retain(self) -> None:

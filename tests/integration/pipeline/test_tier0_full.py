@@ -184,3 +184,26 @@ def test_ckpt_commit_of_a_folder_on_another_disk_checks_room_before_copying(sett
         commit_folder(job, RUN, 7, settings, announce=False)
     assert not (tier0 / RUN).exists() or list((tier0 / RUN).iterdir()) == []
     assert (job / "model.safetensors").is_file()  # the job's own folder as it was
+
+
+def test_the_wait_for_room_is_bounded_by_the_setting(settings_factory, tier0, monkeypatch):
+    import time
+
+    tier0 = tier0("1m")
+    settings = settings_factory(tier0_url=str(tier0), tier0_space_wait_seconds=0.5)
+    monkeypatch.setattr(ckpt.space, "POLL_SECONDS", 0.05)
+    passes = []
+    monkeypatch.setattr(tier0_space, "retain_tier0_here", lambda s, *, actor: passes.append(actor) or [])
+    t0 = time.monotonic()
+    with CheckpointStager(RUN, settings=settings, announce=False) as st, pytest.raises(StorageFull) as err:
+        st.save(100, tensors(1) | {"extra": np.zeros(256 * 1024, dtype=np.float32)})
+    waited = time.monotonic() - t0
+    assert 0.5 <= waited < 30 and len(passes) >= 2 and set(passes) == {"stager:node-0"}
+    assert "tier0_space_wait_seconds=0.5" in str(err.value)
+
+    off = settings.model_copy(update={"retention_tier0": RetentionPolicy(enabled=False)})
+    passes.clear()
+    with CheckpointStager(RUN, settings=off, announce=False) as st, \
+            pytest.raises(StorageFull, match="retention is off"):
+        st.save(100, tensors(1) | {"extra": np.zeros(256 * 1024, dtype=np.float32)})
+    assert len(passes) == 1  # a look, no wait: nothing would free it
