@@ -86,7 +86,11 @@ def watch_headroom(settings: Settings, store: TierStore, tier: int, prefix: str,
     where = store.local_path(prefix)
     if where is None:
         return
-    reading = Reading(tier, free_bytes(where), ck.total_bytes, settings.tier_low_headroom_checkpoints)
+    try:
+        reading = Reading(tier, free_bytes(where), ck.total_bytes, settings.tier_low_headroom_checkpoints)
+    except OSError as exc:  # a warning's input; never a reason to fail a copy already verified
+        log.warning("free space of tier %d at %s not known: %s", tier, store.root_url, exc)
+        return
     if headroom(tier, store.root_url).crossed(reading):
         log.warning("tier %d at %s is low: %d bytes free, %.1f checkpoints of %s/%d (the line is %g)", tier,
                     store.root_url, reading.free_after, reading.headroom, ck.run, ck.step, reading.threshold)
