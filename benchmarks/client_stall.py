@@ -8,7 +8,9 @@ Full size by hand; CI runs only its ``--smoke`` form. For one checkpoint of ``--
 - client foreground: ``CheckpointStager.save`` (CRC32C while writing, fsync, manifest, rename);
 - client background: the stall of ``save(background=True)`` (host-memory snapshot only;
   its write then runs on a thread), for the first save (fresh memory) and from the second
-  on (the snapshot buffers of the finished write are reused).
+  on (the snapshot buffers of the finished write are reused);
+- the room check alone: what each save of tensors pays before it writes (``ensure_room``: the
+  tensors' size and one ``statvfs`` of Tier 0), the mean of 100 calls per round.
 Medians are printed with ratios against the plain baseline. Events and the catalog are off
 (``announce=False``): they never run on the training thread anyway.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +68,16 @@ def baseline(folder: Path, t: dict[str, np.ndarray], shard_bytes: int, fsync: bo
     return time.perf_counter() - t0
 
 
+def room_check(stager: CheckpointStager, step: int, t: dict[str, np.ndarray], calls: int = 100) -> float:
+    """Seconds per free-space check a save makes before writing (mean of ``calls``)."""
+    from ckpt.space import state_needed
+
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        stager.ensure_room(step, state_needed(t))
+    return (time.perf_counter() - t0) / calls
+
+
 def main() -> None:
     ap = bench_parser(__doc__, rounds=5)
     ap.add_argument("--mb", type=int, default=256)
@@ -79,6 +92,7 @@ def main() -> None:
                                          "ours: save", "ours: save(background), first save",
                                          "ours: save(background)")
     res: Times = {plain: [], fsynced: [], fore: [], first: [], back: []}
+    room: list[float] = []
     step = 0
     fg = CheckpointStager("bench", settings=settings, shard_bytes=shard, announce=False)
     bg = CheckpointStager("bench", settings=settings, shard_bytes=shard, announce=False, background=True)
@@ -92,6 +106,7 @@ def main() -> None:
             key = back if r else first
             res[key].append(bg.save(step, t).stall_seconds)  # steady state reuses the snapshot buffers
             bg.wait()  # training runs on; the write finishes before the next save
+            room.append(room_check(fg, step, t))
             for p in root.glob("[bf]*"):
                 shutil.rmtree(p)
             shutil.rmtree(root / "data" / "tier0", ignore_errors=True)
@@ -105,6 +120,9 @@ def main() -> None:
           res, plain, nbytes=nbytes)
     if args.rounds < 2:
         print(f"({back!r} from the second save on needs --rounds 2 or more)")
+    print(f"the room check alone (part of every save above): median {statistics.median(room) * 1e6:.1f} us, "
+          f"best {min(room) * 1e6:.1f} us, against {statistics.median(res[plain]) * 1e6:.0f} us for "
+          f"{plain!r} (median)")
     dcp_table(root, t, settings, args.rounds, cleanup=args.dir is None)
 
 

@@ -98,6 +98,8 @@ class Announcer:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
                     self._emit(job[1])
+                elif job[0] == "tier_low":
+                    self._emit_tier_low(*job[1:])
             except EventTooLarge as exc:  # a bug or a hostile payload: said loudly, never sent
                 log.error("checkpoint event refused, not sent: %s", exc)
             except Exception as exc:  # noqa: BLE001 - never into training
@@ -115,6 +117,12 @@ class Announcer:
         if not url:
             log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
         self.delivered.append((m.run, m.step, m.part, ok))
+
+    def _emit_tier_low(self, reading, run: str, step: int, part: int, parts: int, node: str) -> None:
+        url = prefect_api_url(self.settings)
+        if url:
+            events.emit_tier_low(reading, run, step, part=part, parts=parts, node=node, api_url=url,
+                                 retries=EMIT_RETRIES, backoff=EMIT_BACKOFF_SECONDS)
 
     def close(self, timeout: float) -> None:
         if not self.enabled:

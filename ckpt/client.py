@@ -13,6 +13,11 @@ recorded in the manifest (``writer_stall_seconds``), so the catalog can report e
 real ΔMFU (see ``core.sizing``). With ``background=True`` the stall is only the copy of the
 tensors to host memory; the shards are written by a writer thread, in order.
 
+Before a save of tensors writes (and before a trainer integration's library writes:
+``ensure_room``), Tier 0 must have room for it (``ckpt.space``): else this node's Tier 0
+retention is asked for room and waited for, then ``StorageFull`` is raised with nothing
+written. Background writes still queued count as taken (whole, until they finish).
+
 Multi-node jobs: each node creates its stager with its ``part`` and ``parts`` (and its node
 label, default ``settings.node``); a part's files live under ``part-0000p/`` so that every
 part can sit in one checkpoint folder on Tier 1.
@@ -20,6 +25,7 @@ part can sit in one checkpoint folder on Tier 1.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -33,12 +39,14 @@ from pathlib import Path
 from typing import Self
 
 from ckpt.announce import Announcer, RunRegistration
-from core.errors import BadInput, ConflictError
+from ckpt.space import Tier0Space, state_needed
+from core.errors import BadInput, ConflictError, StorageFull
 from core.layout import checkpoint_dirname
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
+from core.space import Reading, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,7 @@ class CheckpointStager:
         self._announcer = Announcer(self.settings, reg, enabled=announce)
         self._announcer.submit(("register",))
         self._writer = _Writer() if background else None
+        self.space = Tier0Space(self.settings, self.root, on_low=self._announce_low)
 
     # --- the training loop's calls -------------------------------------------------------
     def save(self, step: int, tensors_or_folder: Mapping[str, object] | str | os.PathLike, *,
@@ -139,14 +148,25 @@ class CheckpointStager:
         if isinstance(tensors_or_folder, (str, os.PathLike)):
             self._raise_background_error()
             return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
+        self._raise_background_error()
+        needed = state_needed(tensors_or_folder)
         if self._writer is None:
+            self.space.ensure_room(self.run, step, needed)
             arrays = {k: stw.as_host_array(v) for k, v in tensors_or_folder.items()}
             return self._commit(None, arrays, t0, **meta)
-        self._raise_background_error()
+        self.space.ensure_room(self.run, step, needed, pending=self._writer.pending_bytes)
         arrays = stw.snapshot(tensors_or_folder, reuse=self._writer.take_buffers())
         stall = time.perf_counter() - t0
-        fut = self._writer.submit(lambda: self._commit(None, arrays, None, stall=stall, **meta), buffers=arrays)
+        fut = self._writer.submit(lambda: self._commit(None, arrays, None, stall=stall, **meta), buffers=arrays,
+                                  nbytes=needed)
         return PendingSave(step, stall, fut)
+
+    def ensure_room(self, step: int, nbytes: int) -> None:
+        """Check, before a library writes ``nbytes`` of ``step`` into Tier 0 itself (a trainer
+        integration: DCP, the HF Trainer, Lightning), that they fit: this node's Tier 0
+        retention runs and is waited for when they do not (``settings.tier0_space_wait_seconds``),
+        then ``StorageFull``. ``save`` of tensors checks by itself."""
+        self.space.ensure_room(self.run, step, nbytes, pending=self._writer.pending_bytes if self._writer else 0)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every background write; raise the first error one of them hit."""
@@ -177,6 +197,9 @@ class CheckpointStager:
     def checkpoint_dir(self, step: int) -> Path:
         return self.root / self.run / checkpoint_dirname(step)
 
+    def _announce_low(self, reading: Reading, run: str, step: int) -> None:
+        self._announcer.submit(("tier_low", reading, run, step, self.part, self.parts, self.node))
+
     def _raise_background_error(self) -> None:
         if self._writer and self._writer.error is not None:
             err, self._writer.error = self._writer.error, None
@@ -204,6 +227,12 @@ class CheckpointStager:
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)
+            except OSError as exc:  # room taken since the check (another writer): nothing published
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise StorageFull(f"Tier 0 at {self.root} ran out of space writing {self.run} step {step} "
+                                  f"(taken by another writer since the check?): {exc}; nothing was published",
+                                  free=free_bytes(self.root)) from exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
         if self.fsync:
@@ -272,15 +301,18 @@ class _Writer:
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
+        self.pending_bytes = 0  # of writes queued or running: not on disk yet, already promised
         self._q: queue.Queue = queue.Queue()
         self._spare: list = []
         self._lock = threading.Lock()
         self._t = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
         self._t.start()
 
-    def submit(self, fn, buffers=None) -> Future:
+    def submit(self, fn, buffers=None, nbytes: int = 0) -> Future:
         fut: Future = Future()
-        self._q.put((fn, fut, buffers))
+        with self._lock:
+            self.pending_bytes += nbytes
+        self._q.put((fn, fut, buffers, nbytes))
         return fut
 
     def take_buffers(self):
@@ -293,7 +325,7 @@ class _Writer:
             if item is None:
                 self._q.task_done()
                 return
-            fn, fut, buffers = item
+            fn, fut, buffers, nbytes = item
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait()/result()
@@ -301,10 +333,10 @@ class _Writer:
                 self.error = self.error or exc
                 fut.set_exception(exc)
             finally:
-                if buffers is not None:
-                    with self._lock:
-                        if len(self._spare) < self.SPARE_SETS:
-                            self._spare.append(buffers)
+                with self._lock:
+                    self.pending_bytes -= nbytes
+                    if buffers is not None and len(self._spare) < self.SPARE_SETS:
+                        self._spare.append(buffers)
                 self._q.task_done()
 
     def drain(self, timeout: float | None) -> None:

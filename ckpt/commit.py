@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckpt.announce import completed_payload, emit_completed, prefect_api_url
 from ckpt.client import CheckpointStager, SavedCheckpoint
+from ckpt.space import ensure_room_for_folder
 from ckpt.watch import link_tree
 from core import events
 from core.errors import BadInput
@@ -49,6 +50,7 @@ def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, mile
             final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / staging_name(final.name)
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of an interrupted commit
+            ensure_room_for_folder(stager, step, folder)
             try:
                 link_tree(folder, staging)
                 saved = stager.save(step, staging, milestone=milestone, epoch_end=epoch_end, parent=parent)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt.client import CheckpointStager, SavedCheckpoint
+from ckpt.space import ensure_room_for_folder
+from core.errors import StorageFull
 from core.formats import DCP_METADATA, HF_INDEX, hf_index_shards
 from core.layout import manifest_name
 from core.settings import Settings
@@ -138,11 +140,15 @@ class Watcher:
             final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / staging_name(final.name)
             try:
+                ensure_room_for_folder(self.stager, step, folder)
                 link_tree(folder, staging, skip={self.marker, self.milestone_marker})
                 saved = self.stager.save(step, staging, milestone=self.is_milestone(step, folder))
                 log.info("announced %s step %d (%s, %s, %d files)", self.run, step, why, saved.manifest.kind,
                          len(saved.manifest.files))
                 done.append(saved)
+            except StorageFull as exc:  # not the folder's fault: tried again at the next poll
+                self.seen.discard(step)
+                log.warning("no room on Tier 0 for %s (step %d) yet: %s", folder, step, exc)
             except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the watcher
                 log.error("cannot commit %s (step %d): %s", folder, step, exc)
             finally:

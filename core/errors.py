@@ -113,7 +113,16 @@ class CorruptCheckpoint(PermanentError):
 
 
 class StorageFull(PermanentError):
-    """The destination tier has no space left (ENOSPC / quota)."""
+    """The destination tier has no space left (ENOSPC / quota), or, raised by the training-side
+    stager before it writes a byte, would not have room for the checkpoint being saved even
+    after this node's Tier 0 retention ran. Then ``free`` and ``needed`` (bytes) and
+    ``waiting`` (checkpoints on this node's Tier 0 not yet promoted, whose copies retention
+    may not drop yet: ``(count, bytes)``) say why; None when not known."""
+
+    def __init__(self, message: str, *, free: int | None = None, needed: int | None = None,
+                 waiting: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.free, self.needed, self.waiting = free, needed, waiting
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -29,6 +29,7 @@ CORRUPT = "ckpt.checkpoint.corrupt"
 REJECTED = "ckpt.checkpoint.rejected"
 RESTORED = "ckpt.checkpoint.restored"
 LATE = "ckpt.checkpoint.late"  # completed, not durable within the RPO (emitted by the RPO automation)
+TIER_LOW = "ckpt.tier.low"  # a tier's free space fell below a few checkpoints' worth (once per crossing)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
 # default) after answering 204, so an event that big must never leave: ``build_event`` refuses
@@ -170,6 +171,22 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
             if attempt + 1 < retries:
                 time.sleep(backoff * (2**attempt))
     return False
+
+
+def tier_low_payload(reading: Any) -> dict[str, Any]:
+    """What ``ckpt.tier.low`` carries beside run/step/node: the tier and the numbers
+    (``reading`` is a ``core.space.Reading``)."""
+    return {"tier": reading.tier, "free_bytes": max(reading.free_after, 0),
+            "checkpoint_bytes": reading.checkpoint_bytes,
+            "headroom_checkpoints": round(max(reading.headroom, 0.0), 2), "threshold": reading.threshold}
+
+
+def emit_tier_low(reading: Any, run: str, step: int, *, node: str, **kw: Any) -> bool:
+    """``ckpt.tier.low`` for the save of ``run``/``step`` that took the tier below the line,
+    labelled ``ckpt.tier`` and ``ckpt.node`` (what an automation or the UI's filter matches);
+    other keywords as ``emit``."""
+    return emit(TIER_LOW, run, step, node=node, payload=tier_low_payload(reading), labels={"tier": reading.tier},
+                extra_id=f"tier{reading.tier}", **kw)
 
 
 # --- announcing from pipeline steps --------------------------------------------------------

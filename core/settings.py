@@ -116,6 +116,16 @@ class Settings(BaseSettings):
         default=120.0, gt=0,
         description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives",
     )
+    tier0_space_wait_seconds: float = Field(
+        default=60.0, ge=0,
+        description="a save that finds too little free space on Tier 0 runs this node's Tier 0 retention and "
+                    "waits up to this long (retention again every few seconds, as promotions make copies "
+                    "droppable) before it raises StorageFull, having written nothing; 0: one retention pass, "
+                    "no wait")
+    tier_low_headroom_checkpoints: float = Field(
+        default=3.0, ge=0,
+        description="when a tier's free space after a save falls below this many checkpoints of that size, "
+                    "a warning is logged and ckpt.tier.low is emitted (once per crossing, not per save); 0: off")
     retention_cron: str = "*/15 * * * *"
     scrub_cron: str = "0 3 * * *"
     scrub_fraction: float = Field(default=0.1, gt=0, le=1)

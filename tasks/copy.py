@@ -17,8 +17,9 @@ from core.errors import CopyInProgress
 from core.layout import checkpoint_prefix
 from core.progress import reporter
 from core.settings import Settings
-from db.entities import COPYING, CORRUPT, MISSING, VERIFIED
-from tasks.base import HopResult, delete_part, open_catalog, open_tier, registered_manifest, sweep_staging
+from core.storage.base import TierStore
+from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo
+from tasks.base import HopResult, delete_part, log, open_catalog, open_tier, registered_manifest, sweep_staging
 from tasks.claim import ClaimedCopy
 from tasks.verify import part_replica
 
@@ -66,12 +67,35 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
                                progress=held.progress(shown))
             held.verified(bytes=report.bytes, seconds=report.seconds,
                           reason=f"copied from tier {src_tier} and read back")
+        watch_headroom(settings, dst, dst_tier, prefix, ck, part=part, node=node)
     event = events.PROMOTED if dst_tier == 1 else events.VERIFIED
     events.announce(event, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{dst_tier}",
                     payload={"tier": dst_tier, "bytes": report.bytes, "seconds": round(report.seconds, 3),
                              "url": url})
     return HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
                      seconds=report.seconds, skipped=False)
+
+
+def watch_headroom(settings: Settings, store: TierStore, tier: int, prefix: str, ck: CheckpointInfo, *,
+                   part: int, node: str) -> None:
+    """A local destination tier whose free space, now that this part landed, is below
+    ``settings.tier_low_headroom_checkpoints`` checkpoints of this size: a warning and
+    ``ckpt.tier.low`` once per crossing (per process). An object store has no such number."""
+    from core.space import Reading, free_bytes, headroom
+
+    where = store.local_path(prefix)
+    if where is None:
+        return
+    try:
+        reading = Reading(tier, free_bytes(where), ck.total_bytes, settings.tier_low_headroom_checkpoints)
+    except OSError as exc:  # a warning's input; never a reason to fail a copy already verified
+        log.warning("free space of tier %d at %s not known: %s", tier, store.root_url, exc)
+        return
+    if headroom(tier, store.root_url).crossed(reading):
+        log.warning("tier %d at %s is low: %d bytes free, %.1f checkpoints of %s/%d (the line is %g)", tier,
+                    store.root_url, reading.free_after, reading.headroom, ck.run, ck.step, reading.threshold)
+        events.announce(events.TIER_LOW, ck.run, ck.step, part=part, parts=ck.parts, node=node,
+                        payload=events.tier_low_payload(reading), labels={"tier": tier}, extra_id=f"tier{tier}")
 
 
 def copy_to_tier1(settings: Settings, run: str, step: int, part: int = 0, *,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt.integrations import staging_dir
+from core.errors import StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +55,30 @@ def async_save_and_commit(state_dict: dict[str, Any], stager, step: int, *,
                           **dcp_kwargs: Any) -> Future:
     """``dcp.async_save(state_dict)`` into a staging folder on Tier 0, then (once DCP's write has
     finished) ``stager.save(step, folder)`` on a commit thread. Returns a Future of the
-    ``SavedCheckpoint``; it carries DCP's error or the commit's, if any. ``commit=False``:
+    ``SavedCheckpoint``; it carries DCP's error or the commit's, if any, and ``StorageFull``
+    when Tier 0 has no room for this process's state even after this node's Tier 0 retention
+    (then DCP was not started and nothing was written). ``commit=False``:
     this rank only writes (another rank of the node commits the shared ``staging`` folder).
     Other keywords go to ``dcp.async_save`` (``process_group``, ``async_checkpointer_type``...)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from ckpt.space import state_needed
+
     t0 = time.perf_counter()
+    out: Future = Future()
+    try:
+        stager.ensure_room(step, state_needed(state_dict))
+    except StorageFull as exc:  # reported as DCP reports a failed write: on the future
+        log.error("dcp.async_save of %s step %d not started: %s", stager.run, step, exc)
+        out.stall_seconds = time.perf_counter() - t0  # type: ignore[attr-defined]
+        out.set_exception(exc)
+        return out
     folder = Path(staging) if staging is not None else staging_dir(stager, step)
     dcp_kwargs.setdefault("no_dist", not (dist.is_available() and dist.is_initialized()))
     response = dcp.async_save(state_dict, checkpoint_id=str(folder), **dcp_kwargs)
     written: Future = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
     stall = time.perf_counter() - t0
-    out: Future = Future()
     out.stall_seconds = stall  # type: ignore[attr-defined]
 
     def _commit() -> None:

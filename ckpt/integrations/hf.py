@@ -21,6 +21,10 @@ manifest); ``trainer.train(resume_from_checkpoint=DIR)`` continues from step N, 
 ``TieringCallback(run="gpt-sft-2", resumed_from=DIR)`` records the new run's lineage
 (``resumed_from`` may also be ``(run, step)``).
 
+Room: before the Trainer writes a checkpoint, Tier 0 must have room for the model's and the
+optimizer's state (this node's Tier 0 retention is asked for it, and waited for); otherwise
+``trainer.train()`` raises ``StorageFull``, as it raises a failed save, and nothing is written.
+
 Needs ``pip install ckpt-tiering[hf]``. On multi-process jobs only the world's process zero
 commits (it is the one that writes the Trainer's checkpoint folder).
 """
@@ -77,6 +81,10 @@ class TieringCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._step_end = time.perf_counter()  # the Trainer saves right after this hook
+        self._ensure_room(state, control, kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._ensure_room(state, control, kwargs)  # an epoch-end save follows this hook
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -116,6 +124,22 @@ class TieringCallback(TrainerCallback):
         if self.commits is not None:
             self.commits.close()
             self.commits = None
+
+    def _ensure_room(self, state, control, hooks: dict[str, Any]) -> None:
+        """Before the Trainer writes a checkpoint (``control.should_save``, set by the Trainer's
+        own flow callback, which runs first): room on Tier 0 for the model's and optimizer's
+        state, or ``StorageFull`` out of ``trainer.train()``, the way the Trainer reports a
+        failed save, with nothing written."""
+        if not (control.should_save and state.is_world_process_zero):
+            return
+        from ckpt.space import state_needed
+
+        if self.commits is None:
+            self.commits = BackgroundCommits(self._make_stager())
+        model, optimizer = hooks.get("model"), hooks.get("optimizer")
+        saved_state = {"model": model.state_dict() if model is not None else {},
+                       "optimizer": optimizer.state_dict().get("state", {}) if optimizer is not None else {}}
+        self.commits.stager.ensure_room(int(state.global_step), state_needed(saved_state))
 
     def _make_stager(self):
         from ckpt.client import CheckpointStager

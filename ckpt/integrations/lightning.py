@@ -14,7 +14,9 @@ file system; copied otherwise) and the CRC32C pass, the manifest and the announc
 thread of their own. The job stalls for Lightning's save plus one link. A name Lightning
 writes again (``last.ckpt``) is unlinked first, so the committed copy's bytes never change.
 A step is committed once: the second file of the same step (``last.ckpt`` beside
-``epoch=0-step=N.ckpt``) is the same state.
+``epoch=0-step=N.ckpt``) is the same state. Before Lightning writes, Tier 0 must have room for
+the checkpoint (this node's Tier 0 retention is asked for it, and waited for): otherwise the
+save raises ``StorageFull``, as Lightning raises a failed write, before a byte is written.
 
 Resuming: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
 with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the
@@ -58,19 +60,25 @@ class TieringCheckpointIO(TorchCheckpointIO):
         self._committed: set[int] = set()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        """Lightning's write, then the commit; before the write, Tier 0 must have room for the
+        checkpoint (``CheckpointStager.ensure_room``): ``StorageFull`` otherwise, raised out of
+        the save as Lightning raises a failed write, with nothing written."""
+        from ckpt.space import state_needed
+
         t0 = time.perf_counter()
         target = Path(path)
-        if target.is_file() or target.is_symlink():
-            target.unlink()  # a new inode: a committed hard link keeps its bytes
-        super().save_checkpoint(checkpoint, path, storage_options)
         step = int(checkpoint.get("global_step", 0))
-        if step in self._committed:
-            return
         if self.commits is None:
             from ckpt.client import CheckpointStager
 
             self.commits = BackgroundCommits(CheckpointStager(self.run, resumed_from=self.origin,
                                                               **self.stager_options))
+        self.commits.stager.ensure_room(step, state_needed(checkpoint))
+        if target.is_file() or target.is_symlink():
+            target.unlink()  # a new inode: a committed hard link keeps its bytes
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if step in self._committed:
+            return
         staging = staging_dir(self.commits.stager, step)
         if not link_or_copy(target, staging / target.name):
             log.warning("TieringCheckpointIO: %s is not on Tier 0's file system; the checkpoint was copied",
