@@ -179,7 +179,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
                 return found
     started = time.monotonic()
     moved = {p: _hydrate(cat, stores, ck, p, actor, notes) for p in wanted}
-    if target is None and stores.configured(1) and _local(stores, 1):
+    if target is None and _local(stores, 1, ck):
         found = _in_place(cat, stores, ck, 1, wanted, wide, files, verify, actor, notes)
         if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
             return _with_moved(found, moved, started, 2)
@@ -190,14 +190,15 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
 
 
 # --- in place --------------------------------------------------------------------------------
-def _local(stores: TierStores, tier: int) -> bool:
-    return stores.configured(tier) and stores.get(tier).local_path("") is not None
+def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
+    """Whether ``tier`` is a folder mounted here (its checkpoints can be read where they lie)."""
+    return stores.configured(tier) and stores.get(tier).local_path(checkpoint_prefix(ck.run, ck.step)) is not None
 
 
 def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:
     configured = {t for t in (0, 1, 2) if stores.configured(t)}
     return plan_sources(cat.replicas(ck.id), part, node=stores.settings.node, configured=configured,
-                        local={t for t in configured if _local(stores, t)})
+                        local={t for t in configured if _local(stores, t, ck)})
 
 
 def _in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, wanted: list[int],
