@@ -36,7 +36,7 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from db.catalog import Catalog
-from db.entities import VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
+from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
 
@@ -293,24 +293,31 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
     if not stores.configured(1):
         return 0
     deadline = time.monotonic() + 2 * settings.claim_lease_seconds
+    next_try = 0.0
     while True:
         srcs = _sources(cat, stores, ck, part)
         if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
             return 0
         tier2 = next(s for s in srcs if s.tier == 2)
+        row = next((r for r in cat.replicas(ck.id, 1) if r.part == part), None)
+        if row is not None and row.state == COPYING and time.monotonic() < next_try:
+            time.sleep(HYDRATION_POLL_S)  # another node is hydrating this part: wait for its claim
+            continue
         try:
             hop = copy_between_tiers(settings, ck.run, ck.step, part, src_tier=2, dst_tier=1, actor=actor)
         except CopyInProgress:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(HYDRATION_POLL_S)  # another node is hydrating this part: wait for its claim
+            # ask again (a lapsed claim is taken over) only now and then: each ask reads the manifest
+            next_try = time.monotonic() + settings.claim_lease_seconds / 5
             continue
         except (CorruptCheckpoint, NotFound) as exc:
             _mark(cat, tier2.replica, exc, actor, notes)
             return 0
-        if not hop.skipped:
-            notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
-        return hop.bytes if not hop.skipped else 0
+        if hop.skipped:
+            return 0
+        notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
+        return hop.bytes
 
 
 def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:
