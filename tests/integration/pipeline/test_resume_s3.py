@@ -156,3 +156,42 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_next_one_com
     assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
     assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
+
+
+def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
+    return scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket,
+                             s3_range_bytes=64 * 1024, s3_ranged_threshold=128 * 1024)
+
+
+def test_large_objects_come_as_parallel_ranged_gets_checked_as_a_whole(settings_factory, db_url, s3_bucket, proxy):
+    settings = ranged_settings(settings_factory, db_url, s3_bucket, proxy)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    proxy.seen.clear()
+
+    point = resume(on_node(settings, "node-x"), RUN)
+
+    assert point.path == str(tier1_dir(settings, RUN, 100)) and tree(point.path) == files
+    gets = [r for r in proxy.seen if r.method == "GET" and r.key.endswith("model-00001.bin")]
+    assert sorted(r.headers.get("range") for r in gets) == sorted(
+        f"bytes={o}-{min(o + 65536, 200_000) - 1}" for o in range(0, 200_000, 65536))
+    small = [r for r in proxy.seen if r.method == "GET" and r.key.endswith("optim/state.bin")]
+    assert [r.headers.get("range") for r in small] == [None]  # below the threshold: one GET
+
+
+def test_a_bad_object_fetched_in_ranges_publishes_nothing(settings_factory, db_url, s3_bucket, proxy):
+    from core.errors import NotFound
+    from tests.kit.s3 import corrupt_s3_object
+
+    settings = ranged_settings(settings_factory, db_url, s3_bucket, proxy)
+    save_milestone(settings)
+    lose_tier1(settings)
+    corrupt_s3_object(settings, RUN, 100, "model-00001.bin")
+
+    with pytest.raises(NotFound, match="no checkpoint has a good copy"):
+        resume(on_node(settings, "node-x"), RUN)
+
+    folder = tier1_dir(settings, RUN, 100)
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "corrupt"
+    assert not (folder / "manifest.json").exists() and not (folder / "model-00001.bin").exists()
+    assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
