@@ -37,7 +37,7 @@ from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
-from tasks.base import log, open_catalog, registered_manifest
+from tasks.base import HopResult, log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
 
 Verify = Literal["size", "full"]
@@ -287,37 +287,45 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
              notes: list[str]) -> int:
     """When the part's only fetchable copy is on Tier 2 and Tier 1 is configured, publish a
     verified Tier 1 copy first (one claim per cluster; the others wait for it). Bytes read now."""
-    from tasks.copy import copy_between_tiers
-
-    settings = stores.settings
     if not stores.configured(1):
         return 0
-    deadline = time.monotonic() + 2 * settings.claim_lease_seconds
+    srcs = _sources(cat, stores, ck, part)
+    if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
+        return 0
+    tier2 = next(s for s in srcs if s.tier == 2)
+    try:
+        hop = copy_when_free(cat, stores.settings, ck, part, src_tier=2, dst_tier=1, actor=actor)
+    except (CorruptCheckpoint, NotFound) as exc:
+        _mark(cat, tier2.replica, exc, actor, notes)
+        return 0
+    if hop.skipped:
+        return 0
+    notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
+    return hop.bytes
+
+
+def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int,
+                   dst_tier: int, actor: str) -> HopResult:
+    """``copy_between_tiers`` as a claimed copy, waiting while another worker holds the claim:
+    until it publishes (then: a skipped hop) or its lease lapses (then: taken over). Asks the
+    catalog every ``HYDRATION_POLL_S``; retries the claim (which reads the source's manifest)
+    only every fifth of a lease."""
+    from tasks.copy import copy_between_tiers
+
+    deadline = time.monotonic() + 2 * settings.claim_lease_seconds + 30.0
     next_try = 0.0
     while True:
-        srcs = _sources(cat, stores, ck, part)
-        if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
-            return 0
-        tier2 = next(s for s in srcs if s.tier == 2)
-        row = next((r for r in cat.replicas(ck.id, 1) if r.part == part), None)
+        row = next((r for r in cat.replicas(ck.id, dst_tier) if r.part == part), None)
         if row is not None and row.state == COPYING and time.monotonic() < next_try:
-            time.sleep(HYDRATION_POLL_S)  # another node is hydrating this part: wait for its claim
+            time.sleep(HYDRATION_POLL_S)
             continue
         try:
-            hop = copy_between_tiers(settings, ck.run, ck.step, part, src_tier=2, dst_tier=1, actor=actor)
+            return copy_between_tiers(settings, ck.run, ck.step, part, src_tier=src_tier, dst_tier=dst_tier,
+                                      node=settings.node, actor=actor)
         except CopyInProgress:
             if time.monotonic() > deadline:
                 raise
-            # ask again (a lapsed claim is taken over) only now and then: each ask reads the manifest
             next_try = time.monotonic() + settings.claim_lease_seconds / 5
-            continue
-        except (CorruptCheckpoint, NotFound) as exc:
-            _mark(cat, tier2.replica, exc, actor, notes)
-            return 0
-        if hop.skipped:
-            return 0
-        notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
-        return hop.bytes
 
 
 def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:
@@ -337,16 +345,12 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
                     moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
     claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
-    from tasks.copy import copy_between_tiers
-
-    settings = stores.settings
     done = []
     for p in wanted:
         t0 = time.monotonic()
         for src in [s for s in _sources(cat, stores, ck, p) if s.tier != 0]:
             try:
-                hop = copy_between_tiers(settings, ck.run, ck.step, p, src_tier=src.tier, dst_tier=0,
-                                         node=settings.node, actor=actor)
+                hop = copy_when_free(cat, stores.settings, ck, p, src_tier=src.tier, dst_tier=0, actor=actor)
             except (CorruptCheckpoint, NotFound) as exc:
                 _mark(cat, src.replica, exc, actor, notes)
                 continue

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks.resume import resume
-from tests.kit.checkpoints import expire_claims, open_catalog, replica_states
+from tests.kit.checkpoints import open_catalog, replica_states
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
 from tests.kit.s3_proxy import S3Proxy
 
@@ -133,15 +133,17 @@ resume(load_settings(), %r)
 """
 
 
-def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_next_one_completes(
+def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_one_completes(
         settings_factory, db_url, s3_bucket, s3_endpoint):
-    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 claim_lease_seconds=2.0)
     files = save_milestone(settings)
     lose_tier1(settings)
     node9 = on_node(settings, "node-9")
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
-           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint}
+           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
+           "CKPT_CLAIM_LEASE_SECONDS": "2"}
     proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
                           cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -149,9 +151,8 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_next_one_com
     folder = tier1_dir(settings, RUN, 100)
     assert not (folder / "manifest.json").exists()  # nothing committed: no reader trusts it
     assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # the dead worker's claim
-    expire_claims(settings)
 
-    point = resume(node9, RUN)
+    point = resume(node9, RUN)  # restarted at once: waits out the dead claim's lease, takes it over
 
     assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
