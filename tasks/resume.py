@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core.errors import BadInput, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
+from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
 from core.formats import DCP_METADATA, HF_INDEX
 from core.layout import checkpoint_dirname, checkpoint_prefix
 from core.paths import safe_run_name
@@ -132,10 +132,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
     if part is not None and (part < 0 or (parts is not None and part >= parts)):
         raise BadInput(f"part {part} out of range: the job has {parts} part(s)")
     target = Path(to).expanduser().absolute() if to is not None else None
-    if target is not None:
-        from tasks.restore import ensure_empty_target
-
-        ensure_empty_target(target)
+    if target is not None and (target.is_symlink() or (target.exists() and not target.is_dir())):
+        raise ConflictError(f"{target} exists and is not a folder; choose another destination")
     notes: list[str] = []
     assert settings.catalog_url is not None  # resolved by Settings
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
@@ -186,7 +184,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
         return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, actor, notes)
     dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
-    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, actor, notes)
+    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
 
 
 # --- in place --------------------------------------------------------------------------------
@@ -370,8 +368,9 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
 
 
 def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                     dest: Path, moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
-    """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place whole."""
+                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+    """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
+    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked)."""
     import shutil
     import uuid
 
@@ -380,8 +379,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
-        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide)
-        if found:  # an earlier resume into this folder left it complete
+        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify)
+        if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
         ensure_empty_target(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -413,10 +412,15 @@ def _quiet(_done: int, _label: str) -> None:
     return None
 
 
-def _check_folder(folder: Path, files: list[FileInfo]) -> bool:
+def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:
+    """Whether ``folder`` holds exactly these files as registered (sizes; CRC32C with ``full``)."""
+    from core.checksum import hash_file
+
     for f in files:
         p = folder / f.path
         if not p.is_file() or p.stat().st_size != f.size:
+            return False
+        if verify == "full" and hash_file(p) != (f.size, f.checksum):
             return False
     return True
 

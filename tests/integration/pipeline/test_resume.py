@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from core.errors import BadInput
+from core.errors import BadInput, ConflictError
 from tasks.resume import resume
 from tests.kit.checkpoints import ckpt_dir, replica_states, truncate, write_checkpoint
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
@@ -135,6 +135,11 @@ def test_into_a_folder_of_ones_choosing(settings, tmp_path):
     assert point.path == str(tmp_path / "here") and tree(point.path) == newest
     assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
     assert not [p for p in tmp_path.iterdir() if ".resume-" in p.name]
+    again = resume(settings, RUN, to=tmp_path / "here")  # the job restarted: the folder is still good
+    assert again.path == point.path and [(p.source, p.bytes_moved) for p in again.parts] == [("in place", 0)]
+    (tmp_path / "here" / "model.bin").write_bytes(b"other")
+    with pytest.raises(ConflictError, match="not empty"):
+        resume(settings, RUN, to=tmp_path / "here")
 
 
 def test_a_part_brings_the_index_another_part_holds(settings):
