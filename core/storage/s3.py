@@ -128,6 +128,8 @@ def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Ex
             return NotFound(f"{what} does not exist")
         if code in _PRECONDITION_CODES or status == 412:
             return ConflictError(f"{what}: precondition failed ({code})")
+        if code == "InvalidRange" or status == 416:  # a ranged read past the end: shorter than the manifest says
+            return CorruptCheckpoint(f"{what}: the object is shorter than the range asked for ({code or status})")
         if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
             return CorruptCheckpoint(f"{what}: the endpoint rejected the checksum ({code}: {exc})")
         return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
@@ -361,7 +363,7 @@ class S3Store(TierStore):
             if self._ranges is None:
                 self._ranges = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="s3-range")
             pool = self._ranges
-        futures = [pool.submit(self._read_range, key, fd, off, n, progress) for off, n in ranges]
+        futures = [pool.submit(self._read_range, key, fd, off, n, size, progress) for off, n in ranges]
         try:
             values = [f.result() for f in futures]
         except BaseException:
@@ -374,12 +376,16 @@ class S3Store(TierStore):
             value = crc.combine(value, v, n)
         return size, crc.to_hex(value)
 
-    def _read_range(self, key: str, fd: int, offset: int, length: int,
+    def _read_range(self, key: str, fd: int, offset: int, length: int, size: int,
                     progress: Callable[[int], None] | None) -> int:
         what = f"{self.url_for(key)} bytes {offset}-{offset + length - 1}"
         with s3_errors(what):
             resp = self.client.get_object(Bucket=self.bucket, Key=self._k(key),
                                           Range=f"bytes={offset}-{offset + length - 1}")
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        if total.isdigit() and int(total) != size:
+            resp["Body"].close()
+            raise CorruptCheckpoint(f"{self.url_for(key)}: {total} bytes stored, {size} expected", path=key)
         body = _Body(resp["Body"], what)
         value, got = 0, 0
         try:
