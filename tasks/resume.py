@@ -182,7 +182,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
         if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
-        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, actor, notes)
+        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
     dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
     return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
 
@@ -276,6 +276,8 @@ def check_file(store: TierStore, key: str, f: FileInfo, verify: Verify) -> None:
 def _mark(cat: Catalog, replica: ReplicaInfo, exc: BaseException, actor: str, notes: list[str]) -> None:
     state = classify_failure(exc) or "corrupt"
     mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
+    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s); trying the next copy",
+                replica.run, replica.step, replica.part, replica.tier, state, exc)
     notes.append(f"step {replica.step} part {replica.part}: tier {replica.tier} copy is {state} ({exc}); "
                  "marked in the catalog, trying the next copy")
 
@@ -340,19 +342,26 @@ def _tier0_is_ours(cat: Catalog, ck: CheckpointInfo, wanted: list[int], node: st
 
 
 def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                    moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
+                    moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
     claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
     done = []
+    files = cat.files(ck.id)
     for p in wanted:
         t0 = time.monotonic()
-        for src in [s for s in _sources(cat, stores, ck, p) if s.tier != 0]:
+        srcs = _sources(cat, stores, ck, p)
+        own = next((s for s in srcs if s.tier == 0), None)
+        if own is not None and _good(cat, stores.get(0), ck, own, files, verify, actor, notes):
+            done.append(PartResume(p, 0, IN_PLACE, 0, time.monotonic() - t0))  # this part is here already
+            continue
+        for src in [s for s in srcs if s.tier != 0]:
             try:
                 hop = copy_when_free(cat, stores.settings, ck, p, src_tier=src.tier, dst_tier=0, actor=actor)
             except (CorruptCheckpoint, NotFound) as exc:
                 _mark(cat, src.replica, exc, actor, notes)
                 continue
-            done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, hop.bytes + moved[p],
+            fetched = 0 if hop.skipped else hop.bytes  # skipped: another worker of this node just fetched it
+            done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, fetched + moved[p],
                                    time.monotonic() - t0))
             break
         else:
