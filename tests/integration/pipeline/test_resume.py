@@ -180,3 +180,30 @@ def test_cli_prints_the_resume_point(settings):
     assert (got["step"], got["path"]) == (100, str(tier0_dir(settings, RUN, 100)))
     assert got["parts"][0]["source"] == "in place"
     assert cli(["resume", RUN, "--part", "5", "--parts", "2"], settings).exit_code != 0
+
+
+def test_two_workers_of_one_node_resuming_at_once_fetch_once(settings_factory, db_url):
+    import threading
+
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1c-{os.getpid()}-{id(db_url)}")
+    newest = save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    barrier, points, errors = threading.Barrier(2), [], []
+
+    def worker():
+        barrier.wait()
+        try:
+            points.append(resume(settings, RUN))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    assert errors == [] and {p.path for p in points} == {str(tier0_dir(settings, RUN, 100))}
+    assert tree(tier0_dir(settings, RUN, 100)) == newest
+    assert sorted(p.parts[0].bytes_moved for p in points) == [0, 350_000]  # one fetched, the other waited for it
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
