@@ -173,12 +173,15 @@ def cli(args, settings):
 def test_cli_prints_the_resume_point(settings):
     out = cli(["resume", "nothing-yet", "--json"], settings)
     assert out.exit_code == 0 and json.loads(out.stdout) == {"run": "nothing-yet", "step": None}
+    out = cli(["resume", "nothing-yet"], settings)
+    assert out.exit_code == 0 and out.stdout == ""
     save(settings, 100)
     out = cli(["resume", RUN, "--json", "--verify", "full"], settings)
     assert out.exit_code == 0, out.output
     got = json.loads(out.stdout)
     assert (got["step"], got["path"]) == (100, str(tier0_dir(settings, RUN, 100)))
     assert got["parts"][0]["source"] == "in place"
+    assert cli(["resume", RUN], settings).stdout == str(tier0_dir(settings, RUN, 100)) + "\n"
     assert cli(["resume", RUN, "--part", "5", "--parts", "2"], settings).exit_code != 0
 
 
@@ -194,7 +197,7 @@ def test_two_workers_of_one_node_resuming_at_once_fetch_once(settings_factory, d
         barrier.wait()
         try:
             points.append(resume(settings, RUN))
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(2)]
