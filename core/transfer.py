@@ -5,7 +5,9 @@ A part is committed on a tier when its manifest is there. ``copy_part`` keeps th
 each file is streamed once (read -> CRC32C -> write) into a staging name, checked (local
 tiers read it back after fsync; S3 checks the server's full-object CRC32C), and published
 under its final name only on a match; the manifest is written last. A rerun after any crash
-skips the files already published and matching, so it resumes where it stopped.
+skips the files already published and matching, so it resumes where it stopped. A large file
+from a source that reads in ranges (S3) into a local destination is fetched as parallel ranged
+reads written at their offsets (``put_written``), checked by the combined CRC32C.
 """
 
 from __future__ import annotations

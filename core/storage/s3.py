@@ -15,6 +15,13 @@ Uploads (``put_verified``):
   bytes are a no-op success and different bytes a ``ConflictError``;
 - afterwards ``verify_object`` must find the manifest's CRC32C and size at the destination.
 
+Downloads: ``open_read`` is one GET stream. Objects of ``ranged_threshold`` bytes or more can be
+fetched with ``read_ranges_into``: ranged GETs of ``range_bytes`` (AWS's guidance: 8-16 MiB,
+one connection each, ``max_concurrency`` at once on the process's one client), each written at
+its offset as it streams and hashed on the way, the ranges' CRC32Cs combined into the object's
+(``core.checksum.combine``), so the bytes are read once. A range whose bounds, length or object
+size differ from what was asked is ``CorruptCheckpoint``.
+
 Verification (``verify_object``) trusts HeadObject's full-object CRC32C only where the endpoint
 is known to check the checksums it is sent (AWS S3 does). An endpoint that stores whatever
 checksum it receives (moto, some S3-compatible servers) merely echoes the client's value, so
