@@ -34,7 +34,7 @@ from typing import Any
 
 from prefect import flow
 
-from core.errors import CkptError, CopyInProgress, PruneRefused
+from core.errors import BadInput, CkptError, CopyInProgress, PruneRefused
 from core.events import announcing, emit
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings, load_settings
@@ -109,9 +109,9 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
     with open_catalog(settings.catalog_url) as cat:
         stuck = cat.expired_claims()
         for rep in [r for r in stuck if r.state == COPYING]:
-            if cat.expire_copy_claim(rep.id, actor=actor):
-                report.recovered.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: "
-                                        "stalled copy -> missing")
+            item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+            if _each(report, item, lambda rep=rep: cat.expire_copy_claim(rep.id, actor=actor)):
+                report.recovered.append(f"{item}: stalled copy -> missing")
     for rep in [r for r in stuck if r.state == PRUNING]:
         item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
         if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
@@ -121,8 +121,8 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
             report.recovered.append(f"{item}: stalled prune finished")
         except PruneRefused as exc:
             report.recovered.append(f"{item}: stalled prune given up: {exc}")
-        except CkptError as exc:
-            log.warning("reconcile: stalled prune of %s: %s", item, exc)
+        except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
+            log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError))
             report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
@@ -145,8 +145,8 @@ def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> No
         done.append(item)
     except CopyInProgress as exc:
         report.skipped.append(f"{item}: {exc}")
-    except CkptError as exc:
-        log.warning("reconcile: %s failed: %s", item, exc)
+    except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
@@ -154,10 +154,59 @@ def _todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int]]
           tier: int, grace_seconds: float) -> list[tuple[str, int, int, int]]:
     """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
     catalog's view of all of them in one set-based read (``promotion_status``), not queries per
-    part; a part's manifest is read only for the few that look wanted (``_rejected``)."""
-    status = cat.promotion_status([(run, step) for run, step, _, _ in found], older_than_seconds=grace_seconds)
-    return [p for p in found if _wanted(status.get((p[0], p[1])), p, report, tier=tier)
-            and not _rejected(cat, store, p, report, tier=tier)]
+    part; a part's manifest is read only for the few that look wanted (``_rejected``). A part
+    named out of range (``check_ref``) is listed and left alone; should the set-based read fail,
+    each part is read on its own, so one bad item fails only itself."""
+    found = [p for p in found if _named_in_range(p, report, tier=tier)]
+    status = _promotion_status(cat, found, report, tier=tier, grace_seconds=grace_seconds)
+    todo = []
+    for p in found:
+        if p[:2] not in status:
+            continue  # its read failed: listed by ``_promotion_status``
+        if _each(report, f"tier {tier} {p[0]}/{p[1]} part {p[2]}",
+                 lambda p=p: _wanted(status[p[:2]], p, report, tier=tier)
+                 and not _rejected(cat, store, p, report, tier=tier)):
+            todo.append(p)
+    return todo
+
+
+def _named_in_range(found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int) -> bool:
+    from core.layout import check_ref
+
+    run, step, part, parts = found
+    try:
+        check_ref(step, part, parts)
+        return True
+    except BadInput as exc:
+        report.skipped.append(f"tier {tier} {checkpoint_prefix(run, step)} part {part}: {exc}; folder left alone")
+        return False
+
+
+def _promotion_status(cat: Catalog, found: list[tuple[str, int, int, int]], report: ReconcileReport, *, tier: int,
+                      grace_seconds: float) -> dict[tuple[str, int], PromotionStatus | None]:
+    """(run, step) -> its status (None: unknown to the catalog) for every pair whose read worked."""
+    pairs = sorted({(p[0], p[1]) for p in found})
+    try:
+        got = cat.promotion_status(pairs, older_than_seconds=grace_seconds)
+        return {pair: got.get(pair) for pair in pairs}
+    except Exception as exc:  # noqa: BLE001 - one bad pair must not stop the pass: isolate it below
+        log.warning("reconcile: promotion status of %d checkpoints failed (%s); reading them one by one",
+                    len(pairs), exc)
+    out: dict[tuple[str, int], PromotionStatus | None] = {}
+    for pair in pairs:
+        _each(report, f"tier {tier} {pair[0]}/{pair[1]}", lambda pair=pair: out.__setitem__(
+            pair, cat.promotion_status([pair], older_than_seconds=grace_seconds).get(pair)))
+    return out
+
+
+def _each(report: ReconcileReport, item: str, fn: Any) -> Any:
+    """``fn()``, or None with the failure listed: any error of one item stays that item's."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the pass goes on; the error is reported and logged
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
+        report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _adoption_slice(cat: Catalog, tier1: TierStore, limit: int) -> list[tuple[str, int, int, int]]:
@@ -243,15 +292,21 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
                                      node=settings.node if tier == 0 else None)
             for copy in page:
                 rep = copy.replica
-                gone = _vanished(store, copy)
-                if gone is None:
-                    continue
-                try:
-                    cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
-                    report.missing.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: {gone}")
-                except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
-                    log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
+                _each(report, f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}",
+                      lambda copy=copy, store=store: _mark_if_vanished(cat, store, copy, report, actor=actor))
             cat.set_sweep_cursor(cursor, page[-1].replica.id if len(page) == limit else 0)
+
+
+def _mark_if_vanished(cat: Catalog, store: Any, copy: StoredCopy, report: ReconcileReport, *, actor: str) -> None:
+    rep = copy.replica
+    gone = _vanished(store, copy)
+    if gone is None:
+        return
+    try:
+        cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
+        report.missing.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: {gone}")
+    except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
+        log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
 
 
 def _vanished(store: Any, copy: StoredCopy) -> str | None:
