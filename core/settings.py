@@ -111,7 +111,9 @@ class Settings(BaseSettings):
     prune_evidence: Literal["read", "stat"] = Field(
         default="read",
         description="how a prune checks the copy that justifies it: 'read' reads its bytes back (a same-size "
-                    "bit flip scrub has not reached yet is found), 'stat' checks presence and sizes only")
+                    "bit flip scrub has not reached yet is found), 'stat' checks presence and sizes only while "
+                    "two or more other copies at least as durable are verified; a prune that would leave one "
+                    "reads it back whatever this says")
     claim_lease_seconds: float = Field(
         default=120.0, gt=0,
         description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives",
