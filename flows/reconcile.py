@@ -2,7 +2,8 @@
 
 Runs every few minutes on each node (and on demand). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
-   or verify) becomes ``missing`` so promotion acts again; one ``pruning`` past its lease is
+   or verify) is re-checked against its files, as a verify does: ``verified`` when they read
+   back whole, else ``missing`` (or ``corrupt``) so promotion acts again; one ``pruning`` past its lease is
    taken over by the guarded prune, which re-runs the whole guard and then finishes it or
    gives the copy back (Tier 0 only for this node's own NVMe);
 1. replicas the catalog calls ``verified`` whose manifest or files vanished (Tier 0 of this
@@ -34,7 +35,7 @@ from typing import Any
 
 from prefect import flow
 
-from core.errors import BadInput, CkptError, CopyInProgress, PruneRefused
+from core.errors import BadInput, CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
 from core.events import announcing, emit
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings, load_settings
@@ -50,6 +51,7 @@ from db.entities import (
     PRUNING,
     VERIFIED,
     PromotionStatus,
+    ReplicaInfo,
     StoredCopy,
 )
 from flows.archive import archive
@@ -108,12 +110,12 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
     claim that was settled or renewed meanwhile is left alone."""
     with open_catalog(settings.catalog_url) as cat:
         stuck = cat.expired_claims()
-        for rep in [r for r in stuck if r.state == COPYING]:
-            item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
-            if _each(report, item, lambda rep=rep: cat.expire_copy_claim(rep.id, actor=actor)):
-                report.recovered.append(f"{item}: stalled copy -> missing")
+        lapsed = [rep for rep in stuck if rep.state == COPYING
+                  and _each(report, _item(rep), lambda rep=rep: cat.expire_copy_claim(rep.id, actor=actor))]
+    for rep in lapsed:
+        report.recovered.append(f"{_item(rep)}: stalled copy -> {_recheck(settings, rep, steps=steps, actor=actor)}")
     for rep in [r for r in stuck if r.state == PRUNING]:
-        item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+        item = _item(rep)
         if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
             continue  # another node's NVMe: its own reconcile takes it over
         try:
@@ -124,6 +126,30 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
         except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
             log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError))
             report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+
+
+def _item(rep: ReplicaInfo) -> str:
+    return f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+
+
+def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) -> str:
+    """The state of a replica whose copy or verify claim lapsed, by its files: a killed verify
+    of an intact copy leaves a copy that is still there (and on Tier 0 would hold the node's
+    disk for good if it stayed ``missing``: retention prunes only verified copies), so it is
+    read back against its manifest like any verify; ``missing`` when it cannot be read here
+    (another node's NVMe: that node's reconcile re-checks it) or is not whole."""
+    if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
+        return "missing (re-checked by the node that holds it)"
+    try:
+        steps.verify(settings, rep.run, rep.step, rep.part, tier=rep.tier, node=rep.node or None, actor=actor)
+        return "verified (its files read back against the manifest)"
+    except CorruptCheckpoint as exc:
+        return f"corrupt ({exc})"
+    except NotFound as exc:
+        return f"missing ({exc})"
+    except CkptError as exc:  # could not be read now: missing, and the next promotion or pass acts on it
+        log.warning("reconcile: re-check of %s failed: %s", _item(rep), exc)
+        return f"missing (re-check failed: {type(exc).__name__}: {exc})"
 
 
 def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
