@@ -14,6 +14,9 @@ Runs every few minutes on each node (and on demand). In order:
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
    manifest, verified in place and recorded (a catalog restored from an older backup): a
    bounded share of Tier 1 per pass, run folder by run folder, in rotation;
+   then checkpoints complete on Tier 1 whose follow-ups (archive, durable event, status page,
+   retention) no promotion finished, because it was killed after recording the completion,
+   get them (``flows.promote.follow_up``, under the follow-ups' lease);
 4. milestones complete on Tier 1 but not on Tier 2 are archived;
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
@@ -29,6 +32,7 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,14 +54,17 @@ from db.entities import (
     PENDING,
     PRUNING,
     VERIFIED,
+    CheckpointInfo,
     PromotionStatus,
     ReplicaInfo,
     StoredCopy,
 )
 from flows.archive import archive
 from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
-from flows.promote import promote
+from flows.promote import PromoteResult, follow_up, promote
+from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier
+from tasks.record import claim_followups
 from tasks.retention import FAILED, PRUNED, apply_retention
 
 ADOPT_CURSOR = "reconcile-adopt:tier1"
@@ -69,6 +76,7 @@ class ReconcileReport:
     missing: list[str] = field(default_factory=list)  # 'tier T run/step part P'
     promoted: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
+    followed_up: list[str] = field(default_factory=list)  # follow-ups a killed promotion left, finished
     archived: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)  # this node's Tier 0, by retention
     skipped: list[str] = field(default_factory=list)  # with why
@@ -78,9 +86,9 @@ class ReconcileReport:
         return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
 
 
-def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
-                   grace_seconds: float = 0.0) -> ReconcileReport:
-    """One pass of the four sweeps above on this node."""
+def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
+                   on_durable: Callable[[PromoteResult], None] | None = None) -> ReconcileReport:
+    """One pass of the sweeps above on this node (``on_durable``: as for ``promote``)."""
     from core.transfer import find_committed
 
     report = ReconcileReport()
@@ -98,6 +106,9 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     for run, step, part, parts in todo1:
         _attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
+    for ck in _followups_due(settings, report, grace_seconds=grace_seconds):
+        _attempt(report, report.followed_up, f"{ck.run}/{ck.step}",
+                 lambda ck=ck: _follow_up(settings, ck, steps=steps, actor=actor, on_durable=on_durable))
     for run, step in archive_backlog(settings):
         _attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
@@ -126,6 +137,23 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
         except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
             log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError))
             report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+
+
+def _followups_due(settings: Settings, report: ReconcileReport, *, grace_seconds: float) -> list[CheckpointInfo]:
+    """Checkpoints complete on Tier 1 whose follow-ups no caller finished (one index read)."""
+    with open_catalog(settings.catalog_url) as cat:
+        return _each(report, "follow-ups backlog", lambda: cat.followups_due(
+            1, older_than_seconds=grace_seconds, limit=settings.reconcile_check_limit)) or []
+
+
+def _follow_up(settings: Settings, ck: CheckpointInfo, *, steps: Steps, actor: str,
+               on_durable: Callable[[PromoteResult], None] | None) -> None:
+    """Step 3b: run the follow-ups of a checkpoint complete on Tier 1 that nobody finished (its
+    promotion was killed after recording the completion), under their lease."""
+    if not claim_followups(settings, ck.id):
+        raise CopyInProgress(f"follow-ups of {ck.run}/{ck.step} taken by another caller meanwhile")
+    follow_up(settings, PromoteResult(ck.run, ck.step, 0, ck.parts, ck.id), steps=steps, node=settings.node,
+              actor=actor, on_durable=on_durable)
 
 
 def _item(rep: ReplicaInfo) -> str:
@@ -365,6 +393,7 @@ def reconcile(node: str | None = None) -> dict:
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
         report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
-                                grace_seconds=settings.reconcile_interval_seconds)
+                                grace_seconds=settings.reconcile_interval_seconds,
+                                on_durable=lambda result: publish_run_status(str(settings.catalog_url), result.run))
         publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
     return {k: list(v) for k, v in vars(report).items()}
