@@ -221,3 +221,26 @@ def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db
         assert [r.step for r in cat.prune_candidates(0, policy)] == []
     finally:
         cat.close()
+
+
+def test_scrub_repairs_tier1_rot_from_a_tier0_copy_under_a_live_prune_claim(settings):
+    """A dead pruner's lease is still live on the Tier 0 copy of step 100 when its Tier 1 copy
+    rots: reading that copy deletes nothing, so scrub repairs Tier 1 from it, and after the
+    lapse reconcile finishes the prune on the strength of the repaired copy."""
+    from tasks.scrub import scrub
+    from tests.kit.checkpoints import flip_bit, same_bytes
+
+    rid = _killed_prune(settings, 100, delete_manifest=False)
+    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[0])  # same size, wrong bytes
+
+    report = scrub(settings, fraction=1.0)
+
+    assert [(r.tier, r.source_tier, r.ok) for r in report.repairs if r.step == 100] == [(1, 0, True)], report.repairs
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruning", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    assert _tier0(settings, 100).id == rid
+
+    expire_claims(settings)
+    reconcile_once(settings, steps=plain_steps())
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
