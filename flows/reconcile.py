@@ -102,7 +102,8 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
-                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))
+                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node,
+                                 on_durable=on_durable, **kw))
     for run, step, part, parts in todo1:
         _attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))

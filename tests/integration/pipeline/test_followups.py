@@ -134,3 +134,10 @@ def test_a_milestone_s_archive_is_finished_by_the_retry(settings_factory, db_url
 
     assert retry.archive is not None and retry.archive.archived
     assert replica_states(settings, RUN, 200)[(2, 0)] == "verified"
+
+
+def test_a_checkpoint_reconcile_promotes_gets_its_follow_ups_there(settings):
+    seen = []
+    report = reconcile_once(settings, steps=plain_steps(), on_durable=lambda r: seen.append((r.run, r.step)))
+    assert report.promoted == [f"{RUN}/200 part 0"] and seen == [(RUN, 200)]  # the status page hook ran
+    assert report.followed_up == [] and _done_audits(settings, 200) == 1
