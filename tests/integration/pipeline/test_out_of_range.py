@@ -118,3 +118,10 @@ def test_one_item_whose_catalog_read_fails_fails_only_itself(settings_factory, d
     assert sorted(report.promoted) == ["run-a/100 part 0", "run-a/300 part 0"]
     assert len(report.failed) == 1 and "run-b/5" in report.failed[0] and "OverflowError" in report.failed[0]
     assert published_files(settings.tier1_url, "run-b", 5) == []  # not touched this pass
+
+
+def test_a_catalog_lookup_of_a_step_past_bigint_is_bad_input(settings_factory, db_url):
+    """``ckpt restore --step``, ``ckpt pin``, ``ckpt show``: one clear error, not the driver's."""
+    settings = pipeline_settings(settings_factory, db_url)
+    with Catalog(settings.catalog_url) as cat, pytest.raises(BadInput, match="out of range"):
+        cat.get_checkpoint(RUN, HUGE)
