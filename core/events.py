@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 COMPLETED = "ckpt.checkpoint.completed"  # training side: a part is committed on Tier 0
 VERIFIED = "ckpt.checkpoint.verified"
 PROMOTED = "ckpt.checkpoint.promoted"  # a part verified on Tier 1
-DURABLE = "ckpt.checkpoint.durable"  # every part verified on Tier 1 (once per checkpoint)
+DURABLE = "ckpt.checkpoint.durable"  # every part verified on Tier 1 (once per checkpoint; again only by
+# whoever finishes follow-ups a killed promotion left before recording them done)
 ARCHIVED = "ckpt.checkpoint.archived"  # verified on Tier 2
 PRUNED = "ckpt.checkpoint.pruned"
 CORRUPT = "ckpt.checkpoint.corrupt"

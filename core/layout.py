@@ -1,11 +1,12 @@
 """Where things live on every tier: the one owner of the key, prefix and manifest-name rules.
 
-A checkpoint of run ``R`` at step ``S`` lives under ``<tier root>/R/step-<S>/`` with ``S``
-zero-padded to at least 8 digits (``step-00001200``; steps of 100,000,000 and above simply
-have more digits). A checkpoint written by N nodes has N parts side by side in that folder,
-each with its own manifest, written last as the part's commit marker: ``manifest.json`` for
-a single part, ``manifest.part-<i:05d>-of-<n:05d>.json`` otherwise. Files being written are
-staged under hidden ``.ckpt-staging-*`` names that no listing shows.
+A checkpoint of run ``R`` at step ``S`` lives under ``<tier root>/R/step-<S>/`` with ``S`` zero-
+padded to at least 8 digits (``step-00001200``; steps of 100,000,000 and above simply have more
+digits, up to ``MAX_STEP``, the largest a catalog's BIGINT holds). A checkpoint written by N
+nodes has N parts side by side in that folder, each with its own manifest, written last as the
+part's commit marker: ``manifest.json`` for a single part,
+``manifest.part-<i:05d>-of-<n:05d>.json`` otherwise. Files being written are staged under hidden
+``.ckpt-staging-*`` names that no listing shows.
 """
 
 from __future__ import annotations
@@ -14,16 +15,31 @@ import os
 import re
 import uuid
 
+from core.errors import BadInput
 from core.paths import safe_run_name
 
 STEP_DIGITS = 8
 SINGLE_MANIFEST = "manifest.json"
 STAGING_MARK = ".ckpt-staging-"
+MAX_STEP = 2**63 - 1  # a signed 64-bit integer: what every catalog backend stores
+MAX_PARTS = 99999  # five digits in a part's manifest name
 
 _STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
 _MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 _MANIFEST_KEY = re.compile(
     r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+
+
+def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
+    """``BadInput`` (one line, naming the bound) unless ``step`` is in ``0..MAX_STEP`` and
+    ``part`` in ``0..parts-1`` with ``parts`` in ``1..MAX_PARTS``: the one range rule for every
+    way a checkpoint is named (manifest, event, folder, CLI)."""
+    if not 0 <= step <= MAX_STEP:
+        raise BadInput(f"step {step} is out of range: a step is 0..{MAX_STEP} (2**63-1)")
+    if not 1 <= parts <= MAX_PARTS:
+        raise BadInput(f"parts {parts} is out of range: a checkpoint has 1..{MAX_PARTS} parts")
+    if not 0 <= part < parts:
+        raise BadInput(f"part {part} is out of range: part of {parts} is 0..{parts - 1}")
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -33,7 +49,9 @@ def checkpoint_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     """The step a checkpoint folder name stands for, or None when ``name`` is not exactly what
-    ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours)."""
+    ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours). A step past
+    ``MAX_STEP`` is returned as it is: the folder is ours by its name, and whoever acts on it
+    refuses it with ``check_ref`` (reported, left alone) rather than overlooking it."""
     m = _STEP_DIR.match(name)
     if m is None:
         return None

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from core.errors import BadInput, CkptError, CorruptCheckpoint
-from core.layout import is_manifest_name, manifest_name
+from core.layout import check_ref, is_manifest_name, manifest_name
 
 MANIFEST_VERSION = 1
 KINDS = ("step", "epoch", "milestone")
@@ -128,10 +128,9 @@ class Manifest:
 
         if not self.run or "/" in self.run or self.run.startswith("."):
             raise BadInput(f"invalid run name {self.run!r}")
-        if self.step < 0:
-            raise BadInput(f"invalid step {self.step}")
-        if not (0 <= self.part < self.parts):
-            raise BadInput(f"invalid part {self.part} of {self.parts}")
+        check_ref(self.step, self.part, self.parts)
+        if self.parent is not None:
+            check_ref(self.parent.step)
         if self.kind not in KINDS:
             raise BadInput(f"invalid kind {self.kind!r}; expected one of {KINDS}")
         if self.format not in FORMATS:

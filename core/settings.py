@@ -115,7 +115,9 @@ class Settings(BaseSettings):
     prune_evidence: Literal["read", "stat"] = Field(
         default="read",
         description="how a prune checks the copy that justifies it: 'read' reads its bytes back (a same-size "
-                    "bit flip scrub has not reached yet is found), 'stat' checks presence and sizes only")
+                    "bit flip scrub has not reached yet is found), 'stat' checks presence and sizes only while "
+                    "two or more other copies at least as durable are verified; a prune that would leave one "
+                    "reads it back whatever this says")
     claim_lease_seconds: float = Field(
         default=120.0, gt=0,
         description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives",
@@ -160,6 +162,8 @@ class Settings(BaseSettings):
     def _tier2_is_s3(cls, v: str | None) -> str | None:
         if v is not None and v != "" and not v.startswith("s3://"):
             raise ValueError("tier2_url must look like s3://bucket/prefix")
+        if v and (problem := tier2_url_problem(v)):
+            raise ValueError(problem)
         return v or None
 
     @model_validator(mode="after")
@@ -190,33 +194,45 @@ def redact_url(url: str) -> str:
     return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"]+@", r"\1:***@", url)
 
 
-# query parameters that carry credentials: tokens, keys, signatures (S3 presigned, Azure SAS)
-_SECRET_PARAMS = ("token", "secret", "passw", "pwd", "key", "sig", "credential", "auth", "session")
+# query parameters whose values are shown as they are: everything else is dropped from the shown
+# form, since a tier URL's query may carry a token, a signature or a key under any name
+_HARMLESS_PARAMS = frozenset({"region", "version", "versionid", "version_id", "anon", "use_ssl", "timeout",
+                              "block_size", "project", "location"})
 
 
 def display_url(url: str) -> str:
     """The form of a store's URL that may be recorded and shown (catalog replicas, events,
-    artifacts, ``ckpt show``): the password of ``scheme://user:password@`` becomes ``***``
-    (one holding ``@`` or ``/`` included) and query parameters that look like credentials are
-    dropped. The store itself keeps the real URL."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+    artifacts, ``ckpt show``), built by allow-list: scheme, host, port and path; no userinfo
+    (``user:password@``, a password holding ``@`` or ``/`` included), no fragment, and only
+    the query parameters known harmless (``_HARMLESS_PARAMS``). The store keeps the real URL."""
+    from urllib.parse import parse_qsl, urlencode
 
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url  # a plain path
+    rest = rest.split("#", 1)[0]
+    rest, _, query = rest.partition("?")
     netloc = rest.split("/", 1)[0]
     if "@" in netloc:
-        at = netloc.rfind("@")
-    elif ":" in netloc and not netloc.split(":", 1)[1].isdigit():  # not host:port: a password holding "/"
-        at = rest.rfind("@")
-    else:
-        at = -1
-    if at >= 0 and ":" in rest[:at]:
-        rest = f"{rest[:at].split(':', 1)[0]}:***{rest[at:]}"
-    parts = urlsplit(f"{scheme}://{rest}")
-    query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
-                       if not any(word in k.lower() for word in _SECRET_PARAMS)], safe="/:")
-    return urlunsplit(parts._replace(query=query)) if parts.query else f"{scheme}://{rest}"
+        rest = rest[netloc.rfind("@") + 1:]
+    elif ":" in netloc and not netloc.split(":", 1)[1].isdigit() and "@" in rest:  # a password holding "/"
+        rest = rest[rest.rfind("@") + 1:]
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() in _HARMLESS_PARAMS]
+    return f"{scheme}://{rest}" + (f"?{urlencode(kept, safe='/:')}" if kept else "")
+
+
+def tier2_url_problem(url: str) -> str | None:
+    """Why ``url`` may not be a Tier 2 root (None when it may): credentials, a query or a
+    fragment inside it would be carried into the store's URL, messages and events."""
+    body = url.removeprefix("s3://")
+    if "@" in body.split("/", 1)[0] or ":" in body.split("/", 1)[0]:
+        return ("tier2_url must not hold credentials (s3://KEY:SECRET@bucket): give the S3 client its keys "
+                "through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role, and "
+                "set tier2_url to s3://bucket/prefix")
+    if "?" in body or "#" in body:
+        return ("tier2_url must be s3://bucket/prefix, without a query or fragment (credentials go in the "
+                "AWS environment)")
+    return None
 
 
 def load_settings(**overrides: Any) -> Settings:

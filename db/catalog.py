@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
@@ -387,6 +387,58 @@ class Catalog:
                           action="complete", to_state=f"tier{tier}", reason=f"all {ck.parts} part(s) verified on "
                           f"tier {tier}", run=ck.run_name, step=ck.step)
             return won
+
+    def claim_followups(self, checkpoint_id: int, tier: int = 1, *, lease_seconds: float) -> bool:
+        """Take the work that follows the checkpoint's completion on ``tier`` (archive, durable
+        event, status page, retention) for ``lease_seconds``: True when it is recorded complete
+        there, its follow-ups are not recorded done and nobody holds a live lease on them (a
+        lapsed one is taken over). Whoever recorded the completion is not special: a retry, a
+        duplicate event or reconcile finishes what a killed caller left."""
+        with self._tx() as conn:
+            now = _now(conn)
+            key = (completions.c.checkpoint_id == checkpoint_id) & (completions.c.tier == _state.check_tier(tier))
+            row = conn.execute(select(completions.c.followups_done_at, completions.c.followups_lease_until)
+                               .where(key).with_for_update()).first()
+            if row is None or row.followups_done_at is not None or (
+                    row.followups_lease_until is not None and row.followups_lease_until > now):
+                return False
+            conn.execute(completions.update().where(key).values(
+                followups_lease_until=now + timedelta(seconds=lease_seconds)))
+            return True
+
+    def followups_done(self, checkpoint_id: int, tier: int = 1, *, actor: str) -> None:
+        """Record the follow-ups of the checkpoint's completion on ``tier`` done (idempotent)."""
+        with self._tx() as conn:
+            now = _now(conn)
+            ck = checkpoint_row_by_id(conn, checkpoint_id)
+            done = conn.execute(completions.update().where(
+                completions.c.checkpoint_id == checkpoint_id, completions.c.tier == _state.check_tier(tier),
+                completions.c.followups_done_at.is_(None)).values(
+                followups_done_at=now, followups_lease_until=None)).rowcount
+            if done:
+                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{ck.run_name}/{ck.step}",
+                          action="followups-done", to_state=f"tier{tier}",
+                          reason="archive, durable event, status page and retention done", run=ck.run_name,
+                          step=ck.step)
+
+    def followups_due(self, tier: int = 1, *, older_than_seconds: float = 0,
+                      limit: int = 100) -> list[CheckpointInfo]:
+        """Checkpoints complete on ``tier`` more than ``older_than_seconds`` ago (catalog clock)
+        whose follow-ups are not done and not under a live lease, oldest first: a read of the
+        partial index of unfinished completions (migration 0008), whatever the catalog holds."""
+        with self._tx(write=False) as conn:
+            now = _now(conn)
+            due = select(completions.c.checkpoint_id).where(
+                completions.c.followups_done_at.is_(None), completions.c.tier == _state.check_tier(tier),
+                completions.c.completed_at <= now - timedelta(seconds=older_than_seconds),
+                (completions.c.followups_lease_until.is_(None)) | (completions.c.followups_lease_until <= now),
+            ).order_by(completions.c.completed_at).limit(limit)
+            ids = [r.checkpoint_id for r in conn.execute(due)]
+            if not ids:
+                return []
+            rows = {c.id: c for c in map(to_checkpoint, conn.execute(
+                checkpoint_select().where(checkpoints.c.id.in_(ids))))}
+            return [rows[i] for i in ids if i in rows]
 
     def replicas(self, checkpoint_id: int, tier: int | None = None) -> list[ReplicaInfo]:
         stmt = replica_select().where(replicas_table.c.checkpoint_id == checkpoint_id)

@@ -182,14 +182,23 @@ class Replica(Base):
 
 
 class TierCompletion(Base):
-    """The first observation that a checkpoint was complete on a tier (``complete_on_tier``)."""
+    """The first observation that a checkpoint was complete on a tier (``complete_on_tier``),
+    and whether the work that follows it (archive, durable event, status page, retention) is
+    done: ``followups_done_at``, under a lease while a caller does it (migration 0008)."""
 
     __tablename__ = "tier_completions"
+    __table_args__ = (
+        # the follow-ups backlog reconcile reads: only the unfinished completions (few)
+        Index("ix_tier_completions_followups_due", "tier", "completed_at",
+              sqlite_where=text("followups_done_at IS NULL"), postgresql_where=text("followups_done_at IS NULL")),
+    )
 
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
     tier: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     completed_at: Mapped[datetime] = mapped_column(UTCDateTime())
     actor: Mapped[str] = mapped_column(String(256))
+    followups_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    followups_lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Lineage(Base):

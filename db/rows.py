@@ -14,6 +14,7 @@ from sqlalchemy import Executable, Select, Table, func, select
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
+from core.layout import check_ref
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
@@ -84,6 +85,7 @@ def run_row(conn: Connection, name: str, *, lock: bool = False, with_clock: bool
 
 
 def checkpoint_row(conn: Connection, run: str, step: int, *, lock: bool = False) -> Row:
+    check_ref(step)  # a step no catalog column holds is bad input, not a driver's OverflowError
     stmt = checkpoint_select().where(runs.c.name == run, checkpoints.c.step == step)
     row = conn.execute(stmt.with_for_update(of=checkpoints) if lock else stmt).one_or_none()
     if row is None:

@@ -17,7 +17,9 @@ new dialect set-up in every step. A lease is returned with ``release_engine``, w
 disposes an engine another lease still uses; the registry keeps the few most recently used
 engines (``MAX_SHARED_ENGINES``) with their idle connections, disposes the others once no lease
 holds them, and is dropped in a forked child (a parent's pooled connections must not be used
-by two processes).
+by two processes). A SQLite file replaced under a shared engine (a catalog restored from a
+backup, its ``-wal``/``-shm`` removed) is noticed at the next lease by its device and inode,
+and a fresh engine opens the new file; the old one is disposed once its last lease is back.
 
 SQLite: WAL (readers never block the writer), foreign keys on, a busy timeout, and write
 transactions opened with ``BEGIN IMMEDIATE`` so that the compare-and-set checks of a writer
@@ -77,10 +79,42 @@ MAX_SHARED_ENGINES = 8  # distinct catalogs (URL, options) whose engines a proce
 
 
 class _Shared:
-    """A shared engine, how many leases hold it, and whether the registry still lists it."""
+    """A shared engine, how many leases hold it, whether the registry still lists it, and for a
+    SQLite file the identity (device, inode) of the file it opened."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.leases, self.listed = engine, 0, True
+        self.path = _sqlite_file(engine)
+        self.identity = _file_identity(self.path)
+
+    def replaced(self) -> bool:
+        """Whether the SQLite file at the engine's path is no longer the one it opened (restored
+        from a backup, moved, deleted): its pooled connections write into the old inode, where
+        no other process looks. A file that did not exist yet is recorded once it does."""
+        if self.path is None:
+            return False
+        now = _file_identity(self.path)
+        if self.identity is None:
+            self.identity = now
+            return False
+        return now != self.identity
+
+
+def _sqlite_file(engine: Engine) -> str | None:
+    url = engine.url
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    return str(Path(url.database).expanduser().absolute())
+
+
+def _file_identity(path: str | None) -> tuple[int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 @dataclass(eq=False)
@@ -105,13 +139,16 @@ def lease_engine(url: str, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     key = (normalize_url(url), float(busy_timeout_s), int(connect_timeout_s))
     with _shared_lock:
         entry = _shared.get(key)
+        stale = _unlist(key) if entry is not None and entry.replaced() else None
+        if stale is not None or (entry is not None and not entry.listed):
+            entry = None
         if entry is None:
             entry = _shared[key] = _Shared(make_engine(url, busy_timeout_s=busy_timeout_s,
                                                        connect_timeout_s=connect_timeout_s))
         _shared.move_to_end(key)
         entry.leases += 1
         idle = [_unlist(k) for k in list(_shared)[:max(0, len(_shared) - MAX_SHARED_ENGINES)]]
-    _dispose(idle)
+    _dispose([*idle, stale])
     return EngineLease(entry)
 
 

@@ -4,9 +4,11 @@ and prune.
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
 this node) -> copy to Tier 1 (claimed, read back, published manifest last), as one step
 (``tasks.hop``: one task run per part) -> when the catalog reports every part verified on
-Tier 1 (``complete_on_tier``, true for exactly one caller): archive a milestone to Tier 2,
-announce ``ckpt.checkpoint.durable`` (after the archive: it asks for the archive deployment,
-a safety net, only when the inline archive did not finish), and apply the run's retention.
+Tier 1 (``complete_on_tier``), the caller that takes the checkpoint's follow-ups (any caller
+that finds them not recorded done and not under a live lease: a retry, a duplicate event or
+reconcile finishes what a killed one left): archive a milestone to Tier 2, announce
+``ckpt.checkpoint.durable`` (after the archive: it asks for the archive deployment, a safety
+net, only when the inline archive did not finish), the status page, the run's retention.
 A part already verified on Tier 1 (a repeated or concurrent event) skips the copy, so any
 number of promotions of the same part leave one set of copies and the same catalog state. A
 corrupt source stops at verify: nothing is copied, nothing else changes.
@@ -38,6 +40,7 @@ from flows.common import (
 from flows.retention import retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
+from tasks.record import claim_followups, followups_done
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
 
@@ -50,7 +53,7 @@ class PromoteResult:
     parts: int
     checkpoint_id: int
     hops: list[HopResult] = field(default_factory=list)
-    durable: bool = False  # this promotion completed the checkpoint on Tier 1
+    durable: bool = False  # this promotion ran the checkpoint's follow-ups (completed it, or finished them)
     archive: ArchiveResult | None = None
     retention: list[PruneAction] | None = None
 
@@ -68,22 +71,35 @@ def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int =
             node: str | None = None, actor: str = "cli",
             on_durable: Callable[[PromoteResult], None] | None = None) -> PromoteResult:
     """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks).
-    ``on_durable(result)`` runs once this promotion made the checkpoint durable (and archived
-    it, if a milestone), before retention."""
+    Once the checkpoint is complete on Tier 1, the caller that takes its follow-ups
+    (``claim_followups``: whoever finds them not done and not held, not only the one that
+    completed it) runs them (``follow_up``)."""
     node = node or settings.node
     hop = steps.tier1_hop(settings, run, step, part, parts, node=node, actor=actor)
-    result = PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops, durable=hop.durable)
-    if result.durable:
-        try:
-            result.archive = archive(settings, run, step, steps=steps, actor=actor)
-        finally:  # announced after the inline archive, so the archive it triggers finds it done
-            wants = archive_wanted(settings, result.archive)
-            events.announce(events.DURABLE, run, step, parts=hop.parts, node=node,
-                            payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
-        if on_durable is not None:
-            on_durable(result)
-        result.retention = retention(settings, run=run, steps=steps, actor=actor)
+    result = PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
+    if claim_followups(settings, hop.checkpoint_id):
+        follow_up(settings, result, steps=steps, node=node, actor=actor, on_durable=on_durable)
     return result
+
+
+def follow_up(settings: Settings, result: PromoteResult, *, steps: Steps, node: str, actor: str,
+              on_durable: Callable[[PromoteResult], None] | None = None) -> None:
+    """What follows a checkpoint becoming durable, by the caller holding its follow-ups: archive
+    a milestone, announce ``ckpt.checkpoint.durable``, ``on_durable(result)`` (the status page),
+    retention; then recorded done. Each piece is idempotent, so a caller killed half-way leaves
+    them to the next one (a retry, a duplicate event, reconcile) once its lease lapses."""
+    run, step = result.run, result.step
+    result.durable = True
+    try:
+        result.archive = archive(settings, run, step, steps=steps, actor=actor)
+    finally:  # announced after the inline archive, so the archive it triggers finds it done
+        wants = archive_wanted(settings, result.archive)
+        events.announce(events.DURABLE, run, step, parts=result.parts, node=node,
+                        payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
+    if on_durable is not None:
+        on_durable(result)
+    result.retention = retention(settings, run=run, steps=steps, actor=actor)
+    followups_done(settings, result.checkpoint_id, actor=actor)
 
 
 def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:

@@ -2,7 +2,8 @@
 
 Runs every few minutes on each node (and on demand). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
-   or verify) becomes ``missing`` so promotion acts again; one ``pruning`` past its lease is
+   or verify) is re-checked against its files, as a verify does: ``verified`` when they read
+   back whole, else ``missing`` (or ``corrupt``) so promotion acts again; one ``pruning`` past its lease is
    taken over by the guarded prune, which re-runs the whole guard and then finishes it or
    gives the copy back (Tier 0 only for this node's own NVMe);
 1. replicas the catalog calls ``verified`` whose manifest or files vanished (Tier 0 of this
@@ -13,6 +14,9 @@ Runs every few minutes on each node (and on demand). In order:
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
    manifest, verified in place and recorded (a catalog restored from an older backup): a
    bounded share of Tier 1 per pass, run folder by run folder, in rotation;
+   then checkpoints complete on Tier 1 whose follow-ups (archive, durable event, status page,
+   retention) no promotion finished, because it was killed after recording the completion,
+   get them (``flows.promote.follow_up``, under the follow-ups' lease);
 4. milestones complete on Tier 1 but not on Tier 2 are archived;
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
@@ -28,13 +32,14 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import flow
 
-from core.errors import CkptError, CopyInProgress, PruneRefused
+from core.errors import BadInput, CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
 from core.events import announcing, emit
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings, load_settings
@@ -49,13 +54,17 @@ from db.entities import (
     PENDING,
     PRUNING,
     VERIFIED,
+    CheckpointInfo,
     PromotionStatus,
+    ReplicaInfo,
     StoredCopy,
 )
 from flows.archive import archive
 from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
-from flows.promote import promote
+from flows.promote import PromoteResult, follow_up, promote
+from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier
+from tasks.record import claim_followups
 from tasks.retention import FAILED, PRUNED, apply_retention
 
 ADOPT_CURSOR = "reconcile-adopt:tier1"
@@ -67,6 +76,7 @@ class ReconcileReport:
     missing: list[str] = field(default_factory=list)  # 'tier T run/step part P'
     promoted: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
+    followed_up: list[str] = field(default_factory=list)  # follow-ups a killed promotion left, finished
     archived: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)  # this node's Tier 0, by retention
     skipped: list[str] = field(default_factory=list)  # with why
@@ -76,9 +86,9 @@ class ReconcileReport:
         return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
 
 
-def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
-                   grace_seconds: float = 0.0) -> ReconcileReport:
-    """One pass of the four sweeps above on this node."""
+def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
+                   on_durable: Callable[[PromoteResult], None] | None = None) -> ReconcileReport:
+    """One pass of the sweeps above on this node (``on_durable``: as for ``promote``)."""
     from core.transfer import find_committed
 
     report = ReconcileReport()
@@ -92,10 +102,14 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
-                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))
+                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node,
+                                 on_durable=on_durable, **kw))
     for run, step, part, parts in todo1:
         _attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
+    for ck in _followups_due(settings, report, grace_seconds=grace_seconds):
+        _attempt(report, report.followed_up, f"{ck.run}/{ck.step}",
+                 lambda ck=ck: _follow_up(settings, ck, steps=steps, actor=actor, on_durable=on_durable))
     for run, step in archive_backlog(settings):
         _attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
@@ -108,12 +122,12 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
     claim that was settled or renewed meanwhile is left alone."""
     with open_catalog(settings.catalog_url) as cat:
         stuck = cat.expired_claims()
-        for rep in [r for r in stuck if r.state == COPYING]:
-            if cat.expire_copy_claim(rep.id, actor=actor):
-                report.recovered.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: "
-                                        "stalled copy -> missing")
+        lapsed = [rep for rep in stuck if rep.state == COPYING
+                  and _each(report, _item(rep), lambda rep=rep: cat.expire_copy_claim(rep.id, actor=actor))]
+    for rep in lapsed:
+        report.recovered.append(f"{_item(rep)}: stalled copy -> {_recheck(settings, rep, steps=steps, actor=actor)}")
     for rep in [r for r in stuck if r.state == PRUNING]:
-        item = f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+        item = _item(rep)
         if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
             continue  # another node's NVMe: its own reconcile takes it over
         try:
@@ -121,9 +135,50 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
             report.recovered.append(f"{item}: stalled prune finished")
         except PruneRefused as exc:
             report.recovered.append(f"{item}: stalled prune given up: {exc}")
-        except CkptError as exc:
-            log.warning("reconcile: stalled prune of %s: %s", item, exc)
+        except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
+            log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError))
             report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+
+
+def _followups_due(settings: Settings, report: ReconcileReport, *, grace_seconds: float) -> list[CheckpointInfo]:
+    """Checkpoints complete on Tier 1 whose follow-ups no caller finished (one index read)."""
+    with open_catalog(settings.catalog_url) as cat:
+        return _each(report, "follow-ups backlog", lambda: cat.followups_due(
+            1, older_than_seconds=grace_seconds, limit=settings.reconcile_check_limit)) or []
+
+
+def _follow_up(settings: Settings, ck: CheckpointInfo, *, steps: Steps, actor: str,
+               on_durable: Callable[[PromoteResult], None] | None) -> None:
+    """Step 3b: run the follow-ups of a checkpoint complete on Tier 1 that nobody finished (its
+    promotion was killed after recording the completion), under their lease."""
+    if not claim_followups(settings, ck.id):
+        raise CopyInProgress(f"follow-ups of {ck.run}/{ck.step} taken by another caller meanwhile")
+    follow_up(settings, PromoteResult(ck.run, ck.step, 0, ck.parts, ck.id), steps=steps, node=settings.node,
+              actor=actor, on_durable=on_durable)
+
+
+def _item(rep: ReplicaInfo) -> str:
+    return f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
+
+
+def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) -> str:
+    """The state of a replica whose copy or verify claim lapsed, by its files: a killed verify
+    of an intact copy leaves a copy that is still there (and on Tier 0 would hold the node's
+    disk for good if it stayed ``missing``: retention prunes only verified copies), so it is
+    read back against its manifest like any verify; ``missing`` when it cannot be read here
+    (another node's NVMe: that node's reconcile re-checks it) or is not whole."""
+    if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
+        return "missing (re-checked by the node that holds it)"
+    try:
+        steps.verify(settings, rep.run, rep.step, rep.part, tier=rep.tier, node=rep.node or None, actor=actor)
+        return "verified (its files read back against the manifest)"
+    except CorruptCheckpoint as exc:
+        return f"corrupt ({exc})"
+    except NotFound as exc:
+        return f"missing ({exc})"
+    except CkptError as exc:  # could not be read now: missing, and the next promotion or pass acts on it
+        log.warning("reconcile: re-check of %s failed: %s", _item(rep), exc)
+        return f"missing (re-check failed: {type(exc).__name__}: {exc})"
 
 
 def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
@@ -145,8 +200,8 @@ def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> No
         done.append(item)
     except CopyInProgress as exc:
         report.skipped.append(f"{item}: {exc}")
-    except CkptError as exc:
-        log.warning("reconcile: %s failed: %s", item, exc)
+    except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
@@ -154,10 +209,59 @@ def _todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int]]
           tier: int, grace_seconds: float) -> list[tuple[str, int, int, int]]:
     """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
     catalog's view of all of them in one set-based read (``promotion_status``), not queries per
-    part; a part's manifest is read only for the few that look wanted (``_rejected``)."""
-    status = cat.promotion_status([(run, step) for run, step, _, _ in found], older_than_seconds=grace_seconds)
-    return [p for p in found if _wanted(status.get((p[0], p[1])), p, report, tier=tier)
-            and not _rejected(cat, store, p, report, tier=tier)]
+    part; a part's manifest is read only for the few that look wanted (``_rejected``). A part
+    named out of range (``check_ref``) is listed and left alone; should the set-based read fail,
+    each part is read on its own, so one bad item fails only itself."""
+    found = [p for p in found if _named_in_range(p, report, tier=tier)]
+    status = _promotion_status(cat, found, report, tier=tier, grace_seconds=grace_seconds)
+    todo = []
+    for p in found:
+        if p[:2] not in status:
+            continue  # its read failed: listed by ``_promotion_status``
+        if _each(report, f"tier {tier} {p[0]}/{p[1]} part {p[2]}",
+                 lambda p=p: _wanted(status[p[:2]], p, report, tier=tier)
+                 and not _rejected(cat, store, p, report, tier=tier)):
+            todo.append(p)
+    return todo
+
+
+def _named_in_range(found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int) -> bool:
+    from core.layout import check_ref
+
+    run, step, part, parts = found
+    try:
+        check_ref(step, part, parts)
+        return True
+    except BadInput as exc:
+        report.skipped.append(f"tier {tier} {checkpoint_prefix(run, step)} part {part}: {exc}; folder left alone")
+        return False
+
+
+def _promotion_status(cat: Catalog, found: list[tuple[str, int, int, int]], report: ReconcileReport, *, tier: int,
+                      grace_seconds: float) -> dict[tuple[str, int], PromotionStatus | None]:
+    """(run, step) -> its status (None: unknown to the catalog) for every pair whose read worked."""
+    pairs = sorted({(p[0], p[1]) for p in found})
+    try:
+        got = cat.promotion_status(pairs, older_than_seconds=grace_seconds)
+        return {pair: got.get(pair) for pair in pairs}
+    except Exception as exc:  # noqa: BLE001 - one bad pair must not stop the pass: isolate it below
+        log.warning("reconcile: promotion status of %d checkpoints failed (%s); reading them one by one",
+                    len(pairs), exc)
+    out: dict[tuple[str, int], PromotionStatus | None] = {}
+    for pair in pairs:
+        _each(report, f"tier {tier} {pair[0]}/{pair[1]}", lambda pair=pair: out.__setitem__(
+            pair, cat.promotion_status([pair], older_than_seconds=grace_seconds).get(pair)))
+    return out
+
+
+def _each(report: ReconcileReport, item: str, fn: Any) -> Any:
+    """``fn()``, or None with the failure listed: any error of one item stays that item's."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the pass goes on; the error is reported and logged
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
+        report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _adoption_slice(cat: Catalog, tier1: TierStore, limit: int) -> list[tuple[str, int, int, int]]:
@@ -243,15 +347,21 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
                                      node=settings.node if tier == 0 else None)
             for copy in page:
                 rep = copy.replica
-                gone = _vanished(store, copy)
-                if gone is None:
-                    continue
-                try:
-                    cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
-                    report.missing.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: {gone}")
-                except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
-                    log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
+                _each(report, f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}",
+                      lambda copy=copy, store=store: _mark_if_vanished(cat, store, copy, report, actor=actor))
             cat.set_sweep_cursor(cursor, page[-1].replica.id if len(page) == limit else 0)
+
+
+def _mark_if_vanished(cat: Catalog, store: Any, copy: StoredCopy, report: ReconcileReport, *, actor: str) -> None:
+    rep = copy.replica
+    gone = _vanished(store, copy)
+    if gone is None:
+        return
+    try:
+        cat.transition(rep.id, MISSING, expected=VERIFIED, actor=actor, reason=gone)
+        report.missing.append(f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}: {gone}")
+    except CkptError as exc:  # changed meanwhile (pruned, re-verified): nothing to do
+        log.info("reconcile: replica %s not marked missing: %s", rep.id, exc)
 
 
 def _vanished(store: Any, copy: StoredCopy) -> str | None:
@@ -284,6 +394,7 @@ def reconcile(node: str | None = None) -> dict:
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
         report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
-                                grace_seconds=settings.reconcile_interval_seconds)
+                                grace_seconds=settings.reconcile_interval_seconds,
+                                on_durable=lambda result: publish_run_status(str(settings.catalog_url), result.run))
         publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
     return {k: list(v) for k, v in vars(report).items()}

@@ -5,8 +5,9 @@ A part is there when its manifest (the commit marker) is present and is the mani
 catalog registered, and every registered file is present with its registered size; on object
 storage also each file's checksum must be the registered one, as the store proves it
 (HeadObject where the endpoint validates checksums; a read-back on an endpoint that only
-echoes them). With ``read_back`` (what a prune asks by default, ``Settings.prune_evidence``)
-every file is read back and checksummed on its tier as well.
+echoes them). With ``read_back`` every file is read back and checksummed on its tier as well:
+what a prune asks by default (``Settings.prune_evidence``), and always when the copy checked
+would be the last other verified copy left (``tasks.prune.justification_refused``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class Tier1Hop:
     checkpoint_id: int
     parts: int
     hops: list[HopResult] = field(default_factory=list)
-    durable: bool = False  # this call saw the checkpoint complete on Tier 1 first
+    durable: bool = False  # this call recorded the checkpoint complete on Tier 1 (its follow-ups: flows.promote)
 
 
 def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,

@@ -132,18 +132,20 @@ def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: Repl
     others = sorted((r for r in cat.replicas(ck.id) if r.part == rep.part and r.id != rep.id
                      and r.state == VERIFIED and durability(r.tier) >= durability(rep.tier)),
                     key=lambda r: r.tier)
+    # a stat check (sizes only) is trusted only while another durable-enough copy would remain
+    # beside the one it checked; a prune that would leave one verified copy reads it back in full
+    read_back = settings.prune_evidence == "read" or len(others) < 2
     for other in others:
         if not settings.tier_url(other.tier):
             continue
         try:
             with open_tier(settings, other.tier) as store:
-                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts,
-                                     read_back=settings.prune_evidence == "read")
+                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts, read_back=read_back)
         except CkptError as exc:
             log.warning("prune of replica %s: tier %s copy could not be checked: %s", rep.id, other.tier, exc)
             continue
         if finding is None:
-            if settings.prune_evidence == "read":
+            if read_back:
                 cat.mark_checked(other.id, actor=actor)  # just read back in full: scrub may wait
             return None
         try:

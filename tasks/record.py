@@ -1,4 +1,5 @@
-"""record: catalog facts the flows act on (a checkpoint becoming complete on a tier)."""
+"""record: catalog facts the flows act on (a checkpoint becoming complete on a tier, and the
+work that follows it being done)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def _check_parts_add_up(settings: Settings, cat, ck, tier: int, *, actor: str) -
         except CorruptCheckpoint as exc:
             cat.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason=f"parts do not add up: {exc}", actor=actor)
             raise
+
+
+def claim_followups(settings: Settings, checkpoint_id: int) -> bool:
+    """Whether this caller should now do the checkpoint's follow-ups (archive, durable event,
+    status page, retention): it is complete on Tier 1, they are not recorded done, and no live
+    lease holds them (``Catalog.claim_followups``); taken for ``claim_lease_seconds``."""
+    with open_catalog(settings.catalog_url) as cat:
+        return cat.claim_followups(checkpoint_id, 1, lease_seconds=settings.claim_lease_seconds)
+
+
+def followups_done(settings: Settings, checkpoint_id: int, *, actor: str = "cli") -> None:
+    with open_catalog(settings.catalog_url) as cat:
+        cat.followups_done(checkpoint_id, 1, actor=actor)
 
 
 mark_complete_task = pipeline_task(mark_complete, name="mark-complete")

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from core import events
 from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound, UnknownRun
-from core.layout import checkpoint_prefix
+from core.layout import MAX_STEP, check_ref, checkpoint_prefix
 from core.manifest import Manifest
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
@@ -57,8 +57,7 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
         digest = None
         try:
             safe_run_name(run)
-            if step < 0 or not (0 <= part < parts):
-                raise BadInput(f"invalid step/part: step {step}, part {part} of {parts}")
+            check_ref(step, part, parts)
             with open_tier(settings, source_tier) as store:
                 digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
                 _refuse_if_rejected_before(cat, run, step, part, digest)
@@ -143,11 +142,10 @@ def checkpoint_args(run: Any, step: Any, part: Any = 0, parts: Any = 1) -> tuple
     render strings); ``BadEvent`` saying what is wrong otherwise."""
     try:
         typed = (safe_run_name(str(run)), int(str(step)), int(str(part)), int(str(parts)))
+        check_ref(*typed[1:])
     except (ValueError, BadInput) as exc:
         raise BadEvent(f"malformed checkpoint reference run={run!r} step={step!r} part={part!r} "
                        f"parts={parts!r}: {exc}") from None
-    if typed[1] < 0 or typed[3] < 1 or not 0 <= typed[2] < typed[3]:
-        raise BadEvent(f"malformed checkpoint reference: step {step}, part {part} of {parts}")
     return typed
 
 
@@ -158,7 +156,7 @@ def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = 
 
 
 def _reject(cat: Catalog, subject: str, exc: Exception, *, actor: str, run: str | None, step: Any) -> None:
-    step = step if isinstance(step, int) else None
+    step = step if isinstance(step, int) and 0 <= step <= MAX_STEP else None  # the audit row holds a BIGINT
     cat.record_rejection(subject, f"{type(exc).__name__}: {exc}", actor=actor,
                          run=run if run is not None and _plain_name(run) else None, step=step)
 

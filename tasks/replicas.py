@@ -12,7 +12,7 @@ a transient error (timeout, 5xx) says nothing about the replica and changes noth
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -63,11 +63,13 @@ def readable_here(replica: ReplicaInfo, settings: Settings) -> bool:
 
 
 def verified_sources(replicas: Iterable[ReplicaInfo], part: int, settings: Settings,
-                     preference: Sequence[int] = DEFAULT_PREFERENCE) -> list[ReplicaInfo]:
-    """The verified replicas of ``part`` readable here, nearest tier first (``preference``)."""
+                     preference: Sequence[int] = DEFAULT_PREFERENCE, *,
+                     states: Collection[str] = (VERIFIED,)) -> list[ReplicaInfo]:
+    """The verified replicas of ``part`` readable here, nearest tier first (``preference``);
+    ``states``: others to read from as well (scrub's repair also reads a copy being pruned)."""
     rank = {tier: i for i, tier in enumerate(preference)}
     found = [r for r in replicas
-             if r.part == part and r.state == VERIFIED and r.tier in rank and readable_here(r, settings)]
+             if r.part == part and r.state in states and r.tier in rank and readable_here(r, settings)]
     return sorted(found, key=lambda r: rank[r.tier])
 
 

@@ -9,7 +9,8 @@ Contract of ``scrub``:
 - A copy that fails becomes ``corrupt`` (bytes, format or manifest differ from the catalog's
   record) or ``missing`` (its manifest is gone). A transient failure changes nothing.
 - Repairs: every ``corrupt``/``missing`` replica on a durable tier, found now or earlier, is
-  copied again from a verified replica readable here (under a catalog claim, so a repair never
+  copied again from a verified replica readable here, or from one under a prune claim when no
+  verified one is (reading deletes nothing; under a catalog claim, so a repair never
   races a promotion: the claim's holder removes the bad part, copies, reads back, and only then
   is the replica ``verified``); every checkpoint without a durable verified copy
   (``Catalog.under_replicated``, committed more than ``grace_seconds`` ago: younger ones are
@@ -33,7 +34,7 @@ from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
-from db.entities import VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -211,8 +212,14 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
 def _good_source(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, tier: int,
                  replicas: list[ReplicaInfo], actor: str) -> tuple[ReplicaInfo, Any] | None:
     """The nearest other verified replica whose committed manifest matches the catalog, with
-    that manifest; a source found gone or altered is marked so on the way."""
-    for rep in verified_sources(replicas, part, stores.settings, REPAIR_PREFERENCE):
+    that manifest; a source found gone or altered is marked so on the way. Failing those, a
+    copy under a prune claim (``pruning``, a live lease included: reading deletes nothing, and
+    what is copied from it is read back against the catalog's manifest at the destination
+    before it counts); one whose prune already removed bytes fails the copy, never marked."""
+    settings = stores.settings
+    sources = (verified_sources(replicas, part, settings, REPAIR_PREFERENCE)
+               + verified_sources(replicas, part, settings, REPAIR_PREFERENCE, states=(PRUNING,)))
+    for rep in sources:
         if rep.tier == tier:
             continue
         try:

@@ -55,10 +55,13 @@ def promote_cmd(
 ) -> None:
     """Promote a checkpoint part: verify on Tier 0, copy to Tier 1, then archive and prune."""
     from core.errors import BadInput
+    from core.layout import check_ref
     from core.settings import load_settings
 
-    if step < 0 or parts < 1 or not 0 <= part < parts:
-        raise BadInput(f"invalid --step/--part/--parts: {step}, {part} of {parts}")
+    try:
+        check_ref(step, part, parts)
+    except BadInput as exc:
+        raise BadInput(f"invalid --step/--part/--parts: {exc}") from None
     settings = load_settings(**({"node": node} if node else {}))
     if here and not prefect_configured(settings):
         from flows.common import plain_steps

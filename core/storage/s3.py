@@ -73,6 +73,7 @@ from core.errors import (
     StorageUnavailable,
 )
 from core.paths import safe_relpath
+from core.settings import tier2_url_problem
 from core.storage.base import ObjectInfo, TierStore, hash_object
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,8 @@ class S3Store(TierStore):
             raise ConfigError(f"Object Lock mode must be governance or compliance, not {lock_mode!r}")
         if not url.startswith("s3://"):
             raise ConfigError(f"not an s3:// URL: {url!r}")
+        if (problem := tier2_url_problem(url)) is not None:
+            raise ConfigError(problem)  # the URL itself is not echoed: it may hold the secret
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
             raise ConfigError(f"no bucket in {url!r}")

@@ -96,3 +96,34 @@ def test_a_forked_child_opens_its_own_engine_and_client(url):
     assert answer == b"1", "the forked child reused its parent's engine or S3 client"
     assert [r.name for r in parent_cat.list_runs()] == ["r"]  # the parent's connections still work
     parent_cat.close()
+
+
+def test_a_catalog_file_replaced_under_a_warm_engine_is_reopened(url, tmp_path):
+    """A catalog restored from a backup (the file replaced, its -wal/-shm removed) while this
+    process keeps a warm engine: the next step writes into the restored file, where every
+    other process reads, not into the deleted inode."""
+    import shutil
+    import sqlite3
+
+    path = tmp_path / "catalog.db"
+    with Catalog(url) as cat:
+        cat.ensure_run("before-backup")
+        old_engine = cat.engine
+    with sqlite3.connect(path) as raw:  # a consistent copy, as `sqlite3 .backup` makes
+        raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    shutil.copy(path, tmp_path / "backup.db")
+    with Catalog(url) as cat:
+        cat.ensure_run("lost-in-the-restore")
+    assert old_engine.pool.checkedin() >= 1  # warm: a pooled connection on the old inode
+
+    os.replace(tmp_path / "backup.db", path)  # the restore
+    for side in ("catalog.db-wal", "catalog.db-shm"):
+        (tmp_path / side).unlink(missing_ok=True)
+
+    with Catalog(url) as cat:
+        cat.ensure_run("after-restore")
+        new_engine = cat.engine
+    with sqlite3.connect(path) as other_process:
+        names = sorted(r[0] for r in other_process.execute("SELECT name FROM runs"))
+    assert names == ["after-restore", "before-backup"]
+    assert new_engine is not old_engine

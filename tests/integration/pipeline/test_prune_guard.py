@@ -113,9 +113,12 @@ def test_a_truncated_tier1_file_does_not_justify_pruning_tier0(settings):
     assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
 
 
-def test_a_same_size_bit_flip_on_tier1_does_not_justify_pruning_tier0(settings):
+@pytest.mark.parametrize("evidence", ["read", "stat"])
+def test_a_same_size_bit_flip_on_tier1_does_not_justify_pruning_tier0(settings, evidence):
     """Rot that keeps the size (found by the fault soak): only reading the justifying copy's
-    bytes back finds it, so the prune does that before deleting the Tier 0 copy."""
+    bytes back finds it, so the prune does that before deleting the Tier 0 copy, even with
+    ``prune_evidence=stat``: a stat check never justifies deleting the last other good copy."""
+    settings = settings.model_copy(update={"prune_evidence": evidence})
     write_checkpoint(settings.tier0_url, RUN, 100)
     promote(settings, RUN, 100, steps=plain_steps())
     flip_bit(shard_paths(settings.tier1_url, RUN, 100)[0])  # same size, wrong bytes, scrub not there yet

@@ -103,29 +103,74 @@ def test_reconcile_leaves_a_live_prune_alone(settings):
     assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2
 
 
-def test_a_verify_killed_after_its_claim_does_not_leave_the_replica_copying(settings):
-    rid = _tier0(settings, 100).id
+def _kill_a_verify_after_its_claim(settings, step) -> int:
+    """Scrub found the NVMe copy wanting; a verify re-claims it, then its process is killed."""
+    rid = _tier0(settings, step).id
     cat = catalog(settings)
-    try:  # scrub found the NVMe copy wanting; a verify re-claims it, then its process is killed
+    try:
         cat.transition(rid, "missing", expected="verified", actor="scrub", reason="test")
-        ck = cat.get_checkpoint(RUN, 100)
-        claim = cat.claim_copy(ck.id, 0, 0, _tier0(settings, 100).url, node=settings.node, actor="verify")
+        ck = cat.get_checkpoint(RUN, step)
+        claim = cat.claim_copy(ck.id, 0, 0, _tier0(settings, step).url, node=settings.node, actor="verify")
         assert claim.acquired
     finally:
         cat.close()
     expire_claims(settings)
+    return rid
+
+
+def test_a_verify_killed_after_its_claim_is_re_checked_against_its_files(settings):
+    rid = _kill_a_verify_after_its_claim(settings, 100)
 
     report = reconcile_once(settings, steps=plain_steps())
 
-    assert _tier0(settings, 100).state == "missing"
-    assert any("stalled copy -> missing" in r for r in report.recovered)
+    assert _tier0(settings, 100).state == "verified"  # its files are whole: not assumed gone
+    assert any("stalled copy -> verified" in r for r in report.recovered)
     cat = catalog(settings)
     try:
-        last = [e for e in cat.history(RUN, 100) if e.subject == f"replica:{rid}"][-1]
+        moves = [(e.from_state, e.to_state) for e in cat.history(RUN, 100) if e.subject == f"replica:{rid}"]
     finally:
         cat.close()
-    assert (last.from_state, last.to_state) == ("copying", "missing") and "claim lapsed" in last.reason
+    assert moves[-3:] == [("copying", "missing"), ("missing", "copying"), ("copying", "verified")]
     assert reconcile_once(settings, steps=plain_steps()).recovered == []
+
+
+def test_a_lapsed_claim_on_a_copy_no_longer_whole_is_not_trusted(settings):
+    _kill_a_verify_after_its_claim(settings, 100)
+    shard_paths(settings.tier0_url, RUN, 100)[0].unlink()
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert _tier0(settings, 100).state in ("missing", "corrupt")
+    assert any("stalled copy -> corrupt" in r or "stalled copy -> missing" in r for r in report.recovered)
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"  # the good copy is untouched
+
+
+def test_a_killed_tier0_verify_does_not_leak_the_node_s_disk(settings):
+    """The sequence of issue 17 c: the Tier 0 verify of step 300 is killed after its claim; the
+    retried promotion finds the live claim, reads the copy but records nothing, and copies to
+    Tier 1; once the lease lapses, reconcile re-checks the NVMe copy, and retention can prune it."""
+    from tasks.register import register_part
+
+    write_checkpoint(settings.tier0_url, RUN, 300)
+    register_part(settings, RUN, 300)
+    cat = catalog(settings)
+    try:  # the killed verify's claim
+        ck = cat.get_checkpoint(RUN, 300)
+        assert cat.claim_copy(ck.id, 0, 0, "file:///nvme", node=settings.node, actor="verify").acquired
+    finally:
+        cat.close()
+    promote(settings, RUN, 300, steps=plain_steps())  # the retried hop: copied under the live claim
+    assert replica_states(settings, RUN, 300) == {(0, 0): "copying", (1, 0): "verified"}
+    expire_claims(settings)
+
+    reconcile_once(settings, steps=plain_steps())
+    assert replica_states(settings, RUN, 300)[(0, 0)] == "verified"
+
+    keep_one = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1)})
+    write_checkpoint(settings.tier0_url, RUN, 400)
+    promote(keep_one, RUN, 400, steps=plain_steps())
+    assert replica_states(settings, RUN, 300)[(0, 0)] == "pruned"
+    assert not ckpt_dir(settings.tier0_url, RUN, 300).exists()  # the NVMe space came back
 
 
 # --- item 10: the catalog's clock ---------------------------------------------------------------
@@ -176,3 +221,26 @@ def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db
         assert [r.step for r in cat.prune_candidates(0, policy)] == []
     finally:
         cat.close()
+
+
+def test_scrub_repairs_tier1_rot_from_a_tier0_copy_under_a_live_prune_claim(settings):
+    """A dead pruner's lease is still live on the Tier 0 copy of step 100 when its Tier 1 copy
+    rots: reading that copy deletes nothing, so scrub repairs Tier 1 from it, and after the
+    lapse reconcile finishes the prune on the strength of the repaired copy."""
+    from tasks.scrub import scrub
+    from tests.kit.checkpoints import flip_bit, same_bytes
+
+    rid = _killed_prune(settings, 100, delete_manifest=False)
+    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[0])  # same size, wrong bytes
+
+    report = scrub(settings, fraction=1.0)
+
+    assert [(r.tier, r.source_tier, r.ok) for r in report.repairs if r.step == 100] == [(1, 0, True)], report.repairs
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruning", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    assert _tier0(settings, 100).id == rid
+
+    expire_claims(settings)
+    reconcile_once(settings, steps=plain_steps())
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}

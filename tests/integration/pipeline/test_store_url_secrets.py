@@ -8,6 +8,11 @@ import json
 import uuid
 
 import fsspec
+import pytest
+
+from core.errors import ConfigError
+from core.settings import load_settings
+from core.storage.s3 import S3Store
 
 from core.events import announcing
 from core.layout import checkpoint_prefix
@@ -24,16 +29,31 @@ RUN = "run-a"
 PASSWORD, TOKEN = f"pw-{uuid.uuid4().hex[:8]}", f"tok-{uuid.uuid4().hex[:8]}"
 
 
-def test_display_url_hides_passwords_and_credential_parameters():
-    assert display_url(f"sftp://ckpt:{PASSWORD}@nas:22/ckpt") == "sftp://ckpt:***@nas:22/ckpt"
-    assert display_url(f"s3://AKIA:se/cr@t{PASSWORD}@bucket/x") == "s3://AKIA:***@bucket/x"  # "/" and "@" in it
+def test_display_url_keeps_only_scheme_host_port_path_and_harmless_parameters():
+    assert display_url(f"sftp://ckpt:{PASSWORD}@nas:22/ckpt") == "sftp://nas:22/ckpt"
+    assert display_url(f"s3://AKIA:se/cr@t{PASSWORD}@bucket/x") == "s3://bucket/x"  # "/" and "@" in it
+    assert display_url(f"https://{TOKEN}@host/ckpt") == "https://host/ckpt"  # a bare token as userinfo
+    assert display_url("sftp://ckpt@nas/ckpt") == "sftp://nas/ckpt"
     assert display_url(f"https://h/ckpt?region=eu&token={TOKEN}&X-Amz-Signature={TOKEN}&sig={TOKEN}") == (
         "https://h/ckpt?region=eu")
-    for plain in ("/lustre/ckpt", "file:///lustre/ckpt", "sftp://ckpt@nas/ckpt", "memory://root/v@2",
-                  "sftp://nas:22/ckpt/v@2"):
+    assert display_url(f"https://h/ckpt?pass={TOKEN}&access={TOKEN}&x={TOKEN}") == "https://h/ckpt"
+    assert display_url(f"https://h:8443/ckpt#token={TOKEN}") == "https://h:8443/ckpt"
+    for plain in ("/lustre/ckpt", "file:///lustre/ckpt", "memory://root/v@2", "sftp://nas:22/ckpt/v@2",
+                  "https://h/ckpt?region=eu"):
         assert display_url(plain) == plain
     store = FsspecStore(f"memory://ckpt:{PASSWORD}@nas/x?token={TOKEN}", 1)
-    assert store.url_for("run/step") == "memory://ckpt:***@nas/x/run/step"
+    assert store.url_for("run/step") == "memory://nas/x/run/step"
+
+
+@pytest.mark.parametrize("url", [f"s3://AKIA:{PASSWORD}@bucket/p", f"s3://{TOKEN}@bucket/p",
+                                 f"s3://bucket/p?X-Amz-Credential={TOKEN}", f"s3://bucket/p#{TOKEN}"])
+def test_credentials_inside_a_tier2_url_are_refused_saying_where_they_belong(url, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_settings(tier2_url=url, data_dir=tmp_path)
+    assert "AWS" in str(err.value) and PASSWORD not in str(err.value) and TOKEN not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        S3Store(url, 2, client=object())
+    assert PASSWORD not in str(err.value) and TOKEN not in str(err.value)
 
 
 def test_tier1_credentials_are_used_but_never_recorded_or_shown(settings_factory, db_url, monkeypatch, tmp_path):
@@ -54,6 +74,6 @@ def test_tier1_credentials_are_used_but_never_recorded_or_shown(settings_factory
     cli = catalog_cli(monkeypatch, tmp_path, settings.catalog_url)
     located = json.loads(cli("locate", RUN, "100", "--json"))
     (tier1,) = [r["url"] for r in located if r["tier"] == 1]
-    assert tier1 == f"memory://ckpt:***@{root}/tier1/{checkpoint_prefix(RUN, 100)}"
+    assert tier1 == f"memory://{root}/tier1/{checkpoint_prefix(RUN, 100)}"
     shown = cli("show", RUN, "100", "--json") + json.dumps(located) + repr(seen)
     assert PASSWORD not in shown
