@@ -6,6 +6,14 @@ each file is streamed once (read -> CRC32C -> write) into a staging name, checke
 tiers read it back after fsync; S3 checks the server's full-object CRC32C), and published
 under its final name only on a match; the manifest is written last. A rerun after any crash
 skips the files already published and matching, so it resumes where it stopped.
+
+``copy_part(check_source=True)`` makes the copy the source's verify too (a promotion reads
+Tier 0 once): every byte read from the source is proven against the manifest on the way
+(a file already at the destination is hashed at the source instead of copied), and a
+mismatch found by the destination's check is attributed by re-reading that one source file:
+bad there -> ``SourceMismatch`` (naming the files this call published, for the caller to
+retract); good there -> the destination's fault, raised as before. Only the failure path
+reads a source byte twice.
 """
 
 from __future__ import annotations
@@ -18,13 +26,24 @@ from dataclasses import dataclass
 from typing import BinaryIO, TypeVar, cast
 
 from core import checksum, formats
-from core.errors import ConflictError, CorruptCheckpoint, NotFound
+from core.errors import ConflictError, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix, parse_manifest_key
 from core.manifest import FileEntry, Manifest
 from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
+
+
+class SourceMismatch(CorruptCheckpoint):
+    """A ``copy_part(check_source=True)`` found the source's bytes differ from the manifest.
+
+    ``published`` lists the destination keys this call published before it stopped (whole,
+    matching files of an uncommitted part: the manifest is never written after a mismatch)."""
+
+    def __init__(self, message: str, *, path: str | None = None, published: Sequence[str] = ()):
+        super().__init__(message, path=path)
+        self.published = list(published)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -176,6 +195,8 @@ def copy_part(
     *,
     parallelism: int = 4,
     progress: Progress | None = None,
+    check_source: bool = False,
+    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).
 
@@ -184,15 +205,34 @@ def copy_part(
     publishes nothing for that file, and the manifest is never written. Files already at the
     destination and matching are skipped. ``StorageFull`` leaves no staging data behind.
     ``progress(bytes_done)`` receives the cumulative bytes read (from several threads).
+
+    ``check_source``: the copy is also the source's verify (module doc): every file is proven
+    at the source, a source mismatch raises ``SourceMismatch`` and a file missing at the
+    source raises ``NotFound`` (the verdicts ``verify_part`` would give the source).
     """
     t0 = time.monotonic()
     manifest_key = _key(dst_prefix, manifest.name)
     marker = manifest.to_json()
     counter = _Counter(progress)
+    published: list[str] = []  # list.append is atomic: the pool's threads share it
+
+    def source_bad(entry: FileEntry) -> CorruptCheckpoint | None:
+        try:
+            _hash_stored(src_store, _key(src_prefix, entry.path), entry.path, entry, buffer_bytes)
+        except CorruptCheckpoint as exc:
+            return exc
+        return None
 
     def one(entry: FileEntry) -> int:
         key = _key(dst_prefix, entry.path)
+        if check_source:  # a link out of the source tier is as bad as a bit flip (verify_part's verdict)
+            try:
+                src_store.stat(_key(src_prefix, entry.path))
+            except PathEscape as exc:
+                raise SourceMismatch(str(exc), path=entry.path) from None
         if _already_there(dst_store, key, entry):
+            if check_source and (bad := source_bad(entry)) is not None:
+                raise SourceMismatch(str(bad), path=entry.path)
             counter.add(entry.size)
             return -1
         try:
@@ -201,15 +241,23 @@ def copy_part(
                 counting = cast(BinaryIO, _CountingReader(reader, counter))
                 dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
+            if check_source:
+                raise NotFound(f"{entry.path}: missing from {src_store.url_for(src_prefix)}") from None
             raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
         except CorruptCheckpoint as exc:
+            if check_source and (bad := source_bad(entry)) is not None:  # the source's fault, not the copy's
+                raise SourceMismatch(str(bad), path=entry.path) from None
             raise CorruptCheckpoint(str(exc), path=entry.path) from None
+        published.append(key)
         return entry.size
 
     committed = dst_store.stat(manifest_key) is not None
     if committed and _commits_other(dst_store, manifest_key, manifest):
         raise ConflictError(f"{dst_store.url_for(manifest_key)} commits a different part; refusing to overwrite")
-    results = _run_all(one, list(manifest.files), parallelism)
+    try:
+        results = _run_all(one, list(manifest.files), parallelism)
+    except SourceMismatch as exc:  # every worker has stopped: ``published`` is complete
+        raise SourceMismatch(str(exc), path=exc.path, published=published) from None
     if not committed:
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]

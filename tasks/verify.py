@@ -48,13 +48,13 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
                 verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
                             buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
             except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
-                _record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
+                record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
                 events.announce(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
                                 extra_id=f"tier{tier}",
                                 payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
                 raise
             except NotFound as exc:
-                _record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, held)
+                record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, held)
                 raise
             seconds = time.monotonic() - started
             if held is not None:
@@ -73,7 +73,7 @@ def part_replica(cat: Catalog, checkpoint_id: int, tier: int, part: int, node: s
     return None
 
 
-def _record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str, url: str, state: str,
+def record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str, url: str, state: str,
                 exc: Exception, actor: str, held: ClaimedCopy | None) -> None:
     """Mark the replica ``state`` (corrupt/missing). Corruption belongs to the replica: the
     checkpoint itself becomes corrupt only when a corrupt Tier 0 source leaves it with no
