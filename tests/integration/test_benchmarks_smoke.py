@@ -60,9 +60,11 @@ def assert_rows(out: str, base: str, contenders: list[str]) -> None:
 
 def test_promote_tier1():
     out = run_benchmark("promote_tier1")
-    assert_rows(out, "cp -r", ["cp -r && sync", "cp -r + sha256sum", "ours: copy_part (verified)",
-                               "ours: copy_part + verify_part"])
-    assert re.search(r"target: ours <= 1\.3 x cp -r -> \d+\.\d\d x", out), out
+    assert_rows(out, "cp -r && sync", ["cp -r", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"])
+    assert re.search(r"goal: whole hop <= 1\.0 x cp -r && sync -> \d+\.\d\d x median", out), out
+    # the fused promotion reads Tier 0 once, the one before it twice
+    assert re.search(r"whole hop \(one Tier 0 read\) .* = 1\.0\d\d x checkpoint bytes", out), out
+    assert re.search(r"verify then copy \(before\) .* = 2\.0\d\d x checkpoint bytes", out), out
 
 
 def test_client_stall():

@@ -12,7 +12,6 @@ import json
 import struct
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,46 +43,14 @@ def tier(settings, t: int) -> Path:
     return Path(settings.tier_url(t))
 
 
-class _CountedReader:
-    """A source file as a plain stream (no ``fileno``: every byte passes through here)."""
-
-    def __init__(self, inner, key: str, seen: Counter):
-        self.inner, self.key, self.seen = inner, key, seen
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.inner.read(n)
-        self.seen[self.key] += len(data)
-        return data
-
-    def readinto(self, buf) -> int:
-        n = self.inner.readinto(buf) or 0
-        self.seen[self.key] += n
-        return n
-
-
 @pytest.fixture
-def tier0_reads(monkeypatch) -> Counter:
-    """Bytes read from Tier 0 by key, through every store the pipeline opens on Tier 0."""
-    import tasks.base
+def tier0_reads() -> Iterator[Counter]:
+    """Bytes read from Tier 0 by file name, through every store the pipeline opens on Tier 0
+    (kernel copies included: the copy path is the real one)."""
+    from benchmarks.tier_reads import counting_tier_reads
 
-    seen: Counter = Counter()
-    real = tasks.base.tier_store
-
-    def counting(settings, t: int):
-        store = real(settings, t)
-        if t == 0:
-            opened = store.open_read
-
-            @contextmanager
-            def open_read(key: str) -> Iterator[_CountedReader]:
-                with opened(key) as fh:
-                    yield _CountedReader(fh, key.rsplit("/", 1)[-1], seen)
-
-            store.open_read = open_read  # type: ignore[method-assign]
-        return store
-
-    monkeypatch.setattr(tasks.base, "tier_store", counting)
-    return seen
+    with counting_tier_reads(0) as seen:
+        yield seen
 
 
 def _format_check_bytes(folder: Path) -> int:
