@@ -18,6 +18,9 @@ reads a source byte twice.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -112,11 +115,61 @@ class _CountingReader:
             inner(n)
 
 
-def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int) -> list[_R]:
+@dataclass(frozen=True)
+class WorkerPriority:
+    """The CPU and I/O priority the transfer's worker threads take on (each thread its own:
+    Linux keeps niceness and I/O priority per thread, so the caller's thread is untouched).
+    ``nice`` is added to the thread's niceness; ``io_class`` 'best-effort' is that class at
+    its lowest level (7), 'idle' the idle class, 'unchanged' leaves it."""
+
+    nice: int = 0
+    io_class: str = "unchanged"
+
+    def apply(self) -> None:
+        tid = threading.get_native_id()
+        try:
+            if self.nice:
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+            if self.io_class in _IO_CLASSES:
+                _ioprio_set(tid, _IO_CLASSES[self.io_class])
+        except OSError as exc:  # a platform or sandbox without it: the copy runs anyway
+            _warn_once(f"could not lower the copy threads' priority ({self}): {exc}")
+
+
+NORMAL = WorkerPriority()
+_IO_CLASSES = {"best-effort": (2 << 13) | 7, "idle": 3 << 13}  # IOPRIO_PRIO_VALUE(class, level)
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logging.getLogger("ckpt.transfer").warning(msg)
+
+
+def _ioprio_set(tid: int, value: int) -> None:
+    """``ioprio_set(IOPRIO_WHO_PROCESS, tid, value)`` (no wrapper in Python's os module)."""
+    import ctypes
+    import platform
+
+    nr = _IOPRIO_SET.get(platform.machine())
+    if nr is None or not sys.platform.startswith("linux"):
+        raise OSError(f"ioprio_set is not known on {sys.platform}/{platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(nr, 1, tid, value) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int,
+             priority: WorkerPriority = NORMAL) -> list[_R]:
     """fn over items in a bounded pool; the first exception cancels what has not started."""
     if not items:
         return []
-    with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer") as pool:
+    init = priority.apply if priority != NORMAL else None
+    with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer",
+                            initializer=init) as pool:
         futures = [pool.submit(fn, it) for it in items]
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
@@ -148,6 +201,7 @@ def verify_part(
     parallelism: int = 4,
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
     deep: bool = True,
+    priority: WorkerPriority = NORMAL,
 ) -> VerifyReport:
     """Prove the part under ``prefix`` matches ``manifest``: sizes, checksums and format.
 
@@ -171,7 +225,7 @@ def verify_part(
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(str(exc), path=entry.path) from None
 
-    _run_all(one, list(manifest.files), parallelism)
+    _run_all(one, list(manifest.files), parallelism, priority)
     sizes = {f.path: f.size for f in manifest.files}
     formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)),
                      complete=manifest.parts == 1)
@@ -200,6 +254,7 @@ def copy_part(
     progress: Progress | None = None,
     check_source: bool = False,
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+    priority: WorkerPriority = NORMAL,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).
 
@@ -208,6 +263,8 @@ def copy_part(
     publishes nothing for that file, and the manifest is never written. Files already at the
     destination and matching are skipped. ``StorageFull`` leaves no staging data behind.
     ``progress(bytes_done)`` receives the cumulative bytes read (from several threads).
+
+    ``priority``: the CPU and I/O priority of the worker threads (``WorkerPriority``).
 
     ``check_source``: the copy is also the source's verify (module doc): every file is proven
     at the source, a source mismatch raises ``SourceMismatch`` and a file missing at the
@@ -258,7 +315,7 @@ def copy_part(
     if committed and _commits_other(dst_store, manifest_key, manifest):
         raise ConflictError(f"{dst_store.url_for(manifest_key)} commits a different part; refusing to overwrite")
     try:
-        results = _run_all(one, list(manifest.files), parallelism)
+        results = _run_all(one, list(manifest.files), parallelism, priority)
     except SourceMismatch as exc:  # every worker has stopped: ``published`` is complete
         raise SourceMismatch(str(exc), path=exc.path, published=published) from None
     if not committed:

@@ -29,6 +29,7 @@ from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo
 from tasks.base import (
     HopResult,
+    copy_priority,
     delete_part,
     log,
     open_catalog,
@@ -98,7 +99,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 try:
                     report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
                                        progress=held.progress(shown), check_source=check_source,
-                                       buffer_bytes=settings.io_buffer_bytes)
+                                       buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
                     _retract(cat, dst, run, step, part, exc.published, actor=actor,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
@@ -206,7 +207,7 @@ class _Tier0Source:
 
         assert self._manifest is not None
         report = verify_part(self.store, self.prefix, self._manifest, parallelism=settings.copy_parallelism,
-                             buffer_bytes=settings.io_buffer_bytes)
+                             buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
         self._record(report.seconds, "tier 0 copy read back against its manifest")
 
     def matched(self, copy_seconds: float) -> None:

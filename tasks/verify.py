@@ -22,7 +22,7 @@ from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, CheckpointInfo, ReplicaInfo
-from tasks.base import HopResult, log, open_catalog, open_tier, registered_manifest
+from tasks.base import HopResult, copy_priority, log, open_catalog, open_tier, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.retry import pipeline_task
 
@@ -46,7 +46,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
             try:
                 manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
                 verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
-                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
+                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2, priority=copy_priority(settings))
             except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
                 record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
                 events.announce(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
