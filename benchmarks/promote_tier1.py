@@ -40,6 +40,43 @@ SMOKE = {"gib": 4 / 1024, "shards": 4}
 BASE, FUSED, BEFORE = "cp -r && sync", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"
 
 
+class HopBench:
+    """One part on a Tier 0 folder under ``work`` and what promoting it again and again needs:
+    ``fresh()`` empties Tier 1 and opens a new catalog (engines are cached per URL),
+    ``promote()`` is ``tier1_hop`` as the pipeline runs it."""
+
+    def __init__(self, work: Path, gib: float, shards: int, parallelism: int, **settings: object):
+        from core.layout import checkpoint_prefix
+        from core.manifest_build import build_manifest, write_manifest
+        from core.settings import Settings
+
+        self.work, self.t1_root = work, work / "tier1"
+        self.src = work / "tier0" / checkpoint_prefix(RUN, STEP)
+        write_shards(self.src, int(gib * 2**30), shards)
+        self.manifest = build_manifest(self.src, RUN, STEP, node=NODE, parallelism=parallelism)
+        write_manifest(self.src, self.manifest)
+        self.settings = Settings(data_dir=work / "data", node=NODE, tier0_url=str(work / "tier0"),
+                                 tier1_url=str(self.t1_root), task_retries=0, copy_parallelism=parallelism,
+                                 **settings)
+        self._n = 0
+
+    def fresh(self, **settings: object) -> None:
+        from db.catalog import Catalog, upgrade
+
+        shutil.rmtree(self.t1_root, ignore_errors=True)
+        self._n += 1
+        url = f"sqlite:///{self.work / f'catalog-{self._n}.db'}"
+        self.settings = self.settings.model_copy(update={"catalog_url": url, **settings})
+        upgrade(url)
+        with Catalog(url) as cat:
+            cat.ensure_run(RUN, actor="bench")
+
+    def promote(self) -> None:
+        from tasks.hop import tier1_hop
+
+        assert tier1_hop(self.settings, RUN, STEP, node=NODE, actor="bench").durable
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as fh:
         for line in fh:
@@ -57,38 +94,20 @@ def main() -> None:
     args = parse(ap, SMOKE)
     load0 = os.getloadavg()[0]
 
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest, write_manifest
-    from core.settings import Settings
-    from db.catalog import Catalog, upgrade
     from tasks.copy import copy_to_tier1
-    from tasks.hop import tier1_hop
     from tasks.record import mark_complete
     from tasks.register import register_part
     from tasks.verify import verify_replica
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
-        t0_root, t1_root, cp_dst = work / "tier0", work / "tier1", work / "cp"
-        src = t0_root / checkpoint_prefix(RUN, STEP)
-        write_shards(src, int(args.gib * 2**30), args.shards)
-        m = build_manifest(src, RUN, STEP, node=NODE, parallelism=args.parallelism)
-        write_manifest(src, m)
-        nbytes = m.total_bytes
-        rounds = iter(range(10**6))
-        settings = Settings(data_dir=work / "data", node=NODE, tier0_url=str(t0_root), tier1_url=str(t1_root),
-                            task_retries=0, copy_parallelism=args.parallelism)
+        cp_dst = work / "cp"
+        hop = HopBench(work, args.gib, args.shards, args.parallelism)
+        src, m, nbytes = hop.src, hop.manifest, hop.manifest.total_bytes
 
         def fresh(_name: str) -> None:
-            """Tier 1 and the cp target emptied; a new catalog file (engines are cached per URL)."""
-            nonlocal settings
             shutil.rmtree(cp_dst, ignore_errors=True)
-            shutil.rmtree(t1_root, ignore_errors=True)
-            url = f"sqlite:///{work / f'catalog-{next(rounds)}.db'}"
-            settings = settings.model_copy(update={"catalog_url": url})
-            upgrade(url)
-            with Catalog(url) as cat:
-                cat.ensure_run(RUN, actor="bench")
+            hop.fresh()
 
         reads: dict[str, list[int]] = {FUSED: [], BEFORE: []}
         data_files = {f.path for f in m.files}
@@ -100,10 +119,8 @@ def main() -> None:
                 reads[name].append(sum(n for k, n in seen.items() if k in data_files))
             return run
 
-        def fused() -> None:
-            assert tier1_hop(settings, RUN, STEP, node=NODE, actor="bench").durable
-
         def before() -> None:
+            settings = hop.settings
             register_part(settings, RUN, STEP, node=NODE, actor="bench")
             verify_replica(settings, RUN, STEP, tier=0, node=NODE, actor="bench")
             copy_to_tier1(settings, RUN, STEP, node=NODE, actor="bench")
@@ -112,11 +129,11 @@ def main() -> None:
         contenders = {
             BASE: lambda: subprocess.run(f"cp -r '{src}' '{cp_dst}' && sync", shell=True, check=True),
             "cp -r": lambda: subprocess.run(["cp", "-r", str(src), str(cp_dst)], check=True),
-            FUSED: counted(FUSED, fused),
+            FUSED: counted(FUSED, hop.promote),
             BEFORE: counted(BEFORE, before),
         }
         fresh("warm-up")
-        fused()  # imports, the catalog's first connection, the source in the page cache (if it fits)
+        hop.promote()  # imports, the catalog's first connection, the source in the page cache (if it fits)
         avail = mem_available()
         times, _ = run_rounds(contenders, args.rounds, before=fresh, sync=True)
 

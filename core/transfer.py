@@ -126,10 +126,12 @@ class WorkerPriority:
     io_class: str = "unchanged"
 
     def apply(self) -> None:
+        """Lower the calling thread to this priority (idempotent: ``nice`` above the process's)."""
         tid = threading.get_native_id()
         try:
-            if self.nice:
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+            target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + self.nice)
+            if self.nice and os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
             if self.io_class in _IO_CLASSES:
                 _ioprio_set(tid, _IO_CLASSES[self.io_class])
         except OSError as exc:  # a platform or sandbox without it: the copy runs anyway
@@ -137,6 +139,32 @@ class WorkerPriority:
 
 
 NORMAL = WorkerPriority()
+
+
+def run_at(priority: WorkerPriority, fn: Callable[[], _R]) -> _R:
+    """``fn()`` on a thread of its own at ``priority`` (the caller's thread keeps its own, and
+    threads ``fn`` starts inherit the lower one); context variables go along. NORMAL: here."""
+    if priority == NORMAL:
+        return fn()
+    import contextvars
+
+    ctx = contextvars.copy_context()
+    results: list[_R] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        priority.apply()
+        try:
+            results.append(ctx.run(fn))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=body, name="ckpt-lowered")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return results[0]
 _IO_CLASSES = {"best-effort": (2 << 13) | 7, "idle": 3 << 13}  # IOPRIO_PRIO_VALUE(class, level)
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
 _warned: set[str] = set()

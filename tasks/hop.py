@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.settings import Settings
-from tasks.base import HopResult
+from tasks.base import HopResult, copy_priority
 from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
 from tasks.register import register_part
@@ -35,7 +35,18 @@ class Tier1Hop:
 
 def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
               node: str | None = None, actor: str = "cli") -> Tier1Hop:
-    """Make one part durable on Tier 1; ``durable`` is true for exactly one caller per checkpoint."""
+    """Make one part durable on Tier 1; ``durable`` is true for exactly one caller per checkpoint.
+
+    All of it (catalog, format check, copy) runs at the agent's copy priority (``copy_nice``,
+    ``copy_io_class``): the training job on the node keeps its cores."""
+    from core.transfer import run_at
+
+    return run_at(copy_priority(settings), lambda: _tier1_hop(settings, run, step, part, parts, node=node,
+                                                              actor=actor))
+
+
+def _tier1_hop(settings: Settings, run: str, step: int, part: int, parts: int, *,
+               node: str | None, actor: str) -> Tier1Hop:
     reg = register_part(settings, run, step, part, parts, node=node, actor=actor)
     result = Tier1Hop(reg.checkpoint_id, reg.parts)
     if reg.promoted:  # a repeated or concurrent event: this part is already on Tier 1

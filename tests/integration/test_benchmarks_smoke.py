@@ -137,3 +137,13 @@ def test_trainer_stall():
     assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])
     assert re.search(r"ratio \(HF Trainer\): ours / Trainer save \(no callback\) = \d+\.\d\d x", out), out
     assert re.search(r"ratio \(Lightning\): ours / ModelCheckpoint, TorchCheckpointIO = \d+\.\d\d x", out), out
+
+
+def test_training_interference():
+    pytest.importorskip("torch")
+    out = run_benchmark("training_interference")
+    assert re.search(r"alone \(baseline\) +\d+\.\d", out), out
+    assert re.search(r"beside a promotion, copy lowered .* -?\d+\.\d%", out), out
+    assert re.search(r"quiet, no training \(baseline\) +\d+\.\d{3}", out), out
+    assert re.search(r"goal: training slowdown <= 5 % -> -?\d+\.\d%, (MET|NOT MET); "
+                     r"promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
