@@ -147,3 +147,11 @@ def test_training_interference():
     assert re.search(r"quiet, no training \(baseline\) +\d+\.\d{3}", out), out
     assert re.search(r"goal: training slowdown <= 5 % -> -?\d+\.\d%, (MET|NOT MET); "
                      r"promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
+
+
+def test_agent_memory():
+    out = run_benchmark("agent_memory")
+    assert re.search(r"bare interpreter \(baseline\) +\d+\.\d", out), out
+    assert re.search(r"warm flow-run process \(after warm_up\) +\d+\.\d", out), out
+    assert re.search(r"goal: agent \+ its warm process <= 150 MB -> \d+ \+ \d+ = \d+ MB", out), out
+    assert "torch/numpy not imported: yes" in out, out  # an agent never needs them
