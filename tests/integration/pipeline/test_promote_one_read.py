@@ -165,3 +165,28 @@ def test_a_worker_killed_between_the_copy_and_its_commit_is_retried_to_the_same_
     for f in m.files:
         assert same_bytes(ckpt_dir(tier(settings, 0), RUN, 100) / f.path, t1 / f.path)
     assert json.loads((t1 / "manifest.json").read_text())["step"] == 100
+
+
+def test_a_bad_read_back_on_tier1_is_not_blamed_on_tier0(settings, monkeypatch):
+    """Tier 1 returns wrong bytes on its read-back: the copy fails as before, and the Tier 0
+    source, read back alone, is recorded verified (not corrupt) and the checkpoint stays good."""
+    from core.storage.local import LocalStore
+
+    write_checkpoint(tier(settings, 0), RUN, 100, shards=2, shard_bytes=128 << 10)
+    real = LocalStore._hash
+
+    def bad_tier1_read_back(self, path):
+        size, crc = real(self, path)
+        return (size, "00000000") if self.tier == 1 and ".ckpt-staging-" in path.name else (size, crc)
+
+    monkeypatch.setattr(LocalStore, "_hash", bad_tier1_read_back)
+    with pytest.raises(CorruptCheckpoint, match="read-back"):
+        promote(settings, RUN, 100, steps=plain_steps())
+
+    assert published_files(tier(settings, 1), RUN, 100) == []
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "missing"}
+    with open_catalog(settings) as cat:
+        assert cat.get_checkpoint(RUN, 100).state != "corrupt"
+    monkeypatch.setattr(LocalStore, "_hash", real)  # Tier 1 healthy again: the retry promotes it
+    assert promote(settings, RUN, 100, steps=plain_steps()).durable
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
