@@ -232,20 +232,20 @@ class _Tier0Source:
 def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, keys: list[str], *,
              actor: str, reason: str) -> None:
     """Delete the files a failed copy published (its part never committed), audited first;
-    paths another live part of the checkpoint lists on this tier stay."""
-    if not keys:
-        return
+    paths another live part of the checkpoint lists on this tier stay. A single-part
+    checkpoint's folder left with nothing in it goes too (the copy created it)."""
     ck = cat.get_checkpoint(run, step)
     prefix = checkpoint_prefix(run, step)
-    keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)}
+    keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)} if keys else set()
     doomed = [k for k in keys if k not in keep]
-    if not doomed:
-        return
     try:
-        cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
-                            f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
-        for key in doomed:
-            store.delete(key)
+        if doomed:
+            cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
+                                f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
+            for key in doomed:
+                store.delete(key)
+        if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
+            store.delete_prefix(prefix)
     except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear
         log.warning("%s/%s part %s: could not retract %d uncommitted file(s) from tier %s: %s",
                     run, step, part, len(doomed), store.tier, exc)

@@ -105,7 +105,7 @@ def test_a_flipped_bit_on_tier0_leaves_nothing_on_tier1(settings):
         promote(settings, RUN, 100, steps=plain_steps())
 
     assert err.value.path == last.name and type(err.value) is CorruptCheckpoint
-    assert published_files(tier(settings, 1), RUN, 100) == []
+    assert not ckpt_dir(tier(settings, 1), RUN, 100).exists()  # not even the folder the copy made
     assert replica_states(settings, RUN, 100) == {(0, 0): "corrupt", (1, 0): "missing"}
     with open_catalog(settings) as cat:
         ck = cat.get_checkpoint(RUN, 100)
