@@ -8,6 +8,12 @@ reads back and publishes with the manifest last, so a replica becomes ``verified
 after its bytes were read back from the destination. A copy that fails publishes nothing and
 leaves the replica ``missing`` (with the reason), which the next claim may take again; a copy
 killed outright leaves a claim that lapses after one lease.
+
+``promote_part`` (Tier 0 -> 1) reads Tier 0 once: the copy checks every source byte against the
+manifest on its way (``copy_part(check_source=True)``) and that is the Tier 0 verify, recorded
+on the Tier 0 replica under its own claim. A source mismatch retracts what the copy published
+and marks Tier 0 corrupt as ``verify_replica`` would; a copy failing for a reason of its own
+reads Tier 0 back alone, so the Tier 0 record ends as before.
 """
 
 from __future__ import annotations

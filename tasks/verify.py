@@ -1,7 +1,9 @@
 """verify: read a part back on one tier and compare it with what the catalog registered.
 
-On Tier 0 this is the gate of the whole pipeline: a part is copied only after its source bytes
-and format proved good. A good Tier 0 part is recorded as a ``verified`` replica on its node,
+On Tier 0 this is the gate of the whole pipeline: a part is trusted only once its source bytes
+and format proved good (a promotion proves them in the copy's own read, ``tasks.copy.
+promote_part``, with the same records and verdicts as here; this step reads Tier 0 alone).
+A good Tier 0 part is recorded as a ``verified`` replica on its node,
 so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way). A
 bad one makes the replica ``corrupt`` with the file and the reason, announces
 ``ckpt.checkpoint.corrupt`` and raises ``CorruptCheckpoint``; nothing else changes. The
