@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     checksum_algorithm: Literal["crc32c"] = "crc32c"
     copy_parallelism: int = Field(default=4, ge=1, le=64)
     io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
+    copy_nice: int = Field(default=10, ge=0, le=19, description="niceness the agent's copy and verify worker "
+                           "threads take on (0: the agent's own), so a training job on the node keeps its cores")
+    copy_io_class: Literal["idle", "best-effort", "unchanged"] = Field(
+        default="best-effort", description="I/O priority of those threads: 'best-effort' at its lowest level (7), "
+        "'idle' only when the disk is otherwise idle, 'unchanged' the agent's own (BFQ honours classes; "
+        "mq-deadline only the class)")
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
     s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
     s3_max_concurrency: int = Field(default=8, ge=1, le=64)

@@ -8,10 +8,21 @@ under its final name only on a match; the manifest is written last. A rerun afte
 skips the files already published and matching, so it resumes where it stopped. A large file
 from a source that reads in ranges (S3) into a local destination is fetched as parallel ranged
 reads written at their offsets (``put_written``), checked by the combined CRC32C.
+
+``copy_part(check_source=True)`` makes the copy the source's verify too (a promotion reads
+Tier 0 once): every byte read from the source is proven against the manifest on the way
+(a file already at the destination is hashed at the source instead of copied), and a
+mismatch found by the destination's check is attributed by re-reading that one source file:
+bad there -> ``SourceMismatch`` (naming the files this call published, for the caller to
+retract); good there -> the destination's fault, raised as before. Only the failure path
+reads a source byte twice.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,13 +31,24 @@ from dataclasses import dataclass
 from typing import BinaryIO, TypeVar, cast
 
 from core import checksum, formats
-from core.errors import ConflictError, CorruptCheckpoint, NotFound
+from core.errors import ConflictError, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix, parse_manifest_key
 from core.manifest import FileEntry, Manifest
 from core.manifest_build import read_manifest
 from core.storage.base import TierStore, hash_object
 
 Progress = Callable[[int], None]
+
+
+class SourceMismatch(CorruptCheckpoint):
+    """A ``copy_part(check_source=True)`` found the source's bytes differ from the manifest.
+
+    ``published`` lists the destination keys this call published before it stopped (whole,
+    matching files of an uncommitted part: the manifest is never written after a mismatch)."""
+
+    def __init__(self, message: str, *, path: str | None = None, published: Sequence[str] = ()):
+        super().__init__(message, path=path)
+        self.published = list(published)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -90,13 +112,94 @@ class _CountingReader:
 
     def note_copied(self, n: int) -> None:
         self.counter.add(n)
+        inner = getattr(self.inner, "note_copied", None)  # a reader that counts, too (benchmarks)
+        if inner is not None:
+            inner(n)
 
 
-def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int) -> list[_R]:
+@dataclass(frozen=True)
+class WorkerPriority:
+    """The CPU and I/O priority the transfer's worker threads take on (each thread its own:
+    Linux keeps niceness and I/O priority per thread, so the caller's thread is untouched).
+    ``nice`` is added to the thread's niceness; ``io_class`` 'best-effort' is that class at
+    its lowest level (7), 'idle' the idle class, 'unchanged' leaves it."""
+
+    nice: int = 0
+    io_class: str = "unchanged"
+
+    def apply(self) -> None:
+        """Lower the calling thread to this priority (idempotent: ``nice`` above the process's)."""
+        tid = threading.get_native_id()
+        try:
+            target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + self.nice)
+            if self.nice and os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+            if self.io_class in _IO_CLASSES:
+                _ioprio_set(tid, _IO_CLASSES[self.io_class])
+        except OSError as exc:  # a platform or sandbox without it: the copy runs anyway
+            _warn_once(f"could not lower the copy threads' priority ({self}): {exc}")
+
+
+NORMAL = WorkerPriority()
+
+
+def run_at(priority: WorkerPriority, fn: Callable[[], _R]) -> _R:
+    """``fn()`` on a thread of its own at ``priority`` (the caller's thread keeps its own, and
+    threads ``fn`` starts inherit the lower one); context variables go along. NORMAL: here."""
+    if priority == NORMAL:
+        return fn()
+    import contextvars
+
+    ctx = contextvars.copy_context()
+    results: list[_R] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        priority.apply()
+        try:
+            results.append(ctx.run(fn))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=body, name="ckpt-lowered")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return results[0]
+_IO_CLASSES = {"best-effort": (2 << 13) | 7, "idle": 3 << 13}  # IOPRIO_PRIO_VALUE(class, level)
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        logging.getLogger("ckpt.transfer").warning(msg)
+
+
+def _ioprio_set(tid: int, value: int) -> None:
+    """``ioprio_set(IOPRIO_WHO_PROCESS, tid, value)`` (no wrapper in Python's os module)."""
+    import ctypes
+    import platform
+
+    nr = _IOPRIO_SET.get(platform.machine())
+    if nr is None or not sys.platform.startswith("linux"):
+        raise OSError(f"ioprio_set is not known on {sys.platform}/{platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(nr, 1, tid, value) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _run_all(fn: Callable[[_T], _R], items: Sequence[_T], parallelism: int,
+             priority: WorkerPriority = NORMAL) -> list[_R]:
     """fn over items in a bounded pool; the first exception cancels what has not started."""
     if not items:
         return []
-    with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer") as pool:
+    init = priority.apply if priority != NORMAL else None
+    with ThreadPoolExecutor(max(1, min(parallelism, len(items))), thread_name_prefix="ckpt-xfer",
+                            initializer=init) as pool:
         futures = [pool.submit(fn, it) for it in items]
         wait(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
@@ -128,6 +231,7 @@ def verify_part(
     parallelism: int = 4,
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
     deep: bool = True,
+    priority: WorkerPriority = NORMAL,
 ) -> VerifyReport:
     """Prove the part under ``prefix`` matches ``manifest``: sizes, checksums and format.
 
@@ -151,7 +255,7 @@ def verify_part(
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(str(exc), path=entry.path) from None
 
-    _run_all(one, list(manifest.files), parallelism)
+    _run_all(one, list(manifest.files), parallelism, priority)
     sizes = {f.path: f.size for f in manifest.files}
     formats.validate(manifest.format, sizes, lambda rel: store.open_read(_key(prefix, rel)),
                      complete=manifest.parts == 1)
@@ -178,6 +282,9 @@ def copy_part(
     *,
     parallelism: int = 4,
     progress: Progress | None = None,
+    check_source: bool = False,
+    buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+    priority: WorkerPriority = NORMAL,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).
 
@@ -186,15 +293,36 @@ def copy_part(
     publishes nothing for that file, and the manifest is never written. Files already at the
     destination and matching are skipped. ``StorageFull`` leaves no staging data behind.
     ``progress(bytes_done)`` receives the cumulative bytes read (from several threads).
+
+    ``priority``: the CPU and I/O priority of the worker threads (``WorkerPriority``).
+
+    ``check_source``: the copy is also the source's verify (module doc): every file is proven
+    at the source, a source mismatch raises ``SourceMismatch`` and a file missing at the
+    source raises ``NotFound`` (the verdicts ``verify_part`` would give the source).
     """
     t0 = time.monotonic()
     manifest_key = _key(dst_prefix, manifest.name)
     marker = manifest.to_json()
     counter = _Counter(progress)
+    published: list[str] = []  # list.append is atomic: the pool's threads share it
+
+    def source_bad(entry: FileEntry) -> CorruptCheckpoint | None:
+        try:
+            _hash_stored(src_store, _key(src_prefix, entry.path), entry.path, entry, buffer_bytes)
+        except CorruptCheckpoint as exc:
+            return exc
+        return None
 
     def one(entry: FileEntry) -> int:
         key = _key(dst_prefix, entry.path)
+        if check_source:  # a link out of the source tier is as bad as a bit flip (verify_part's verdict)
+            try:
+                src_store.stat(_key(src_prefix, entry.path))
+            except PathEscape as exc:
+                raise SourceMismatch(str(exc), path=entry.path) from None
         if _already_there(dst_store, key, entry):
+            if check_source and (bad := source_bad(entry)) is not None:
+                raise SourceMismatch(str(bad), path=entry.path)
             counter.add(entry.size)
             return -1
         try:
@@ -206,15 +334,23 @@ def copy_part(
                 counting = cast(BinaryIO, _CountingReader(reader, counter))
                 dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
+            if check_source:
+                raise NotFound(f"{entry.path}: missing from {src_store.url_for(src_prefix)}") from None
             raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
         except CorruptCheckpoint as exc:
+            if check_source and (bad := source_bad(entry)) is not None:  # the source's fault, not the copy's
+                raise SourceMismatch(str(bad), path=entry.path) from None
             raise CorruptCheckpoint(str(exc), path=entry.path) from None
+        published.append(key)
         return entry.size
 
     committed = dst_store.stat(manifest_key) is not None
     if committed and _commits_other(dst_store, manifest_key, manifest):
         raise ConflictError(f"{dst_store.url_for(manifest_key)} commits a different part; refusing to overwrite")
-    results = _run_all(one, list(manifest.files), parallelism)
+    try:
+        results = _run_all(one, list(manifest.files), parallelism, priority)
+    except SourceMismatch as exc:  # every worker has stopped: ``published`` is complete
+        raise SourceMismatch(str(exc), path=exc.path, published=published) from None
     if not committed:
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]

@@ -134,6 +134,14 @@ def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[
     return {f.path for p in live for f in cat.files(checkpoint_id, p) if f.path in mine}
 
 
+def copy_priority(settings: Settings):
+    """The priority the agent's background copy and verify threads run at (``copy_nice``,
+    ``copy_io_class``): below a training job sharing the node."""
+    from core.transfer import WorkerPriority
+
+    return WorkerPriority(nice=settings.copy_nice, io_class=settings.copy_io_class)
+
+
 @dataclass(frozen=True)
 class HopResult:
     """One hop of one part (verify on a tier, or a copy between tiers), for the artifact."""

@@ -8,73 +8,268 @@ reads back and publishes with the manifest last, so a replica becomes ``verified
 after its bytes were read back from the destination. A copy that fails publishes nothing and
 leaves the replica ``missing`` (with the reason), which the next claim may take again; a copy
 killed outright leaves a claim that lapses after one lease.
+
+``promote_part`` (Tier 0 -> 1) reads Tier 0 once: the copy checks every source byte against the
+manifest on its way (``copy_part(check_source=True)``) and that is the Tier 0 verify, recorded
+on the Tier 0 replica under its own claim. A source mismatch retracts what the copy published
+and marks Tier 0 corrupt as ``verify_replica`` would; a copy failing for a reason of its own
+reads Tier 0 back alone, so the Tier 0 record ends as before.
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
+from types import TracebackType
+from typing import Self
+
 from core import events
-from core.errors import CopyInProgress
+from core.errors import CopyInProgress, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix
+from core.manifest import Manifest
 from core.progress import reporter
 from core.settings import Settings
 from core.storage.base import TierStore
+from core.transfer import SourceMismatch
+from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo
-from tasks.base import HopResult, delete_part, log, open_catalog, open_tier, registered_manifest, sweep_staging
+from tasks.base import (
+    HopResult,
+    copy_priority,
+    delete_part,
+    log,
+    open_catalog,
+    open_tier,
+    registered_manifest,
+    shared_paths,
+    sweep_staging,
+)
 from tasks.claim import ClaimedCopy
-from tasks.verify import part_replica
+from tasks.verify import part_replica, record_bad
 
 
 def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *,
                        src_tier: int, dst_tier: int, node: str | None = None, actor: str = "cli") -> HopResult:
     """Copy a registered part from ``src_tier`` to ``dst_tier`` and record it ``verified``."""
+    return _claimed_copy(settings, run, step, part, src_tier=src_tier, dst_tier=dst_tier,
+                         node=node or settings.node, actor=actor)[-1]
+
+
+def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tier: int, dst_tier: int,
+                  node: str, actor: str, check_source: bool = False) -> list[HopResult]:
+    """The copy under the destination's claim; with ``check_source`` (Tier 0 -> 1 only) also
+    the verify of the Tier 0 source, from the same read (``promote_part``)."""
     from core.transfer import copy_part
 
-    node = node or settings.node
     hop = f"tier {src_tier} -> tier {dst_tier}"
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
             open_tier(settings, dst_tier) as dst:
         ck = cat.get_checkpoint(run, step)
         prefix = checkpoint_prefix(run, step)
         url = dst.url_for(prefix)
-        manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
-        prior = part_replica(cat, ck.id, dst_tier, part, None)
-        held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
-                                     actor=actor,
-                                     lease_s=settings.claim_lease_seconds)
-        if held is None:
-            if rep.state == VERIFIED:
-                return HopResult(hop=hop, run=run, step=step, part=part, files=len(manifest.files),
-                                 bytes=manifest.total_bytes, seconds=0.0, skipped=True)
-            raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
-                                 f"tier {dst_tier} (replica {rep.id}, {rep.state})")
-        with held:
-            if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
-                delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
-                            reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
-            elif prior is not None and prior.state in (COPYING, MISSING):
-                # a copy of this part that died: its staging data is garbage. This part's own
-                # files are ours alone under the claim just taken (swept now, not after a
-                # wall-clock wait); paths another part also lists may be that part's live copy
-                # (left a lease); other parts' files are never touched
-                own = [f.path for f in manifest.files] + [manifest.name]
-                shared = {f.path for f in cat.files(ck.id) if f.part != part}
-                why = f"left by a copy that died (replica {prior.id} was {prior.state})"
-                sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
-                              keys=[f"{prefix}/{p}" for p in own if p not in shared])
-                sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why,
-                              keys=[f"{prefix}/{p}" for p in own if p in shared])
-            shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
-            report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
-                               progress=held.progress(shown))
-            held.verified(bytes=report.bytes, seconds=report.seconds,
-                          reason=f"copied from tier {src_tier} and read back")
-        watch_headroom(settings, dst, dst_tier, prefix, ck, part=part, node=node)
+        source_side = _Tier0Source(cat, ck, src, part, node, actor, settings) if check_source else nullcontext()
+        with source_side as source:
+            manifest = source.manifest() if source is not None else \
+                registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
+            prior = part_replica(cat, ck.id, dst_tier, part, None)
+            held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
+                                         actor=actor,
+                                         lease_s=settings.claim_lease_seconds)
+            if held is None:
+                if source is not None:  # no copy to read it: Tier 0 is checked alone
+                    source.verify_alone(settings)
+                if rep.state == VERIFIED:
+                    done = HopResult(hop=hop, run=run, step=step, part=part, files=len(manifest.files),
+                                     bytes=manifest.total_bytes, seconds=0.0, skipped=True)
+                    return [done] if source is None else [source.hop(), done]
+                raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
+                                     f"tier {dst_tier} (replica {rep.id}, {rep.state})")
+            with held:
+                if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
+                    delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+                                reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
+                elif prior is not None and prior.state in (COPYING, MISSING):
+                    # a copy of this part that died: its staging data is garbage. This part's own
+                    # files are ours alone under the claim just taken (swept now, not after a
+                    # wall-clock wait); paths another part also lists may be that part's live copy
+                    # (left a lease); other parts' files are never touched
+                    own = [f.path for f in manifest.files] + [manifest.name]
+                    shared = {f.path for f in cat.files(ck.id) if f.part != part}
+                    why = f"left by a copy that died (replica {prior.id} was {prior.state})"
+                    sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
+                                  keys=[f"{prefix}/{p}" for p in own if p not in shared])
+                    sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why,
+                                  keys=[f"{prefix}/{p}" for p in own if p in shared])
+                shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
+                if source is not None:
+                    source.copying()
+                try:
+                    report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
+                                       progress=held.progress(shown), check_source=check_source,
+                                       buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
+                except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
+                    _retract(cat, dst, run, step, part, exc.published, actor=actor,
+                             reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
+                    raise
+                if source is not None:  # Tier 0 first: its bytes are what the copy just proved
+                    source.matched(report.seconds)
+                held.verified(bytes=report.bytes, seconds=report.seconds,
+                              reason=f"copied from tier {src_tier} and read back")
+            watch_headroom(settings, dst, dst_tier, prefix, ck, part=part, node=node)
     event = events.PROMOTED if dst_tier == 1 else events.VERIFIED
     events.announce(event, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{dst_tier}",
                     payload={"tier": dst_tier, "bytes": report.bytes, "seconds": round(report.seconds, 3),
                              "url": url})
-    return HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
-                     seconds=report.seconds, skipped=False)
+    copied = HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
+                       seconds=report.seconds, skipped=False)
+    return [copied] if source is None else [source.hop(), copied]
+
+
+class _Tier0Source:
+    """The Tier 0 side of a fused promotion: the part's replica on this node, claimed as a
+    verify before anything is read (as ``verify_replica`` does), and the verdict of the copy
+    that reads it: ``verified`` only once every byte matched the manifest on its way to Tier
+    1; ``corrupt`` / ``missing`` exactly as ``verify_replica`` records them (same event, same
+    exception). Held by another worker or already verified: the copy still proves the bytes,
+    only the record is left to that holder. A copy that fails for a reason of its own (Tier 1
+    full, its read-back) reads Tier 0 back alone, so the Tier 0 replica ends as before the
+    fusion; only then, on that failure path, is a source byte read twice."""
+
+    def __init__(self, cat: Catalog, ck: CheckpointInfo, store: TierStore, part: int, node: str, actor: str,
+                 settings: Settings):
+        self.cat, self.ck, self.store, self.part, self.node, self.actor = cat, ck, store, part, node, actor
+        self.prefix = checkpoint_prefix(ck.run, ck.step)
+        self.url = store.url_for(self.prefix)
+        self.lease_s, self._settings = settings.claim_lease_seconds, settings
+        self.held: ClaimedCopy | None = None
+        self.in_copy = False  # in the copy only the source's own faults are verdicts on it
+        self.seconds = 0.0
+        self._manifest: Manifest | None = None
+
+    def __enter__(self) -> Self:
+        self.held, _ = ClaimedCopy.take(self.cat, self.ck.id, 0, self.part, self.url, node=self.node,
+                                        actor=self.actor, what="tier 0 check (by the copy to tier 1)",
+                                        lease_s=self.lease_s)
+        if self.held is not None:
+            self.held.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc is not None and not self._verdict(exc):
+                self._after_copy_failed(exc)
+        finally:
+            if self.held is not None:
+                self.held.__exit__(exc_type, exc, tb)
+
+    def _after_copy_failed(self, exc: BaseException) -> None:
+        """The copy stopped for a reason of its own (Tier 1 full, its read-back, a lost claim)
+        before it read every source byte: Tier 0 is read back alone, so its replica ends as a
+        verify before the copy would have left it. A bad source found so raises its verdict."""
+        if not (self.in_copy and isinstance(exc, Exception) and self.held is not None and not self.held.settled):
+            return
+        try:
+            self.verify_alone(self._settings)
+        except (CorruptCheckpoint, PathEscape, NotFound) as bad:
+            self.in_copy = False
+            self._verdict(bad)
+            raise bad from exc
+        except Exception as other:  # noqa: BLE001 - the copy's own error is what the caller hears
+            log.warning("%s/%s part %s: tier 0 not read back after the copy failed: %s",
+                        self.ck.run, self.ck.step, self.part, other)
+
+    def _verdict(self, exc: BaseException) -> bool:
+        """Record ``exc`` when it is a verdict on the Tier 0 source; True if it was one."""
+        ck, part = self.ck, self.part
+        if isinstance(exc, NotFound):
+            record_bad(self.cat, ck, 0, part, self.node, self.url, MISSING, exc, self.actor, self.held)
+        elif isinstance(exc, SourceMismatch) or (not self.in_copy and isinstance(exc, (CorruptCheckpoint, PathEscape))):
+            record_bad(self.cat, ck, 0, part, self.node, self.url, CORRUPT, exc, self.actor, self.held)
+            events.announce(events.CORRUPT, ck.run, ck.step, part=part, parts=ck.parts, node=self.node,
+                            extra_id="tier0", payload={"tier": 0, "file": getattr(exc, "path", None),
+                                                       "reason": str(exc)})
+        else:
+            return False
+        return True
+
+    def manifest(self) -> Manifest:
+        """The registered manifest; the part's format checked on Tier 0 (headers only)."""
+        from core import formats
+
+        started = time.monotonic()
+        m = registered_manifest(self.cat, self.store, self.ck.id, self.ck.run, self.ck.step, self.part,
+                                self.ck.parts)
+        formats.validate(m.format, {f.path: f.size for f in m.files},
+                         lambda rel: self.store.open_read(f"{self.prefix}/{rel}"), complete=m.parts == 1)
+        self.seconds += time.monotonic() - started
+        self._manifest = m
+        return m
+
+    def copying(self) -> None:
+        self.in_copy = True
+
+    def verify_alone(self, settings: Settings) -> None:
+        """Read Tier 0 back on its own (no copy to read it) and record the verdict."""
+        from core.transfer import verify_part
+
+        assert self._manifest is not None
+        report = verify_part(self.store, self.prefix, self._manifest, parallelism=settings.copy_parallelism,
+                             buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
+        self._record(report.seconds, "tier 0 copy read back against its manifest")
+
+    def matched(self, copy_seconds: float) -> None:
+        """Every byte the copy read matched: the Tier 0 replica is ``verified``."""
+        self._record(copy_seconds, "tier 0 bytes matched their manifest as they were copied to tier 1")
+
+    def _record(self, seconds: float, reason: str) -> None:
+        assert self._manifest is not None
+        self.seconds += seconds
+        if self.held is not None:
+            self.held.verified(bytes=self._manifest.total_bytes, reason=reason)
+        events.announce(events.VERIFIED, self.ck.run, self.ck.step, part=self.part, parts=self.ck.parts,
+                        node=self.node, extra_id="tier0",
+                        payload={"tier": 0, "bytes": self._manifest.total_bytes, "seconds": round(self.seconds, 3)})
+
+    def hop(self) -> HopResult:
+        assert self._manifest is not None
+        return HopResult(hop="verify tier 0", run=self.ck.run, step=self.ck.step, part=self.part,
+                         files=len(self._manifest.files), bytes=self._manifest.total_bytes, seconds=self.seconds)
+
+
+def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, keys: list[str], *,
+             actor: str, reason: str) -> None:
+    """Delete the files a failed copy published (its part never committed), audited first;
+    paths another live part of the checkpoint lists on this tier stay. A single-part
+    checkpoint's folder left with nothing in it goes too (the copy created it)."""
+    ck = cat.get_checkpoint(run, step)
+    prefix = checkpoint_prefix(run, step)
+    keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)} if keys else set()
+    doomed = [k for k in keys if k not in keep]
+    try:
+        if doomed:
+            cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
+                                f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
+            for key in doomed:
+                store.delete(key)
+        if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
+            store.delete_prefix(prefix)
+    except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear
+        log.warning("%s/%s part %s: could not retract %d uncommitted file(s) from tier %s: %s",
+                    run, step, part, len(doomed), store.tier, exc)
+
+
+def promote_part(settings: Settings, run: str, step: int, part: int = 0, *,
+                 node: str | None = None, actor: str = "cli") -> list[HopResult]:
+    """Tier 0 -> Tier 1 reading Tier 0 once: the copy is the Tier 0 verify (``verify tier 0``
+    then ``tier 0 -> tier 1`` in the hop list, as the two steps report them). A source
+    mismatch leaves nothing on Tier 1 and the Tier 0 replica ``corrupt``; a part already
+    verified on Tier 1 gets the Tier 0 verify alone."""
+    try:
+        return _claimed_copy(settings, run, step, part, src_tier=0, dst_tier=1, node=node or settings.node,
+                             actor=actor, check_source=True)
+    except SourceMismatch as exc:  # recorded: the caller hears what verify_replica raises
+        raise CorruptCheckpoint(str(exc), path=exc.path) from None
 
 
 def watch_headroom(settings: Settings, store: TierStore, tier: int, prefix: str, ck: CheckpointInfo, *,

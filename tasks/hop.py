@@ -1,10 +1,12 @@
 """The hops of one part as single steps (one Prefect task run each): ``tier1_hop``, the fast
-hop of a promotion (register -> verify on Tier 0 -> copy to Tier 1 -> complete), and
+hop of a promotion (register -> copy to Tier 1, verifying Tier 0 in the same read -> complete), and
 ``tier2_hop``, a part's archive (upload to Tier 2 -> verify it there).
 
-Each piece is its own plain step (``register_part``, ``verify_replica``, ``copy_to_tier1``,
-``mark_complete``), idempotent and claimed in the catalog, so the hop is one unit of retry: a
-retry registers again (a no-op), re-reads Tier 0 and finds the copy done or takes it over. As
+Each piece is its own plain step (``register_part``, ``promote_part``, ``mark_complete``),
+idempotent and claimed in the catalog, so the hop is one unit of retry: a retry registers
+again (a no-op), re-reads Tier 0 and finds the copy done or takes it over. ``promote_part``
+reads Tier 0 once: the copy checks every byte against the manifest on its way to Tier 1 and
+that is the Tier 0 verify (``tasks.copy``); the hop list still shows both. As
 one task it costs the orchestrator one task run per part instead of four: a task run costs the
 flow ~10-15 ms of round trips and the server ~1/20 s of ingest, which a 64-node burst pays
 64 times (``ckpt plan``). What each piece did is in the hop list the flow publishes.
@@ -15,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.settings import Settings
-from tasks.base import HopResult
-from tasks.copy import copy_to_tier1, upload_to_tier2
+from tasks.base import HopResult, copy_priority
+from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
 from tasks.register import register_part
 from tasks.retry import pipeline_task
@@ -33,15 +35,25 @@ class Tier1Hop:
 
 def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
               node: str | None = None, actor: str = "cli") -> Tier1Hop:
-    """Make one part durable on Tier 1; ``durable`` is true for exactly one caller per checkpoint."""
+    """Make one part durable on Tier 1; ``durable`` is true for exactly one caller per checkpoint.
+
+    All of it (catalog, format check, copy) runs at the agent's copy priority (``copy_nice``,
+    ``copy_io_class``): the training job on the node keeps its cores."""
+    from core.transfer import run_at
+
+    return run_at(copy_priority(settings), lambda: _tier1_hop(settings, run, step, part, parts, node=node,
+                                                              actor=actor))
+
+
+def _tier1_hop(settings: Settings, run: str, step: int, part: int, parts: int, *,
+               node: str | None, actor: str) -> Tier1Hop:
     reg = register_part(settings, run, step, part, parts, node=node, actor=actor)
     result = Tier1Hop(reg.checkpoint_id, reg.parts)
     if reg.promoted:  # a repeated or concurrent event: this part is already on Tier 1
         result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,
                                      bytes=reg.bytes, seconds=0.0, skipped=True))
     else:
-        result.hops.append(verify_replica(settings, run, step, part, tier=0, node=node, actor=actor))
-        result.hops.append(copy_to_tier1(settings, run, step, part, node=node, actor=actor))
+        result.hops.extend(promote_part(settings, run, step, part, node=node, actor=actor))
     result.durable = mark_complete(settings, run, step, 1, actor=actor)
     return result
 

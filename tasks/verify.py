@@ -1,7 +1,9 @@
 """verify: read a part back on one tier and compare it with what the catalog registered.
 
-On Tier 0 this is the gate of the whole pipeline: a part is copied only after its source bytes
-and format proved good. A good Tier 0 part is recorded as a ``verified`` replica on its node,
+On Tier 0 this is the gate of the whole pipeline: a part is trusted only once its source bytes
+and format proved good (a promotion proves them in the copy's own read, ``tasks.copy.
+promote_part``, with the same records and verdicts as here; this step reads Tier 0 alone).
+A good Tier 0 part is recorded as a ``verified`` replica on its node,
 so the catalog knows every copy (reconcile records parts it finds on Tier 1 the same way). A
 bad one makes the replica ``corrupt`` with the file and the reason, announces
 ``ckpt.checkpoint.corrupt`` and raises ``CorruptCheckpoint``; nothing else changes. The
@@ -22,7 +24,7 @@ from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, CheckpointInfo, ReplicaInfo
-from tasks.base import HopResult, log, open_catalog, open_tier, registered_manifest
+from tasks.base import HopResult, copy_priority, log, open_catalog, open_tier, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.retry import pipeline_task
 
@@ -46,15 +48,15 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
             try:
                 manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
                 verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
-                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2)
+                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2, priority=copy_priority(settings))
             except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
-                _record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
+                record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
                 events.announce(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
                                 extra_id=f"tier{tier}",
                                 payload={"tier": tier, "file": getattr(exc, "path", None), "reason": str(exc)})
                 raise
             except NotFound as exc:
-                _record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, held)
+                record_bad(cat, ck, tier, part, node, url, MISSING, exc, actor, held)
                 raise
             seconds = time.monotonic() - started
             if held is not None:
@@ -73,7 +75,7 @@ def part_replica(cat: Catalog, checkpoint_id: int, tier: int, part: int, node: s
     return None
 
 
-def _record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str, url: str, state: str,
+def record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str, url: str, state: str,
                 exc: Exception, actor: str, held: ClaimedCopy | None) -> None:
     """Mark the replica ``state`` (corrupt/missing). Corruption belongs to the replica: the
     checkpoint itself becomes corrupt only when a corrupt Tier 0 source leaves it with no

@@ -60,9 +60,11 @@ def assert_rows(out: str, base: str, contenders: list[str]) -> None:
 
 def test_promote_tier1():
     out = run_benchmark("promote_tier1")
-    assert_rows(out, "cp -r", ["cp -r && sync", "cp -r + sha256sum", "ours: copy_part (verified)",
-                               "ours: copy_part + verify_part"])
-    assert re.search(r"target: ours <= 1\.3 x cp -r -> \d+\.\d\d x", out), out
+    assert_rows(out, "cp -r && sync", ["cp -r", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"])
+    assert re.search(r"goal: whole hop <= 1\.0 x cp -r && sync -> \d+\.\d\d x median", out), out
+    # the fused promotion reads Tier 0 once, the one before it twice
+    assert re.search(r"whole hop \(one Tier 0 read\) .* = 1\.0\d\d x checkpoint bytes", out), out
+    assert re.search(r"verify then copy \(before\) .* = 2\.0\d\d x checkpoint bytes", out), out
 
 
 def test_client_stall():
@@ -135,3 +137,21 @@ def test_trainer_stall():
     assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])
     assert re.search(r"ratio \(HF Trainer\): ours / Trainer save \(no callback\) = \d+\.\d\d x", out), out
     assert re.search(r"ratio \(Lightning\): ours / ModelCheckpoint, TorchCheckpointIO = \d+\.\d\d x", out), out
+
+
+def test_training_interference():
+    pytest.importorskip("torch")
+    out = run_benchmark("training_interference")
+    assert re.search(r"alone \(baseline\) +\d+\.\d", out), out
+    assert re.search(r"beside a promotion, copy lowered .* -?\d+\.\d%", out), out
+    assert re.search(r"quiet, no training \(baseline\) +\d+\.\d{3}", out), out
+    assert re.search(r"goal: training slowdown <= 5 % -> -?\d+\.\d%, (MET|NOT MET); "
+                     r"promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
+
+
+def test_agent_memory():
+    out = run_benchmark("agent_memory")
+    assert re.search(r"bare interpreter \(baseline\) +\d+\.\d", out), out
+    assert re.search(r"warm flow-run process \(after warm_up\) +\d+\.\d", out), out
+    assert re.search(r"goal: agent \+ its warm process <= 150 MB -> \d+ \+ \d+ = \d+ MB", out), out
+    assert "torch/numpy not imported: yes" in out, out  # an agent never needs them

@@ -245,3 +245,26 @@ def test_crc32c_of_consecutive_pieces_combines_to_the_whole(a, b):
 
     x, y = os.urandom(a), os.urandom(b)
     assert combine(crc32c.crc32c(x), crc32c.crc32c(y), b) == crc32c.crc32c(x + y)
+
+
+def test_copy_workers_run_at_the_lower_priority_and_the_caller_keeps_its_own(tiers, monkeypatch):
+    from core.transfer import WorkerPriority
+
+    t0, t1 = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=3, shard_bytes=64 << 10)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    real = type(t1).put_verified
+    data = {f"{PREFIX}/{f.path}" for f in m.files}
+
+    def put_verified(self, key, reader, size, checksum):
+        if key in data:  # the manifest is written by the caller's thread, after the pool
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(self, key, reader, size, checksum)
+
+    monkeypatch.setattr(type(t1), "put_verified", put_verified)
+    copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2, priority=WorkerPriority(nice=5, io_class="best-effort"))
+
+    assert len(seen) == len(m.files) and all(n == min(caller + 5, 19) for n in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    verify_part(t1, PREFIX, m, parallelism=2)  # the copy is intact at any priority

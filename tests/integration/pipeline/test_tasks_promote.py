@@ -110,7 +110,8 @@ def test_corrupt_source_is_never_promoted_and_earlier_checkpoints_are_untouched(
     assert err.value.path == bad.name
     assert bad.name in str(err.value)
     assert published_files(tier(settings, 1), RUN, 200) == []
-    assert replica_states(settings, RUN, 200) == {(0, 0): "corrupt"}
+    # the copy that found it (Tier 0 is read once, by the copy) left its claim released, unpublished
+    assert replica_states(settings, RUN, 200) == {(0, 0): "corrupt", (1, 0): "missing"}
     cat = open_catalog(settings)
     try:
         assert cat.get_checkpoint(RUN, 200).state == "corrupt"

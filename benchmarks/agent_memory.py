@@ -1,0 +1,103 @@
+"""Where an agent's memory goes: the resident set (VmRSS) of a fresh interpreter after each
+layer a node agent and its warm flow-run process import, in import order, with the heavy
+packages each layer pulled in (torch and numpy must not be among them: an agent moves bytes,
+it never builds tensors). Baselines in the same run: a bare interpreter, and Prefect alone
+(its client, imported by any flow run).
+
+Each row is its own interpreter importing the layers up to it (so one layer's figure is the
+difference to the row above), ``--rounds`` times; medians and the smallest of the rounds. The
+last row is the warm process as the agent's fast path keeps it (``deployments.fast_path``:
+the promote flow and its step tasks imported, ``warm_up`` run against a SQLite catalog).
+
+    .venv/bin/python benchmarks/agent_memory.py [--rounds 3]
+    .venv/bin/python benchmarks/agent_memory.py --smoke    # one round, no per-layer rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, bench_parser, load_line, parse
+
+HEAVY = ("torch", "numpy", "safetensors", "boto3", "pandas", "fsspec", "httpx", "alembic", "sqlalchemy",
+         "uvicorn", "fastapi")
+LAYERS: list[tuple[str, list[str]]] = [
+    ("bare interpreter (baseline)", []),
+    ("core: settings, transfer engine", ["core.settings", "core.transfer", "core.storage.local"]),
+    ("db: the catalog (SQLAlchemy, Alembic)", ["db.catalog"]),
+    ("prefect (its client; baseline of a flow run)", ["prefect"]),
+    ("tasks: the pipeline steps", ["tasks.hop", "tasks.retention"]),
+    ("flows: promote, its engine", ["flows.promote", "flows.common", "prefect.flow_engine"]),
+    ("deployments: the agent", ["deployments.agent", "deployments.fast_path"]),
+]
+PROBE = r"""
+import importlib, json, sys
+for m in json.loads(sys.argv[1]):
+    importlib.import_module(m)
+if sys.argv[2] == "warm":
+    from deployments.fast_path import warm_up
+    from flows.common import step_tasks
+    step_tasks()
+    warm_up()
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024
+print(json.dumps({"rss": rss, "heavy": [k for k in json.loads(sys.argv[3]) if k in sys.modules]}))
+"""
+
+
+def probe(mods: list[str], warm: bool, env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(mods), "warm" if warm else "-", json.dumps(HEAVY)],
+                         capture_output=True, text=True, check=True, env=env, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, rounds=3)
+    ap.add_argument("--layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="a row per layer (else: the bare interpreter, the whole agent, the warm process)")
+    args = parse(ap, {"layers": False})
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="ckpt-mem-") as home:
+        env = {**os.environ, "CKPT_DATA_DIR": home, "PREFECT_HOME": str(Path(home) / "prefect"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        from db.catalog import upgrade
+
+        upgrade(f"sqlite:///{Path(home) / 'catalog.db'}")
+        rows: list[tuple[str, list[float], list[str]]] = []
+        mods: list[str] = []
+        for i, (name, add) in enumerate(LAYERS):
+            mods = mods + add
+            if not args.layers and 0 < i < len(LAYERS) - 1:
+                continue
+            got = [probe(mods, False, env) for _ in range(args.rounds)]
+            rows.append((name, [g["rss"] / 1e6 for g in got], got[-1]["heavy"]))
+        got = [probe(mods, True, env) for _ in range(args.rounds)]
+        rows.append(("warm flow-run process (after warm_up)", [g["rss"] / 1e6 for g in got], got[-1]["heavy"]))
+        prefect_alone = [probe(["prefect"], False, env)["rss"] / 1e6 for _ in range(args.rounds)]
+
+    print(f"resident memory by layer, fresh interpreter per row, {args.rounds} rounds")
+    print(f"{'layers imported (cumulative)':46} {'median MB':>10} {'min MB':>8} {'+ layer':>8}   heavy packages loaded")
+    prev = 0.0
+    for name, mb, heavy in rows:
+        med = statistics.median(mb)
+        print(f"{name:46} {med:10.1f} {min(mb):8.1f} {med - prev:+8.1f}   {' '.join(heavy) or '-'}")
+        prev = med
+    print(f"{'prefect alone (baseline)':46} {statistics.median(prefect_alone):10.1f} {min(prefect_alone):8.1f}")
+    agent, warm = statistics.median(rows[-2][1]), statistics.median(rows[-1][1])
+    print(load_line(load0))
+    torch_free = all("torch" not in h and "numpy" not in h for _, _, h in rows)
+    print(f"goal: agent + its warm process <= 150 MB -> {agent:.0f} + {warm:.0f} = {agent + warm:.0f} MB (imports "
+          f"only; a running agent adds its threads and buffers), {'MET' if agent + warm <= 150 else 'NOT MET'}; "
+          f"torch/numpy not imported: {'yes' if torch_free else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
