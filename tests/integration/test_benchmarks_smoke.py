@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kit.require import require_module
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 240  # seconds per script; a smoke run takes 1-25 s on an idle 2-core machine
 
@@ -128,8 +130,8 @@ def test_event_latency(prefect_server):
 
 
 def test_trainer_stall():
-    pytest.importorskip("transformers")
-    pytest.importorskip("lightning")
+    require_module("transformers")
+    require_module("lightning")
     out = run_benchmark("trainer_stall")
     assert_rows(out, "Trainer save (no callback)", ["ours: Trainer save + TieringCallback"])
     assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])
