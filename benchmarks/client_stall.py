@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.common import Times, bench_parser, parse, table
+from benchmarks.common import Times, bench_parser, load_line, parse, ratio, table
 from ckpt.client import CheckpointStager
 from core.safetensors_writer import as_host_array, plan_shards
 from core.settings import load_settings
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=64)
     ap.add_argument("--dir", type=Path, default=None, help="Tier 0 folder (default: a temp dir)")
     args = parse(ap, SMOKE)
+    load_at_start = os.getloadavg()[0]
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-stall-"))
     t = tensors(args.mb)
     shard = args.shard_mb * 1_000_000
@@ -103,9 +104,14 @@ def main() -> None:
     nbytes = sum(a.nbytes for a in t.values())
     table(f"writer stall, checkpoint {nbytes / 1e6:.0f} MB in {args.shard_mb} MB shards, {args.rounds} rounds",
           res, plain, nbytes=nbytes)
+    # the headline figures: our durable save against a durable plain save, and what training waits for
+    # with the background save (its steady state once there are two rounds)
+    print(f"ratio: {fore} / {fsynced} = {ratio(res, fore, fsynced):.2f} x")
+    print(f"ratio: {back if res[back] else first} / {plain} = {ratio(res, back if res[back] else first, plain):.2f} x")
     if args.rounds < 2:
         print(f"({back!r} from the second save on needs --rounds 2 or more)")
     dcp_table(root, t, settings, args.rounds, cleanup=args.dir is None)
+    print(load_line(load_at_start))
 
 
 def dcp_table(root: Path, t: dict[str, np.ndarray], settings, rounds: int, *, cleanup: bool) -> None:
@@ -153,6 +159,7 @@ def dcp_table(root: Path, t: dict[str, np.ndarray], settings, rounds: int, *, cl
     nbytes = sum(a.nbytes for a in t.values())
     table(f"DCP job stall, checkpoint {nbytes / 1e6:.0f} MB, single process, {rounds} rounds", res, sync,
           nbytes=nbytes)
+    print(f"ratio (DCP): {ours} / {sync} = {ratio(res, ours, sync):.2f} x")
 
 
 if __name__ == "__main__":
