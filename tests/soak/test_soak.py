@@ -412,6 +412,8 @@ class Soak(RuleBasedStateMachine):
         except CkptError as exc:
             STATS[f"error:{type(exc).__name__}"] += 1
             raised = exc
+        except AssertionError:
+            raise  # a violation the operation's own check found
         except Exception as exc:  # never a clean outcome: a bug, whatever was injected
             raised = exc
         finally:

@@ -179,3 +179,27 @@ def test_a_retirement_recorded_after_the_deletes_is_a_loss(db_url, s3_endpoint, 
             m.nothing_is_lost()
     finally:
         m.teardown()
+
+
+def test_a_restore_that_fails_past_a_verified_copy_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                                  monkeypatch):
+    import tasks.restore
+    from core.errors import NotFound
+
+    def broken_restore(*args, **kwargs):
+        raise NotFound("restore is broken")
+
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+        m.restore("node-0", 0, False, S3Plan(), NO_SKEW)  # the real restore returns the saved bytes
+        assert STATS["restores_bytes_match"] >= 1
+        monkeypatch.setattr(tasks.restore, "restore_checkpoint", broken_restore)
+        with pytest.raises(AssertionError, match=r"restore\(node-1,100\) failed \(NotFound: restore is broken\) "
+                                                 r"although the catalog holds a verified copy"):
+            m.restore("node-1", 0, False, S3Plan(), NO_SKEW)
+    finally:
+        m.teardown()
