@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.common import Times, bench_parser, load_line, parse, table
+from benchmarks.common import Times, bench_parser, load_line, parse, ratio, table
 from ckpt.client import CheckpointStager
 from core.safetensors_writer import as_host_array, plan_shards
 from core.settings import load_settings
@@ -126,6 +126,10 @@ def main() -> None:
     nbytes = sum(a.nbytes for a in t.values())
     table(f"writer stall, checkpoint {nbytes / 1e6:.0f} MB in {args.shard_mb} MB shards, {args.rounds} rounds",
           res, plain, nbytes=nbytes)
+    # the headline figures: our durable save against a durable plain save, and what training waits for
+    # with the background save (its steady state once there are two rounds)
+    print(f"ratio: {fore} / {fsynced} = {ratio(res, fore, fsynced):.2f} x")
+    print(f"ratio: {back if res[back] else first} / {plain} = {ratio(res, back if res[back] else first, plain):.2f} x")
     if args.rounds < 2:
         print(f"({back!r} from the second save on needs --rounds 2 or more)")
     print(f"the room check alone (part of every save above): median {statistics.median(room) * 1e6:.1f} us, "
@@ -185,6 +189,7 @@ def dcp_table(root: Path, t: dict[str, np.ndarray], settings, rounds: int, *, cl
     nbytes = sum(a.nbytes for a in t.values())
     table(f"DCP job stall, checkpoint {nbytes / 1e6:.0f} MB, single process, {rounds} rounds", res, sync,
           nbytes=nbytes)
+    print(f"ratio (DCP): {ours} / {sync} = {ratio(res, ours, sync):.2f} x")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kit.require import require_module
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 240  # seconds per script; a smoke run takes 1-25 s on an idle 2-core machine
 
@@ -67,12 +69,28 @@ def test_promote_tier1():
     assert re.search(r"verify then copy \(before\) .* = 2\.0\d\d x checkpoint bytes", out), out
 
 
+def ratio_line(out: str, pattern: str) -> float:
+    """The figure of the ``ratio...: <pattern> = N.NN x`` line (``pattern`` is literal text)."""
+    found = re.search(rf"^ratio[^:]*: {re.escape(pattern)} = (\d+\.\d\d) x$", out, re.MULTILINE)
+    assert found, f"no ratio line {pattern!r} in:\n{out}"
+    return float(found.group(1))
+
+
 def test_client_stall():
     out = run_benchmark("client_stall")
+    rows = table_ratios(out, "safetensors save_file")
     assert_rows(out, "safetensors save_file", ["safetensors save_file + fsync", "ours: save",
                                                "ours: save(background), first save"])
+    durable = ratio_line(out, "ours: save / safetensors save_file + fsync")
+    assert durable > 0
+    assert abs(durable - rows["ours: save"] / rows["safetensors save_file + fsync"]) < 0.05 * durable + 0.02, out
+    stall = ratio_line(out, "ours: save(background), first save / safetensors save_file")  # one smoke round
+    assert abs(stall - rows["ours: save(background), first save"]) <= 0.011, out
     assert_rows(out, "dcp.save", ["dcp.async_save (call)", "ours: dcp.save + save(folder)",
                                   "ours: async_save_and_commit (call)"])
+    dcp = ratio_line(out, "ours: async_save_and_commit (call) / dcp.save")
+    assert abs(dcp - table_ratios(out, "dcp.save")["ours: async_save_and_commit (call)"]) <= 0.011, out
+    assert re.search(r"^load average \(1 min\) at start/end: [\d.]+/[\d.]+ on \d+ CPUs", out, re.MULTILINE), out
 
 
 def test_catalog_scale():
@@ -130,8 +148,8 @@ def test_event_latency(prefect_server):
 
 
 def test_trainer_stall():
-    pytest.importorskip("transformers")
-    pytest.importorskip("lightning")
+    require_module("transformers")
+    require_module("lightning")
     out = run_benchmark("trainer_stall")
     assert_rows(out, "Trainer save (no callback)", ["ours: Trainer save + TieringCallback"])
     assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])

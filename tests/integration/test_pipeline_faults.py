@@ -29,6 +29,7 @@ from tests.kit.checkpoints import (
 )
 from tests.kit.pipeline import pipeline_settings
 from tests.kit.s3 import FaultProxy
+from tests.kit.require import require
 
 RUN = "run-a"
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def full_tier1(request, tmp_path, monkeypatch):
     if request.param == "tmpfs-4MiB":
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)], capture_output=True)
         if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+            require(f"mount -t tmpfs failed: {done.stderr.decode().strip()}", "a 4 MiB tmpfs (root, or CAP_SYS_ADMIN)")
         yield str(root)
         subprocess.run(["umount", str(root)], check=False)
         return

@@ -10,9 +10,10 @@ import pytest
 
 from ckpt.production_stack import REDIS_OWNER_KEY, claim_redis_db, release_redis_db
 from core.errors import ConfigError
+from tests.kit.require import require
 from tests.kit.servers import REDIS_URL, _redis_available
 
-pytestmark = pytest.mark.skipif(_redis_available() is not None, reason="Redis unreachable")
+require(_redis_available(), "Redis")
 
 
 def _dead_pid() -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.kit.require import require_module
+
+torch = require_module("torch")
 
 from tests.kit.restore import promote, scenario_settings  # noqa: E402
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("lightning")
+from tests.kit.require import require_module
 
-import torch
+require_module("lightning")
 
-from tests.kit.restore import promote, scenario_settings, tier0_dir
+import torch  # noqa: E402
+
+from tests.kit.restore import promote, scenario_settings, tier0_dir  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(120),

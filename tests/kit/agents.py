@@ -94,16 +94,23 @@ def train(agents: Agents, body: str, *, timeout: float = 120) -> dict:
 
 
 def wait_for(what: str, pred, *, timeout: float = 90.0, interval: float = 0.5, agents: Agents | None = None):
+    """``pred()``'s first truthy value, polled every ``interval`` s. An exception of ``pred``
+    counts as not yet (e.g. the checkpoint is not registered yet); at ``timeout`` the failure
+    names the last one (chained), or the last falsy value, and the agents' logs."""
     deadline = time.monotonic() + timeout
+    last: Exception | None = None
     while True:
         try:
-            value = pred()
-        except Exception:  # e.g. the checkpoint is not registered yet
-            value = None
+            value, last = pred(), None
+        except Exception as exc:
+            value, last = None, exc
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"\n{agents.logs()}" if agents else ""))
+            seen = (f"the last check raised {type(last).__name__}: {last}" if last is not None
+                    else f"the last check returned {value!r}")
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; {seen}"
+                                 + (f"\n{agents.logs()}" if agents else "")) from last
         time.sleep(interval)
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.kit.require import require
+
 PG_URL = os.environ.get("CKPT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CKPT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _pg_admin_dsn() -> str:
@@ -38,11 +39,7 @@ def _pg_available() -> str | None:
 
 @pytest.fixture(scope="session")
 def pg_server() -> str:
-    why = _pg_available()
-    if why:
-        if IN_CI:
-            pytest.fail(f"PostgreSQL is required with CI=true but unreachable: {why}")
-        pytest.skip(f"PostgreSQL unreachable: {why}")
+    require(_pg_available(), "PostgreSQL")
     return PG_URL
 
 
@@ -164,11 +161,7 @@ def production_server(pg_server, tmp_path_factory):
     when a test fails. This process's Prefect client is left pointing where it was."""
     from ckpt.production_stack import ProductionStack
 
-    why = _redis_available()
-    if why:
-        if IN_CI:
-            pytest.fail(f"Redis is required with CI=true but unreachable: {why}")
-        pytest.skip(f"Redis unreachable: {why}")
+    require(_redis_available(), "Redis")
     server = pg_server.replace("postgresql+psycopg://", "postgresql://")
     _drop_orphaned_prefect_databases(server)
     stack = ProductionStack(tmp_path_factory.mktemp("prefect-prod"), pg_server_url=server, redis_url=REDIS_URL,

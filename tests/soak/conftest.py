@@ -12,8 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # the headline figures, in this order, then every other counter
-HEADLINE = ("seed", "wall_s", "examples", "steps", "saves", "checkpoints_verified", "restores_bytes_match",
-            "checkpoints_lost", "violations")
+HEADLINE = ("seed", "wall_s", "examples", "steps", "saves", "checkpoints_verified", "checkpoints_verified_tier1",
+            "checkpoints_verified_tier2", "restores_bytes_match", "checkpoints_lost", "unplanned_errors", "violations")
 
 
 def figures(stats: dict) -> dict:
@@ -34,7 +34,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section("fault soak figures")
     for backend, fig in reports.items():
         tr.write_line(f"[{backend}] steps {fig['steps']}, saved {fig.get('saves', 0)}, verified "
-                      f"{fig.get('checkpoints_verified', 0)}, restores with matching bytes "
+                      f"{fig.get('checkpoints_verified', 0)} (on Tier 1 {fig.get('checkpoints_verified_tier1', 0)}, "
+                      f"Tier 2 {fig.get('checkpoints_verified_tier2', 0)}), restores with matching bytes "
                       f"{fig.get('restores_bytes_match', 0)}, checkpoints lost {fig['checkpoints_lost']}, "
                       f"violations {fig['violations']}, {fig.get('wall_s', '?')} s")
         for k, v in fig.items():

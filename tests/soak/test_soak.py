@@ -32,6 +32,19 @@ retention or a reconcile on a worker whose clock runs minutes fast takes over no
 then requires every replica the catalog calls ``verified`` on Tier 1 or 2 to match on its tier,
 and no claim (``copying``/``pruning``) left behind.
 
+Errors are results only where a fault was: an operation in which no injected fault fired and
+no S3 error was answered fails the run if it raises, or if its pass reports an item failed
+(reconcile's ``failed``, retention's ``failed`` outcomes, scrub's failed repairs), unless
+``expected_error`` names why (a conflicting re-save refused, an error about a step the test
+damaged, a repair whose source only another node holds). A restore that fails while the
+catalog holds a verified copy with the saved bytes where that node reads is a violation. A
+checkpoint that reached verified and is no longer in the catalog is lost, unless the audit
+shows its retirement (catalog state ``retired``) recorded before the first byte of its last
+good copies went; a retired checkpoint whose copies went first is lost too. Each run must
+also make progress (``PROGRESS``: checkpoints verified on Tier 1 and on Tier 2, restores
+that returned the saved bytes; every enabled fault kind fired): a pipeline that moves nothing
+violates no invariant. ``test_soak_catches.py`` shows the soak failing on a broken pipeline.
+
 Tier 0 is node-local scratch that scrub does not read (by design): the check pass holds the
 durable tiers (1, 2) to "verified matches on its tier"; for Tier 0 the invariant is that a
 rotted copy is never used as truth (a restore never returns other bytes, a Tier 1 or 2 copy
@@ -48,13 +61,15 @@ Budget: ``CKPT_SOAK_EXAMPLES`` / ``CKPT_SOAK_STEPS`` (defaults for ``make test``
 (``random`` draws a fresh one, printed and replayable). ``CKPT_SOAK_SHRINK=0`` skips
 shrinking, ``CKPT_SOAK_VIOLATIONS`` appends each violation with its trace to a file,
 ``CKPT_SOAK_REPORT`` writes the figures as JSON, ``CKPT_SOAK_FAULTS`` is the comma list of
-enabled fault kinds (``s3`` and ``skew`` among them).
+enabled fault kinds (``s3`` and ``skew`` among them), ``CKPT_SOAK_UNPLANNED=count`` records
+errors with no fault (to the violations file) instead of failing on the first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from datetime import timedelta
 import shutil
@@ -81,6 +96,7 @@ NODES = ("node-0", "node-1")
 LOCS = ("t0:node-0", "t0:node-1", "t1", "t2")
 T2_PREFIX = "ckpt"  # Tier 2 is s3://<bucket of the example>/ckpt
 NEIGHBOUR_KEY = "neighbour/precious.bin"  # in the same bucket, outside the tier root: never touched
+RETIRED = "retired"  # the catalog state of a checkpoint retention retired: its copies may go
 MILESTONE_EVERY = 200  # every second save is a milestone, archived to Tier 2
 ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict", "s3", "skew")
 FAULTS = tuple(f for f in os.environ.get("CKPT_SOAK_FAULTS", ",".join(ALL_FAULTS)).split(",") if f)
@@ -90,6 +106,7 @@ SEED = os.environ.get("CKPT_SOAK_SEED")
 DEFAULT_SEED = 20240917
 VIOLATIONS_FILE = os.environ.get("CKPT_SOAK_VIOLATIONS")
 SHRINK = os.environ.get("CKPT_SOAK_SHRINK", "1") == "1"
+UNPLANNED = os.environ.get("CKPT_SOAK_UNPLANNED", "fail")  # 'count': record errors with no fault, do not fail
 STRICT_AUDIT = os.environ.get("CKPT_SOAK_STRICT_AUDIT", "1") == "1"
 
 STATS: Counter = Counter()  # read by conftest's terminal summary
@@ -263,9 +280,13 @@ class Soak(RuleBasedStateMachine):
         self.pinned: set[int] = set()
         self.t1_damaged: set[int] = set()  # steps whose Tier 1 folder the test rotted or truncated
         self.t2_damaged: set[int] = set()  # steps whose Tier 2 objects the test rotted or truncated
+        self.damaged: set[int] = set()  # steps the test damaged anywhere (or re-saved with other bytes)
         self.md5: dict[str, str] = {}  # sha256 of a saved file -> its MD5 (a single-PUT object's ETag)
         self.good_replicas: set[int] = set()  # verified replicas whose bytes matched at the last check
         self.seen_pruned: set[int] = set()  # replica ids already counted as pruned
+        self.verified_on: set[tuple[int, int]] = set()  # (step, tier 1 or 2) seen verified with the saved bytes
+        self.retired: set[int] = set()  # steps the catalog calls retired
+        self.last_good_audit: dict[int, int] = {}  # step -> the newest audit id when it last had a good copy
         self.trace: list[str] = []
         STATS["examples"] += 1
 
@@ -325,6 +346,30 @@ class Soak(RuleBasedStateMachine):
             self.violate(f"catalog registered bytes for step {step} that no node saved")
         return version
 
+    def verified_good(self, node: str, step: int | None) -> set[str]:
+        """Where ``node`` could restore ``step`` from (the newest checkpoint that reached verified
+        if None): the locations it reads (its Tier 0, Tiers 1 and 2) of the replicas the catalog
+        calls ``verified`` whose bytes are the registered ones."""
+        from core.errors import NotFound
+        from db.catalog import Catalog
+        if step is None:
+            if not self.ever_verified:
+                return set()
+            step = max(self.ever_verified)
+        cat = Catalog(self.settings[node].catalog_url)
+        try:
+            version = self.canonical(cat, step)
+            if version is None:
+                return set()
+            try:
+                reps = cat.replicas(cat.get_checkpoint(RUN, step).id)
+            except NotFound:
+                return set()
+            return {_loc(r) for r in reps if r.state == "verified" and _loc(r) in {"t1", "t2", f"t0:{node}"}
+                    and self.matches(_loc(r), step, version)}
+        finally:
+            cat.close()
+
     def good_now(self, step: int) -> set[str]:
         """The locations holding the bytes the catalog registered for ``step`` (any saved
         version while the catalog has none)."""
@@ -357,14 +402,19 @@ class Soak(RuleBasedStateMachine):
         CLOCK.offset = skew
         S3_FAULTS.arm(s3)
         INJECTOR.start(plan)
-        raised = None
+        raised: BaseException | None = None
         started = time.monotonic()
+        result = None
         try:
-            fn()
+            result = fn()
         except Killed:
             pass  # the worker died; its claims lapse later (here, or by ``lapse``)
         except CkptError as exc:
             STATS[f"error:{type(exc).__name__}"] += 1
+            raised = exc
+        except AssertionError:
+            raise  # a violation the operation's own check found
+        except Exception as exc:  # never a clean outcome: a bug, whatever was injected
             raised = exc
         finally:
             fired = INJECTOR.stop()
@@ -392,6 +442,53 @@ class Soak(RuleBasedStateMachine):
         if fired.startswith("kill") and lapse_after_kill:
             expire_claims(self.settings["node-0"])  # a lease later, as if the dead worker's lease passed
             STATS["lease_expired_after_kill"] += 1
+        if raised is not None:
+            self._judge_error(name, raised, faulted=bool(fired or s3_failed))
+        failures = _reported_failures(result)
+        STATS["reported_failures"] += len(failures)
+        for failure in failures if not (fired or s3_failed) else []:
+            self._judge_error(name, failure, faulted=False)
+
+    def _judge_error(self, name: str, exc: BaseException, *, faulted: bool) -> None:
+        """An operation's error is a result only where this operation met a fault (an injected
+        one, an S3 error answered) or is the refusal the model asked for; any other error (a
+        broken copy, a bug) fails the run: counting it would let a dead pipeline pass."""
+        what = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, CkptError):
+            self.violate(f"{name} raised {what} (not a CkptError: never a clean outcome)")
+        if faulted:
+            return
+        why = self.expected_error(name, exc)
+        if why:
+            STATS[f"expected_error:{why}"] += 1
+            return
+        STATS["unplanned_errors"] += 1
+        if UNPLANNED == "count":
+            STATS[f"unplanned_error:{name.split('(')[0]}:{type(exc).__name__}"] += 1
+            self.trace[-1] += f"[UNPLANNED {what}]"
+            if VIOLATIONS_FILE:
+                with open(VIOLATIONS_FILE, "a") as fh:
+                    fh.write(f"UNPLANNED {name}: {what}\n  trace: {' | '.join(self.trace[-30:])}\n\n")
+            return
+        self.violate(f"{name} raised {what} with no fault planned in it")
+
+    def expected_error(self, name: str, exc: BaseException) -> str:
+        """Why a fault-free operation may raise ``exc`` (a short reason), or '' when it may not:
+        the refusal of a conflicting re-save; an error about steps the test itself damaged
+        (rotted, cut short, deleted or re-saved with other bytes); a repair that needs the copy
+        only another node's Tier 0 holds."""
+        from core.errors import AlreadyRejected, ConflictError
+        if name.startswith("promote_conflicting") and isinstance(exc, (ConflictError, AlreadyRejected)):
+            return "conflicting_resave_refused"
+        steps = _steps_named(f"{name} {exc}")
+        if isinstance(exc, ReportedFailure) and exc.repair and "readable here" in str(exc):
+            node = name.partition("(")[2].rstrip(")")
+            elsewhere = {loc for step in steps for loc in self.good_now(step)} - {"t1", "t2", f"t0:{node}"}
+            if elsewhere or not any(self.good_now(step) for step in steps):
+                return "repair_source_on_another_node"
+        if steps and steps <= self.damaged:
+            return "about_a_step_the_test_damaged"
+        return ""
 
     def _save(self, node: str, step: int, variant: int, skew: timedelta = timedelta(0)) -> None:
         loc = f"t0:{node}"
@@ -463,6 +560,7 @@ class Soak(RuleBasedStateMachine):
         step = steps[pick % len(steps)]
         self._save(node, step, variant)
         STATS["fault:conflicting_resave"] += 1
+        self.damaged.add(step)
         self._promote(node, step, Plan(), label="promote_conflicting")
 
     # --- operations: scheduled flows --------------------------------------------------------------
@@ -578,9 +676,12 @@ class Soak(RuleBasedStateMachine):
         except CkptError as exc:
             outcome.append(type(exc).__name__)
             STATS[f"restore_error:{type(exc).__name__}"] += 1
-            if step is not None and not S3_FAULTS.failed:  # a good copy was there: a fault worth seeing
-                STATS["restore_missed_a_good_copy"] += 1
-                self.trace[-1] += f"[{type(exc).__name__}: {exc}]"
+            self.trace[-1] += f"[{type(exc).__name__}: {exc}]"
+            have = self.verified_good(node, step)
+            if have - ({"t2"} if S3_FAULTS.failed else set()):  # an S3 error excuses only Tier 2
+                self.violate(f"restore({node},{step or 'newest'}) failed ({type(exc).__name__}: {exc}) although "
+                             f"the catalog holds a verified copy with the saved bytes at {sorted(have)}")
+            STATS["restore_failed_with_no_good_copy_to_read"] += 1
             return
         cat = Catalog(self.settings[node].catalog_url)
         try:
@@ -620,6 +721,7 @@ class Soak(RuleBasedStateMachine):
         else:
             truncate(shards[0])
         STATS[f"fault:external_{how}_{loc.split(':')[0]}"] += 1
+        self.damaged.add(step)
         self.trace.append(f"{how}({loc},{step})")
         if loc == "t1":
             self.t1_damaged.add(step)  # left for the pipeline to find: no scrub follows
@@ -645,6 +747,7 @@ class Soak(RuleBasedStateMachine):
             self.s3.put_object(Bucket=self.bucket, Key=shards[0], Body=bytes(data))
         self.epoch += 1
         STATS[f"fault:external_{how}_t2"] += 1
+        self.damaged.add(step)
         self.trace.append(f"{how}(t2,{step})")
         self.t2_damaged.add(step)
 
@@ -703,12 +806,19 @@ class Soak(RuleBasedStateMachine):
         cat = Catalog(self.settings["node-0"].catalog_url)
         good_now: set[int] = set()
         try:
+            newest_audit = max((e.id for e in cat.audit_log(run=RUN, limit=1)), default=0)
             newest_ever = max(self.ever_verified, default=None)
             for step in sorted(self.saved):
                 version = self.canonical(cat, step)
+                ck = self._checkpoint(cat, step)
+                if ck is None:  # no catalog row: a restore cannot find it, whatever bytes are left
+                    if step in self.ever_verified and not self.retired_first(cat, step):
+                        STATS["checkpoints_lost"] += 1
+                        self.violate(f"step {step} reached verified and is no longer in the catalog (no "
+                                     "retirement recorded before its first deleted byte)")
+                    continue
                 if version is None:
                     continue
-                ck = cat.get_checkpoint(RUN, step)
                 reps = cat.replicas(ck.id)
                 for r in reps:
                     if r.state == "pruned" and r.id not in self.seen_pruned:
@@ -728,6 +838,9 @@ class Soak(RuleBasedStateMachine):
                                      "although its bytes match (an error taken as a verdict on the bytes)")
                     if r.state == "verified" and self.matches(_loc(r), step, version):
                         good_now.add(r.id)
+                        if r.tier >= 1 and (step, r.tier) not in self.verified_on:
+                            self.verified_on.add((step, r.tier))  # verified there with the saved bytes
+                            STATS[f"checkpoints_verified_tier{r.tier}"] += 1
                 if any(r.state == "verified" for r in reps):
                     if step not in self.ever_verified:
                         STATS["checkpoints_verified"] += 1
@@ -736,6 +849,15 @@ class Soak(RuleBasedStateMachine):
                 good = self.good(step, version)
                 if good:
                     self.excused.discard(step)
+                    self.last_good_audit[step] = newest_audit
+                elif ck.state == RETIRED and step in self.ever_verified:
+                    if not self.retired_first(cat, step):
+                        STATS["checkpoints_lost"] += 1
+                        self.violate(f"step {step} is retired, but its copies went before the retirement was "
+                                     "recorded")
+                    if step not in self.retired:
+                        self.retired.add(step)
+                        STATS["checkpoints_retired"] += 1
                 elif step in self.ever_verified and step not in self.excused:
                     expired = reps and all(r.state == "pruned" for r in reps)
                     protected = step == newest_ever or step in self.pinned
@@ -755,6 +877,27 @@ class Soak(RuleBasedStateMachine):
         self.good_replicas = good_now
         if self._outside() != self.outside_digest:
             self.violate("a file outside the tier roots changed")
+
+    @staticmethod
+    def _checkpoint(cat, step: int):
+        from core.errors import NotFound
+        try:
+            return cat.get_checkpoint(RUN, step)
+        except NotFound:
+            return None
+
+    def retired_first(self, cat, step: int) -> bool:
+        """Whether the audit shows ``step``'s retirement (a row taking it to ``retired``)
+        recorded before the first byte of its last good copies went: before every ``delete`` or
+        prune row of it since the last check that saw it with a good copy (earlier prunes of
+        copies it did not need are no part of its retirement)."""
+        rows = [e for e in cat.audit_log(run=RUN, limit=100_000) if e.step == step]
+        retire = min((e.id for e in rows if e.to_state == RETIRED), default=None)
+        if retire is None:
+            return False
+        since = self.last_good_audit.get(step, 0)
+        deletes = [e.id for e in rows if e.id > since and (e.action == "delete" or e.to_state in ("pruning", "pruned"))]
+        return retire < min(deletes, default=retire + 1)
 
     def _listing(self, loc: str, step: int) -> frozenset[str]:
         if loc == "t2":
@@ -785,6 +928,35 @@ class Soak(RuleBasedStateMachine):
                     STATS["unaudited_deletes"] += 1
                     if STRICT_AUDIT:
                         self.violate(f"{sorted(gone)} of step {step} at {loc} vanished without an audit row")
+
+
+class ReportedFailure(CkptError):
+    """An item's error that a pass caught, reported and went on from (reconcile, retention, scrub)."""
+
+    def __init__(self, what: str, *, repair: bool = False) -> None:
+        super().__init__(what)
+        self.repair = repair
+
+
+def _reported_failures(result) -> list[ReportedFailure]:
+    """The items a pass reports failed: reconcile's ``failed``, retention's ``failed`` outcomes,
+    scrub's failed repairs."""
+    if result is None:
+        return []
+    if isinstance(result, list):  # retention's actions
+        return [ReportedFailure(f"tier {a.tier} {a.run}/{a.step}: {a.detail}") for a in result
+                if getattr(a, "outcome", "") == "failed"]
+    out = [ReportedFailure(item) for item in getattr(result, "failed", []) or []]
+    out += [ReportedFailure(f"repair of {r.run}/{r.step} tier {r.tier}: {r.detail}", repair=True)
+            for r in getattr(result, "repairs", []) if not r.ok]
+    return out
+
+
+def _steps_named(text: str) -> set[int]:
+    """The steps of this run an operation's name or error names: ``(node,100)``, ``run-a/100``,
+    ``step-00000100``."""
+    found = re.findall(rf"{RUN}/(\d+)|step-(\d+)|\(node-\d,(\d+)\)", text)
+    return {int(next(g for g in groups if g)) for groups in found}
 
 
 def _loc(rep) -> str:
@@ -827,24 +999,60 @@ def test_nothing_is_lost_under_faults(db_url, s3_endpoint, settings_factory, mon
         REPORTS[backend] = dict(STATS)
 
 
-def _run(db_url, s3_url, proxy_url, settings_factory, monkeypatch):
+# Progress a working pipeline makes in the default budget (4 examples of 60 operations, the
+# default seed), per catalog backend: well below what it reaches there, far above what a broken
+# one does (a copy that always fails verifies nothing; a restore that fails returns nothing).
+# Scaled down for a smaller budget; every enabled fault kind must have fired at the full one.
+PROGRESS = {"checkpoints_verified_tier1": 40, "checkpoints_verified_tier2": 20, "restores_bytes_match": 4}
+FULL_BUDGET = 4 * 60
+FIRED = {  # fault kind -> the prefixes of the counters that say it fired
+    "kill": ("fault_kind:kill_at_",), "catalog_outage": ("fault_kind:catalog_outage",),
+    "storage_outage": ("fault_kind:storage_outage",), "delete": ("fault:external_delete_",),
+    "flip": ("fault:external_flip_",), "truncate": ("fault:external_truncate_",),
+    "conflict": ("fault:conflicting_resave",), "s3": ("fault_kind:s3_",), "skew": ("fault_kind:clock_skew",),
+}
+
+
+def progress_shortfalls(stats: Counter, *, examples: int, steps: int, faults: tuple[str, ...] = FAULTS) -> list[str]:
+    """What a run of ``examples`` x ``steps`` operations failed to achieve (empty: enough)."""
+    share = min(1.0, examples * steps / FULL_BUDGET)
+    short = [f"{key} {stats.get(key, 0)} < {need}" for key, floor in PROGRESS.items()
+             if stats.get(key, 0) < (need := max(1, int(floor * share)))]
+    if share >= 1.0:
+        short += [f"no {kind} fault fired" for kind in faults
+                  if not any(k.startswith(FIRED[kind]) and v for k, v in stats.items())]
+    return short
+
+
+def prepare(db_url, s3_url, proxy_url, settings_factory, monkeypatch) -> None:
+    """What every run of the machine needs: a clean environment, the fault injection installed,
+    the catalog and S3 endpoints."""
     settings_factory()  # clears CKPT_* from the environment
     install(monkeypatch, INJECTOR)
     CLOCK.install(monkeypatch, catalog_on_host=db_url.startswith("sqlite"))
     Soak.db_url, Soak.s3_url, Soak.s3_proxy_url = db_url, s3_url, proxy_url
-    kw = dict(max_examples=EXAMPLES, stateful_step_count=STEP_COUNT, deadline=None, database=None,
+
+
+def _run(db_url, s3_url, proxy_url, settings_factory, monkeypatch, *, examples: int = EXAMPLES,
+         steps: int = STEP_COUNT, shrink: bool = SHRINK, seed: int | str | None = SEED) -> None:
+    prepare(db_url, s3_url, proxy_url, settings_factory, monkeypatch)
+    kw = dict(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
               suppress_health_check=list(HealthCheck), print_blob=True,
-              phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if SHRINK else [])])
+              phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if shrink else [])])
     # a fixed seed by default: derandomize would replay Hypothesis's simplest sequences (no saves
     # at all in a few examples); ``CKPT_SOAK_SEED=random`` draws a fresh one (printed, replayable)
     import random
 
     import hypothesis.core
-    seed = random.randrange(1 << 32) if SEED == "random" else int(SEED or DEFAULT_SEED)
+    seed = random.randrange(1 << 32) if seed == "random" else int(seed or DEFAULT_SEED)
     print(f"soak seed: {seed} (replay: CKPT_SOAK_SEED={seed})")
     STATS["seed"] = seed
     monkeypatch.setattr(hypothesis.core, "global_force_seed", seed)
     run_state_machine_as_test(Soak, settings=hsettings(**kw))
+    short = progress_shortfalls(STATS, examples=examples, steps=steps)
+    if short:
+        raise AssertionError("the soak passed its invariants but the pipeline made too little progress: "
+                             + "; ".join(short))
 
 
 pytestmark = pytest.mark.filterwarnings("ignore")

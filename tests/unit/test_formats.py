@@ -19,6 +19,7 @@ from safetensors.numpy import save, save_file
 
 from core import formats
 from core.errors import CorruptCheckpoint
+from tests.kit.require import require_module
 
 
 def mem_opener(files: dict[str, bytes]):
@@ -53,7 +54,9 @@ def test_real_safetensors_file_is_valid():
 def test_bf16_and_empty_tensors_are_valid():
     hdr = {"a": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]},
            "e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [8, 8]}}
-    check({"x.safetensors": st_bytes(hdr, b"\0" * 8)})
+    data = st_bytes(hdr, b"\0" * 8)
+    assert check({"x.safetensors": data}) == "safetensors"
+    assert formats.validate_safetensors(io.BytesIO(data), len(data), "x.safetensors") == 2  # both counted
 
 
 def test_detect_format():
@@ -160,7 +163,7 @@ def test_hf_sharded_missing_shard(tmp_path):
     with pytest.raises(CorruptCheckpoint, match="missing shard") as exc:
         check(files)
     assert exc.value.path == "model-00002-of-00003.safetensors"
-    check(files, "hf-sharded", complete=False)  # one part of many: others hold the shard
+    assert check(files, "hf-sharded", complete=False) == "hf-sharded"  # one part of many: others hold the shard
 
 
 def test_hf_sharded_bad_index_and_bad_shard(tmp_path):
@@ -183,7 +186,7 @@ def test_hf_index_missing(tmp_path):
 
 def dcp_files(ranks: int = 2) -> dict[str, bytes]:
     """A DCP folder in memory: a real ``Metadata`` pickle (torch's classes) and its data files."""
-    torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
+    torch_dcp = require_module("torch.distributed.checkpoint")
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
@@ -239,15 +242,33 @@ def test_dcp_metadata_is_never_unpickled(tmp_path):
 
 
 def test_local_folder_round_trip(tmp_path):
-    save_file({"a": np.zeros(4, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    """Tensors saved to a folder are listed with their sizes, validate as what they are, and read
+    back equal; the same folder with a shard cut short no longer validates."""
+    from safetensors.numpy import load_file
+
     from core.manifest_build import list_checkpoint_files, local_opener
 
+    saved = {"a": np.arange(4, dtype=np.float32), "b": np.full((2, 3), 7, dtype=np.int16)}
+    save_file(saved, str(tmp_path / "model.safetensors"))
     sizes = list_checkpoint_files(tmp_path)
+    assert sizes == {"model.safetensors": (tmp_path / "model.safetensors").stat().st_size}
+    assert formats.detect_format(list(sizes)) == "safetensors"
     formats.validate("safetensors", sizes, local_opener(tmp_path))
+    with local_opener(tmp_path)("model.safetensors") as fh:
+        assert formats.validate_safetensors(fh, sizes["model.safetensors"], "model.safetensors") == 2
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(loaded) == ["a", "b"]
+    for name, array in saved.items():
+        assert loaded[name].dtype == array.dtype and np.array_equal(loaded[name], array)
+
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-4])
+    with pytest.raises(CorruptCheckpoint, match=re.escape("model.safetensors")):
+        formats.validate("safetensors", list_checkpoint_files(tmp_path), local_opener(tmp_path))
 
 
 def test_real_torch_dcp_folder_is_parsed_without_unpickling(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     import warnings
 
     import torch.distributed.checkpoint as dcp

@@ -14,6 +14,7 @@ import pytest
 
 from core import formats
 from core.errors import CorruptCheckpoint
+from tests.kit.require import require_module
 
 
 def mem_opener(files: dict[str, bytes]):
@@ -41,7 +42,7 @@ def test_a_pickle_that_is_not_dcp_metadata_is_corrupt(obj, protocol):
 
 
 def test_dcp_metadata_of_an_empty_state_dict_is_corrupt():
-    pytest.importorskip("torch")
+    require_module("torch")
     from torch.distributed.checkpoint.metadata import Metadata
 
     with pytest.raises(CorruptCheckpoint, match="no tensor or bytes entry"):
@@ -50,7 +51,7 @@ def test_dcp_metadata_of_an_empty_state_dict_is_corrupt():
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_real_dcp_metadata_passes_in_every_pickle_protocol(tmp_path, protocol):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     import warnings
 
     import torch.distributed.checkpoint as dcp

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 from core import checksum
 from core.manifest import Manifest
 from ckpt.watch import Watcher, completion, step_of
+from tests.kit.require import require_module
 
 
 def _hf_folder(path, shards=2, write=None):
@@ -65,7 +66,7 @@ def _real_dcp(folder) -> None:
     """A DCP folder as torch writes it (a dict pickled as ``.metadata`` is not one)."""
     import warnings
 
-    torch = __import__("pytest").importorskip("torch")
+    torch = require_module("torch")
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
@@ -134,7 +135,7 @@ def test_cli_watch_once(settings_factory, tmp_path):
 
 
 def test_real_torch_dcp_checkpoint_is_committed_and_loads_back(settings_factory, tmp_path):
-    torch = __import__("pytest").importorskip("torch")
+    torch = require_module("torch")
     import torch.distributed.checkpoint as dcp
 
     s = settings_factory()

@@ -20,6 +20,7 @@ from flows.common import plain_steps
 from flows.promote import promote
 from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, write_checkpoint
 from tests.kit.pipeline import pipeline_settings
+from tests.kit.require import require_module
 
 RUN = "run-a"
 
@@ -34,17 +35,32 @@ def parts_of(layout: list[dict[str, bytes]], fmt: str) -> tuple[list[Manifest], 
     return manifests, union
 
 
-def opener_of(files: dict[str, bytes]):
+def opener_of(files: dict[str, bytes], reads: list[str] | None = None):
     @contextmanager
     def opener(rel):
+        if reads is not None:
+            reads.append(rel)
         yield io.BytesIO(files[rel])
 
     return opener
 
 
-def check_union(layout, fmt):
+def check_union(layout, fmt, reads: list[str] | None = None):
     manifests, union = parts_of(layout, fmt)
-    formats.check_union_complete(manifests, opener_of(union))
+    formats.check_union_complete(manifests, opener_of(union, reads))
+
+
+def assert_complete(layout: list[dict[str, bytes]], fmt: str, *, index: str, referenced: list[str]) -> None:
+    """The parts add up (the union check read ``index``), and each file the index refers to is
+    needed: the same parts without it are corrupt, naming that file."""
+    reads: list[str] = []
+    check_union(layout, fmt, reads)
+    assert index in reads, reads  # the verdict came from the index, not from a pass-through
+    for gone in referenced:
+        short = [{k: v for k, v in files.items() if k != gone} for files in layout]
+        with pytest.raises(CorruptCheckpoint, match="that no part holds") as exc:
+            check_union(short, fmt)
+        assert exc.value.path == gone
 
 
 def hf_index(*shards: str) -> bytes:
@@ -52,8 +68,9 @@ def hf_index(*shards: str) -> bytes:
 
 
 def test_hf_parts_that_hold_every_indexed_shard_are_complete():
-    check_union([{"model.safetensors.index.json": hf_index("a.safetensors", "b.safetensors"),
-                  "a.safetensors": b"a"}, {"b.safetensors": b"b"}], "hf-sharded")
+    assert_complete([{"model.safetensors.index.json": hf_index("a.safetensors", "b.safetensors"),
+                      "a.safetensors": b"a"}, {"b.safetensors": b"b"}], "hf-sharded",
+                    index="model.safetensors.index.json", referenced=["a.safetensors", "b.safetensors"])
 
 
 def test_hf_shard_held_by_no_part_is_named():
@@ -72,7 +89,7 @@ def test_hf_index_in_no_part_or_in_two_different_copies_is_corrupt():
 
 
 def dcp_metadata(*names: str) -> bytes:
-    pytest.importorskip("torch")
+    require_module("torch")
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
@@ -82,7 +99,8 @@ def dcp_metadata(*names: str) -> bytes:
 
 def test_dcp_parts_are_complete_only_with_every_referenced_data_file():
     meta = dcp_metadata("__0_0.distcp", "__1_0.distcp")
-    check_union([{".metadata": meta, "__0_0.distcp": b"0"}, {"__1_0.distcp": b"1"}], "dcp")
+    assert_complete([{".metadata": meta, "__0_0.distcp": b"0"}, {"__1_0.distcp": b"1"}], "dcp",
+                    index=".metadata", referenced=["__0_0.distcp", "__1_0.distcp"])
     with pytest.raises(CorruptCheckpoint, match=re.escape("'__1_0.distcp' that no part holds")):
         check_union([{".metadata": meta, "__0_0.distcp": b"0"}, {"__2_0.distcp": b"2"}], "dcp")
     with pytest.raises(CorruptCheckpoint, match=re.escape(".metadata is missing from every part")):
@@ -91,7 +109,11 @@ def test_dcp_parts_are_complete_only_with_every_referenced_data_file():
 
 def test_identical_metadata_copies_in_several_parts_are_fine():
     meta = dcp_metadata("__0_0.distcp", "__1_0.distcp")
-    check_union([{".metadata": meta, "__0_0.distcp": b"0"}, {".metadata": meta, "__1_0.distcp": b"1"}], "dcp")
+    assert_complete([{".metadata": meta, "__0_0.distcp": b"0"}, {".metadata": meta, "__1_0.distcp": b"1"}], "dcp",
+                    index=".metadata", referenced=["__0_0.distcp", "__1_0.distcp"])
+    other = dcp_metadata("__0_0.distcp", "__1_0.distcp", "__2_0.distcp")  # the copies must be the same bytes
+    with pytest.raises(CorruptCheckpoint, match="parts 0 and 1 hold different copies"):
+        check_union([{".metadata": meta, "__0_0.distcp": b"0"}, {".metadata": other, "__1_0.distcp": b"1"}], "dcp")
 
 
 def test_a_two_node_checkpoint_missing_an_indexed_shard_never_becomes_durable(settings_factory, db_url):

@@ -1,0 +1,205 @@
+"""The soak's own test: it must fail when the pipeline is broken. With every copy failing
+(``core.transfer.copy_part`` always raising ``StorageUnavailable``) a short soak reports an
+error in an operation with no fault planned (and no progress); with a prune that skips the
+evidence check (``tasks.prune.justification_refused`` saying yes unread), a Tier 1 copy rotted
+behind the catalog's back justifies deleting the last good copy, and the soak's invariant
+names the lost checkpoint. The same scripted sequence passes on the real pipeline."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from core.errors import StorageUnavailable
+from faults import Plan, S3Plan
+from test_soak import STATS, Soak, _run, prepare
+from tests.kit.s3_proxy import S3Proxy
+
+NO_SKEW = timedelta(0)
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    from test_soak import S3_FAULTS
+
+    p = S3Proxy(s3_endpoint, on_request=S3_FAULTS)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("caught_by", ["the error", "no progress"])
+def test_a_soak_with_every_copy_failing_fails(caught_by, db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    """Caught twice over: by the first fault-free promotion's error, and (with errors only
+    counted, as the soak used to) by the progress it lacks."""
+    import core.transfer
+    import test_soak
+
+    def broken_copy(*args, **kwargs):
+        raise StorageUnavailable("copy_part is broken")
+
+    monkeypatch.setattr(core.transfer, "copy_part", broken_copy)
+    if caught_by == "no progress":
+        monkeypatch.setattr(test_soak, "UNPLANNED", "count")
+    expected = (r"promote\(node-0,100\) raised StorageUnavailable: copy_part is broken with no fault planned"
+                if caught_by == "the error" else r"too little progress: checkpoints_verified_tier1 0 < 1; "
+                r"checkpoints_verified_tier2 0 < 1; restores_bytes_match 0 < 1")
+    STATS.clear()
+    with pytest.raises(AssertionError, match=expected):
+        _run(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch, examples=1, steps=6, shrink=False)
+    assert STATS["checkpoints_verified_tier1"] == 0
+
+
+def _prune_past_rot(db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> list[int]:
+    """Step 100 is promoted (Tier 0 and Tier 1 verified), its Tier 1 copy gets a bit flipped,
+    step 200 is promoted: its inline retention wants step 100's Tier 0 copy gone (keep_last 1).
+    Returns the steps on node-0's Tier 0 at the end."""
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+        assert m.committed("t1") == [100] and m.committed("t0:node-0") == [100]
+        m.damage("t1", 0, "flip")
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+        return m.committed("t0:node-0")
+    finally:
+        m.teardown()
+
+
+def test_the_soak_passes_the_real_prune_past_a_rotted_copy(db_url, s3_endpoint, proxy, settings_factory,
+                                                           monkeypatch):
+    on_tier0 = _prune_past_rot(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    assert 100 in on_tier0  # the guard read the rotted copy back and kept this one
+
+
+def test_a_prune_that_skips_the_evidence_check_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                              monkeypatch):
+    import tasks.prune
+
+    monkeypatch.setattr(tasks.prune, "justification_refused", lambda *args, **kwargs: None)
+    with pytest.raises(AssertionError, match="step 100 reached verified and has no good copy left"):
+        _prune_past_rot(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+
+
+# --- a checkpoint that leaves the catalog, a retirement ----------------------------------------
+def _two_checkpoints(db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> Soak:
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+    assert {100, 200} <= m.ever_verified
+    return m
+
+
+def _sql(m: Soak, stmt) -> None:
+    from db.catalog import Catalog
+
+    cat = Catalog(m.settings["node-0"].catalog_url)
+    try:
+        with cat.engine.begin() as conn:
+            conn.execute(stmt)
+    finally:
+        cat.close()
+
+
+def _audit(m: Soak, step: int, action: str, to_state: str | None) -> None:
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert
+
+    from db.models import AuditLog
+    _sql(m, insert(AuditLog.__table__).values(at=datetime.now(UTC), actor="retention", action=action,
+                                              subject=f"checkpoint:run-a/{step}", from_state=None,
+                                              to_state=to_state, reason="test", run="run-a", step=step))
+
+
+def _retire(m: Soak, step: int) -> None:
+    from sqlalchemy import update
+
+    from db.models import Checkpoint
+    ck = Checkpoint.__table__
+    _sql(m, update(ck).where(ck.c.step == step).values(state="retired"))
+    _audit(m, step, "transition", "retired")
+
+
+def _delete_files(m: Soak, step: int) -> None:
+    """What a retirement's deletes do: each replica to ``pruned``, a ``delete`` row, the files gone."""
+    import shutil
+
+    from sqlalchemy import select, update
+
+    from db.models import Checkpoint, Replica
+    ck, reps = Checkpoint.__table__, Replica.__table__
+    _sql(m, update(reps).where(reps.c.checkpoint_id.in_(select(ck.c.id).where(ck.c.step == step)))
+         .values(state="pruned"))
+    _audit(m, step, "delete", None)
+    for loc in ("t0:node-0", "t0:node-1", "t1"):
+        shutil.rmtree(m.folder(loc, step), ignore_errors=True)
+
+
+def test_a_verified_checkpoint_that_leaves_the_catalog_is_lost(db_url, s3_endpoint, proxy, settings_factory,
+                                                               monkeypatch):
+    from sqlalchemy import update
+
+    from db.models import Checkpoint
+    m = _two_checkpoints(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        ck = Checkpoint.__table__
+        _sql(m, update(ck).where(ck.c.step == 100).values(step=99_999))  # its rows are gone from step 100
+        with pytest.raises(AssertionError, match="step 100 reached verified and is no longer in the catalog"):
+            m.nothing_is_lost()
+    finally:
+        m.teardown()
+
+
+def test_a_retirement_recorded_before_the_deletes_loses_nothing(db_url, s3_endpoint, proxy, settings_factory,
+                                                                monkeypatch):
+    m = _two_checkpoints(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _retire(m, 100)
+        _delete_files(m, 100)
+        m.nothing_is_lost()
+        assert m.good_now(100) == set() and m.retired == {100}
+    finally:
+        m.teardown()
+
+
+def test_a_retirement_recorded_after_the_deletes_is_a_loss(db_url, s3_endpoint, proxy, settings_factory,
+                                                           monkeypatch):
+    m = _two_checkpoints(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _delete_files(m, 100)
+        _retire(m, 100)
+        with pytest.raises(AssertionError, match="step 100 is retired, but its copies went before the retirement"):
+            m.nothing_is_lost()
+    finally:
+        m.teardown()
+
+
+def test_a_restore_that_fails_past_a_verified_copy_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                                  monkeypatch):
+    import tasks.restore
+    from core.errors import NotFound
+
+    def broken_restore(*args, **kwargs):
+        raise NotFound("restore is broken")
+
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+        m.restore("node-0", 0, False, S3Plan(), NO_SKEW)  # the real restore returns the saved bytes
+        assert STATS["restores_bytes_match"] >= 1
+        monkeypatch.setattr(tasks.restore, "restore_checkpoint", broken_restore)
+        with pytest.raises(AssertionError, match=r"restore\(node-1,100\) failed \(NotFound: restore is broken\) "
+                                                 r"although the catalog holds a verified copy"):
+            m.restore("node-1", 0, False, S3Plan(), NO_SKEW)
+    finally:
+        m.teardown()
