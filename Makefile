@@ -3,14 +3,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint test test-fast soak demo bench clean
+.PHONY: venv lint test test-fast soak demo docs bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,torch,lint,hf,lightning]'
+	$(BIN)/python -m pip install -q -e '.[test,torch,lint,hf,lightning,docs]'
 	touch $(STAMP)
 
 # ruff (rules in pyproject's [tool.ruff]), the import layers (import-linter), types of core/ and db/
@@ -38,6 +38,12 @@ soak: venv
 
 demo: venv
 	$(BIN)/python -m ckpt.demo $(ARGS)
+
+# the docs site (mkdocs-material) into build/site: the configuration and CLI references are
+# regenerated from the code first; --strict fails on a broken link or a page left out of the nav
+docs: venv
+	$(BIN)/python -m scripts.reference_docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
