@@ -64,7 +64,7 @@ def configuration() -> str:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             nested.append((name, ann))
     seen: set[type] = set()
-    for name, model in nested:
+    for _name, model in nested:
         if model in seen:
             continue
         seen.add(model)
@@ -94,7 +94,8 @@ def cli() -> str:
             return
         ctx = cmd.context_class(cmd, info_name=" ".join(path))
         usage = " ".join(cmd.collect_usage_pieces(ctx))
-        lines.extend([f"## `{' '.join(path)}`", "", _cell(cmd.help or ""), "", f"```\n{' '.join(path)} {usage}\n```", ""])
+        name = " ".join(path)
+        lines.extend([f"## `{name}`", "", _cell(cmd.help or ""), "", f"```\n{name} {usage}\n```", ""])
         rows = []
         for p in cmd.params:
             if p.param_type_name == "option" and "--help" not in p.opts:

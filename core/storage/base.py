@@ -1,6 +1,7 @@
 """The tier storage contract. Every backend (``local`` and ``fsspec`` for Tiers 0/1, ``s3`` for
-Tier 2) implements ``TierStore``; one contract suite (tests/unit/test_storage_contract.py)
-runs on all, so callers never need to know which backend they hold.
+Tier 2) implements ``TierStore``; one contract suite (tests/integration/storage/test_storage_contract.py,
+with tests/unit/test_storage_contract.py for the backends that need no server) runs on all, so
+callers never need to know which backend they hold.
 
 Keys are '/'-separated paths relative to the tier root, confined by ``core.paths.safe_relpath``
 (and, for local folders, by symlink checks); where a checkpoint's keys live is
