@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     retention_tier0: RetentionPolicy = RetentionPolicy(keep_last=3)
     retention_tier1: RetentionPolicy = RetentionPolicy(keep_last=10)
     retention_tier2: RetentionPolicy = RetentionPolicy(enabled=False)
+    retention_keep_parents: bool = Field(
+        default=True,
+        description="a checkpoint another run resumed, fine-tuned or branched from keeps a verified copy on a "
+                    "durable tier while that run has any checkpoint")
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)
