@@ -262,6 +262,20 @@ class Catalog:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return {(n, s): tuple(_q.complete_tiers(m)) for n, s, m in conn.execute(stmt)}
 
+    def checkpoint_states(self, pairs: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """(run, step) -> state of each known checkpoint of ``pairs`` (a lineage tree's nodes):
+        one query per 500 pairs."""
+        wanted, out = sorted(set(pairs)), {}
+        with self._tx(write=False) as conn:
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i:i + 500]
+                stmt = (select(runs.c.name, checkpoints.c.step, checkpoints.c.state)
+                        .select_from(checkpoints.join(runs, runs.c.id == checkpoints.c.run_id))
+                        .where(runs.c.name.in_({r for r, _ in chunk}),
+                               checkpoints.c.step.in_({s for _, s in chunk})))
+                out |= {(n, st): state for n, st, state in conn.execute(stmt) if (n, st) in set(chunk)}
+        return out
+
     def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]:
         stmt = select(files_table).where(files_table.c.checkpoint_id == checkpoint_id)
         if part is not None:

@@ -145,7 +145,7 @@ def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
 
     out = out or Console()
     if not rows:
-        out.print(f"{title}: nothing to prune")
+        out.print(f"{title}: nothing to demote or retire")
         return
     table = Table(title=title)
     for col in rows[0]:
@@ -158,9 +158,11 @@ def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
 def retention_cmd(
     run: str = typer.Option(None, "--run", help="only this run (default: every run)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, delete nothing"),
-    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    explain: bool = typer.Option(False, "--explain", help="also list every kept copy and the rule that keeps it"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON (field `reason`: the rule)"),
 ) -> None:
-    """Apply each tier's retention policy through the guarded prune (or show the plan)."""
+    """Apply each tier's retention policy: demote copies through the guarded prune and retire
+    checkpoints no tier keeps (or, with --dry-run, show the plan and the rule behind each line)."""
     from core.settings import load_settings
     from flows.common import plain_steps
     from flows.retention import enforce_retention, retention
@@ -168,9 +170,10 @@ def retention_cmd(
     settings = load_settings()
     if prefect_configured(settings):
         with prefect_api(settings):
-            rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node)
+            rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node, explain=explain)
     else:
-        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps())]
+        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps(),
+                                           explain=explain)]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
     else:
