@@ -205,11 +205,12 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
         return keeps
     for c in held[: policy.keep_last or 0]:
         keeps[c.step].append("keep_last")
-    if policy.top_k and policy.metric:
-        scored = [c for c in held if policy.metric in c.metrics]
-        scored.sort(key=lambda c: c.metrics[policy.metric], reverse=policy.metric_mode == "max")
+    metric = policy.metric
+    if policy.top_k and metric:
+        scored = [c for c in held if metric in c.metrics]
+        scored.sort(key=lambda c: c.metrics[metric], reverse=policy.metric_mode == "max")
         for c in scored[: policy.top_k]:
-            keeps[c.step].append(f"top_k {policy.metric}")
+            keeps[c.step].append(f"top_k {metric}")
     if policy.max_age_days:
         cutoff = now - timedelta(days=policy.max_age_days)
         # the age runs from the later of the writer's stamp and the catalog's commit time: a

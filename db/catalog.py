@@ -265,7 +265,7 @@ class Catalog:
     def checkpoint_states(self, pairs: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
         """(run, step) -> state of each known checkpoint of ``pairs`` (a lineage tree's nodes):
         one query per 500 pairs."""
-        wanted, out = sorted(set(pairs)), {}
+        wanted, out = sorted(set(pairs)), dict[tuple[str, int], str]()
         with self._tx(write=False) as conn:
             for i in range(0, len(wanted), 500):
                 chunk = wanted[i:i + 500]

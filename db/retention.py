@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy import and_, select, update
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Row
 
 from core.errors import IllegalTransition, PruneRefused
 from core.retention import CheckpointFacts, ReplicaFacts
@@ -63,11 +63,13 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
                    _filter_only(conn, replicas.c.state) == VERIFIED)
             .order_by(checkpoints.c.id, replicas.c.tier, replicas.c.part))
     rows = conn.execute(stmt).all()
-    by_ckpt: dict[int, list] = defaultdict(list)
+    by_ckpt: dict[int, list[Row]] = defaultdict(list)
     for r in rows:
         by_ckpt[r.checkpoint_id].append(r)
     ids = sorted(by_ckpt)
-    pinned, named, children = set(), defaultdict(list), defaultdict(set)
+    pinned: set[int] = set()
+    named: dict[int, list[str]] = defaultdict(list)
+    children: dict[int, set[str]] = defaultdict(set)
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
         pinned |= set(conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id.in_(chunk))).scalars())
@@ -124,7 +126,7 @@ def retire(conn: Connection, run: str, step: int, *, reason: str, actor: str, no
     return True
 
 
-def _retire_refusal(conn: Connection, ck, keep_parents: bool) -> str | None:
+def _retire_refusal(conn: Connection, ck: Row, keep_parents: bool) -> str | None:
     if conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ck.id)).first():
         return "pinned"
     alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ck.id)).scalar()
