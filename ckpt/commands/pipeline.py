@@ -136,23 +136,7 @@ def _print_promotion(result: dict, as_json: bool) -> None:
     if result["durable"]:
         out.print("checkpoint complete on Tier 1 (durable)")
     if result.get("retention") is not None:
-        _print_actions(result["retention"], out=out, title="retention")
-
-
-def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    out = out or Console()
-    if not rows:
-        out.print(f"{title}: nothing to demote or retire")
-        return
-    table = Table(title=title)
-    for col in rows[0]:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
-    out.print(table)
+        _print_retention(result["retention"], out=out, title="retention")
 
 
 def retention_cmd(
@@ -177,7 +161,27 @@ def retention_cmd(
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
     else:
-        _print_actions(rows, title="retention plan (dry run)" if dry_run else "retention")
+        _print_retention(rows, title="retention plan (dry run)" if dry_run else "retention")
+
+
+def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
+    """The plan as a table: each copy, what the rule decided and why, and what became of it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or Console()
+    if not rows:
+        out.print(f"{title}: nothing to demote or retire")
+        return
+    table = Table(title=title)
+    for col in ("tier", "checkpoint", "action", "reason", "outcome"):
+        table.add_column(col)
+    for r in rows:
+        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") + (
+            f" on {r['node']}" if r["tier"] == 0 and r["node"] else "")
+        outcome = r["outcome"] + (f": {r['detail']}" if r["detail"] and r["detail"] != r["reason"] else "")
+        table.add_row(str(r["tier"]), what, r["action"], r["reason"], outcome)
+    out.print(table)
 
 
 def reconcile_cmd(
