@@ -743,6 +743,7 @@ class Soak(RuleBasedStateMachine):
                         if (step, "expired") not in self.test_removed:
                             STATS["checkpoints_expired"] += 1
                             self.test_removed.add((step, "expired"))
+                            self._retired_first(cat, ck, step)
                     else:
                         STATS["checkpoints_lost"] += 1
                         self.violate(f"step {step} reached verified and has no good copy left"
@@ -755,6 +756,18 @@ class Soak(RuleBasedStateMachine):
         self.good_replicas = good_now
         if self._outside() != self.outside_digest:
             self.violate("a file outside the tier roots changed")
+
+    def _retired_first(self, cat, ck, step: int) -> None:
+        """A checkpoint disappears only by a retirement the catalog recorded first: it is
+        ``retired``, and its ``retire`` audit row comes before the deletion of its last copy."""
+        if ck.state != "retired":
+            self.violate(f"step {step}: every copy was pruned but the checkpoint is {ck.state!r}, not retired")
+            return
+        trail = cat.history(RUN, step)
+        retire = [e.id for e in trail if e.action == "retire"]
+        last = max((e.id for e in trail if e.to_state == "pruned"), default=None)
+        if not retire or (last is not None and retire[0] > last):
+            self.violate(f"step {step}: its last copy went before its retirement was recorded")
 
     def _listing(self, loc: str, step: int) -> frozenset[str]:
         if loc == "t2":
