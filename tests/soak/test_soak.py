@@ -737,7 +737,8 @@ class Soak(RuleBasedStateMachine):
                 if good:
                     self.excused.discard(step)
                 elif step in self.ever_verified and step not in self.excused:
-                    expired = reps and all(r.state == "pruned" for r in reps)
+                    # retired: the retention policy let it go (recorded first, ``_retired_first``)
+                    expired = reps and (ck.state == "retired" or all(r.state == "pruned" for r in reps))
                     protected = step == newest_ever or step in self.pinned
                     if expired and not protected:
                         if (step, "expired") not in self.test_removed:
@@ -759,15 +760,24 @@ class Soak(RuleBasedStateMachine):
 
     def _retired_first(self, cat, ck, step: int) -> None:
         """A checkpoint disappears only by a retirement the catalog recorded first: it is
-        ``retired``, and its ``retire`` audit row comes before the deletion of its last copy."""
+        ``retired``, and its ``retire`` audit row comes before the prune of its last verified
+        copy began (a copy demoted earlier, while another protected it, is no retirement)."""
         if ck.state != "retired":
             self.violate(f"step {step}: every copy was pruned but the checkpoint is {ck.state!r}, not retired")
             return
         trail = cat.history(RUN, step)
         retire = [e.id for e in trail if e.action == "retire"]
-        last = max((e.id for e in trail if e.to_state == "pruned"), default=None)
-        if not retire or (last is not None and retire[0] > last):
-            self.violate(f"step {step}: its last copy went before its retirement was recorded")
+        verified: set[str] = set()
+        for e in trail:  # replayed: the prune that began deleting the last verified copy
+            if e.to_state == "verified":
+                verified.add(e.subject)
+            elif e.from_state == "verified":
+                verified.discard(e.subject)
+                if e.to_state == "pruning" and not verified and (not retire or e.id < retire[0]):
+                    self.violate(f"step {step}: its last copy began to go before its retirement was recorded")
+                    return
+        if not retire:
+            self.violate(f"step {step}: retired without a retire audit row")
 
     def _listing(self, loc: str, step: int) -> frozenset[str]:
         if loc == "t2":
