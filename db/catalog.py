@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
 from sqlalchemy import Select, delete, func, select, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Row, make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, PruneRefused, SchemaOutdated
 from core.manifest import Manifest
@@ -34,6 +34,7 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    CKPT_RETIRED,
     CORRUPT,
     MISSING,
     VERIFIED,
@@ -492,7 +493,7 @@ class Catalog:
         """Keep this checkpoint on every tier whatever retention says (idempotent, audited)."""
         with self._tx() as conn:
             now = _now(conn)
-            ck = checkpoint_row(conn, run, step, lock=True)
+            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "pinned")
             if insert_ignore(conn, pins, dict(checkpoint_id=ck.id, reason=reason, actor=actor, pinned_at=now),
                              ["checkpoint_id"]):
                 add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="pin",
@@ -517,7 +518,7 @@ class Catalog:
             raise BadInput(f"invalid alias {alias!r}")
         with self._tx() as conn:
             now = _now(conn)
-            ck = checkpoint_row(conn, run, step, lock=True)
+            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "aliased")
             key = (aliases.c.run_id == ck.run_id) & (aliases.c.name == alias)
             conn.execute(delete(aliases).where(key))
             conn.execute(aliases.insert().values(run_id=ck.run_id, name=alias, checkpoint_id=ck.id, set_at=now))
@@ -733,6 +734,14 @@ class Catalog:
             if run is not None:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return [to_drill(r) for r in conn.execute(stmt)]
+
+
+def _not_retired(ck: Row, what: str) -> Row:
+    """A retired checkpoint's copies are being deleted (its retirement is final): it cannot be
+    pinned or aliased back, which would leave its deletion half done."""
+    if ck.state == CKPT_RETIRED:
+        raise BadInput(f"checkpoint {ck.run_name}/{ck.step} was retired by the retention policy and cannot be {what}")
+    return ck
 
 
 def _drill_select() -> Select:

@@ -225,3 +225,28 @@ def test_two_retention_workers_at_once_retire_each_checkpoint_once(settings_fact
         trail = cat.history(RUN, 100)
     assert [e.actor for e in trail if e.action == "retire"] == ["retention-a"]
     assert sorted(e.actor for e in trail if e.to_state == "pruned") == ["retention-a", "retention-b"]
+
+
+def test_a_retired_checkpoint_keeps_its_lineage_and_cannot_be_pinned_back(settings_factory, db_url):
+    from core.errors import BadInput
+
+    settings = _settings(settings_factory, db_url, retention_tier0=RetentionPolicy(keep_last=1),
+                         retention_tier1=RetentionPolicy(keep_last=1))
+    save(settings, 100, 200, 300)
+
+    with Catalog(settings.catalog_url) as cat:
+        assert cat.get_checkpoint(RUN, 200).state == "retired"
+        edges = cat.ancestors(RUN, 300)
+        assert [(e.parent_run, e.parent_step) for e in edges] == [(RUN, 200), (RUN, 100)]
+        assert cat.checkpoint_states([(RUN, 100), (RUN, 300)]) == {(RUN, 100): "retired", (RUN, 300): "committed"}
+        with pytest.raises(BadInput, match="retired"):
+            cat.pin(RUN, 200, actor="test")
+        with pytest.raises(BadInput, match="retired"):
+            cat.set_alias(RUN, "best", 200, actor="test")
+    from ckpt.commands.catalog import lineage_tree
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(lineage_tree(RUN, 300, edges, descendants=False,
+                               states={(RUN, 100): "retired", (RUN, 200): "retired"}))
+    assert f"{RUN}/200 (follows) (retired)" in console.export_text()
