@@ -55,6 +55,7 @@ from sqlalchemy import text
 from benchmarks.common import bench_parser, parse
 from benchmarks.filled_tier import NODES, FilledTier
 from core.manifest import FileEntry, Manifest
+from core.retention import Rules, plan
 from core.settings import MilestonePolicy, RetentionPolicy, Settings
 from db.catalog import Catalog, upgrade
 from db.rows import checkpoints, files, lineage, parts, replicas, runs
@@ -167,7 +168,7 @@ def run_queries(cat: Catalog, n_runs: int, samples: int) -> list[tuple[str, floa
     rnd = random.Random(7)
     name = lambda: f"run-{rnd.randrange(n_runs):05d}"  # noqa: E731
     step = lambda: rnd.randrange(1, STEPS + 1) * 10  # noqa: E731
-    keep3, keep10 = RetentionPolicy(keep_last=3), RetentionPolicy(keep_last=10)
+    rules = Rules(policies={0: RetentionPolicy(keep_last=3), 1: RetentionPolicy(keep_last=10)})
     cases = [
         ("baseline get_checkpoint", lambda: cat.get_checkpoint(name(), step())),
         ("1 newest_verified", lambda: cat.newest_verified(name())),
@@ -177,8 +178,8 @@ def run_queries(cat: Catalog, n_runs: int, samples: int) -> list[tuple[str, floa
         ("4 ancestors depth 50", lambda: _check(cat.ancestors(name(), 500, max_depth=50), 50)),
         ("6 under_replicated (run)", lambda: cat.under_replicated(run=name())),
         ("6 under_replicated (all, first 100)", lambda: cat.under_replicated(limit=100)),
-        ("7 prune_candidates tier 0 (run)", lambda: cat.prune_candidates(0, keep3, run=name())),
-        ("7 prune_candidates tier 1 (run)", lambda: cat.prune_candidates(1, keep10, run=name())),
+        ("7 retention_facts (run)", lambda: cat.retention_facts(run=name())),
+        ("7 retention_facts + plan (run)", lambda: plan(cat.retention_facts(run=name()), rules, cat.clock())),
         ("reconcile: milestones to archive (all)", lambda: cat.milestone_backlog(MilestonePolicy())),
     ]
     results = []

@@ -27,16 +27,19 @@ from core.errors import ConfigError
 
 
 class RetentionPolicy(BaseModel):
-    """What one tier keeps. A checkpoint is kept if *any* keep rule holds; pins and aliases
-    always keep; the catalog's prune guard (another verified copy at least as durable, not the
-    newest verified checkpoint of its run) is enforced on top of whatever this says."""
+    """What one tier keeps (``core.retention`` applies it; the README's table says what each
+    tier keeps). A checkpoint is kept on the tier if *any* keep rule holds; pins, aliases, the
+    newest verified checkpoint and lineage parents always keep. A copy no rule keeps is demoted
+    (only while a copy at least as durable protects it); a checkpoint no tier keeps is retired."""
 
     keep_last: int | None = Field(default=None, ge=1, description="keep the newest N checkpoints of each run")
-    keep_milestones: bool = Field(default=True, description="keep milestones (until archived, for tiers 0/1)")
+    keep_milestones: bool = Field(
+        default=True, description="keep milestones: Tier 0 until archived (Tier 2 on) or durable, Tier 1 until "
+                                  "archived (Tier 2 on) or for good (Tier 2 off); no effect on Tier 2")
     top_k: int | None = Field(default=None, ge=1, description="keep the best k by `metric`")
     metric: str | None = Field(default=None, description="metric name for top_k, e.g. 'loss'")
     metric_mode: Literal["min", "max"] = "min"
-    max_age_days: float | None = Field(default=None, gt=0, description="prune older than this (if no keep rule holds)")
+    max_age_days: float | None = Field(default=None, gt=0, description="keep checkpoints younger than this")
     enabled: bool = True
 
 
@@ -96,6 +99,10 @@ class Settings(BaseSettings):
     retention_tier0: RetentionPolicy = RetentionPolicy(keep_last=3)
     retention_tier1: RetentionPolicy = RetentionPolicy(keep_last=10)
     retention_tier2: RetentionPolicy = RetentionPolicy(enabled=False)
+    retention_keep_parents: bool = Field(
+        default=True,
+        description="a checkpoint another run resumed, fine-tuned or branched from keeps a verified copy on a "
+                    "durable tier while that run has any checkpoint")
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5)

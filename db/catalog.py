@@ -17,16 +17,24 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
 from sqlalchemy import Select, delete, func, select, text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection, Row, make_url
 
 from core.errors import BadInput, CatalogUnavailable, NotFound, PruneRefused, SchemaOutdated
 from core.manifest import Manifest
-from db import lineage as _lineage, queries as _q, register as _reg, rejections as _rej, state as _state
+from db import (
+    lineage as _lineage,
+    queries as _q,
+    register as _reg,
+    rejections as _rej,
+    retention as _ret,
+    state as _state,
+)
 from db.entities import (
     CKPT_COMMITTED,
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    CKPT_RETIRED,
     CORRUPT,
     MISSING,
     VERIFIED,
@@ -75,7 +83,8 @@ from db.rows import (
 from db.session import DEFAULT_BUSY_TIMEOUT_S, lease_engine, make_engine, normalize_url, release_engine, transaction
 
 if TYPE_CHECKING:
-    from core.settings import MilestonePolicy, RetentionPolicy
+    from core.retention import CheckpointFacts
+    from core.settings import MilestonePolicy
 
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
@@ -253,6 +262,20 @@ class Catalog:
             if run is not None:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return {(n, s): tuple(_q.complete_tiers(m)) for n, s, m in conn.execute(stmt)}
+
+    def checkpoint_states(self, pairs: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """(run, step) -> state of each known checkpoint of ``pairs`` (a lineage tree's nodes):
+        one query per 500 pairs."""
+        wanted, out = sorted(set(pairs)), dict[tuple[str, int], str]()
+        with self._tx(write=False) as conn:
+            for i in range(0, len(wanted), 500):
+                chunk = wanted[i:i + 500]
+                stmt = (select(runs.c.name, checkpoints.c.step, checkpoints.c.state)
+                        .select_from(checkpoints.join(runs, runs.c.id == checkpoints.c.run_id))
+                        .where(runs.c.name.in_({r for r, _ in chunk}),
+                               checkpoints.c.step.in_({s for _, s in chunk})))
+                out |= {(n, st): state for n, st, state in conn.execute(stmt) if (n, st) in set(chunk)}
+        return out
 
     def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]:
         stmt = select(files_table).where(files_table.c.checkpoint_id == checkpoint_id)
@@ -522,7 +545,7 @@ class Catalog:
         """Keep this checkpoint on every tier whatever retention says (idempotent, audited)."""
         with self._tx() as conn:
             now = _now(conn)
-            ck = checkpoint_row(conn, run, step, lock=True)
+            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "pinned")
             if insert_ignore(conn, pins, dict(checkpoint_id=ck.id, reason=reason, actor=actor, pinned_at=now),
                              ["checkpoint_id"]):
                 add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="pin",
@@ -547,7 +570,7 @@ class Catalog:
             raise BadInput(f"invalid alias {alias!r}")
         with self._tx() as conn:
             now = _now(conn)
-            ck = checkpoint_row(conn, run, step, lock=True)
+            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "aliased")
             key = (aliases.c.run_id == ck.run_id) & (aliases.c.name == alias)
             conn.execute(delete(aliases).where(key))
             conn.execute(aliases.insert().values(run_id=ck.run_id, name=alias, checkpoint_id=ck.id, set_at=now))
@@ -633,18 +656,28 @@ class Catalog:
             return _q.under_replicated(conn, durable_tier=durable_tier, min_copies=min_copies, run_id=run_id,
                                        limit=limit)
 
-    def prune_candidates(self, tier: int, policy: RetentionPolicy, *, run: str | None = None,
-                         now: datetime | None = None, prunable_only: bool = True,
-                         node: str | None = None) -> list[ReplicaInfo]:
-        """(7) Verified replicas on ``tier`` that ``policy`` (core.settings.RetentionPolicy)
-        no longer keeps, excluding pins, aliases and each run's newest verified checkpoint.
-        With ``prunable_only`` (default) also only those the prune guard would let go (another
-        verified copy of the part on a tier at least as durable); ``begin_prune`` still decides.
-        ``node``: only the replicas held by that node (the same ones the whole plan lists for it)."""
+    def retention_facts(self, *, run: str | None = None, node: str | None = None) -> list[CheckpointFacts]:
+        """(7) What ``core.retention.plan`` decides from: every committed or retired checkpoint
+        with a verified replica (of ``run``; with ``node``, of the runs with a Tier 0 replica on
+        that node), each with its verified replicas, pins, aliases and lineage children."""
         with self._tx(write=False) as conn:
-            run_id = run_row(conn, run).id if run is not None else None
-            return _q.prune_candidates(conn, _state.check_tier(tier), policy, run_id=run_id, now=now or _now(conn),
-                                       prunable_only=prunable_only, node=node)
+            run_ids = [run_row(conn, run).id] if run is not None else None
+            return _ret.facts(conn, run_ids=run_ids, node=node)
+
+    def retire(self, run: str, step: int, *, reason: str, actor: str, keep_parents: bool = True) -> bool:
+        """Record the checkpoint ``retired`` (audited) before any of its bytes is deleted; True
+        if recorded now, False if it was already. ``PruneRefused`` when a pin, an alias, being
+        the run's newest verified or newer than its newest durable checkpoint, or (with
+        ``keep_parents``) a child run forbids it, checked again under the checkpoint's lock."""
+        with self._tx() as conn:
+            return _ret.retire(conn, run, step, reason=reason, actor=actor, now=_now(conn),
+                               keep_parents=keep_parents)
+
+    def retired_with_copies(self, *, limit: int = 1000) -> list[tuple[str, int]]:
+        """(run, step) of retired checkpoints that still have a verified replica: retirements a
+        crash interrupted, for reconcile to finish."""
+        with self._tx(write=False) as conn:
+            return _ret.retired_with_copies(conn, limit=limit)
 
     def history(self, run: str, step: int) -> list[AuditEntry]:
         """(8) The checkpoint's audit trail, oldest first."""
@@ -753,6 +786,14 @@ class Catalog:
             if run is not None:
                 stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
             return [to_drill(r) for r in conn.execute(stmt)]
+
+
+def _not_retired(ck: Row, what: str) -> Row:
+    """A retired checkpoint's copies are being deleted (its retirement is final): it cannot be
+    pinned or aliased back, which would leave its deletion half done."""
+    if ck.state == CKPT_RETIRED:
+        raise BadInput(f"checkpoint {ck.run_name}/{ck.step} was retired by the retention policy and cannot be {what}")
+    return ck
 
 
 def _drill_select() -> Select:

@@ -20,8 +20,11 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 # Checkpoint states: 'partial' (some parts registered), 'committed' (all parts registered on
-# Tier 0), 'rejected' (bad input), 'corrupt' (the source failed verification).
+# Tier 0), 'rejected' (bad input), 'corrupt' (the source failed verification), 'retired' (the
+# retention policy keeps it nowhere: recorded before its first byte is deleted, then every copy
+# goes; restore, resume and ``latest`` no longer offer it; lineage keeps its edges).
 CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT = "partial", "committed", "rejected", "corrupt"
+CKPT_RETIRED = "retired"
 
 TIER_NAMES = {0: "nvme", 1: "pfs", 2: "object"}
 

@@ -26,19 +26,15 @@ from db.entities import (
     FileInfo,
     Location,
     PromotionStatus,
-    ReplicaInfo,
     StoredCopy,
     TierUsage,
 )
 from db.rows import (
     ALL_TIERS,
-    aliases,
     checkpoint_select,
     checkpoints,
-    durability,
     files,
     parts,
-    pins,
     replica_select,
     replicas,
     run_row,
@@ -50,7 +46,7 @@ from db.rows import (
 )
 
 if TYPE_CHECKING:
-    from core.settings import MilestonePolicy, RetentionPolicy
+    from core.settings import MilestonePolicy
 
 
 def complete_tiers(mask: int) -> list[int]:
@@ -190,95 +186,6 @@ def under_replicated(conn: Connection, *, durable_tier: int, min_copies: int, ru
         ids = ids.limit(limit)
     stmt = checkpoint_select().where(checkpoints.c.id.in_(ids.scalar_subquery())).order_by(checkpoints.c.id)
     return [to_checkpoint(r) for r in conn.execute(stmt)]
-
-
-# --- (7) prune candidates --------------------------------------------------------------------
-def prune_candidates(conn: Connection, tier: int, policy: RetentionPolicy, *, run_id: int | None, now: datetime,
-                     prunable_only: bool, node: str | None = None) -> list[ReplicaInfo]:
-    """``node``: only that node's replicas (a node's reconcile prunes its own Tier 0). What a
-    run keeps is still decided over all of its replicas on the tier (keep the last N counts the
-    checkpoints on every node), so the rows read are those of the runs with a replica on
-    ``node``, not of every run on the tier."""
-    if not policy.enabled:
-        return []
-    pinned = select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == checkpoints.c.id).exists()
-    aliased = select(aliases.c.checkpoint_id).where(aliases.c.checkpoint_id == checkpoints.c.id).exists()
-    stmt = replica_select().add_columns(checkpoints.c.run_id, checkpoints.c.kind, checkpoints.c.metrics,
-                                        checkpoints.c.created_at.label("ckpt_created_at"),
-                                        checkpoints.c.committed_at.label("ckpt_committed_at"),
-                                        checkpoints.c.verified_tiers, or_(pinned, aliased).label("held"))
-    stmt = stmt.where(checkpoints.c.state == CKPT_COMMITTED)
-    if run_id is None and node is None:
-        rows = conn.execute(stmt.where(replicas.c.tier == tier, replicas.c.state == VERIFIED)).all()
-    else:
-        # Given runs: drive from their checkpoints (run_id, step) and their replicas
-        # (checkpoint_id, tier, part); the replica's tier and state must not be index terms
-        # (``_filter_only``).
-        ids = [run_id] if run_id is not None else _runs_on_node(conn, tier, node)
-        stmt = stmt.where(_filter_only(conn, replicas.c.tier) == tier, _filter_only(conn, replicas.c.state) == VERIFIED)
-        rows = [r for i in range(0, len(ids), 500)
-                for r in conn.execute(stmt.where(checkpoints.c.run_id.in_(ids[i:i + 500])))]
-    by_run: dict[int, list[Row]] = defaultdict(list)
-    for r in rows:
-        by_run[r.run_id].append(r)
-    # the newest of the runs that hold replicas on the tier only (not a GROUP BY over every
-    # checkpoint of the catalog: reconcile plans Tier 0 on every pass)
-    ids = sorted(by_run)
-    newest: dict[int, int] = {}
-    for i in range(0, len(ids), 500):
-        newest |= newest_verified_steps(conn, ids[i:i + 500])
-    doomed: list[Row] = []
-    for rid, rs in by_run.items():
-        keep = _kept_steps(rs, tier, policy, now) | {newest.get(rid)}
-        doomed += [r for r in rs if r.step not in keep and not r.held and (node is None or r.node == node)]
-    if prunable_only:
-        doomed = _with_other_copy(conn, doomed, tier)
-    return [to_replica(r) for r in sorted(doomed, key=lambda r: (r.run_name, r.step, r.part))]
-
-
-def _runs_on_node(conn: Connection, tier: int, node: str | None) -> list[int]:
-    """Ids of the runs with a verified replica on ``tier`` held by ``node``."""
-    return sorted(conn.execute(
-        select(checkpoints.c.run_id).distinct()
-        .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
-        .where(replicas.c.tier == tier, replicas.c.state == VERIFIED, replicas.c.node == node)).scalars())
-
-
-def _kept_steps(rows: list[Row], tier: int, policy: RetentionPolicy, now: datetime) -> set[int]:
-    """Steps of one run that the policy keeps on ``tier`` (a step is kept if any rule holds)."""
-    ckpts = {r.step: r for r in rows}
-    steps = sorted(ckpts, reverse=True)
-    keep: set[int] = set(steps[: policy.keep_last or 0])
-    if policy.keep_milestones:
-        archived = tier_bit(2)
-        keep |= {s for s in steps if ckpts[s].kind == "milestone"
-                 and (tier >= 2 or not ckpts[s].verified_tiers & archived)}
-    if policy.top_k and policy.metric:
-        scored = [s for s in steps if policy.metric in (ckpts[s].metrics or {})]
-        scored.sort(key=lambda s: ckpts[s].metrics[policy.metric], reverse=policy.metric_mode == "max")
-        keep |= set(scored[: policy.top_k])
-    if policy.max_age_days:
-        cutoff = now - timedelta(days=policy.max_age_days)
-        # the age runs from the later of the writer's stamp and the catalog's commit time (the
-        # catalog's clock): a writer whose clock lags must not see its fresh checkpoint pruned
-        keep |= {s for s in steps if ckpts[s].ckpt_created_at >= cutoff
-                 or (ckpts[s].ckpt_committed_at is not None and ckpts[s].ckpt_committed_at >= cutoff)}
-    return keep
-
-
-def _with_other_copy(conn: Connection, rows: list[Row], tier: int) -> list[Row]:
-    """Only the replicas the prune guard would let go: another verified copy of the same part on
-    another tier of at least the same durability class."""
-    ok: set[tuple[int, int]] = set()
-    ids = sorted({r.checkpoint_id for r in rows})
-    for i in range(0, len(ids), 500):
-        for cid, part, t in conn.execute(
-                select(replicas.c.checkpoint_id, replicas.c.part, replicas.c.tier)
-                .where(replicas.c.checkpoint_id.in_(ids[i:i + 500]), _filter_only(conn, replicas.c.state) == VERIFIED,
-                       replicas.c.tier != tier)):
-            if durability(t) >= durability(tier):
-                ok.add((cid, part))
-    return [r for r in rows if (r.checkpoint_id, r.part) in ok]
 
 
 # --- (9) usage, (10) unpromoted ----------------------------------------------------------------

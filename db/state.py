@@ -17,7 +17,7 @@ from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, IllegalTransition, PruneRefused, StaleState
-from db.entities import COPYING, MISSING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim, PruneClaim
+from db.entities import CKPT_RETIRED, COPYING, MISSING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim, PruneClaim
 from db.queries import newest_verified_steps
 from db.rows import (
     ALL_TIERS,
@@ -194,6 +194,8 @@ def prune_refusal(conn: Connection, ckpt: Row, rep: Row, same_part: Sequence[Row
     alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ckpt.id)).scalar()
     if alias is not None:
         return f"checkpoint {name} is aliased as {alias!r}"
+    if ckpt.state == CKPT_RETIRED:  # its retirement was recorded first: no copy is to be kept
+        return None
     if newest_verified_steps(conn, [ckpt.run_id]).get(ckpt.run_id) == ckpt.step:
         return f"checkpoint {name} is the newest verified checkpoint of its run"
     others = [r for r in same_part if r.id != rep.id and r.state == VERIFIED

@@ -20,7 +20,9 @@ Runs every few minutes on each node (and on demand). In order:
 4. milestones complete on Tier 1 but not on Tier 2 are archived;
 5. this node's Tier 0 retention is applied: retention after a promotion runs on the node
    that completed the checkpoint and can only delete its own NVMe, so every other node's
-   Tier 0 copies are pruned here (through the same guarded prune).
+   Tier 0 copies are pruned here (through the same guarded prune);
+6. retirements a crash interrupted are finished: the copies left of a retired checkpoint (its
+   retirement was recorded before its first byte went) are deleted under claims, audited.
 What the catalog says of the parts found committed (steps 2, 3) is one set-based read, and
 the archive backlog (step 4) one query: a pass's queries grow with what it finds to do, not
 with what the catalog holds. A part of a run the catalog does not know yet is promoted like any other (registering it
@@ -48,6 +50,7 @@ from db.catalog import Catalog
 from db.entities import (
     CKPT_CORRUPT,
     CKPT_REJECTED,
+    CKPT_RETIRED,
     COPYING,
     CORRUPT,
     MISSING,
@@ -65,7 +68,7 @@ from flows.promote import PromoteResult, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier
 from tasks.record import claim_followups
-from tasks.retention import FAILED, PRUNED, apply_retention
+from tasks.retention import FAILED, PRUNED, REFUSED, apply_retention, finish_retirements as _finish_retirements
 
 ADOPT_CURSOR = "reconcile-adopt:tier1"
 
@@ -79,6 +82,7 @@ class ReconcileReport:
     followed_up: list[str] = field(default_factory=list)  # follow-ups a killed promotion left, finished
     archived: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)  # this node's Tier 0, by retention
+    retired: list[str] = field(default_factory=list)  # copies of retired checkpoints deleted at last
     skipped: list[str] = field(default_factory=list)  # with why
     failed: list[str] = field(default_factory=list)  # with the error
 
@@ -114,6 +118,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
         _attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
     prune_own_tier0(settings, report, steps=steps, **kw)
+    finish_retirements(settings, report, steps=steps, **kw)
     return report
 
 
@@ -192,6 +197,17 @@ def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps
             report.pruned.append(item)
         elif action.outcome == FAILED:
             report.failed.append(f"{item}: {action.detail}")
+
+
+def finish_retirements(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
+    """Delete what interrupted retirements left (step 6): every copy of a retired checkpoint,
+    on Tier 1 and 2 and on this node's Tier 0 (another node's NVMe is its own reconcile's)."""
+    for action in _finish_retirements(settings, prune=steps.prune, actor=actor):
+        item = f"tier {action.tier} {action.run}/{action.step} part {action.part}"
+        if action.outcome == PRUNED:
+            report.retired.append(item)
+        elif action.outcome in (FAILED, REFUSED):
+            report.failed.append(f"{item}: {action.outcome}: {action.detail}")
 
 
 def _attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> None:
@@ -289,7 +305,7 @@ def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int], report
     run, step, part, _parts = found
     if ck is None:  # an unknown checkpoint or run: registering the part creates it
         return True
-    if ck.state == CKPT_CORRUPT:
+    if ck.state in (CKPT_CORRUPT, CKPT_RETIRED):
         report.skipped.append(f"tier {tier} {run}/{step} part {part}: checkpoint is {ck.state}")
         return False
     if ck.state == CKPT_REJECTED:

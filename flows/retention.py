@@ -2,7 +2,9 @@
 the guarded prune. Runs on a schedule and after every checkpoint that became durable. The
 scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``).
 
-A dry run only plans. Applying prunes Tier 0 (of this node) first, then Tier 1, then Tier 2;
+The plan is ``core.retention``'s: each replica demoted or retired with the rule that decided it
+(``reason``). A dry run only plans. Applying demotes Tier 0 (of this node) first, then Tier 1,
+then Tier 2, then retires (recorded first, then every copy deleted, tier by tier);
 ``PruneRefused`` is a normal outcome (the catalog found a reason to keep the copy) and is
 reported on the plan, as is any other failure; the flow itself completes.
 """
@@ -18,12 +20,13 @@ from tasks.retention import PruneAction, apply_retention
 
 
 def retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
-              actor: str = "cli") -> list[PruneAction]:
+              actor: str = "cli", explain: bool = False) -> list[PruneAction]:
     """Plan and (unless ``dry_run``) apply it; returns the actions with outcomes. Artifacts: a
     dry run's plan; the result (each planned action with its outcome), or the plan when applying
-    it failed. A run's retention after each durable checkpoint that found nothing to do
-    publishes nothing (the scheduled, catalog-wide run always does)."""
-    plan = steps.plan_retention(settings, run=run)
+    it failed: the same table as ``ckpt retention --dry-run`` (with ``explain``, also each kept
+    copy and what keeps it). A run's retention after each durable checkpoint that found nothing
+    to do publishes nothing (the scheduled, catalog-wide run always does)."""
+    plan = steps.plan_retention(settings, run=run, explain=explain)
     scope = run or "all runs"
 
     def show_plan(why: str) -> None:
@@ -52,11 +55,13 @@ def _run_name() -> str:
 
 
 @flow(name="enforce-retention", flow_run_name=_run_name)
-def enforce_retention(run: str | None = None, dry_run: bool = False, node: str | None = None) -> list[dict]:
+def enforce_retention(run: str | None = None, dry_run: bool = False, node: str | None = None,
+                      explain: bool = False) -> list[dict]:
     """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
-        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor())
+        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor(),
+                            explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         from tasks.audit import expire_audit_task
 

@@ -25,7 +25,7 @@ from core import events
 from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
-from db.entities import PRUNED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from db.rows import durability
 from tasks.base import delete_part, log, open_catalog, open_tier
 from tasks.claim import Lease
@@ -46,7 +46,8 @@ class Pruned:
 
 def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None) -> Pruned:
     """Guarded delete of one replica; raises ``PruneRefused`` when the guard says no (or
-    another worker owns a live prune of it)."""
+    another worker owns a live prune of it). A copy of a retired checkpoint needs no other copy to
+    justify it: its retirement was recorded first (pins, aliases and Object Lock still refuse)."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
         if rep.tier == 0 and rep.node and rep.node != settings.node:
@@ -64,7 +65,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
             lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
             try:
                 refused = (claim.refused or lock_refused(cat, store, ck, rep)
-                           or justification_refused(settings, cat, ck, rep, actor))
+                           or (ck.state != CKPT_RETIRED and justification_refused(settings, cat, ck, rep, actor)))
                 if refused:
                     abandon(cat, store, ck, rep, actor, why=f"prune refused: {refused}")
                     raise PruneRefused(refused)

@@ -24,7 +24,7 @@ from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
 from core.settings import Settings
 from db.catalog import Catalog
-from db.entities import VERIFIED
+from db.entities import CKPT_RETIRED, VERIFIED
 from tasks.base import open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
 
@@ -125,13 +125,14 @@ def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:
     """The registration of a part already verified on Tier 1 (a repeated event), answered from
     the catalog. Called only once the part's manifest matched the registered digest, or when no
     manifest is left on the source (a late duplicate after Tier 0 was pruned): a different
-    checkpoint saved under the same run and step is never answered "already promoted"."""
+    checkpoint saved under the same run and step is never answered "already promoted". A late
+    event for a retired checkpoint is answered so too: nothing is copied back."""
     try:
         ck = cat.get_checkpoint(run, step)
     except NotFound:
         return None
-    if not any(r.part == part and r.state == VERIFIED for r in cat.replicas(ck.id, 1)):
-        return None
+    if ck.state != CKPT_RETIRED and not any(r.part == part and r.state == VERIFIED for r in cat.replicas(ck.id, 1)):
+        return None  # a retired checkpoint is never promoted again: its copies are going
     files = cat.files(ck.id, part)
     return Registered(checkpoint_id=ck.id, run=run, step=step, part=part, parts=ck.parts, kind=ck.kind,
                       state=ck.state, files=len(files), bytes=sum(f.size for f in files), promoted=True)

@@ -37,7 +37,7 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.stage import RestoreStage, fetch_local_part, publish
 from db.catalog import Catalog
-from db.entities import CKPT_COMMITTED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_COMMITTED, CKPT_RETIRED, CheckpointInfo, ReplicaInfo
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
 from tasks.retry import pipeline_task
@@ -135,6 +135,9 @@ def candidates(cat: Catalog, run: str, step: int | None, fallback: bool) -> list
     or every committed checkpoint of the run."""
     if step is not None:
         named = cat.get_checkpoint(run, step)
+        if named.state == CKPT_RETIRED:
+            raise NotFound(f"{run}/step-{step} was retired by the retention policy: it is no longer offered "
+                           "for restore (see `ckpt history`)")
         if not fallback:
             return [named]
     found = [c for c in cat.list_checkpoints(run) if c.state == CKPT_COMMITTED

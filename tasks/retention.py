@@ -1,13 +1,16 @@
-"""Retention: which replicas each tier's policy lets go, and applying that through the guarded
-prune. Milestone decisions live here too, because they decide both archive and retention.
+"""Retention: fetch the facts (``catalog.retention_facts``), let the one rule decide
+(``core.retention.plan``), and apply its plan through the guarded operations only.
 
-The plan comes from ``catalog.prune_candidates`` (keep last N, top-k, max age, pins, aliases,
-each run's newest verified checkpoint). On top of it a milestone that is not yet archived is
-held on Tiers 0/1 while Tier 2 is configured (the catalog knows ``kind``, not the every-K-steps
-rule), and Tier 0 replicas of other nodes are listed but left to their node. Every prune still
-goes through the claimed, guarded prune (``tasks.prune``: the catalog's rows, then the justifying
-copy checked on its tier), so a stale plan, or a second retention run overlapping this one, can
-never delete the last good copy.
+Two operations, kept apart. *Demote* drops a copy from a tier through the claimed, guarded
+prune (``tasks.prune``: the catalog's rows, then the justifying copy checked on its own tier),
+so a stale plan, or a second retention run overlapping this one, can never delete the last
+good copy. *Retire* first records the checkpoint ``retired`` in the catalog (refused again there
+if a pin, an alias, a newer save or a child run appeared since the plan), then deletes every
+copy under a claim, tier by tier; a crash in between leaves a retired checkpoint with copies,
+which the next retention or reconcile finishes (``finish_retirements``).
+
+Tier 0 replicas of other nodes are listed but left to their node. A plan of only some tiers
+(a node's own Tier 0) never records a retirement: what it would retire there it demotes.
 """
 
 from __future__ import annotations
@@ -17,20 +20,26 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from core.errors import CkptError, PruneRefused
+from core import retention as rule
+from core.errors import CkptError, IllegalTransition, PruneRefused
 from core.layout import part_key
-from core.policy import is_milestone
-from core.settings import Settings
+from core.policy import is_milestone  # noqa: F401 - the milestone rule, re-exported for callers
+from core.settings import RetentionPolicy, Settings
 from db.catalog import Catalog
+from db.entities import PRUNED as REPLICA_PRUNED
 from tasks.base import log, open_catalog, open_tier
 from tasks.retry import pipeline_task
 
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
 LOCKED = "locked"  # under the store's retention (S3 Object Lock) until a date: planned for after it
+DEMOTE, RETIRE, KEEP = rule.DEMOTE, rule.RETIRE, rule.KEEP
 
 
 @dataclass(frozen=True)
 class PruneAction:
+    """One replica's line of the plan: what the rule decided (``action``: demote, retire or
+    keep, ``reason``: the rule that decided it) and what became of it (``outcome``, ``detail``)."""
+
     tier: int
     replica_id: int
     run: str
@@ -41,82 +50,156 @@ class PruneAction:
     bytes: int | None
     outcome: str = PLANNED  # planned | pruned | refused | kept | locked | elsewhere | failed
     detail: str = ""
+    action: str = DEMOTE
+    reason: str = ""
 
     def row(self) -> dict[str, Any]:
         return {"tier": self.tier, "run": self.run, "step": self.step, "part": self.part,
-                "node": self.node or "", "bytes": self.bytes or 0, "outcome": self.outcome,
-                "detail": self.detail}
+                "node": self.node or "", "bytes": self.bytes or 0, "action": self.action, "reason": self.reason,
+                "outcome": self.outcome, "detail": self.detail}
+
+
+def retention_rules(settings: Settings) -> rule.Rules:
+    """Each configured tier's policy (an unconfigured tier keeps what it holds) and the switches."""
+    off = RetentionPolicy(enabled=False)
+    return rule.Rules(policies={t: settings.retention(t) if settings.tier_url(t) else off for t in rule.TIERS},
+                      milestones=settings.milestones, tier2_on=bool(settings.tier2_url),
+                      keep_parents=settings.retention_keep_parents)
 
 
 def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None,
-                   tiers: Sequence[int] = (0, 1, 2), node: str | None = None) -> list[PruneAction]:
-    """Per tier (of ``tiers``), the replicas its policy no longer keeps, each with what will
-    happen to it. ``node``: of Tier 0, only the replicas on that node's NVMe (the catalog
-    selects them; what a run keeps is still decided over all of its Tier 0 replicas)."""
-    plan: list[PruneAction] = []
+                   tiers: Sequence[int] = (0, 1, 2), node: str | None = None,
+                   explain: bool = False) -> list[PruneAction]:
+    """The replicas of ``tiers`` that the rule demotes or retires, each with its reason (with
+    ``explain`` also every kept one, ``kept`` with what keeps it). ``node``: of Tier 0, only the
+    replicas on that node's NVMe (what a run keeps is still decided over all of its copies).
+    This is the call a node makes to free its own Tier 0:
+    ``plan_retention(settings, tiers=(0,), node=settings.node)`` then ``apply_retention``."""
+    whole = set(rule.TIERS) <= set(tiers)
     with open_catalog(settings.catalog_url) as cat:
-        for tier in tiers:
-            policy = settings.retention(tier)
-            if not policy.enabled or not settings.tier_url(tier):
-                continue
-            for rep in cat.prune_candidates(tier, policy, run=run, now=now, node=node if tier == 0 else None):
-                action = PruneAction(tier=tier, replica_id=rep.id, run=rep.run, step=rep.step,
-                                     part=rep.part, node=rep.node, url=rep.url, bytes=rep.bytes)
-                plan.append(_annotate(cat, settings, action, policy.keep_milestones))
-        if any(a.tier == 2 and a.outcome == PLANNED for a in plan):
-            plan = _mark_locked(cat, settings, plan)
-    return plan
+        facts = cat.retention_facts(run=run, node=node if not {1, 2} & set(tiers) else None)
+        now = now or cat.clock()
+        rules = retention_rules(settings)
+        decided = rule.plan(facts, rules, now)
+        if 2 in tiers and settings.tier2_url:
+            facts = _with_locks(cat, settings, facts, decided)
+            decided = rule.plan(facts, rules, now)
+    out: list[PruneAction] = []
+    for d in decided.replicas:
+        if d.tier not in tiers or (d.tier == 0 and node is not None and d.node not in (None, "", node)):
+            continue
+        action = PruneAction(tier=d.tier, replica_id=d.replica_id, run=d.run, step=d.step, part=d.part, node=d.node,
+                             url=d.url, bytes=d.bytes, action=d.action, reason=d.reason)
+        if d.action == KEEP:
+            if d.reason.startswith("locked until"):
+                until = d.reason.removeprefix("locked until ").split(",")[0]
+                out.append(replace(action, outcome=LOCKED, detail=f"Object Lock until {until}; let go after that"))
+            elif explain:
+                out.append(replace(action, outcome=KEPT, detail=d.reason))
+            continue
+        if d.action == RETIRE and not whole and d.reason != "retired":
+            action = replace(action, action=DEMOTE, reason=f"{d.reason} (retired by a retention of every tier)")
+        if d.tier == 0 and d.node and d.node != settings.node:
+            action = replace(action, outcome=ELSEWHERE, detail=f"on node {d.node}; {action.action}d there")
+        out.append(action)
+    return out
 
 
-def _mark_locked(cat: Catalog, settings: Settings, plan: list[PruneAction]) -> list[PruneAction]:
-    """Tier 2 actions whose part is under Object Lock become ``locked`` (with the date after
-    which a retention pass prunes them), so no delete is tried and refused every pass. The
-    manifest, written last, carries the latest retain-until date of its part."""
+def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFacts],
+                decided: rule.Plan) -> list[rule.CheckpointFacts]:
+    """``facts`` with the Object Lock date of each Tier 2 copy the first plan lets go (asked of
+    the store: the manifest, written last, carries the latest retain-until date of its part)."""
+    going = {d.replica_id for d in decided.replicas if d.tier == 2 and d.action != KEEP}
+    if not going:
+        return facts
+    out = []
     with open_tier(settings, 2) as store:
-        out = []
-        for a in plan:
-            until = None
-            if a.tier == 2 and a.outcome == PLANNED:
-                key = part_key(a.run, a.step, a.part, cat.get_checkpoint(a.run, a.step).parts)
-                try:
-                    until = store.locked_until([key])
-                except CkptError as exc:  # left planned: the prune checks the lock again itself
-                    log.warning("retention: Object Lock of %s not known: %s", store.url_for(key), exc)
-            out.append(a if until is None else
-                       replace(a, outcome=LOCKED, detail=f"Object Lock until {until.isoformat()}; pruned after that"))
-        return out
-
-
-def _annotate(cat: Catalog, settings: Settings, action: PruneAction, keep_milestones: bool) -> PruneAction:
-    if action.tier < 2 and keep_milestones and settings.tier2_url:
-        ck = cat.get_checkpoint(action.run, action.step)
-        archived = any(loc.tier == 2 for loc in cat.locations(action.run, action.step))
-        if not archived and is_milestone(ck.kind, ck.step, ck.tags, settings.milestones):
-            return replace(action, outcome=KEPT, detail="milestone not yet archived")
-    if action.tier == 0 and action.node and action.node != settings.node:
-        return replace(action, outcome=ELSEWHERE, detail=f"on node {action.node}; pruned there")
-    return action
+        for c in facts:
+            reps = []
+            for r in c.replicas:
+                if r.replica_id in going:
+                    try:
+                        r = replace(r, locked_until=store.locked_until([part_key(c.run, c.step, r.part, c.parts)]))
+                    except CkptError as exc:  # left to go: the prune checks the lock again itself
+                        log.warning("retention: Object Lock of %s/%s not known: %s", c.run, c.step, exc)
+                reps.append(r)
+            out.append(replace(c, replicas=tuple(reps)))
+    return out
 
 
 def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Callable[..., Any],
                     actor: str = "cli") -> list[PruneAction]:
-    """Prune every ``planned`` action through ``prune`` (the plain step or its task), Tier 0
-    first; a refusal or failure is recorded on the action and the others still run."""
-    done: list[PruneAction] = []
-    for action in sorted(plan, key=lambda a: (a.tier, a.run, a.step, a.part)):
-        if action.outcome != PLANNED:
-            done.append(action)
-            continue
-        try:
-            prune(settings, action.replica_id, actor=actor, reason="retention policy")
-            done.append(replace(action, outcome=PRUNED))
-        except PruneRefused as exc:
-            log.info("retention: %s/%s tier %s kept: %s", action.run, action.step, action.tier, exc)
-            done.append(replace(action, outcome=REFUSED, detail=str(exc)))
-        except CkptError as exc:
-            log.warning("retention: %s/%s tier %s not pruned: %s", action.run, action.step, action.tier, exc)
-            done.append(replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}"))
+    """Demote every ``planned`` demotion through ``prune`` (the plain step or its task), Tier 0
+    first; then each retirement: recorded in the catalog, then its copies pruned tier by tier.
+    A refusal or failure is recorded on the action and the others still run."""
+    done = [a for a in plan if a.outcome != PLANNED]
+    demotes = sorted((a for a in plan if a.outcome == PLANNED and a.action == DEMOTE),
+                     key=lambda a: (a.tier, a.run, a.step, a.part))
+    done += [_prune(settings, a, prune, actor, reason="retention policy: demoted") for a in demotes]
+    retiring: dict[tuple[str, int], list[PruneAction]] = {}
+    for a in plan:
+        if a.outcome == PLANNED and a.action == RETIRE:
+            retiring.setdefault((a.run, a.step), []).append(a)
+    for (run, step), actions in sorted(retiring.items()):
+        done += retire_checkpoint(settings, run, step, actions, prune=prune, actor=actor)
     return done
+
+
+def retire_checkpoint(settings: Settings, run: str, step: int, actions: list[PruneAction], *,
+                      prune: Callable[..., Any], actor: str) -> list[PruneAction]:
+    """Record the retirement (nothing deleted when the catalog refuses it), then prune each
+    copy, Tier 0 first."""
+    reason = actions[0].reason
+    try:
+        with open_catalog(settings.catalog_url) as cat:
+            cat.retire(run, step, reason=f"retention policy: {reason}", actor=actor,
+                       keep_parents=settings.retention_keep_parents)
+    except PruneRefused as exc:
+        log.info("retention: %s/%s kept: %s", run, step, exc)
+        return [replace(a, outcome=REFUSED, detail=str(exc)) for a in actions]
+    except CkptError as exc:
+        log.warning("retention: %s/%s not retired: %s", run, step, exc)
+        return [replace(a, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}") for a in actions]
+    ordered = sorted(actions, key=lambda a: (a.tier, a.part))
+    return [_prune(settings, a, prune, actor, reason=f"retired: {reason}") for a in ordered]
+
+
+def _prune(settings: Settings, action: PruneAction, prune: Callable[..., Any], actor: str, *,
+           reason: str) -> PruneAction:
+    try:
+        prune(settings, action.replica_id, actor=actor, reason=reason)
+        return replace(action, outcome=PRUNED)
+    except PruneRefused as exc:
+        log.info("retention: %s/%s tier %s kept: %s", action.run, action.step, action.tier, exc)
+        return replace(action, outcome=REFUSED, detail=str(exc))
+    except IllegalTransition as exc:  # another worker finished it meanwhile: the same end state
+        if _replica_state(settings, action.replica_id) == REPLICA_PRUNED:
+            return replace(action, outcome=PRUNED, detail="already pruned by another worker")
+        return replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}")
+    except CkptError as exc:
+        log.warning("retention: %s/%s tier %s not pruned: %s", action.run, action.step, action.tier, exc)
+        return replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}")
+
+
+def _replica_state(settings: Settings, replica_id: int) -> str:
+    with open_catalog(settings.catalog_url) as cat:
+        return cat.get_replica(replica_id).state
+
+
+def finish_retirements(settings: Settings, *, prune: Callable[..., Any], actor: str,
+                       node: str | None = None) -> list[PruneAction]:
+    """Delete the copies left by interrupted retirements (retired checkpoints that still have a
+    verified replica): of every tier, or with ``node`` only that node's Tier 0 ones (another
+    node's NVMe is its own reconcile's). Idempotent."""
+    with open_catalog(settings.catalog_url) as cat:
+        pending = cat.retired_with_copies()
+    out: list[PruneAction] = []
+    for run in sorted({r for r, _ in pending}):
+        steps = {s for r, s in pending if r == run}
+        plan = [a for a in plan_retention(settings, run=run) if a.step in steps and a.action == RETIRE
+                and (node is None or (a.tier == 0 and a.node in (None, "", node)))]
+        out += apply_retention(settings, plan, prune=prune, actor=actor)
+    return out
 
 
 plan_retention_task = pipeline_task(plan_retention, name="plan-retention")

@@ -34,7 +34,7 @@ from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
-from db.entities import PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_RETIRED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -180,6 +180,8 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     """
     from core.transfer import copy_part
 
+    if ck.state == CKPT_RETIRED:  # its copies are going: never copied back
+        return f"{ck.run}/step-{ck.step} part {part} tier {tier}: checkpoint is retired, not repaired"
     settings = stores.settings
     prefix = checkpoint_prefix(ck.run, ck.step)
     found = _good_source(cat, stores, ck, part, tier, replicas, actor)

@@ -232,22 +232,29 @@ def lineage_cmd(run: str, step: int,
         cat.get_checkpoint(run, step)
         walk = cat.descendants if descendants else cat.ancestors
         edges = walk(run, step, max_depth=depth)
+        states = cat.checkpoint_states([(run, step)] + [(e.child_run, e.child_step) for e in edges]
+                                       + [(e.parent_run, e.parent_step) for e in edges])
     if as_json:
         _emit_json(edges)
         return
-    out.print(lineage_tree(run, step, edges, descendants=descendants))
+    out.print(lineage_tree(run, step, edges, descendants=descendants, states=states))
 
 
-def lineage_tree(run: str, step: int, edges, *, descendants: bool) -> Tree:
+def lineage_tree(run: str, step: int, edges, *, descendants: bool, states: dict | None = None) -> Tree:
     """A rich tree rooted at (run, step). A run's own ``follows`` chain stays at one level (a
     100-step run is a list, not 100 indents); a relation to another run (``resumed_from``,
-    ``fine_tuned_from``, ``branched_from``) opens a branch, labelled with the relation."""
+    ``fine_tuned_from``, ``branched_from``) opens a branch, labelled with the relation. A
+    checkpoint that is not ``committed`` (``states``: retired, corrupt, ...) says so; its edges stay."""
+    def mark(at: tuple[str, int]) -> str:
+        state = (states or {}).get(at, "committed")
+        return "" if state == "committed" else f" [red]({state})[/red]"
+
     links: dict[tuple[str, int], list] = {}
     for e in edges:
         child, parent = (e.child_run, e.child_step), (e.parent_run, e.parent_step)
         src, dst = (parent, child) if descendants else (child, parent)
         links.setdefault(src, []).append((dst, e.relation))
-    root = Tree(f"[bold]{run}/{step}[/bold]")
+    root = Tree(f"[bold]{run}/{step}[/bold]{mark((run, step))}")
     node_of, level_of = {(run, step): root}, {(run, step): root}
     queue = [(run, step)]
     while queue:
@@ -256,7 +263,7 @@ def lineage_tree(run: str, step: int, edges, *, descendants: bool) -> Tree:
             if dst in node_of:
                 continue
             level = level_of[src] if rel == "follows" else node_of[src]
-            node_of[dst] = level.add(f"{dst[0]}/{dst[1]} [dim]({rel})[/dim]")
+            node_of[dst] = level.add(f"{dst[0]}/{dst[1]} [dim]({rel})[/dim]{mark(dst)}")
             level_of[dst] = level if rel == "follows" else node_of[dst]
             queue.append(dst)
     return root

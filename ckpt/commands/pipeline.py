@@ -139,31 +139,17 @@ def _print_promotion(result: dict, as_json: bool) -> None:
     if result["durable"]:
         out.print("checkpoint complete on Tier 1 (durable)")
     if result.get("retention") is not None:
-        _print_actions(result["retention"], out=out, title="retention")
-
-
-def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    out = out or Console()
-    if not rows:
-        out.print(f"{title}: nothing to prune")
-        return
-    table = Table(title=title)
-    for col in rows[0]:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
-    out.print(table)
+        _print_retention(result["retention"], out=out, title="retention")
 
 
 def retention_cmd(
     run: str = typer.Option(None, "--run", help="only this run (default: every run)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, delete nothing"),
-    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    explain: bool = typer.Option(False, "--explain", help="also list every kept copy and the rule that keeps it"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON (field `reason`: the rule)"),
 ) -> None:
-    """Apply each tier's retention policy through the guarded prune (or show the plan)."""
+    """Apply each tier's retention policy: demote copies through the guarded prune and retire
+    checkpoints no tier keeps (or, with --dry-run, show the plan and the rule behind each line)."""
     from core.settings import load_settings
     from flows.common import plain_steps
     from flows.retention import enforce_retention, retention
@@ -171,13 +157,34 @@ def retention_cmd(
     settings = load_settings()
     if prefect_configured(settings):
         with prefect_api(settings):
-            rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node)
+            rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node, explain=explain)
     else:
-        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps())]
+        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps(),
+                                           explain=explain)]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
     else:
-        _print_actions(rows, title="retention plan (dry run)" if dry_run else "retention")
+        _print_retention(rows, title="retention plan (dry run)" if dry_run else "retention")
+
+
+def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
+    """The plan as a table: each copy, what the rule decided and why, and what became of it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or Console()
+    if not rows:
+        out.print(f"{title}: nothing to demote or retire")
+        return
+    table = Table(title=title)
+    for col in ("tier", "checkpoint", "action", "reason", "outcome"):
+        table.add_column(col)
+    for r in rows:
+        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") + (
+            f" on {r['node']}" if r["tier"] == 0 and r["node"] else "")
+        outcome = r["outcome"] + (f": {r['detail']}" if r["detail"] and r["detail"] != r["reason"] else "")
+        table.add_row(str(r["tier"]), what, r["action"], r["reason"], outcome)
+    out.print(table)
 
 
 def reconcile_cmd(

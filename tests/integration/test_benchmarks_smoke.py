@@ -98,7 +98,7 @@ def test_catalog_scale():
     assert re.search(r"query +p50 ms +p95 ms +x baseline", out), out
     assert re.search(r"baseline get_checkpoint +[\d.]+ +[\d.]+ +1\.0 ", out), out
     for query in ("1 newest_verified", "2 locations", "4 ancestors depth 50", "6 under_replicated (run)",
-                  "7 prune_candidates tier 1 (run)"):
+                  "7 retention_facts + plan (run)"):
         assert re.search(re.escape(query) + r" +[\d.]+ +[\d.]+ +\d+\.\d ", out), (query, out)
     assert re.search(r"register_many x10 [\d,]+/s = x\d+\.\d", out), out
     for case in ("nothing changed", "2 copies vanished"):  # reconcile's cost per pass

@@ -865,6 +865,8 @@ class Soak(RuleBasedStateMachine):
                         if (step, "expired") not in self.test_removed:
                             STATS["checkpoints_expired"] += 1
                             self.test_removed.add((step, "expired"))
+                            self.violate(f"step {step}: every copy was pruned but the checkpoint is {ck.state!r}, "
+                                         "not retired")
                     else:
                         STATS["checkpoints_lost"] += 1
                         self.violate(f"step {step} reached verified and has no good copy left"
@@ -886,18 +888,25 @@ class Soak(RuleBasedStateMachine):
         except NotFound:
             return None
 
-    def retired_first(self, cat, step: int) -> bool:
-        """Whether the audit shows ``step``'s retirement (a row taking it to ``retired``)
-        recorded before the first byte of its last good copies went: before every ``delete`` or
-        prune row of it since the last check that saw it with a good copy (earlier prunes of
-        copies it did not need are no part of its retirement)."""
-        rows = [e for e in cat.audit_log(run=RUN, limit=100_000) if e.step == step]
-        retire = min((e.id for e in rows if e.to_state == RETIRED), default=None)
+    @staticmethod
+    def retired_first(cat, step: int) -> bool:
+        """Whether ``step`` disappeared only by a retirement the catalog recorded first: its
+        ``retire`` audit row comes before the prune that began deleting its last verified copy
+        (replayed from its audit trail; a copy demoted earlier, while another verified copy
+        protected it, is no part of its retirement)."""
+        trail = cat.history(RUN, step)
+        retire = min((e.id for e in trail if e.action == "retire" or e.to_state == RETIRED), default=None)
         if retire is None:
             return False
-        since = self.last_good_audit.get(step, 0)
-        deletes = [e.id for e in rows if e.id > since and (e.action == "delete" or e.to_state in ("pruning", "pruned"))]
-        return retire < min(deletes, default=retire + 1)
+        verified: set[str] = set()
+        for e in trail:
+            if e.to_state == "verified":
+                verified.add(e.subject)
+            elif e.from_state == "verified":
+                verified.discard(e.subject)
+                if e.to_state == "pruning" and not verified and e.id < retire:
+                    return False
+        return True
 
     def _listing(self, loc: str, step: int) -> frozenset[str]:
         if loc == "t2":

@@ -107,15 +107,22 @@ def _sql(m: Soak, stmt) -> None:
         cat.close()
 
 
-def _audit(m: Soak, step: int, action: str, to_state: str | None) -> None:
+def _audit(m: Soak, step: int, action: str, to_state: str | None, *, subject: str | None = None,
+           from_state: str | None = None) -> None:
     from datetime import UTC, datetime
 
     from sqlalchemy import insert
 
     from db.models import AuditLog
     _sql(m, insert(AuditLog.__table__).values(at=datetime.now(UTC), actor="retention", action=action,
-                                              subject=f"checkpoint:run-a/{step}", from_state=None,
+                                              subject=subject or f"checkpoint:run-a/{step}", from_state=from_state,
                                               to_state=to_state, reason="test", run="run-a", step=step))
+
+
+def m_catalog(m: Soak):
+    from db.catalog import Catalog
+
+    return Catalog(m.settings["node-0"].catalog_url)
 
 
 def _retire(m: Soak, step: int) -> None:
@@ -128,13 +135,21 @@ def _retire(m: Soak, step: int) -> None:
 
 
 def _delete_files(m: Soak, step: int) -> None:
-    """What a retirement's deletes do: each replica to ``pruned``, a ``delete`` row, the files gone."""
+    """What a retirement's deletes do: each verified replica to ``pruning`` (audited, as a prune
+    audits it) then ``pruned``, a ``delete`` row, the files gone."""
     import shutil
 
     from sqlalchemy import select, update
 
     from db.models import Checkpoint, Replica
     ck, reps = Checkpoint.__table__, Replica.__table__
+    cat = m_catalog(m)
+    try:
+        ids = [r.id for r in cat.replicas(cat.get_checkpoint("run-a", step).id) if r.state == "verified"]
+    finally:
+        cat.close()
+    for rid in ids:
+        _audit(m, step, "transition", "pruning", subject=f"replica:{rid}", from_state="verified")
     _sql(m, update(reps).where(reps.c.checkpoint_id.in_(select(ck.c.id).where(ck.c.step == step)))
          .values(state="pruned"))
     _audit(m, step, "delete", None)

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 
 from core.errors import NotFound, UnknownRun
+from core.retention import Rules, plan as rule_plan
 from core.settings import RetentionPolicy
 from db.entities import CORRUPT, MISSING, PRUNED, VERIFIED
 from tests.kit.catalog import checkpoint, manifest, verified
@@ -104,37 +105,47 @@ def _retention_fixture(cat):
         verified(cat, ck.id, 1)
 
 
-def test_prune_candidates_keep_last_milestones_top_k_and_newest(catalog):
+def _plan(cat, tier0: RetentionPolicy, *, tier1=None, now=None, run=None, node=None):
+    """Tier 0 and 1 decisions of the one rule over the facts the catalog fetched."""
+    rules = Rules(policies={0: tier0, 1: tier1 or RetentionPolicy(enabled=False), 2: RetentionPolicy(enabled=False)})
+    return rule_plan(cat.retention_facts(run=run, node=node), rules, now or cat.clock())
+
+
+def _going(p, tier=0):
+    return sorted(d.step for d in p.replicas if d.tier == tier and d.action != "keep")
+
+
+def test_retention_facts_keep_last_milestones_top_k_newest_pins_aliases(catalog):
     _retention_fixture(catalog)
-    steps = lambda reps: sorted(r.step for r in reps)  # noqa: E731
-    assert steps(catalog.prune_candidates(0, RetentionPolicy(keep_last=3))) == [1, 3]
-    assert steps(catalog.prune_candidates(0, RetentionPolicy(keep_last=3, top_k=1, metric="loss"))) == [1]
-    assert steps(catalog.prune_candidates(0, RetentionPolicy(keep_last=1, keep_milestones=False))) == [1, 2, 3, 4, 5]
-    assert catalog.prune_candidates(0, RetentionPolicy(keep_last=1, enabled=False)) == []
+    # Tier 2 off: milestone 2 leaves Tier 0 too, it is durable on Tier 1 (kept there as the archive)
+    assert _going(_plan(catalog, RetentionPolicy(keep_last=3))) == [1, 2, 3]
+    assert _going(_plan(catalog, RetentionPolicy(keep_last=3, top_k=1, metric="loss"))) == [1, 2]
+    assert _going(_plan(catalog, RetentionPolicy(keep_last=1, keep_milestones=False))) == [1, 2, 3, 4, 5]
+    assert _going(_plan(catalog, RetentionPolicy(enabled=False))) == []
     catalog.pin("r", 1, actor="cli")
     catalog.set_alias("r", "best", 3, actor="cli")
-    assert steps(catalog.prune_candidates(0, RetentionPolicy(keep_last=3))) == []
-    # tier 1: nothing more durable holds these, so nothing is prunable unless asked for the raw list
-    assert catalog.prune_candidates(1, RetentionPolicy(keep_last=3)) == []
-    raw = catalog.prune_candidates(1, RetentionPolicy(keep_last=3), prunable_only=False)
-    assert steps(raw) == []  # 1 pinned, 2 milestone not archived, 3 aliased, 4-6 last three
+    facts = {f.step: f for f in catalog.retention_facts()}
+    assert facts[1].pinned and facts[3].aliases == ("best",) and facts[2].kind == "milestone"
+    assert facts[3].metrics == {"loss": 0.1} and {r.tier for r in facts[6].replicas} == {0, 1}
+    assert _going(_plan(catalog, RetentionPolicy(keep_last=3))) == [2]
+    # tier 1, Tier 2 off: 1 pinned, 2 a milestone (kept as the archive), 3 aliased, 4-6 the last three
+    assert _going(_plan(catalog, RetentionPolicy(enabled=False), tier1=RetentionPolicy(keep_last=3)), tier=1) == []
 
 
-def test_prune_candidates_milestones_leave_once_archived_and_age_rule(catalog):
+def test_retention_facts_age_rule_and_lineage_children(catalog):
     _retention_fixture(catalog)
-    verified(catalog, catalog.get_checkpoint("r", 2).id, 2)
-    steps = sorted(r.step for r in catalog.prune_candidates(0, RetentionPolicy(keep_last=3)))
-    assert steps == [1, 2, 3]
     young = RetentionPolicy(max_age_days=1)
-    assert catalog.prune_candidates(0, young) == []
+    assert _going(_plan(catalog, young)) == []
     later = catalog.get_checkpoint("r", 6).created_at + timedelta(days=2)
-    assert sorted(r.step for r in catalog.prune_candidates(0, young, now=later)) == [1, 2, 3, 4, 5]
-    assert all(r.tier == 0 and r.state == VERIFIED for r in catalog.prune_candidates(0, young, now=later))
+    assert _going(_plan(catalog, young, now=later)) == [1, 2, 3, 4, 5]
+    catalog.ensure_run("ft")
+    catalog.register_part(manifest("ft", 1, parent=("r", 2, "fine_tuned_from")), actor="t")
+    assert {f.step: f.children for f in catalog.retention_facts(run="r")}[2] == ("ft",)
 
 
-def test_prune_candidates_of_one_node_are_its_share_of_the_whole_plan(catalog):
+def test_retention_facts_of_one_node_are_of_the_runs_on_its_nvme(catalog):
     """Run r's Tier 0 copies: steps 1-3 on node-a, 4-6 on node-b (all also on Tier 1); run q
-    only on node-b. Keep the last 3 counts every node's copies: node-a lets all three go."""
+    only on node-b. Keep the last 3 counts every node's copies: node-a's three all go."""
     def on_node(ck, node):
         claim = catalog.claim_copy(ck.id, 0, 0, f"file:///t0/{ck.id}", node=node, actor="t")
         catalog.transition(claim.replica.id, VERIFIED, expected="copying", claim_token=claim.replica.claim_token,
@@ -147,12 +158,12 @@ def test_prune_candidates_of_one_node_are_its_share_of_the_whole_plan(catalog):
             on_node(catalog.register_part(manifest(run, step), actor="t"), "node-a" if run == "r" and step < 4
                     else "node-b")
     policy = RetentionPolicy(keep_last=3)
-    whole = catalog.prune_candidates(0, policy)
-    assert _steps(whole) == [("q", 1), ("q", 2), ("q", 3), ("r", 1), ("r", 2), ("r", 3)]
-    for node in ("node-a", "node-b", "node-c"):
-        assert catalog.prune_candidates(0, policy, node=node) == [r for r in whole if r.node == node]
-    assert _steps(catalog.prune_candidates(0, policy, node="node-a")) == [("r", 1), ("r", 2), ("r", 3)]
-    assert _steps(catalog.prune_candidates(0, policy, run="r", node="node-b")) == []
+    assert sorted({f.run for f in catalog.retention_facts(node="node-a")}) == ["r"]
+    assert sorted({f.run for f in catalog.retention_facts(node="node-b")}) == ["q", "r"]
+    assert catalog.retention_facts(node="node-c") == []
+    going = [(d.run, d.step, d.node) for d in _plan(catalog, policy, node="node-a").replicas
+             if d.tier == 0 and d.action != "keep"]
+    assert going == [("r", 1, "node-a"), ("r", 2, "node-a"), ("r", 3, "node-a")]
 
 
 # (8) -------------------------------------------------------------------------------------------

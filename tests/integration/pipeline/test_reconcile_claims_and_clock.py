@@ -207,8 +207,9 @@ def test_a_worker_five_minutes_fast_cannot_steal_a_live_claim(pg_url, monkeypatc
 
 
 def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db_url, monkeypatch):
-    from tests.kit.catalog import checkpoint, manifest, verified
+    from core.retention import Rules, plan
     from db.catalog import Catalog
+    from tests.kit.catalog import checkpoint, manifest, verified
 
     cat = Catalog.open(db_url, auto_upgrade=True)
     try:
@@ -218,7 +219,8 @@ def test_a_lagging_writer_s_fresh_checkpoint_is_not_pruned_at_once_by_max_age(db
         verified(cat, ck.id, 0), verified(cat, ck.id, 1)
         verified(cat, checkpoint(cat, "r", 200).id, 1)  # a newer one, so 100 is not the newest
         policy = RetentionPolicy(max_age_days=1)
-        assert [r.step for r in cat.prune_candidates(0, policy)] == []
+        decided = plan(cat.retention_facts(), Rules(policies={0: policy, 1: policy}), cat.clock())
+        assert [(d.tier, d.reason) for d in decided.replicas if d.step == 100] == [(0, "max_age"), (1, "max_age")]
     finally:
         cat.close()
 

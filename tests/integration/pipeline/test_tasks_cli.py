@@ -87,3 +87,22 @@ def test_a_copy_reports_its_progress_to_the_observer_up_to_the_part_s_bytes(cli_
     from core.progress import reporter
     assert reporter("x", 1) is None
 
+
+
+def test_retention_dry_run_explain_says_why_for_every_copy(cli_env):
+    settings, env = cli_env
+    for step in (1, 2, 3):
+        write_checkpoint(settings.tier0_url, RUN, step, shard_bytes=16 << 10)
+    invoke(["reconcile", "--json"], {**env, "CKPT_RECONCILE_INTERVAL_SECONDS": "5"})
+    keep1 = {**env, "CKPT_RETENTION_TIER0__KEEP_LAST": "1", "CKPT_RETENTION_TIER1__KEEP_LAST": "2"}
+
+    plan = json.loads(invoke(["retention", "--dry-run", "--json"], keep1))
+    assert [(a["tier"], a["step"], a["action"], a["reason"]) for a in plan] == [
+        (0, 1, "retire", "no tier keeps it"), (1, 1, "retire", "no tier keeps it"),
+        (0, 2, "demote", "not kept on tier 0")]
+    explained = json.loads(invoke(["retention", "--dry-run", "--explain", "--json"], keep1))
+    kept = {(a["tier"], a["step"]): a["detail"] for a in explained if a["outcome"] == "kept"}
+    assert kept == {(1, 2): "keep_last", (0, 3): "newest verified, keep_last", (1, 3): "newest verified, keep_last"}
+    table = invoke(["retention", "--dry-run", "--explain"], keep1)
+    assert "no tier keeps it" in table and "newest verified" in table
+    assert all(replica_states(settings, RUN, s)[(0, 0)] == "verified" for s in (1, 2, 3))  # a dry run

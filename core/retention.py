@@ -1,0 +1,234 @@
+"""The retention rule, in one place: plain facts about each checkpoint + each tier's policy +
+the clock -> a plan that says, per replica, *keep* or *demote* and, per checkpoint, *keep* or
+*retire*, each with the rule that decided it. No I/O: ``db/`` fetches the facts, ``tasks/``
+applies the plan through the guarded operations (which check the rows and the bytes again).
+
+What each tier keeps (the README's table says the same):
+
+- Tier 0 is scratch: its ``keep_last`` (and other keep rules), plus whatever is not yet durable
+  (not complete on Tier 1 or 2); a milestone leaves it once durable above (with Tier 2 on: once
+  archived there).
+- Tier 1 keeps its keep rules, and milestones until archived (Tier 2 on) or as the archive
+  (Tier 2 off).
+- Tier 2 keeps by its own policy (``keep_last``, ``top_k``, ``max_age``; off by default, which
+  keeps everything) and always within Object Lock.
+- On every tier: a pinned or aliased checkpoint, the newest verified one of its run, and one
+  newer than the run's newest durable one (rotate only after the new save is durable).
+- A parent of another run (``keep_parents``) keeps its most durable copy while the child run
+  has any checkpoint.
+
+A copy no rule keeps on its tier is *demoted* when another copy of its part, on another tier
+at least as durable, stays (else it is kept as the ``last durable copy``). A checkpoint no tier
+keeps and nothing holds is *retired*: recorded first, then every copy goes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from core.policy import is_milestone
+from core.settings import MilestonePolicy, RetentionPolicy
+
+KEEP, DEMOTE, RETIRE = "keep", "demote", "retire"
+COMMITTED, RETIRED = "committed", "retired"
+TIERS = (0, 1, 2)
+
+
+def durability(tier: int) -> int:
+    """Tier 0 is lost with its node; Tiers 1 and 2 are shared and stand in for each other."""
+    return 0 if tier == 0 else 1
+
+
+@dataclass(frozen=True)
+class ReplicaFacts:
+    """One verified copy of one part on one tier."""
+
+    replica_id: int
+    tier: int
+    part: int
+    node: str | None = None
+    url: str = ""
+    bytes: int | None = None
+    locked_until: datetime | None = None  # S3 Object Lock: not deletable before this
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    run: str
+    step: int
+    created_at: datetime
+    parts: int = 1
+    kind: str = "step"
+    tags: Mapping[str, str] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    committed_at: datetime | None = None
+    state: str = COMMITTED  # committed | retired (a retirement recorded, its copies still going)
+    replicas: tuple[ReplicaFacts, ...] = ()
+    pinned: bool = False
+    aliases: tuple[str, ...] = ()
+    children: tuple[str, ...] = ()  # other runs descending from it that still have a checkpoint
+
+    def on(self, tier: int) -> bool:
+        return any(r.tier == tier for r in self.replicas)
+
+    def complete(self, tier: int) -> bool:
+        return len({r.part for r in self.replicas if r.tier == tier}) >= self.parts
+
+    @property
+    def durable(self) -> bool:
+        return any(self.complete(t) for t in TIERS if durability(t) >= 1)
+
+    @property
+    def verified(self) -> bool:
+        return any(self.complete(t) for t in TIERS)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Each tier's policy and the switches that change what the tiers keep."""
+
+    policies: Mapping[int, RetentionPolicy]
+    milestones: MilestonePolicy = field(default_factory=MilestonePolicy)
+    tier2_on: bool = False
+    keep_parents: bool = True
+
+
+@dataclass(frozen=True)
+class ReplicaDecision:
+    run: str
+    step: int
+    tier: int
+    part: int
+    replica_id: int
+    node: str | None
+    url: str
+    bytes: int | None
+    action: str  # keep | demote | retire
+    reason: str
+
+
+@dataclass(frozen=True)
+class CheckpointDecision:
+    run: str
+    step: int
+    action: str  # keep | retire
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoints: tuple[CheckpointDecision, ...]
+    replicas: tuple[ReplicaDecision, ...]
+
+
+def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
+    """The whole policy (see the module doc). Deterministic: sorted by run, step, tier, part."""
+    by_run: dict[str, list[CheckpointFacts]] = defaultdict(list)
+    for c in facts:
+        by_run[c.run].append(c)
+    cks: list[CheckpointDecision] = []
+    reps: list[ReplicaDecision] = []
+    for run in sorted(by_run):
+        c_out, r_out = _plan_run(sorted(by_run[run], key=lambda c: c.step), rules, now)
+        cks += c_out
+        reps += r_out
+    return Plan(checkpoints=tuple(cks), replicas=tuple(sorted(reps, key=lambda d: (d.run, d.step, d.tier, d.part))))
+
+
+def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
+              ) -> tuple[list[CheckpointDecision], list[ReplicaDecision]]:
+    live = [c for c in cks if c.state != RETIRED and c.replicas]
+    newest = max((c.step for c in live if c.verified), default=None)
+    newest_durable = max((c.step for c in live if c.durable), default=None)
+    by_tier = {t: _tier_keeps(live, t, rules, now) for t in TIERS}
+    c_out: list[CheckpointDecision] = []
+    r_out: list[ReplicaDecision] = []
+    for c in cks:
+        if not c.replicas:
+            continue
+        if c.state == RETIRED:
+            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "retired"))
+            r_out += [_decide(c, r, RETIRE, "retired") for r in c.replicas]
+            continue
+        holds = _holds(c, newest, newest_durable)
+        parent = [f"parent of {r}" for r in c.children] if rules.keep_parents else []
+        locks = sorted({r.locked_until for r in c.replicas if r.locked_until is not None and r.locked_until > now})
+        lock = [f"locked until {locks[-1].isoformat()}"] if locks else []
+        tier_reasons = {t: by_tier[t].get(c.step, []) for t in TIERS if c.on(t)}
+        why_kept = holds + parent + lock + [f"tier {t} {r}" for t, rs in tier_reasons.items() for r in rs]
+        if not why_kept:
+            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "no tier keeps it"))
+            r_out += [_decide(c, r, RETIRE, "no tier keeps it") for r in c.replicas]
+            continue
+        c_out.append(CheckpointDecision(c.run, c.step, KEEP, ", ".join(why_kept)))
+        parent_tier = max((t for t in tier_reasons if c.complete(t)), default=max(tier_reasons))
+        staying = set(c.replicas)
+        for t in TIERS:
+            reasons = holds + tier_reasons.get(t, [])
+            if parent and t == parent_tier:
+                reasons = reasons + parent
+            for r in sorted((r for r in c.replicas if r.tier == t), key=lambda r: r.part):
+                mine = reasons + (lock if r.locked_until is not None and r.locked_until > now else [])
+                if mine:
+                    r_out.append(_decide(c, r, KEEP, ", ".join(mine)))
+                elif any(o is not r and o.part == r.part and o.tier != t and durability(o.tier) >= durability(t)
+                         for o in staying):
+                    staying.discard(r)
+                    r_out.append(_decide(c, r, DEMOTE, f"not kept on tier {t}"))
+                else:
+                    r_out.append(_decide(c, r, KEEP, "last durable copy" if t else "not yet durable"))
+    return c_out, r_out
+
+
+def _holds(c: CheckpointFacts, newest: int | None, newest_durable: int | None) -> list[str]:
+    """What keeps a checkpoint on every tier that holds it."""
+    out = ["pinned"] if c.pinned else []
+    out += [f"alias {a}" for a in c.aliases]
+    if c.step == newest:
+        out.append("newest verified")
+    if newest_durable is None or c.step > newest_durable:
+        out.append("newer than newest durable")
+    return out
+
+
+def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: datetime) -> dict[int, list[str]]:
+    """step -> the rules of ``tier``'s policy that keep it there (empty: none)."""
+    policy = rules.policies.get(tier) or RetentionPolicy(enabled=False)
+    held = sorted((c for c in live if c.on(tier)), key=lambda c: c.step, reverse=True)
+    keeps: dict[int, list[str]] = {c.step: [] for c in held}
+    if not policy.enabled:
+        for c in held:
+            keeps[c.step].append("retention off")
+        return keeps
+    for c in held[: policy.keep_last or 0]:
+        keeps[c.step].append("keep_last")
+    metric = policy.metric
+    if policy.top_k and metric:
+        scored = [c for c in held if metric in c.metrics]
+        scored.sort(key=lambda c: c.metrics[metric], reverse=policy.metric_mode == "max")
+        for c in scored[: policy.top_k]:
+            keeps[c.step].append(f"top_k {metric}")
+    if policy.max_age_days:
+        cutoff = now - timedelta(days=policy.max_age_days)
+        # the age runs from the later of the writer's stamp and the catalog's commit time: a
+        # writer whose clock lags must not see its fresh checkpoint go
+        for c in held:
+            if c.created_at >= cutoff or (c.committed_at is not None and c.committed_at >= cutoff):
+                keeps[c.step].append("max_age")
+    for c in held:
+        if tier == 0 and not c.durable:
+            keeps[c.step].append("not yet durable")
+        elif tier < 2 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+            if rules.tier2_on and not c.complete(2):
+                keeps[c.step].append("milestone not yet archived")
+            elif tier == 1 and not rules.tier2_on:
+                keeps[c.step].append("milestone")
+    return keeps
+
+
+def _decide(c: CheckpointFacts, r: ReplicaFacts, action: str, reason: str) -> ReplicaDecision:
+    return ReplicaDecision(run=c.run, step=c.step, tier=r.tier, part=r.part, replica_id=r.replica_id, node=r.node,
+                           url=r.url, bytes=r.bytes, action=action, reason=reason)

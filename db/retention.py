@@ -1,0 +1,158 @@
+"""The facts the retention rule (``core.retention``) decides from, read in bounded queries, and
+the record of a retirement. The rule itself is not here: ``db/`` only fetches and records.
+
+Reads, per 500 runs: the runs' committed and retired checkpoints with their verified replicas
+(one query driven from ``(run_id, step)``), their pins, aliases and lineage children (one query
+each per 500 checkpoints). Nothing is read per checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import and_, select, update
+from sqlalchemy.engine import Connection, Row
+
+from core.errors import IllegalTransition, PruneRefused
+from core.retention import CheckpointFacts, ReplicaFacts
+from db.entities import CKPT_COMMITTED, CKPT_RETIRED as RETIRED, VERIFIED
+from db.queries import _filter_only, _masks, newest_verified_steps
+from db.rows import (
+    add_audit,
+    aliases,
+    checkpoint_row,
+    checkpoints,
+    lineage,
+    pins,
+    replica_select,
+    replicas,
+    runs,
+    tier_bit,
+)
+
+CHUNK = 500
+DURABLE_BITS = tier_bit(1) | tier_bit(2)
+
+
+def facts(conn: Connection, *, run_ids: Sequence[int] | None, node: str | None = None) -> list[CheckpointFacts]:
+    """Every committed or retired checkpoint with a verified replica, of ``run_ids`` (None: of
+    every run holding one; with ``node``: of the runs with a Tier 0 replica on that node)."""
+    if run_ids is None:
+        stmt = (select(checkpoints.c.run_id).distinct()
+                .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
+                .where(replicas.c.state == VERIFIED))
+        if node is not None:
+            stmt = stmt.where(replicas.c.tier == 0, replicas.c.node == node)
+        run_ids = sorted(conn.execute(stmt).scalars())
+    out: list[CheckpointFacts] = []
+    for i in range(0, len(run_ids), CHUNK):
+        out += _facts_of_runs(conn, run_ids[i:i + CHUNK])
+    return out
+
+
+def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointFacts]:
+    stmt = (replica_select()
+            .add_columns(checkpoints.c.kind, checkpoints.c.metrics, checkpoints.c.tags, checkpoints.c.parts,
+                         checkpoints.c.created_at.label("ckpt_created_at"),
+                         checkpoints.c.committed_at.label("ckpt_committed_at"),
+                         checkpoints.c.state.label("ckpt_state"))
+            .where(checkpoints.c.run_id.in_(run_ids),
+                   _filter_only(conn, checkpoints.c.state).in_([CKPT_COMMITTED, RETIRED]),
+                   _filter_only(conn, replicas.c.state) == VERIFIED)
+            .order_by(checkpoints.c.id, replicas.c.tier, replicas.c.part))
+    rows = conn.execute(stmt).all()
+    by_ckpt: dict[int, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_ckpt[r.checkpoint_id].append(r)
+    ids = sorted(by_ckpt)
+    pinned: set[int] = set()
+    named: dict[int, list[str]] = defaultdict(list)
+    children: dict[int, set[str]] = defaultdict(set)
+    for i in range(0, len(ids), CHUNK):
+        chunk = ids[i:i + CHUNK]
+        pinned |= set(conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id.in_(chunk))).scalars())
+        for cid, name in conn.execute(select(aliases.c.checkpoint_id, aliases.c.name)
+                                      .where(aliases.c.checkpoint_id.in_(chunk)).order_by(aliases.c.name)):
+            named[cid].append(name)
+        for cid, run in lineage_children(conn, chunk):
+            children[cid].add(run)
+    out = []
+    for cid, rs in by_ckpt.items():
+        r0 = rs[0]
+        out.append(CheckpointFacts(
+            run=r0.run_name, step=r0.step, parts=r0.parts, kind=r0.kind, tags=dict(r0.tags or {}),
+            metrics=dict(r0.metrics or {}), created_at=r0.ckpt_created_at, committed_at=r0.ckpt_committed_at,
+            state=r0.ckpt_state, pinned=cid in pinned, aliases=tuple(named[cid]), children=tuple(sorted(children[cid])),
+            replicas=tuple(ReplicaFacts(replica_id=r.id, tier=r.tier, part=r.part, node=r.node, url=r.url,
+                                        bytes=r.bytes) for r in rs)))
+    return out
+
+
+def lineage_children(conn: Connection, checkpoint_ids: Sequence[int]) -> list[tuple[int, str]]:
+    """(parent checkpoint id, child run name) for each edge into ``checkpoint_ids`` from a
+    checkpoint of another run, where that run still has a checkpoint that is not retired."""
+    child, parent = checkpoints.alias("child"), checkpoints.alias("parent")
+    live = (select(checkpoints.c.id).where(checkpoints.c.run_id == child.c.run_id,
+                                           checkpoints.c.state != RETIRED).exists())
+    stmt = (select(lineage.c.parent_id, runs.c.name).distinct()
+            .select_from(lineage.join(child, child.c.id == lineage.c.child_id)
+                         .join(parent, parent.c.id == lineage.c.parent_id)
+                         .join(runs, runs.c.id == child.c.run_id))
+            .where(lineage.c.parent_id.in_(checkpoint_ids), child.c.run_id != parent.c.run_id, live))
+    return [(cid, name) for cid, name in conn.execute(stmt)]
+
+
+def retire(conn: Connection, run: str, step: int, *, reason: str, actor: str, now: datetime,
+           keep_parents: bool = True) -> bool:
+    """Record ``committed -> retired`` before any byte goes, after checking again, under the
+    checkpoint's lock, what never lets a checkpoint be retired: a pin, an alias, being the
+    newest verified checkpoint of its run or newer than its newest durable one, a child run
+    (``keep_parents``). True if recorded now, False if it was retired already; ``PruneRefused``
+    with the reason when the rows forbid it."""
+    ck = checkpoint_row(conn, run, step, lock=True)
+    if ck.state == RETIRED:
+        return False
+    if ck.state != CKPT_COMMITTED:
+        raise IllegalTransition(f"checkpoint {run}/{step} is {ck.state!r}: only a committed checkpoint is retired")
+    refused = _retire_refusal(conn, ck, keep_parents)
+    if refused:
+        raise PruneRefused(f"checkpoint {run}/{step} not retired: {refused}")
+    conn.execute(update(checkpoints).where(checkpoints.c.id == ck.id, checkpoints.c.state == CKPT_COMMITTED)
+                 .values(state=RETIRED))
+    add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="retire",
+              from_state=CKPT_COMMITTED, to_state=RETIRED, reason=reason, run=run, step=step)
+    return True
+
+
+def _retire_refusal(conn: Connection, ck: Row, keep_parents: bool) -> str | None:
+    if conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ck.id)).first():
+        return "pinned"
+    alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ck.id)).scalar()
+    if alias is not None:
+        return f"alias {alias}"
+    if newest_verified_steps(conn, [ck.run_id]).get(ck.run_id) == ck.step:
+        return "newest verified"
+    durable = (select(checkpoints.c.step)
+               .where(checkpoints.c.run_id == ck.run_id, checkpoints.c.state == CKPT_COMMITTED,
+                      checkpoints.c.verified_tiers.in_(_masks(lambda m: m & DURABLE_BITS)))
+               .order_by(checkpoints.c.step.desc()).limit(1))
+    newest_durable = conn.execute(durable).scalar()
+    if newest_durable is None or ck.step > newest_durable:
+        return "newer than newest durable"
+    if keep_parents:
+        kids = lineage_children(conn, [ck.id])
+        if kids:
+            return f"parent of {kids[0][1]}"
+    return None
+
+
+def retired_with_copies(conn: Connection, *, limit: int = 1000) -> list[tuple[str, int]]:
+    """Retired checkpoints that still have a verified replica (an interrupted retirement)."""
+    stmt = (select(runs.c.name, checkpoints.c.step).distinct()
+            .select_from(checkpoints.join(runs, runs.c.id == checkpoints.c.run_id)
+                         .join(replicas, and_(replicas.c.checkpoint_id == checkpoints.c.id,
+                                              _filter_only(conn, replicas.c.state) == VERIFIED)))
+            .where(checkpoints.c.state == RETIRED).order_by(runs.c.name, checkpoints.c.step).limit(limit))
+    return [(n, s) for n, s in conn.execute(stmt)]
