@@ -3,9 +3,26 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv lint test test-fast soak demo bench clean
+.PHONY: venv localstack lint test test-fast soak demo bench clean
 
 venv: $(STAMP)
+
+# LocalStack's S3 in host mode (no Docker), the S3 that checks the checksums it is sent (tests
+# marked validating_s3): its own virtual environment on Python 3.13, built once (stamp file).
+# The pins keep pip from resolving versions that do not start here.
+LOCALSTACK_PY ?= $(shell command -v python3.13 2>/dev/null || echo "$$(pyenv root 2>/dev/null)/versions/3.13.0/bin/python")
+LOCALSTACK_VENV ?= $(VENV)-localstack
+LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
+export CKPT_LOCALSTACK_PYTHON ?= $(abspath $(LOCALSTACK_VENV))/bin/python
+
+localstack: $(LOCALSTACK_STAMP)
+
+$(LOCALSTACK_STAMP):
+	test -x $(LOCALSTACK_VENV)/bin/python || $(LOCALSTACK_PY) -m venv $(LOCALSTACK_VENV)
+	$(LOCALSTACK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCALSTACK_VENV)/bin/python -m pip install -q 'localstack-core[runtime]' 'cbor2<6' 'pyOpenSSL<24.3' \
+		'cryptography<44' service_identity
+	touch $(LOCALSTACK_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,14 +42,14 @@ lint: venv
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: venv
+test: venv localstack
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS
-soak: venv
+soak: venv localstack
 	CKPT_SOAK_SEED=$${CKPT_SOAK_SEED:-random} CKPT_SOAK_EXAMPLES=$${CKPT_SOAK_EXAMPLES:-400} CKPT_SOAK_STEPS=$${CKPT_SOAK_STEPS:-60} \
 	CKPT_SOAK_REPORT=$${CKPT_SOAK_REPORT:-soak-report.json} $(BIN)/python -m pytest tests/soak -o timeout=0 $(PYTEST_ARGS)
 
@@ -40,4 +57,4 @@ demo: venv
 	$(BIN)/python -m ckpt.demo $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(LOCALSTACK_VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
