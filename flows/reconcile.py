@@ -283,7 +283,8 @@ def reconcile(node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
-        report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
+        report = reconcile_once(settings, steps=task_steps(settings),
+                                actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds)
         publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
     return {k: list(v) for k, v in vars(report).items()}

@@ -122,12 +122,13 @@ def _print_promotion(result: dict, as_json: bool) -> None:
         typer.echo(json.dumps(result, indent=1))
         return
     from rich.console import Console
-    from rich.table import Table
+
+    from ckpt.tables import table as fold_table
 
     hops = result["hops"] + ((result.get("archive") or {}).get("hops") or [])
-    table = Table(title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}")
-    for col in ("hop", "files", "bytes", "seconds", "MB/s", "skipped"):
-        table.add_column(col, justify="left" if col == "hop" else "right")
+    table = fold_table("hop", "files", "bytes", "seconds", "MB/s", "skipped",
+                       title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}",
+                       right=("files", "bytes", "seconds", "MB/s"))
     for h in hops:
         table.add_row(h["hop"], str(h["files"]), f"{h['bytes']:,}", f"{h['seconds']:.3f}", f"{h['MB/s']:.1f}",
                       "yes" if h["skipped"] else "")
@@ -141,15 +142,14 @@ def _print_promotion(result: dict, as_json: bool) -> None:
 
 def _print_actions(rows: list[dict], *, out: Any = None, title: str) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from ckpt.tables import table as fold_table
 
     out = out or Console()
     if not rows:
         out.print(f"{title}: nothing to prune")
         return
-    table = Table(title=title)
-    for col in rows[0]:
-        table.add_column(col)
+    table = fold_table(*rows[0], title=title)
     for r in rows:
         table.add_row(*(str(v) for v in r.values()))
     out.print(table)
