@@ -28,6 +28,7 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,7 @@ from db.entities import (
 )
 from flows.archive import archive
 from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
-from flows.promote import promote
+from flows.promote import PromoteResult, promote
 from tasks.base import log, open_catalog, open_tier
 from tasks.retention import FAILED, PRUNED, apply_retention
 
@@ -71,9 +72,23 @@ class ReconcileReport:
     pruned: list[str] = field(default_factory=list)  # this node's Tier 0, by retention
     skipped: list[str] = field(default_factory=list)  # with why
     failed: list[str] = field(default_factory=list)  # with the error
+    # what a promotion's own run shows, for each one this pass made: run, step, part, tiers
+    promotions: list[dict[str, Any]] = field(default_factory=list)
 
     def rows(self) -> list[dict[str, str]]:
-        return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
+        return [{"action": k, "item": item} for k, items in vars(self).items() if k != "promotions"
+                for item in items]
+
+
+def promotion_row(result: PromoteResult) -> dict[str, Any]:
+    """One promotion as the reconcile run's artifact shows it: which checkpoint, and the tiers
+    it now has a verified copy on, by this promotion (``0 -> 1``, ``0 -> 1 -> 2`` for a
+    milestone archived inline)."""
+    hops = result.hops + (result.archive.hops if result.archive else [])
+    tiers = sorted({int(t) for h in hops for t in re.findall(r"tier (\d)", h.hop)})
+    return {"run": result.run, "step": result.step, "part": result.part, "tiers": " -> ".join(map(str, tiers)),
+            "durable": result.durable, "files": sum(h.files for h in hops if "->" in h.hop),
+            "bytes": sum(h.bytes for h in hops if "->" in h.hop)}
 
 
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
@@ -92,7 +107,8 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli",
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
-                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))
+                 lambda: report.promotions.append(promotion_row(
+                     promote(settings, run, step, part, parts, steps=steps, node=settings.node, **kw))))
     for run, step, part, parts in todo1:
         _attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
@@ -287,4 +303,7 @@ def reconcile(node: str | None = None) -> dict:
                                 actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds)
         publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+        if report.promotions:  # in the UI, a checkpoint reconcile promoted reads as a promotion
+            publish_table(artifact_key("reconcile-promotions", settings.node), report.promotions,
+                          f"checkpoints reconcile promoted on {settings.node} (no event-driven run had)")
     return {k: list(v) for k, v in vars(report).items()}
