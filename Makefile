@@ -10,7 +10,8 @@ venv: $(STAMP)
 # LocalStack's S3 in host mode (no Docker), the S3 that checks the checksums it is sent (tests
 # marked validating_s3): its own virtual environment on Python 3.13, built once (stamp file).
 # The pins keep pip from resolving versions that do not start here.
-LOCALSTACK_PY ?= $(shell command -v python3.13 2>/dev/null || echo "$$(pyenv root 2>/dev/null)/versions/3.13.0/bin/python")
+# Python 3.13: pyenv's where it has one (its shim answers only for the pyenv version in force), else python3.13.
+LOCALSTACK_PY ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.13*/bin/python) python3.13)
 LOCALSTACK_VENV ?= $(VENV)-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 export CKPT_LOCALSTACK_PYTHON ?= $(abspath $(LOCALSTACK_VENV))/bin/python

@@ -109,3 +109,22 @@ def test_a_port_held_only_by_time_wait_is_free_and_a_listening_one_is_an_error()
         conn.close()  # the server side closes first: its end of the connection is left in TIME_WAIT
         client.close()
     assert ls.free_port(port, required=True) == port  # a restarted server may bind there (SO_REUSEADDR)
+
+
+def test_ckpt_up_on_a_taken_port_says_so_and_starts_nothing(tmp_path, monkeypatch):
+    import signal
+
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    monkeypatch.setattr(signal, "signal", lambda *_a: None)  # ckpt up's SIGTERM handler stays out of pytest
+
+    with socket.socket() as taken:
+        taken.bind((ls.LOOPBACK, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is taken"):
+            CliRunner().invoke(app, ["up", "--dir", str(tmp_path / "stack"), "--port", str(port), "--no-tier2"],
+                               catch_exceptions=False)
+    assert not (tmp_path / "stack" / "prefect" / "server.log").exists()  # no server was started elsewhere
