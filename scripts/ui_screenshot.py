@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-url", default=None,
                    help="attach to the `ckpt up` whose Prefect API this is (run in a shell holding its "
                         "exports); default: start `ckpt up` and stop it afterwards")
-    p.add_argument("--port", type=int, default=4300, help="Prefect port of the started stack (a free one if taken)")
+    p.add_argument("--port", type=int, default=4300,
+                   help="Prefect port of the started stack (ckpt up --port: an error if taken)")
     p.add_argument("--dir", type=Path, default=None, help="data folder of the started stack (default: a temp folder)")
     p.add_argument("--run", default="gpt-sft", help="run to train (its parent is <run>-pt)")
     p.add_argument("--interval", type=float, default=10.0, help="seconds of \"training\" between the run's saves")
