@@ -198,6 +198,8 @@ def reconcile_cmd(
         typer.echo(json.dumps(report, indent=1))
         return
     for action, items in report.items():
+        if action == "promotions":  # the promoted ones again, as rows (the artifact's, --json's)
+            continue
         for item in items:
             typer.echo(f"{action:9s} {item}")
     if not any(report.values()):
