@@ -123,7 +123,7 @@ def start_localstack(home: Path, *, timeout: float = 90.0) -> tuple[subprocess.P
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(SERVICES="s3", GATEWAY_LISTEN=f"{LOOPBACK}:{port}", SKIP_INFRA_DOWNLOADS="1",
                LOCALSTACK_VOLUME_DIR=str(home / "volume"), FILESYSTEM_ROOT=str(home / "fs"),
-               TMPDIR=str(home), DISABLE_EVENTS="1", LS_LOG="warn")
+               TMPDIR=str(home), DISABLE_EVENTS="1", DNS_ADDRESS="0", LS_LOG="warn")
     proc = _spawn([str(python), "-m", "localstack.runtime.main"], home / "localstack.log", env, cwd=home)
     url = f"http://{LOOPBACK}:{port}"
     try:
