@@ -116,6 +116,8 @@ class Announcer:
             warn_if_unserved(url, m.node or self.settings.node)
         if not url:
             log.warning("no Prefect API configured: %s step %d not announced", m.run, m.step)
+        elif not ok:
+            log.warning("%s", undelivered(self.settings, m.run, m.step, m.part, url))
         self.delivered.append((m.run, m.step, m.part, ok))
 
     def _emit_tier_low(self, reading, run: str, step: int, part: int, parts: int, node: str) -> None:
@@ -169,6 +171,15 @@ def completed_payload(m: Manifest) -> dict[str, object]:
     ``events.emit``) and what the UI's event feed shows."""
     return {"kind": m.kind, "format": m.format, "bytes": m.total_bytes, "files": len(m.files),
             "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds}
+
+
+def undelivered(settings: Settings, run: str, step: int, part: int, url: str | None) -> str:
+    """What a job is told when its checkpoint's event did not arrive: the URL it tried, and that
+    nothing is lost (the part stays committed on Tier 0; reconcile finds it)."""
+    where = f"to {url}" if url else "(no Prefect API configured: CKPT_PREFECT_API_URL / PREFECT_API_URL)"
+    return (f"emit failed: ckpt.checkpoint.completed for {run} step {step} part {part} not delivered {where}; "
+            f"the checkpoint stays committed on Tier 0 and the scheduled reconcile of node {settings.node} "
+            f"promotes it within its interval ({settings.reconcile_interval_seconds} s)")
 
 
 def prefect_api_url(settings: Settings) -> str | None:

@@ -12,7 +12,8 @@ credentials) and the agents, the job's exports and every call made from here car
 
 Each piece is a child process started with its own log file and stopped cleanly (SIGINT,
 then SIGTERM, then SIGKILL after a grace period), so nothing is left behind. Ports are the
-asked ones when free, else any free loopback port.
+asked ones when free, else any free loopback port; a port given with ``ckpt up --port`` is
+required (taken: a clear error, never a silent other port).
 """
 
 from __future__ import annotations
@@ -37,15 +38,23 @@ if TYPE_CHECKING:
 LOOPBACK = "127.0.0.1"
 
 
-def free_port(preferred: int | None = None) -> int:
-    """``preferred`` if nothing listens there, else a free port the OS picks."""
+def free_port(preferred: int | None = None, *, required: bool = False) -> int:
+    """``preferred`` if nothing listens there, else a free port the OS picks; with ``required``
+    a taken ``preferred`` is a ``ConfigError`` (a stack restarted with ``--port P`` must come
+    back on P: the exports its jobs hold name it). The test bind sets SO_REUSEADDR, as the
+    servers themselves do (uvicorn): a port held only by TIME_WAIT connections of a stack that
+    just stopped is free, not taken."""
     if preferred:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((LOOPBACK, preferred))
                 return preferred
-            except OSError:
-                pass
+            except OSError as exc:
+                if required:
+                    raise ConfigError(f"port {preferred} on {LOOPBACK} is taken ({exc.strerror}): another "
+                                      "process listens there; stop it, or start on another --port (and give "
+                                      "the jobs the new exports)") from None
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -121,11 +130,11 @@ def server_env(base: Mapping[str, str], *, home: Path, api_url: str, ui: bool) -
 
 
 def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0,
-                         auth_string: str | None = None):
+                         auth_string: str | None = None, port_required: bool = False):
     """Prefect server on SQLite under ``home`` (API auth on with ``auth_string``); returns
-    (process, API URL)."""
+    (process, API URL). ``port_required``: on ``port`` or not at all (``free_port``)."""
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port(port)
+    port = free_port(port, required=port_required)
     url = f"http://{LOOPBACK}:{port}/api"
     env = server_env(os.environ, home=home, api_url=url, ui=ui)
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
@@ -247,6 +256,20 @@ class Started:
         self.stop()
 
 
+AGENT_FIRST_WAIT_S = 1.0  # a dead agent is started again after 1 s, then 2, 4, ... (doubling)
+AGENT_LONGEST_WAIT_S = 60.0
+AGENT_STEADY_S = 60.0  # an agent that ran this long before it exited starts its backoff afresh
+
+
+@dataclass
+class AgentRestarts:
+    """One agent's restarts: how many in a row, when it last started, when it is due again."""
+
+    count: int = 0
+    started_at: float = 0.0
+    due: float | None = None
+
+
 @dataclass
 class LocalStack(Started):
     """Prefect server + moto + one agent per node, under ``root``. Use as a context manager.
@@ -255,6 +278,7 @@ class LocalStack(Started):
     root: Path
     nodes: tuple[str, ...] = ("node-0",)
     port: int = 4200
+    port_required: bool = False  # on `port` or not at all (ckpt up --port P)
     ui: bool = True
     tier2: bool = True
     archive_trigger: bool = True
@@ -267,6 +291,7 @@ class LocalStack(Started):
     env: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen] = field(default_factory=list)
     agents: list[subprocess.Popen] = field(default_factory=list)
+    restarts: list[AgentRestarts] = field(default_factory=list)
 
     def exports(self) -> dict[str, str]:
         """``job_exports`` for the first node (the one whose agent also serves the cluster)."""
@@ -276,8 +301,48 @@ class LocalStack(Started):
 
     def alive(self) -> bool:
         """Every process of the stack (servers, agents) still runs."""
+        return self.servers_alive() and all(p.poll() is None for p in self.agents)
+
+    def servers_alive(self) -> bool:
+        """The Prefect server (or its production processes) and S3 still run: the state the
+        jobs' exports point at. An agent that exited is ``supervise``'s to start again."""
         server = self.production.procs if self.production is not None else []
-        return all(p.poll() is None for p in server + self.procs + self.agents)
+        return all(p.poll() is None for p in server + self.procs)
+
+    def agent_log(self, i: int) -> Path:
+        return self.root / "logs" / f"agent-{self.nodes[i]}.log"
+
+    def _start_agent(self, i: int) -> subprocess.Popen:
+        """The agent of node ``i`` (node 0's also serves the cluster-wide deployments)."""
+        return start_agent(self.env, self.agent_log(i), node=self.nodes[i], node_only=i > 0, limit=self.limit,
+                           archive_trigger=self.archive_trigger)
+
+    def start_agents(self, now: float | None = None) -> None:
+        self.agents = [self._start_agent(i) for i in range(len(self.nodes))]
+        at = time.monotonic() if now is None else now
+        self.restarts = [AgentRestarts(started_at=at) for _ in self.nodes]
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Start again every agent that exited, after a backoff (1 s, 2 s, 4 s, ... at most 60 s;
+        afresh for an agent that had run a minute), leaving the servers and S3 running. Returns
+        what to tell the user: one line per restart, when the agent is found dead."""
+        now = time.monotonic() if now is None else now
+        said = []
+        for i, proc in enumerate(self.agents):
+            r = self.restarts[i]
+            if proc.poll() is None:
+                continue
+            if r.due is None:
+                if now - r.started_at >= AGENT_STEADY_S:
+                    r.count = 0
+                wait = min(AGENT_LONGEST_WAIT_S, AGENT_FIRST_WAIT_S * 2 ** r.count)
+                r.count, r.due = r.count + 1, now + wait
+                said.append(f"agent {self.nodes[i]} exited with {proc.returncode}; restart {r.count} in {wait:.0f} s "
+                            f"(the Prefect server and S3 keep running; log: {self.agent_log(i)})")
+            elif now >= r.due:
+                self.agents[i] = self._start_agent(i)
+                r.due, r.started_at = None, now
+        return said
 
     @property
     def ui_url(self) -> str:
@@ -292,7 +357,7 @@ class LocalStack(Started):
             self.api_url = self.production.start().api_url
         else:
             server, self.api_url = start_prefect_server(self.root / "prefect", port=self.port, ui=self.ui,
-                                                      auth_string=self.auth_string)
+                                                        auth_string=self.auth_string, port_required=self.port_required)
             self.procs.append(server)
         if self.tier2:
             moto, self.s3_url = start_moto(self.root / "logs" / "moto.log")
@@ -304,9 +369,7 @@ class LocalStack(Started):
         from core.settings import load_settings
 
         upgrade(load_settings().catalog_url)
-        for i, node in enumerate(self.nodes):
-            self.agents.append(start_agent(self.env, self.root / "logs" / f"agent-{node}.log", node=node,
-                                           node_only=i > 0, limit=self.limit, archive_trigger=self.archive_trigger))
+        self.start_agents()
         from deployments import names
 
         wanted = [names.promote_deployment(n) for n in self.nodes] + [names.ARCHIVE_DEPLOYMENT]

@@ -197,6 +197,7 @@ class ProductionStack(Started):
     prefect_database: str = PREFECT_DATABASE
     catalog_database: str | None = CATALOG_DATABASE
     port: int | None = 4200
+    port_required: bool = False  # on `port` or not at all (ckpt up --port P)
     ui: bool = True
     workers: int = 1
     fresh: bool = False
@@ -249,7 +250,7 @@ class ProductionStack(Started):
                                  env=env, capture_output=True, text=True, timeout=self.timeout, check=False)
         if upgrade.returncode:
             raise ConfigError(f"Prefect database upgrade failed: {upgrade.stdout[-1500:]}{upgrade.stderr[-1500:]}")
-        port = free_port(self.port)
+        port = free_port(self.port, required=self.port_required)
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--no-services",
                "--host", LOOPBACK, "--port", str(port)]
         if self.workers > 1:

@@ -168,7 +168,8 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
             )
             return ev is not None
         except Exception as exc:  # noqa: BLE001 - emission must never break training
-            log.warning("emit %s for %s/%s failed (attempt %d): %s", name, run, step, attempt + 1, exc)
+            log.warning("emit %s for %s/%s to %s failed (attempt %d of %d): %s", name, run, step,
+                        api_url or "the configured Prefect API", attempt + 1, retries, exc)
             if attempt + 1 < retries:
                 time.sleep(backoff * (2**attempt))
     return False

@@ -45,7 +45,7 @@ def archive_checkpoint(run: str, step: int | str, node: str | None = None) -> di
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
-    actor = current_actor()
+    actor = current_actor("event")
     try:
         run, step, _, _ = checkpoint_args(run, step)
     except BadEvent as exc:

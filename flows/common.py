@@ -94,15 +94,17 @@ def artifact_key(*words: object) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(w) for w in words).lower()).strip("-")
 
 
-def current_actor(default: str = "cli") -> str:
-    """``flow-run:<id>`` inside a flow run (audited in the catalog), else ``default``."""
+def current_actor(role: str = "cli") -> str:
+    """Who acts, as the catalog's audit records it: ``role`` (``event``: a run an event
+    triggered; ``reconcile/<node>``, ``retention``, ...), followed inside a flow run by
+    `` flow-run:<id>`` (the run that did it: ``ckpt show --json`` keeps it; tables show the role)."""
     try:
         from prefect.runtime import flow_run
 
         rid = flow_run.get_id()
     except Exception:  # noqa: BLE001 - outside Prefect there is no flow run
         rid = None
-    return f"flow-run:{rid}" if rid else default
+    return f"{role} flow-run:{rid}" if rid else role
 
 
 def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> None:

@@ -21,7 +21,7 @@ from tasks.drill import restore_drill_task
 def restore_drill(run: str | None = None, scratch: str | None = None) -> list[dict[str, Any]]:
     """Drill the newest milestone (of ``run``, or of any run) on Tier 1 and Tier 2."""
     settings = load_settings()  # from the environment, never a flow parameter
-    report = restore_drill_task(settings, run=run, scratch=scratch, actor=current_actor())
+    report = restore_drill_task(settings, run=run, scratch=scratch, actor=current_actor("drill"))
     rows = report.rows() + [{"tier": None, "ok": None, "detail": s} for s in report.skipped]
     title = (f"restore drill of {report.run}/step-{report.step}" if report.step is not None
              else "restore drill: nothing to drill")

@@ -141,7 +141,7 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))
-    actor = current_actor()
+    actor = current_actor("event")
     try:
         run, step, part, parts = checkpoint_args(run, step, part, parts)
     except BadEvent as exc:

@@ -34,6 +34,7 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -85,9 +86,23 @@ class ReconcileReport:
     retired: list[str] = field(default_factory=list)  # copies of retired checkpoints deleted at last
     skipped: list[str] = field(default_factory=list)  # with why
     failed: list[str] = field(default_factory=list)  # with the error
+    # what a promotion's own run shows, for each one this pass made: run, step, part, tiers
+    promotions: list[dict[str, Any]] = field(default_factory=list)
 
     def rows(self) -> list[dict[str, str]]:
-        return [{"action": k, "item": item} for k, items in vars(self).items() for item in items]
+        return [{"action": k, "item": item} for k, items in vars(self).items() if k != "promotions"
+                for item in items]
+
+
+def promotion_row(result: PromoteResult) -> dict[str, Any]:
+    """One promotion as the reconcile run's artifact shows it: which checkpoint, and the tiers
+    it now has a verified copy on, by this promotion (``0 -> 1``, ``0 -> 1 -> 2`` for a
+    milestone archived inline)."""
+    hops = result.hops + (result.archive.hops if result.archive else [])
+    tiers = sorted({int(t) for h in hops for t in re.findall(r"tier (\d)", h.hop)})
+    return {"run": result.run, "step": result.step, "part": result.part, "tiers": " -> ".join(map(str, tiers)),
+            "durable": result.durable, "files": sum(h.files for h in hops if "->" in h.hop),
+            "bytes": sum(h.bytes for h in hops if "->" in h.hop)}
 
 
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
@@ -106,8 +121,9 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         _attempt(report, report.promoted, f"{run}/{step} part {part}",
-                 lambda: promote(settings, run, step, part, parts, steps=steps, node=settings.node,
-                                 on_durable=on_durable, **kw))
+                 lambda: report.promotions.append(promotion_row(
+                     promote(settings, run, step, part, parts, steps=steps, node=settings.node,
+                             on_durable=on_durable, **kw))))
     for run, step, part, parts in todo1:
         _attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
@@ -409,8 +425,12 @@ def reconcile(node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
-        report = reconcile_once(settings, steps=task_steps(settings), actor=current_actor(),
+        report = reconcile_once(settings, steps=task_steps(settings),
+                                actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds,
                                 on_durable=lambda result: publish_run_status(str(settings.catalog_url), result.run))
         publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+        if report.promotions:  # in the UI, a checkpoint reconcile promoted reads as a promotion
+            publish_table(artifact_key("reconcile-promotions", settings.node), report.promotions,
+                          f"checkpoints reconcile promoted on {settings.node} (no event-driven run had)")
     return {k: list(v) for k, v in vars(report).items()}

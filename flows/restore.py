@@ -40,7 +40,7 @@ def restore_checkpoint(run: str, dest: str, step: int | None = None,
     """Restore ``run`` (newest verified, or ``step``) into ``dest`` from the nearest good copy."""
     settings = load_settings()  # from the environment, never a flow parameter
     report = restore_task(settings, run, dest, step=step, preference=tuple(preference or DEFAULT_PREFERENCE),
-                          actor=current_actor())
+                          actor=current_actor("restore"))
     announce_bad(report.bad, "restore")
     events.emit(events.RESTORED, report.run, report.step, node=settings.node,
                 extra_id=f"{report.dest}|{report.seconds}",

@@ -60,10 +60,10 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
     """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
-        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings), actor=current_actor(),
-                            explain=explain)
+        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
+                            actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         from tasks.audit import expire_audit_task
 
-        expire_audit_task(settings, actor=current_actor())
+        expire_audit_task(settings, actor=current_actor("retention"))
     return [a.row() for a in actions]

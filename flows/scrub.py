@@ -34,7 +34,7 @@ def scrub(fraction: float | None = None, repair: bool = True) -> dict[str, Any]:
     Settings are read here, from the environment: never a flow parameter (Prefect stores
     parameters with every run, in its database and UI)."""
     settings = load_settings()
-    report = scrub_task(settings, fraction=fraction, repair=repair, actor=current_actor())
+    report = scrub_task(settings, fraction=fraction, repair=repair, actor=current_actor("scrub"))
     announce_bad(report.bad, "scrub")
     publish_table(artifact_key("scrub"), scrub_rows(report), report.summary())
     print(report.summary())

@@ -4,24 +4,29 @@
     python scripts/ui_screenshot.py                  # starts `ckpt up`, stops it afterwards
     python scripts/ui_screenshot.py --api-url "$PREFECT_API_URL"   # a running `ckpt up --no-auth`
 
-It starts ``ckpt up --no-auth`` on a free port and takes the exports it prints (with
-``--api-url`` it attaches to a running stack instead, in a shell that holds those exports; a
-headless browser cannot answer the UI's login, so that stack must run without API auth), trains a tiny run
-with the client (``<run>-pt`` step 1000; once it is promoted, ``<run>`` resumed from it, steps
-100 and 200, ``--interval`` seconds apart; milestones 1000 and 200, which their promote runs
-archive to Tier 2 inline), waits until every promote flow run has completed, and has headless
-Chromium load four pages of the UI:
+It starts ``ckpt up`` (API auth on) on a free port and takes the exports it prints (with
+``--api-url`` it attaches to a running stack instead, in a shell that holds those exports),
+trains a tiny run with the client (``<run>-pt`` step 1000; once it is promoted, ``<run>``
+resumed from it, steps 100 and 200, ``--interval`` seconds apart; milestones 1000 and 200,
+which their promote runs archive to Tier 2 inline), sends one hostile event (a run name that
+escapes the tier root, whose promote run must fail), waits until every promote flow run has
+finished, logs in to the UI in headless Chromium with the API auth string
+(``PREFECT_API_AUTH_STRING``, typed into the UI's login form) and checks, then captures, four
+pages:
 
     flow-runs.png       the flow runs list (promote/<run>/step-<n>)
     promote-run.png     one promote flow run: its task-run graph and task runs
     rpo-automation.png  the automation ckpt-rpo-late
     run-status.png      the status artifact run-<run> (markdown)
 
-Chromium renders the single-page app with a virtual time budget (timers fast-forward; network
-requests are waited for) and dumps the DOM in the same load: a page whose DOM lacks the text it
-is meant to show (a spinner, an error page, a UI that calls a wrong API) is retried once with a
-longer budget, then fails the script; nothing blank is saved. Needs Chromium (Debian:
-``apt-get install chromium``) and the project's venv; ``make test`` does not need Chromium.
+What is checked is what a user looks for (``check_pages``): the promote runs of each saved
+step, completed, and the hostile event's run, failed, in red, in the flow runs list; the
+promote run's task runs; the newest verified step on the status artifact. A page that does not
+show its text in time (a spinner, an error page, a UI that calls a wrong API) fails the script
+with the text it did show; nothing blank is saved. Chromium is driven over the DevTools protocol
+(scripts/ui_browser.py). Needs Chromium (Debian: ``apt-get install chromium``) and the
+project's venv; ``make test`` runs it in tests/integration/test_ui_chromium.py (with
+``CI=true`` a missing Chromium fails that test).
 """
 
 from __future__ import annotations
@@ -36,8 +41,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: this checkout's packages
+    sys.path.insert(0, str(REPO))
+
+from core.events import AUTH_STRING_ENV  # noqa: E402
+from scripts.ui_browser import Browser, BrowserError, is_red  # noqa: E402
+
 DEFAULT_OUT = REPO / "docs" / "img"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 SIZE_WARN_BYTES = 200_000  # the README's images stay small
@@ -58,14 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-url", default=None,
                    help="attach to the `ckpt up` whose Prefect API this is (run in a shell holding its "
                         "exports); default: start `ckpt up` and stop it afterwards")
-    p.add_argument("--port", type=int, default=4300, help="Prefect port of the started stack (a free one if taken)")
+    p.add_argument("--port", type=int, default=4300,
+                   help="Prefect port of the started stack (ckpt up --port: an error if taken)")
     p.add_argument("--dir", type=Path, default=None, help="data folder of the started stack (default: a temp folder)")
     p.add_argument("--run", default="gpt-sft", help="run to train (its parent is <run>-pt)")
     p.add_argument("--interval", type=float, default=10.0, help="seconds of \"training\" between the run's saves")
     p.add_argument("--chromium", default=None,
                    help=f"browser binary (default: the first of {', '.join(BROWSERS)} on PATH)")
     p.add_argument("--width", type=int, default=1400, help="window width in CSS pixels")
-    p.add_argument("--budget-ms", type=int, default=20_000, help="virtual time Chromium gives a page to render")
+    p.add_argument("--budget-ms", type=int, default=30_000, help="how long a page may take to show its text")
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for the stack and the promotions")
     return p.parse_args(argv)
 
@@ -76,16 +89,6 @@ def find_chromium(explicit: str | None = None) -> str | None:
         if path:
             return path
     return None
-
-
-def chromium_command(chromium: str, url: str, png: Path, *, width: int, height: int, budget_ms: int,
-                     profile: Path) -> list[str]:
-    """One headless load of ``url``: a PNG of the window and the rendered DOM on stdout."""
-    return [chromium, "--headless=new", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-            "--no-sandbox",  # root in a container has no user namespaces; the pages are our own loopback UI
-            "--force-device-scale-factor=1", f"--user-data-dir={profile}",
-            f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}",
-            f"--screenshot={png}", "--dump-dom", url]
 
 
 def pages(ui_base: str, *, run: str, promote_run_id: str, automation_id: str, artifact_id: str) -> list[Page]:
@@ -118,7 +121,7 @@ def start_stack(root: Path, port: int, timeout: float) -> tuple[subprocess.Popen
     root.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "ckpt.cli", "up", "--dir", str(root / "stack"),
-                                 "--port", str(port), "--no-auth"], stdout=fh, stderr=subprocess.STDOUT,
+                                 "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
                                      # the promotions shown are the event-driven ones, not reconcile's
                                      "CKPT_RECONCILE_INTERVAL_SECONDS": "3600"},
@@ -169,28 +172,49 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
     return [f"promote/{run}/step-{s}" for s in steps]
 
 
-def _post(api_url: str, path: str, body: dict) -> list[dict]:
+def _post(api_url: str, path: str, body: dict) -> Any:
     import httpx
 
-    r = httpx.post(f"{api_url}{path}", json=body, timeout=10)
+    from core.events import auth_headers
+
+    r = httpx.post(f"{api_url}{path}", json=body, timeout=10, headers=auth_headers())
     r.raise_for_status()
     return r.json()
 
 
-def wait_flow_runs(api_url: str, names: list[str], timeout: float) -> dict[str, str]:
-    """Until a flow run of each name has COMPLETED; their ids by name. Fails at once on a
-    FAILED or CRASHED one."""
+HOSTILE_RUN = "../../etc"  # a run name that escapes the tier root: its promote run must fail
+
+
+def send_hostile_event(api_url: str, node: str) -> str:
+    """A completed-checkpoint event whose run name escapes the tier root, as a hostile or broken
+    client could send; the name of the promote run it triggers (which must fail)."""
+    import uuid
+
+    from core import events
+    from flows.promote import run_name
+
+    ev = events.build_event(events.COMPLETED, "hostile", 1, node=node)
+    ev["id"] = str(uuid.uuid4())
+    ev["payload"] = {**ev.get("payload", {}), "run": HOSTILE_RUN, "step": 1, "node": node}
+    events.post_events(api_url, [ev])
+    return run_name({"run": HOSTILE_RUN, "step": 1})
+
+
+def wait_flow_runs(api_url: str, names: list[str], timeout: float, *, state: str = "COMPLETED") -> dict[str, str]:
+    """Until a flow run of each name has reached ``state``; their ids by name. Fails at once on
+    one that ended otherwise (FAILED or CRASHED where COMPLETED is wanted)."""
     deadline = time.monotonic() + timeout
+    ended = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} - {state}
     while True:
         runs = _post(api_url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": names}}, "limit": 200})
-        bad = [r["name"] for r in runs if r["state_type"] in ("FAILED", "CRASHED")]
+        bad = [(r["name"], r["state_type"]) for r in runs if r["state_type"] in ended]
         if bad:
-            raise SystemExit(f"flow runs failed: {bad}")
-        done = {r["name"]: r["id"] for r in runs if r["state_type"] == "COMPLETED"}
+            raise SystemExit(f"flow runs did not end {state}: {bad}")
+        done = {r["name"]: r["id"] for r in runs if r["state_type"] == state}
         if set(names) <= done.keys():
             return done
         if time.monotonic() > deadline:
-            raise SystemExit(f"not completed after {timeout:.0f}s: {sorted(set(names) - done.keys())}")
+            raise SystemExit(f"not {state} after {timeout:.0f}s: {sorted(set(names) - done.keys())}")
         time.sleep(1)
 
 
@@ -212,11 +236,8 @@ def busiest_promote(api_url: str, run: str, flow_runs: dict[str, str]) -> str:
     """The promote run with the most task runs, the milestone first among equals: on a stack
     whose reconcile runs often, reconcile may have done a promotion before its event-driven
     run, which then only registers and finds it done."""
-    import httpx
-
     ids = [flow_runs[f"promote/{run}/step-{s}"] for s in (200, 100)] + [flow_runs[f"promote/{run}-pt/step-1000"]]
-    counts = [httpx.post(f"{api_url}/task_runs/count", json={"flow_runs": {"id": {"any_": [i]}}}, timeout=10).json()
-              for i in ids]
+    counts = [_post(api_url, "/task_runs/count", {"flow_runs": {"id": {"any_": [i]}}}) for i in ids]
     return ids[counts.index(max(counts))]
 
 
@@ -235,21 +256,48 @@ def lookup(api_url: str, run: str, flow_runs: dict[str, str]) -> dict[str, str]:
             "artifact_id": arts[0]["latest_id"]}
 
 
-def shoot(page: Page, out: Path, *, chromium: str, width: int, budget_ms: int) -> int:
-    """Render ``page`` into ``out/page.file``; its size in bytes. Retries once with twice the
-    budget when the rendered DOM lacks ``page.expect``."""
-    png = out / page.file
-    for budget in (budget_ms, 2 * budget_ms):
-        png.unlink(missing_ok=True)
-        with tempfile.TemporaryDirectory(prefix="ckpt-shot-") as profile:
-            cmd = chromium_command(chromium, page.url, png, width=width, height=page.height, budget_ms=budget,
-                                   profile=Path(profile))
-            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=budget / 1000 + 120)
-        if page.expect in done.stdout and png.exists():
-            return png.stat().st_size
-    png.unlink(missing_ok=True)
-    raise SystemExit(f"{page.url} did not show {page.expect!r} (chromium exit {done.returncode}):\n"
-                     f"{done.stderr[-2000:]}")
+def check_pages(browser: Browser, base: str, *, run: str, hostile: str, ids: dict[str, str]) -> None:
+    """What a user checks in the UI after `ckpt up` promoted a run and refused a hostile event;
+    ``BrowserError`` (with what the page showed) at the first that does not hold."""
+    browser.open(f"{base}/runs")
+    promotes = [f"promote/{run}-pt/step-1000", f"promote/{run}/step-100", f"promote/{run}/step-200"]
+    for name in [*promotes, hostile]:
+        browser.wait_text(name)
+    shown = browser.wait_for_states([*promotes, hostile])
+    if shown[hostile][0] != "Failed" or not is_red(shown[hostile][1]):
+        raise BrowserError(f"the hostile event's run {hostile} is not shown failed in red: {shown[hostile]}")
+    wrong = {name: shown[name] for name in promotes if shown[name][0] != "Completed" or is_red(shown[name][1])}
+    if wrong:
+        raise BrowserError(f"promote runs not shown completed: {wrong}")
+    browser.open(f"{base}/runs/flow-run/{ids['promote_run_id']}?tab=TaskRuns")
+    for task in ("tier0-to-tier1", "Completed"):
+        browser.wait_text(task)
+    browser.open(f"{base}/artifacts/artifact/{ids['artifact_id']}")
+    for text in ("Newest verified checkpoint", run, "200"):
+        browser.wait_text(text)
+
+
+def shoot(browser: Browser, page: Page, out: Path) -> int:
+    """Open ``page`` and, once it shows ``page.expect``, capture it into ``out/page.file``; the
+    PNG's size in bytes (nothing is saved for a page that never shows its text)."""
+    browser.open(page.url)
+    browser.wait_text(page.expect)
+    time.sleep(1.0)  # what loads after the text (charts, badges) settles
+    return browser.screenshot(out / page.file, height=page.height)
+
+
+def session(api_url: str, *, run: str, interval: float, timeout: float) -> tuple[str, dict[str, str]]:
+    """Train ``<run>-pt`` and ``<run>`` (see the module's docstring) and send the hostile event,
+    in this process's environment (the exports of the stack); (hostile run's name, the ids of what
+    is shot) once every promote run has finished."""
+    parent = f"{run}-pt"
+    flow_runs = wait_flow_runs(api_url, train(parent, steps=(1000,), milestone=1000), timeout)
+    # once the parent is in the catalog, the child's first checkpoint links to it
+    hostile = send_hostile_event(api_url, os.environ.get("CKPT_NODE", "node-0"))
+    flow_runs |= wait_flow_runs(api_url, train(run, parent=parent, steps=(100, 200), milestone=200,
+                                               interval=interval), timeout)
+    wait_flow_runs(api_url, [hostile], timeout, state="FAILED")
+    return hostile, lookup(api_url, run, flow_runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     chromium = find_chromium(args.chromium)
     if chromium is None:
         raise SystemExit("no Chromium found (Debian: apt-get install chromium), or name it with --chromium")
-    sys.path.insert(0, str(REPO))
     stack, tmp = None, None
     try:
         if args.api_url:
@@ -271,17 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             api_url = exports["PREFECT_API_URL"]
         base = ui_base(api_url)
         print(f"training {args.run}-pt and {args.run} against {api_url} ...", flush=True)
-        parent = f"{args.run}-pt"
-        flow_runs = wait_flow_runs(api_url, train(parent, steps=(1000,), milestone=1000), args.timeout)
-        # once the parent is in the catalog, the child's first checkpoint links to it
-        flow_runs |= wait_flow_runs(api_url, train(args.run, parent=parent, steps=(100, 200), milestone=200,
-                                                   interval=args.interval), args.timeout)
-        todo = pages(base, run=args.run, **lookup(api_url, args.run, flow_runs))
+        hostile, ids = session(api_url, run=args.run, interval=args.interval, timeout=args.timeout)
         args.out.mkdir(parents=True, exist_ok=True)
-        for page in todo:
-            size = shoot(page, args.out, chromium=chromium, width=args.width, budget_ms=args.budget_ms)
-            warn = f"  (over {SIZE_WARN_BYTES // 1000} KB)" if size > SIZE_WARN_BYTES else ""
-            print(f"{args.out / page.file}: {size // 1024} KiB, {page.url}{warn}", flush=True)
+        with Browser(chromium, width=args.width, timeout=args.budget_ms / 1000 + 30) as browser:
+            browser.login(base, os.environ.get(AUTH_STRING_ENV, ""))
+            check_pages(browser, base, run=args.run, hostile=hostile, ids=ids)
+            for page in pages(base, run=args.run, **ids):
+                size = shoot(browser, page, args.out)
+                warn = f"  (over {SIZE_WARN_BYTES // 1000} KB)" if size > SIZE_WARN_BYTES else ""
+                print(f"{args.out / page.file}: {size // 1024} KiB, {page.url}{warn}", flush=True)
     finally:
         if stack is not None:
             stop_stack(stack)

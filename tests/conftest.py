@@ -1,7 +1,8 @@
 """Fixtures for every test, all defined in the kit (``tests/kit/``):
 
 - servers: ``pg_server``, ``pg_url``, ``sqlite_url``, ``db_url`` (SQLite and PostgreSQL),
-  ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``prefect_server`` (SQLite),
+  ``s3_endpoint``, ``s3_bucket`` (moto's S3 server), ``localstack_endpoint`` (an S3 that checks
+  checksums; marker ``validating_s3``), ``prefect_server`` (SQLite),
   ``production_server`` (PostgreSQL + Redis, services apart), and fake AWS credentials for every test;
 - ``settings_factory``: settings rooted in the test's temp folder;
 - ``catalog``: a fresh, migrated catalog on ``db_url``;
@@ -16,6 +17,8 @@ from tests.kit.catalog import catalog  # noqa: F401
 from tests.kit.servers import (  # noqa: F401
     _aws_env,
     db_url,
+    localstack_endpoint,
+    moto_endpoint,
     pg_server,
     pg_url,
     prefect_server,

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from ckpt.tables import actor_role, table as fold_table
+
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
 out = Console()
 
@@ -78,7 +80,8 @@ def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json
     if as_json:
         _emit_json([dict(_plain(c), verified_tiers=list(tiers.get((c.run, c.step), ()))) for c in ckpts])
         return
-    table = Table("run", "step", "kind", "state", "parts", "size", "verified on", "committed")
+    table = fold_table("run", "step", "kind", "state", "parts", "size", "verified on", "committed",
+                       right=("step", "parts", "size"))
     for c in ckpts:
         table.add_row(c.run, str(c.step), c.kind, c.state, f"{c.parts_registered}/{c.parts}", _size(c.total_bytes),
                       _tiers(tiers.get((c.run, c.step), ())), _when(c.committed_at))
@@ -172,16 +175,16 @@ def parse_since(text: str) -> datetime:
 
 
 def _audit_table(entries, *, title: str) -> Table:
-    table = Table("at", "actor", "subject", "action", "change", "reason", title=title, title_justify="left")
+    table = fold_table("at", "actor", "subject", "action", "change", "reason", title=title)
     for e in entries:
         change = f"{e.from_state or ''} -> {e.to_state}" if e.from_state else (e.to_state or "")
-        table.add_row(_when(e.at), e.actor, e.subject, e.action, change, e.reason or "",
+        table.add_row(_when(e.at), actor_role(e.actor), e.subject, e.action, change, e.reason or "",
                       style="red" if e.action == "reject" else None)
     return table
 
 
 def _replica_table(reps) -> Table:
-    table = Table("tier", "part", "state", "url", "verified", "bytes", "node")
+    table = fold_table("tier", "part", "state", "url", "verified", "bytes", "node", right=("part", "bytes"))
     for r in reps:
         table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes),
                       r.node or "-")

@@ -28,18 +28,19 @@ def commit_cmd(
     """Check the folder's format, write its manifest (CRC32C), commit it under
     <tier0>/<run>/step-XXXXXXXX/ and announce it. Exit 1 when the event did not arrive (the
     checkpoint stays committed; reconcile promotes it)."""
+    from ckpt.announce import prefect_api_url, undelivered
     from ckpt.commands.ops import _run_step
     from ckpt.commit import commit_folder
     from core.settings import load_settings
 
-    done = commit_folder(directory, run, step, load_settings(), milestone=milestone, epoch_end=epoch_end,
+    settings = load_settings()
+    done = commit_folder(directory, run, step, settings, milestone=milestone, epoch_end=epoch_end,
                          parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce)
     m = done.saved.manifest
     typer.echo(f"committed {m.run} step {m.step} part {m.part}/{m.parts} ({m.format}, {m.kind}, "
                f"{len(m.files)} files) -> {done.saved.path / m.name}")
     if done.announced is False:
-        typer.echo("ckpt.checkpoint.completed NOT delivered (is PREFECT_API_URL set and the server up?); "
-                   "reconcile will promote it", err=True)
+        typer.echo(undelivered(settings, m.run, m.step, m.part, prefect_api_url(settings)), err=True)
         raise typer.Exit(1)
     if done.announced:
         typer.echo("announced ckpt.checkpoint.completed")

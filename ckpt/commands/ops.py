@@ -200,7 +200,8 @@ def watch_cmd(
 
 def up_cmd(
     root: Path = typer.Option(Path(".ckpt-stack"), "--dir", help="where the stack keeps its data and logs"),
-    port: int = typer.Option(4200, "--port", help="Prefect server port (a free one if taken)"),
+    port: int = typer.Option(None, "--port", help="Prefect server port; a taken one is an error (the jobs' "
+                             "exports name it) [default: 4200, or a free one if taken]"),
     nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
     auth: bool = typer.Option(True, "--auth/--no-auth",
@@ -218,8 +219,9 @@ def up_cmd(
 ) -> None:
     """The local stack on loopback: Prefect server (SQLite; with --production on PostgreSQL +
     Redis, services in their own process), moto's S3 server with its bucket, and the agents;
-    runs until Ctrl-C, then stops everything cleanly. API auth is on unless ``--no-auth``:
-    loopback is shared by every user of a login node."""
+    runs until Ctrl-C, then stops everything cleanly. An agent that exits is started again
+    (after 1 s, 2 s, 4 s, ... at most 60 s), the servers staying up. API auth is on unless
+    ``--no-auth``: loopback is shared by every user of a login node."""
     import os
     import shlex
     import signal
@@ -235,9 +237,10 @@ def up_cmd(
     prod = None
     if production:
         prod = ProductionStack(root.absolute() / "prefect", pg_server_url=pg_url or DEFAULT_PG_URL,
-                               redis_url=redis_url or DEFAULT_REDIS_URL, port=port, workers=api_workers)
-    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port, tier2=tier2,
-                       auth_string=secret, production=prod)
+                               redis_url=redis_url or DEFAULT_REDIS_URL, port=port or 4200,
+                               port_required=port is not None, workers=api_workers)
+    stack = LocalStack(root, nodes=tuple(f"node-{i}" for i in range(nodes)), port=port or 4200,
+                       port_required=port is not None, tier2=tier2, auth_string=secret, production=prod)
     typer.echo("starting the Prefect server" + (" (PostgreSQL + Redis, services apart)" if prod else "")
                + ", the S3 server and the agents ...")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as cleanly as Ctrl-C
@@ -252,9 +255,12 @@ def up_cmd(
             typer.echo(f"  export {k}={shlex.quote(v)}")
         typer.echo("Ctrl-C stops the stack")
         try:
-            while stack.alive():
+            while stack.servers_alive():
+                for line in stack.supervise():  # a dead agent is started again; the rest stays up
+                    typer.echo(line, err=True)
                 time.sleep(1)
-            typer.echo("a stack process exited; see the logs under " + str(root / "logs"), err=True)
+            typer.echo("a server of the stack (Prefect or S3) exited; stopping; see the logs under "
+                       + str(root / "logs"), err=True)
             raise typer.Exit(1)
         except KeyboardInterrupt:
             typer.echo("stopping ...")

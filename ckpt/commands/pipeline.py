@@ -125,12 +125,13 @@ def _print_promotion(result: dict, as_json: bool) -> None:
         typer.echo(json.dumps(result, indent=1))
         return
     from rich.console import Console
-    from rich.table import Table
+
+    from ckpt.tables import table as fold_table
 
     hops = result["hops"] + ((result.get("archive") or {}).get("hops") or [])
-    table = Table(title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}")
-    for col in ("hop", "files", "bytes", "seconds", "MB/s", "skipped"):
-        table.add_column(col, justify="left" if col == "hop" else "right")
+    table = fold_table("hop", "files", "bytes", "seconds", "MB/s", "skipped",
+                       title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}",
+                       right=("files", "bytes", "seconds", "MB/s"))
     for h in hops:
         table.add_row(h["hop"], str(h["files"]), f"{h['bytes']:,}", f"{h['seconds']:.3f}", f"{h['MB/s']:.1f}",
                       "yes" if h["skipped"] else "")
@@ -170,15 +171,14 @@ def retention_cmd(
 def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
     """The plan as a table: each copy, what the rule decided and why, and what became of it."""
     from rich.console import Console
-    from rich.table import Table
+
+    from ckpt.tables import table as fold_table
 
     out = out or Console()
     if not rows:
         out.print(f"{title}: nothing to demote or retire")
         return
-    table = Table(title=title)
-    for col in ("tier", "checkpoint", "action", "reason", "outcome"):
-        table.add_column(col)
+    table = fold_table("tier", "checkpoint", "action", "reason", "outcome", title=title)
     for r in rows:
         what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") + (
             f" on {r['node']}" if r["tier"] == 0 and r["node"] else "")
@@ -208,6 +208,8 @@ def reconcile_cmd(
         typer.echo(json.dumps(report, indent=1))
         return
     for action, items in report.items():
+        if action == "promotions":  # the promoted ones again, as rows (the artifact's, --json's)
+            continue
         for item in items:
             typer.echo(f"{action:9s} {item}")
     if not any(report.values()):

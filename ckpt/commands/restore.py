@@ -143,13 +143,12 @@ def drills_cmd(
 
 def _print_drills(results) -> None:
     from rich.console import Console
-    from rich.table import Table
 
+    from ckpt.tables import table as fold_table
     from tasks.drill import drill_row
 
-    table = Table(title="restoration drills")
-    for col in ("at", "run", "step", "tier", "ok", "seconds", "MB/s", "detail"):
-        table.add_column(col, justify="right" if col in ("step", "tier", "seconds", "MB/s") else "left")
+    table = fold_table("at", "run", "step", "tier", "ok", "seconds", "MB/s", "detail", title="restoration drills",
+                       right=("step", "tier", "seconds", "MB/s"))
     for r in results:
         row = drill_row(r)
         table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]),

@@ -44,10 +44,11 @@ in that call; ``locked_until`` tells beforehand (HeadObject's ``ObjectLockRetain
 Errors: 5xx, throttling, timeouts and connection failures become ``StorageUnavailable``
 after botocore's own retries (``standard`` mode, ``max_attempts``); a multipart upload aborted
 under our feet (``NoSuchUpload``) is ``StorageUnavailable`` too (the destination lost staging
-data; the source is fine and a retry starts over); 404 is ``NotFound``; 501 NotImplemented to
-the checksum or If-None-Match headers is ``ConfigError`` naming the header (fail closed: this
-store cannot keep its promises on such an endpoint, and no retry changes that); other client
-errors (access denied, missing bucket) are ``ConfigError``.
+data; the source is fine and a retry starts over), and so is an endpoint's 400 BadDigest (the
+bytes changed on the way: what was sent had been checked against the manifest); 404 is
+``NotFound``; 501 NotImplemented to the checksum or If-None-Match headers is ``ConfigError``
+naming the header (fail closed: this store cannot keep its promises on such an endpoint, and
+no retry changes that); other client errors (access denied, missing bucket) are ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ _RETRYABLE_CODES = {
 }
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
-_DIGEST_CODES = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"}
+_DIGEST_CODES = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"}  # the checksums we send
+_IN_TRANSIT_CODES = _DIGEST_CODES | {"XAmzContentSHA256Mismatch"}  # and the signature's payload hash
 
 # The optional request headers each call relies on, named in the ConfigError of an endpoint
 # that answers 501 NotImplemented (when its error does not name the header itself).
@@ -138,8 +140,12 @@ def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Ex
             return ConflictError(f"{what}: precondition failed ({code})")
         if code == "InvalidRange" or status == 416:  # a ranged read past the end: shorter than the manifest says
             return CorruptCheckpoint(f"{what}: the object is shorter than the range asked for ({code or status})")
-        if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
-            return CorruptCheckpoint(f"{what}: the endpoint rejected the checksum ({code}: {exc})")
+        if code in _IN_TRANSIT_CODES:
+            # Every upload sends the checksum of the bytes it read, and those bytes matched the
+            # manifest before anything was published: the endpoint received other bytes than were
+            # sent. The source is fine (never blame it); a retry sends them again.
+            return StorageUnavailable(f"{what}: the endpoint received bytes that differ from those sent "
+                                      f"({code}): changed in transit, nothing published; a retry sends them again")
         return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
     if isinstance(exc, (NoCredentialsError, ParamValidationError)):
         return ConfigError(f"S3 {what}: {exc}")

@@ -1,7 +1,11 @@
-"""`ckpt up`: the local stack starts (Prefect server with API auth on, S3 server, agent) and stops cleanly."""
+"""`ckpt up`: the local stack starts (Prefect server with API auth on, S3 server, agent), starts a
+dead agent again without touching the servers, and stops cleanly."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -34,9 +38,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _read_on(up) -> None:
+    """What ckpt up prints after it is ready, into ``up.lines`` (until it exits)."""
+    for line in iter(up.proc.stdout.readline, ""):
+        up.lines.append(line)
+
+
 def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
     port = free_port()
     up = start_up(tmp_path / "stack", env=fresh_shell_env(tmp_path / "home"), port=port, cwd=tmp_path)
+    again: list[int] = []
     try:
         assert f"Prefect UI   http://127.0.0.1:{port}" in up.text
         assert up.exports["PREFECT_API_URL"] == f"http://127.0.0.1:{port}/api"
@@ -52,10 +63,26 @@ def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
         assert d["status"] == "READY"
         children = _children(up.proc.pid)
         assert len(children) >= 3  # server, S3 server, agent
+
+        # the agent dies: it is started again, told once, and the server and S3 stay as they are
+        agent = next(c for c in children if b"agent" in Path(f"/proc/{c}/cmdline").read_bytes())
+        servers = [c for c in children if c != agent]
+        reader = threading.Thread(target=_read_on, args=(up,), daemon=True)
+        reader.start()
+        os.kill(agent, signal.SIGKILL)
+        wait_for("ckpt up to say it restarts the agent", lambda: "restart 1 in 1 s" in up.text, timeout=60)
+        assert "agent node-0 exited with -9; restart 1 in 1 s" in up.text
+        again = wait_for("a new agent", lambda: [c for c in _children(up.proc.pid) if c not in children
+                                                 and b"agent" in Path(f"/proc/{c}/cmdline").read_bytes()],
+                         timeout=60)
+        assert all(_alive(c) for c in servers) and _alive(again[0])
+        assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200
+        assert up.text.count("exited with") == 1
     finally:
         rest = up.stop()
     assert up.proc.returncode == 0, rest
-    assert "stopped" in rest
+    assert "stopped" in up.text + rest
+    children += again  # the restarted agent is stopped with the rest
     wait_for("every child of ckpt up to be gone", lambda: not [c for c in children if _alive(c)], timeout=10)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2)

@@ -88,6 +88,9 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     assert tasks == ["mark-complete", "plan-retention", "tier0-to-tier1", "tier1-to-tier2"], tasks
     assert {(t, p): s for (t, p), s in replica_states(settings, run, 100).items()} == {
         (0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
+    with open_catalog(settings) as cat:  # who acted: an event's run, and which one
+        actors = {e.actor for e in cat.history(run, 100) if e.to_state == "verified"}
+    assert actors == {f"event flow-run:{state.state_details.flow_run_id}"}
     table = Artifact.get(f"promote-{run}-100-0")
     assert table is not None and table.type == "table"
     hops = json.loads(table.data) if isinstance(table.data, str) else table.data

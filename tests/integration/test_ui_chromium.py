@@ -1,48 +1,47 @@
-"""The Prefect UI as scripts/ui_screenshot.py sees it: a server on a port other than 4200
-renders a flow run from its own API in headless Chromium. Chromium is optional (the script
-needs it, `make test` does not): without it this test skips."""
+"""The Prefect UI in a real browser, as a user sees it: `ckpt up` (API auth on) promotes a run
+saved with the client and refuses a hostile event; headless Chromium logs in with the API auth
+string, as a user types it into the UI's login form, and finds the promote runs completed, the
+hostile event's run failed in red, the promote run's task runs and the run's status artifact
+(scripts/ui_screenshot.py's checks). Without Chromium this test skips; with ``CI=true`` it fails
+(``.ci/run`` installs Debian's chromium)."""
 
-import httpx
 import pytest
 
-from ckpt.local_stack import start_prefect_server, stop_process
+from ckpt.local_stack import free_port
 from scripts import ui_screenshot as shot
+from scripts.ui_browser import Browser, BrowserError
+from tests.kit.require import require
 
 CHROMIUM = shot.find_chromium()
+RUN = "ui-check"
 
-pytestmark = [pytest.mark.prefect, pytest.mark.slow,
-              pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: only scripts/ui_screenshot.py needs it")]
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 
-def test_ui_on_another_port_renders_a_flow_run_in_chromium(tmp_path):
-    proc, api = start_prefect_server(tmp_path / "prefect", port=None, ui=True)
+@pytest.fixture
+def chromium() -> str:
+    require("" if CHROMIUM else "not found (Debian: apt-get install chromium; .ci/run installs it)", "Chromium")
+    assert CHROMIUM is not None
+    return CHROMIUM
+
+
+def test_a_user_logged_in_sees_the_promotion_the_refused_hostile_event_and_the_status_page(chromium, tmp_path,
+                                                                                           monkeypatch):
+    proc, exports = shot.start_stack(tmp_path / "stack", free_port(), timeout=240)
     try:
-        assert not api.endswith(":4200/api")
-        flow = created(f"{api}/flows/", {"name": "promote-checkpoint"})
-        run = created(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": "promote/ui-check/step-7",
-                                            "state": {"type": "COMPLETED"}})
-        page = shot.Page("flow-run.png", f"{shot.ui_base(api)}/runs/flow-run/{run['id']}",
-                         "promote/ui-check/step-7", 600)
-        size = shot.shoot(page, tmp_path, chromium=CHROMIUM, width=1000, budget_ms=20_000)
+        for key, value in exports.items():
+            monkeypatch.setenv(key, value)
+        api = exports["PREFECT_API_URL"]
+        secret = exports["PREFECT_API_AUTH_STRING"]
+        base = shot.ui_base(api)
+        hostile, ids = shot.session(api, run=RUN, interval=0.5, timeout=240)
+        with Browser(chromium, width=1400, timeout=90) as browser:
+            with pytest.raises(BrowserError, match="the UI refused the API auth string"):
+                browser.login(base, secret + "-wrong")  # the UI keeps a wrong secret out
+            browser.login(base, secret)
+            shot.check_pages(browser, base, run=RUN, hostile=hostile, ids=ids)
+            page = shot.pages(base, run=RUN, **ids)[0]
+            assert shot.shoot(browser, page, tmp_path) > 0
     finally:
-        stop_process(proc)
-    assert (tmp_path / "flow-run.png").read_bytes()[:4] == b"\x89PNG" and size > 10_000
-
-
-def created(url: str, body: dict) -> dict:
-    """POST until the server answers with the created object (a server just started on a busy
-    machine may still answer 5xx for a moment); the last answer in the failure otherwise."""
-    from tests.kit.agents import wait_for
-
-    last: list[httpx.Response] = []
-
-    def post():
-        last[:] = [httpx.post(url, json=body, timeout=30)]
-        return last[0].is_success and "id" in last[0].json()
-
-    try:
-        wait_for(f"POST {url}", post, timeout=60)
-    except Exception as exc:
-        answer = f"{last[0].status_code} {last[0].text[:500]}" if last else "no answer"
-        raise AssertionError(f"{url}: {answer}") from exc
-    return last[0].json()
+        shot.stop_stack(proc)
+    assert (tmp_path / page.file).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

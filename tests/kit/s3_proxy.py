@@ -3,12 +3,14 @@
 Each request is shown to ``on_request(req)`` before it goes upstream: returning ``None``
 forwards it (after any change the hook made to ``req.body``: a byte flipped in transit),
 returning ``(status, code)`` answers it with that S3 error instead. Every request is recorded
-in ``seen`` (method, path, headers; bodies are not kept).
+in ``seen`` (method, path, headers; bodies are not kept), and every error the upstream server
+answered in ``refused`` (the request, the status and the S3 error code).
 """
 
 from __future__ import annotations
 
 import http.client
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class S3Proxy:
         self.upstream = (host, int(port))
         self.on_request = on_request or (lambda req: None)
         self.seen: list[Request] = []
+        self.refused: list[tuple[Request, int, str]] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -76,6 +79,11 @@ class S3Proxy:
                 conn.request(self.command, self.path, body=req.body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if resp.status >= 400:
+                    code = re.search(rb"<Code>([^<]*)</Code>", data)
+                    with proxy.lock:
+                        proxy.refused.append((Request(req.method, req.path, req.headers, b"", req.query),
+                                              resp.status, code.group(1).decode() if code else ""))
                 kept = [(k, v) for k, v in resp.getheaders()
                         if k.lower() not in ("transfer-encoding", "content-length", "connection")]
                 length = resp.getheader("Content-Length") if self.command == "HEAD" else None

@@ -1,17 +1,26 @@
 """The servers the integration tests run against, as fixtures: PostgreSQL (``pg_server``,
 ``pg_url``), both catalog backends (``db_url``; ``sqlite_url`` for SQLite only), moto's S3 server
-(``s3_endpoint``, ``s3_bucket``), a real Prefect server (``prefect_server``, SQLite) and Prefect
+(``s3_endpoint``, ``s3_bucket``), LocalStack's S3, which checks the checksums it is sent
+(``localstack_endpoint``; ``each_s3_endpoint``: a module's ``s3_endpoint`` on moto and then on
+LocalStack), a real Prefect server (``prefect_server``, SQLite) and Prefect
 in its production shape (``production_server``: API server and services processes on
 PostgreSQL + Redis); and fake AWS credentials for every test (``_aws_env``).
 
 PostgreSQL: ``CKPT_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``).
 Each test that asks for ``pg_url`` gets a fresh database created from it and dropped after.
 With ``CI=true`` an unreachable PostgreSQL fails those tests instead of skipping them.
+
+LocalStack runs in host mode (no Docker) from a virtual environment of its own on Python 3.13,
+which ``make localstack`` builds beside ``.venv`` (``.venv-localstack``); ``CKPT_LOCALSTACK_PYTHON``
+names another interpreter. Without one its tests (marker ``validating_s3``) skip, and with
+``CI=true`` they fail instead.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -74,7 +83,7 @@ def db_url(request, tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
+def moto_endpoint(tmp_path_factory):
     """moto's S3 server on loopback, real HTTP, once per session (as ``ckpt up`` starts it)."""
     from ckpt.local_stack import start_moto, stop_process
 
@@ -83,6 +92,62 @@ def s3_endpoint(tmp_path_factory):
         yield url
     finally:
         stop_process(proc, grace=5.0)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(moto_endpoint):
+    """The S3 endpoint of a test: moto's (a module that imports ``each_s3_endpoint`` gets both)."""
+    return moto_endpoint
+
+
+def localstack_python() -> Path:
+    """The interpreter of LocalStack's own virtual environment (see the module's docstring)."""
+    named = os.environ.get("CKPT_LOCALSTACK_PYTHON")
+    return Path(named) if named else Path(sys.prefix).parent / ".venv-localstack" / "bin" / "python"
+
+
+def start_localstack(home: Path, *, timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """LocalStack's S3 alone, host mode, on a free loopback port; returns (process, endpoint URL)."""
+    from ckpt.local_stack import LOOPBACK, _spawn, free_port, stop_process, wait_http
+
+    python = localstack_python()
+    if not python.exists():
+        require(f"its Python {python} does not exist (make localstack builds it)", "LocalStack's S3")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(SERVICES="s3", GATEWAY_LISTEN=f"{LOOPBACK}:{port}", SKIP_INFRA_DOWNLOADS="1",
+               LOCALSTACK_VOLUME_DIR=str(home / "volume"), FILESYSTEM_ROOT=str(home / "fs"),
+               TMPDIR=str(home), DISABLE_EVENTS="1", DNS_ADDRESS="0", LS_LOG="warn")
+    proc = _spawn([str(python), "-m", "localstack.runtime.main"], home / "localstack.log", env, cwd=home)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        wait_http(f"{url}/_localstack/health", timeout=timeout, proc=proc, what="LocalStack S3")
+    except BaseException:
+        stop_process(proc, grace=5.0)
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def localstack_endpoint(tmp_path_factory):
+    """LocalStack's S3 on loopback, once per session: an S3 that answers 400 BadDigest to a
+    wrong CRC32C or Content-MD5 (PutObject, UploadPart, CompleteMultipartUpload), and enforces
+    Object Lock and If-None-Match."""
+    from ckpt.local_stack import stop_process
+
+    proc, url = start_localstack(tmp_path_factory.mktemp("localstack"))
+    try:
+        yield url
+    finally:
+        stop_process(proc, grace=10.0)
+
+
+@pytest.fixture(name="s3_endpoint", scope="module",
+                params=["moto", pytest.param("localstack", marks=pytest.mark.validating_s3)])
+def each_s3_endpoint(request):
+    """``s3_endpoint`` for a whole module on moto (stores the checksums it is sent) and then on
+    LocalStack (checks them): ``from tests.kit.servers import each_s3_endpoint`` in the module."""
+    return request.getfixturevalue(f"{request.param}_endpoint")
 
 
 @pytest.fixture(autouse=True)

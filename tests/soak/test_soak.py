@@ -1068,3 +1068,23 @@ def _run(db_url, s3_url, proxy_url, settings_factory, monkeypatch, *, examples: 
 
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.mark.validating_s3
+def test_nothing_is_lost_under_faults_on_an_s3_that_checks_checksums(sqlite_url, localstack_endpoint, settings_factory,
+                                                                     monkeypatch):
+    """A short leg of the same soak on LocalStack's S3, which refuses a wrong checksum (moto
+    stores whatever it is sent): a third of the examples, at most 30 steps each, on SQLite."""
+    from tests.kit.s3_proxy import S3Proxy
+    monkeypatch.setitem(globals(), "EXAMPLES", max(1, EXAMPLES // 3))
+    monkeypatch.setitem(globals(), "STEP_COUNT", min(STEP_COUNT, 30))
+    STATS.clear()
+    SECONDS.clear()
+    started = time.monotonic()
+    proxy = S3Proxy(localstack_endpoint, on_request=S3_FAULTS)
+    try:
+        _run(sqlite_url, localstack_endpoint, proxy.url, settings_factory, monkeypatch)
+    finally:
+        proxy.close()
+        STATS["wall_s"] = round(time.monotonic() - started)
+        REPORTS["sqlite+localstack"] = dict(STATS)

@@ -191,8 +191,9 @@ def test_parts_of_one_checkpoint_share_a_folder(settings_factory):
     assert pb.manifest.node == "node-1"
 
 
-def test_unreachable_prefect_never_reaches_training(settings_factory):
-    """Events to a port nothing listens on: save returns at local-commit speed, close returns."""
+def test_unreachable_prefect_never_reaches_training(settings_factory, caplog):
+    """Events to a port nothing listens on: save returns at local-commit speed, close returns,
+    and the job is told where it tried and that the scheduled reconcile promotes the checkpoint."""
     import socket
 
     with socket.socket() as sock:
@@ -206,6 +207,11 @@ def test_unreachable_prefect_never_reaches_training(settings_factory):
     st.close(timeout=20)
     assert st._announcer.delivered == [("run-a", 1, 0, False)]
     assert (saved.path / "manifest.json").is_file()
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("emit failed")]
+    assert len(told) == 1, told
+    assert f"http://127.0.0.1:{port}/api" in told[0] and "run-a step 1" in told[0]
+    interval = s.reconcile_interval_seconds
+    assert f"scheduled reconcile of node {s.node} promotes it within its interval ({interval} s)" in told[0]
 
 
 @pytest.mark.parametrize("step", [-1, "12", 1.5, True])

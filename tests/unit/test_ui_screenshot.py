@@ -1,4 +1,4 @@
-"""scripts/ui_screenshot.py without a browser: what it asks Chromium to do, which pages it
+"""scripts/ui_screenshot.py without a browser: how it starts Chromium, which pages it
 shoots, how it reads `ckpt up`'s exports; and that the README shows exactly its screenshots."""
 
 import re
@@ -29,12 +29,22 @@ def test_help_names_the_pages(capsys):
     assert "--api-url" in out and "rpo-automation.png" in out
 
 
-def test_chromium_is_headless_renders_the_spa_and_dumps_its_dom(tmp_path):
-    cmd = shot.chromium_command("/usr/bin/chromium", "http://h/v2/runs", tmp_path / "a.png", width=1400,
-                                height=900, budget_ms=20000, profile=tmp_path / "p")
-    assert cmd[0] == "/usr/bin/chromium" and cmd[-1] == "http://h/v2/runs"
-    assert {"--headless=new", "--dump-dom", "--window-size=1400,900", "--virtual-time-budget=20000",
-            f"--screenshot={tmp_path / 'a.png'}", f"--user-data-dir={tmp_path / 'p'}"} <= set(cmd)
+def test_chromium_runs_headless_on_a_closed_network_driven_over_loopback(tmp_path):
+    from scripts.ui_browser import browser_command
+
+    cmd = browser_command("/usr/bin/chromium", port=9333, profile=tmp_path / "p", width=1400, height=900)
+    assert cmd[0] == "/usr/bin/chromium" and cmd[-1] == "about:blank"
+    assert {"--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=9333",
+            f"--user-data-dir={tmp_path / 'p'}", "--window-size=1400,900"} <= set(cmd)
+
+
+def test_red_is_what_a_user_calls_red():
+    from scripts.ui_browser import is_red
+
+    assert is_red((220, 38, 38)) and is_red((239, 68, 68))  # Tailwind's red-600 / red-500
+    assert not any(is_red(c) for c in [(22, 163, 74), (128, 128, 128), (250, 204, 21), None])
 
 
 def test_pages_point_at_the_promotion_the_automation_and_the_status_artifact():

@@ -103,3 +103,31 @@ def test_audit_lists_rejections_first_and_filters_by_run_and_time(cli, catalog):
     assert json.loads(cli("audit", "--since", "2000-01-01T00:00:00", "--json")) == rows
     assert json.loads(cli("audit", "--since", "2999-01-01T00:00:00+00:00", "--json")) == []
     assert "bad shard" in cli("audit", "--since", "1h")
+
+
+LONG_RUN = "llama-70b-sft-sweep-lr3e-5-warmup-2000-seed-17-" + "x" * 30
+
+
+def _column(table: str, index: int) -> str:
+    """The text of a table's column ``index``, its folded lines joined."""
+    return "".join(line.split("│")[index + 1].strip() for line in table.splitlines() if line.count("│") > index + 1)
+
+
+def test_tables_fold_long_run_names_and_history_reads_who_acted(cli, catalog):
+    ck = checkpoint(catalog, LONG_RUN, 10)
+    verified(catalog, ck.id, 1)
+    catalog.pin(LONG_RUN, 10, actor="reconcile/node-0 flow-run:0b8f6a52-2f7e-4c41-9d1c-1f1d9c4e9a10")
+    catalog.unpin(LONG_RUN, 10, actor="retention flow-run:5c1e0f0e-8d3b-4a55-b7a2-9a3cf0d1e2f3")
+    catalog.pin(LONG_RUN, 10, actor="event flow-run:77d9e1c4-0a0b-4c2d-8e3f-4a5b6c7d8e9f")
+    catalog.unpin(LONG_RUN, 10, actor="cli")
+
+    listed = cli("ls")
+    assert LONG_RUN in _column(listed, 0) and "…" not in listed  # whole, folded, never cut short
+    shown = cli("show", LONG_RUN, "10")
+    assert "…" not in shown
+    actors = _column(shown.split("history", 1)[1], 1)
+    for role in ("reconcile/node-0", "retention", "event", "cli"):
+        assert role in actors
+    assert "flow-run" not in actors
+    doc = json.loads(cli("show", LONG_RUN, "10", "--json"))
+    assert "reconcile/node-0 flow-run:0b8f6a52-2f7e-4c41-9d1c-1f1d9c4e9a10" in [h["actor"] for h in doc["history"]]

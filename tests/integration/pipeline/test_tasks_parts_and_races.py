@@ -165,6 +165,11 @@ def test_reconcile_promotes_a_checkpoint_whose_event_was_lost(settings):
 
     assert report.promoted == [f"{RUN}/100 part 0"]
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    # what the reconcile run's artifact shows in the UI: the promotion, as a promote run would
+    assert [{k: p[k] for k in ("run", "step", "part", "tiers", "durable")} for p in report.promotions] == [
+        {"run": RUN, "step": 100, "part": 0, "tiers": "0 -> 1", "durable": True}]
+    assert report.promotions[0]["files"] > 0 and report.promotions[0]["bytes"] > 0
+    assert {r["action"] for r in report.rows()} == {"promoted"}
     assert reconcile_once(settings, steps=plain_steps()).promoted == []  # nothing left
 
 

@@ -1,4 +1,4 @@
-"""Tier 2 under S3 Object Lock, on moto's S3 server over HTTP (which enforces Object Lock: a
+"""Tier 2 under S3 Object Lock, on moto's S3 server over HTTP and on LocalStack's (both enforce Object Lock: a
 locked version refuses DeleteObject with its VersionId, AccessDenied).
 
 Uploads carry the lock; a store asked to lock refuses a bucket without Object Lock before
@@ -18,6 +18,8 @@ import pytest
 from core import checksum
 from core.errors import ConfigError, ObjectLocked
 from core.storage.s3 import S3Store
+
+from tests.kit.servers import each_s3_endpoint  # noqa: F401 - every test here on moto, then LocalStack
 
 MiB = 1024 * 1024
 

@@ -1,5 +1,6 @@
-"""One contract suite for every tier backend: a local folder, fsspec ``memory://`` and S3 on
-moto's real HTTP server. Corruption is always made by hand (moto never rejects a checksum)."""
+"""One contract suite for every tier backend: a local folder, fsspec ``memory://``, and S3 on
+moto's real HTTP server (which stores whatever checksum it is sent) and on LocalStack's
+(``validating_s3``: which checks it). Stored bytes are corrupted by hand, behind the store's back."""
 
 from __future__ import annotations
 
@@ -21,30 +22,32 @@ from tests.kit.stores import all_names, put, read
 MiB = 1024 * 1024
 
 
-@pytest.fixture
-def s3_store(s3_endpoint, s3_bucket):
-    s = S3Store(f"s3://{s3_bucket}/root", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
-                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=2)
-    yield s
-    s.close()
+S3_SERVERS = {"s3": "moto", "s3-validating": "localstack"}  # store kind -> the server's fixture
+VALIDATING = pytest.mark.validating_s3
 
 
-@pytest.fixture
-def s3_versioned_store(s3_endpoint):
-    """S3 on a bucket created with Object Lock (so versioned), nothing locked: deletes must
-    remove versions, not only hide them behind delete markers."""
+def _s3_store(endpoint: str, *, versioned: bool) -> S3Store:
+    """S3 on a fresh bucket; ``versioned``: created with Object Lock (so versioned), nothing
+    locked: deletes must remove versions, not only hide them behind delete markers."""
     import boto3
 
-    bucket = f"ver-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
-        Bucket=bucket, ObjectLockEnabledForBucket=True)
-    s = S3Store(f"s3://{bucket}/root", 2, endpoint_url=s3_endpoint, multipart_threshold=5 * MiB,
-                chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=2)
+    bucket = f"{'ver' if versioned else 'ckpt'}-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket, **({"ObjectLockEnabledForBucket": True} if versioned else {}))
+    return S3Store(f"s3://{bucket}/root", 2, endpoint_url=endpoint, multipart_threshold=5 * MiB,
+                   chunk_bytes=5 * MiB, max_concurrency=4, max_attempts=2)
+
+
+@pytest.fixture(params=["s3", pytest.param("s3-validating", marks=VALIDATING)])
+def s3_store(request):
+    """S3 on moto (stores the checksums it is sent) and on LocalStack (checks them)."""
+    s = _s3_store(request.getfixturevalue(f"{S3_SERVERS[request.param]}_endpoint"), versioned=False)
     yield s
     s.close()
 
 
-@pytest.fixture(params=["local", "memory", "s3", "s3-versioned"])
+@pytest.fixture(params=["local", "memory", "s3", "s3-versioned", pytest.param("s3-validating", marks=VALIDATING),
+                        pytest.param("s3-validating-versioned", marks=VALIDATING)])
 def store(request, tmp_path):
     if request.param == "local":
         yield LocalStore(tmp_path / "tier", tier=1)
@@ -53,10 +56,12 @@ def store(request, tmp_path):
         yield s
         if s.fs.exists(s.root):
             s.fs.rm(s.root, recursive=True)
-    elif request.param == "s3":
-        yield request.getfixturevalue("s3_store")
     else:
-        yield request.getfixturevalue("s3_versioned_store")
+        kind = request.param.removesuffix("-versioned")
+        s3 = _s3_store(request.getfixturevalue(f"{S3_SERVERS[kind]}_endpoint"),
+                       versioned=request.param.endswith("-versioned"))
+        yield s3
+        s3.close()
 
 
 def corrupt(store, key: str, data: bytes) -> None:

@@ -1,4 +1,4 @@
-"""copy_part / verify_part against moto's S3 server over HTTP: multipart, server-side CRC32C,
+"""copy_part / verify_part against S3 over HTTP (moto, then LocalStack): multipart, server-side CRC32C,
 objects replaced behind our back, and S3 5xx."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from core.storage.local import LocalStore
 from core.storage.s3 import S3Store, new_client
 from core.transfer import copy_part, find_committed, verify_part
 from tests.kit.checkpoints import write_checkpoint
+
+from tests.kit.servers import each_s3_endpoint  # noqa: F401 - every test here on moto, then LocalStack
 
 MiB = 1024 * 1024
 RUN, STEP = "run-a", 200
