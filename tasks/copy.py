@@ -37,7 +37,8 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
         url = dst.url_for(prefix)
         manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
         prior = part_replica(cat, ck.id, dst_tier, part, None)
-        held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=None, actor=actor,
+        held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
+                                     actor=actor,
                                      lease_s=settings.claim_lease_seconds)
         if held is None:
             if rep.state == VERIFIED:

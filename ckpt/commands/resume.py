@@ -1,0 +1,40 @@
+"""``ckpt resume``: the resume point of a run on this node, for scripts that cannot import it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("resume")(resume_cmd)
+
+
+def resume_cmd(
+    run: str = typer.Argument(..., help="training run"),
+    part: int = typer.Option(None, "--part", help="this node's part (default: every part)"),
+    parts: int = typer.Option(None, "--parts", help="how many parts the job has"),
+    to: Path = typer.Option(None, "--to", help="fetch into this folder (absent or empty) instead of Tier 0"),
+    verify: str = typer.Option("size", "--verify", help="size (default) or full: read every byte back"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it from."""
+    from core.errors import BadInput
+    from core.settings import load_settings
+    from tasks.resume import resume
+
+    if verify not in ("size", "full"):
+        raise BadInput(f"--verify must be size or full, not {verify!r}")
+    point = resume(load_settings(), run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]
+                   actor="cli")
+    if point is None:
+        typer.echo(json.dumps({"run": run, "step": None}) if as_json else f"{run}: no checkpoint yet")
+        return
+    if as_json:
+        typer.echo(json.dumps(point.to_json(), indent=1))
+        return
+    if point.note:
+        typer.echo(f"note: {point.note}", err=True)
+    typer.echo(point.path)

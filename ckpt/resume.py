@@ -1,0 +1,33 @@
+"""``resume_point``: the one call a training script makes on start, unconditionally.
+
+    point = resume_point("llm-7b", part=node_rank, parts=nodes)
+    if point is not None:
+        dcp.load(state_dict, checkpoint_id=point.path)
+
+It gives the newest checkpoint of the run with a good copy of every part this node needs, and
+a local folder to load it from (this node's Tier 0 copy or the mounted Tier 1 folder in place,
+else fetched into Tier 0 or ``to``); ``None`` for a run with no checkpoint yet. The rules are
+``tasks.resume``'s; this reads the settings from the environment (or takes them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.resume import FETCHED, IN_PLACE, PartResume, ResumePoint, Verify
+
+if TYPE_CHECKING:
+    from core.settings import Settings
+
+__all__ = ["FETCHED", "IN_PLACE", "PartResume", "ResumePoint", "resume_point"]
+
+
+def resume_point(run: str, *, part: int | None = None, parts: int | None = None, to: str | Path | None = None,
+                 verify: Verify = "size", settings: Settings | None = None) -> ResumePoint | None:
+    """Where ``run`` resumes on this node (``part`` of ``parts``, or the whole checkpoint):
+    ``ResumePoint(run, step, path, parts, note)``, or None when the run has no checkpoint."""
+    from core.settings import load_settings
+    from tasks.resume import resume
+
+    return resume(settings or load_settings(), run, part=part, parts=parts, to=to, verify=verify)

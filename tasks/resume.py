@@ -1,0 +1,434 @@
+"""resume: the one call a training node makes on start, the newest checkpoint it can load and a
+local folder to load it from, taken from the cheapest good source of each part it needs.
+
+Contract of ``resume``:
+- The newest committed checkpoint of the run (never a retired or partial one) whose wanted
+  parts (``part``, or every part) all have a good copy; ``None`` when the run has none yet.
+- Sources, cheapest first (``plan_sources``): this node's own Tier 0 copy in place; the Tier 1
+  folder in place when Tier 1 is a path mounted here; else a fetch (Tier 1, then Tier 2) into
+  this node's Tier 0 under the layout, recorded there as a verified replica under a claim (the
+  next resume then finds case 1), or into ``to`` (absent or empty; filled atomically).
+- "Good" means the copy is verified in the catalog, its manifest still lists exactly the files
+  the catalog registered, and every file has the registered size (``verify="full"``: and the
+  registered CRC32C, read back now). A copy that fails is marked ``corrupt``/``missing`` and the
+  next source is tried; a checkpoint with no good copy gives way to the previous one, said in
+  ``ResumePoint.note``.
+- A part brings only its own files plus the checkpoint-wide files its format needs to load
+  (DCP ``.metadata``, the HF index), from whichever part holds them.
+- A fetch from Tier 2 whose Tier 1 copy is gone first rehydrates Tier 1 as a claimed copy
+  (``tasks.copy.copy_between_tiers``): of N nodes resuming at once one reads S3, the others
+  wait for its claim and read Tier 1.
+- It records nothing but replicas: resuming a run is not a new run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from core.errors import BadInput, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
+from core.formats import DCP_METADATA, HF_INDEX
+from core.layout import checkpoint_dirname, checkpoint_prefix
+from core.paths import safe_run_name
+from core.settings import Settings
+from core.storage.base import TierStore, hash_object
+from db.catalog import Catalog
+from db.entities import VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
+from tasks.base import log, open_catalog, registered_manifest
+from tasks.replicas import TierStores, classify_failure, mark_bad
+
+Verify = Literal["size", "full"]
+IN_PLACE, FETCHED = "in place", "fetched"
+WIDE_FILES = (DCP_METADATA, HF_INDEX)  # what every part of a checkpoint needs to load, wherever it lives
+HYDRATION_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class PartResume:
+    """Where one part came from: ``tier``, ``source`` (in place | fetched), bytes moved now."""
+
+    part: int
+    tier: int
+    source: str
+    bytes_moved: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint to resume from and the local folder holding it."""
+
+    run: str
+    step: int
+    path: str
+    parts: list[PartResume] = field(default_factory=list)
+    note: str | None = None  # set when it fell back to an older step, and why
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "path": self.path,
+                "parts": [asdict(p) for p in self.parts], "note": self.note}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One way to get a part: read ``tier`` in place, or fetch from it."""
+
+    tier: int
+    in_place: bool
+    replica: ReplicaInfo
+
+
+class _NoGoodCopy(Exception):
+    """Every source of a wanted part failed (each already marked in the catalog)."""
+
+
+def plan_sources(replicas: Iterable[ReplicaInfo], part: int, *, node: str, configured: set[int],
+                 local: set[int]) -> list[Source]:
+    """The sources of ``part``, cheapest first: this node's Tier 0 copy (in place), Tier 1 (in
+    place where ``local``, else fetched), Tier 2 (fetched). Only verified replicas of configured
+    tiers; Tier 0 only on its own node and only as a local folder."""
+    verified = {r.tier: r for r in replicas if r.part == part and r.state == VERIFIED and r.tier in configured
+                and (r.tier != 0 or r.node in (None, "", node))}
+    found = []
+    if 0 in verified and 0 in local:
+        found.append(Source(0, True, verified[0]))
+    if 1 in verified:
+        found.append(Source(1, 1 in local, verified[1]))
+    if 2 in verified:
+        found.append(Source(2, False, verified[2]))
+    return found
+
+
+def wanted_parts(ck: CheckpointInfo, part: int | None, parts: int | None) -> list[int]:
+    """The parts this caller needs: ``part`` (checked against ``parts`` and the checkpoint), or all."""
+    if parts is not None and parts != ck.parts:
+        raise BadInput(f"{ck.run}/step-{ck.step} has {ck.parts} part(s), the job says --parts {parts}")
+    if part is None:
+        return list(range(ck.parts))
+    if not 0 <= part < ck.parts:
+        raise BadInput(f"part {part} out of range: {ck.run}/step-{ck.step} has {ck.parts} part(s)")
+    return [part]
+
+
+def wide_files(files: Sequence[FileInfo], wanted: Sequence[int]) -> list[FileInfo]:
+    """Checkpoint-wide files (``WIDE_FILES``) that another part holds, one per path."""
+    own = {f.path for f in files if f.part in wanted}
+    seen: dict[str, FileInfo] = {}
+    for f in files:
+        if f.path in WIDE_FILES and f.path not in own and f.part not in wanted:
+            seen.setdefault(f.path, f)
+    return list(seen.values())
+
+
+def resume(settings: Settings, run: str, *, part: int | None = None, parts: int | None = None,
+           to: str | Path | None = None, verify: Verify = "size", actor: str = "resume") -> ResumePoint | None:
+    """The resume point of ``run`` for this node; see the module contract."""
+    safe_run_name(run)
+    if verify not in ("size", "full"):
+        raise BadInput(f"verify must be 'size' or 'full', not {verify!r}")
+    if part is not None and (part < 0 or (parts is not None and part >= parts)):
+        raise BadInput(f"part {part} out of range: the job has {parts} part(s)")
+    target = Path(to).expanduser().absolute() if to is not None else None
+    if target is not None:
+        from tasks.restore import ensure_empty_target
+
+        ensure_empty_target(target)
+    notes: list[str] = []
+    assert settings.catalog_url is not None  # resolved by Settings
+    with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
+        try:
+            cat.get_run(run)
+        except UnknownRun:
+            return None
+        from tasks.restore import candidates
+
+        newest: int | None = None
+        for ck in candidates(cat, run, None, True):
+            newest = ck.step if newest is None else newest
+            wanted = wanted_parts(ck, part, parts)
+            try:
+                point = _resume_checkpoint(cat, stores, ck, wanted, target, verify, actor, notes)
+            except _NoGoodCopy as exc:
+                notes.append(f"step {ck.step}: {exc}")
+                log.warning("resume %s: step %d has no good copy (%s); trying the previous checkpoint",
+                            run, ck.step, exc)
+                continue
+            if ck.step != newest:
+                point = ResumePoint(point.run, point.step, point.path, point.parts,
+                                    f"fell back from step {newest} to step {ck.step}: " + "; ".join(notes))
+            log.info("resume %s from step %d at %s", run, ck.step, point.path)
+            return point
+    if newest is None:
+        return None
+    raise NotFound(f"{run}: no checkpoint has a good copy readable here ({'; '.join(notes)})")
+
+
+def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int],
+                       target: Path | None, verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+    """Resume ``ck``: in place where every wanted part is good on one tier, else fetched."""
+    settings = stores.settings
+    files = cat.files(ck.id)
+    wide = wide_files(files, wanted)
+    if target is None:
+        for tier in (0, 1):
+            found = _in_place(cat, stores, ck, tier, wanted, wide, files, verify, actor, notes)
+            if found is not None:
+                return found
+    started = time.monotonic()
+    moved = {p: _hydrate(cat, stores, ck, p, actor, notes) for p in wanted}
+    if target is None and _local(stores, 1, ck):
+        found = _in_place(cat, stores, ck, 1, wanted, wide, files, verify, actor, notes)
+        if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
+            return _with_moved(found, moved, started, 2)
+    if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
+        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, actor, notes)
+    dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
+    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, actor, notes)
+
+
+# --- in place --------------------------------------------------------------------------------
+def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
+    """Whether ``tier`` is a folder mounted here (its checkpoints can be read where they lie)."""
+    return stores.configured(tier) and stores.get(tier).local_path(checkpoint_prefix(ck.run, ck.step)) is not None
+
+
+def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:
+    configured = {t for t in (0, 1, 2) if stores.configured(t)}
+    return plan_sources(cat.replicas(ck.id), part, node=stores.settings.node, configured=configured,
+                        local={t for t in configured if _local(stores, t, ck)})
+
+
+def _in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, wanted: list[int],
+              wide: list[FileInfo], files: list[FileInfo], verify: Verify, actor: str,
+              notes: list[str]) -> ResumePoint | None:
+    """``ck`` read where it lies on ``tier`` when every wanted part is good there (a part that
+    is not is marked); checkpoint-wide files another part holds are fetched in beside it on Tier 0,
+    checked in place on Tier 1."""
+    started = time.monotonic()
+    chosen = []
+    for p in wanted:
+        src = next((s for s in _sources(cat, stores, ck, p) if s.tier == tier and s.in_place), None)
+        if src is None:
+            return None
+        chosen.append(src)
+    store = stores.get(tier)
+    for src in chosen:
+        if not _good(cat, store, ck, src, files, verify, actor, notes):
+            return None
+    moved = 0
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    for f in wide:
+        if tier == 0:
+            moved += _bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
+        elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
+            return None
+    folder = store.local_path(prefix)
+    assert folder is not None
+    seconds = time.monotonic() - started
+    return ResumePoint(ck.run, ck.step, str(folder),
+                       [PartResume(s.replica.part, tier, IN_PLACE, moved if i == 0 else 0, seconds)
+                        for i, s in enumerate(chosen)])
+
+
+def _good(cat: Catalog, store: TierStore, ck: CheckpointInfo, src: Source, files: list[FileInfo], verify: Verify,
+          actor: str, notes: list[str]) -> bool:
+    """Whether the part's copy on ``store`` still matches the registered manifest; marks it if not."""
+    part = src.replica.part
+    try:
+        registered_manifest(cat, store, ck.id, ck.run, ck.step, part, ck.parts)
+        for f in files:
+            if f.part == part:
+                check_file(store, f"{checkpoint_prefix(ck.run, ck.step)}/{f.path}", f, verify)
+    except (CorruptCheckpoint, NotFound, FileNotFoundError, BadInput) as exc:
+        _mark(cat, src.replica, exc, actor, notes)
+        return False
+    return True
+
+
+def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo, verify: Verify, actor: str,
+               notes: list[str]) -> bool:
+    """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there, the file intact."""
+    src = next((s for s in _sources(cat, stores, ck, f.part) if s.tier == 1 and s.in_place), None)
+    if src is None:
+        return False
+    try:
+        check_file(stores.get(1), f"{checkpoint_prefix(ck.run, ck.step)}/{f.path}", f, verify)
+    except (CorruptCheckpoint, NotFound) as exc:
+        _mark(cat, src.replica, exc, actor, notes)
+        return False
+    return True
+
+
+def check_file(store: TierStore, key: str, f: FileInfo, verify: Verify) -> None:
+    """``CorruptCheckpoint`` unless ``key`` has the registered size (and CRC32C with ``full``)."""
+    info = store.stat(key)
+    if info is None:
+        raise CorruptCheckpoint(f"{f.path}: missing from {store.url_for(key)}", path=f.path)
+    if info.size != f.size:
+        raise CorruptCheckpoint(f"{f.path}: size {info.size} != manifest {f.size}", path=f.path)
+    if verify == "full":
+        size, crc = hash_object(store, key, store.buffer_bytes)
+        if (size, crc) != (f.size, f.checksum):
+            raise CorruptCheckpoint(f"{f.path}: crc32c {crc} != manifest {f.checksum}", path=f.path)
+
+
+def _mark(cat: Catalog, replica: ReplicaInfo, exc: BaseException, actor: str, notes: list[str]) -> None:
+    state = classify_failure(exc) or "corrupt"
+    mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
+    notes.append(f"step {replica.step} part {replica.part}: tier {replica.tier} copy is {state} ({exc}); "
+                 "marked in the catalog, trying the next copy")
+
+
+# --- fetched ---------------------------------------------------------------------------------
+def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, actor: str,
+             notes: list[str]) -> int:
+    """When the part's only fetchable copy is on Tier 2 and Tier 1 is configured, publish a
+    verified Tier 1 copy first (one claim per cluster; the others wait for it). Bytes read now."""
+    from tasks.copy import copy_between_tiers
+
+    settings = stores.settings
+    if not stores.configured(1):
+        return 0
+    deadline = time.monotonic() + 2 * settings.claim_lease_seconds
+    while True:
+        srcs = _sources(cat, stores, ck, part)
+        if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
+            return 0
+        tier2 = next(s for s in srcs if s.tier == 2)
+        try:
+            hop = copy_between_tiers(settings, ck.run, ck.step, part, src_tier=2, dst_tier=1, actor=actor)
+        except CopyInProgress:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(HYDRATION_POLL_S)  # another node is hydrating this part: wait for its claim
+            continue
+        except (CorruptCheckpoint, NotFound) as exc:
+            _mark(cat, tier2.replica, exc, actor, notes)
+            return 0
+        if not hop.skipped:
+            notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
+        return hop.bytes if not hop.skipped else 0
+
+
+def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:
+    seconds = time.monotonic() - started
+    parts = [PartResume(p.part, tier if moved.get(p.part) else p.tier, FETCHED if moved.get(p.part) else p.source,
+                        p.bytes_moved + moved.get(p.part, 0), seconds) for p in point.parts]
+    return ResumePoint(point.run, point.step, point.path, parts, point.note)
+
+
+def _tier0_is_ours(cat: Catalog, ck: CheckpointInfo, wanted: list[int], node: str) -> bool:
+    """Whether this node may record a Tier 0 copy of every wanted part (no other node holds one)."""
+    rows = {r.part: r for r in cat.replicas(ck.id, 0)}
+    return all(p not in rows or rows[p].node in (None, "", node) or rows[p].state != VERIFIED for p in wanted)
+
+
+def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
+                    moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
+    """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
+    claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
+    from tasks.copy import copy_between_tiers
+
+    settings = stores.settings
+    done = []
+    for p in wanted:
+        t0 = time.monotonic()
+        for src in [s for s in _sources(cat, stores, ck, p) if s.tier != 0]:
+            try:
+                hop = copy_between_tiers(settings, ck.run, ck.step, p, src_tier=src.tier, dst_tier=0,
+                                         node=settings.node, actor=actor)
+            except (CorruptCheckpoint, NotFound) as exc:
+                _mark(cat, src.replica, exc, actor, notes)
+                continue
+            done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, hop.bytes + moved[p],
+                                   time.monotonic() - t0))
+            break
+        else:
+            raise _NoGoodCopy(f"every copy of part {p} failed")
+    store = stores.get(0)
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    extra = sum(_bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes) for f in wide)
+    if extra:
+        done[0] = PartResume(done[0].part, done[0].tier, done[0].source, done[0].bytes_moved + extra, done[0].seconds)
+    folder = store.local_path(prefix)
+    assert folder is not None
+    return ResumePoint(ck.run, ck.step, str(folder), done)
+
+
+def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
+                     dest: Path, moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
+    """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place whole."""
+    import shutil
+    import uuid
+
+    from core.storage.stage import RestoreStage, publish
+    from tasks.replicas import BadReplica
+    from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
+
+    if dest.is_dir() and any(dest.iterdir()):
+        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide)
+        if found:  # an earlier resume into this folder left it complete
+            return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
+        ensure_empty_target(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = dest.parent / f".{dest.name}.resume-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    bad: list[BadReplica] = []
+    done = []
+    try:
+        with RestoreStage(dest.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst:
+            for p in wanted:
+                t0 = time.monotonic()
+                part_bytes = sum(f.size for f in cat.files(ck.id, p))
+                try:
+                    tier = _fetch_part(cat, stores, ck, p, cat.replicas(ck.id), dst, stage.name, (0, 1, 2),
+                                       _quiet, actor, bad, notes)
+                except _PartFailed as exc:
+                    raise _NoGoodCopy(str(exc)) from None
+                done.append(PartResume(p, 2 if moved[p] else tier, FETCHED, part_bytes + moved[p],
+                                       time.monotonic() - t0))
+            for f in wide:
+                _bring_file(cat, stores, ck, f, dst, f"{stage.name}/{f.path}", actor, notes)
+            publish(stage, dest, pending=dst)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return ResumePoint(ck.run, ck.step, str(dest), done)
+
+
+def _quiet(_done: int, _label: str) -> None:
+    return None
+
+
+def _check_folder(folder: Path, files: list[FileInfo]) -> bool:
+    for f in files:
+        p = folder / f.path
+        if not p.is_file() or p.stat().st_size != f.size:
+            return False
+    return True
+
+
+def _bring_file(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo, dst: TierStore, key: str,
+                actor: str, notes: list[str]) -> int:
+    """One checkpoint-wide file of another part put at ``key`` from a good copy of that part
+    (checked as it lands); 0 when it is already there and matches. Bytes moved."""
+    try:
+        dst.verify_object(key, f.size, f.checksum)
+        return 0
+    except (NotFound, CorruptCheckpoint):
+        pass
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    for src in _sources(cat, stores, ck, f.part):
+        store = stores.get(src.tier)
+        try:
+            with store.open_read(f"{prefix}/{f.path}") as reader:
+                dst.put_verified(key, reader, f.size, f.checksum)
+            return f.size
+        except (CorruptCheckpoint, NotFound) as exc:
+            _mark(cat, src.replica, exc, actor, notes)
+    raise _NoGoodCopy(f"no good copy of {f.path} (part {f.part})")
+
+
+__all__ = ["FETCHED", "IN_PLACE", "PartResume", "ResumePoint", "Source", "check_file", "plan_sources", "resume"]

@@ -1,0 +1,177 @@
+"""Resume: each node loads its part from the cheapest good source, bad copies are marked and the
+next tried, older checkpoints as the last resort. Real files, the real pipeline, a real catalog
+on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from core.errors import BadInput
+from tasks.resume import resume
+from tests.kit.checkpoints import ckpt_dir, replica_states, truncate, write_checkpoint
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
+
+RUN = "llm-r"
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    return scenario_settings(settings_factory, db_url)
+
+
+def save(settings, step: int, **kw) -> dict[str, bytes]:
+    files = {"model.bin": os.urandom(300_000), "optim/state.bin": os.urandom(50_000)}
+    commit_folder(settings, RUN, step, files, **kw)
+    promote(settings, RUN, step, kw.get("part", 0), kw.get("parts", 1))
+    return files
+
+
+def tree(folder: Path | str) -> dict[str, bytes]:
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith("manifest")}
+
+
+def test_no_checkpoint_yet_is_none_and_bad_input_is_refused(settings):
+    assert resume(settings, "never-ran") is None
+    save(settings, 100)
+    with pytest.raises(BadInput, match="out of range"):
+        resume(settings, RUN, part=1)
+    with pytest.raises(BadInput, match="out of range"):
+        resume(settings, RUN, part=3, parts=2)
+    with pytest.raises(BadInput, match="invalid run name"):
+        resume(settings, "../etc")
+
+
+def test_this_nodes_tier0_copy_is_read_in_place(settings):
+    save(settings, 100)
+    newest = save(settings, 200)
+
+    point = resume(settings, RUN)
+
+    assert (point.step, point.path, point.note) == (200, str(tier0_dir(settings, RUN, 200)), None)
+    assert [(p.part, p.tier, p.source, p.bytes_moved) for p in point.parts] == [(0, 0, "in place", 0)]
+    assert tree(point.path) == newest
+
+
+def test_another_node_reads_the_mounted_tier1_folder_in_place(settings):
+    newest = save(settings, 100)
+    point = resume(on_node(settings, "node-7"), RUN)
+    assert point.path == str(tier1_dir(settings, RUN, 100)) and tree(point.path) == newest
+    assert [(p.tier, p.source, p.bytes_moved) for p in point.parts] == [(1, "in place", 0)]
+
+
+def test_corrupt_tier0_copy_is_marked_and_tier1_serves(settings):
+    newest = save(settings, 100)
+    truncate(tier0_dir(settings, RUN, 100) / "model.bin")
+
+    point = resume(settings, RUN)
+
+    assert point.path == str(tier1_dir(settings, RUN, 100)) and tree(point.path) == newest
+    assert replica_states(settings, RUN, 100) == {(0, 0): "corrupt", (1, 0): "verified"}
+
+
+def test_full_verify_reads_the_bytes_back(settings):
+    save(settings, 100)
+    model = tier0_dir(settings, RUN, 100) / "model.bin"
+    data = bytearray(model.read_bytes())
+    data[10] ^= 1
+    model.write_bytes(bytes(data))
+
+    assert resume(settings, RUN).path == str(tier0_dir(settings, RUN, 100))  # sizes only: not seen
+    assert resume(settings, RUN, verify="full").path == str(tier1_dir(settings, RUN, 100))
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "corrupt"
+
+
+def test_no_good_copy_of_the_newest_falls_back_and_says_so(settings):
+    older = save(settings, 100)
+    save(settings, 200)
+    truncate(tier0_dir(settings, RUN, 200) / "model.bin")
+    shutil.rmtree(tier1_dir(settings, RUN, 200))
+
+    point = resume(settings, RUN)
+
+    assert point.step == 100 and tree(point.path) == older
+    assert point.note.startswith("fell back from step 200 to step 100")
+    assert replica_states(settings, RUN, 200) == {(0, 0): "corrupt", (1, 0): "missing"}
+
+
+def test_tier1_over_fsspec_is_fetched_into_this_nodes_tier0_and_recorded(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1-{os.getpid()}-{id(db_url)}")
+    newest = save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))  # the node came back with an empty NVMe
+
+    first = resume(settings, RUN)
+    again = resume(settings, RUN)
+
+    assert first.path == str(tier0_dir(settings, RUN, 100)) and tree(first.path) == newest
+    assert [(p.tier, p.source, p.bytes_moved) for p in first.parts] == [(1, "fetched", 350_000)]
+    assert [(p.tier, p.source, p.bytes_moved) for p in again.parts] == [(0, "in place", 0)]
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+
+
+def test_a_node_whose_part_another_node_holds_fetches_beside_its_tier0(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1b-{os.getpid()}-{id(db_url)}")
+    newest = save(settings, 100)
+    node7 = on_node(settings, "node-7")
+
+    first = resume(node7, RUN)
+    again = resume(node7, RUN)
+
+    assert first.path == str(Path(settings.data_dir).absolute() / "resume" / RUN / "step-00000100")
+    assert tree(first.path) == newest and again.path == first.path
+    assert [(p.source, p.bytes_moved) for p in again.parts] == [("in place", 0)]
+
+
+def test_into_a_folder_of_ones_choosing(settings, tmp_path):
+    newest = save(settings, 100)
+    point = resume(settings, RUN, to=tmp_path / "here")
+    assert point.path == str(tmp_path / "here") and tree(point.path) == newest
+    assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
+    assert not [p for p in tmp_path.iterdir() if ".resume-" in p.name]
+
+
+def test_a_part_brings_the_index_another_part_holds(settings):
+    node1 = on_node(settings, "node-1")
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, shard_bytes=32 << 10)
+        with __import__("db.catalog", fromlist=["Catalog"]).Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+
+    point = resume(node1, RUN, part=1, parts=2)
+
+    folder = Path(point.path)
+    assert folder == tier0_dir(node1, RUN, 100)
+    assert (folder / "model.safetensors.index.json").is_file()  # part 0's, fetched in beside part 1
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model-p01-00000.safetensors",
+                                                                   "model-p01-00001.safetensors"]
+    assert [(p.part, p.tier, p.source) for p in point.parts] == [(1, 0, "in place")]
+    index = ckpt_dir(settings.tier0_url, RUN, 100) / "model.safetensors.index.json"
+    assert point.parts[0].bytes_moved == index.stat().st_size
+
+
+def cli(args, settings):
+    from ckpt.cli import app
+
+    env = {"CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": settings.node,
+           "CKPT_CATALOG_URL": settings.catalog_url}
+    return CliRunner().invoke(app, args, env=env)
+
+
+def test_cli_prints_the_resume_point(settings):
+    out = cli(["resume", "nothing-yet", "--json"], settings)
+    assert out.exit_code == 0 and json.loads(out.stdout) == {"run": "nothing-yet", "step": None}
+    save(settings, 100)
+    out = cli(["resume", RUN, "--json", "--verify", "full"], settings)
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.stdout)
+    assert (got["step"], got["path"]) == (100, str(tier0_dir(settings, RUN, 100)))
+    assert got["parts"][0]["source"] == "in place"
+    assert cli(["resume", RUN, "--part", "5", "--parts", "2"], settings).exit_code != 0

@@ -1,0 +1,49 @@
+"""Which source a resuming node takes for a part, as a table: no catalog, no servers."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from db.entities import ReplicaInfo
+from tasks.resume import plan_sources, wide_files
+from db.entities import FileInfo
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def rep(tier: int, state: str = "verified", node: str | None = None, part: int = 0) -> ReplicaInfo:
+    return ReplicaInfo(id=tier * 10 + part, checkpoint_id=1, run="r", step=1, tier=tier, part=part, node=node,
+                       url=f"t{tier}", state=state, bytes=1, verified_at=NOW, copy_seconds=None, etag=None,
+                       version_id=None, claim_token=None, updated_at=NOW)
+
+
+ALL = {0, 1, 2}
+CASES = [
+    # replicas, configured tiers, local tiers -> [(tier, in place)]
+    ([rep(0, node="n0"), rep(1), rep(2)], ALL, {0, 1}, [(0, True), (1, True), (2, False)]),
+    ([rep(0, node="n9"), rep(1), rep(2)], ALL, {0, 1}, [(1, True), (2, False)]),  # another node's NVMe
+    ([rep(0, node="n0"), rep(1), rep(2)], ALL, {0}, [(0, True), (1, False), (2, False)]),  # Tier 1 over fsspec
+    ([rep(0, "corrupt", "n0"), rep(1, "missing"), rep(2)], ALL, {0, 1}, [(2, False)]),
+    ([rep(0, "copying", "n0"), rep(1, "pruned"), rep(2, "pending")], ALL, {0, 1}, []),
+    ([rep(0, node="n0"), rep(1), rep(2)], {0, 1}, {0, 1}, [(0, True), (1, True)]),  # Tier 2 not configured here
+    ([rep(0, node=None), rep(1, part=1)], ALL, {0, 1}, [(0, True)]),  # another part's copy is not this part's
+]
+
+
+@pytest.mark.parametrize(("replicas", "configured", "local", "expected"), CASES)
+def test_cheapest_good_source_first(replicas, configured, local, expected):
+    got = plan_sources(replicas, 0, node="n0", configured=configured, local=local)
+    assert [(s.tier, s.in_place) for s in got] == expected
+
+
+def test_a_part_brings_the_checkpoint_wide_files_another_part_holds():
+    def f(part: int, path: str) -> FileInfo:
+        return FileInfo(checkpoint_id=1, part=part, path=path, size=1, algorithm="crc32c", checksum="0")
+
+    files = [f(0, ".metadata"), f(0, "__0_0.distcp"), f(1, "__1_0.distcp"), f(0, "model.safetensors.index.json"),
+             f(1, "model.safetensors.index.json")]
+    assert [(w.part, w.path) for w in wide_files(files, [1])] == [(0, ".metadata")]  # part 1 has its own index
+    assert wide_files(files, [0]) == []
+    assert wide_files(files, [0, 1]) == []
