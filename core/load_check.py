@@ -66,7 +66,9 @@ def load_and_check(folder: str | Path, files: Sequence[ManifestFile], fmt: str) 
     return LoadCheck(total, 0, "bytes only")
 
 
-def _framework() -> str:
+def framework() -> str:
+    """The safetensors framework tensors are loaded into: torch where installed (imported
+    here, as a trainer has it imported), else numpy."""
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -77,11 +79,11 @@ def _framework() -> str:
 def _load_safetensors(root: Path, shards: Sequence[str]) -> tuple[int, str]:
     from safetensors import safe_open
 
-    framework = _framework()
+    fw = framework()
     count = 0
     for rel in shards:
         try:
-            with safe_open(str(root / rel), framework=framework) as fh:
+            with safe_open(str(root / rel), framework=fw) as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
                     _check_tensor(rel, name, fh.get_slice(name), fh.get_tensor(name))
                     count += 1
@@ -89,7 +91,7 @@ def _load_safetensors(root: Path, shards: Sequence[str]) -> tuple[int, str]:
             raise
         except Exception as exc:
             raise CorruptCheckpoint(f"{rel}: safetensors refused it: {type(exc).__name__}: {exc}", path=rel) from exc
-    return count, f"safetensors ({'torch' if framework == 'pt' else 'numpy'})"
+    return count, f"safetensors ({'torch' if fw == 'pt' else 'numpy'})"
 
 
 def _check_tensor(rel: str, name: str, sl: Any, tensor: Any) -> None:
@@ -105,6 +107,7 @@ def _load_dcp(root: Path, files: Sequence[ManifestFile], total: int) -> LoadChec
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     except ImportError:
         return LoadCheck(total, 0, "bytes only (torch not installed)")
     if not (root / DCP_METADATA).is_file():
@@ -116,7 +119,9 @@ def _load_dcp(root: Path, files: Sequence[ManifestFile], total: int) -> LoadChec
         return LoadCheck(total, 0, "bytes only (a part of a sharded DCP checkpoint)")
     state: dict[str, Any] = {}
     try:
-        dcp.load(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        # torch's own dcp_to_torch_save way to read a checkpoint without a model: the planner
+        # builds the state dict from the metadata and fills it
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except Exception as exc:
         raise CorruptCheckpoint(f"{DCP_METADATA}: torch.distributed.checkpoint refused it: {exc}",
                                 path=DCP_METADATA) from exc

@@ -176,7 +176,7 @@ def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | No
             where = base / f"cluster-{uuid.uuid4().hex[:8]}"
             try:
                 outcomes, go = _run_nodes(settings, ck, tier, where, actor)
-                bound = _bound_seconds(cat, settings, ck, tier)
+                bound = tier_read_seconds(cat, settings, ck, tier)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
             done.append(ClusterDrill(_record(cat, ck, tier, outcomes, go, bound, actor), outcomes))
@@ -239,7 +239,7 @@ def _readline(proc: Any, timeout: float) -> str:
     return got[0] if got else ""
 
 
-def _bound_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
+def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
     """The tier's floor for these bytes: every file of the checkpoint read raw (no check, no
     load) from ``tier`` with one stream per file, ``copy_parallelism`` streams per part at once,
     timed. bytes / that time is the tier's measured bandwidth, so the bound is the time itself."""

@@ -115,12 +115,25 @@ def _mark_corrupt(settings: Settings, checkpoint_id: int, tier: int, part: int, 
                 mark_bad(cat, r, "corrupt", f"drill: loading failed: {exc}", actor=actor)
 
 
+def warm_up(settings: Settings, run: str) -> None:
+    """What a trainer has done before it resumes: imported its loaders and the client, and
+    connected to the catalog once, so that the drill times the resume, not the interpreter."""
+    import tasks.copy
+    import tasks.restore
+    import tasks.resume  # noqa: F401
+    from core.load_check import framework
+    from tasks.base import open_catalog
+
+    framework()
+    assert settings.catalog_url is not None
+    with open_catalog(settings.catalog_url) as cat:
+        cat.get_run(run)
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     settings = Settings(**json.loads(Path(spec["settings"]).read_text()))
-    import core.load_check  # noqa: F401 - a trainer has its loaders imported before it resumes
-    import tasks.resume  # noqa: F401
-
+    warm_up(settings, spec["run"])
     print("ready", flush=True)
     sys.stdin.readline()
     outcome = drill_node(settings, spec["run"], spec["step"], spec["part"], spec["parts"], spec["tier"],
