@@ -90,7 +90,10 @@ def child(spec: dict) -> dict:
 
 def child_main(arg: str) -> None:
     spec = json.loads(arg)
-    warm_up(spec["settings"])
+    if spec["mode"] in ("resume", "whole"):
+        warm_up(spec["settings"])
+    elif spec["mode"] == "boto3":
+        import boto3  # noqa: F401
     print("ready", flush=True)
     sys.stdin.readline()
     out = child(spec)

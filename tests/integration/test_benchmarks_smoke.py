@@ -135,3 +135,14 @@ def test_trainer_stall():
     assert_rows(out, "ModelCheckpoint, TorchCheckpointIO", ["ours: TieringCheckpointIO"])
     assert re.search(r"ratio \(HF Trainer\): ours / Trainer save \(no callback\) = \d+\.\d\d x", out), out
     assert re.search(r"ratio \(Lightning\): ours / ModelCheckpoint, TorchCheckpointIO = \d+\.\d\d x", out), out
+
+
+def test_cluster_restore(s3_endpoint):
+    out = run_benchmark("cluster_restore", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "2 x cp of the part files (Tier 1)", ["resume: Tier 0 intact (in place)",
+                                                           "resume: Tier 1 in place"])
+    assert_rows(out, "boto3 download_file per node (proxy)", ["resume: Tier 2 via proxy (fetched)",
+                                                              "today: whole checkpoint per node (T2)"])
+    assert "moved 0.0 MiB" in out and "S3 GETs per object during the Tier 2 resume" in out
+    assert re.fullmatch(r"cluster restore: 2 nodes, tier 2 RTO \d+\.\d\d s, bound \d+\.\d\d s \(x\d+\.\d\d\), "
+                        r"whole-checkpoint-per-node \d+\.\d\d s", out.strip().splitlines()[-1]), out[-500:]
