@@ -10,7 +10,8 @@ loaded with the format's own loader and checked against the manifest
 with ``ok=False`` and the reason, never an exception (the drill records every node).
 
 As a process (``python -m tasks.drill_node SPEC_JSON``): imports everything, prints ``ready``,
-waits for a line on stdin (the common start), then prints the outcome as one JSON line.
+waits for ``go`` on stdin (the common start; anything else, or the drill process gone, and it
+exits doing nothing), then prints the outcome as one JSON line.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def main(argv: list[str]) -> None:
     settings = Settings(**json.loads(Path(spec["settings"]).read_text()))
     warm_up(settings, spec["run"])
     print("ready", flush=True)
-    sys.stdin.readline()
+    if sys.stdin.readline().strip() != "go":  # the drill was stopped before the start: do nothing
+        sys.exit(3)
     outcome = drill_node(settings, spec["run"], spec["step"], spec["part"], spec["parts"], spec["tier"],
                          Path(spec["dest"]), spec.get("actor", "drill"))
     print(json.dumps(asdict(outcome)), flush=True)

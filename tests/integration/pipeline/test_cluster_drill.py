@@ -67,14 +67,17 @@ def test_every_node_resumes_its_part_at_once_from_tier1_and_tier2(settings, tmp_
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # node processes are slow to start on 2 cores
 def test_a_part_the_loader_would_refuse_fails_the_drill_on_that_tier(settings, tmp_path):
     save(settings, 100)
-    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[0])  # same size: only a read of the bytes finds it
+    # part 1's first shard (part 0 needs nothing of part 1's); same size: only reading the bytes finds it
+    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[2])
 
     drills, _ = cluster_drill(settings, run=RUN, tiers=(1,), scratch=tmp_path / "s")
 
     (d,) = drills
     assert not d.result.ok and d.result.nodes == 2
-    assert "part 0" in d.result.detail and [o.ok for o in d.outcomes] == [False, True]
-    assert replica_states(settings, RUN, 100)[(1, 0)] == "corrupt"  # in place check found it, marked it
+    assert "part 1: CorruptCheckpoint: model-p01-00000.safetensors" in d.result.detail
+    assert [o.ok for o in d.outcomes] == [True, False]
+    states = replica_states(settings, RUN, 100)
+    assert (states[(1, 0)], states[(1, 1)]) == ("verified", "corrupt")  # the load found it, marked it
 
 
 def test_nodes_must_match_the_parts_and_a_tier_without_the_checkpoint_is_skipped(settings, tmp_path):
