@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 from collections.abc import Callable
 from typing import BinaryIO
@@ -99,3 +100,50 @@ def hash_file(path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER_BYTES)
 
 def hash_bytes(data: bytes) -> str:
     return to_hex(_crc32c.crc32c(data))
+
+
+# --- combining the CRC32Cs of consecutive pieces (ranged reads) ---------------------------------
+# CRC(A + B) = shift(CRC(A), len(B)) ^ CRC(B), where shift appends len(B) zero bytes to A's CRC
+# register: a linear map over GF(2), a 32x32 bit matrix (zlib's crc32_combine, on CRC32C's
+# reflected polynomial). The matrix for a length is built once (cached): ranged reads combine
+# many pieces of one length, so each combine after the first is one matrix-vector product.
+_POLY = 0x82F63B78
+
+
+def _times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The map ``a`` after ``b``."""
+    return tuple(_times(a, col) for col in b)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(length: int) -> tuple[int, ...]:
+    """The matrix that appends ``length`` zero bytes to a CRC register."""
+    one_bit = (_POLY, *(1 << n for n in range(31)))
+    power = _compose(one_bit, one_bit)  # 2 bits
+    power = _compose(power, power)  # 4 bits
+    power = _compose(power, power)  # 8 bits: one byte
+    result = tuple(1 << n for n in range(32))  # identity
+    while length:
+        if length & 1:
+            result = _compose(power, result)
+        length >>= 1
+        if length:
+            power = _compose(power, power)
+    return result
+
+
+def combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """The CRC32C of A followed by B, from A's CRC, B's CRC and B's length (no bytes re-read)."""
+    if length_b <= 0:
+        return crc_a
+    return _times(_zeros_operator(length_b), crc_a) ^ crc_b

@@ -5,7 +5,9 @@ A part is committed on a tier when its manifest is there. ``copy_part`` keeps th
 each file is streamed once (read -> CRC32C -> write) into a staging name, checked (local
 tiers read it back after fsync; S3 checks the server's full-object CRC32C), and published
 under its final name only on a match; the manifest is written last. A rerun after any crash
-skips the files already published and matching, so it resumes where it stopped.
+skips the files already published and matching, so it resumes where it stopped. A large file
+from a source that reads in ranges (S3) into a local destination is fetched as parallel ranged
+reads written at their offsets (``put_written``), checked by the combined CRC32C.
 """
 
 from __future__ import annotations
@@ -196,6 +198,9 @@ def copy_part(
             counter.add(entry.size)
             return -1
         try:
+            if _ranged(src_store, dst_store, entry.size):
+                _fetch_ranged(src_store, _key(src_prefix, entry.path), dst_store, key, entry, counter)
+                return entry.size
             with src_store.open_read(_key(src_prefix, entry.path)) as reader:
                 # duck-typed: it has the reads put_verified makes (read, readinto, fileno, note_copied)
                 counting = cast(BinaryIO, _CountingReader(reader, counter))
@@ -214,6 +219,21 @@ def copy_part(
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]
     return TransferReport(len(copied), sum(copied), time.monotonic() - t0, len(results) - len(copied))
+
+
+def _ranged(src: TierStore, dst: TierStore, size: int) -> bool:
+    """Whether a file is fetched as parallel ranged reads: a source that offers them for this
+    size (S3 above ``ranged_threshold``) into a destination that can be written at offsets."""
+    reads_ranged = getattr(src, "reads_ranged", None)
+    return reads_ranged is not None and reads_ranged(size) and hasattr(dst, "put_written")
+
+
+def _fetch_ranged(src: TierStore, src_key: str, dst: TierStore, dst_key: str, entry: FileEntry,
+                  counter: _Counter) -> None:
+    def write(fd: int) -> tuple[int, str]:
+        return src.read_ranges_into(src_key, fd, entry.size, counter.add)  # type: ignore[attr-defined]
+
+    dst.put_written(dst_key, write, entry.size, entry.checksum)  # type: ignore[attr-defined]
 
 
 def _commits_other(store: TierStore, key: str, manifest: Manifest) -> bool:

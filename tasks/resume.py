@@ -29,15 +29,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core.errors import BadInput, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
+from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
 from core.formats import DCP_METADATA, HF_INDEX
 from core.layout import checkpoint_dirname, checkpoint_prefix
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from db.catalog import Catalog
-from db.entities import VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
-from tasks.base import log, open_catalog, registered_manifest
+from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
+from tasks.base import HopResult, log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
 
 Verify = Literal["size", "full"]
@@ -132,10 +132,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
     if part is not None and (part < 0 or (parts is not None and part >= parts)):
         raise BadInput(f"part {part} out of range: the job has {parts} part(s)")
     target = Path(to).expanduser().absolute() if to is not None else None
-    if target is not None:
-        from tasks.restore import ensure_empty_target
-
-        ensure_empty_target(target)
+    if target is not None and (target.is_symlink() or (target.exists() and not target.is_dir())):
+        raise ConflictError(f"{target} exists and is not a folder; choose another destination")
     notes: list[str] = []
     assert settings.catalog_url is not None  # resolved by Settings
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
@@ -184,9 +182,9 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
         if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
-        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, actor, notes)
+        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
     dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
-    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, actor, notes)
+    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
 
 
 # --- in place --------------------------------------------------------------------------------
@@ -278,6 +276,8 @@ def check_file(store: TierStore, key: str, f: FileInfo, verify: Verify) -> None:
 def _mark(cat: Catalog, replica: ReplicaInfo, exc: BaseException, actor: str, notes: list[str]) -> None:
     state = classify_failure(exc) or "corrupt"
     mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
+    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s); trying the next copy",
+                replica.run, replica.step, replica.part, replica.tier, state, exc)
     notes.append(f"step {replica.step} part {replica.part}: tier {replica.tier} copy is {state} ({exc}); "
                  "marked in the catalog, trying the next copy")
 
@@ -287,30 +287,45 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
              notes: list[str]) -> int:
     """When the part's only fetchable copy is on Tier 2 and Tier 1 is configured, publish a
     verified Tier 1 copy first (one claim per cluster; the others wait for it). Bytes read now."""
-    from tasks.copy import copy_between_tiers
-
-    settings = stores.settings
     if not stores.configured(1):
         return 0
-    deadline = time.monotonic() + 2 * settings.claim_lease_seconds
+    srcs = _sources(cat, stores, ck, part)
+    if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
+        return 0
+    tier2 = next(s for s in srcs if s.tier == 2)
+    try:
+        hop = copy_when_free(cat, stores.settings, ck, part, src_tier=2, dst_tier=1, actor=actor)
+    except (CorruptCheckpoint, NotFound) as exc:
+        _mark(cat, tier2.replica, exc, actor, notes)
+        return 0
+    if hop.skipped:
+        return 0
+    notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
+    return hop.bytes
+
+
+def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int,
+                   dst_tier: int, actor: str) -> HopResult:
+    """``copy_between_tiers`` as a claimed copy, waiting while another worker holds the claim:
+    until it publishes (then: a skipped hop) or its lease lapses (then: taken over). Asks the
+    catalog every ``HYDRATION_POLL_S``; retries the claim (which reads the source's manifest)
+    only every fifth of a lease."""
+    from tasks.copy import copy_between_tiers
+
+    deadline = time.monotonic() + 2 * settings.claim_lease_seconds + 30.0
+    next_try = 0.0
     while True:
-        srcs = _sources(cat, stores, ck, part)
-        if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
-            return 0
-        tier2 = next(s for s in srcs if s.tier == 2)
+        row = next((r for r in cat.replicas(ck.id, dst_tier) if r.part == part), None)
+        if row is not None and row.state == COPYING and time.monotonic() < next_try:
+            time.sleep(HYDRATION_POLL_S)
+            continue
         try:
-            hop = copy_between_tiers(settings, ck.run, ck.step, part, src_tier=2, dst_tier=1, actor=actor)
+            return copy_between_tiers(settings, ck.run, ck.step, part, src_tier=src_tier, dst_tier=dst_tier,
+                                      node=settings.node, actor=actor)
         except CopyInProgress:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(HYDRATION_POLL_S)  # another node is hydrating this part: wait for its claim
-            continue
-        except (CorruptCheckpoint, NotFound) as exc:
-            _mark(cat, tier2.replica, exc, actor, notes)
-            return 0
-        if not hop.skipped:
-            notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
-        return hop.bytes if not hop.skipped else 0
+            next_try = time.monotonic() + settings.claim_lease_seconds / 5
 
 
 def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:
@@ -327,23 +342,26 @@ def _tier0_is_ours(cat: Catalog, ck: CheckpointInfo, wanted: list[int], node: st
 
 
 def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                    moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
+                    moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
     claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
-    from tasks.copy import copy_between_tiers
-
-    settings = stores.settings
     done = []
+    files = cat.files(ck.id)
     for p in wanted:
         t0 = time.monotonic()
-        for src in [s for s in _sources(cat, stores, ck, p) if s.tier != 0]:
+        srcs = _sources(cat, stores, ck, p)
+        own = next((s for s in srcs if s.tier == 0), None)
+        if own is not None and _good(cat, stores.get(0), ck, own, files, verify, actor, notes):
+            done.append(PartResume(p, 0, IN_PLACE, 0, time.monotonic() - t0))  # this part is here already
+            continue
+        for src in [s for s in srcs if s.tier != 0]:
             try:
-                hop = copy_between_tiers(settings, ck.run, ck.step, p, src_tier=src.tier, dst_tier=0,
-                                         node=settings.node, actor=actor)
+                hop = copy_when_free(cat, stores.settings, ck, p, src_tier=src.tier, dst_tier=0, actor=actor)
             except (CorruptCheckpoint, NotFound) as exc:
                 _mark(cat, src.replica, exc, actor, notes)
                 continue
-            done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, hop.bytes + moved[p],
+            fetched = 0 if hop.skipped else hop.bytes  # skipped: another worker of this node just fetched it
+            done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, fetched + moved[p],
                                    time.monotonic() - t0))
             break
         else:
@@ -359,8 +377,9 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
 
 
 def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                     dest: Path, moved: dict[int, int], actor: str, notes: list[str]) -> ResumePoint:
-    """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place whole."""
+                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+    """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
+    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked)."""
     import shutil
     import uuid
 
@@ -369,8 +388,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
-        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide)
-        if found:  # an earlier resume into this folder left it complete
+        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify)
+        if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
         ensure_empty_target(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -402,10 +421,15 @@ def _quiet(_done: int, _label: str) -> None:
     return None
 
 
-def _check_folder(folder: Path, files: list[FileInfo]) -> bool:
+def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:
+    """Whether ``folder`` holds exactly these files as registered (sizes; CRC32C with ``full``)."""
+    from core.checksum import hash_file
+
     for f in files:
         p = folder / f.path
         if not p.is_file() or p.stat().st_size != f.size:
+            return False
+        if verify == "full" and hash_file(p) != (f.size, f.checksum):
             return False
     return True
 

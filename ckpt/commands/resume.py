@@ -20,7 +20,8 @@ def resume_cmd(
     verify: str = typer.Option("size", "--verify", help="size (default) or full: read every byte back"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
-    """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it from."""
+    """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it
+    from (printed alone on stdout; nothing there when the run has no checkpoint yet)."""
     from core.errors import BadInput
     from core.settings import load_settings
     from tasks.resume import resume
@@ -29,8 +30,11 @@ def resume_cmd(
         raise BadInput(f"--verify must be size or full, not {verify!r}")
     point = resume(load_settings(), run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]
                    actor="cli")
-    if point is None:
-        typer.echo(json.dumps({"run": run, "step": None}) if as_json else f"{run}: no checkpoint yet")
+    if point is None:  # stdout stays empty without --json: `DIR=$(ckpt resume RUN)` is then "" (a fresh start)
+        if as_json:
+            typer.echo(json.dumps({"run": run, "step": None}))
+        else:
+            typer.echo(f"{run}: no checkpoint yet", err=True)
         return
     if as_json:
         typer.echo(json.dumps(point.to_json(), indent=1))

@@ -19,7 +19,11 @@ As with ``dcp.async_save`` itself, wait for (or check) the previous future befor
 if host memory for two staged copies is short. Single process without
 ``torch.distributed`` initialised: DCP runs with ``no_dist=True``. Several ranks on one node
 share one checkpoint folder: pass the same ``staging`` path on each (the node's part); the
-stager of one rank per node then commits it. Needs ``torch`` (``pip install ckpt-tiering[torch]``).
+stager of one rank per node then commits it.
+
+Resuming, one line per node: ``dcp.load(state_dict, checkpoint_id=resume_point(run, part=node_rank,
+parts=nodes).path)`` (``ckpt.resume.resume_point``: this node's part and the ``.metadata``, read in
+place where they lie, else fetched). Needs ``torch`` (``pip install ckpt-tiering[torch]``).
 """
 
 from __future__ import annotations

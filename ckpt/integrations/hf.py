@@ -16,7 +16,12 @@ thread of their own, so the job stalls for the Trainer's save plus one rename. W
 Trainer's folders) the files are hard-linked instead, still without copying; on another file
 system they are copied (slower; a warning says so once).
 
-Resuming: ``ckpt restore RUN --step N --to DIR`` gives the Trainer's folder back (plus its
+Resuming, one line: ``trainer.train(resume_from_checkpoint=resume_from(run))`` continues from
+the run's newest good checkpoint (its folder on this node's Tier 0 or the mounted Tier 1, read
+in place, else fetched; ``None`` starts afresh when the run has none yet). Into a new run:
+``TieringCallback(run="gpt-sft-2", resumed_from=resume_from("gpt-sft"))``.
+
+By hand: ``ckpt restore RUN --step N --to DIR`` gives the Trainer's folder back (plus its
 manifest); ``trainer.train(resume_from_checkpoint=DIR)`` continues from step N, and
 ``TieringCallback(run="gpt-sft-2", resumed_from=DIR)`` records the new run's lineage
 (``resumed_from`` may also be ``(run, step)``).
@@ -129,6 +134,16 @@ class TieringCallback(TrainerCallback):
         if not linked and not self._warned_copy:
             self._warned_copy = True
             log.warning("TieringCallback: %s is not on Tier 0's file system; checkpoints are copied", folder)
+
+
+def resume_from(run: str, **resume_options: Any) -> str | None:
+    """The folder to give ``Trainer.train(resume_from_checkpoint=...)``: the run's newest good
+    checkpoint on this node (``ckpt.resume.resume_point``; options such as ``to``, ``verify``,
+    ``settings`` go to it), or None when the run has no checkpoint yet (a fresh start)."""
+    from ckpt.resume import resume_point
+
+    point = resume_point(run, **resume_options)
+    return None if point is None else point.path
 
 
 def _metrics(state, step: int) -> dict[str, float]:

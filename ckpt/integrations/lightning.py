@@ -16,7 +16,12 @@ writes again (``last.ckpt``) is unlinked first, so the committed copy's bytes ne
 A step is committed once: the second file of the same step (``last.ckpt`` beside
 ``epoch=0-step=N.ckpt``) is the same state.
 
-Resuming: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
+Resuming, one line: ``trainer.fit(model, ckpt_path=resume_path(run))``: the ``.ckpt`` of the
+run's newest good checkpoint on this node (read in place, else fetched), ``None`` (a fresh
+start) when the run has none yet. Into a new run: ``TieringCheckpointIO(run="lit-run-2",
+resumed_from=resume_path("lit-run"))``.
+
+By hand: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
 with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the
 lineage. Needs ``pip install ckpt-tiering[lightning]``.
 """
@@ -92,3 +97,19 @@ class TieringCheckpointIO(TorchCheckpointIO):
         if self.commits is not None:
             self.commits.close()
             self.commits = None
+
+
+def resume_path(run: str, **resume_options: Any) -> str | None:
+    """The ``.ckpt`` file to give ``Trainer.fit(ckpt_path=...)``: the one file of the run's
+    newest good checkpoint on this node (``ckpt.resume.resume_point``; ``to``, ``verify``,
+    ``settings`` go to it), or None when the run has no checkpoint yet."""
+    from ckpt.resume import resume_point
+    from core.errors import CorruptCheckpoint
+
+    point = resume_point(run, **resume_options)
+    if point is None:
+        return None
+    files = sorted(Path(point.path).rglob("*.ckpt"))
+    if len(files) != 1:
+        raise CorruptCheckpoint(f"{point.path}: expected one .ckpt file, found {len(files)}")
+    return str(files[0])

@@ -36,6 +36,8 @@ def open_store(url: str, tier: int, settings: Settings | None = None) -> TierSto
             buffer_bytes=buffer_bytes,
             lock_days=settings.tier2_lock_days if tier == 2 else None,
             lock_mode=settings.tier2_lock_mode,
+            range_bytes=settings.s3_range_bytes,
+            ranged_threshold=settings.s3_ranged_threshold,
         )
     if url.startswith("file://") or "://" not in url:
         from core.storage.local import LocalStore

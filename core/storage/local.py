@@ -277,6 +277,23 @@ class LocalStore(TierStore):
             self._publish(staging, target, key, size, checksum)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
+    def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int, checksum: str) -> ObjectInfo:
+        """``put_verified`` for a writer that fills a file itself (parallel ranged reads
+        writing at offsets): ``write(fd)`` fills the staging file and returns (size, crc32c
+        hex) of what it wrote; then fsync, read-back and publish exactly as ``put_verified``."""
+        target = self.write_path(key)
+        if target.is_symlink():
+            raise PathEscape(f"{self.url_for(key)} is a symlink; refusing to write through it")
+        if target.is_file():
+            self._same_or_conflict(target, key, size, checksum)
+            return ObjectInfo(key=key, size=size, checksum=checksum)
+        with self._staging(target, key) as (staging, fd):
+            check_match(key, size, checksum, *write(fd), "source")
+            os.fsync(fd)
+            check_match(key, size, checksum, *self._hash(staging), "read-back")
+            self._publish(staging, target, key, size, checksum)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
     def write_small_atomic(self, key: str, data: bytes) -> ObjectInfo:
         """Staging file + fsync + link + fsync dir. Existing same bytes: no-op; different
         bytes: ``ConflictError``.

@@ -15,6 +15,13 @@ Uploads (``put_verified``):
   bytes are a no-op success and different bytes a ``ConflictError``;
 - afterwards ``verify_object`` must find the manifest's CRC32C and size at the destination.
 
+Downloads: ``open_read`` is one GET stream. Objects of ``ranged_threshold`` bytes or more can be
+fetched with ``read_ranges_into``: ranged GETs of ``range_bytes`` (AWS's guidance: 8-16 MiB,
+one connection each, ``max_concurrency`` at once on the process's one client), each written at
+its offset as it streams and hashed on the way, the ranges' CRC32Cs combined into the object's
+(``core.checksum.combine``), so the bytes are read once. A range whose bounds, length or object
+size differ from what was asked is ``CorruptCheckpoint``.
+
 Verification (``verify_object``) trusts HeadObject's full-object CRC32C only where the endpoint
 is known to check the checksums it is sent (AWS S3 does). An endpoint that stores whatever
 checksum it receives (moto, some S3-compatible servers) merely echoes the client's value, so
@@ -49,8 +56,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO
@@ -128,6 +135,8 @@ def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Ex
             return NotFound(f"{what} does not exist")
         if code in _PRECONDITION_CODES or status == 412:
             return ConflictError(f"{what}: precondition failed ({code})")
+        if code == "InvalidRange" or status == 416:  # a ranged read past the end: shorter than the manifest says
+            return CorruptCheckpoint(f"{what}: the object is shorter than the range asked for ({code or status})")
         if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
             return CorruptCheckpoint(f"{what}: the endpoint rejected the checksum ({code}: {exc})")
         return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
@@ -275,6 +284,8 @@ class S3Store(TierStore):
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
         lock_days: float | None = None,
         lock_mode: str = "governance",
+        range_bytes: int = 16 * 1024 * 1024,
+        ranged_threshold: int = 32 * 1024 * 1024,
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
     ) -> None:
         if lock_mode not in _LOCK_MODES:
@@ -291,8 +302,10 @@ class S3Store(TierStore):
         self.parallelism = parallelism
         self.buffer_bytes = buffer_bytes
         self.lock_days, self.lock_mode = lock_days, lock_mode
+        self.range_bytes, self.ranged_threshold = range_bytes, max(ranged_threshold, range_bytes)
         self.client = client or self._make_client(endpoint_url, region, max_attempts)
         self._pool: ThreadPoolExecutor | None = None
+        self._ranges: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(max_concurrency)
 
@@ -325,6 +338,9 @@ class S3Store(TierStore):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._ranges is not None:
+            self._ranges.shutdown(wait=True)
+            self._ranges = None
 
     # --- reads -------------------------------------------------------------------------
     @contextmanager
@@ -336,6 +352,67 @@ class S3Store(TierStore):
             yield _Body(body, what)  # type: ignore[misc]
         finally:
             body.close()
+
+    def reads_ranged(self, size: int) -> bool:
+        """Whether an object of ``size`` bytes is fetched as parallel ranged GETs (``read_ranges_into``)."""
+        return size >= self.ranged_threshold
+
+    def read_ranges_into(self, key: str, fd: int, size: int, progress: Callable[[int], None] | None = None
+                         ) -> tuple[int, str]:
+        """Fetch ``key`` into the open file ``fd`` (written at offsets) as ranged GETs of
+        ``range_bytes``, ``max_concurrency`` at once over the process's one client; return
+        (size, CRC32C hex) of what was written, combined from each range's CRC32C as it arrived
+        (no second read). Memory: one ``buffer_bytes`` chunk per range in flight. A range that
+        comes back with other bounds or length is ``CorruptCheckpoint``; the caller compares
+        the result with the manifest."""
+        ranges = [(off, min(self.range_bytes, size - off)) for off in range(0, size, self.range_bytes)]
+        with self._pool_lock:
+            if self._ranges is None:
+                self._ranges = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="s3-range")
+            pool = self._ranges
+        futures = [pool.submit(self._read_range, key, fd, off, n, size, progress) for off, n in ranges]
+        try:
+            values = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+        value = values[0] if values else 0
+        for (_off, n), v in zip(ranges[1:], values[1:], strict=True):
+            value = crc.combine(value, v, n)
+        return size, crc.to_hex(value)
+
+    def _read_range(self, key: str, fd: int, offset: int, length: int, size: int,
+                    progress: Callable[[int], None] | None) -> int:
+        what = f"{self.url_for(key)} bytes {offset}-{offset + length - 1}"
+        with s3_errors(what):
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._k(key),
+                                          Range=f"bytes={offset}-{offset + length - 1}")
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        if total.isdigit() and int(total) != size:
+            resp["Body"].close()
+            raise CorruptCheckpoint(f"{self.url_for(key)}: {total} bytes stored, {size} expected", path=key)
+        body = _Body(resp["Body"], what)
+        value, got = 0, 0
+        try:
+            while got < length:
+                data = body.read(min(self.buffer_bytes, length - got + 1))
+                if not data:
+                    break
+                value = crc.update(value, data)
+                view, pos = memoryview(data), offset + got
+                while view:
+                    written = os.pwrite(fd, view, pos)
+                    view, pos = view[written:], pos + written
+                got += len(data)
+                if progress is not None:
+                    progress(len(data))
+        finally:
+            body.close()
+        if got != length or resp.get("ContentLength", length) != length:
+            raise CorruptCheckpoint(f"{what}: the range came back with {got} bytes", path=key)
+        return value
 
     def _head(self, key: str) -> dict | None:
         try:

@@ -87,6 +87,24 @@ class RestoreStage(LocalStore):
         return ObjectInfo(key=key, size=size, checksum=checksum_hex)
 
 
+    def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int,
+                    checksum_hex: str) -> ObjectInfo:
+        """``write(fd)`` fills ``key`` (ranged reads at offsets) and returns what it wrote's
+        (size, crc32c); kept only on a match, as ``put_verified``."""
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _check(key, write(fd), size, checksum_hex)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.sync_soon(target)
+        return ObjectInfo(key=key, size=size, checksum=checksum_hex)
+
+
 def fetch_local_part(src: TierStore, src_prefix: str, stage: RestoreStage, dst_prefix: str, manifest: Manifest,
                      *, parallelism: int, progress: Callable[[int], None]) -> None:
     """Copy a part from a local tier into the stage: in-kernel copy, then hash the copy against

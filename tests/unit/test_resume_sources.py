@@ -47,3 +47,17 @@ def test_a_part_brings_the_checkpoint_wide_files_another_part_holds():
     assert [(w.part, w.path) for w in wide_files(files, [1])] == [(0, ".metadata")]  # part 1 has its own index
     assert wide_files(files, [0]) == []
     assert wide_files(files, [0, 1]) == []
+
+
+@pytest.mark.parametrize(("args", "says"), [(["../x"], "invalid run name"),
+                                            (["run-a", "--part", "3", "--parts", "2"], "part 3 out of range")])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, says):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CKPT_DATA_DIR": str(tmp_path / "data")}
+    out = subprocess.run([sys.executable, "-m", "ckpt.cli", "resume", *args], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr

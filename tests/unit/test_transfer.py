@@ -233,3 +233,15 @@ def test_folders_are_fsynced_before_the_commit_marker(tiers, monkeypatch):
     assert {t1.root, t1.root / RUN, t1.root / PREFIX} <= before
     assert (t1.root / PREFIX, True) in synced  # and the marker's own entry after it
     assert len(synced) < len(m.files)  # once per folder, not once per file
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 5), (1, 1), (7, 1000), (65536, 65536), (100_000, 12_345), (3, 0)])
+def test_crc32c_of_consecutive_pieces_combines_to_the_whole(a, b):
+    import os
+
+    import crc32c
+
+    from core.checksum import combine
+
+    x, y = os.urandom(a), os.urandom(b)
+    assert combine(crc32c.crc32c(x), crc32c.crc32c(y), b) == crc32c.crc32c(x + y)

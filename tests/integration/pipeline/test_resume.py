@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from core.errors import BadInput
+from core.errors import BadInput, ConflictError
 from tasks.resume import resume
 from tests.kit.checkpoints import ckpt_dir, replica_states, truncate, write_checkpoint
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
@@ -135,6 +135,11 @@ def test_into_a_folder_of_ones_choosing(settings, tmp_path):
     assert point.path == str(tmp_path / "here") and tree(point.path) == newest
     assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
     assert not [p for p in tmp_path.iterdir() if ".resume-" in p.name]
+    again = resume(settings, RUN, to=tmp_path / "here")  # the job restarted: the folder is still good
+    assert again.path == point.path and [(p.source, p.bytes_moved) for p in again.parts] == [("in place", 0)]
+    (tmp_path / "here" / "model.bin").write_bytes(b"other")
+    with pytest.raises(ConflictError, match="not empty"):
+        resume(settings, RUN, to=tmp_path / "here")
 
 
 def test_a_part_brings_the_index_another_part_holds(settings):
@@ -168,10 +173,40 @@ def cli(args, settings):
 def test_cli_prints_the_resume_point(settings):
     out = cli(["resume", "nothing-yet", "--json"], settings)
     assert out.exit_code == 0 and json.loads(out.stdout) == {"run": "nothing-yet", "step": None}
+    out = cli(["resume", "nothing-yet"], settings)
+    assert out.exit_code == 0 and out.stdout == ""
     save(settings, 100)
     out = cli(["resume", RUN, "--json", "--verify", "full"], settings)
     assert out.exit_code == 0, out.output
     got = json.loads(out.stdout)
     assert (got["step"], got["path"]) == (100, str(tier0_dir(settings, RUN, 100)))
     assert got["parts"][0]["source"] == "in place"
+    assert cli(["resume", RUN], settings).stdout == str(tier0_dir(settings, RUN, 100)) + "\n"
     assert cli(["resume", RUN, "--part", "5", "--parts", "2"], settings).exit_code != 0
+
+
+def test_two_workers_of_one_node_resuming_at_once_fetch_once(settings_factory, db_url):
+    import threading
+
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1c-{os.getpid()}-{id(db_url)}")
+    newest = save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    barrier, points, errors = threading.Barrier(2), [], []
+
+    def worker():
+        barrier.wait()
+        try:
+            points.append(resume(settings, RUN))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    assert errors == [] and {p.path for p in points} == {str(tier0_dir(settings, RUN, 100))}
+    assert tree(tier0_dir(settings, RUN, 100)) == newest
+    assert sorted(p.parts[0].bytes_moved for p in points) == [0, 350_000]  # one fetched, the other waited for it
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}

@@ -128,3 +128,29 @@ def test_the_client_pool_holds_every_request_a_parallel_transfer_makes(s3_endpoi
     finally:
         store.close()
     assert [r.getMessage() for r in caplog.records if "pool is full" in r.getMessage()] == []
+
+
+@pytest.mark.parametrize("stored", [100_000, 250_000, 200_000])
+def test_ranged_read_of_an_object_of_the_wrong_size_or_bytes_is_corrupt(s3_endpoint, s3_bucket, tmp_path, stored):
+    """Ranged reads check each range's bounds and the object's size, and the combined CRC32C."""
+    import os
+
+    from core import checksum
+
+    store = S3Store(f"s3://{s3_bucket}/ranged", 2, endpoint_url=s3_endpoint, range_bytes=64 * 1024,
+                    ranged_threshold=64 * 1024)
+    expected = os.urandom(200_000)
+    data = expected[:stored] if stored < len(expected) else expected + os.urandom(stored - len(expected))
+    if stored == len(expected):
+        data = data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]  # same size, one bit flipped
+    store.client.put_object(Bucket=s3_bucket, Key="ranged/obj", Body=data)
+    dst = LocalStore(tmp_path / "t0", 0)
+    try:
+        with pytest.raises(CorruptCheckpoint):
+            dst.put_written("obj", lambda fd: store.read_ranges_into("obj", fd, len(expected)), len(expected),
+                            checksum.hash_bytes(expected))
+        assert not list((tmp_path / "t0").iterdir())  # nothing published, no staging left
+        dst.put_written("good", lambda fd: store.read_ranges_into("obj", fd, stored), stored, checksum.hash_bytes(data))
+        assert (tmp_path / "t0" / "good").read_bytes() == data
+    finally:
+        store.close()

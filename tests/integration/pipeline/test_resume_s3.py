@@ -1,0 +1,198 @@
+"""Resume against Tier 2 on moto's S3 server (through a recording proxy): Tier 1 rehydrated once
+for the whole cluster, a Tier 1 copy that vanishes mid-read, a fetch killed halfway."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tasks.resume import resume
+from tests.kit.checkpoints import open_catalog, replica_states
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
+from tests.kit.s3_proxy import S3Proxy
+
+RUN = "llm-s3"
+FILES = {"model-00001.bin": 200_000, "model-00002.bin": 150_000, "optim/state.bin": 60_000}
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = S3Proxy(s3_endpoint)
+    yield p
+    p.close()
+
+
+def save_milestone(settings, step: int = 100) -> dict[str, bytes]:
+    files = {rel: os.urandom(n) for rel, n in FILES.items()}
+    commit_folder(settings, RUN, step, files, milestone=True)
+    promote(settings, RUN, step)
+    assert replica_states(settings, RUN, step)[(2, 0)] == "verified"
+    return files
+
+
+def lose_tier1(settings, step: int = 100) -> None:
+    """Tier 1's copy is gone and the catalog knows it (as reconcile records a vanished copy)."""
+    shutil.rmtree(tier1_dir(settings, RUN, step))
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, step)
+        rep = next(r for r in cat.replicas(ck.id, 1))
+        cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost")
+
+
+def tree(folder: Path | str) -> dict[str, bytes]:
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith("manifest")}
+
+
+def data_gets(proxy: S3Proxy) -> Counter:
+    """GETs of checkpoint data (not manifests) per object."""
+    return Counter(r.key.rsplit("/", 1)[-1] if "optim" not in r.key else "optim/state.bin"
+                   for r in proxy.seen if r.method == "GET" and "step-" in r.key and "manifest" not in r.key)
+
+
+def test_two_nodes_resuming_at_once_read_each_object_from_s3_once(settings_factory, db_url, s3_bucket, proxy):
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    proxy.seen.clear()
+    nodes = [on_node(settings, n) for n in ("node-a", "node-b")]
+    barrier, points, errors = threading.Barrier(2), {}, []
+
+    def node(s):
+        barrier.wait()
+        try:
+            points[s.node] = resume(s, RUN)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(s,)) for s in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    assert errors == []
+    assert {p.path for p in points.values()} == {str(tier1_dir(settings, RUN, 100))}
+    assert tree(tier1_dir(settings, RUN, 100)) == files
+    assert data_gets(proxy) == {"model-00001.bin": 1, "model-00002.bin": 1, "optim/state.bin": 1}
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    sources = sorted((p.parts[0].tier, p.parts[0].source, p.parts[0].bytes_moved) for p in points.values())
+    assert sources == [(1, "in place", 0), (2, "fetched", sum(FILES.values()))]  # one read S3, one waited
+
+
+def test_tier1_copy_removed_between_choice_and_read_falls_to_tier2(settings_factory, db_url, s3_bucket,
+                                                                   s3_endpoint, monkeypatch):
+    from core.storage.fsspec import FsspecStore
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 tier1_url=f"memory://t1-s3-{os.getpid()}-{id(db_url)}")
+    files = save_milestone(settings)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    real_open = FsspecStore.open_read
+    removed = []
+
+    def vanishing(self, key):
+        if not removed:  # Tier 1 was chosen; now, before its first byte is read, the copy goes
+            removed.append(key)
+            self.fs.rm(self._p(key.rsplit("/", 1)[0].split("/optim")[0]), recursive=True)
+        return real_open(self, key)
+
+    monkeypatch.setattr(FsspecStore, "open_read", vanishing)
+
+    point = resume(settings, RUN)
+
+    assert removed and point.path == str(tier0_dir(settings, RUN, 100)) and tree(point.path) == files
+    assert [(p.tier, p.source) for p in point.parts] == [(2, "fetched")]
+    states = replica_states(settings, RUN, 100)
+    assert (states[(0, 0)], states[(1, 0)]) == ("verified", "missing")
+    assert not [p for p in Path(point.path).rglob("*") if ".ckpt-staging-" in p.name]
+
+
+KILLED_MID_FETCH = """
+import os, signal
+from core.storage.local import LocalStore
+real = LocalStore.put_verified
+def put(self, key, reader, size, crc):
+    info = real(self, key, reader, size, crc)
+    if not key.endswith(".json"):
+        os.kill(os.getpid(), signal.SIGKILL)  # one file published, the part not committed
+    return info
+LocalStore.put_verified = put
+from core.settings import load_settings
+from tasks.resume import resume
+resume(load_settings(), %r)
+"""
+
+
+def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_one_completes(
+        settings_factory, db_url, s3_bucket, s3_endpoint):
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 claim_lease_seconds=2.0)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    node9 = on_node(settings, "node-9")
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
+           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
+           "CKPT_CLAIM_LEASE_SECONDS": "2"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+    folder = tier1_dir(settings, RUN, 100)
+    assert not (folder / "manifest.json").exists()  # nothing committed: no reader trusts it
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # the dead worker's claim
+
+    point = resume(node9, RUN)  # restarted at once: waits out the dead claim's lease, takes it over
+
+    assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
+
+
+def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
+    return scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket,
+                             s3_range_bytes=64 * 1024, s3_ranged_threshold=128 * 1024)
+
+
+def test_large_objects_come_as_parallel_ranged_gets_checked_as_a_whole(settings_factory, db_url, s3_bucket, proxy):
+    settings = ranged_settings(settings_factory, db_url, s3_bucket, proxy)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    proxy.seen.clear()
+
+    point = resume(on_node(settings, "node-x"), RUN)
+
+    assert point.path == str(tier1_dir(settings, RUN, 100)) and tree(point.path) == files
+    gets = [r for r in proxy.seen if r.method == "GET" and r.key.endswith("model-00001.bin")]
+    assert sorted(r.headers.get("range") for r in gets) == sorted(
+        f"bytes={o}-{min(o + 65536, 200_000) - 1}" for o in range(0, 200_000, 65536))
+    small = [r for r in proxy.seen if r.method == "GET" and r.key.endswith("optim/state.bin")]
+    assert [r.headers.get("range") for r in small] == [None]  # below the threshold: one GET
+
+
+def test_a_bad_object_fetched_in_ranges_publishes_nothing(settings_factory, db_url, s3_bucket, proxy):
+    from core.errors import NotFound
+    from tests.kit.s3 import corrupt_s3_object
+
+    settings = ranged_settings(settings_factory, db_url, s3_bucket, proxy)
+    save_milestone(settings)
+    lose_tier1(settings)
+    corrupt_s3_object(settings, RUN, 100, "model-00001.bin")
+
+    with pytest.raises(NotFound, match="no checkpoint has a good copy"):
+        resume(on_node(settings, "node-x"), RUN)
+
+    folder = tier1_dir(settings, RUN, 100)
+    assert replica_states(settings, RUN, 100)[(2, 0)] == "corrupt"
+    assert not (folder / "manifest.json").exists() and not (folder / "model-00001.bin").exists()
+    assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
