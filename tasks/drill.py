@@ -176,7 +176,7 @@ def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | No
             where = base / f"cluster-{uuid.uuid4().hex[:8]}"
             try:
                 outcomes, go = _run_nodes(settings, ck, tier, where, actor)
-                bound = tier_read_seconds(cat, settings, ck, tier)
+                bound = _bound_or_none(cat, settings, ck, tier)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
             done.append(ClusterDrill(_record(cat, ck, tier, outcomes, go, bound, actor), outcomes))
@@ -239,6 +239,15 @@ def _readline(proc: Any, timeout: float) -> str:
     return got[0] if got else ""
 
 
+def _bound_or_none(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float | None:
+    """The bound, or None when the tier cannot give these bytes back (the drill is recorded either way)."""
+    try:
+        return tier_read_seconds(cat, settings, ck, tier)
+    except (CkptError, NotFound, OSError) as exc:
+        log.warning("drill %s/step-%d: no bound measured on tier %d: %s", ck.run, ck.step, tier, exc)
+        return None
+
+
 def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
     """The tier's floor for these bytes: every file of the checkpoint read raw (no check, no
     load) from ``tier`` with one stream per file, ``copy_parallelism`` streams per part at once,
@@ -263,7 +272,7 @@ def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier
         return time.monotonic() - started
 
 
-def _record(cat: Catalog, ck: CheckpointInfo, tier: int, outcomes: list[Any], go: float, bound: float,
+def _record(cat: Catalog, ck: CheckpointInfo, tier: int, outcomes: list[Any], go: float, bound: float | None,
             actor: str) -> DrillResult:
     ok = all(o.ok for o in outcomes)
     tier_bytes: dict[str, int] = {}
@@ -277,8 +286,8 @@ def _record(cat: Catalog, ck: CheckpointInfo, tier: int, outcomes: list[Any], go
                               bytes=tier_bytes.get(str(tier), 0), detail=detail, actor=actor,
                               nodes=len(outcomes), bound_seconds=bound, tier_bytes=tier_bytes,
                               node_seconds=node_seconds)
-    log.info("cluster drill %s/step-%d tier %d, %d nodes: %s, RTO %.2f s, bound %.2f s", ck.run, ck.step, tier,
-             len(outcomes), "ok" if ok else "FAILED", result.seconds, bound)
+    log.info("cluster drill %s/step-%d tier %d, %d nodes: %s, RTO %.2f s, bound %s s", ck.run, ck.step, tier,
+             len(outcomes), "ok" if ok else "FAILED", result.seconds, "-" if bound is None else f"{bound:.2f}")
     return result
 
 

@@ -80,6 +80,21 @@ def test_a_part_the_loader_would_refuse_fails_the_drill_on_that_tier(settings, t
     assert (states[(1, 0)], states[(1, 1)]) == ("verified", "corrupt")  # the load found it, marked it
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_copy_gone_from_its_tier_is_a_recorded_failure_without_a_bound(settings, tmp_path):
+    save(settings, 100)
+    shard_paths(settings.tier1_url, RUN, 100)[3].unlink()  # part 1's second shard, behind the catalog's back
+
+    drills, _ = cluster_drill(settings, run=RUN, tiers=(1,), scratch=tmp_path / "s")
+
+    (d,) = drills
+    assert (d.result.ok, d.result.bound_seconds) == (False, None)
+    assert [o.ok for o in d.outcomes] == [True, False]
+    with Catalog(settings.catalog_url) as cat:
+        assert [(r.tier, r.ok, r.bound_seconds) for r in cat.drills(RUN)] == [(1, False, None)]
+    assert replica_states(settings, RUN, 100)[(1, 1)] in ("missing", "corrupt")  # no longer trusted
+
+
 def test_nodes_must_match_the_parts_and_a_tier_without_the_checkpoint_is_skipped(settings, tmp_path):
     save(settings, 100)
     with pytest.raises(BadInput, match="--nodes must be 2"):
