@@ -41,7 +41,7 @@ def _parse(text: str, units: Mapping[str, float], what: str, suffix: str = "") -
     return value
 
 
-_EXAMPLES = {"parameter count": "'70B', '7.5B', '350M'", "interval": "'30m', '1h', '90s'",
+_EXAMPLES = {"parameter count": "'70B', '7.5B', '350M'", "interval": "'30m', '1h', '90s'", "MTBF": "'3h', '90m'",
              "bandwidth": "'2GB/s', '500MB/s', '1.5GiB/s'", "size": "'980GB', '1.5TiB'"}
 
 
@@ -50,9 +50,9 @@ def parse_params(text: str) -> float:
     return _parse(text, _COUNT, "parameter count")
 
 
-def parse_duration(text: str) -> float:
-    """'30m' -> 1800 seconds; a bare number is seconds."""
-    return _parse(text, _SECONDS, "interval")
+def parse_duration(text: str, what: str = "interval") -> float:
+    """'30m' -> 1800 seconds; a bare number is seconds. ``what`` names it in the error."""
+    return _parse(text, _SECONDS, what)
 
 
 def parse_bandwidth(text: str) -> float:
@@ -222,3 +222,91 @@ def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> 
                                   phase["flow_runs"] / parts, phase["task_runs"] / parts,
                                   source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)")
     raise BadInput(f"the burst report has no {server!r} phase")
+
+
+# --- recovery: how long the cluster waits for its checkpoint back, and what a failure costs -----
+# Read bandwidths the model assumes where the user gives none; each is overridable on the CLI.
+NVME_READ = 7e9  # one PCIe Gen4 NVMe drive, sequential read (Tier 0 read in place)
+S3_STREAM = 90e6  # one S3 GET connection (AWS performance guidelines: ~85-90 MB/s)
+S3_STREAMS = 16  # parallel ranged GETs per node (AWS: 8-16 MiB ranges, many connections)
+NODE_LINK = 12.5e9  # a node's network link, 100 Gb/s
+
+
+@dataclass(frozen=True)
+class RecoveryModel:
+    """The read side of the tiers. ``tier1_bytes_per_s`` is the shared file system's aggregate
+    read bandwidth (all nodes together); None means the plan's own (write) bandwidth."""
+
+    tier0_bytes_per_s: float = NVME_READ
+    tier1_bytes_per_s: float | None = None
+    s3_stream_bytes_per_s: float = S3_STREAM
+    s3_streams: int = S3_STREAMS
+    node_link_bytes_per_s: float = NODE_LINK
+
+
+@dataclass(frozen=True)
+class TierRTO:
+    """Time to get a checkpoint of ``nodes`` parts back from one tier. ``node_seconds``: one
+    node fetches its own part alone; ``cluster_seconds``: every node fetches its part at once
+    (first start to last part loaded); ``whole_seconds``: every node fetches the whole
+    checkpoint, as a restore of the checkpoint on each node does."""
+
+    tier: int
+    node_seconds: float
+    cluster_seconds: float
+    whole_seconds: float
+
+
+def recovery_times(checkpoint_bytes: float, nodes: int, bandwidth: float,
+                   model: RecoveryModel = RecoveryModel()) -> list[TierRTO]:
+    """RTO per tier. Tier 0 is each node's own drive (nothing shared); Tier 1 is shared: N
+    nodes split its aggregate bandwidth, each capped by its link; Tier 2 (S3) scales out, so
+    each node reads at its streams × per-stream rate, capped by its link."""
+    part = checkpoint_bytes / nodes
+    link = model.node_link_bytes_per_s
+    t0 = model.tier0_bytes_per_s
+    t1 = model.tier1_bytes_per_s or bandwidth
+    t2 = min(model.s3_streams * model.s3_stream_bytes_per_s, link)
+    return [
+        TierRTO(0, part / t0, part / t0, checkpoint_bytes / t0),
+        TierRTO(1, part / min(t1, link), max(part / link, checkpoint_bytes / t1),
+                max(checkpoint_bytes / link, nodes * checkpoint_bytes / t1)),
+        TierRTO(2, part / t2, part / t2, checkpoint_bytes / t2),
+    ]
+
+
+@dataclass(frozen=True)
+class FailureCost:
+    """With a failure every ``mtbf_seconds`` (of the whole job): the work lost per failure is
+    half an interval (the expected distance back to the last checkpoint) plus the RTO, and the
+    total overhead is the save overhead (ΔMFU) plus that loss per MTBF."""
+
+    save_seconds: float
+    interval_seconds: float
+    mtbf_seconds: float
+    rto_seconds: float
+
+    @property
+    def lost_per_failure_seconds(self) -> float:
+        return self.interval_seconds / 2 + self.rto_seconds
+
+    @property
+    def overhead(self) -> float:
+        return overhead(self.save_seconds, self.interval_seconds, self.mtbf_seconds, self.rto_seconds)
+
+
+def overhead(save_seconds: float, interval_seconds: float, mtbf_seconds: float, rto_seconds: float) -> float:
+    """Fraction of compute lost to saving and to failures: ΔMFU + (T_interval/2 + RTO) / MTBF."""
+    return delta_mfu(save_seconds, interval_seconds) + (interval_seconds / 2 + rto_seconds) / mtbf_seconds
+
+
+def young_daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
+    """Young/Daly's optimal checkpoint interval, √(2·T_save·MTBF)."""
+    return math.sqrt(2 * save_seconds * mtbf_seconds)
+
+
+def best_interval(save_seconds: float, mtbf_seconds: float) -> float:
+    """The interval that minimises ``overhead`` exactly: d/dI [T/(I+T) + I/(2M)] = 0 gives
+    I + T = √(2TM), i.e. Young/Daly's interval less the save (ΔMFU counts the save apart from
+    the interval); never below zero."""
+    return max(0.0, young_daly_interval(save_seconds, mtbf_seconds) - save_seconds)

@@ -767,15 +767,20 @@ class Catalog:
 
     # --- drills -------------------------------------------------------------------------
     def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,
-                     detail: str | None = None, actor: str) -> DrillResult:
+                     detail: str | None = None, actor: str, nodes: int = 1, bound_seconds: float | None = None,
+                     tier_bytes: dict[str, int] | None = None,
+                     node_seconds: list[float] | None = None) -> DrillResult:
+        """One drill of ``run``/``step`` from ``tier``: ``seconds`` is the recovery time (for a
+        cluster drill of ``nodes``, first start to last part loaded)."""
         with self._tx() as conn:
             now = _now(conn)
             ck = checkpoint_row(conn, run, step)
             did = conn.execute(drills_table.insert().values(
                 checkpoint_id=ck.id, tier=_state.check_tier(tier), ok=ok, seconds=seconds, bytes=bytes, at=now,
-                detail=detail, actor=actor).returning(drills_table.c.id)).scalar_one()
+                detail=detail, actor=actor, nodes=nodes, bound_seconds=bound_seconds, tier_bytes=tier_bytes,
+                node_seconds=node_seconds).returning(drills_table.c.id)).scalar_one()
             add_audit(conn, at=now, actor=actor, subject=f"drill:{did}", action="drill",
-                      to_state="ok" if ok else "failed", reason=f"tier {tier}, {seconds:.3f} s" +
+                      to_state="ok" if ok else "failed", reason=f"tier {tier}, {nodes} node(s), {seconds:.3f} s" +
                       (f": {detail}" if detail else ""), run=run, step=step)
             return to_drill(conn.execute(_drill_select().where(drills_table.c.id == did)).one())
 

@@ -168,6 +168,10 @@ class DrillResult:
     bytes: int
     at: datetime
     detail: str | None = None
+    nodes: int = 1
+    bound_seconds: float | None = None
+    tier_bytes: dict[str, int] | None = None  # {"tier": bytes read from it}
+    node_seconds: list[float] | None = None  # per node, common start -> its part loaded
 
 
 @dataclass(frozen=True)

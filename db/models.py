@@ -268,6 +268,12 @@ class Drill(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime())
     detail: Mapped[str | None] = mapped_column(Text)
     actor: Mapped[str] = mapped_column(String(256))
+    # a cluster drill (0009): nodes that resumed at once, bytes read per tier {"tier": n}, each
+    # node's seconds to its part loaded, and the bytes over the tier's measured bandwidth
+    nodes: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    bound_seconds: Mapped[float | None] = mapped_column(Float)
+    tier_bytes: Mapped[dict | None] = mapped_column(JSON)
+    node_seconds: Mapped[list | None] = mapped_column(JSON)
 
 
 class Rejection(Base):

@@ -151,7 +151,8 @@ def to_audit(row: Row) -> AuditEntry:
 
 def to_drill(row: Row) -> DrillResult:
     return DrillResult(id=row.id, run=row.run_name, step=row.step, tier=row.tier, ok=row.ok,
-                       seconds=row.seconds, bytes=row.bytes, at=row.at, detail=row.detail)
+                       seconds=row.seconds, bytes=row.bytes, at=row.at, detail=row.detail, nodes=row.nodes,
+                       bound_seconds=row.bound_seconds, tier_bytes=row.tier_bytes, node_seconds=row.node_seconds)
 
 
 def insert_ignore(conn: Connection, table: Table, values: dict[str, Any], keys: list[str]) -> int:

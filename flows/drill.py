@@ -1,12 +1,15 @@
-"""restore_drill flow: the scheduled restoration drill (``Settings.drill_cron``).
+"""restore_drill flow: the scheduled recovery drill (``Settings.drill_cron``).
 
-Restores the newest milestone from Tier 1 and from Tier 2 into an empty scratch folder, checks
-it, records the recovery time per tier in the catalog, publishes the figures as a table
-artifact and cleans up (``tasks.drill``). A failed drill fails the run after recording it.
+For the run of the newest milestone (or ``run``), on Tier 1 and on Tier 2: the newest
+checkpoint held whole there is resumed by one process per part at once, cold, each part loaded
+with its format's loader and checked (``tasks.drill.cluster_drill``); the cluster RTO, each
+node's time, bytes per tier and the bound are recorded in the catalog, published as a table
+artifact and on the run's status page. A failed drill fails the run after recording it.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow
@@ -14,23 +17,33 @@ from prefect import flow
 from core.errors import CorruptCheckpoint
 from core.settings import load_settings
 from flows.common import artifact_key, current_actor, publish_table
-from tasks.drill import restore_drill_task
+from flows.status import publish_run_status
+from tasks.drill import DRILL_TIERS, cluster_drill_task
 
 
 @flow(name="restore-drill", flow_run_name="restore-drill", log_prints=True)
-def restore_drill(run: str | None = None, scratch: str | None = None) -> list[dict[str, Any]]:
-    """Drill the newest milestone (of ``run``, or of any run) on Tier 1 and Tier 2."""
+def restore_drill(run: str | None = None, scratch: str | None = None, nodes: int | None = None,
+                  tiers: list[int] | None = None) -> list[dict[str, Any]]:
+    """Drill ``run`` (default: the newest milestone's run) on each of ``tiers`` (1 and 2) with
+    ``nodes`` processes (default: the checkpoint's parts)."""
     settings = load_settings()  # from the environment, never a flow parameter
-    report = restore_drill_task(settings, run=run, scratch=scratch, actor=current_actor("drill"))
-    rows = report.rows() + [{"tier": None, "ok": None, "detail": s} for s in report.skipped]
-    title = (f"restore drill of {report.run}/step-{report.step}" if report.step is not None
-             else "restore drill: nothing to drill")
-    publish_table(artifact_key("restore-drill"), rows, title)
-    for r in report.rows():
-        print(f"tier {r['tier']}: {'ok' if r['ok'] else 'FAILED'} in {r['seconds']} s ({r['MB/s']} MB/s) {r['detail']}")
-    for s in report.skipped:
+    drills, skipped = cluster_drill_task(settings, run=run, nodes=nodes, tiers=tuple(tiers or DRILL_TIERS),
+                                         scratch=scratch, actor=current_actor("drill"))
+    rows = [d.row() for d in drills]
+    drilled = drills[0].result if drills else None
+    title = (f"recovery drill of {drilled.run}, {drilled.nodes} node(s)" if drilled
+             else "recovery drill: nothing to drill")
+    flat = [{k: (json.dumps(v) if isinstance(v, dict | list) else v) for k, v in r.items()} for r in rows]
+    publish_table(artifact_key("restore-drill"), flat + [{"tier": None, "ok": None, "detail": s} for s in skipped],
+                  title)
+    if drilled is not None:
+        publish_run_status(settings.catalog_url, drilled.run)
+    for r in rows:
+        print(f"tier {r['tier']} step {r['step']}, {r['nodes']} node(s): {'ok' if r['ok'] else 'FAILED'}, "
+              f"RTO {r['rto_seconds']} s, bound {r['bound_seconds']} s {r['detail']}")
+    for s in skipped:
         print(s)
-    if not report.ok:
-        raise CorruptCheckpoint("restore drill failed: " + "; ".join(
-            f"tier {r.tier}: {r.detail}" for r in report.results if not r.ok))
-    return report.rows()
+    failed = [d.result for d in drills if not d.result.ok]
+    if failed:
+        raise CorruptCheckpoint("restore drill failed: " + "; ".join(f"tier {r.tier}: {r.detail}" for r in failed))
+    return rows

@@ -3,7 +3,8 @@ each time one of its checkpoints becomes durable, so the Prefect UI's Artifacts 
 "where is this run?" at a glance: the newest verified step on each tier, how long checkpoints take to become durable
 (commit -> every part verified on Tier 1), the run's measured ΔMFU (the sizing model with its
 own writer stalls and save interval from the catalog, over its newest ``STALL_WINDOW`` saves)
-and the lineage chain of its newest checkpoint. What it reads does not grow with the run.
+the lineage chain of its newest checkpoint, and its newest recovery drills (cluster RTO, nodes,
+bound). What it reads does not grow with the run.
 
 ``gather`` reads the catalog; ``status_markdown`` is a plain function of what it read
 (tested without Prefect); ``publish_run_status`` publishes it from inside a flow run.
@@ -17,12 +18,13 @@ from statistics import median
 
 from core import sizing
 from db.catalog import Catalog
-from db.entities import LineageEdge
+from db.entities import DrillResult, LineageEdge
 
 TIERS = (0, 1, 2)
 TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
 RECENT = 20  # checkpoints looked at for the time to durable
 STALL_WINDOW = 1000  # the newest saves with a recorded stall that the measured ΔMFU covers
+DRILLS = 6  # the newest recovery drills shown
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class RunStatus:
     checkpoints: int = 0
     generated_at: datetime | None = None
     stalls_windowed: bool = False  # the figure covers the newest saves only (the run recorded more)
+    drills: list[DrillResult] = field(default_factory=list)  # newest first
 
 
 def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
@@ -65,7 +68,7 @@ def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
     head = recent[-1].step if recent else None
     lineage = cat.ancestors(run, head, max_depth=500) if head is not None else []
     return RunStatus(run, newest, ttd, figure, head, lineage, cat.count_checkpoints(run), now,
-                     stalls_windowed=len(stalls) > STALL_WINDOW)
+                     stalls_windowed=len(stalls) > STALL_WINDOW, drills=cat.drills(run, DRILLS))
 
 
 def _when(t: datetime | None) -> str:
@@ -103,7 +106,22 @@ def status_markdown(s: RunStatus) -> str:
             out += ["- ΔMFU: needs two saves (no interval yet)"]
     out += ["", "## Lineage (newest first)", ""]
     out += [lineage_line(s.run, s.newest_step, s.lineage)]
+    out += ["", "## Recovery drills (RTO: first start → last part loaded)", ""]
+    out += drill_lines(s.drills)
     return "\n".join(out) + "\n"
+
+
+def drill_lines(drills: list[DrillResult]) -> list[str]:
+    """The newest drills as a table: tier, step, nodes, outcome, RTO and the tier's bound."""
+    if not drills:
+        return ["- no drill recorded for this run (`ckpt drill --run RUN`)"]
+    out = ["| at | tier | step | nodes | ok | RTO | bound | bytes from the tier |",
+           "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for d in drills:
+        bound = sizing.fmt_seconds(d.bound_seconds) if d.bound_seconds is not None else "—"
+        out.append(f"| {_when(d.at)} | {d.tier} | {d.step} | {d.nodes} | {'ok' if d.ok else '**FAILED**'} | "
+                   f"{sizing.fmt_seconds(d.seconds)} | {bound} | {sizing.fmt_bytes(d.bytes)} |")
+    return out
 
 
 def lineage_line(run: str, head: int | None, edges: list[LineageEdge]) -> str:

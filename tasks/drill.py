@@ -23,7 +23,7 @@ from core.layout import checkpoint_prefix
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, Settings
 from db.catalog import Catalog
-from db.entities import CKPT_COMMITTED, CheckpointInfo, DrillResult
+from db.entities import CKPT_COMMITTED, VERIFIED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.retry import pipeline_task
 
@@ -112,3 +112,183 @@ def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, 
 
 
 restore_drill_task = pipeline_task(restore_drill, name="restore-drill", retries=0)
+
+
+# --- the cluster drill: N nodes resume their parts at once ------------------------------------
+NODE_READY_TIMEOUT_S = 120.0  # a node process imports the product before it says ready
+NODE_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class ClusterDrill:
+    """One cluster drill of ``run``/``step`` from ``tier``, as recorded (``result``) with each
+    node's outcome (``tasks.drill_node.NodeOutcome``)."""
+
+    result: DrillResult
+    outcomes: list[Any]
+
+    def row(self) -> dict[str, Any]:
+        return cluster_row(self.result)
+
+
+def cluster_row(r: DrillResult) -> dict[str, Any]:
+    """A drill as a flat record with its cluster figures (``ckpt drill --json``, the artifact)."""
+    return drill_row(r) | {"nodes": r.nodes, "rto_seconds": round(r.seconds, 3),
+                           "bound_seconds": None if r.bound_seconds is None else round(r.bound_seconds, 3),
+                           "tier_bytes": r.tier_bytes or {}, "node_seconds": r.node_seconds or []}
+
+
+def newest_on_tier(cat: Catalog, run: str, tier: int) -> CheckpointInfo | None:
+    """The newest committed checkpoint of ``run`` with a verified copy of every part on ``tier``."""
+    for ck in sorted((c for c in cat.list_checkpoints(run) if c.state == CKPT_COMMITTED),
+                     key=lambda c: c.step, reverse=True):
+        held = {r.part for r in cat.replicas(ck.id, tier) if r.state == VERIFIED}
+        if held >= set(range(ck.parts)):
+            return ck
+    return None
+
+
+def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | None = None,
+                  tiers: tuple[int, ...] = DRILL_TIERS, scratch: str | Path | None = None,
+                  actor: str = "cli") -> tuple[list[ClusterDrill], list[str]]:
+    """Drill ``run`` (default: the run of the newest milestone) on each tier of ``tiers``: its
+    newest checkpoint held whole there, every part resumed at once by its own process (``nodes``
+    must be the checkpoint's parts; default: that). Returns the recorded drills and what was
+    skipped, and why."""
+    from core.errors import BadInput
+
+    base = Path(scratch) if scratch else Path(settings.data_dir).expanduser().absolute() / "drills"
+    done, skipped = [], []
+    with open_catalog(settings.catalog_url) as cat:
+        if run is None:
+            newest = newest_milestone(cat, None, settings.milestones)
+            if newest is None:
+                return [], ["no committed milestone to drill (give --run)"]
+            run = newest.run
+        for tier in tiers:
+            ck = newest_on_tier(cat, run, tier) if settings.tier_url(tier) else None
+            if ck is None:
+                skipped.append(f"tier {tier}: no checkpoint of {run} held whole there")
+                continue
+            if nodes is not None and nodes != ck.parts:
+                raise BadInput(f"{run}/step-{ck.step} has {ck.parts} part(s): a drill resumes each on its own "
+                               f"node, so --nodes must be {ck.parts}, not {nodes}")
+            where = base / f"cluster-{uuid.uuid4().hex[:8]}"
+            try:
+                outcomes, go = _run_nodes(settings, ck, tier, where, actor)
+                bound = _bound_or_none(cat, settings, ck, tier)
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            done.append(ClusterDrill(_record(cat, ck, tier, outcomes, go, bound, actor), outcomes))
+    return done, skipped
+
+
+def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path, actor: str) -> tuple[list[Any], float]:
+    """Start one process per part, wait until all are ready, start them at once; their outcomes
+    and the common start (time.time())."""
+    import json
+    import subprocess
+    import sys
+
+    from tasks.drill_node import NodeOutcome
+
+    where.mkdir(parents=True, exist_ok=True)
+    spec_file = where / "settings.json"
+    spec_file.write_text(settings.model_dump_json())
+    procs = []
+    try:
+        for part in range(ck.parts):
+            spec = {"settings": str(spec_file), "run": ck.run, "step": ck.step, "part": part, "parts": ck.parts,
+                    "tier": tier, "dest": str(where / f"node-{part}"), "actor": actor}
+            procs.append(subprocess.Popen([sys.executable, "-m", "tasks.drill_node", json.dumps(spec)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for p in procs:
+            line = _readline(p, NODE_READY_TIMEOUT_S)
+            if line.strip() != "ready":
+                raise CkptError(f"a drill node did not start: {line.strip()[:200] or 'no output'}")
+        go = time.time()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outcomes = []
+        for part, p in enumerate(procs):
+            out, _ = p.communicate(timeout=NODE_TIMEOUT_S)
+            lines = out.strip().splitlines()
+            if p.returncode == 0 and lines:
+                outcomes.append(NodeOutcome(**json.loads(lines[-1])))
+            else:
+                outcomes.append(NodeOutcome(part, False, go, time.time(),
+                                            detail=f"node process exited {p.returncode}"))
+        return outcomes, go
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _readline(proc: Any, timeout: float) -> str:
+    """One line of ``proc``'s stdout, or '' when it exits or ``timeout`` passes first."""
+    import threading
+
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return got[0] if got else ""
+
+
+def _bound_or_none(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float | None:
+    """The bound, or None when the tier cannot give these bytes back (the drill is recorded either way)."""
+    try:
+        return tier_read_seconds(cat, settings, ck, tier)
+    except (CkptError, NotFound, OSError) as exc:
+        log.warning("drill %s/step-%d: no bound measured on tier %d: %s", ck.run, ck.step, tier, exc)
+        return None
+
+
+def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
+    """The tier's floor for these bytes: every file of the checkpoint read raw (no check, no
+    load) from ``tier`` with one stream per file, ``copy_parallelism`` streams per part at once,
+    timed. bytes / that time is the tier's measured bandwidth, so the bound is the time itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.replicas import TierStores
+
+    prefix = checkpoint_prefix(ck.run, ck.step)
+    keys = [f"{prefix}/{f.path}" for f in cat.files(ck.id)]
+    with TierStores(settings) as stores:
+        store = stores.get(tier)
+
+        def drain(key: str) -> None:
+            with store.open_read(key) as fh:
+                while fh.read(settings.io_buffer_bytes):
+                    pass
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(max(1, ck.parts * settings.copy_parallelism)) as pool:
+            list(pool.map(drain, keys))
+        return time.monotonic() - started
+
+
+def _record(cat: Catalog, ck: CheckpointInfo, tier: int, outcomes: list[Any], go: float, bound: float | None,
+            actor: str) -> DrillResult:
+    ok = all(o.ok for o in outcomes)
+    tier_bytes: dict[str, int] = {}
+    for o in outcomes:
+        for t, n in o.tier_bytes.items():
+            tier_bytes[t] = tier_bytes.get(t, 0) + n
+    node_seconds = [round(o.loaded_at - go, 4) for o in outcomes]
+    failed = [f"part {o.part}: {o.detail}" for o in outcomes if not o.ok]
+    detail = "; ".join(failed)[:1000] if failed else ", ".join(sorted({o.source for o in outcomes}))
+    result = cat.record_drill(ck.run, ck.step, tier, ok=ok, seconds=max(node_seconds),
+                              bytes=tier_bytes.get(str(tier), 0), detail=detail, actor=actor,
+                              nodes=len(outcomes), bound_seconds=bound, tier_bytes=tier_bytes,
+                              node_seconds=node_seconds)
+    log.info("cluster drill %s/step-%d tier %d, %d nodes: %s, RTO %.2f s, bound %s s", ck.run, ck.step, tier,
+             len(outcomes), "ok" if ok else "FAILED", result.seconds, "-" if bound is None else f"{bound:.2f}")
+    return result
+
+
+cluster_drill_task = pipeline_task(cluster_drill, name="cluster-drill", retries=0)

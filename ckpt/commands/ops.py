@@ -31,12 +31,22 @@ def plan_cmd(
                               "checkpoint burst of this many nodes on one Prefect server"),
     burst_report: Path = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
+    mtbf: str = typer.Option(None, "--mtbf", help="mean time between failures of the whole job, e.g. 3h: "
+                             "add the work lost per failure, the total overhead and the best interval"),
+    tier0_read: str = typer.Option(None, "--tier0-read", help="a node's NVMe read bandwidth [7GB/s]"),
+    tier1_read: str = typer.Option(None, "--tier1-read", help="the shared file system's aggregate read "
+                                   "bandwidth [the --bandwidth of each row]"),
+    s3_streams: int = typer.Option(16, "--s3-streams", min=1, help="parallel S3 GET connections per node"),
+    s3_stream: str = typer.Option(None, "--s3-stream", help="one S3 connection's bandwidth [90MB/s]"),
+    node_link: str = typer.Option(None, "--node-link", help="a node's network link [12.5GB/s, 100 Gb/s]"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The sizing model: checkpoint size, save time and compute lost (ΔMFU), per bandwidth,
-    plus each run's measured ΔMFU from the writer stall times in the catalog. With --nodes,
-    the orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis)
-    and the cluster size that saturates it."""
+    plus each run's measured ΔMFU from the writer stall times in the catalog; the recovery
+    time per tier (one node, and every node of --nodes at once); with --mtbf the work lost per
+    failure, the total overhead and the interval that minimises it. With --nodes, the
+    orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis) and
+    the cluster size that saturates it."""
     from core import sizing
     from core.errors import BadInput
 
@@ -55,12 +65,15 @@ def plan_cmd(
         if burst_report is not None:
             capacity = sizing.capacity_from_report(json.loads(burst_report.read_text()))
         load = sizing.OrchestrationLoad(nodes, secs, capacity)
+    model = _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link)
+    failures_every = sizing.parse_duration(mtbf, "MTBF") if mtbf is not None else None
+    recovery = [_recovery(p, nodes or 1, model, failures_every) for p in plans]
     figures = _measured_runs() if runs and plans else []
     if as_json:
         out: dict = {"model": [{"checkpoint_bytes": p.checkpoint_bytes, "interval_seconds": p.interval_seconds,
                                 "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "save_seconds": p.save_seconds,
                                 "delta_mfu": p.delta_mfu} for p in plans],
-                     "runs": [f.__dict__ for f in figures]}
+                     "runs": [f.__dict__ for f in figures], "recovery": recovery}
         if load is not None:
             out["orchestration"] = {"nodes": load.nodes, "interval_seconds": load.interval_seconds,
                                     "flow_runs_per_burst": load.flow_runs_per_burst,
@@ -72,6 +85,7 @@ def plan_cmd(
         return
     if plans:
         _print_plan(plans, figures)
+        _print_recovery(recovery)
     if load is not None:
         _print_load(load)
 
@@ -89,6 +103,73 @@ def _print_load(load) -> None:
                "of the interval")
     typer.echo(f"  one server on PostgreSQL + Redis is saturated at {load.saturation_nodes} nodes "
                f"(a burst then takes the whole interval)")
+
+
+def _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link):
+    from core import sizing
+
+    def bw(text, default):
+        return sizing.parse_bandwidth(text) if text is not None else default
+
+    return sizing.RecoveryModel(bw(tier0_read, sizing.NVME_READ), bw(tier1_read, None),
+                                bw(s3_stream, sizing.S3_STREAM), s3_streams, bw(node_link, sizing.NODE_LINK))
+
+
+RECOVERY_TIER = 1  # a failed node is replaced: its Tier 0 is gone, the shared file system is the nearest copy
+
+
+def _recovery(p, nodes: int, model, mtbf: float | None) -> dict:
+    """One plan's recovery figures as plain values (the JSON and the printed tables)."""
+    from core import sizing
+
+    tiers = []
+    for r in sizing.recovery_times(p.checkpoint_bytes, nodes, p.bandwidth_bytes_per_s, model):
+        row = {"tier": r.tier, "node_seconds": r.node_seconds, "cluster_seconds": r.cluster_seconds,
+               "whole_checkpoint_per_node_seconds": r.whole_seconds}
+        if mtbf is not None:
+            cost = sizing.FailureCost(p.save_seconds, p.interval_seconds, mtbf, r.cluster_seconds)
+            row |= {"lost_per_failure_seconds": cost.lost_per_failure_seconds, "overhead": cost.overhead}
+        tiers.append(row)
+    out: dict = {"checkpoint_bytes": p.checkpoint_bytes, "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s,
+                 "nodes": nodes, "tiers": tiers}
+    if mtbf is not None:
+        rto = tiers[RECOVERY_TIER]["cluster_seconds"]
+        best = sizing.best_interval(p.save_seconds, mtbf)
+        out["failures"] = {"mtbf_seconds": mtbf, "recovery_tier": RECOVERY_TIER,
+                           "young_daly_seconds": sizing.young_daly_interval(p.save_seconds, mtbf),
+                           "best_interval_seconds": best,
+                           "overhead_at_interval": sizing.overhead(p.save_seconds, p.interval_seconds, mtbf, rto),
+                           "overhead_at_best": sizing.overhead(p.save_seconds, best, mtbf, rto)}
+    return out
+
+
+def _print_recovery(recovery: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
+
+    con = Console()
+    failures = "failures" in recovery[0]
+    t = Table(title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part")
+    cols = ["bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node"]
+    for col in cols + (["lost per failure", "overhead"] if failures else []):
+        t.add_column(col, justify="right")
+    for rec in recovery:
+        for r in rec["tiers"]:
+            cells = [fmt_bytes(rec["bandwidth_bytes_per_s"]) + "/s", str(r["tier"]), fmt_seconds(r["node_seconds"]),
+                     fmt_seconds(r["cluster_seconds"]), fmt_seconds(r["whole_checkpoint_per_node_seconds"])]
+            if failures:
+                cells += [fmt_seconds(r["lost_per_failure_seconds"]), fmt_percent(r["overhead"])]
+            t.add_row(*cells)
+    con.print(t)
+    for rec in recovery if failures else []:
+        f = rec["failures"]
+        con.print(f"{fmt_bytes(rec['bandwidth_bytes_per_s'])}/s, MTBF {fmt_seconds(f['mtbf_seconds'])}, recovering "
+                  f"from Tier {f['recovery_tier']}: overhead {fmt_percent(f['overhead_at_interval'])} at this "
+                  f"interval; Young/Daly √(2·T_save·MTBF) = {fmt_seconds(f['young_daly_seconds'])}, the minimum "
+                  f"{fmt_percent(f['overhead_at_best'])} at interval {fmt_seconds(f['best_interval_seconds'])} "
+                  "(√(2·T_save·MTBF) - T_save: ΔMFU counts the save apart)", highlight=False, soft_wrap=True)
 
 
 def _measured_runs():

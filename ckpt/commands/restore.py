@@ -108,18 +108,34 @@ def scrub_cmd(
 
 # --- ckpt drill / drills -----------------------------------------------------------------------
 def drill_cmd(
-    run: str = typer.Option(None, "--run", help="drill this run's newest milestone (default: any run's)"),
+    run: str = typer.Option(None, "--run", help="drill this run (default: the run of the newest milestone)"),
+    nodes: int = typer.Option(None, "--nodes", min=1, help="nodes resuming at once, one per part "
+                              "(default: the checkpoint's parts; must equal them)"),
+    tier: list[int] = typer.Option(None, "--tier", help="drill this tier only (1 or 2; repeat for both) "
+                                   "[1 and 2]"),
     scratch: Path = typer.Option(None, "--scratch", help="scratch folder (default: <data_dir>/drills)"),
+    as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Run a restoration drill now: restore the newest milestone from Tier 1 and Tier 2, timed."""
+    """Run a recovery drill now: for each tier, the run's newest checkpoint held whole there is
+    resumed by one process per part at once, cold (no Tier 0 of their own), each part loaded
+    with its format's loader and checked against the manifest; records the cluster RTO (first
+    start to last part loaded), each node's time, bytes read per tier and the bound (the same
+    bytes read raw from the tier)."""
+    from core.errors import BadInput
     from core.settings import load_settings
-    from tasks.drill import restore_drill
+    from tasks.drill import DRILL_TIERS, cluster_drill
 
-    report = restore_drill(load_settings(), run=run, scratch=scratch)
-    for s in report.skipped:
-        typer.echo(s)
-    _print_drills(report.results)
-    if not report.ok:
+    tiers = tuple(tier) if tier else DRILL_TIERS
+    if any(t not in DRILL_TIERS for t in tiers):
+        raise BadInput(f"--tier must be 1 or 2 (a drill sets this node's Tier 0 aside), not {list(tiers)}")
+    drills, skipped = cluster_drill(load_settings(), run=run, nodes=nodes, tiers=tiers, scratch=scratch)
+    if as_json:
+        typer.echo(json.dumps([d.row() for d in drills], indent=1))
+    else:
+        for s in skipped:
+            typer.echo(s)
+        _print_drills([d.result for d in drills])
+    if not all(d.result.ok for d in drills):
         raise typer.Exit(1)
 
 
@@ -131,12 +147,12 @@ def drills_cmd(
     """The history of restoration drills: recovery time per tier."""
     from core.settings import load_settings
     from tasks.base import open_catalog
-    from tasks.drill import drill_row
+    from tasks.drill import cluster_row
 
     with open_catalog(load_settings().catalog_url) as cat:
         results = cat.drills(run, limit)
     if as_json:
-        typer.echo(json.dumps([drill_row(r) for r in results], indent=1))
+        typer.echo(json.dumps([cluster_row(r) for r in results], indent=1))
         return
     _print_drills(results)
 
@@ -145,13 +161,15 @@ def _print_drills(results) -> None:
     from rich.console import Console
 
     from ckpt.tables import table as fold_table
-    from tasks.drill import drill_row
+    from tasks.drill import cluster_row
 
-    table = fold_table("at", "run", "step", "tier", "ok", "seconds", "MB/s", "detail", title="restoration drills",
-                       right=("step", "tier", "seconds", "MB/s"))
+    table = fold_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
+                       title="restoration drills (RTO: first start to last part loaded)",
+                       right=("step", "tier", "nodes", "RTO s", "bound s", "MB/s"))
     for r in results:
-        row = drill_row(r)
-        table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]),
+        row = cluster_row(r)
+        bound = row["bound_seconds"]
+        table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]), str(row["nodes"]),
                       "[green]ok[/green]" if row["ok"] else "[red]FAILED[/red]", f"{row['seconds']:.2f}",
-                      f"{row['MB/s']:.0f}", row["detail"])
+                      "-" if bound is None else f"{bound:.2f}", f"{row['MB/s']:.0f}", row["detail"])
     Console().print(table if results else "no drills recorded yet")

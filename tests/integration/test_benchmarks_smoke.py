@@ -158,7 +158,7 @@ def test_trainer_stall():
 
 
 def test_training_interference():
-    pytest.importorskip("torch")
+    require_module("torch", "the torch extra")
     out = run_benchmark("training_interference")
     assert re.search(r"alone \(baseline\) +\d+\.\d", out), out
     assert re.search(r"beside a promotion, copy lowered .* -?\d+\.\d%", out), out
@@ -173,3 +173,14 @@ def test_agent_memory():
     assert re.search(r"warm flow-run process \(after warm_up\) +\d+\.\d", out), out
     assert re.search(r"goal: agent \+ its warm process <= 150 MB -> \d+ \+ \d+ = \d+ MB", out), out
     assert "torch/numpy not imported: yes" in out, out  # an agent never needs them
+
+
+def test_cluster_restore(s3_endpoint):
+    out = run_benchmark("cluster_restore", "--s3-endpoint", s3_endpoint)
+    assert_rows(out, "2 x cp of the part files (Tier 1)", ["resume: Tier 0 intact (in place)",
+                                                           "resume: Tier 1 in place"])
+    assert_rows(out, "boto3 download_file per node (proxy)", ["resume: Tier 2 via proxy (fetched)",
+                                                              "today: whole checkpoint per node (T2)"])
+    assert "moved 0.0 MiB" in out and "S3 GETs per object during the Tier 2 resume" in out
+    assert re.fullmatch(r"cluster restore: 2 nodes, tier 2 RTO \d+\.\d\d s, bound \d+\.\d\d s \(x\d+\.\d\d\), "
+                        r"whole-checkpoint-per-node \d+\.\d\d s", out.strip().splitlines()[-1]), out[-500:]

@@ -152,7 +152,7 @@ def test_gather_reads_the_same_few_statements_however_large_the_run(catalog, mon
     _filled_run(catalog, "large", 300)
     small = _statements(catalog, lambda: status.gather(catalog, "small"))
     large = _statements(catalog, lambda: status.gather(catalog, "large"))
-    assert small == large <= 30  # not one or more per recent checkpoint (RECENT = 20: 60 more)
+    assert small == large <= 32  # not one or more per recent checkpoint (RECENT = 20: 60 more); 2 for the drills
     page = status.gather(catalog, "large")
     assert page.checkpoints == 300 and page.newest_step == 3000 and len(page.time_to_durable) == 5
     assert page.figure is not None and page.figure.checkpoints == 50
@@ -168,3 +168,16 @@ def test_gather_of_a_small_run_matches_reading_the_whole_run(catalog):
     assert page == _gather_whole_run(catalog, "run-s")
     assert [s for s, _ in page.time_to_durable] == [260, 270, 280, 290, 300]
     assert page.figure is not None and page.figure.checkpoints == 30 and page.figure.median_interval_seconds == 100
+
+
+def test_status_page_shows_the_newest_drills():
+    from db.entities import DrillResult
+
+    drills = [DrillResult(2, "run-b", 400, 2, True, 41.5, 980_000_000, T0, nodes=16, bound_seconds=38.0,
+                          tier_bytes={"2": 980_000_000}, node_seconds=[40.0] * 16),
+              DrillResult(1, "run-b", 400, 1, False, 3.0, 0, T0, detail="part 3: corrupt", nodes=16)]
+    md = status_markdown(_status(drills=drills))
+    assert "## Recovery drills (RTO: first start → last part loaded)" in md
+    assert "| 2 | 400 | 16 | ok | 41.5 s | 38.0 s | 980 MB |" in md
+    assert "| 1 | 400 | 16 | **FAILED** | 3.00 s | — | 0 B |" in md
+    assert "no drill recorded for this run" in status_markdown(_status())

@@ -134,3 +134,56 @@ def test_cli_says_where_one_server_saturates(tmp_path):
                                    "task_runs": 32, "flow_runs_per_s": 2.0, "task_runs_per_s": 10.0}]))
     out = _plan_output("--nodes", "64", "--interval", "30m", "--burst-report", str(report), env_dir=tmp_path)
     assert "saturated at 2250 nodes" in out and "51.2 s" in out
+
+
+# --- recovery (ckpt plan --mtbf) -------------------------------------------------------------------
+def test_rto_per_tier_for_one_node_and_the_cluster():
+    model = sizing.RecoveryModel(tier0_bytes_per_s=5e9, tier1_bytes_per_s=None, s3_stream_bytes_per_s=90e6,
+                                 s3_streams=16, node_link_bytes_per_s=12.5e9)
+    t0, t1, t2 = sizing.recovery_times(980e9, 64, 2e9, model)
+    part = 980e9 / 64
+    assert t0.node_seconds == t0.cluster_seconds == pytest.approx(part / 5e9)
+    # Tier 1 is shared: one node alone gets the whole 2 GB/s, 64 at once split it
+    assert t1.node_seconds == pytest.approx(part / 2e9)
+    assert t1.cluster_seconds == pytest.approx(490.0)
+    assert t1.whole_seconds == pytest.approx(64 * 490.0)  # every node pulling 980 GB
+    # Tier 2 scales out: each node at 16 x 90 MB/s
+    assert t2.node_seconds == t2.cluster_seconds == pytest.approx(part / 1.44e9)
+    assert t2.whole_seconds == pytest.approx(980e9 / 1.44e9)
+    fast_link = sizing.recovery_times(980e9, 1, 1e12, model)[1]
+    assert fast_link.node_seconds == pytest.approx(980e9 / 12.5e9)  # the node's link caps it
+
+
+def test_failure_cost_and_the_interval_that_minimises_it():
+    cost = sizing.FailureCost(save_seconds=490, interval_seconds=1800, mtbf_seconds=10800, rto_seconds=100)
+    assert cost.lost_per_failure_seconds == 1000
+    assert cost.overhead == pytest.approx(490 / 2290 + 1000 / 10800)
+    assert sizing.young_daly_interval(490, 10800) == pytest.approx((2 * 490 * 10800) ** 0.5)
+    best = sizing.best_interval(490, 10800)
+    for other in (best * 0.9, best * 1.1, 1800):
+        assert sizing.overhead(490, best, 10800, 100) < sizing.overhead(490, other, 10800, 100)
+
+
+def test_cli_mtbf_keeps_the_design_figures_and_adds_recovery(tmp_path):
+    import json
+
+    out = _plan_output("--params", "70B", "--interval", "30m", "--bandwidth", "2GB/s",
+                       "--bandwidth", "50GB/s", "--mtbf", "3h", "--nodes", "64", env_dir=tmp_path)
+    assert "980 GB" in out and "490 s" in out and "21.4 %" in out and "19.6 s" in out and "= 1.077 %" in out
+    assert "Young/Daly √(2·T_save·MTBF) = 3253 s" in out  # sqrt(2 * 490 * 10800)
+    assert "MTBF 10800 s" in out
+    raw = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--params", "70B", "--mtbf", "3h",
+                          "--nodes", "64", "--no-runs", "--json"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
+    rec = json.loads(raw.stdout)["recovery"][0]
+    assert rec["nodes"] == 64 and [t["tier"] for t in rec["tiers"]] == [0, 1, 2]
+    assert rec["tiers"][1]["cluster_seconds"] == pytest.approx(490.0)
+    assert rec["tiers"][1]["lost_per_failure_seconds"] == pytest.approx(900 + 490.0)
+    assert rec["failures"]["best_interval_seconds"] == pytest.approx((2 * 490 * 10800) ** 0.5 - 490)
+    assert rec["failures"]["overhead_at_best"] < rec["failures"]["overhead_at_interval"]
+
+
+def test_cli_bad_mtbf_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--params", "70B", "--mtbf", "often",
+                          "--no-runs"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "cannot read MTBF 'often'" in out.stderr

@@ -12,7 +12,7 @@ holds only the unfinished ones, so reconcile's backlog read costs the same at an
 Completions recorded before this revision are taken as done (their follow-ups ran or were
 abandoned long ago; re-running retention and events for the whole history is not wanted).
 
-Revision ID: 0008_followups
+Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-01
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0008_followups"
+revision = "0007"
 down_revision = "0006"
 branch_labels = None
 depends_on = None

@@ -1,0 +1,331 @@
+"""Cluster restore: N nodes back to training at once, each from its own part, against today's
+path (every node restores the whole checkpoint) and plain tools, in the same run.
+
+One checkpoint of N parts (HF safetensors, two shards per part, the index with part 0) is
+promoted to every tier (Tier 0 on each simulated node, Tier 1 a local folder, Tier 2 moto's S3
+server behind ``benchmarks/s3_shaper.py``: per-connection bandwidth and first-byte latency as
+S3 has them). Then, per round and in rotated order, N processes started together (each waits
+at a common start, so interpreter start-up is not timed; a contender's time is the common
+start to the last node done):
+- resume, Tier 0 intact: each node's own copy read in place (no bytes moved);
+- resume, Tier 1 in place: a cold node (empty Tier 0), Tier 1 mounted here;
+- N x cp of the part files from Tier 1 (the baseline of the two above);
+- resume, Tier 2 through the proxy: a cold node without Tier 1, fetched into a scratch folder;
+- boto3 download_file of each node's objects through the same proxy (the Tier 2 baseline);
+- today: each node restores the whole checkpoint from Tier 2 through the proxy.
+Every resume loads its part with safetensors and checks it against the manifest. The bound is
+the bytes of the checkpoint over Tier 2's measured bandwidth: every object read raw through the
+proxy, ``copy_parallelism`` streams per node (``tasks.drill.tier_read_seconds``). It prints
+the bytes read per tier, the S3 GETs per object during the Tier 2 resume, and last:
+``cluster restore: N nodes, tier 2 RTO X s, bound Y s (xR), whole-checkpoint-per-node Z s``
+(R = bound / RTO: 1 reaches the bound).
+
+    .venv/bin/python benchmarks/cluster_restore.py [--nodes 16] [--part-mib 64] [--rounds 3]
+        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL]
+    .venv/bin/python benchmarks/cluster_restore.py --smoke    # 2 nodes, 1 MiB parts, one round
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import bench_parser, load_line, parse, s3_bucket, table
+
+RUN, STEP = "bench-cluster", 100
+SMOKE = {"nodes": 2, "part_mib": 1.0}
+READY_TIMEOUT_S = 300.0
+
+
+# --- the node processes ------------------------------------------------------------------------
+def child(spec: dict) -> dict:
+    """One node's work (after the common start); returns what it did."""
+    from core.settings import Settings
+
+    settings = Settings(**json.loads(Path(spec["settings"]).read_text()))
+    mode, part, dest = spec["mode"], spec["part"], Path(spec["dest"])
+    if mode == "cp":
+        subprocess.run(["cp", *spec["files"], str(dest)], check=True)
+        return {"bytes": sum(os.path.getsize(f) for f in spec["files"])}
+    if mode == "boto3":
+        from concurrent.futures import ThreadPoolExecutor
+
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region)
+        with ThreadPoolExecutor(settings.copy_parallelism) as pool:
+            list(pool.map(lambda k: client.download_file(spec["bucket"], k, str(dest / k.rsplit("/", 1)[-1])),
+                          spec["keys"]))
+        return {"bytes": sum(p.stat().st_size for p in dest.iterdir())}
+    if mode == "whole":
+        from tasks.restore import restore_checkpoint
+
+        restore_checkpoint(settings, RUN, dest / "whole", step=STEP, preference=(2,), fallback=False, actor="bench")
+        return {"bytes": sum(p.stat().st_size for p in (dest / "whole").rglob("*") if p.is_file())}
+    from core.load_check import ManifestFile, load_and_check
+    from db.catalog import Catalog
+    from tasks.resume import resume, wide_files
+
+    point = resume(settings, RUN, part=part, parts=spec["parts"], to=dest / "part" if spec.get("to") else None,
+                   actor="bench")
+    assert point is not None and point.step == STEP, point
+    with Catalog(settings.catalog_url) as cat:
+        files = cat.files(cat.get_checkpoint(RUN, STEP).id)
+    mine = [f for f in files if f.part == part] + wide_files(files, [part])
+    checked = load_and_check(point.path, [ManifestFile(f.path, f.size, f.checksum) for f in mine], "hf-sharded")
+    return {"bytes": checked.bytes, "tensors": checked.tensors,
+            "parts": [[p.tier, p.source, p.bytes_moved] for p in point.parts]}
+
+
+def child_main(arg: str) -> None:
+    spec = json.loads(arg)
+    if spec["mode"] in ("resume", "whole"):
+        warm_up(spec["settings"])
+    elif spec["mode"] == "boto3":
+        import boto3  # noqa: F401
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":  # the benchmark was stopped before the start
+        sys.exit(3)
+    out = child(spec)
+    out["done_at"] = time.time()
+    print(json.dumps(out), flush=True)
+
+
+def warm_up(settings_file: str) -> None:
+    """What a running trainer has done before it resumes: its imports and its catalog client."""
+    from core.settings import Settings
+    from tasks.drill_node import warm_up as warm
+
+    warm(Settings(**json.loads(Path(settings_file).read_text())), RUN)
+
+
+@dataclass
+class Cluster:
+    seconds: float  # common start -> last node done
+    results: list[dict]
+
+
+def run_cluster(specs: list[dict]) -> Cluster:
+    """Start one process per spec, wait until all are ready, start them together."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", json.dumps(s)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for s in specs]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"a node process did not start: {line!r}")
+        go = time.time()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=3600)
+            if p.returncode != 0:
+                raise RuntimeError(f"a node process failed (exit {p.returncode})")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return Cluster(max(r["done_at"] for r in results) - go, results)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+# --- setup ---------------------------------------------------------------------------------------
+def write_part(folder: Path, part: int, parts: int, part_bytes: int) -> None:
+    """Two float32 safetensors shards of this part; part 0 also writes the index of all parts."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    per = max(1, part_bytes // 2 // 4)
+    rng = np.random.default_rng(part)
+    for i in range(2):
+        save_file({f"layer{part}.{i}.weight": rng.random(per, dtype=np.float32)},
+                  str(folder / f"model-p{part:03d}-{i}.safetensors"))
+    if part == 0:
+        weight_map = {f"layer{p}.{i}.weight": f"model-p{p:03d}-{i}.safetensors" for p in range(parts) for i in range(2)}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": parts * 2 * per * 4}, "weight_map": weight_map}))
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child_main(sys.argv[2])
+        return
+    ap = bench_parser(__doc__, rounds=3, s3_endpoint=True)
+    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--part-mib", type=float, default=64.0)
+    ap.add_argument("--bandwidth", default="90MB/s", help="the proxy's per-connection bandwidth")
+    ap.add_argument("--first-byte", type=float, default=None, help="the proxy's first-byte latency, s [0.1]")
+    ap.add_argument("--parallelism", type=int, default=4, help="copy_parallelism of each node")
+    ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    args = parse(ap, SMOKE)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-cluster-", dir=args.dir))
+    try:
+        with s3_bucket(args.s3_endpoint, work / "moto.log") as (endpoint, bucket):
+            bench(args, work, endpoint, bucket)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench(args, work: Path, endpoint: str, bucket: str) -> None:
+    from benchmarks.s3_shaper import S3_FIRST_BYTE_SECONDS, S3Shaper
+    from core.layout import checkpoint_prefix
+    from core.manifest_build import build_manifest, write_manifest
+    from core.settings import RetentionPolicy, load_settings
+    from core.sizing import parse_bandwidth
+    from db.catalog import Catalog, upgrade
+    from flows.common import plain_steps
+    from flows.promote import promote
+    from tasks.drill import tier_read_seconds
+
+    load0 = os.getloadavg()[0]
+    n, part_bytes = args.nodes, int(args.part_mib * 2**20)
+    base = load_settings(data_dir=work / "data", node="node-0", tier1_url=str(work / "tier1"),
+                         tier2_url=f"s3://{bucket}/ckpt", s3_endpoint_url=endpoint,
+                         copy_parallelism=args.parallelism, retention_tier0=RetentionPolicy(enabled=False),
+                         retention_tier1=RetentionPolicy(enabled=False))
+    upgrade(base.catalog_url)
+    with Catalog(base.catalog_url) as cat:
+        cat.ensure_run(RUN, actor="bench")
+    prefix = checkpoint_prefix(RUN, STEP)
+    nodes = [base.model_copy(update={"node": f"node-{i}", "tier0_url": str(work / "tier0" / f"node-{i}")})
+             for i in range(n)]
+    t0 = time.perf_counter()
+    for i, s in enumerate(nodes):
+        folder = Path(s.tier0_url) / prefix
+        write_part(folder, i, n, part_bytes)
+        write_manifest(folder, build_manifest(folder, RUN, STEP, part=i, parts=n, kind="milestone", node=s.node))
+        promote(s, RUN, STEP, i, n, steps=plain_steps(), actor="bench")
+    tier1 = work / "tier1" / prefix
+    nbytes = sum(p.stat().st_size for p in tier1.iterdir() if not p.name.startswith("manifest"))
+    print(f"promoted {n} parts ({nbytes / 2**20:.1f} MiB) to tiers 0, 1 and 2 in {time.perf_counter() - t0:.1f} s")
+
+    first_byte = S3_FIRST_BYTE_SECONDS if args.first_byte is None else args.first_byte
+    with S3Shaper(endpoint, bandwidth=parse_bandwidth(args.bandwidth), first_byte=first_byte) as proxy:
+        print(f"S3 through the shaping proxy: {args.bandwidth} per connection, {first_byte * 1000:.0f} ms to first "
+              f"byte; {args.parallelism} streams per node")
+        shaped = base.model_copy(update={"s3_endpoint_url": proxy.url})
+        run_bench(args, work, n, nbytes, nodes, shaped, bucket, proxy, tier1, prefix, load0,
+                  lambda: _bound(base, shaped, tier_read_seconds))
+
+
+def _bound(base, shaped, tier_read_seconds) -> float:
+    from db.catalog import Catalog
+
+    with Catalog(base.catalog_url) as cat:
+        return tier_read_seconds(cat, shaped, cat.get_checkpoint(RUN, STEP), 2)
+
+
+def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str, proxy, tier1: Path, prefix: str,
+              load0: float, bound_fn) -> None:
+    from db.catalog import Catalog
+
+    spec_dir = work / "specs"
+    spec_dir.mkdir()
+
+    def settings_file(name: str, s) -> str:
+        p = spec_dir / f"{name}.json"
+        p.write_text(s.model_dump_json())
+        return str(p)
+
+    with Catalog(shaped.catalog_url) as cat:
+        files = cat.files(cat.get_checkpoint(RUN, STEP).id)
+    own = {i: [f.path for f in files if f.part == i] for i in range(n)}
+    index = [f.path for f in files if f.path == "model.safetensors.index.json"]
+    t0_files = [settings_file(f"t0-{i}", s) for i, s in enumerate(nodes)]
+    cold_t1 = [settings_file(f"t1-{i}", s.model_copy(update={"node": f"cold-{i}",
+                                                                "tier0_url": str(work / "cold" / f"{i}")}))
+               for i, s in enumerate(nodes)]
+    t2_only = settings_file("t2", shaped.model_copy(update={"tier0_url": None, "tier1_url": None, "node": "cold"}))
+    dest = work / "dest"
+
+    def specs(mode: str, **kw) -> list[dict]:
+        out = []
+        for i in range(n):
+            d = dest / f"node-{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            spec = {"mode": mode, "part": i, "parts": n, "dest": str(d), "settings": t2_only} | kw
+            if mode == "cp":
+                spec["files"] = [str(tier1 / p) for p in own[i] + (index if i else [])]
+            if mode == "boto3":
+                spec["keys"] = [f"ckpt/{prefix}/{p}" for p in own[i] + (index if i else [])]
+                spec["bucket"] = bucket
+            if mode == "resume":
+                spec["settings"] = kw["settings"][i] if isinstance(kw["settings"], list) else kw["settings"]
+            out.append(spec)
+        return out
+
+    contenders = {
+        "resume: Tier 0 intact (in place)": lambda: run_cluster(specs("resume", settings=t0_files)),
+        "resume: Tier 1 in place": lambda: run_cluster(specs("resume", settings=cold_t1)),
+        f"{n} x cp of the part files (Tier 1)": lambda: run_cluster(specs("cp")),
+        "resume: Tier 2 via proxy (fetched)": lambda: run_cluster(specs("resume", settings=t2_only, to=True)),
+        "boto3 download_file per node (proxy)": lambda: run_cluster(specs("boto3")),
+        "today: whole checkpoint per node (T2)": lambda: run_cluster(specs("whole")),
+    }
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    last: dict[str, Cluster] = {}
+    gets: dict[str, int] = {}
+    names = list(contenders)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.rmtree(work / "cold", ignore_errors=True)
+            proxy.reset_counts()
+            got = contenders[name]()
+            times[name].append(got.seconds)
+            last[name] = got
+            if name.startswith("resume: Tier 2"):
+                gets = dict(proxy.gets)
+    shutil.rmtree(dest, ignore_errors=True)
+    bound = bound_fn()
+
+    t01 = {k: times[k] for k in names[:3]}
+    table(f"{n} nodes resume at once from Tier 0 / Tier 1", t01, names[2], nbytes=nbytes)
+    t2 = {k: times[k] for k in names[3:]}
+    table(f"{n} nodes resume at once from Tier 2 through the proxy", t2, names[4], nbytes=nbytes)
+    print("\nbytes read per tier (the last round of each resume):")
+    for name in names[:2] + names[3:4]:
+        moved: dict[str, int] = {}
+        for res in last[name].results:
+            for tier, source, b in res["parts"]:
+                key = f"tier {tier} {source}"
+                moved[key] = moved.get(key, 0) + (res["bytes"] if source == "in place" else b)
+        loaded = sum(res["bytes"] for res in last[name].results)
+        copied = sum(b for res in last[name].results for _t, _s, b in res["parts"])
+        print(f"  {name:38} {', '.join(f'{k}: {v / 2**20:.1f} MiB' for k, v in sorted(moved.items()))}; "
+              f"moved {copied / 2**20:.1f} MiB, loaded {loaded / 2**20:.1f} MiB, "
+              f"{sum(res['tensors'] for res in last[name].results)} tensors")
+    per_object = sorted(gets.values())
+    if per_object:
+        print(f"S3 GETs per object during the Tier 2 resume: {len(per_object)} objects, min {per_object[0]}, "
+              f"max {per_object[-1]}, total {sum(per_object)}")
+    rto = statistics.median(times[names[3]])
+    whole = statistics.median(times[names[5]])
+    boto = statistics.median(times[names[4]])
+    print(f"Tier 2 resume / boto3 download_file = {rto / boto:.2f} x (goal <= 1.0); bound / RTO = "
+          f"{bound / rto:.2f} (goal >= 0.8); bound: {nbytes / 2**20:.1f} MiB read raw through the proxy in "
+          f"{bound:.2f} s")
+    print(load_line(load0))
+    print(f"cluster restore: {n} nodes, tier 2 RTO {rto:.2f} s, bound {bound:.2f} s (x{bound / rto:.2f}), "
+          f"whole-checkpoint-per-node {whole:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""One node of a cluster drill: a process that resumes its part cold, loads it and checks it.
+
+Contract of ``drill_node``: resumes ``part`` of ``parts`` of ``run`` with ``tasks.resume.resume``
+as a node that has nothing of its own (no Tier 0, the node label ``<node>-drill-<part>``) and
+only ``tier`` to read from, so the drill measures that tier alone: Tier 1 read in place where it
+is mounted here, else fetched (Tier 1 over fsspec, Tier 2) into ``dest``, a scratch folder that
+is removed after. The part (its files plus the checkpoint-wide files its format needs) is then
+loaded with the format's own loader and checked against the manifest
+(``core.load_check``). Returns a ``NodeOutcome``; a failure to resume or to load is an outcome
+with ``ok=False`` and the reason, never an exception (the drill records every node).
+
+As a process (``python -m tasks.drill_node SPEC_JSON``): imports everything, prints ``ready``,
+waits for ``go`` on stdin (the common start; anything else, or the drill process gone, and it
+exits doing nothing), then prints the outcome as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from core.settings import Settings
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    part: int
+    ok: bool
+    started_at: float  # time.time() of the start signal as this node saw it
+    loaded_at: float  # time.time() when its part was loaded and checked (or it failed)
+    step: int | None = None
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes read per tier ("local": the fetched copy)
+    tensors: int = 0
+    loader: str = ""
+    source: str = ""
+    detail: str | None = None
+
+
+def drill_settings(settings: Settings, tier: int, part: int) -> Settings:
+    """The settings of a cold node that may read ``tier`` only."""
+    return settings.model_copy(update={
+        "tier0_url": None, "node": f"{settings.node}-drill-{part}",
+        "tier1_url": settings.tier1_url if tier == 1 else None,
+        "tier2_url": settings.tier2_url if tier == 2 else None})
+
+
+def drill_node(settings: Settings, run: str, step: int, part: int, parts: int, tier: int, dest: Path,
+               actor: str = "drill") -> NodeOutcome:
+    """See the module contract. ``settings``: the cluster's own (this function narrows them)."""
+    from core.errors import CkptError, NotFound
+
+    started = time.time()
+    cold = drill_settings(settings, tier, part)
+    try:
+        return _resume_and_load(cold, run, step, part, parts, tier, dest, actor, started)
+    except (CkptError, NotFound, OSError) as exc:
+        return NodeOutcome(part, False, started, time.time(), detail=f"{type(exc).__name__}: {exc}"[:500])
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int, tier: int, dest: Path,
+                     actor: str, started: float) -> NodeOutcome:
+    from core.errors import CorruptCheckpoint
+    from core.layout import checkpoint_prefix
+    from core.load_check import ManifestFile, load_and_check
+    from tasks.base import open_catalog
+    from tasks.replicas import TierStores
+    from tasks.resume import IN_PLACE, resume, wide_files
+
+    with TierStores(cold) as stores:
+        mounted = tier == 1 and stores.get(1).local_path(checkpoint_prefix(run, step)) is not None
+    point = resume(cold, run, part=part, parts=parts, to=None if mounted else dest, actor=actor)
+    if point is None or point.step != step:
+        got = "no checkpoint" if point is None else f"step {point.step}"
+        return NodeOutcome(part, False, started, time.time(), detail=f"resumed {got}, not step {step}: "
+                           f"{point.note if point else ''}"[:500])
+    assert cold.catalog_url is not None
+    with open_catalog(cold.catalog_url) as cat:
+        ck = cat.get_checkpoint(run, step)
+        files = cat.files(ck.id)
+    mine = [f for f in files if f.part == part] + wide_files(files, [part])
+    try:
+        checked = load_and_check(point.path, [ManifestFile(f.path, f.size, f.checksum) for f in mine], ck.format)
+    except CorruptCheckpoint as exc:
+        in_place = [p.tier for p in point.parts if p.source == IN_PLACE]
+        if in_place:  # the copy on its tier is what failed: no one may trust it any more
+            owner = next((f.part for f in mine if f.path == exc.path), part)
+            _mark_corrupt(cold, ck.id, in_place[0], owner, exc, actor)
+        raise
+    loaded = time.time()
+    tier_bytes: dict[str, int] = {}
+    for p in point.parts:
+        if p.source == IN_PLACE:
+            tier_bytes[str(p.tier)] = tier_bytes.get(str(p.tier), 0) + checked.bytes
+        else:
+            tier_bytes[str(p.tier)] = tier_bytes.get(str(p.tier), 0) + p.bytes_moved
+            tier_bytes["local"] = tier_bytes.get("local", 0) + checked.bytes
+    source = ", ".join(sorted({f"tier {p.tier} {p.source}" for p in point.parts}))
+    return NodeOutcome(part, True, started, loaded, step, tier_bytes, checked.tensors, checked.loader, source)
+
+
+def _mark_corrupt(settings: Settings, checkpoint_id: int, tier: int, part: int, exc: Exception, actor: str) -> None:
+    from db.entities import VERIFIED
+    from tasks.base import open_catalog
+    from tasks.replicas import mark_bad
+
+    assert settings.catalog_url is not None
+    with open_catalog(settings.catalog_url) as cat:
+        for r in cat.replicas(checkpoint_id, tier):
+            if r.part == part and r.state == VERIFIED:
+                mark_bad(cat, r, "corrupt", f"drill: loading failed: {exc}", actor=actor)
+
+
+def warm_up(settings: Settings, run: str) -> None:
+    """What a trainer has done before it resumes: imported its loaders and the client, and
+    connected to the catalog once, so that the drill times the resume, not the interpreter."""
+    import tasks.copy
+    import tasks.restore
+    import tasks.resume  # noqa: F401
+    from core.load_check import framework
+    from tasks.base import open_catalog
+
+    framework()
+    assert settings.catalog_url is not None
+    with open_catalog(settings.catalog_url) as cat:
+        cat.get_run(run)
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    settings = Settings(**json.loads(Path(spec["settings"]).read_text()))
+    warm_up(settings, spec["run"])
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":  # the drill was stopped before the start: do nothing
+        sys.exit(3)
+    outcome = drill_node(settings, spec["run"], spec["step"], spec["part"], spec["parts"], spec["tier"],
+                         Path(spec["dest"]), spec.get("actor", "drill"))
+    print(json.dumps(asdict(outcome)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,127 @@
+"""Cluster drills: N processes resume their parts of one checkpoint at once from a cold start
+(no Tier 0 of their own), load them with safetensors and check them against the manifest; the
+catalog records the cluster RTO, each node's time, bytes per tier and the bound. Real files,
+moto's S3 server, catalogs on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.errors import BadInput
+from db.catalog import Catalog
+from tasks.drill import cluster_drill
+from tests.kit.checkpoints import flip_bit, replica_states, shard_paths, write_checkpoint
+from tests.kit.restore import on_node, promote, scenario_settings
+
+RUN = "llm-c"
+PARTS = 2
+SHARD = 64 << 10
+
+
+@pytest.fixture
+def settings(settings_factory, db_url, s3_endpoint, s3_bucket):
+    return scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+
+
+def save(settings, step: int) -> int:
+    """A 2-part HF safetensors milestone, each part written and promoted by its own node; its bytes."""
+    total = 0
+    for part in range(PARTS):
+        node = on_node(settings, f"node-{part}")
+        m = write_checkpoint(node.tier0_url, RUN, step, part=part, parts=PARTS, node=node.node,
+                             shard_bytes=SHARD, kind="milestone")
+        total += sum(f.size for f in m.files)
+        with Catalog(settings.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(node, RUN, step, part, PARTS)
+    return total
+
+
+def test_every_node_resumes_its_part_at_once_from_tier1_and_tier2(settings, tmp_path):
+    size = save(settings, 100)
+
+    drills, skipped = cluster_drill(settings, run=RUN, nodes=PARTS, scratch=tmp_path / "s")
+
+    assert skipped == []
+    assert [(d.result.tier, d.result.ok, d.result.nodes) for d in drills] == [(1, True, 2), (2, True, 2)]
+    t1, t2 = drills
+    # Tier 1 is mounted here: read in place, nothing copied; the loader read every byte from it
+    assert all(o.source == "tier 1 in place" for o in t1.outcomes)
+    assert t1.result.tier_bytes.get("1", 0) >= size and "local" not in t1.result.tier_bytes
+    # Tier 2: fetched into each node's scratch folder, then loaded from there
+    assert all(o.source == "tier 2 fetched" for o in t2.outcomes)
+    assert t2.result.tier_bytes["2"] >= size and t2.result.tier_bytes["local"] >= size
+    for d in drills:
+        assert all(o.ok and o.tensors == 2 and o.loader.startswith("safetensors") for o in d.outcomes)
+        assert len(d.result.node_seconds) == 2 and d.result.seconds == max(d.result.node_seconds) > 0
+        assert d.result.bound_seconds > 0
+    assert not list((tmp_path / "s").iterdir())  # scratch removed
+    with Catalog(settings.catalog_url) as cat:
+        recorded = cat.drills(RUN)
+    assert sorted((r.tier, r.nodes, r.ok) for r in recorded) == [(1, 2, True), (2, 2, True)]
+    assert {r.tier: r.bound_seconds for r in recorded} == {d.result.tier: d.result.bound_seconds for d in drills}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # node processes are slow to start on 2 cores
+def test_a_part_the_loader_would_refuse_fails_the_drill_on_that_tier(settings, tmp_path):
+    save(settings, 100)
+    # part 1's first shard (part 0 needs nothing of part 1's); same size: only reading the bytes finds it
+    flip_bit(shard_paths(settings.tier1_url, RUN, 100)[2])
+
+    drills, _ = cluster_drill(settings, run=RUN, tiers=(1,), scratch=tmp_path / "s")
+
+    (d,) = drills
+    assert not d.result.ok and d.result.nodes == 2
+    assert "part 1: CorruptCheckpoint: model-p01-00000.safetensors" in d.result.detail
+    assert [o.ok for o in d.outcomes] == [True, False]
+    states = replica_states(settings, RUN, 100)
+    assert (states[(1, 0)], states[(1, 1)]) == ("verified", "corrupt")  # the load found it, marked it
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_copy_gone_from_its_tier_is_a_recorded_failure_without_a_bound(settings, tmp_path):
+    save(settings, 100)
+    shard_paths(settings.tier1_url, RUN, 100)[3].unlink()  # part 1's second shard, behind the catalog's back
+
+    drills, _ = cluster_drill(settings, run=RUN, tiers=(1,), scratch=tmp_path / "s")
+
+    (d,) = drills
+    assert (d.result.ok, d.result.bound_seconds) == (False, None)
+    assert [o.ok for o in d.outcomes] == [True, False]
+    with Catalog(settings.catalog_url) as cat:
+        assert [(r.tier, r.ok, r.bound_seconds) for r in cat.drills(RUN)] == [(1, False, None)]
+    assert replica_states(settings, RUN, 100)[(1, 1)] in ("missing", "corrupt")  # no longer trusted
+
+
+def test_nodes_must_match_the_parts_and_a_tier_without_the_checkpoint_is_skipped(settings, tmp_path):
+    save(settings, 100)
+    with pytest.raises(BadInput, match="--nodes must be 2"):
+        cluster_drill(settings, run=RUN, nodes=3, scratch=tmp_path / "s")
+    no_t2 = settings.model_copy(update={"tier2_url": None})
+    drills, skipped = cluster_drill(no_t2, run=RUN, tiers=(2,), scratch=tmp_path / "s")
+    assert drills == [] and skipped == [f"tier 2: no checkpoint of {RUN} held whole there"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the catalog side is covered above on both
+def test_cli_drill_nodes_json_then_drills(settings, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    save(settings, 100)
+    for k, v in (("DATA_DIR", str(settings.data_dir)), ("CATALOG_URL", settings.catalog_url),
+                 ("NODE", settings.node), ("TIER1_URL", settings.tier1_url), ("TIER2_URL", settings.tier2_url),
+                 ("S3_ENDPOINT_URL", settings.s3_endpoint_url)):
+        monkeypatch.setenv(f"CKPT_{k}", v)
+
+    ran = CliRunner().invoke(app, ["drill", "--run", RUN, "--nodes", "2", "--tier", "2", "--json"])
+    assert ran.exit_code == 0, ran.output
+    (row,) = json.loads(ran.stdout)
+    assert (row["tier"], row["nodes"], row["ok"]) == (2, 2, True)
+    assert row["rto_seconds"] > 0 and row["bound_seconds"] > 0 and len(row["node_seconds"]) == 2
+    bad = CliRunner().invoke(app, ["drill", "--run", RUN, "--nodes", "5"])  # refused before any node starts
+    assert isinstance(bad.exception, BadInput) and "--nodes must be 2" in str(bad.exception)
+    table = CliRunner().invoke(app, ["drills"])
+    assert "nodes" in table.output and "bound" in table.output
