@@ -6,8 +6,8 @@ applies the plan through the guarded operations (which check the rows and the by
 What each tier keeps (the README's table says the same):
 
 - Tier 0 is scratch: its ``keep_last`` (and other keep rules), plus whatever is not yet durable
-  (not complete on Tier 1 or 2); a milestone leaves it once durable above (with Tier 2 on: once
-  archived there).
+  (not complete on Tier 1 or 2); a milestone leaves it once durable above, like any other
+  checkpoint (Tier 1 holds it for the archive).
 - Tier 1 keeps its keep rules, and milestones until archived (Tier 2 on) or as the archive
   (Tier 2 off).
 - Tier 2 keeps by its own policy (``keep_last``, ``top_k``, ``max_age``; off by default, which
@@ -221,10 +221,12 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
     for c in held:
         if tier == 0 and not c.durable:
             keeps[c.step].append("not yet durable")
-        elif tier < 2 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+        elif tier == 1 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+            # Tier 1 holds a milestone until Tier 2 has it (the archive reads Tier 1), or for good
+            # as the archive; Tier 0 is scratch: its copy goes once the checkpoint is durable
             if rules.tier2_on and not c.complete(2):
                 keeps[c.step].append("milestone not yet archived")
-            elif tier == 1 and not rules.tier2_on:
+            elif not rules.tier2_on:
                 keeps[c.step].append("milestone")
     return keeps
 

@@ -111,18 +111,21 @@ def test_pinned_and_newest_checkpoints_are_never_planned(settings):
     assert [(a.tier, a.step) for a in plan] == [(0, 20)]
 
 
-def test_unarchived_milestone_is_held_on_tier0_while_tier2_exists(settings):
+def test_unarchived_milestone_leaves_tier0_once_durable_and_is_held_on_tier1(settings):
     promote_steps(settings, [10, 20, 30])
-    policy = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=1), tier2_url="s3://vault/ckpt",
+    policy = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=1),
+                         retention_tier1=RetentionPolicy(keep_last=1), tier2_url="s3://vault/ckpt",
                          milestones=MilestonePolicy(every_steps=20))
 
-    plan = {a.step: a for a in plan_retention(policy, run=RUN, explain=True) if a.tier == 0}
+    plan = {(a.tier, a.step): a for a in plan_retention(policy, run=RUN, explain=True, tiers=(0, 1))}
 
-    assert plan[20].outcome == KEPT and plan[20].detail == "milestone not yet archived"
-    assert plan[10].outcome == PLANNED
+    assert plan[(1, 20)].outcome == KEPT and plan[(1, 20)].detail == "milestone not yet archived"
+    assert plan[(0, 20)].outcome == PLANNED and plan[(0, 10)].outcome == PLANNED
     done = retention(policy, run=RUN, steps=plain_steps())
-    assert {a.step: a.outcome for a in done} == {10: PRUNED}
-    assert ckpt_dir(settings.tier0_url, RUN, 20).is_dir()
+    # step 10: no tier keeps it, so it is retired (both copies); step 20 leaves Tier 0 only
+    assert {(a.tier, a.step) for a in done if a.outcome == PRUNED} == {(0, 10), (1, 10), (0, 20)}
+    assert not ckpt_dir(settings.tier0_url, RUN, 20).exists()
+    assert ckpt_dir(settings.tier1_url, RUN, 20).is_dir()
 
 
 def test_tier0_copies_of_another_node_are_left_to_that_node(settings):
