@@ -210,3 +210,36 @@ def test_two_workers_of_one_node_resuming_at_once_fetch_once(settings_factory, d
     assert tree(tier0_dir(settings, RUN, 100)) == newest
     assert sorted(p.parts[0].bytes_moved for p in points) == [0, 350_000]  # one fetched, the other waited for it
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+
+
+def test_a_copy_a_sibling_re_verified_while_this_resume_read_it_is_not_marked_bad(settings, monkeypatch):
+    """Worker A reads the Tier 0 row, then finds the files half there because worker B, which
+    found the old copy gone, is fetching it afresh; B publishes a verified copy before A records
+    its verdict. A's verdict was about the row it read, not B's copy: B's copy stays verified."""
+    import tasks.resume as resume_mod
+    from core.errors import CorruptCheckpoint
+    from tasks.copy import copy_between_tiers
+    from tests.kit.checkpoints import open_catalog
+
+    newest = save(settings, 100)
+    real = resume_mod.registered_manifest
+    raced = []
+
+    def racing_read(cat, store, *args, **kw):
+        if store.tier == 0 and not raced:  # B's whole repair lands while A is reading
+            raced.append(True)
+            with open_catalog(settings) as bcat:
+                row = bcat.replicas(bcat.get_checkpoint(RUN, 100).id, 0)[0]
+                bcat.transition(row.id, "missing", expected="verified", actor="worker-b", reason="gone")
+            shutil.rmtree(tier0_dir(settings, RUN, 100))
+            copy_between_tiers(settings, RUN, 100, 0, src_tier=1, dst_tier=0, node=settings.node, actor="worker-b")
+            raise CorruptCheckpoint("model.bin: missing (read while worker B was writing it)")
+        return real(cat, store, *args, **kw)
+
+    monkeypatch.setattr(resume_mod, "registered_manifest", racing_read)
+
+    point = resume(settings, RUN)
+
+    assert raced and tree(point.path) == newest
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert resume(settings, RUN).path == str(tier0_dir(settings, RUN, 100))  # the next resume reads it in place
