@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
-from core.formats import DCP_METADATA, HF_INDEX
+from core.formats import WIDE_FILES
 from core.layout import checkpoint_dirname, checkpoint_prefix
 from core.paths import safe_run_name
 from core.settings import Settings
@@ -42,7 +42,6 @@ from tasks.replicas import TierStores, classify_failure, mark_bad
 
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
-WIDE_FILES = (DCP_METADATA, HF_INDEX)  # what every part of a checkpoint needs to load, wherever it lives
 HYDRATION_POLL_S = 0.2
 
 

@@ -243,3 +243,37 @@ def test_a_copy_a_sibling_re_verified_while_this_resume_read_it_is_not_marked_ba
     assert raced and tree(point.path) == newest
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
     assert resume(settings, RUN).path == str(tier0_dir(settings, RUN, 100))  # the next resume reads it in place
+
+
+def two_part_checkpoint(settings, node1, step: int) -> None:
+    from db.catalog import Catalog
+
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, step, part=part, parts=2, node=s.node, shard_bytes=32 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, step, part, 2)
+
+
+def test_pruning_a_part_from_tier0_takes_the_index_resume_brought_in_with_it(settings):
+    from tasks.prune import prune_replica
+    from tests.kit.checkpoints import open_catalog
+
+    node1 = on_node(settings, "node-1")
+    two_part_checkpoint(settings, node1, 100)
+    folder = Path(resume(node1, RUN, part=1, parts=2).path)
+    assert (folder / "model.safetensors.index.json").is_file()  # part 0's, brought in beside part 1
+    outside = folder.parent / "keep-me.txt"
+    outside.write_text("not the checkpoint's")
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "model.safetensors.index.json").symlink_to(outside)  # a link there is removed, never followed
+    two_part_checkpoint(settings, node1, 200)  # step 100 is no longer the newest: Tier 0 may let it go
+
+    with open_catalog(settings) as cat:
+        mine = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id, 0) if r.node == "node-1")
+
+    prune_replica(node1, mine.id, actor="test", reason="node-1's Tier 0 retention")
+
+    assert not folder.exists() or not [p for p in folder.rglob("*") if not p.is_dir()]
+    assert outside.read_text() == "not the checkpoint's"
+    assert (tier0_dir(settings, RUN, 100) / "model.safetensors.index.json").is_file()  # node-0's own copy stays
