@@ -19,6 +19,9 @@ Contract of ``resume``:
   (``tasks.copy.copy_between_tiers``): of N nodes resuming at once one reads S3, the others
   wait for its claim and read Tier 1.
 - It records nothing but replicas: resuming a run is not a new run.
+- A folder under ``<data_dir>/resume/<run>/`` (the fetch of a node whose part another node holds
+  on Tier 0; no replica row) is scratch: once a resume of the run succeeds, the run's other
+  folders there go (``tidy_resume_folders``), so a node keeps at most one per run.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Literal
 
 from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
 from core.formats import WIDE_FILES
-from core.layout import checkpoint_dirname, checkpoint_prefix
+from core.layout import checkpoint_dirname, checkpoint_prefix, parse_step_dirname
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
@@ -43,6 +46,7 @@ from tasks.replicas import TierStores, classify_failure, mark_bad
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
 HYDRATION_POLL_S = 0.2
+STAGE_AGE_S = 3600.0  # a resume's stage folder older than this was left by a killed resume
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
                 point = ResumePoint(point.run, point.step, point.path, point.parts,
                                     f"fell back from step {newest} to step {ck.step}: " + "; ".join(notes))
             log.info("resume %s from step %d at %s", run, ck.step, point.path)
+            if target is None:
+                tidy_resume_folders(settings, run, keep=Path(point.path))
             return point
     if newest is None:
         return None
@@ -182,8 +188,46 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
         return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
-    dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
+    dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
     return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
+
+
+def resume_root(settings: Settings, run: str) -> Path:
+    """This node's scratch folder for ``run``'s checkpoints fetched beside Tier 0."""
+    return settings.data_dir.expanduser().absolute() / "resume" / safe_run_name(run)
+
+
+def tidy_resume_folders(settings: Settings, run: str, *, keep: Path) -> int:
+    """After a resume of ``run`` succeeded (its folder is ``keep``), remove the run's other
+    checkpoint folders under ``resume_root`` and stage folders a killed resume left (older than
+    ``STAGE_AGE_S``; a younger one may be a sibling's fetch in flight). Only names of the layout;
+    a link is removed itself, never followed. Best effort: a failure is logged, the resume stands.
+    Returns how many went."""
+    import shutil
+
+    base = resume_root(settings, run)
+    if base.is_symlink() or not base.is_dir():
+        return 0
+    cutoff, removed = time.time() - STAGE_AGE_S, 0
+    for entry in sorted(base.iterdir()):
+        name = entry.name
+        try:
+            stale_stage = (name.startswith(".step-") and ".resume-" in name  # never the kept step's
+                           and not name.startswith(f".{keep.name}.") and entry.lstat().st_mtime < cutoff)
+            if entry == keep or not (parse_step_dirname(name) is not None or stale_stage):
+                continue
+            if entry.is_symlink() or not entry.is_dir():
+                entry.unlink()
+            else:
+                shutil.rmtree(entry)  # unlinks links inside, never descends them
+            removed += 1
+        except FileNotFoundError:  # a sibling worker tidied it first
+            continue
+        except OSError as exc:
+            log.warning("resume %s: could not remove the old resume folder %s: %s", run, entry, exc)
+    if removed:
+        log.info("resume %s: removed %d older resume folder(s) under %s", run, removed, base)
+    return removed
 
 
 # --- in place --------------------------------------------------------------------------------

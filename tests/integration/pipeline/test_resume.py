@@ -277,3 +277,32 @@ def test_pruning_a_part_from_tier0_takes_the_index_resume_brought_in_with_it(set
     assert not folder.exists() or not [p for p in folder.rglob("*") if not p.is_dir()]
     assert outside.read_text() == "not the checkpoint's"
     assert (tier0_dir(settings, RUN, 100) / "model.safetensors.index.json").is_file()  # node-0's own copy stays
+
+
+def test_resume_folders_beside_tier0_are_bounded_to_the_newest_per_run(settings_factory, db_url, tmp_path):
+    """A node whose part another node holds on Tier 0 fetches into ``<data_dir>/resume/<run>/``:
+    once a newer resume of the run succeeds, the older folders (and stage folders a killed resume
+    left) go; a link there is removed, never followed; other runs' folders are not touched."""
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1d-{os.getpid()}-{id(db_url)}")
+    node7 = on_node(settings, "node-7")
+    save(settings, 100)
+    first = Path(resume(node7, RUN).path)
+    base = first.parent
+    old_stage = base / ".step-00000050.resume-dead0001"  # a resume killed mid-fetch, long ago
+    old_stage.mkdir()
+    (old_stage / "model.bin").write_bytes(b"x" * 10)
+    os.utime(old_stage, (1, 1))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.bin").write_bytes(b"keep")
+    (base / "step-00000010").symlink_to(elsewhere)
+    other_run = base.parent / "other-run" / "step-00000001"
+    other_run.mkdir(parents=True)
+    newest = save(settings, 200)
+
+    second = resume(node7, RUN)
+
+    assert Path(second.path) == base / "step-00000200" and tree(second.path) == newest
+    assert sorted(p.name for p in base.iterdir()) == ["step-00000200"]
+    assert (elsewhere / "precious.bin").read_bytes() == b"keep" and other_run.is_dir()
+    assert [(p.source, p.bytes_moved) for p in resume(node7, RUN).parts] == [("in place", 0)]  # kept: reused
