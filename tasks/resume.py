@@ -189,7 +189,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
         return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
     dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
-    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
+    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes, scratch=target is None)
 
 
 def resume_root(settings: Settings, run: str) -> Path:
@@ -420,9 +420,12 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
 
 
 def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str], *,
+                     scratch: bool = False) -> ResumePoint:
     """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
-    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked)."""
+    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked: its
+    manifests are this checkpoint's as registered, its files have their sizes). Anything else in
+    ``dest`` is refused, unless it is this node's ``scratch`` resume folder: that is redone."""
     import shutil
     import uuid
 
@@ -431,10 +434,14 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
-        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify)
+        found = (_holds_this_checkpoint(cat, ck, dest, wanted)
+                 and _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify))
         if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
-        ensure_empty_target(dest)
+        if scratch and not dest.is_symlink():  # this node's own resume folder, not this checkpoint: redone
+            shutil.rmtree(dest)
+        else:
+            ensure_empty_target(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     stage = dest.parent / f".{dest.name}.resume-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
@@ -462,6 +469,26 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
 
 def _quiet(_done: int, _label: str) -> None:
     return None
+
+
+def _holds_this_checkpoint(cat: Catalog, ck: CheckpointInfo, folder: Path, wanted: list[int]) -> bool:
+    """Whether ``folder`` holds the manifest of each wanted part of ``ck`` exactly as registered:
+    files of another checkpoint of the same model (same names, same sizes) are not this one."""
+    from core.layout import manifest_name
+    from core.manifest import MAX_MANIFEST_BYTES, Manifest
+    from tasks.base import catalog_digest
+
+    for p in wanted:
+        path = folder / manifest_name(p, ck.parts)
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+                return False
+            manifest = Manifest.from_json(path.read_bytes())
+        except (OSError, ValueError, CorruptCheckpoint, BadInput):
+            return False
+        if manifest.digest() != catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts):
+            return False
+    return True
 
 
 def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:

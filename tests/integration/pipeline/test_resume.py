@@ -306,3 +306,31 @@ def test_resume_folders_beside_tier0_are_bounded_to_the_newest_per_run(settings_
     assert sorted(p.name for p in base.iterdir()) == ["step-00000200"]
     assert (elsewhere / "precious.bin").read_bytes() == b"keep" and other_run.is_dir()
     assert [(p.source, p.bytes_moved) for p in resume(node7, RUN).parts] == [("in place", 0)]  # kept: reused
+
+
+def test_a_folder_an_older_checkpoint_filled_is_not_taken_for_the_newer(settings, tmp_path):
+    """Same model, same shapes: step 200's files have step 100's sizes. A ``to`` an earlier
+    resume filled with step 100 must not be handed back as step 200."""
+    here = tmp_path / "here"
+    older = save(settings, 100)
+    assert tree(resume(settings, RUN, to=here).path) == older
+    newest = save(settings, 200)
+
+    with pytest.raises(ConflictError, match="not empty"):
+        resume(settings, RUN, to=here)
+    assert tree(here) == older  # the user's folder is left as it was
+    assert tree(resume(settings, RUN, to=tmp_path / "fresh").path) == newest
+
+
+def test_this_nodes_resume_folder_holding_another_checkpoint_is_redone(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1e-{os.getpid()}-{id(db_url)}")
+    node7 = on_node(settings, "node-7")
+    older = save(settings, 100)
+    folder = Path(resume(node7, RUN).path)
+    assert tree(folder) == older
+    (folder / "manifest.json").write_text("{}")  # e.g. a step rewritten after a retirement, or a torn manifest
+
+    point = resume(node7, RUN)
+
+    assert point.path == str(folder) and tree(folder) == older
+    assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
