@@ -46,6 +46,7 @@ from tasks.replicas import TierStores, classify_failure, mark_bad
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
 HYDRATION_POLL_S = 0.2
+CLAIM_WAIT_GRACE_S = 30.0  # beyond two leases of silence from a claim's holder before giving up on it
 STAGE_AGE_S = 3600.0  # a resume's stage folder older than this was left by a killed resume
 
 
@@ -352,13 +353,19 @@ def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: i
     """``copy_between_tiers`` as a claimed copy, waiting while another worker holds the claim:
     until it publishes (then: a skipped hop) or its lease lapses (then: taken over). Asks the
     catalog every ``HYDRATION_POLL_S``; retries the claim (which reads the source's manifest)
-    only every fifth of a lease."""
+    only every fifth of a lease. A holder that keeps renewing its lease is waited for however
+    long its copy takes (each renewal moves the row's ``updated_at``); ``CopyInProgress`` only
+    after two leases and ``CLAIM_WAIT_GRACE_S`` without a sign of it. Monotonic clock only."""
     from tasks.copy import copy_between_tiers
 
-    deadline = time.monotonic() + 2 * settings.claim_lease_seconds + 30.0
-    next_try = 0.0
+    silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
+    deadline = time.monotonic() + silence
+    next_try, seen = 0.0, None
     while True:
         row = next((r for r in cat.replicas(ck.id, dst_tier) if r.part == part), None)
+        sign = None if row is None else (row.state, row.claim_token, row.updated_at)
+        if sign != seen:  # the holder renewed, or the claim changed hands: it is alive
+            seen, deadline = sign, time.monotonic() + silence
         if row is not None and row.state == COPYING and time.monotonic() < next_try:
             time.sleep(HYDRATION_POLL_S)
             continue

@@ -334,3 +334,49 @@ def test_this_nodes_resume_folder_holding_another_checkpoint_is_redone(settings_
 
     assert point.path == str(folder) and tree(folder) == older
     assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
+
+
+def test_a_resume_waits_for_a_claim_as_long_as_its_holder_keeps_renewing_it(settings_factory, db_url, monkeypatch):
+    """A sibling's fetch of a big part outlasts any fixed wait: while it keeps renewing its lease
+    the waiter waits (it gives up only on a holder gone silent); when the holder lets go, the
+    waiter fetches the part itself. Waits are on the monotonic clock: a jumping wall clock is moot."""
+    import threading
+    import time as _time
+
+    import tasks.resume as resume_mod
+    from tests.kit.checkpoints import open_catalog
+
+    lease = 1.0
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1f-{os.getpid()}-{id(db_url)}",
+                                 claim_lease_seconds=lease)
+    monkeypatch.setattr(resume_mod, "CLAIM_WAIT_GRACE_S", 0.0)  # a silent holder is given up on after 2 leases
+    newest = save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        row = cat.replicas(ck.id, 0)[0]
+        cat.transition(row.id, "missing", expected="verified", actor="test", reason="the NVMe was wiped")
+        held = cat.claim_copy(ck.id, 0, 0, row.url, node=settings.node, actor="worker-b", lease_seconds=lease)
+    assert held.acquired
+    stop = threading.Event()
+
+    def holder():  # renews 4x longer than the waiter would wait for a silent holder, then lets go
+        with open_catalog(settings) as bcat:
+            until = _time.monotonic() + 8 * lease
+            while _time.monotonic() < until and not stop.is_set():
+                bcat.heartbeat(held.replica.id, held.replica.claim_token)
+                _time.sleep(lease / 10)
+            bcat.transition(held.replica.id, "missing", expected="copying", claim_token=held.replica.claim_token,
+                            actor="worker-b", reason="worker b was stopped")
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        point = resume(settings, RUN)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+    assert tree(point.path) == newest and point.path == str(tier0_dir(settings, RUN, 100))
+    assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "verified"
