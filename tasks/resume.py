@@ -432,7 +432,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
     whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked: its
     manifests are this checkpoint's as registered, its files have their sizes). Anything else in
-    ``dest`` is refused, unless it is this node's ``scratch`` resume folder: that is redone."""
+    ``dest`` is refused, unless it is this node's ``scratch`` resume folder holding no part of this
+    checkpoint (a sibling worker's other part is never removed under it): that is redone."""
     import shutil
     import uuid
 
@@ -441,11 +442,12 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
-        found = (_holds_this_checkpoint(cat, ck, dest, wanted)
+        held = _parts_held(cat, ck, dest)
+        found = (set(wanted) <= held
                  and _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify))
         if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
-        if scratch and not dest.is_symlink():  # this node's own resume folder, not this checkpoint: redone
+        if scratch and not held and not dest.is_symlink():  # this node's own folder, of no part of ck: redone
             shutil.rmtree(dest)
         else:
             ensure_empty_target(dest)
@@ -478,24 +480,25 @@ def _quiet(_done: int, _label: str) -> None:
     return None
 
 
-def _holds_this_checkpoint(cat: Catalog, ck: CheckpointInfo, folder: Path, wanted: list[int]) -> bool:
-    """Whether ``folder`` holds the manifest of each wanted part of ``ck`` exactly as registered:
-    files of another checkpoint of the same model (same names, same sizes) are not this one."""
+def _parts_held(cat: Catalog, ck: CheckpointInfo, folder: Path) -> set[int]:
+    """The parts of ``ck`` whose manifest ``folder`` holds exactly as registered: files of another
+    checkpoint of the same model (same names, same sizes) are not this one's."""
     from core.layout import manifest_name
     from core.manifest import MAX_MANIFEST_BYTES, Manifest
     from tasks.base import catalog_digest
 
-    for p in wanted:
+    held = set()
+    for p in range(ck.parts):
         path = folder / manifest_name(p, ck.parts)
         try:
             if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
-                return False
+                continue
             manifest = Manifest.from_json(path.read_bytes())
         except (OSError, ValueError, CorruptCheckpoint, BadInput):
-            return False
-        if manifest.digest() != catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts):
-            return False
-    return True
+            continue
+        if manifest.digest() == catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts):
+            held.add(p)
+    return held
 
 
 def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:

@@ -380,3 +380,18 @@ def test_a_resume_waits_for_a_claim_as_long_as_its_holder_keeps_renewing_it(sett
     assert tree(point.path) == newest and point.path == str(tier0_dir(settings, RUN, 100))
     assert [(p.source, p.bytes_moved) for p in point.parts] == [("fetched", 350_000)]
     assert replica_states(settings, RUN, 100)[(0, 0)] == "verified"
+
+
+def test_a_sibling_workers_part_in_this_nodes_resume_folder_is_never_removed(settings_factory, db_url):
+    """Two workers of one node resume different parts into the same scratch folder: the second
+    may not wipe the first's (its trainer is loading it); it is told, in one line, instead."""
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1g-{os.getpid()}-{id(db_url)}")
+    node1 = on_node(settings, "node-1")
+    two_part_checkpoint(settings, node1, 100)
+    node7 = on_node(settings, "node-7")
+    first = Path(resume(node7, RUN, part=0, parts=2).path)
+    before = tree(first)
+
+    with pytest.raises(ConflictError, match="not empty"):
+        resume(node7, RUN, part=1, parts=2)
+    assert tree(first) == before
