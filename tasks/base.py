@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import CorruptCheckpoint
+from core.errors import BadInput, CorruptCheckpoint
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
 from core.settings import Settings
@@ -109,8 +109,14 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
         return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
     ck = cat.get_checkpoint(run, step)
     paths = [f.path for f in cat.files(ck.id, part)]
-    paths += brought_in(cat, ck.id, part, store.tier)
-    return store.delete_part(prefix, manifest_name(part, parts), paths, keep=shared_paths(cat, ck.id, part, store.tier))
+    deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
+                                keep=shared_paths(cat, ck.id, part, store.tier))
+    for path in brought_in(cat, ck.id, part, store.tier):  # not the part's own: a leftover is only logged
+        try:
+            deleted += int(store.delete(f"{prefix}/{path}"))
+        except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
+            log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
+    return deleted
 
 
 def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,

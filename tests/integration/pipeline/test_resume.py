@@ -395,3 +395,24 @@ def test_a_sibling_workers_part_in_this_nodes_resume_folder_is_never_removed(set
     with pytest.raises(ConflictError, match="not empty"):
         resume(node7, RUN, part=1, parts=2)
     assert tree(first) == before
+
+
+def test_a_folder_where_a_brought_in_file_goes_does_not_stop_the_prune(settings):
+    from tasks.prune import prune_replica
+    from tests.kit.checkpoints import open_catalog
+
+    node1 = on_node(settings, "node-1")
+    two_part_checkpoint(settings, node1, 100)
+    folder = Path(resume(node1, RUN, part=1, parts=2).path)
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "model.safetensors.index.json").mkdir()  # not a file the resume brought: left, never emptied
+    (folder / "model.safetensors.index.json" / "mine.txt").write_text("someone's")
+    two_part_checkpoint(settings, node1, 200)
+    with open_catalog(settings) as cat:
+        mine = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id, 0) if r.node == "node-1")
+
+    prune_replica(node1, mine.id, actor="test", reason="node-1's Tier 0 retention")
+
+    assert replica_states(settings, RUN, 100)[(0, 1)] == "pruned"
+    assert (folder / "model.safetensors.index.json" / "mine.txt").read_text() == "someone's"
+    assert not list(folder.glob("*.safetensors"))
