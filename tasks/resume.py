@@ -89,6 +89,10 @@ class _NoGoodCopy(Exception):
     """Every source of a wanted part failed (each already marked in the catalog)."""
 
 
+class _HeldElsewhere(Exception):
+    """Another node won the claim on a wanted part's Tier 0 row: its copy is on that node's NVMe."""
+
+
 def plan_sources(replicas: Iterable[ReplicaInfo], part: int, *, node: str, configured: set[int],
                  local: set[int]) -> list[Source]:
     """The sources of ``part``, cheapest first: this node's Tier 0 copy (in place), Tier 1 (in
@@ -188,7 +192,10 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
         if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
-        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
+        try:
+            return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
+        except _HeldElsewhere as exc:  # lost the race for the Tier 0 row: fetched beside it instead
+            log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
     dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
     return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes, scratch=target is None)
 
@@ -410,6 +417,8 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
             except (CorruptCheckpoint, NotFound) as exc:
                 _mark(cat, src.replica, exc, actor, notes)
                 continue
+            if hop.skipped and not _tier0_is_ours(cat, ck, [p], stores.settings.node):
+                raise _HeldElsewhere(f"part {p}'s Tier 0 copy was just made on another node")
             fetched = 0 if hop.skipped else hop.bytes  # skipped: another worker of this node just fetched it
             done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, fetched + moved[p],
                                    time.monotonic() - t0))

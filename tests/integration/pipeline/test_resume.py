@@ -416,3 +416,33 @@ def test_a_folder_where_a_brought_in_file_goes_does_not_stop_the_prune(settings)
     assert replica_states(settings, RUN, 100)[(0, 1)] == "pruned"
     assert (folder / "model.safetensors.index.json" / "mine.txt").read_text() == "someone's"
     assert not list(folder.glob("*.safetensors"))
+
+
+def test_a_node_whose_tier0_claim_another_node_won_gets_a_folder_with_the_files(settings_factory, db_url,
+                                                                                  monkeypatch):
+    """Data parallel: every node loads part 0. The NVMe of node-0 (the part's Tier 0 home) was
+    wiped; node-7 sees no verified Tier 0 copy, goes for the claim, but node-0 takes it first and
+    fetches into its own NVMe. Node-7 must not be handed its own (empty) Tier 0 folder."""
+    import tasks.copy as copy_mod
+    from tests.kit.checkpoints import open_catalog
+
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1h-{os.getpid()}-{id(db_url)}")
+    newest = save(settings, 100)
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    with open_catalog(settings) as cat:
+        row = cat.replicas(cat.get_checkpoint(RUN, 100).id, 0)[0]
+        cat.transition(row.id, "missing", expected="verified", actor="test", reason="the NVMe was wiped")
+    node7 = on_node(settings, "node-7")
+    real, won = copy_mod.copy_between_tiers, []
+
+    def node0_first(s, *args, **kw):
+        if s.node == "node-7" and not won:
+            won.append(resume(settings, RUN))  # node-0 resumes too and wins the claim
+        return real(s, *args, **kw)
+
+    monkeypatch.setattr(copy_mod, "copy_between_tiers", node0_first)
+
+    point = resume(node7, RUN)
+
+    assert won and won[0].path == str(tier0_dir(settings, RUN, 100)) and tree(won[0].path) == newest
+    assert point.path != str(tier0_dir(node7, RUN, 100)) and tree(point.path) == newest
