@@ -92,6 +92,7 @@ class BadReplica:
     part: int
     state: str  # corrupt | missing
     reason: str
+    marked: bool = True  # False: the row had moved on since it was read (left as it is now)
 
 
 def mark_bad(catalog: Catalog, replica: ReplicaInfo, state: str, reason: str, *, actor: str) -> BadReplica:
@@ -102,6 +103,7 @@ def mark_bad(catalog: Catalog, replica: ReplicaInfo, state: str, reason: str, *,
     try:
         catalog.transition(replica.id, state, expected=VERIFIED, actor=actor, reason=reason[:500],
                            seen_updated_at=replica.updated_at)
+        marked = True
     except StaleState:
-        pass
-    return BadReplica(replica.id, replica.run, replica.step, replica.tier, replica.part, state, reason)
+        marked = False
+    return BadReplica(replica.id, replica.run, replica.step, replica.tier, replica.part, state, reason, marked)

@@ -326,11 +326,12 @@ def check_file(store: TierStore, key: str, f: FileInfo, verify: Verify) -> None:
 
 def _mark(cat: Catalog, replica: ReplicaInfo, exc: BaseException, actor: str, notes: list[str]) -> None:
     state = classify_failure(exc) or "corrupt"
-    mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
-    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s); trying the next copy",
-                replica.run, replica.step, replica.part, replica.tier, state, exc)
+    bad = mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
+    recorded = "marked in the catalog" if bad.marked else "not marked: its row changed meanwhile"
+    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s; %s); trying the next copy",
+                replica.run, replica.step, replica.part, replica.tier, state, exc, recorded)
     notes.append(f"step {replica.step} part {replica.part}: tier {replica.tier} copy is {state} ({exc}); "
-                 "marked in the catalog, trying the next copy")
+                 f"{recorded}, trying the next copy")
 
 
 # --- fetched ---------------------------------------------------------------------------------
