@@ -145,6 +145,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
     notes: list[str] = []
     assert settings.catalog_url is not None  # resolved by Settings
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
+        if target is not None:
+            _outside_managed_folders(stores, run, target)
         try:
             cat.get_run(run)
         except UnknownRun:
@@ -198,6 +200,19 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
             log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
     dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
     return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes, scratch=target is None)
+
+
+def _outside_managed_folders(stores: TierStores, run: str, target: Path) -> None:
+    """``ConflictError`` when ``to`` lies in a folder this system manages: a tier mounted here (a
+    checkpoint copied there would look committed to that tier) or this node's resume folders
+    (tidied by the next resume)."""
+    managed = [(f"tier {t}", root.parent) for t in (0, 1, 2) if stores.configured(t)
+               and (root := stores.get(t).local_path(run)) is not None]
+    managed.append(("this node's resume folders", resume_root(stores.settings, run).parent))
+    where = target.resolve()
+    for name, folder in managed:
+        if where.is_relative_to(folder.resolve()):
+            raise ConflictError(f"{target} is inside {name} ({folder}); resume into a folder of your own")
 
 
 def resume_root(settings: Settings, run: str) -> Path:

@@ -446,3 +446,12 @@ def test_a_node_whose_tier0_claim_another_node_won_gets_a_folder_with_the_files(
 
     assert won and won[0].path == str(tier0_dir(settings, RUN, 100)) and tree(won[0].path) == newest
     assert point.path != str(tier0_dir(node7, RUN, 100)) and tree(point.path) == newest
+
+
+def test_a_to_folder_inside_a_tier_or_the_resume_folders_is_refused(settings):
+    save(settings, 100)
+    for inside in (tier1_dir(settings, RUN, 300), tier0_dir(settings, RUN, 300).parent / "mine",
+                   Path(settings.data_dir) / "resume" / RUN / "step-00000050"):
+        with pytest.raises(ConflictError, match="resume into a folder of your own"):
+            resume(settings, RUN, to=inside)
+        assert not inside.exists()
