@@ -360,9 +360,9 @@ def test_a_resume_waits_for_a_claim_as_long_as_its_holder_keeps_renewing_it(sett
     assert held.acquired
     stop = threading.Event()
 
-    def holder():  # renews 4x longer than the waiter would wait for a silent holder, then lets go
+    def holder():  # renews 3x longer than the waiter would wait for a silent holder, then lets go
         with open_catalog(settings) as bcat:
-            until = _time.monotonic() + 8 * lease
+            until = _time.monotonic() + 6 * lease
             while _time.monotonic() < until and not stop.is_set():
                 bcat.heartbeat(held.replica.id, held.replica.claim_token)
                 _time.sleep(lease / 10)
