@@ -20,8 +20,8 @@ Contract of ``resume``:
   wait for its claim and read Tier 1.
 - It records nothing but replicas: resuming a run is not a new run.
 - A folder under ``<data_dir>/resume/<run>/`` (the fetch of a node whose part another node holds
-  on Tier 0; no replica row) is scratch: once a resume of the run succeeds, the run's other
-  folders there go (``tidy_resume_folders``), so a node keeps at most one per run.
+  on Tier 0; no replica row) is scratch: once a resume of the run from step N succeeds, the
+  run's folders of older steps there go (``tidy_resume_folders``): a node keeps the newest.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
                                     f"fell back from step {newest} to step {ck.step}: " + "; ".join(notes))
             log.info("resume %s from step %d at %s", run, ck.step, point.path)
             if target is None:
-                tidy_resume_folders(settings, run, keep=Path(point.path))
+                tidy_resume_folders(settings, run, step=ck.step)
             return point
     if newest is None:
         return None
@@ -220,10 +220,11 @@ def resume_root(settings: Settings, run: str) -> Path:
     return settings.data_dir.expanduser().absolute() / "resume" / safe_run_name(run)
 
 
-def tidy_resume_folders(settings: Settings, run: str, *, keep: Path) -> int:
-    """After a resume of ``run`` succeeded (its folder is ``keep``), remove the run's other
-    checkpoint folders under ``resume_root`` and stage folders a killed resume left (older than
-    ``STAGE_AGE_S``; a younger one may be a sibling's fetch in flight). Only names of the layout;
+def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
+    """After a resume of ``run`` from ``step`` succeeded, remove the run's folders of older steps
+    under ``resume_root`` and the stage folders of older steps a killed resume left (older than
+    ``STAGE_AGE_S``; a younger one may be a sibling's fetch in flight). Newer steps' folders stay
+    (a sibling worker that saw a newer checkpoint may be loading one). Only names of the layout;
     a link is removed itself, never followed. Best effort: a failure is logged, the resume stands.
     Returns how many went."""
     import shutil
@@ -234,10 +235,10 @@ def tidy_resume_folders(settings: Settings, run: str, *, keep: Path) -> int:
     cutoff, removed = time.time() - STAGE_AGE_S, 0
     for entry in sorted(base.iterdir()):
         name = entry.name
+        stage = name.startswith(".") and ".resume-" in name
+        older = parse_step_dirname(name[1:].split(".resume-")[0] if stage else name)
         try:
-            stale_stage = (name.startswith(".step-") and ".resume-" in name  # never the kept step's
-                           and not name.startswith(f".{keep.name}.") and entry.lstat().st_mtime < cutoff)
-            if entry == keep or not (parse_step_dirname(name) is not None or stale_stage):
+            if older is None or older >= step or (stage and entry.lstat().st_mtime >= cutoff):
                 continue
             if entry.is_symlink() or not entry.is_dir():
                 entry.unlink()

@@ -281,8 +281,9 @@ def test_pruning_a_part_from_tier0_takes_the_index_resume_brought_in_with_it(set
 
 def test_resume_folders_beside_tier0_are_bounded_to_the_newest_per_run(settings_factory, db_url, tmp_path):
     """A node whose part another node holds on Tier 0 fetches into ``<data_dir>/resume/<run>/``:
-    once a newer resume of the run succeeds, the older folders (and stage folders a killed resume
-    left) go; a link there is removed, never followed; other runs' folders are not touched."""
+    once a newer resume of the run succeeds, the older steps' folders (and stage folders a killed
+    resume left) go; a link there is removed, never followed; other runs' folders, newer steps'
+    folders and a stage folder still being written are not touched."""
     settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1d-{os.getpid()}-{id(db_url)}")
     node7 = on_node(settings, "node-7")
     save(settings, 100)
@@ -298,12 +299,15 @@ def test_resume_folders_beside_tier0_are_bounded_to_the_newest_per_run(settings_
     (base / "step-00000010").symlink_to(elsewhere)
     other_run = base.parent / "other-run" / "step-00000001"
     other_run.mkdir(parents=True)
+    (base / "step-00000300").mkdir()  # newer than what this resume takes: a sibling may be loading it
+    young_stage = base / ".step-00000070.resume-live0001"  # a sibling's fetch in flight: spared
+    young_stage.mkdir()
     newest = save(settings, 200)
 
     second = resume(node7, RUN)
 
     assert Path(second.path) == base / "step-00000200" and tree(second.path) == newest
-    assert sorted(p.name for p in base.iterdir()) == ["step-00000200"]
+    assert sorted(p.name for p in base.iterdir()) == [young_stage.name, "step-00000200", "step-00000300"]
     assert (elsewhere / "precious.bin").read_bytes() == b"keep" and other_run.is_dir()
     assert [(p.source, p.bytes_moved) for p in resume(node7, RUN).parts] == [("in place", 0)]  # kept: reused
 
