@@ -45,6 +45,9 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_DCP_METADATA_BYTES = 256 * 1024 * 1024
 HF_INDEX = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
+# What every part of a checkpoint needs to load, whichever part lists it: a resume brings them in
+# beside a part, so a prune of that part takes them with it (``tasks.base.delete_part``).
+WIDE_FILES = (DCP_METADATA, HF_INDEX)
 
 # Bits per element of every safetensors dtype (sub-byte float formats pack several per byte).
 DTYPE_BITS = {

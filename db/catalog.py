@@ -348,15 +348,18 @@ class Catalog:
     def transition(self, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None = None,
                    actor: str, reason: str | None = None, claim_token: str | None = None,
                    bytes: int | None = None, copy_seconds: float | None = None,
-                   etag: str | None = None, version_id: str | None = None) -> ReplicaInfo:
+                   etag: str | None = None, version_id: str | None = None,
+                   seen_updated_at: datetime | None = None) -> ReplicaInfo:
         """Move a replica: illegal moves raise ``IllegalTransition``; a state not in ``expected``
-        (or a foreign ``claim_token``) raises ``StaleState``. Entering ``verified`` stamps
-        ``verified_at``. One transaction; audited."""
+        (or a foreign ``claim_token``, or a row changed since the caller read it at
+        ``seen_updated_at``: a compare-and-set on what it saw) raises ``StaleState``. Entering
+        ``verified`` stamps ``verified_at``. One transaction; audited."""
         given = dict(bytes=bytes, copy_seconds=copy_seconds, etag=etag, version_id=version_id)
         values = {k: v for k, v in given.items() if v is not None}
         with self._tx() as conn:
             row = _state.transition(conn, replica_id, to_state, expected=expected, claim_token=claim_token,
-                                    now=_now(conn), actor=actor, reason=reason, values=values)
+                                    now=_now(conn), actor=actor, reason=reason, values=values,
+                                    seen_updated_at=seen_updated_at)
             return to_replica(row)
 
     def claim_prune(self, replica_id: int, *, actor: str, reason: str | None = None,

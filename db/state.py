@@ -83,7 +83,8 @@ def check_legal(rep: Row, to_state: str) -> None:
 
 
 def transition(conn: Connection, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None,
-               claim_token: str | None, now: datetime, actor: str, reason: str | None, values: dict) -> Row:
+               claim_token: str | None, now: datetime, actor: str, reason: str | None, values: dict,
+               seen_updated_at: datetime | None = None) -> Row:
     # Lock order, everywhere: checkpoint row, then replica rows. The checkpoint lock also
     # serialises concurrent verifications of a checkpoint's parts, so the last one counts the
     # others' (committed) replicas when it recomputes verified_tiers.
@@ -95,6 +96,10 @@ def transition(conn: Connection, replica_id: int, to_state: str, *, expected: st
             raise StaleState(f"replica {replica_id} is {rep.state!r}, expected {' or '.join(allowed)}")
     if claim_token is not None and rep.claim_token != claim_token:
         raise StaleState(f"replica {replica_id}: claim {claim_token} is not the live claim")
+    if seen_updated_at is not None and rep.updated_at != seen_updated_at:
+        # every state change stamps updated_at: the row the caller judged is not this one
+        # (e.g. a copy re-verified by another worker since), so its verdict does not apply
+        raise StaleState(f"replica {replica_id} changed since it was read ({rep.state!r} since {rep.updated_at})")
     check_legal(rep, to_state)
     if rep.state == PRUNING and rep.claim_token is not None and claim_token != rep.claim_token:
         # a prune is finished (pruned) or abandoned (verified, missing) by its owner only;

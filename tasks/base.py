@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import CorruptCheckpoint
+from core.errors import BadInput, CorruptCheckpoint
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
 from core.settings import Settings
 from core.storage.base import TierStore
 from db.catalog import Catalog
-from db.entities import CORRUPT, MISSING, PRUNED
+from db.entities import CORRUPT, MISSING, PRUNED, ReplicaInfo
 
 log = logging.getLogger("ckpt.pipeline")
 
@@ -100,15 +100,23 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
                 reason: str, actor: str) -> int:
     """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
     single-part checkpoint owns its folder; a part of several leaves the paths another part
-    with a live copy on this tier still lists (``shared_paths``). The deletion is audited with
-    ``reason`` before the first byte goes, so even a delete interrupted halfway is explained."""
+    with a live copy on this tier still lists (``shared_paths``), and takes the checkpoint-wide
+    files of other parts a resume brought in beside it (``brought_in``). The deletion is audited
+    with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained."""
     prefix = checkpoint_prefix(run, step)
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
     if parts == 1:
         return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
     ck = cat.get_checkpoint(run, step)
     paths = [f.path for f in cat.files(ck.id, part)]
-    return store.delete_part(prefix, manifest_name(part, parts), paths, keep=shared_paths(cat, ck.id, part, store.tier))
+    deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
+                                keep=shared_paths(cat, ck.id, part, store.tier))
+    for path in brought_in(cat, ck.id, part, store.tier):  # not the part's own: a leftover is only logged
+        try:
+            deleted += int(store.delete(f"{prefix}/{path}"))
+        except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
+            log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
+    return deleted
 
 
 def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,
@@ -122,12 +130,34 @@ def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_
     return swept
 
 
+def live_beside(rows: Iterable[ReplicaInfo], part: int, tier: int) -> set[int]:
+    """The other parts with a live copy in the same folder as ``part``'s on ``tier``: on Tier 0
+    (node-local) only those on ``part``'s node; another node's NVMe shares no file with it."""
+    rows = list(rows)
+    node = next((r.node or None for r in rows if r.part == part), None)
+    return {r.part for r in rows if r.part != part and r.state not in (PRUNED, CORRUPT, MISSING)
+            and (tier != 0 or (r.node or None) == node)}
+
+
+def brought_in(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> list[str]:
+    """Checkpoint-wide files (``WIDE_FILES``) of other parts that may sit in this part's folder
+    only because a resume brought them in beside it: those whose part has no live copy in the same
+    place (on Tier 0: on this part's node). Only registered paths of the layout; ``store.delete``
+    removes a link there itself, never what it points at."""
+    from core.formats import WIDE_FILES
+
+    live = live_beside(cat.replicas(checkpoint_id, tier), part, tier)
+    files = cat.files(checkpoint_id)
+    mine = {f.path for f in files if f.part == part}
+    return sorted({f.path for f in files if f.path in WIDE_FILES and f.part != part and f.part not in live
+                   and f.path not in mine})
+
+
 def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[str]:
     """Paths this part shares with another part that still has a live replica on ``tier``
     (parts of one checkpoint sit side by side in one folder; two nodes may both list e.g.
     ``config.json``): deleting this part must leave them for the other."""
-    live = {r.part for r in cat.replicas(checkpoint_id, tier)
-            if r.part != part and r.state not in (PRUNED, CORRUPT, MISSING)}
+    live = live_beside(cat.replicas(checkpoint_id, tier), part, tier)
     if not live:
         return set()
     mine = {f.path for f in cat.files(checkpoint_id, part)}

@@ -94,13 +94,18 @@ class BadReplica:
     part: int
     state: str  # corrupt | missing
     reason: str
+    marked: bool = True  # False: the row had moved on since it was read (left as it is now)
 
 
 def mark_bad(catalog: Catalog, replica: ReplicaInfo, state: str, reason: str, *, actor: str) -> BadReplica:
-    """Record that ``replica`` failed a read (verified -> corrupt/missing). Losing the race to
-    another writer (the row already moved) is fine: the replica is no longer trusted either way."""
+    """Record that ``replica`` failed a read (verified -> corrupt/missing), as a compare-and-set
+    on the row as the caller read it (its ``updated_at``): a copy another worker re-verified
+    since (a sibling finishing a fresh fetch while this one read the old or half-made files) is
+    never marked bad. Losing that race, or to any other writer, is fine: the row moved on."""
     try:
-        catalog.transition(replica.id, state, expected=VERIFIED, actor=actor, reason=reason[:500])
+        catalog.transition(replica.id, state, expected=VERIFIED, actor=actor, reason=reason[:500],
+                           seen_updated_at=replica.updated_at)
+        marked = True
     except StaleState:
-        pass
-    return BadReplica(replica.id, replica.run, replica.step, replica.tier, replica.part, state, reason)
+        marked = False
+    return BadReplica(replica.id, replica.run, replica.step, replica.tier, replica.part, state, reason, marked)

@@ -19,6 +19,9 @@ Contract of ``resume``:
   (``tasks.copy.copy_between_tiers``): of N nodes resuming at once one reads S3, the others
   wait for its claim and read Tier 1.
 - It records nothing but replicas: resuming a run is not a new run.
+- A folder under ``<data_dir>/resume/<run>/`` (the fetch of a node whose part another node holds
+  on Tier 0; no replica row) is scratch: once a resume of the run from step N succeeds, the
+  run's folders of older steps there go (``tidy_resume_folders``): a node keeps the newest.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
-from core.formats import DCP_METADATA, HF_INDEX
-from core.layout import checkpoint_dirname, checkpoint_prefix
+from core.formats import WIDE_FILES
+from core.layout import checkpoint_dirname, checkpoint_prefix, parse_step_dirname
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
@@ -42,8 +45,9 @@ from tasks.replicas import TierStores, classify_failure, mark_bad
 
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
-WIDE_FILES = (DCP_METADATA, HF_INDEX)  # what every part of a checkpoint needs to load, wherever it lives
 HYDRATION_POLL_S = 0.2
+CLAIM_WAIT_GRACE_S = 30.0  # beyond two leases of silence from a claim's holder before giving up on it
+STAGE_AGE_S = 3600.0  # a resume's stage folder older than this was left by a killed resume
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,10 @@ class Source:
 
 class _NoGoodCopy(Exception):
     """Every source of a wanted part failed (each already marked in the catalog)."""
+
+
+class _HeldElsewhere(Exception):
+    """Another node won the claim on a wanted part's Tier 0 row: its copy is on that node's NVMe."""
 
 
 def plan_sources(replicas: Iterable[ReplicaInfo], part: int, *, node: str, configured: set[int],
@@ -137,6 +145,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
     notes: list[str] = []
     assert settings.catalog_url is not None  # resolved by Settings
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
+        if target is not None:
+            _outside_managed_folders(stores, run, target)
         try:
             cat.get_run(run)
         except UnknownRun:
@@ -158,6 +168,8 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
                 point = ResumePoint(point.run, point.step, point.path, point.parts,
                                     f"fell back from step {newest} to step {ck.step}: " + "; ".join(notes))
             log.info("resume %s from step %d at %s", run, ck.step, point.path)
+            if target is None:
+                tidy_resume_folders(settings, run, step=ck.step)
             return point
     if newest is None:
         return None
@@ -182,9 +194,64 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
         if found is not None:  # rehydrated Tier 1 is mounted here: load it where it is
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
-        return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
-    dest = target or settings.data_dir.expanduser().absolute() / "resume" / ck.run / checkpoint_dirname(ck.step)
-    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes)
+        try:
+            return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
+        except _HeldElsewhere as exc:  # lost the race for the Tier 0 row: fetched beside it instead
+            log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
+    dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
+    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes, scratch=target is None)
+
+
+def _outside_managed_folders(stores: TierStores, run: str, target: Path) -> None:
+    """``ConflictError`` when ``to`` lies in a folder this system manages: a tier mounted here (a
+    checkpoint copied there would look committed to that tier) or this node's resume folders
+    (tidied by the next resume)."""
+    managed = [(f"tier {t}", root.parent) for t in (0, 1, 2) if stores.configured(t)
+               and (root := stores.get(t).local_path(run)) is not None]
+    managed.append(("this node's resume folders", resume_root(stores.settings, run).parent))
+    where = target.resolve()
+    for name, folder in managed:
+        if where.is_relative_to(folder.resolve()):
+            raise ConflictError(f"{target} is inside {name} ({folder}); resume into a folder of your own")
+
+
+def resume_root(settings: Settings, run: str) -> Path:
+    """This node's scratch folder for ``run``'s checkpoints fetched beside Tier 0."""
+    return settings.data_dir.expanduser().absolute() / "resume" / safe_run_name(run)
+
+
+def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
+    """After a resume of ``run`` from ``step`` succeeded, remove the run's folders of older steps
+    under ``resume_root`` and the stage folders of older steps a killed resume left (older than
+    ``STAGE_AGE_S``; a younger one may be a sibling's fetch in flight). Newer steps' folders stay
+    (a sibling worker that saw a newer checkpoint may be loading one). Only names of the layout;
+    a link is removed itself, never followed. Best effort: a failure is logged, the resume stands.
+    Returns how many went."""
+    import shutil
+
+    base = resume_root(settings, run)
+    if base.is_symlink() or not base.is_dir():
+        return 0
+    cutoff, removed = time.time() - STAGE_AGE_S, 0
+    for entry in sorted(base.iterdir()):
+        name = entry.name
+        stage = name.startswith(".") and ".resume-" in name
+        older = parse_step_dirname(name[1:].split(".resume-")[0] if stage else name)
+        try:
+            if older is None or older >= step or (stage and entry.lstat().st_mtime >= cutoff):
+                continue
+            if entry.is_symlink() or not entry.is_dir():
+                entry.unlink()
+            else:
+                shutil.rmtree(entry)  # unlinks links inside, never descends them
+            removed += 1
+        except FileNotFoundError:  # a sibling worker tidied it first
+            continue
+        except OSError as exc:
+            log.warning("resume %s: could not remove the old resume folder %s: %s", run, entry, exc)
+    if removed:
+        log.info("resume %s: removed %d older resume folder(s) under %s", run, removed, base)
+    return removed
 
 
 # --- in place --------------------------------------------------------------------------------
@@ -275,11 +342,12 @@ def check_file(store: TierStore, key: str, f: FileInfo, verify: Verify) -> None:
 
 def _mark(cat: Catalog, replica: ReplicaInfo, exc: BaseException, actor: str, notes: list[str]) -> None:
     state = classify_failure(exc) or "corrupt"
-    mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
-    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s); trying the next copy",
-                replica.run, replica.step, replica.part, replica.tier, state, exc)
+    bad = mark_bad(cat, replica, state, f"resume: {exc}", actor=actor)
+    recorded = "marked in the catalog" if bad.marked else "not marked: its row changed meanwhile"
+    log.warning("resume %s/step-%d part %d: tier %d copy is %s (%s; %s); trying the next copy",
+                replica.run, replica.step, replica.part, replica.tier, state, exc, recorded)
     notes.append(f"step {replica.step} part {replica.part}: tier {replica.tier} copy is {state} ({exc}); "
-                 "marked in the catalog, trying the next copy")
+                 f"{recorded}, trying the next copy")
 
 
 # --- fetched ---------------------------------------------------------------------------------
@@ -309,13 +377,19 @@ def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: i
     """``copy_between_tiers`` as a claimed copy, waiting while another worker holds the claim:
     until it publishes (then: a skipped hop) or its lease lapses (then: taken over). Asks the
     catalog every ``HYDRATION_POLL_S``; retries the claim (which reads the source's manifest)
-    only every fifth of a lease."""
+    only every fifth of a lease. A holder that keeps renewing its lease is waited for however
+    long its copy takes (each renewal moves the row's ``updated_at``); ``CopyInProgress`` only
+    after two leases and ``CLAIM_WAIT_GRACE_S`` without a sign of it. Monotonic clock only."""
     from tasks.copy import copy_between_tiers
 
-    deadline = time.monotonic() + 2 * settings.claim_lease_seconds + 30.0
-    next_try = 0.0
+    silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
+    deadline = time.monotonic() + silence
+    next_try, seen = 0.0, None
     while True:
         row = next((r for r in cat.replicas(ck.id, dst_tier) if r.part == part), None)
+        sign = None if row is None else (row.state, row.claim_token, row.updated_at)
+        if sign != seen:  # the holder renewed, or the claim changed hands: it is alive
+            seen, deadline = sign, time.monotonic() + silence
         if row is not None and row.state == COPYING and time.monotonic() < next_try:
             time.sleep(HYDRATION_POLL_S)
             continue
@@ -360,6 +434,8 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
             except (CorruptCheckpoint, NotFound) as exc:
                 _mark(cat, src.replica, exc, actor, notes)
                 continue
+            if hop.skipped and not _tier0_is_ours(cat, ck, [p], stores.settings.node):
+                raise _HeldElsewhere(f"part {p}'s Tier 0 copy was just made on another node")
             fetched = 0 if hop.skipped else hop.bytes  # skipped: another worker of this node just fetched it
             done.append(PartResume(p, src.tier if not moved[p] else 2, FETCHED, fetched + moved[p],
                                    time.monotonic() - t0))
@@ -377,9 +453,13 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
 
 
 def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str], *,
+                     scratch: bool = False) -> ResumePoint:
     """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
-    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked)."""
+    whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked: its
+    manifests are this checkpoint's as registered, its files have their sizes). Anything else in
+    ``dest`` is refused, unless it is this node's ``scratch`` resume folder holding no part of this
+    checkpoint (a sibling worker's other part is never removed under it): that is redone."""
     import shutil
     import uuid
 
@@ -388,10 +468,15 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
-        found = _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify)
+        held = _parts_held(cat, ck, dest)
+        found = (set(wanted) <= held
+                 and _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify))
         if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
-        ensure_empty_target(dest)
+        if scratch and not held and not dest.is_symlink():  # this node's own folder, of no part of ck: redone
+            shutil.rmtree(dest)
+        else:
+            ensure_empty_target(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     stage = dest.parent / f".{dest.name}.resume-{uuid.uuid4().hex[:8]}"
     stage.mkdir()
@@ -419,6 +504,27 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
 
 def _quiet(_done: int, _label: str) -> None:
     return None
+
+
+def _parts_held(cat: Catalog, ck: CheckpointInfo, folder: Path) -> set[int]:
+    """The parts of ``ck`` whose manifest ``folder`` holds exactly as registered: files of another
+    checkpoint of the same model (same names, same sizes) are not this one's."""
+    from core.layout import manifest_name
+    from core.manifest import MAX_MANIFEST_BYTES, Manifest
+    from tasks.base import catalog_digest
+
+    held = set()
+    for p in range(ck.parts):
+        path = folder / manifest_name(p, ck.parts)
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+                continue
+            manifest = Manifest.from_json(path.read_bytes())
+        except (OSError, ValueError, CorruptCheckpoint, BadInput):
+            continue
+        if manifest.digest() == catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts):
+            held.add(p)
+    return held
 
 
 def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:
