@@ -179,10 +179,11 @@ def _mtime(info: dict) -> float | None:
 
 
 def fsspec_knows(scheme: str) -> bool:
-    """Whether fsspec has an implementation of ``scheme`` (each protocol of a chained URL)."""
+    """Whether fsspec has an implementation of ``scheme`` (each protocol of a chained URL),
+    built in or registered at run time (``fsspec.register_implementation``)."""
     import fsspec
 
-    known = set(fsspec.available_protocols())
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)
     return all(p in known for p in scheme.split("::"))
 
 

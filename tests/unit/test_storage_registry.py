@@ -63,6 +63,24 @@ def test_an_unknown_scheme_is_a_clear_error(settings_factory):
         settings_factory(tier2_url="nosuch://bucket/prefix")
 
 
+def test_a_protocol_registered_with_fsspec_opens_the_fallback():
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from core.storage.fsspec import FsspecStore
+
+    class Scratch(MemoryFileSystem):
+        protocol = "ckptscratch"
+
+    fsspec.register_implementation("ckptscratch", Scratch, clobber=True)
+    store = open_store("ckptscratch://t1/root", 1)
+    assert isinstance(store, FsspecStore)
+    data = b"bytes"
+    store.put_verified("run/step-1/part", io.BytesIO(data), len(data), checksum.hash_bytes(data))
+    assert store.read_small("run/step-1/part") == data
+    store.fs.rm(store.root, recursive=True)
+
+
 def test_tier2_must_be_an_object_store(settings_factory, tmp_path):
     for url in (str(tmp_path / "t2"), f"file://{tmp_path}/t2", "memory://t2"):
         with pytest.raises(ConfigError, match="tier2_url must look like s3://bucket/prefix: Tier 2 is an object "
