@@ -172,9 +172,7 @@ class Settings(BaseSettings):
 
     @field_validator("tier2_url")
     @classmethod
-    def _tier2_is_s3(cls, v: str | None) -> str | None:
-        if v is not None and v != "" and not v.startswith("s3://"):
-            raise ValueError("tier2_url must look like s3://bucket/prefix")
+    def _tier2_is_an_object_store(cls, v: str | None) -> str | None:
         if v and (problem := tier2_url_problem(v)):
             raise ValueError(problem)
         return v or None
@@ -235,17 +233,11 @@ def display_url(url: str) -> str:
 
 
 def tier2_url_problem(url: str) -> str | None:
-    """Why ``url`` may not be a Tier 2 root (None when it may): credentials, a query or a
-    fragment inside it would be carried into the store's URL, messages and events."""
-    body = url.removeprefix("s3://")
-    if "@" in body.split("/", 1)[0] or ":" in body.split("/", 1)[0]:
-        return ("tier2_url must not hold credentials (s3://KEY:SECRET@bucket): give the S3 client its keys "
-                "through AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role, and "
-                "set tier2_url to s3://bucket/prefix")
-    if "?" in body or "#" in body:
-        return ("tier2_url must be s3://bucket/prefix, without a query or fragment (credentials go in the "
-                "AWS environment)")
-    return None
+    """Why ``url`` may not be the Tier 2 root (None when it may), as the storage backend
+    registered for its scheme says (``core.storage.registry.tier2_url_problem``)."""
+    from core.storage import tier2_url_problem as problem  # the backends import this module
+
+    return problem(url)
 
 
 def load_settings(**overrides: Any) -> Settings:

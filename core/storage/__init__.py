@@ -1,48 +1,22 @@
-"""Tier storage: ``open_store(url, tier, settings)`` picks the backend for a tier URL.
+"""Tier storage: ``open_store(url, tier, settings)`` opens the backend registered for a tier
+URL's scheme (``core.storage.registry``); each backend module registers itself:
 
-- ``s3://bucket/prefix`` -> ``S3Store`` (boto3; endpoint, region and transfer tuning from settings)
+- ``s3://bucket/prefix`` -> ``S3Store`` (``core.storage.s3``: boto3; endpoint, region, transfer
+  tuning and Object Lock from the ``s3_*`` and ``tier2_lock_*`` settings)
 - a plain path or ``file://`` URL -> ``LocalStore`` (os-level I/O, fsync, symlink confinement)
-- any other fsspec URL (``memory://``...) -> ``FsspecStore``
+- any other protocol fsspec knows (``memory://``...) -> ``FsspecStore`` (the fallback)
+
+An unregistered scheme is a ``ConfigError`` listing the registered ones. docs/backends.md
+tells how to add a backend.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+# each backend module registers its schemes when imported (none imports its client library
+# before a store is opened, so this stays cheap)
+from core.storage import fsspec as _fsspec, local as _local, s3 as _s3  # noqa: F401
 from core.storage.base import ObjectInfo, TierStore
+from core.storage.registry import Backend, backend_for, open_store, register, schemes, tier2_url_problem
 
-if TYPE_CHECKING:
-    from core.settings import Settings
-
-__all__ = ["ObjectInfo", "TierStore", "open_store"]
-
-
-def open_store(url: str, tier: int, settings: Settings | None = None) -> TierStore:
-    """The store for ``url``; ``settings`` supplies buffers, S3 endpoint and tuning (defaults if None)."""
-    buffer_bytes = settings.io_buffer_bytes if settings else 4 * 1024 * 1024
-    if url.startswith("s3://"):
-        from core.storage.s3 import S3Store
-
-        if settings is None:
-            return S3Store(url, tier, buffer_bytes=buffer_bytes)
-        return S3Store(
-            url, tier,
-            endpoint_url=settings.s3_endpoint_url,
-            region=settings.s3_region,
-            multipart_threshold=settings.s3_multipart_threshold,
-            chunk_bytes=settings.s3_multipart_chunksize,
-            max_concurrency=settings.s3_max_concurrency,
-            parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency),
-            buffer_bytes=buffer_bytes,
-            lock_days=settings.tier2_lock_days if tier == 2 else None,
-            lock_mode=settings.tier2_lock_mode,
-            range_bytes=settings.s3_range_bytes,
-            ranged_threshold=settings.s3_ranged_threshold,
-        )
-    if url.startswith("file://") or "://" not in url:
-        from core.storage.local import LocalStore
-
-        return LocalStore(url, tier, buffer_bytes=buffer_bytes)
-    from core.storage.fsspec import FsspecStore
-
-    return FsspecStore(url, tier, buffer_bytes=buffer_bytes)
+__all__ = ["Backend", "ObjectInfo", "TierStore", "backend_for", "open_store", "register", "schemes",
+           "tier2_url_problem"]

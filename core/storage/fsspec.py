@@ -9,7 +9,7 @@ import io
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
 from core.errors import BadInput, ConflictError, NotFound
@@ -18,6 +18,10 @@ from core.paths import safe_relpath
 from core.settings import display_url
 from core.storage.base import ObjectInfo, TierStore, hash_object
 from core.storage.common import check_match, map_os_error
+from core.storage.registry import Backend, io_buffer, register
+
+if TYPE_CHECKING:
+    from core.settings import Settings
 
 
 class FsspecStore(TierStore):
@@ -172,3 +176,19 @@ def _mtime(info: dict) -> float | None:
     if value is None:
         return None
     return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+def fsspec_knows(scheme: str) -> bool:
+    """Whether fsspec has an implementation of ``scheme`` (each protocol of a chained URL),
+    built in or registered at run time (``fsspec.register_implementation``)."""
+    import fsspec
+
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)
+    return all(p in known for p in scheme.split("::"))
+
+
+def open_fsspec(url: str, tier: int, settings: Settings | None) -> FsspecStore:
+    return FsspecStore(url, tier, buffer_bytes=io_buffer(settings))
+
+
+register(Backend(name="fsspec", schemes=(), factory=open_fsspec, accepts=fsspec_knows), fallback=True)

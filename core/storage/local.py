@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
@@ -31,6 +31,10 @@ from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import confine_local, safe_relpath
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
+from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
+
+if TYPE_CHECKING:
+    from core.settings import Settings
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -385,3 +389,10 @@ class LocalStore(TierStore):
         rel = os.path.relpath(dirpath, base)
         parts = [p for p in (prefix, "" if rel == "." else rel.replace(os.sep, "/"), final) if p]
         return "/".join(parts)
+
+
+def open_local(url: str, tier: int, settings: Settings | None) -> LocalStore:
+    return LocalStore(url, tier, buffer_bytes=io_buffer(settings))
+
+
+register(Backend(name="local", schemes=(PLAIN_PATH,), factory=open_local))

@@ -30,30 +30,13 @@ endpoint and bucket per process (``validates_checksums``): a tiny object sent wi
 deliberately wrong CRC32C under ``PROBE_KEY`` (outside every checkpoint), removed afterwards;
 accepted means not validated. The mode in force is logged once.
 
-Object Lock (``lock_days``, ``lock_mode``): every checkpoint object is uploaded with
-``ObjectLockMode`` and ``ObjectLockRetainUntilDate`` (upload time + ``lock_days``), so nobody
-holding this store's credentials can delete it before then (compliance: nobody at all). S3 turns
-Object Lock on only when a bucket is created (``ObjectLockEnabledForBucket``); before the first
-locked upload the bucket's lock configuration is checked once per process, and a bucket without
-it is a ``ConfigError`` (never a silently unlocked copy). Object Lock implies versioning, where a
-delete without a version id only adds a delete marker and keeps the bytes: on a versioned bucket
-``delete`` and ``delete_prefix`` remove every version of the keys they delete, so a pruned copy
-is really gone. A locked version refuses (AccessDenied): ``ObjectLocked``, nothing else deleted
-in that call; ``locked_until`` tells beforehand (HeadObject's ``ObjectLockRetainUntilDate``).
-
-Errors: 5xx, throttling, timeouts and connection failures become ``StorageUnavailable``
-after botocore's own retries (``standard`` mode, ``max_attempts``); a multipart upload aborted
-under our feet (``NoSuchUpload``) is ``StorageUnavailable`` too (the destination lost staging
-data; the source is fine and a retry starts over), and so is an endpoint's 400 BadDigest (the
-bytes changed on the way: what was sent had been checked against the manifest); 404 is
-``NotFound``; 501 NotImplemented to the checksum or If-None-Match headers is ``ConfigError``
-naming the header (fail closed: this store cannot keep its promises on such an endpoint, and
-no retry changes that); other client errors (access denied, missing bucket) are ``ConfigError``.
+Object Lock and versioned deletes: ``core.storage.s3.lock``; errors: ``core.storage.s3.errors``;
+the shared clients: ``core.storage.s3.clients``; building a store from the settings:
+``core.storage.s3.config``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -70,98 +53,26 @@ from core.errors import (
     ConflictError,
     CorruptCheckpoint,
     NotFound,
-    ObjectLocked,
     StorageUnavailable,
 )
 from core.paths import safe_relpath
-from core.settings import tier2_url_problem
 from core.storage.base import ObjectInfo, TierStore, hash_object
+from core.storage.s3.clients import shared_client
+from core.storage.s3.config import url_problem
+from core.storage.s3.errors import (
+    _DIGEST_CODES,
+    CHECKSUM_MODE,
+    COMPLETE_CRC32C,
+    CREATE_CRC32C,
+    IF_NONE_MATCH,
+    SEND_CRC32C,
+    _code,
+    map_s3_error,
+    s3_errors,
+)
+from core.storage.s3.lock import LOCK_MODES, ObjectLockMixin
 
-log = logging.getLogger(__name__)
-
-_RETRYABLE_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
-}
-_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
-_PRECONDITION_CODES = {"412", "PreconditionFailed", "ConditionalRequestConflict"}
-_DIGEST_CODES = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"}  # the checksums we send
-_IN_TRANSIT_CODES = _DIGEST_CODES | {"XAmzContentSHA256Mismatch"}  # and the signature's payload hash
-
-# The optional request headers each call relies on, named in the ConfigError of an endpoint
-# that answers 501 NotImplemented (when its error does not name the header itself).
-SEND_CRC32C = ("x-amz-checksum-crc32c", "x-amz-sdk-checksum-algorithm")
-IF_NONE_MATCH = ("If-None-Match",)
-CREATE_CRC32C = ("x-amz-checksum-algorithm", "x-amz-checksum-type")
-COMPLETE_CRC32C = ("x-amz-checksum-crc32c", "x-amz-checksum-type")
-CHECKSUM_MODE = ("x-amz-checksum-mode",)
-
-
-def _code(exc: BaseException) -> tuple[str, int]:
-    err = getattr(exc, "response", {}) or {}
-    return str(err.get("Error", {}).get("Code", "")), int(err.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
-def map_s3_error(exc: Exception, what: str, headers: tuple[str, ...] = ()) -> Exception:
-    """botocore exception -> this project's taxonomy (the caller raises the result).
-
-    ``headers`` are the optional headers the request carried (checksums, If-None-Match): a 501
-    NotImplemented names them when the endpoint's error does not say which one it refused."""
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        ConnectionError as BotoConnError,
-        HTTPClientError,
-        NoCredentialsError,
-        ParamValidationError,
-    )
-
-    if isinstance(exc, ClientError):
-        code, status = _code(exc)
-        if code == "NotImplemented" or status == 501:
-            named = exc.response.get("Error", {}).get("Header") or " / ".join(headers) or "a header of this request"
-            return ConfigError(
-                f"the S3 endpoint does not implement {named} (501 NotImplemented to {what}); this store "
-                "needs it to publish and verify safely, so it stops here instead of retrying"
-            )
-        if code == "NoSuchUpload":
-            return StorageUnavailable(
-                f"{what}: the multipart upload at the destination was aborted before it completed "
-                "(NoSuchUpload: a staging sweep, a lifecycle rule or another worker); nothing was "
-                "published and the source is untouched, a retry starts a new upload"
-            )
-        if status >= 500 or code in _RETRYABLE_CODES or status == 429:
-            return StorageUnavailable(f"S3 unavailable for {what}: {code or status}")
-        if code == "NoSuchBucket":
-            return ConfigError(f"S3 bucket of {what} does not exist")
-        if code in _NOT_FOUND_CODES or status == 404:
-            return NotFound(f"{what} does not exist")
-        if code in _PRECONDITION_CODES or status == 412:
-            return ConflictError(f"{what}: precondition failed ({code})")
-        if code == "InvalidRange" or status == 416:  # a ranged read past the end: shorter than the manifest says
-            return CorruptCheckpoint(f"{what}: the object is shorter than the range asked for ({code or status})")
-        if code in _IN_TRANSIT_CODES:
-            # Every upload sends the checksum of the bytes it read, and those bytes matched the
-            # manifest before anything was published: the endpoint received other bytes than were
-            # sent. The source is fine (never blame it); a retry sends them again.
-            return StorageUnavailable(f"{what}: the endpoint received bytes that differ from those sent "
-                                      f"({code}): changed in transit, nothing published; a retry sends them again")
-        return ConfigError(f"S3 refused {what}: {code or status}: {exc}")
-    if isinstance(exc, (NoCredentialsError, ParamValidationError)):
-        return ConfigError(f"S3 {what}: {exc}")
-    if isinstance(exc, (BotoConnError, HTTPClientError, BotoCoreError)):
-        return StorageUnavailable(f"S3 unreachable for {what}: {exc}")
-    return exc
-
-
-@contextmanager
-def s3_errors(what: str, headers: tuple[str, ...] = ()) -> Iterator[None]:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        yield
-    except (ClientError, BotoCoreError) as exc:
-        raise map_s3_error(exc, what, headers) from exc
+log = logging.getLogger("core.storage.s3")
 
 
 class _Body:
@@ -202,8 +113,6 @@ _PROBE_BODY = b"ckpt-tiering probe: sent with a CRC32C that does not match these
 _validates: dict[tuple[str, str], bool] = {}
 _validates_lock = threading.Lock()
 # (endpoint URL, bucket) -> (Object Lock enabled, versioning on); per process.
-_bucket_modes: dict[tuple[str, str], tuple[bool, bool]] = {}
-_LOCK_MODES = {"governance": "GOVERNANCE", "compliance": "COMPLIANCE"}
 
 
 def part_size(size: int, chunk_bytes: int) -> int:
@@ -215,65 +124,8 @@ def part_size(size: int, chunk_bytes: int) -> int:
     return -(-need // mib) * mib
 
 
-# Clients shared per process: building one costs 0.1-0.5 s of CPU (botocore loads and resolves
-# its service model), and every pipeline step opens its own store. boto3 clients are
-# thread-safe; sessions are not, so a client is made under the lock. The key holds a digest of
-# the AWS_* environment (where credentials, profiles and their files are named) so that
-# different credentials never share a client and never appear in a key's repr.
-_clients: dict[tuple[str | None, str, int, int, str], Any] = {}
-_clients_lock = threading.Lock()
 
-
-def new_client(endpoint_url: str | None, region: str, max_attempts: int, pool_connections: int) -> Any:
-    """A boto3 S3 client of its own, configured as every store's is."""
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(
-        retries={"mode": "standard", "max_attempts": max_attempts},
-        connect_timeout=10,
-        read_timeout=120,
-        max_pool_connections=pool_connections,
-        tcp_keepalive=True,
-        # We send the manifest's CRC32C ourselves; don't let botocore hash bodies again.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
-
-
-def shared_client(endpoint_url: str | None, region: str, max_attempts: int, pool_connections: int) -> Any:
-    """This process's client for the configuration and the AWS environment in force now."""
-    key = (endpoint_url, region, max_attempts, pool_connections, _aws_environment_digest())
-    with _clients_lock:
-        client = _clients.get(key)
-        if client is None:
-            client = _clients[key] = new_client(endpoint_url, region, max_attempts, pool_connections)
-        return client
-
-
-def forget_clients() -> None:
-    """The next store makes a new client (tests, benchmarks); stores holding one keep it."""
-    with _clients_lock:
-        _clients.clear()
-
-
-def _aws_environment_digest() -> str:
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
-    return hashlib.sha256(repr(env).encode()).hexdigest()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child makes its own clients: a parent's pooled connections are the parent's."""
-    global _clients_lock  # noqa: PLW0603 - a lock some parent thread held at the fork is never released here
-    _clients_lock = threading.Lock()
-    _clients.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class S3Store(TierStore):
+class S3Store(ObjectLockMixin, TierStore):
     """A tier at ``s3://bucket/prefix`` on AWS S3, MinIO or moto (``endpoint_url``)."""
 
     def __init__(
@@ -295,11 +147,11 @@ class S3Store(TierStore):
         ranged_threshold: int = 32 * 1024 * 1024,
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
     ) -> None:
-        if lock_mode not in _LOCK_MODES:
+        if lock_mode not in LOCK_MODES:
             raise ConfigError(f"Object Lock mode must be governance or compliance, not {lock_mode!r}")
         if not url.startswith("s3://"):
             raise ConfigError(f"not an s3:// URL: {url!r}")
-        if (problem := tier2_url_problem(url)) is not None:
+        if (problem := url_problem(url)) is not None:
             raise ConfigError(problem)  # the URL itself is not echoed: it may hold the secret
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
@@ -718,111 +570,6 @@ class S3Store(TierStore):
                 )
         return len(keys)
 
-    # --- Object Lock and versions ---------------------------------------------------------
-    def _lock_args(self) -> dict[str, Any]:
-        if not self.lock_days:
-            return {}
-        until = datetime.now(UTC) + timedelta(days=self.lock_days)
-        return {"ObjectLockMode": _LOCK_MODES[self.lock_mode], "ObjectLockRetainUntilDate": until}
-
-    def _modes(self) -> tuple[bool, bool]:
-        """(Object Lock enabled, versioning on) for this bucket, asked once per process."""
-        where = (str(self.client.meta.endpoint_url), self.bucket)
-        if where not in _bucket_modes:
-            from botocore.exceptions import ClientError
-
-            def ask(what: str, call: Any) -> dict:
-                """The answer; {} where the endpoint refuses the question (no lock configuration:
-                ObjectLockConfigurationNotFoundError; not allowed to ask; not implemented)."""
-                try:
-                    with s3_errors(f"{what} of bucket {self.bucket}"):
-                        return call(Bucket=self.bucket)
-                except (ConfigError, NotFound) as exc:
-                    if not isinstance(exc.__cause__, ClientError) or _code(exc.__cause__)[0] == "NoSuchBucket":
-                        raise
-                    return {}
-
-            conf = ask("Object Lock configuration", self.client.get_object_lock_configuration)
-            locked = conf.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
-            status = ask("versioning", self.client.get_bucket_versioning).get("Status")
-            _bucket_modes[where] = (locked, locked or status in ("Enabled", "Suspended"))
-        return _bucket_modes[where]
-
-    def require_object_lock(self) -> None:
-        """``ConfigError`` unless the bucket has Object Lock enabled (S3 turns it on only at bucket
-        creation), so that a store asked to lock never writes an unlocked copy."""
-        if not self._modes()[0]:
-            raise ConfigError(
-                f"CKPT_TIER2_LOCK_DAYS is set but bucket {self.bucket!r} does not have S3 Object Lock enabled; "
-                "it can only be turned on when the bucket is created (CreateBucket with "
-                "ObjectLockEnabledForBucket=true, `aws s3api create-bucket --object-lock-enabled-for-bucket`). "
-                "Nothing was uploaded: use a bucket with Object Lock or unset CKPT_TIER2_LOCK_DAYS")
-
-    def _ensure_locked(self, key: str) -> None:
-        """The lock asked at upload is on the stored version; where an endpoint dropped it (moto
-        ignores it on CreateMultipartUpload) it is set with PutObjectRetention; ``ConfigError``
-        when that does not hold either: never a silently unlocked copy."""
-        what = f"Object Lock of {self.url_for(key)}"
-        head = self._head(key) or {}
-        if head.get("ObjectLockRetainUntilDate"):
-            return
-        args = self._lock_args()
-        with s3_errors(what):
-            self.client.put_object_retention(
-                Bucket=self.bucket, Key=self._k(key), VersionId=head.get("VersionId"),
-                Retention={"Mode": args["ObjectLockMode"], "RetainUntilDate": args["ObjectLockRetainUntilDate"]})
-        if not (self._head(key) or {}).get("ObjectLockRetainUntilDate"):
-            raise ConfigError(f"{what}: the endpoint accepted the upload but keeps no retention on it")
-
-    @property
-    def retains(self) -> bool:
-        return self._modes()[0]
-
-    def locked_until(self, keys: Iterable[str]) -> datetime | None:
-        """HeadObject's retain-until date of each key's current version (only on a bucket with
-        Object Lock); the latest one still in the future."""
-        if not self.retains:
-            return None
-        now, latest = datetime.now(UTC), None
-        for key in keys:
-            h = self._head(key)
-            until = (h or {}).get("ObjectLockRetainUntilDate")
-            if until is not None and until > now and (latest is None or until > latest):
-                latest = until
-        return latest
-
-    def _versions(self, full_prefix: str) -> Iterator[dict]:
-        with s3_errors(f"list versions {self.bucket}/{full_prefix}"):
-            for page in self.client.get_paginator("list_object_versions").paginate(Bucket=self.bucket,
-                                                                                   Prefix=full_prefix):
-                for v in page.get("Versions", []):
-                    yield {"Key": v["Key"], "VersionId": v["VersionId"], "data": True}
-                for m in page.get("DeleteMarkers", []):
-                    yield {"Key": m["Key"], "VersionId": m["VersionId"], "data": False}
-
-    def _delete_versions(self, key_or_prefix: str, *, exact: bool) -> int:
-        """Every version and delete marker of ``key_or_prefix`` (exactly that key, or that key and
-        everything under it as a folder); returns how many keys had data. ``ObjectLocked`` when a
-        version is under retention (the others in its batch may be gone; the locked one stays)."""
-        full = self._k(key_or_prefix)
-        found = [v for v in self._versions(full) if v["Key"] == full or (not exact and v["Key"].startswith(full + "/"))]
-        for i in range(0, len(found), 1000):
-            batch = found[i:i + 1000]
-            with s3_errors(f"delete {self.root_url}/{key_or_prefix}"):
-                r = self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": v["Key"], "VersionId": v["VersionId"]} for v in batch], "Quiet": True})
-            errors = r.get("Errors") or []
-            locked = [e for e in errors if e.get("Code") == "AccessDenied"]
-            if locked:
-                key = self._rel(locked[0]["Key"])
-                raise ObjectLocked(f"{self.url_for(key)} is under S3 Object Lock (or this principal may not delete "
-                                   f"its versions): kept ({locked[0].get('Message', 'AccessDenied')})",
-                                   until=self.locked_until([key]))
-            if errors:
-                raise StorageUnavailable(f"S3 failed to delete {len(errors)} object versions under "
-                                         f"{key_or_prefix}: {errors[0]}")
-        return len({v["Key"] for v in found if v["data"]})
-
 
 def server_clock(response: dict[str, Any]) -> datetime:
     """The S3 server's time when it answered ``response`` (a boto3 response): its ``Date``
@@ -838,3 +585,4 @@ def server_clock(response: dict[str, Any]) -> datetime:
     if at is None:
         return datetime.now(UTC)
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
