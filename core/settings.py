@@ -38,17 +38,18 @@ class RetentionPolicy(BaseModel):
                                   "archived (Tier 2 on) or for good (Tier 2 off); no effect on Tier 2")
     top_k: int | None = Field(default=None, ge=1, description="keep the best k by `metric`")
     metric: str | None = Field(default=None, description="metric name for top_k, e.g. 'loss'")
-    metric_mode: Literal["min", "max"] = "min"
+    metric_mode: Literal["min", "max"] = Field(default="min",
+                                               description="best top_k: the lowest (min) or the highest (max)")
     max_age_days: float | None = Field(default=None, gt=0, description="keep checkpoints younger than this")
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="off: this tier keeps everything it holds")
 
 
 class MilestonePolicy(BaseModel):
     """Which checkpoints are milestones (archived to Tier 2): every K steps, epoch ends, tagged."""
 
-    every_steps: int | None = Field(default=None, ge=1)
-    epoch_end: bool = True
-    tagged: bool = True  # a job may mark any save as a milestone
+    every_steps: int | None = Field(default=None, ge=1, description="every K-th step is a milestone")
+    epoch_end: bool = Field(default=True, description="a save at an epoch end is a milestone")
+    tagged: bool = Field(default=True, description="a save the job tags (milestone=True) is a milestone")
 
 
 class Settings(BaseSettings):
@@ -64,7 +65,7 @@ class Settings(BaseSettings):
     tier1_url: str | None = Field(default=None, description="shared parallel FS root (fsspec URL or path)")
     tier2_url: str | None = Field(default=None, description="object store root, s3://bucket/prefix; unset = no Tier 2")
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto)")
-    s3_region: str = "us-east-1"
+    s3_region: str = Field(default="us-east-1", description="the S3 region")
     tier2_lock_days: float | None = Field(
         default=None, gt=0,
         description="write Tier 2 copies under S3 Object Lock for this many days (the bucket must have been "
@@ -76,18 +77,22 @@ class Settings(BaseSettings):
     catalog_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in data_dir")
     node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
 
-    checksum_algorithm: Literal["crc32c"] = "crc32c"
-    copy_parallelism: int = Field(default=4, ge=1, le=64)
-    io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
+    checksum_algorithm: Literal["crc32c"] = Field(default="crc32c",
+                                                  description="the manifests' checksum (CRC32C, as S3 checks it)")
+    copy_parallelism: int = Field(default=4, ge=1, le=64, description="files copied at once per part")
+    io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024,
+                                 description="buffer per stream (1-4 MiB is fastest here)")
     copy_nice: int = Field(default=10, ge=0, le=19, description="niceness the agent's copy and verify worker "
                            "threads take on (0: the agent's own), so a training job on the node keeps its cores")
     copy_io_class: Literal["idle", "best-effort", "unchanged"] = Field(
         default="best-effort", description="I/O priority of those threads: 'best-effort' at its lowest level (7), "
         "'idle' only when the disk is otherwise idle, 'unchanged' the agent's own (BFQ honours classes; "
         "mq-deadline only the class)")
-    s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
-    s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024)
-    s3_max_concurrency: int = Field(default=8, ge=1, le=64)
+    s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
+                                        description="Tier 2 uploads this large or larger are multipart")
+    s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
+                                        description="a multipart upload's part size (raised past 10,000 parts)")
+    s3_max_concurrency: int = Field(default=8, ge=1, le=64, description="S3 requests in flight per file")
     s3_range_bytes: int = Field(default=16 * 1024 * 1024, ge=4096,
                                 description="one ranged GET of a Tier 2 fetch (AWS's guidance: 8-16 MiB)")
     s3_ranged_threshold: int = Field(default=32 * 1024 * 1024, ge=4096,
@@ -95,17 +100,21 @@ class Settings(BaseSettings):
     task_retries: int = Field(default=4, ge=0, le=20, description="retries of a pipeline task on transient errors")
     task_retry_delay_seconds: float = Field(default=2.0, ge=0, description="first retry delay; doubles, with jitter")
 
-    milestones: MilestonePolicy = MilestonePolicy()
-    retention_tier0: RetentionPolicy = RetentionPolicy(keep_last=3)
-    retention_tier1: RetentionPolicy = RetentionPolicy(keep_last=10)
-    retention_tier2: RetentionPolicy = RetentionPolicy(enabled=False)
+    milestones: MilestonePolicy = Field(default=MilestonePolicy(),
+                                        description="which checkpoints are milestones (archived to Tier 2)")
+    retention_tier0: RetentionPolicy = Field(default=RetentionPolicy(keep_last=3),
+                                             description="what Tier 0 (node NVMe, scratch) keeps")
+    retention_tier1: RetentionPolicy = Field(default=RetentionPolicy(keep_last=10),
+                                             description="what Tier 1 (the shared file system) keeps")
+    retention_tier2: RetentionPolicy = Field(default=RetentionPolicy(enabled=False),
+                                             description="what Tier 2 (object storage) keeps; off: everything")
     retention_keep_parents: bool = Field(
         default=True,
         description="a checkpoint another run resumed, fine-tuned or branched from keeps a verified copy on a "
                     "durable tier while that run has any checkpoint")
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
-    reconcile_interval_seconds: int = Field(default=60, ge=5)
+    reconcile_interval_seconds: int = Field(default=60, ge=5, description="how often each agent's reconcile pass runs")
     reconcile_check_limit: int = Field(
         default=2000, ge=1,
         description="verified copies per tier that one reconcile pass checks are still on their tier (the next "
@@ -145,10 +154,10 @@ class Settings(BaseSettings):
         default=3.0, ge=0,
         description="when a tier's free space after a save falls below this many checkpoints of that size, "
                     "a warning is logged and ckpt.tier.low is emitted (once per crossing, not per save); 0: off")
-    retention_cron: str = "*/15 * * * *"
-    scrub_cron: str = "0 3 * * *"
-    scrub_fraction: float = Field(default=0.1, gt=0, le=1)
-    drill_cron: str = "0 4 * * 0"
+    retention_cron: str = Field(default="*/15 * * * *", description="when the cluster-wide retention runs (cron)")
+    scrub_cron: str = Field(default="0 3 * * *", description="when scrub re-reads stored copies (cron)")
+    scrub_fraction: float = Field(default=0.1, gt=0, le=1, description="the share of stored copies one scrub re-reads")
+    drill_cron: str = Field(default="0 4 * * 0", description="when the recovery drill runs (cron)")
 
     @classmethod
     def settings_customise_sources(

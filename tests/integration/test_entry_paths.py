@@ -3,7 +3,7 @@
 ``ckpt up`` runs for real (one for the module). Each entry path runs in a shell of its own
 whose environment is a fresh login's (``PATH``, ``HOME``, ``PYTHONPATH``) plus the ``export``
 lines ``ckpt up`` printed, nothing else: the client, ``ckpt watch``, ``ckpt commit``, the
-plain HTTP call of deployments/README.md (run verbatim from there), the Hugging Face Trainer
+plain HTTP call of docs/training.md (run verbatim from there), the Hugging Face Trainer
 callback, the Lightning plugin and the DCP async helper. Each job writes a small real
 checkpoint (tiny models built from a config, no download) tagged a milestone the way its
 README section says; the catalog, asked through the CLI in the same shell, must show it
@@ -170,14 +170,14 @@ def commit(sh: Shell) -> tuple[str, int, Path]:
 
 
 def http(sh: Shell) -> tuple[str, int, Path]:
-    # the block of deployments/README.md, verbatim, after the job wrote its folder
+    # the block of docs/training.md, verbatim, after the job wrote its folder
     sh.run("mkdir -p ckpt-1200 && head -c 1048576 /dev/urandom > ckpt-1200/weights.bin")
     sh.run(http_block())
     return "run-a", 1200, sh.cwd / "ckpt-1200"
 
 
 def http_block() -> str:
-    text = (REPO / "deployments" / "README.md").read_text()
+    text = (REPO / "docs" / "training.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.DOTALL)
     (block,) = [b for b in blocks if "curl" in b and "/events" in b]
     return block

@@ -1,5 +1,5 @@
 """scripts/ui_screenshot.py without a browser: how it starts Chromium, which pages it
-shoots, how it reads `ckpt up`'s exports; and that the README shows exactly its screenshots."""
+shoots, how it reads `ckpt up`'s exports; and that the docs' UI chapter shows exactly its screenshots."""
 
 import re
 import shlex
@@ -69,9 +69,9 @@ def test_missing_browser_is_none(monkeypatch):
     assert shot.find_chromium() is None
 
 
-def test_readme_shows_each_screenshot_the_script_makes_and_nothing_else():
-    readme = (REPO / "README.md").read_text()
-    shown = set(re.findall(r"\(docs/img/([^)\s]+)\)", readme))
+def test_the_ui_chapter_shows_each_screenshot_the_script_makes_and_nothing_else():
+    chapter = (REPO / "docs" / "ui.md").read_text()
+    shown = set(re.findall(r"\(img/([^)\s]+)\)", chapter))
     on_disk = {p.name for p in IMG.glob("*.png")}
     made = {p.file for p in shot.pages("http://h/v2", run="r", **IDS)}
     assert shown == on_disk == made
