@@ -73,7 +73,7 @@ class Settings(BaseSettings):
         default="governance",
         description="Object Lock mode: governance (a principal with s3:BypassGovernanceRetention may still "
                     "delete) or compliance (nobody can delete or shorten it before its date, not even root)")
-    catalog_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in data_dir")
+    catalog_url: str = Field(default="", description="SQLAlchemy URL; default SQLite in data_dir")
     node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
 
     checksum_algorithm: Literal["crc32c"] = "crc32c"
