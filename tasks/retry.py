@@ -8,7 +8,7 @@ tiers, and a rerun must look again rather than replay an old answer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from core.errors import is_transient
 
@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 DEFAULT_RETRIES = 4
 DEFAULT_BASE_DELAY_S = 2.0
 JITTER_FACTOR = 0.5
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def backoff_delays(retries: int, base_delay: float) -> list[float]:
@@ -34,8 +37,8 @@ def retry_if_transient(_task: Any, _task_run: Any, state: Any) -> bool:
     return False
 
 
-def pipeline_task(fn: Callable[..., Any], *, name: str, retries: int = DEFAULT_RETRIES,
-                  base_delay: float = DEFAULT_BASE_DELAY_S) -> Task[..., Any]:
+def pipeline_task(fn: Callable[P, R], *, name: str, retries: int = DEFAULT_RETRIES,
+                  base_delay: float = DEFAULT_BASE_DELAY_S) -> Task[P, R]:
     """A thin Prefect task over the plain step ``fn`` with the project's retry policy."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
