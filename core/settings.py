@@ -165,6 +165,11 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
 
+    @field_validator("tier0_url", "tier1_url", "catalog_url", mode="before")
+    @classmethod
+    def _unset_is_default(cls, v: object) -> object:
+        return "" if v is None else v  # None, like "", means the default that _fill_defaults puts in
+
     @field_validator("tier2_lock_mode", mode="before")
     @classmethod
     def _lower_mode(cls, v: object) -> object:
