@@ -60,8 +60,10 @@ class Settings(BaseSettings):
     )
 
     data_dir: Path = Field(default=Path(".ckpt-data"), description="root of the embedded defaults")
-    tier0_url: str = Field(default="", description="node-local NVMe root (fsspec URL or path)")
-    tier1_url: str = Field(default="", description="shared parallel FS root (fsspec URL or path)")
+    tier0_url: str = Field(default="", description="node-local NVMe root (fsspec URL or path); "
+                                                   "default data_dir/tier0/<node>")
+    tier1_url: str = Field(default="", description="shared parallel FS root (fsspec URL or path); "
+                                                   "default data_dir/tier1")
     tier2_url: str | None = Field(default=None, description="object store root, s3://bucket/prefix; unset = no Tier 2")
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto)")
     s3_region: str = "us-east-1"
