@@ -11,11 +11,15 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from core import events
 from core.errors import EventTooLarge
 from core.manifest import Manifest
 from core.settings import Settings
+
+if TYPE_CHECKING:
+    from core.space import Reading
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,8 @@ class Announcer:
         if enabled:
             self._t.start()
 
-    def submit(self, job) -> None:
+    def submit(self, job: tuple[Any, ...]) -> None:
+        """``("register",)``, ``("emit", manifest)`` or ``("tier_low", reading, run, step, part, parts, node)``."""
         if self.enabled:
             self._q.put(job)
 
@@ -120,7 +125,7 @@ class Announcer:
             log.warning("%s", undelivered(self.settings, m.run, m.step, m.part, url))
         self.delivered.append((m.run, m.step, m.part, ok))
 
-    def _emit_tier_low(self, reading, run: str, step: int, part: int, parts: int, node: str) -> None:
+    def _emit_tier_low(self, reading: Reading, run: str, step: int, part: int, parts: int, node: str) -> None:
         url = prefect_api_url(self.settings)
         if url:
             events.emit_tier_low(reading, run, step, part=part, parts=parts, node=node, api_url=url,

@@ -32,11 +32,11 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self, overload
 
 from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
@@ -47,6 +47,9 @@ from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
 from core.space import Reading, free_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,18 @@ class CheckpointStager:
         self.space = Tier0Space(self.settings, self.root, on_low=self._announce_low)
 
     # --- the training loop's calls -------------------------------------------------------
+    @overload
+    def save(self, step: int, tensors_or_folder: str | os.PathLike, *,
+             metrics: Mapping[str, float] | None = None, milestone: bool = False,
+             epoch_end: bool = False, parent: tuple[str, int] | None = None,
+             stall_seconds: float | None = None) -> SavedCheckpoint: ...
+
+    @overload
+    def save(self, step: int, tensors_or_folder: Mapping[str, object], *,
+             metrics: Mapping[str, float] | None = None, milestone: bool = False,
+             epoch_end: bool = False, parent: tuple[str, int] | None = None,
+             stall_seconds: float | None = None) -> SavedCheckpoint | PendingSave: ...
+
     def save(self, step: int, tensors_or_folder: Mapping[str, object] | str | os.PathLike, *,
              metrics: Mapping[str, float] | None = None, milestone: bool = False,
              epoch_end: bool = False, parent: tuple[str, int] | None = None,
@@ -142,7 +157,7 @@ class CheckpointStager:
         # the run's origin (resumed_from/fine_tuned_from) is recorded on the run by the
         # announcer; the catalog links the run's first checkpoint to it
         parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else None
-        meta = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
+        meta: dict[str, Any] = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
                     kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end,
                                          policy=self.settings.milestones))
         if isinstance(tensors_or_folder, (str, os.PathLike)):
@@ -190,7 +205,7 @@ class CheckpointStager:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- the commit -------------------------------------------------------------------------
@@ -205,8 +220,8 @@ class CheckpointStager:
             err, self._writer.error = self._writer.error, None
             raise err
 
-    def _commit(self, folder: Path | None, arrays, t0: float | None, *, step: int,
-                stall: float | None = None, **meta) -> SavedCheckpoint:
+    def _commit(self, folder: Path | None, arrays: Mapping[str, tuple[np.ndarray, str]] | None, t0: float | None,
+                *, step: int, stall: float | None = None, **meta: Any) -> SavedCheckpoint:
         from core import safetensors_writer as stw
         from core.layout import staging_name
         from core.storage.local import fsync_dir
@@ -215,6 +230,7 @@ class CheckpointStager:
         final.parent.mkdir(parents=True, exist_ok=True)
         prefix = f"part-{self.part:05d}/" if self.parts > 1 else ""
         if arrays is None:
+            assert folder is not None  # an adopted folder, no tensors
             folder = folder.expanduser().absolute()
             manifest = self._manifest(folder, None, t0, stall, step=step, **meta)
             if folder != final:
@@ -241,14 +257,15 @@ class CheckpointStager:
         return SavedCheckpoint(self.run, step, self.part, self.parts, final, manifest,
                                manifest.writer_stall_seconds or 0.0)
 
-    def _manifest(self, folder: Path, files, t0: float | None, stall: float | None, *, step: int,
-                  metrics, parent, kind: str) -> Manifest:
+    def _manifest(self, folder: Path, files: tuple[FileEntry, ...] | None, t0: float | None, stall: float | None,
+                  *, step: int, metrics: dict[str, float], parent: ParentRef | None, kind: str) -> Manifest:
         """Commit the part's manifest inside ``folder``. ``files`` None: an adopted folder,
         described (hashed) and validated by its format here."""
         from core.formats import detect_format
         from core.manifest_build import build_manifest, write_manifest
 
-        common = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics, parent=parent)
+        common: dict[str, Any] = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics,
+                                      parent=parent)
         if files is None:
             manifest = build_manifest(folder, self.run, step, parallelism=self.settings.copy_parallelism,
                                       buffer_bytes=self.settings.io_buffer_bytes, **common)
@@ -256,6 +273,7 @@ class CheckpointStager:
             manifest = Manifest(run=self.run, step=step, files=files, format=detect_format([f.path for f in files]),
                                 created_at=utcnow_iso(), **common)
         if stall is None:
+            assert t0 is not None  # a save timed here
             stall = time.perf_counter() - t0  # the manifest write and rename that follow are ~ms
         manifest = replace(manifest, writer_stall_seconds=round(stall, 6) if self.measure_stall else None)
         manifest.validate()
@@ -308,7 +326,7 @@ class _Writer:
         self._t = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
         self._t.start()
 
-    def submit(self, fn, buffers=None, nbytes: int = 0) -> Future:
+    def submit(self, fn: Callable[[], SavedCheckpoint], buffers: Any = None, nbytes: int = 0) -> Future:
         fut: Future = Future()
         with self._lock:
             self.pending_bytes += nbytes

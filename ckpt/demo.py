@@ -25,10 +25,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.tree import Tree
+
+    from db.catalog import Catalog
 
 NODES = ("node-0", "node-1")
 RUN1, RUN2 = "pretrain", "resume"
@@ -81,9 +87,10 @@ def rank_tensors(rank: int, nbytes: int) -> dict[str, np.ndarray]:
             for i in range(n)}
 
 
-def train(run: str, steps: list[int], args, *, resumed_from: tuple[str, int] | None = None) -> list[Saved]:
+def train(run: str, steps: list[int], args: argparse.Namespace, *,
+          resumed_from: tuple[str, int] | None = None) -> list[Saved]:
     """Two ranks, one per node, each committing its part of every checkpoint on its Tier 0."""
-    from ckpt.client import CheckpointStager
+    from ckpt.client import CheckpointStager, SavedCheckpoint
 
     ranks = [rank_tensors(r, args.mb * 1_000_000 // len(NODES)) for r in range(len(NODES))]
     stagers = [CheckpointStager(run, node=node, part=r, parts=len(NODES), resumed_from=resumed_from,
@@ -98,8 +105,13 @@ def train(run: str, steps: list[int], args, *, resumed_from: tuple[str, int] | N
                     w *= 0.999  # the weights move, so every checkpoint's bytes differ
             loss *= 0.93
             milestone = (i + 1) % args.milestone_every == 0
-            parts = list(pool.map(lambda r: stagers[r].save(step, ranks[r], metrics={"loss": round(loss, 4)},
-                                                            milestone=milestone), range(len(NODES))))
+
+            def commit(r: int) -> SavedCheckpoint:
+                part = stagers[r].save(step, ranks[r], metrics={"loss": round(loss, 4)}, milestone=milestone)
+                assert isinstance(part, SavedCheckpoint)  # not a background stager: committed on return
+                return part
+
+            parts = list(pool.map(commit, range(len(NODES))))
             rec = Saved(run, step, milestone, time.time(), max(p.stall_seconds for p in parts),
                         sum(p.manifest.total_bytes for p in parts))
             saved.append(rec)
@@ -112,7 +124,7 @@ def train(run: str, steps: list[int], args, *, resumed_from: tuple[str, int] | N
 
 
 # --- watching the tiers -------------------------------------------------------------------------
-def status(cat, rec: Saved, tier2: bool) -> Status:
+def status(cat: Catalog, rec: Saved, tier2: bool) -> Status:
     """Whether ``rec`` reached Tier 1 (and Tier 2 if a milestone): every part's replica was
     verified there at some point (retention may have pruned it since, e.g. from Tier 0)."""
     from core.errors import NotFound
@@ -183,7 +195,7 @@ def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> Tab
     return t
 
 
-def lineage(saved: list[Saved]):
+def lineage(saved: list[Saved]) -> Tree:
     from ckpt.commands.catalog import lineage_tree
     from core.settings import load_settings
     from db.catalog import Catalog
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(s.reached for s in got.values())
         console.print(summary_table(saved, got))
         console.print(lineage(saved))
-        durable = [got[(r.run, r.step)].durable_at - r.committed_at for r in saved if got[(r.run, r.step)].durable_at]
+        durable = [s.durable_at - r.committed_at for r in saved if (s := got[(r.run, r.step)]).durable_at]
         if durable:
             console.print(f"time to durable (Tier 0 commit -> every part verified on Tier 1): median "
                           f"{sorted(durable)[len(durable) // 2]:.1f} s, max {max(durable):.1f} s")

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
@@ -130,7 +130,7 @@ def server_env(base: Mapping[str, str], *, home: Path, api_url: str, ui: bool) -
 
 
 def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True, timeout: float = 120.0,
-                         auth_string: str | None = None, port_required: bool = False):
+                         auth_string: str | None = None, port_required: bool = False) -> tuple[subprocess.Popen, str]:
     """Prefect server on SQLite under ``home`` (API auth on with ``auth_string``); returns
     (process, API URL). ``port_required``: on ``port`` or not at all (``free_port``)."""
     home.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,8 @@ def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True
     return proc, url
 
 
-def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt", timeout: float = 60.0):
+def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt",
+               timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on loopback with ``bucket`` created; returns (process, endpoint URL)."""
     import boto3
 
@@ -180,7 +181,7 @@ def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = 
 
 
 def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
-                     procs: list[subprocess.Popen] = (), auth_string: str | None = None) -> None:
+                     procs: Sequence[subprocess.Popen] = (), auth_string: str | None = None) -> None:
     """Until every ``flow/deployment`` in ``names`` exists, is not paused and is polled by a
     runner (status READY): then its triggers and schedules are live."""
     import httpx
@@ -252,7 +253,7 @@ class Started:
             self.stop()
             raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

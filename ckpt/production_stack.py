@@ -21,11 +21,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit, urlunsplit
 
 from ckpt.local_stack import LOOPBACK, Started, _spawn, free_port, stop_process, wait_http
 from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import redis
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
@@ -79,7 +82,7 @@ class RedisDb:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/{self.db}"
 
-    def client(self):
+    def client(self) -> redis.Redis:
         import redis
 
         return redis.Redis(host=self.host, port=self.port, db=self.db, password=self.password or None,
@@ -174,7 +177,7 @@ def server_env(database_url: str, redis: RedisDb) -> dict[str, str]:
 EVENT_CONSUMERS = {"reactive-triggers", "event-persister"}  # Prefect services reading the `events` stream
 
 
-def _groups(r, stream: str) -> set[str]:
+def _groups(r: redis.Redis, stream: str) -> set[str]:
     import redis
 
     try:

@@ -24,10 +24,14 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import StorageFull
 from core.settings import Settings
 from core.sizing import fmt_bytes
+
+if TYPE_CHECKING:
+    from ckpt.client import CheckpointStager
 from core.space import Reading, free_bytes, headroom, state_size
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ def state_needed(state: object) -> int:
     return tensors_needed(*state_size(state))
 
 
-def ensure_room_for_folder(stager, step: int, folder: Path) -> None:
+def ensure_room_for_folder(stager: CheckpointStager, step: int, folder: Path) -> None:
     """Before ``folder`` is linked into Tier 0 for ``step`` (``ckpt commit``, ``ckpt watch``):
     room for its bytes when they must be copied (another file system); nothing to check when
     they are hard-linked (no byte written)."""

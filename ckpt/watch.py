@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def completion(folder: Path, marker: str = DEFAULT_MARKER) -> str | None:
     return None
 
 
-def link_tree(src: Path, dst: Path, *, skip: set[str] = frozenset()) -> None:
+def link_tree(src: Path, dst: Path, *, skip: Collection[str] = frozenset()) -> None:
     """Hard-link every file of ``src`` into the new folder ``dst`` (copy across devices)."""
     for dirpath, _dirs, names in os.walk(src):
         rel = Path(dirpath).relative_to(src)
@@ -113,7 +114,7 @@ class Watcher:
 
     def pending(self) -> list[tuple[int, Path, str]]:
         """(step, folder, why) of complete folders not yet committed on Tier 0, oldest first."""
-        out = []
+        out: list[tuple[int, Path, str]] = []
         if not self.root.is_dir():
             return out
         for entry in sorted(self.root.iterdir()):
@@ -133,7 +134,7 @@ class Watcher:
         (bad format, a link leaving it) is logged and skipped for good, never retried in a loop."""
         from core.layout import staging_name
 
-        done = []
+        done: list[SavedCheckpoint] = []
         for step, folder, why in self.pending():
             self.seen.add(step)
             final = self.stager.checkpoint_dir(step)
@@ -166,7 +167,8 @@ class Watcher:
 
 
 def watch(root: Path, run: str, settings: Settings, *, marker: str = DEFAULT_MARKER, interval: float = 2.0,
-          once: bool = False, part: int = 0, parts: int = 1, on_commit=None, milestone_every: int | None = None,
+          once: bool = False, part: int = 0, parts: int = 1,
+          on_commit: Callable[[SavedCheckpoint], object] | None = None, milestone_every: int | None = None,
           milestone_marker: str = DEFAULT_MILESTONE_MARKER) -> int:
     """Run the watcher until interrupted (or one pass with ``once``); returns how many
     checkpoints it committed."""

@@ -61,8 +61,10 @@ class Settings(BaseSettings):
     )
 
     data_dir: Path = Field(default=Path(".ckpt-data"), description="root of the embedded defaults")
-    tier0_url: str | None = Field(default=None, description="node-local NVMe root (fsspec URL or path)")
-    tier1_url: str | None = Field(default=None, description="shared parallel FS root (fsspec URL or path)")
+    tier0_url: str = Field(default="", description="node-local NVMe root (fsspec URL or path); "
+                                                   "default data_dir/tier0/<node>")
+    tier1_url: str = Field(default="", description="shared parallel FS root (fsspec URL or path); "
+                                                   "default data_dir/tier1")
     tier2_url: str | None = Field(default=None, description="object store root, s3://bucket/prefix; unset = no Tier 2")
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto)")
     s3_region: str = Field(default="us-east-1", description="the S3 region")
@@ -74,7 +76,7 @@ class Settings(BaseSettings):
         default="governance",
         description="Object Lock mode: governance (a principal with s3:BypassGovernanceRetention may still "
                     "delete) or compliance (nobody can delete or shorten it before its date, not even root)")
-    catalog_url: str | None = Field(default=None, description="SQLAlchemy URL; default SQLite in data_dir")
+    catalog_url: str = Field(default="", description="SQLAlchemy URL; default SQLite in data_dir")
     node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
 
     checksum_algorithm: Literal["crc32c"] = Field(default="crc32c",
@@ -173,6 +175,11 @@ class Settings(BaseSettings):
         if Path(toml_path).is_file():
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
         return tuple(sources)
+
+    @field_validator("tier0_url", "tier1_url", "catalog_url", mode="before")
+    @classmethod
+    def _unset_is_default(cls, v: object) -> object:
+        return "" if v is None else v  # None, like "", means the default that _fill_defaults puts in
 
     @field_validator("tier2_lock_mode", mode="before")
     @classmethod

@@ -98,9 +98,11 @@ def save_webhook(api_url: str) -> UUID:
     with the API auth header when auth is on (the block's headers are a secret field, stored
     encrypted by the server)."""
     from prefect.blocks.webhook import Webhook
+    from prefect.types import SecretDict
+    from pydantic import SecretStr
 
-    block = Webhook(method="POST", url=api_url.rstrip("/") + "/events",
-                    headers={"Content-Type": "application/json", **events.auth_headers()})
+    block = Webhook(method="POST", url=SecretStr(api_url.rstrip("/") + "/events"),
+                    headers=SecretDict({"Content-Type": "application/json", **events.auth_headers()}))
     block_id = block.save(WEBHOOK_BLOCK, overwrite=True)
     return UUID(str(block_id))
 

@@ -302,20 +302,21 @@ class FastPath:
             if warm is not None and warm.ready():
                 self._spare = None
                 return warm
-            dead = warm is not None and not warm.process.is_alive()
-            if dead:
+            dead = warm if warm is not None and not warm.process.is_alive() else None
+            if dead is not None:
                 self._spare = None
-        if dead:
-            log.warning("fast path: the warm process exited (code %s); starting another", warm.process.exitcode)
+        if dead is not None:
+            log.warning("fast path: the warm process exited (code %s); starting another", dead.process.exitcode)
             self._refill()
         return None
 
     def _put_back(self, warm: WarmProcess) -> None:
+        extra: WarmProcess | None = warm
         with self._lock:
             if self._spare is None:
-                self._spare, warm = warm, None
-        if warm is not None:
-            warm.stop()
+                self._spare, extra = warm, None
+        if extra is not None:
+            extra.stop()
 
     def _refill(self) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.errors import BadInput, CorruptCheckpoint
 from core.layout import checkpoint_prefix, manifest_name, part_key
@@ -22,6 +22,9 @@ from core.settings import Settings
 from core.storage.base import TierStore
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, PRUNED, ReplicaInfo
+
+if TYPE_CHECKING:
+    from core.transfer import WorkerPriority
 
 log = logging.getLogger("ckpt.pipeline")
 
@@ -164,7 +167,7 @@ def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[
     return {f.path for p in live for f in cat.files(checkpoint_id, p) if f.path in mine}
 
 
-def copy_priority(settings: Settings):
+def copy_priority(settings: Settings) -> WorkerPriority:
     """The priority the agent's background copy and verify threads run at (``copy_nice``,
     ``copy_io_class``): below a training job sharing the node."""
     from core.transfer import WorkerPriority

@@ -20,6 +20,7 @@ rows and evidence, before anything is deleted (reconcile does this for every stu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from core import events
 from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
@@ -31,6 +32,10 @@ from tasks.base import delete_part, log, open_catalog, open_tier
 from tasks.claim import Lease
 from tasks.evidence import check_part
 from tasks.retry import pipeline_task
+
+if TYPE_CHECKING:
+    from core.storage.base import TierStore
+    from db.catalog import Catalog
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
         rep = claim.replica
         ck = cat.get_checkpoint(rep.run, rep.step)
         with open_tier(settings, rep.tier) as store:
+            assert rep.claim_token is not None  # claim_prune hands the prune over under a token
             lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
             try:
                 refused = (claim.refused or lock_refused(cat, store, ck, rep)
@@ -85,8 +91,8 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
                   deleted=deleted, bytes=rep.bytes)
 
 
-def _delete(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, actor: str, *, reason: str | None,
-            took_over: bool) -> int:
+def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, actor: str, *,
+            reason: str | None, took_over: bool) -> int:
     """Manifest first, then the files; the claim is checked before each delete."""
     lease.check()
     try:
@@ -111,7 +117,7 @@ def _why(reason: str | None, took_over: bool) -> str:
            + (f": {reason}" if reason else ""))
 
 
-def lock_refused(cat, store, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None:
+def lock_refused(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None:
     """Why the part cannot be deleted yet: an object of it under retention on its tier (S3 Object
     Lock), with the date after which a retention pass may prune it; None when nothing is locked.
     A store without retention (every tier but an Object Lock bucket) costs no catalog query here."""
@@ -126,7 +132,8 @@ def lock_refused(cat, store, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None
             f"{until.isoformat()}: kept, a retention pass after that date prunes it")
 
 
-def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: ReplicaInfo, actor: str) -> str | None:
+def justification_refused(settings: Settings, cat: Catalog, ck: CheckpointInfo, rep: ReplicaInfo,
+                          actor: str) -> str | None:
     """Check, on their tiers, the verified copies of this part that justify pruning ``rep``
     (a tier at least as durable), until one holds up; a copy found wanting is marked
     ``missing``/``corrupt`` (audited). The reason to refuse, or None when one holds up."""
@@ -158,7 +165,7 @@ def justification_refused(settings: Settings, cat, ck: CheckpointInfo, rep: Repl
             f"tier {rep.tier} holds up on its tier")
 
 
-def abandon(cat, store, ck: CheckpointInfo, rep: ReplicaInfo, actor: str, *, why: str) -> None:
+def abandon(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo, actor: str, *, why: str) -> None:
     """Settle an unfinished prune as its owner: ``verified`` while the part is provably whole on
     its tier, ``missing``/``corrupt`` when it provably is not; left ``pruning`` (its lease then
     lapses, and the next prune or reconcile takes it over) when that cannot be told."""

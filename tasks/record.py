@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from core.errors import CorruptCheckpoint
 from core.settings import Settings
-from db.entities import CKPT_CORRUPT, VERIFIED
+from db.catalog import Catalog
+from db.entities import CKPT_CORRUPT, VERIFIED, CheckpointInfo
 from tasks.base import open_catalog, open_tier, read_manifest
 from tasks.retry import pipeline_task
 
@@ -20,11 +21,11 @@ def mark_complete(settings: Settings, run: str, step: int, tier: int, *, actor: 
         return cat.complete_on_tier(ck.id, tier, actor=actor)
 
 
-def _all_parts_verified(cat, checkpoint_id: int, parts: int, tier: int) -> bool:
+def _all_parts_verified(cat: Catalog, checkpoint_id: int, parts: int, tier: int) -> bool:
     return {r.part for r in cat.replicas(checkpoint_id, tier) if r.state == VERIFIED} == set(range(parts))
 
 
-def _check_parts_add_up(settings: Settings, cat, ck, tier: int, *, actor: str) -> None:
+def _check_parts_add_up(settings: Settings, cat: Catalog, ck: CheckpointInfo, tier: int, *, actor: str) -> None:
     """Each part was verified alone; before the checkpoint counts as complete, its parts
     together must form a whole HF/DCP checkpoint (``formats.check_union_complete``). One that
     does not is recorded ``corrupt`` (reconcile leaves it; its copies stay) and raised."""

@@ -121,7 +121,7 @@ def _refuse(cat: Catalog, exc: Exception, digest: str | None, *, run: str, step:
     raise exc
 
 
-def _already_promoted(cat, run: str, step: int, part: int) -> Registered | None:
+def _already_promoted(cat: Catalog, run: str, step: int, part: int) -> Registered | None:
     """The registration of a part already verified on Tier 1 (a repeated event), answered from
     the catalog. Called only once the part's manifest matched the registered digest, or when no
     manifest is left on the source (a late duplicate after Tier 0 was pruned): a different

@@ -8,13 +8,19 @@ tiers, and a rerun must look again rather than replay an old answer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from core.errors import is_transient
+
+if TYPE_CHECKING:
+    from prefect import Task
 
 DEFAULT_RETRIES = 4
 DEFAULT_BASE_DELAY_S = 2.0
 JITTER_FACTOR = 0.5
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def backoff_delays(retries: int, base_delay: float) -> list[float]:
@@ -31,14 +37,13 @@ def retry_if_transient(_task: Any, _task_run: Any, state: Any) -> bool:
     return False
 
 
-def pipeline_task(fn: Callable[..., Any], *, name: str, retries: int = DEFAULT_RETRIES,
-                  base_delay: float = DEFAULT_BASE_DELAY_S):
+def pipeline_task(fn: Callable[P, R], *, name: str, retries: int = DEFAULT_RETRIES,
+                  base_delay: float = DEFAULT_BASE_DELAY_S) -> Task[P, R]:
     """A thin Prefect task over the plain step ``fn`` with the project's retry policy."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
     return task(
-        fn,
         name=name,
         retries=retries,
         retry_delay_seconds=backoff_delays(retries, base_delay),
@@ -46,7 +51,7 @@ def pipeline_task(fn: Callable[..., Any], *, name: str, retries: int = DEFAULT_R
         retry_condition_fn=retry_if_transient,
         cache_policy=NO_CACHE,
         persist_result=False,
-    )
+    )(fn)
 
 
 def with_policy(task_: Any, retries: int, base_delay: float) -> Any:

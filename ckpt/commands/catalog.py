@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -17,6 +18,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ckpt.tables import actor_role, table as fold_table
+
+if TYPE_CHECKING:
+    from db.entities import AuditEntry, LineageEdge, ReplicaInfo
 
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
 out = Console()
@@ -41,7 +45,7 @@ def _catalog():
 
 
 def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -66,7 +70,7 @@ def _size(n: int | None) -> str:
     return "-" if n is None else fmt_bytes(n)
 
 
-def _tiers(tiers) -> str:
+def _tiers(tiers: Iterable[int]) -> str:
     from db.entities import TIER_NAMES
 
     return ", ".join(f"{t}:{TIER_NAMES[t]}" for t in tiers) or "-"
@@ -174,7 +178,7 @@ def parse_since(text: str) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-def _audit_table(entries, *, title: str) -> Table:
+def _audit_table(entries: Iterable[AuditEntry], *, title: str) -> Table:
     table = fold_table("at", "actor", "subject", "action", "change", "reason", title=title)
     for e in entries:
         change = f"{e.from_state or ''} -> {e.to_state}" if e.from_state else (e.to_state or "")
@@ -183,7 +187,7 @@ def _audit_table(entries, *, title: str) -> Table:
     return table
 
 
-def _replica_table(reps) -> Table:
+def _replica_table(reps: Iterable[ReplicaInfo]) -> Table:
     table = fold_table("tier", "part", "state", "url", "verified", "bytes", "node", right=("part", "bytes"))
     for r in reps:
         table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes),
@@ -243,7 +247,8 @@ def lineage_cmd(run: str, step: int,
     out.print(lineage_tree(run, step, edges, descendants=descendants, states=states))
 
 
-def lineage_tree(run: str, step: int, edges, *, descendants: bool, states: dict | None = None) -> Tree:
+def lineage_tree(run: str, step: int, edges: Sequence[LineageEdge], *, descendants: bool,
+                 states: Mapping[tuple[str, int], str] | None = None) -> Tree:
     """A rich tree rooted at (run, step). A run's own ``follows`` chain stays at one level (a
     100-step run is a list, not 100 indents); a relation to another run (``resumed_from``,
     ``fine_tuned_from``, ``branched_from``) opens a branch, labelled with the relation. A

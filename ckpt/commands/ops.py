@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from ckpt.client import SavedCheckpoint
+    from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure
+
+_D = TypeVar("_D")
 
 
 def register(app: typer.Typer) -> None:
@@ -22,23 +29,23 @@ def register(app: typer.Typer) -> None:
 
 # --- ckpt plan -------------------------------------------------------------------------------
 def plan_cmd(
-    params: str = typer.Option(None, "--params", help="model parameters, e.g. 70B (checkpoint = 14 bytes each)"),
-    size: str = typer.Option(None, "--size", help="checkpoint size instead of --params, e.g. 980GB"),
+    params: str | None = typer.Option(None, "--params", help="model parameters, e.g. 70B (checkpoint = 14 bytes each)"),
+    size: str | None = typer.Option(None, "--size", help="checkpoint size instead of --params, e.g. 980GB"),
     interval: str = typer.Option("30m", "--interval", help="time between checkpoints, e.g. 30m"),
     bandwidth: list[str] = typer.Option(["2GB/s"], "--bandwidth", help="write bandwidth; repeat to compare"),
     runs: bool = typer.Option(True, "--runs/--no-runs", help="also show each run's measured ΔMFU from the catalog"),
-    nodes: int = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
+    nodes: int | None = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
                               "checkpoint burst of this many nodes on one Prefect server"),
-    burst_report: Path = typer.Option(None, "--burst-report", help="server capacity from a "
+    burst_report: Path | None = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
-    mtbf: str = typer.Option(None, "--mtbf", help="mean time between failures of the whole job, e.g. 3h: "
+    mtbf: str | None = typer.Option(None, "--mtbf", help="mean time between failures of the whole job, e.g. 3h: "
                              "add the work lost per failure, the total overhead and the best interval"),
-    tier0_read: str = typer.Option(None, "--tier0-read", help="a node's NVMe read bandwidth [7GB/s]"),
-    tier1_read: str = typer.Option(None, "--tier1-read", help="the shared file system's aggregate read "
+    tier0_read: str | None = typer.Option(None, "--tier0-read", help="a node's NVMe read bandwidth [7GB/s]"),
+    tier1_read: str | None = typer.Option(None, "--tier1-read", help="the shared file system's aggregate read "
                                    "bandwidth [the --bandwidth of each row]"),
     s3_streams: int = typer.Option(16, "--s3-streams", min=1, help="parallel S3 GET connections per node"),
-    s3_stream: str = typer.Option(None, "--s3-stream", help="one S3 connection's bandwidth [90MB/s]"),
-    node_link: str = typer.Option(None, "--node-link", help="a node's network link [12.5GB/s, 100 Gb/s]"),
+    s3_stream: str | None = typer.Option(None, "--s3-stream", help="one S3 connection's bandwidth [90MB/s]"),
+    node_link: str | None = typer.Option(None, "--node-link", help="a node's network link [12.5GB/s, 100 Gb/s]"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The sizing model: checkpoint size, save time and compute lost (ΔMFU), per bandwidth,
@@ -55,9 +62,10 @@ def plan_cmd(
     if params is None and size is None and nodes is None:
         raise BadInput("give --params (e.g. 70B), --size (e.g. 980GB) or --nodes (e.g. 64)")
     secs = sizing.parse_duration(interval)
-    plans = []
-    if params is not None or size is not None:
-        volume = sizing.parse_size(size) if size else sizing.BYTES_PER_PARAM * sizing.parse_params(params)
+    plans: list[sizing.Plan] = []
+    volume = (sizing.parse_size(size) if size is not None
+              else sizing.BYTES_PER_PARAM * sizing.parse_params(params) if params is not None else None)
+    if volume is not None:
         plans = [sizing.Plan(volume, secs, sizing.parse_bandwidth(b)) for b in bandwidth]
     load = None
     if nodes is not None:
@@ -90,7 +98,7 @@ def plan_cmd(
         _print_load(load)
 
 
-def _print_load(load) -> None:
+def _print_load(load: OrchestrationLoad) -> None:
     from core.sizing import fmt_percent, fmt_seconds
 
     c = load.capacity
@@ -105,10 +113,11 @@ def _print_load(load) -> None:
                f"(a burst then takes the whole interval)")
 
 
-def _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link):
+def _recovery_model(tier0_read: str | None, tier1_read: str | None, s3_streams: int, s3_stream: str | None,
+                    node_link: str | None) -> RecoveryModel:
     from core import sizing
 
-    def bw(text, default):
+    def bw(text: str | None, default: _D) -> float | _D:
         return sizing.parse_bandwidth(text) if text is not None else default
 
     return sizing.RecoveryModel(bw(tier0_read, sizing.NVME_READ), bw(tier1_read, None),
@@ -118,7 +127,7 @@ def _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link):
 RECOVERY_TIER = 1  # a failed node is replaced: its Tier 0 is gone, the shared file system is the nearest copy
 
 
-def _recovery(p, nodes: int, model, mtbf: float | None) -> dict:
+def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> dict:
     """One plan's recovery figures as plain values (the JSON and the printed tables)."""
     from core import sizing
 
@@ -172,7 +181,7 @@ def _print_recovery(recovery: list[dict]) -> None:
                   "(√(2·T_save·MTBF) - T_save: ΔMFU counts the save apart)", highlight=False, soft_wrap=True)
 
 
-def _measured_runs():
+def _measured_runs() -> list[RunFigure]:
     """Each run's figure from the catalog; an unreachable catalog gives none (with a note)."""
     from core import sizing
     from core.settings import load_settings
@@ -193,7 +202,7 @@ def _measured_runs():
     return [f for run, saves in sorted(by_run.items()) if (f := sizing.measured(run, saves))]
 
 
-def _print_plan(plans, figures) -> None:
+def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -271,7 +280,7 @@ def watch_cmd(
     settings = load_settings()
     safe_run_name(run)
 
-    def show(saved) -> None:
+    def show(saved: SavedCheckpoint) -> None:
         typer.echo(f"committed {saved.run} step {saved.step} ({saved.manifest.kind}) -> {saved.path}")
 
     n = watch(directory, run, settings, marker=marker, interval=interval, once=once, part=part, parts=parts,

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
 
 def register(app: typer.Typer) -> None:
@@ -113,8 +116,10 @@ def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wa
     from deployments.names import promote_deployment
 
     name = promote_deployment(node)
-    fr = run_deployment(name, parameters={"run": run, "step": step, "part": part, "parts": parts, "node": node},
-                        timeout=None if wait else 0, as_subflow=False)
+    # sync_compatible: called outside an event loop it returns the FlowRun, not a coroutine
+    fr = cast("FlowRun", run_deployment(name, parameters={"run": run, "step": step, "part": part, "parts": parts,
+                                                          "node": node},
+                                        timeout=None if wait else 0, as_subflow=False))
     typer.echo(f"flow run {fr.name} ({fr.id}) of {name}: {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state is not None and not fr.state.is_completed():
         raise CkptError(f"promotion {fr.name} ended {fr.state.name}: {fr.state.message or ''}".strip())

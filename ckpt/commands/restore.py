@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from db.entities import DrillResult
 
 
 def register(app: typer.Typer) -> None:
@@ -157,7 +161,7 @@ def drills_cmd(
     _print_drills(results)
 
 
-def _print_drills(results) -> None:
+def _print_drills(results: list[DrillResult]) -> None:
     from rich.console import Console
 
     from ckpt.tables import table as fold_table

@@ -16,10 +16,15 @@ from __future__ import annotations
 import errno
 import json
 import os
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from core.errors import BadInput
 from core.layout import checkpoint_dirname, staging_name
+
+if TYPE_CHECKING:
+    from ckpt.client import CheckpointStager, SavedCheckpoint
 
 
 def origin_of(resumed_from: tuple[str, int] | str | os.PathLike | None) -> tuple[str, int] | None:
@@ -39,7 +44,7 @@ def origin_of(resumed_from: tuple[str, int] | str | os.PathLike | None) -> tuple
     return str(data["run"]), int(data["step"])
 
 
-def staging_dir(stager, step: int) -> Path:
+def staging_dir(stager: CheckpointStager, step: int) -> Path:
     """A fresh hidden folder on Tier 0, beside where ``step`` will be committed: what is written
     there is adopted by one rename (``stager.save(step, folder)``)."""
     parent = stager.checkpoint_dir(step).parent
@@ -76,18 +81,18 @@ class BackgroundCommits:
     never for the CRC32C pass over the bytes, the manifest or the announcement. A failed
     commit is logged at once and raised by the next ``submit`` or by ``wait``/``close``."""
 
-    def __init__(self, stager) -> None:
+    def __init__(self, stager: CheckpointStager) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.stager = stager
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
-        self._pending: list = []
+        self._pending: list[Future[SavedCheckpoint]] = []
 
-    def submit(self, step: int, folder: Path, **save_kw):
+    def submit(self, step: int, folder: Path, **save_kw: Any) -> Future[SavedCheckpoint]:
         """``stager.save(step, folder, **save_kw)`` on the commit thread; returns its Future
         (result: the ``SavedCheckpoint``)."""
         self.raise_error()
-        fut = self._pool.submit(self.stager.save, step, folder, **save_kw)
+        fut = self._pool.submit(lambda: self.stager.save(step, folder, **save_kw))
         fut.add_done_callback(_log_failure)
         self._pending.append(fut)
         return fut
@@ -96,8 +101,8 @@ class BackgroundCommits:
         done = [f for f in self._pending if f.done()]
         self._pending = [f for f in self._pending if not f.done()]
         for f in done:
-            if f.exception() is not None:
-                raise f.exception()
+            if (exc := f.exception()) is not None:
+                raise exc
 
     def wait(self, timeout: float | None = None) -> None:
         from concurrent.futures import wait
@@ -115,7 +120,7 @@ class BackgroundCommits:
             self.stager.close()
 
 
-def _log_failure(fut) -> None:
+def _log_failure(fut: Future[Any]) -> None:
     import logging
 
     if not fut.cancelled() and fut.exception() is not None:

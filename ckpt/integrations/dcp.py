@@ -34,10 +34,13 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpt.integrations import staging_dir
 from core.errors import StorageFull
+
+if TYPE_CHECKING:
+    from ckpt.client import CheckpointStager
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ def _commit_pool() -> ThreadPoolExecutor:
         return _pool["commit"]
 
 
-def async_save_and_commit(state_dict: dict[str, Any], stager, step: int, *,
+def async_save_and_commit(state_dict: dict[str, Any], stager: CheckpointStager, step: int, *,
                           metrics: Mapping[str, float] | None = None, milestone: bool = False,
                           epoch_end: bool = False, staging: str | Path | None = None, commit: bool = True,
                           **dcp_kwargs: Any) -> Future:
@@ -81,7 +84,8 @@ def async_save_and_commit(state_dict: dict[str, Any], stager, step: int, *,
     folder = Path(staging) if staging is not None else staging_dir(stager, step)
     dcp_kwargs.setdefault("no_dist", not (dist.is_available() and dist.is_initialized()))
     response = dcp.async_save(state_dict, checkpoint_id=str(folder), **dcp_kwargs)
-    written: Future = getattr(response, "upload_completion", response)  # AsyncSaveResponse or Future
+    # AsyncSaveResponse (its upload_completion) or the Future itself
+    written = cast("Future[Any]", getattr(response, "upload_completion", response))
     stall = time.perf_counter() - t0
     out.stall_seconds = stall  # type: ignore[attr-defined]
 

@@ -41,11 +41,16 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
 from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, same_filesystem, staging_dir
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState
+
+    from ckpt.client import CheckpointStager
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +135,7 @@ class TieringCallback(TrainerCallback):
             self.commits.close()
             self.commits = None
 
-    def _ensure_room(self, state, control, hooks: dict[str, Any]) -> None:
+    def _ensure_room(self, state: TrainerState, control: TrainerControl, hooks: dict[str, Any]) -> None:
         """Before the Trainer writes a checkpoint (``control.should_save``, set by the Trainer's
         own flow callback, which runs first): room on Tier 0 for the model's and optimizer's
         state, or ``StorageFull`` out of ``trainer.train()``, the way the Trainer reports a
@@ -146,7 +151,7 @@ class TieringCallback(TrainerCallback):
                        "optimizer": optimizer.state_dict().get("state", {}) if optimizer is not None else {}}
         self.commits.stager.ensure_room(int(state.global_step), state_needed(saved_state))
 
-    def _make_stager(self):
+    def _make_stager(self) -> CheckpointStager:
         from ckpt.client import CheckpointStager
 
         return CheckpointStager(self.run, resumed_from=self.origin, **self.stager_options)
@@ -170,7 +175,7 @@ def resume_from(run: str, **resume_options: Any) -> str | None:
     return None if point is None else point.path
 
 
-def _metrics(state, step: int) -> dict[str, float]:
+def _metrics(state: TrainerState, step: int) -> dict[str, float]:
     """The numbers the Trainer logged at ``step`` (loss, learning rate, eval metrics)."""
     out: dict[str, float] = {}
     for entry in state.log_history:

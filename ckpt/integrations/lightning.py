@@ -64,7 +64,7 @@ class TieringCheckpointIO(TorchCheckpointIO):
         self.stalls: dict[int, float] = {}  # step -> seconds the save kept training waiting
         self._committed: set[int] = set()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         """Lightning's write, then the commit; before the write, Tier 0 must have room for the
         checkpoint (``CheckpointStager.ensure_room``): ``StorageFull`` otherwise, raised out of
         the save as Lightning raises a failed write, with nothing written."""
