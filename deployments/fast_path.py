@@ -64,6 +64,68 @@ def claim_message(node: str) -> str:
     return f"started at once by the fast path of the agent on {node}"
 
 
+# What a warm process imports (run_warm, warm_up): the agent imports them too before it forks the
+# server its warm processes are forked from, so one copy of these pages serves all three.
+WARM_IMPORTS = ("prefect.client.schemas.objects", "prefect.context", "prefect.flow_engine", "prefect.settings",
+                "flows.common", "flows.promote", "fastapi.encoders", "tasks.hop", "tasks.prune", "tasks.record",
+                "tasks.register", "tasks.retention", "tasks.verify")
+_fork_server: dict[str, int] = {}
+
+
+def start_fork_server() -> bool:
+    """Start multiprocessing's fork server as a fork of this process (not a fresh interpreter),
+    after importing what a warm process needs: each warm process is then forked from it and
+    shares those pages copy-on-write with the agent and the server, instead of importing
+    Prefect, SQLAlchemy and the flow again (~120 MB each). Only a process with one thread may
+    fork (a lock held by another thread would stay held in the child forever): with more, or
+    when multiprocessing's fork server is already running, nothing is started and False says
+    the warm processes are spawned as before. Call it before anything starts a thread."""
+    import gc
+    import importlib
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    if threading.active_count() > 1 or server._forkserver_pid is not None:
+        return False
+    for module in WARM_IMPORTS:
+        importlib.import_module(module)
+    resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server exits when the agent (the write end) is gone
+        gc.freeze()  # no collector (ours, the children's) writes to the shared objects' pages again
+        pid = os.fork()
+        if pid == 0:  # the server: serves fork requests until the agent exits, never returns
+            code = 0
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:
+                pass
+            except BaseException:  # reported; the server is gone and ensure_running starts a spawned one
+                code = 1
+                log.exception("fast path: fork server failed")
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _fork_server["pid"] = pid
+    log.info("fast path: warm processes fork from pid %s", pid)
+    return True
+
+
+def process_context() -> Any:
+    """Forks of the agent's fork server when it runs (``start_fork_server``), else spawned."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    running = _fork_server.get("pid") is not None and server._forkserver_pid == _fork_server["pid"]
+    return multiprocessing.get_context("forkserver" if running else "spawn")
+
+
 def run_warm(conn: Any, env: dict[str, str]) -> None:
     """The warm process: import what a promote run needs and build Prefect's settings, say
     ready, run the one flow run it is then given (a ``FlowRun`` as JSON over ``conn``; None: stop), exit.
@@ -154,7 +216,7 @@ class FastPath:
         from prefect.settings import get_current_settings
 
         self.node = node
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = process_context()
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
         self._lock = threading.Lock()
         self._spare: WarmProcess | None = None
