@@ -9,6 +9,16 @@ difference to the row above), ``--rounds`` times; medians and the smallest of th
 last row is the warm process as the agent's fast path keeps it (``deployments.fast_path``:
 the promote flow and its step tasks imported, ``warm_up`` run against a SQLite catalog).
 
+Then the group as an agent runs it, measured from outside (``/proc/PID/smaps_rollup`` and
+``/proc/PID/pagemap``), ``--rounds`` times: the agent with a spawned warm process (the baseline:
+two interpreters, each with its own copy of every import) and the agent with its fork server and
+a warm process forked from it (``deployments.fast_path.start_fork_server``). Two RSS figures
+added would count the shared pages twice; the honest figure of what the group costs the node is
+its distinct page frames (every resident page counted once, shared libraries in full even where
+other processes map them too; needs root to read the frame numbers), and the sum of PSS beside
+it (each shared page divided among all its mappers, so slightly low where libraries are shared
+with other programs). The goal is judged on distinct frames where readable, else on PSS.
+
     .venv/bin/python benchmarks/agent_memory.py [--rounds 3]
     .venv/bin/python benchmarks/agent_memory.py --smoke    # one round, no per-layer rows
 """

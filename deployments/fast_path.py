@@ -9,7 +9,10 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 1. subscribes (Prefect's events websocket, ``get_events_subscriber``) to the
    ``prefect.flow-run.Scheduled`` events of its node's promote deployment: the run that the
    deployment trigger (or ``ckpt promote``) has just created;
-2. keeps one *warm* process: spawned ahead of time, Prefect and the flow imported, waiting;
+2. keeps one *warm* process: started ahead of time, Prefect and the flow imported, waiting. It
+   is forked from a fork server the agent forked from itself once its imports were done
+   (``start_fork_server``), so the imported pages are shared copy-on-write by the three
+   processes instead of each interpreter importing its own copy; spawned where that cannot be;
 3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
    (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
    never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
@@ -89,6 +92,9 @@ def start_fork_server() -> bool:
         return False
     for module in WARM_IMPORTS:
         importlib.import_module(module)
+    from db.catalog import preload
+
+    preload()  # no connection is opened before the fork: each process opens its own
     resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
