@@ -1,7 +1,8 @@
 """The agent's warm processes are forked from a fork server the agent forks from itself after
 its imports (deployments.fast_path.start_fork_server): the warm process is ready, is a child of
 that server, shares its pages, runs what it is given, and a killed one reports its signal as
-before. A process with a second thread never forks (it falls back to spawning).
+before; a dead server is replaced (spawned) and warm processes keep coming. A process with a
+second thread never forks (it falls back to spawning).
 
 Each case is its own interpreter (the fork server is once per process, and pytest's has threads).
 """
@@ -54,6 +55,15 @@ else:
     killed.process.terminate()
     killed.process.join(60)
     out["killed_code"] = killed.process.exitcode
+    server = _fork_server["pid"]
+    os.kill(server, 9)  # the server gone: multiprocessing starts a spawned one, warm processes still come
+    while open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    again = WarmProcess(process_context(), dict(os.environ))
+    ready(again)
+    out["after_server_died"] = ppid(again.process.pid) != server
+    again.stop()
+    out["after_server_died_code"] = again.process.exitcode
 print(json.dumps(out))
 """
 
@@ -78,6 +88,7 @@ def test_warm_process_is_forked_from_the_agent_and_shares_its_pages(tmp_path):
     assert out["warm_private_kib"] < out["warm_rss_kib"] / 2, out
     assert out["stopped_code"] == 0  # told to stop, it exits cleanly
     assert out["killed_code"] == -15  # the supervisor still sees how a killed flow process ended
+    assert out["after_server_died"] and out["after_server_died_code"] == 0
 
 
 def test_a_process_with_threads_does_not_fork(tmp_path):
