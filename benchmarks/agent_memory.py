@@ -18,6 +18,8 @@ its distinct page frames (every resident page counted once, shared libraries in 
 other processes map them too; needs root to read the frame numbers), and the sum of PSS beside
 it (each shared page divided among all its mappers, so slightly low where libraries are shared
 with other programs). The goal is judged on distinct frames where readable, else on PSS.
+Each promote run takes a new warm process: the wall and CPU seconds until one is ready (imports,
+``warm_up``) are printed for both, the CPU being what every promoted part pays outside its bytes.
 
     .venv/bin/python benchmarks/agent_memory.py [--rounds 3]
     .venv/bin/python benchmarks/agent_memory.py --smoke    # one round, no per-layer rows
@@ -72,12 +74,16 @@ for m in json.loads(sys.argv[1]):
 from deployments.fast_path import WarmProcess, process_context, start_fork_server, _fork_server
 if sys.argv[2] == "forked":
     assert start_fork_server()
+t0 = time.monotonic()
 warm = WarmProcess(process_context(), dict(os.environ))
-deadline = time.monotonic() + 300
+deadline = t0 + 300
 while not warm.ready():
     assert time.monotonic() < deadline and warm.process.is_alive(), "warm process not ready"
-    time.sleep(0.05)
-print(json.dumps([os.getpid()] + ([_fork_server["pid"]] if sys.argv[2] == "forked" else []) + [warm.process.pid]),
+    time.sleep(0.01)
+wall = time.monotonic() - t0
+ticks = sum(int(x) for x in open(f"/proc/{warm.process.pid}/stat").read().rsplit(")", 1)[1].split()[11:13])
+print(json.dumps({"pids": [os.getpid()] + ([_fork_server["pid"]] if sys.argv[2] == "forked" else []) +
+                  [warm.process.pid], "ready_s": wall, "ready_cpu_s": ticks / os.sysconf("SC_CLK_TCK")}),
       flush=True)
 sys.stdin.readline()
 warm.stop()
@@ -117,14 +123,16 @@ def group_memory(mode: str, mods: list[str], env: dict[str, str]) -> dict:
     proc = subprocess.Popen([sys.executable, "-c", GROUP_PROBE, json.dumps(mods), mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        pids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        got = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        pids = got["pids"]
         pss = sum(_kib(pid, "Pss:") for pid in pids) * 1024
         uss = [(_kib(pid, "Private_Clean:") + _kib(pid, "Private_Dirty:")) * 1024 for pid in pids]
         sets = [frames(pid) for pid in pids]
         distinct = len(set().union(*sets)) * 4096 if all(f is not None for f in sets) else None  # type: ignore[misc]
     finally:
         proc.communicate("\n", timeout=60)
-    return {"processes": len(pids), "pss": pss, "uss": uss, "distinct": distinct}
+    return {"processes": len(pids), "pss": pss, "uss": uss, "distinct": distinct, "ready_s": got["ready_s"],
+            "ready_cpu_s": got["ready_cpu_s"]}
 
 
 def main() -> None:
@@ -173,6 +181,14 @@ def main() -> None:
         uss = " + ".join(f"{statistics.median(g['uss'][i] for g in got) / 1e6:.1f}" for i in range(n))
         shown = f"{statistics.median(dist):9.1f}" if dist else f"{'-':>9}"
         print(f"{f'{label} ({n} processes)':46} {statistics.median(pss):10.1f} {min(pss):8.1f} {shown}   {uss}")
+    print(f"\nstarting the warm process each promote run uses (one per run), {args.rounds} rounds: wall seconds until "
+          f"ready, CPU seconds of the warm process until ready")
+    print(f"{'warm process':46} {'wall med':>10} {'wall min':>8} {'CPU med':>9} {'CPU min':>8}")
+    for mode, label in labels.items():
+        wall = [g["ready_s"] for g in groups[mode]]
+        cpu = [g["ready_cpu_s"] for g in groups[mode]]
+        print(f"{label:46} {statistics.median(wall):10.3f} {min(wall):8.3f} {statistics.median(cpu):9.2f} "
+              f"{min(cpu):8.2f}")
     print(load_line(load0))
     torch_free = all("torch" not in h and "numpy" not in h for _, _, h in rows)
     forked = groups["forked"]
