@@ -108,6 +108,7 @@ def start_fork_server() -> bool:
             code = 0
             try:
                 os.close(alive_w)
+                _fresh_signal_handlers()  # the warm processes handle signals as spawned ones did
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:
                 pass
@@ -121,6 +122,16 @@ def start_fork_server() -> bool:
     _fork_server["pid"] = pid
     log.info("fast path: warm processes fork from pid %s", pid)
     return True
+
+
+def _fresh_signal_handlers() -> None:
+    """The handlers of a fresh interpreter: whatever the agent installed before it forked (its
+    command line's handlers) must not run in the fork server or in a flow process."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def process_context() -> Any:

@@ -38,6 +38,8 @@ if sys.argv[1] == "threaded":
     out["context"] = process_context().get_start_method()
     stop.set()
 else:
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the agent's own handler: not its flow processes'
     out["started"] = start_fork_server()
     out["again"] = start_fork_server()
     out["context"] = process_context().get_start_method()
