@@ -110,7 +110,7 @@ def report(phases: list[Phase]) -> str:
         ("task runs/s sustained", lambda p: f"{p.rate(p.task_runs):.1f} ({p.task_runs})"),
         ("CPU s per part outside the byte copy", lambda p: f"{p.cpu_outside_copy_per_part_s:.2f}"),
         ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
-        ("RSS per agent / peak all agents", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
+        ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
     ]
     width = 42
     lines = [f"{'':{width}}" + "".join(f"{p.server:>26}" for p in phases)]
@@ -142,11 +142,19 @@ def proc_cpu(pid: int) -> float:
 
 
 def proc_rss(pid: int) -> float:
-    """Resident bytes of ``pid`` and its live children."""
+    """Memory of ``pid`` and its live children (the agent's fork server and the warm process
+    forked from it, its flow runs): the sum of their PSS, each page they share divided among
+    the processes mapping it (RSS added up would count the agent's pages three times: the fork
+    server and the warm process share them copy-on-write); VmRSS where smaps_rollup is missing."""
     total = 0.0
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        try:
+            lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            key = "Pss:"
+        except OSError:
+            lines, key = Path(f"/proc/{pid}/status").read_text().splitlines(), "VmRSS:"
+        for line in lines:
+            if line.startswith(key):
                 total += int(line.split()[1]) * 1024
         for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
             total += proc_rss(int(child))

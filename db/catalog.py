@@ -815,6 +815,12 @@ def _head() -> str:
     return head_revision()
 
 
+def preload() -> None:
+    """Read Alembic's migration scripts now (what the first schema check of a process reads):
+    a process that forks workers afterwards shares these pages with them."""
+    _head()
+
+
 # A schema at head once is at head for a while: every pipeline step opens a Catalog, and each
 # check costs a transaction and Alembic's reading of the version table. Rechecked after
 # SCHEMA_RECHECK_S, so a long-lived worker still refuses a catalog that a newer ckpt migrated

@@ -163,9 +163,11 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from deployments.fast_path import fast_path
+    from deployments.fast_path import fast_path, start_fork_server
 
     os.environ.update(agent_environment(settings))
+    if settings.fast_path:
+        start_fork_server()  # before any thread: warm processes share the agent's imported pages
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:

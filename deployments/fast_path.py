@@ -9,7 +9,10 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 1. subscribes (Prefect's events websocket, ``get_events_subscriber``) to the
    ``prefect.flow-run.Scheduled`` events of its node's promote deployment: the run that the
    deployment trigger (or ``ckpt promote``) has just created;
-2. keeps one *warm* process: spawned ahead of time, Prefect and the flow imported, waiting;
+2. keeps one *warm* process: started ahead of time, Prefect and the flow imported, waiting. It
+   is forked from a fork server the agent forked from itself once its imports were done
+   (``start_fork_server``), so the imported pages are shared copy-on-write by the three
+   processes instead of each interpreter importing its own copy; spawned where that cannot be;
 3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
    (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
    never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
@@ -62,6 +65,82 @@ SPARE_WAIT_SECONDS = 60.0  # longer, and the runner's poll has started the run i
 def claim_message(node: str) -> str:
     """The message of the ``Pending`` state by which the fast path takes a run (UI, tests)."""
     return f"started at once by the fast path of the agent on {node}"
+
+
+# What a warm process imports (run_warm, warm_up): the agent imports them too before it forks the
+# server its warm processes are forked from, so one copy of these pages serves all three.
+WARM_IMPORTS = ("prefect.client.schemas.objects", "prefect.context", "prefect.flow_engine", "prefect.settings",
+                "flows.common", "flows.promote", "fastapi.encoders", "tasks.hop", "tasks.prune", "tasks.record",
+                "tasks.register", "tasks.retention", "tasks.verify")
+_fork_server: dict[str, int] = {}
+
+
+def start_fork_server() -> bool:
+    """Start multiprocessing's fork server as a fork of this process (not a fresh interpreter),
+    after importing what a warm process needs: each warm process is then forked from it and
+    shares those pages copy-on-write with the agent and the server, instead of importing
+    Prefect, SQLAlchemy and the flow again (~120 MB each). Only a process with one thread may
+    fork (a lock held by another thread would stay held in the child forever): with more, or
+    when multiprocessing's fork server is already running, nothing is started and False says
+    the warm processes are spawned as before. Call it before anything starts a thread."""
+    import gc
+    import importlib
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    if threading.active_count() > 1 or server._forkserver_pid is not None:
+        return False
+    for module in WARM_IMPORTS:
+        importlib.import_module(module)
+    from db.catalog import preload
+
+    preload()  # no connection is opened before the fork: each process opens its own
+    resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server exits when the agent (the write end) is gone
+        gc.freeze()  # no collector (ours, the children's) writes to the shared objects' pages again
+        pid = os.fork()
+        if pid == 0:  # the server: serves fork requests until the agent exits, never returns
+            code = 0
+            try:
+                os.close(alive_w)
+                _fresh_signal_handlers()  # the warm processes handle signals as spawned ones did
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:
+                pass
+            except BaseException:  # reported; the server is gone and ensure_running starts a spawned one
+                code = 1
+                log.exception("fast path: fork server failed")
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _fork_server["pid"] = pid
+    log.info("fast path: warm processes fork from pid %s", pid)
+    return True
+
+
+def _fresh_signal_handlers() -> None:
+    """The handlers of a fresh interpreter: whatever the agent installed before it forked (its
+    command line's handlers) must not run in the fork server or in a flow process."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def process_context() -> Any:
+    """Forks of the agent's fork server when it runs (``start_fork_server``), else spawned."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    running = _fork_server.get("pid") is not None and server._forkserver_pid == _fork_server["pid"]
+    return multiprocessing.get_context("forkserver" if running else "spawn")
 
 
 def run_warm(conn: Any, env: dict[str, str]) -> None:
@@ -154,7 +233,7 @@ class FastPath:
         from prefect.settings import get_current_settings
 
         self.node = node
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = process_context()
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
         self._lock = threading.Lock()
         self._spare: WarmProcess | None = None

@@ -172,6 +172,10 @@ def test_agent_memory():
     assert re.search(r"bare interpreter \(baseline\) +\d+\.\d", out), out
     assert re.search(r"warm flow-run process \(after warm_up\) +\d+\.\d", out), out
     assert re.search(r"goal: agent \+ its warm process <= 150 MB -> \d+ \+ \d+ = \d+ MB", out), out
+    assert re.search(r"spawned warm process \(baseline\) \(2 processes\) +\d+\.\d", out), out
+    assert re.search(r"warm process forked from the agent \(3 processes\) +\d+\.\d", out), out
+    assert re.search(r"forked, the group holds \d+ MB \((distinct frames|PSS);", out), out
+    assert re.search(r"warm process forked from the agent +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d\d", out), out
     assert "torch/numpy not imported: yes" in out, out  # an agent never needs them
 
 
