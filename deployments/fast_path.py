@@ -87,7 +87,7 @@ def start_fork_server() -> bool:
     import importlib
     from multiprocessing import connection, forkserver, resource_tracker
 
-    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver  # a private singleton: typeshed does not declare it
     if threading.active_count() > 1 or server._forkserver_pid is not None:
         return False
     for module in WARM_IMPORTS:
@@ -138,7 +138,7 @@ def process_context() -> Any:
     """Forks of the agent's fork server when it runs (``start_fork_server``), else spawned."""
     from multiprocessing import forkserver
 
-    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = forkserver._forkserver  # a private singleton: typeshed does not declare it
     running = _fork_server.get("pid") is not None and server._forkserver_pid == _fork_server["pid"]
     return multiprocessing.get_context("forkserver" if running else "spawn")
 
