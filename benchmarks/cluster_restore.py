@@ -4,16 +4,21 @@ path (every node restores the whole checkpoint) and plain tools, in the same run
 One checkpoint of N parts (HF safetensors, two shards per part, the index with part 0) is
 promoted to every tier (Tier 0 on each simulated node, Tier 1 a local folder, Tier 2 moto's S3
 server behind ``benchmarks/s3_shaper.py``: per-connection bandwidth and first-byte latency as
-S3 has them). Then, per round and in rotated order, N processes started together (each waits
-at a common start, so interpreter start-up is not timed; a contender's time is the common
-start to the last node done):
+S3 has them). N node processes are started once; per round and in rotated order, each
+contender runs one job on every node, started together (each node prepares first: its
+imports, catalog and S3 clients, as a running trainer has them, and the boto3 baseline its
+client, so start-up is not timed; a contender's time is the common start to the last node
+done):
 - resume, Tier 0 intact: each node's own copy read in place (no bytes moved);
 - resume, Tier 1 in place: a cold node (empty Tier 0), Tier 1 mounted here;
 - N x cp of the part files from Tier 1 (the baseline of the two above);
 - resume, Tier 2 through the proxy: a cold node without Tier 1, fetched into a scratch folder;
 - boto3 download_file of each node's objects through the same proxy (the Tier 2 baseline);
 - today: each node restores the whole checkpoint from Tier 2 through the proxy.
-Every resume loads its part with safetensors and checks it against the manifest. The bound is
+Every resume loads its part with safetensors and checks it against the manifest; the Tier 2
+resume's "fetch only" row is the same run timed to the end of the fetch (each file checked,
+published), as the boto3 baseline is timed. The Tier 2-only nodes read Tier 2 alone (their
+Tier 0 and Tier 1 narrowed away after the settings are loaded). The bound is
 the bytes of the checkpoint over Tier 2's measured bandwidth: every object read raw through the
 proxy, ``copy_parallelism`` streams per node (``tasks.drill.tier_read_seconds``). It prints
 the bytes read per tier, the S3 GETs per object during the Tier 2 resume, and last:
