@@ -364,6 +364,9 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                     times[fetch_only].append(got.fetched())
     shutil.rmtree(dest, ignore_errors=True)
     bound = bound_fn()
+    with Catalog(shaped.catalog_url) as cat:  # a resume that reads a copy marks it bad only when it is
+        marked = [f"tier {r.tier} part {r.part}: {r.state}" for r in cat.replicas(cat.get_checkpoint(RUN, STEP).id)
+                  if r.state != "verified"]
 
     t01 = {k: times[k] for k in names[:3]}
     table(f"{n} nodes resume at once from Tier 0 / Tier 1", t01, names[2], nbytes=nbytes)
@@ -387,6 +390,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     if per_object:
         print(f"S3 GETs per object during the Tier 2 resume: {len(per_object)} objects, min {per_object[0]}, "
               f"max {per_object[-1]}, total {sum(per_object)}")
+    print(f"copies the catalog no longer holds verified after the run: {len(marked)} ({', '.join(marked) or 'none'})")
     rto = statistics.median(times[names[3]])
     whole = statistics.median(times[names[5]])
     boto = statistics.median(times[names[4]])
