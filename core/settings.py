@@ -95,9 +95,9 @@ class Settings(BaseSettings):
     s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
                                         description="a multipart upload's part size (raised past 10,000 parts)")
     s3_max_concurrency: int = Field(default=8, ge=1, le=64, description="S3 requests in flight per file")
-    s3_range_bytes: int = Field(default=16 * 1024 * 1024, ge=4096,
+    s3_range_bytes: int = Field(default=8 * 1024 * 1024, ge=4096,
                                 description="one ranged GET of a Tier 2 fetch (AWS's guidance: 8-16 MiB)")
-    s3_ranged_threshold: int = Field(default=32 * 1024 * 1024, ge=4096,
+    s3_ranged_threshold: int = Field(default=16 * 1024 * 1024, ge=4096,
                                      description="objects this large or larger are fetched as parallel ranged GETs")
     task_retries: int = Field(default=4, ge=0, le=20, description="retries of a pipeline task on transient errors")
     task_retry_delay_seconds: float = Field(default=2.0, ge=0, description="first retry delay; doubles, with jitter")

@@ -186,5 +186,8 @@ def test_cluster_restore(s3_endpoint):
     assert_rows(out, "boto3 download_file per node (proxy)", ["resume: Tier 2 via proxy (fetched)",
                                                               "today: whole checkpoint per node (T2)"])
     assert "moved 0.0 MiB" in out and "S3 GETs per object during the Tier 2 resume" in out
+    assert "same resume, fetch only (no load)" in out
+    # every copy is good: no node may mark one bad because it reads another tier than it has
+    assert "copies the catalog no longer holds verified after the run: 0 (none)" in out, out[-1500:]
     assert re.fullmatch(r"cluster restore: 2 nodes, tier 2 RTO \d+\.\d\d s, bound \d+\.\d\d s \(x\d+\.\d\d\), "
                         r"whole-checkpoint-per-node \d+\.\d\d s", out.strip().splitlines()[-1]), out[-500:]

@@ -143,8 +143,8 @@ class S3Store(ObjectLockMixin, TierStore):
         buffer_bytes: int = crc.DEFAULT_BUFFER_BYTES,
         lock_days: float | None = None,
         lock_mode: str = "governance",
-        range_bytes: int = 16 * 1024 * 1024,
-        ranged_threshold: int = 32 * 1024 * 1024,
+        range_bytes: int = 8 * 1024 * 1024,
+        ranged_threshold: int = 16 * 1024 * 1024,
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
     ) -> None:
         if lock_mode not in LOCK_MODES:
