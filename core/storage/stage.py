@@ -72,20 +72,9 @@ class RestoreStage(LocalStore):
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> ObjectInfo:
         """Stream ``reader`` into ``key``, checksummed as it goes; kept only on a match."""
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            got = checksum.hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
-            _check(key, got, size, checksum_hex)
-        except BaseException:
-            target.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        self.sync_soon(target)
-        return ObjectInfo(key=key, size=size, checksum=checksum_hex)
-
+        return self.put_written(
+            key, lambda fd: checksum.hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk)),
+            size, checksum_hex)
 
     def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int,
                     checksum_hex: str) -> ObjectInfo:
