@@ -185,7 +185,7 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
     runner (status READY): then its triggers and schedules are live."""
     import httpx
 
-    from core.events import auth_headers
+    from tasks.prefect_events import auth_headers
 
     headers = auth_headers(auth_string)
 

@@ -12,11 +12,12 @@ from prefect import flow
 
 from core import events
 from core.errors import BadEvent
-from core.events import announcing, emit
+from core.events import announcing
 from core.policy import is_milestone
 from core.settings import Settings, load_settings
 from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
 from tasks.base import open_catalog
+from tasks.prefect_events import emit
 from tasks.register import checkpoint_args, reject_event
 
 

@@ -43,7 +43,7 @@ from typing import Any
 from prefect import flow
 
 from core.errors import BadInput, CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
-from core.events import announcing, emit
+from core.events import announcing
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings, load_settings
 from core.storage.base import TierStore
@@ -68,6 +68,7 @@ from flows.common import Steps, artifact_batch, artifact_key, current_actor, pub
 from flows.promote import PromoteResult, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier
+from tasks.prefect_events import emit
 from tasks.record import claim_followups
 from tasks.retention import FAILED, PRUNED, REFUSED, apply_retention, finish_retirements as _finish_retirements
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
-from core.events import auth_headers
+from tasks.prefect_events import auth_headers
 from deployments import names
 
 
