@@ -91,7 +91,8 @@ def main() -> None:
 
 def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tuple[Times, dict]:
     from ckpt.client import CheckpointStager
-    from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
+    from ckpt.local_stack import stack_env, start_agent, wait_deployments
+    from ckpt.processes import stop_process
     from core import events
     from core.settings import load_settings
     from db.catalog import Catalog, upgrade
