@@ -26,9 +26,8 @@ from core import events
 from core.errors import BadEvent
 from core.events import announcing
 from core.settings import Settings, load_settings
-from flows.archive import archive
+from flows.archive import ArchiveResult, archive
 from flows.common import (
-    ArchiveResult,
     Steps,
     artifact_batch,
     artifact_key,
