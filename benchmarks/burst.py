@@ -246,7 +246,8 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
     import numpy as np
 
     from ckpt.client import CheckpointStager
-    from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
+    from ckpt.local_stack import stack_env, start_agent, wait_deployments
+    from ckpt.processes import stop_process
     from ckpt.production_stack import create_database, drop_database, pg_url
     from core import events
     from core.settings import Settings
@@ -416,7 +417,8 @@ def main() -> int:
     import tempfile
 
     from benchmarks.common import s3_bucket
-    from ckpt.local_stack import start_prefect_server, stop_process
+    from ckpt.local_stack import start_prefect_server
+    from ckpt.processes import stop_process
     from ckpt.production_stack import ProductionStack
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))

@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 
 from benchmarks.common import Times, bench_parser, parse, prefect_api, table
-from core.events import auth_headers
+from tasks.prefect_events import auth_headers, emit
 
 SMOKE = {"gap": 0.0, "mb": 4}
 PATHS = {"trigger": "trigger", "subscribe": "fast path"}  # trigger: the runner's poll picks the run up
@@ -91,7 +91,8 @@ def main() -> None:
 
 def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tuple[Times, dict]:
     from ckpt.client import CheckpointStager
-    from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
+    from ckpt.local_stack import stack_env, start_agent, wait_deployments
+    from ckpt.processes import stop_process
     from core import events
     from core.settings import load_settings
     from db.catalog import Catalog, upgrade
@@ -139,7 +140,7 @@ def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tupl
 def measure(api: str, cat, events, run: str, step: int, node: str, times: Times, stages: dict, label: str) -> None:
     """Emit one completed event and record when each stage of its promotion happened."""
     t0 = time.time()
-    assert events.emit(events.COMPLETED, run, step, node=node, api_url=api)
+    assert emit(events.COMPLETED, run, step, node=node, api_url=api)
     name = f"promote/{run}/step-{step}"
     done = wait(lambda: [r for r in _body(httpx.post(f"{api}/flow_runs/filter", json={
         "flow_runs": {"name": {"any_": [name]}}}, headers=auth_headers())) or () if r["end_time"]])[0]

@@ -187,7 +187,7 @@ def flow_phases(flow_run_id, t0: float, t_end: float) -> dict[str, float]:
     import httpx
     from prefect.settings import PREFECT_API_URL
 
-    from core.events import auth_headers
+    from tasks.prefect_events import auth_headers
 
     api = PREFECT_API_URL.value()
     states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": str(flow_run_id)}, timeout=30,

@@ -17,6 +17,7 @@ from core import events
 from core.errors import EventTooLarge
 from core.manifest import Manifest
 from core.settings import Settings
+from tasks import prefect_events
 
 if TYPE_CHECKING:
     from core.space import Reading
@@ -128,7 +129,7 @@ class Announcer:
     def _emit_tier_low(self, reading: Reading, run: str, step: int, part: int, parts: int, node: str) -> None:
         url = prefect_api_url(self.settings)
         if url:
-            events.emit_tier_low(reading, run, step, part=part, parts=parts, node=node, api_url=url,
+            prefect_events.emit_tier_low(reading, run, step, part=part, parts=parts, node=node, api_url=url,
                                  retries=EMIT_RETRIES, backoff=EMIT_BACKOFF_SECONDS)
 
     def close(self, timeout: float) -> None:
@@ -150,7 +151,7 @@ def node_served(api_url: str, node: str, *, timeout: float = 5.0) -> bool | None
 
     try:
         r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout,
-                      headers=events.auth_headers())
+                      headers=prefect_events.auth_headers())
     except httpx.HTTPError:
         return None
     return True if r.status_code == 200 else False if r.status_code == 404 else None
@@ -173,7 +174,7 @@ def _deployment(node: str) -> str:
 
 def completed_payload(m: Manifest) -> dict[str, object]:
     """What the promote trigger templates read (run, step, part, parts, node are added by
-    ``events.emit``) and what the UI's event feed shows."""
+    ``prefect_events.emit``) and what the UI's event feed shows."""
     return {"kind": m.kind, "format": m.format, "bytes": m.total_bytes, "files": len(m.files),
             "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds}
 
@@ -206,6 +207,6 @@ def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
     """Emit ``ckpt.checkpoint.completed`` for a committed part (deterministic id: the same
     run, step and part give the same id, so a repeat collapses into one event). True when
     the server accepted it."""
-    return events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
+    return prefect_events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
                        payload=completed_payload(m), api_url=api_url, retries=EMIT_RETRIES,
                        backoff=EMIT_BACKOFF_SECONDS)

@@ -20,84 +20,19 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING
 
+from ckpt.processes import LOOPBACK, Started, free_port, spawn, stop_process, wait_http
 from core.errors import ConfigError
 
 if TYPE_CHECKING:
     from ckpt.production_stack import ProductionStack
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_port(preferred: int | None = None, *, required: bool = False) -> int:
-    """``preferred`` if nothing listens there, else a free port the OS picks; with ``required``
-    a taken ``preferred`` is a ``ConfigError`` (a stack restarted with ``--port P`` must come
-    back on P: the exports its jobs hold name it). The test bind sets SO_REUSEADDR, as the
-    servers themselves do (uvicorn): a port held only by TIME_WAIT connections of a stack that
-    just stopped is free, not taken."""
-    if preferred:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((LOOPBACK, preferred))
-                return preferred
-            except OSError as exc:
-                if required:
-                    raise ConfigError(f"port {preferred} on {LOOPBACK} is taken ({exc.strerror}): another "
-                                      "process listens there; stop it, or start on another --port (and give "
-                                      "the jobs the new exports)") from None
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, *, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise ConfigError(f"{what or url} exited with {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise ConfigError(f"{what or url} not ready after {timeout:.0f}s")
-        time.sleep(0.3)
-
-
-def stop_process(proc: subprocess.Popen | None, grace: float = 15.0) -> None:
-    """SIGINT (Prefect's serve pauses its deployments on it), then SIGTERM, then SIGKILL."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 5.0)):
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    proc.kill()
-    proc.wait(timeout=10)
-
-
-def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)  # a Ctrl-C in the terminal reaches us, not them
-
 
 def new_auth_string() -> str:
     """A fresh API secret (256 bits, URL-safe: it travels in shell exports and HTTP headers)."""
@@ -139,7 +74,7 @@ def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True
     env = server_env(os.environ, home=home, api_url=url, ui=ui)
     env.pop("PREFECT_SERVER_API_AUTH_STRING", None)
     env.update(auth_env(auth_string, server=True))
-    proc = _spawn([sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
+    proc = spawn([sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)],
                   home / "server.log", env)
     try:
         wait_http(f"{url}/health", timeout=timeout, proc=proc, what="Prefect server")
@@ -155,7 +90,7 @@ def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt",
     import boto3
 
     port = free_port(port)
-    proc = _spawn([sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)], log)
+    proc = spawn([sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)], log)
     url = f"http://{LOOPBACK}:{port}"
     try:
         wait_http(url, timeout=timeout, proc=proc, what="moto S3 server")
@@ -177,7 +112,7 @@ def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = 
         cmd += ["--limit", str(limit)]
     if not archive_trigger:
         cmd.append("--no-archive-trigger")
-    return _spawn(cmd, log, {**os.environ, **env})
+    return spawn(cmd, log, {**os.environ, **env})
 
 
 def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
@@ -186,7 +121,7 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
     runner (status READY): then its triggers and schedules are live."""
     import httpx
 
-    from core.events import auth_headers
+    from tasks.prefect_events import auth_headers
 
     headers = auth_headers(auth_string)
 
@@ -234,27 +169,6 @@ def job_exports(env: dict[str, str], *, node: str, catalog_url: str) -> dict[str
     out.pop("PREFECT_RUNNER_POLL_FREQUENCY", None)  # the agents' own setting
     out.update(CKPT_NODE=node, CKPT_CATALOG_URL=catalog_url)
     return dict(sorted(out.items()))
-
-
-class Started:
-    """A context manager over ``start()`` / ``stop()``: a start that fails half way stops
-    what it had started."""
-
-    def start(self) -> Self:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 AGENT_FIRST_WAIT_S = 1.0  # a dead agent is started again after 1 s, then 2, 4, ... (doubling)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from ckpt.local_stack import LOOPBACK, Started, _spawn, free_port, stop_process, wait_http
+from ckpt.processes import LOOPBACK, Started, free_port, spawn, stop_process, wait_http
 from core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -260,10 +260,10 @@ class ProductionStack(Started):
             cmd += ["--workers", str(self.workers)]
         self.api_url = f"http://{LOOPBACK}:{port}/api"
         # the UI asks /ui-settings where its API is: this port's, not the default 4200 (local_stack.server_env)
-        self.procs.append(_spawn(cmd, self.home / "server.log", {
+        self.procs.append(spawn(cmd, self.home / "server.log", {
             **env, "PREFECT_SERVER_UI_API_URL": self.api_url, "PREFECT_UI_URL": self.api_url.removesuffix("/api")}))
         wait_http(f"{self.api_url}/health", timeout=self.timeout, proc=self.procs[0], what="Prefect API server")
-        self.procs.append(_spawn([sys.executable, "-m", "prefect", "server", "services", "start"],
+        self.procs.append(spawn([sys.executable, "-m", "prefect", "server", "services", "start"],
                                  self.home / "services.log", env))
         self._wait_services()
         self.start_seconds = time.monotonic() - t0

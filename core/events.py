@@ -1,4 +1,5 @@
-"""Checkpoint events: names, deterministic ids, and emission that never breaks the caller.
+"""Checkpoint events: names, deterministic ids, the event body and its HTTP delivery; the emit
+through Prefect (which never breaks the caller) is ``tasks.prefect_events``.
 
 Event ids are UUIDv5 of (name, run, step, part, extra) so that the same fact announced twice
 (a retried emit, a duplicate watcher) collapses into one event in Prefect, and one triggered
@@ -8,16 +9,12 @@ node so deployment triggers can match on them (each node's agent matches its own
 
 from __future__ import annotations
 
-import logging
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 COMPLETED = "ckpt.checkpoint.completed"  # training side: a part is committed on Tier 0
 VERIFIED = "ckpt.checkpoint.verified"
@@ -109,70 +106,28 @@ def auth_headers(auth_string: str | None = None) -> dict[str, str]:
     """The header a Prefect server started with ``PREFECT_SERVER_API_AUTH_STRING`` wants on every
     API call but ``GET /health`` and ``GET /ready``: HTTP Basic whose credentials are the base64 of
     the auth string itself (no ``user:`` part), as Prefect's own clients send it. ``auth_string``
-    defaults to ``PREFECT_API_AUTH_STRING`` (the environment, read now, else Prefect's profile when
-    Prefect is installed); ``{}`` when none is set (a server without auth)."""
+    defaults to ``PREFECT_API_AUTH_STRING`` (the environment, read now); ``{}`` when none is set (a
+    server without auth). ``tasks.prefect_events.auth_headers`` also reads Prefect's profile."""
     import base64
     import os
 
     value = auth_string if auth_string is not None else os.environ.get(AUTH_STRING_ENV)
-    if value is None:
-        try:
-            from prefect.settings import get_current_settings
-
-            secret = get_current_settings().api.auth_string
-            value = secret.get_secret_value() if secret is not None else None
-        except Exception:  # noqa: BLE001 - a job without Prefect installed
-            value = None
     if not value:
         return {}
     return {"Authorization": "Basic " + base64.b64encode(value.encode()).decode()}
 
 
-def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5.0) -> None:
+def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5.0,
+                headers: dict[str, str] | None = None) -> None:
     """Deliver events over Prefect's HTTP events endpoint; raises unless the server took them
     (204). Unlike the websocket worker behind ``emit_event``, the caller knows it arrived. Sends
-    ``auth_headers()``: a server with API auth on answers 401 without them."""
+    ``headers``, by default ``auth_headers()``: a server with API auth on answers 401 without them."""
     import httpx
 
-    r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout, headers=auth_headers())
+    r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout,
+                   headers=auth_headers() if headers is None else headers)
     if r.status_code != 204:
         raise ConnectionError(f"Prefect events endpoint answered {r.status_code}: {r.text[:200]}")
-
-
-def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
-         payload: dict[str, Any] | None = None, extra_id: str = "", retries: int = 3,
-         backoff: float = 0.5, api_url: str | None = None, labels: dict[str, Any] | None = None) -> bool:
-    """Emit a Prefect event with a deterministic id. ``labels`` become extra resource labels
-    ``ckpt.<key>`` (triggers match labels, never the payload). Returns False when the event
-    could not be delivered (the reconcile flow catches what events miss); raises only
-    ``EventTooLarge``, before anything is sent: an event the server would drop is refused loudly.
-
-    With ``api_url`` the event is POSTed to that Prefect API and True means the server
-    accepted it (the training client uses this: confirmed, no Prefect import). Without it,
-    Prefect's ``emit_event`` queues it to the configured server, linked to the current flow run.
-    """
-    body = build_event(name, run, step, part=part, parts=parts, node=node, payload=payload, extra_id=extra_id,
-                       labels=labels)
-    for attempt in range(retries):
-        try:
-            if api_url:
-                post_events(api_url, [body])
-                return True
-            from prefect.events import emit_event
-
-            ev = emit_event(
-                event=name,
-                resource=resource(run, step, part, parts, node, **(labels or {})),
-                payload=event_payload(run, step, part, parts, node, payload),
-                id=event_id(name, run, step, part, extra_id),
-            )
-            return ev is not None
-        except Exception as exc:  # noqa: BLE001 - emission must never break training
-            log.warning("emit %s for %s/%s to %s failed (attempt %d of %d): %s", name, run, step,
-                        api_url or "the configured Prefect API", attempt + 1, retries, exc)
-            if attempt + 1 < retries:
-                time.sleep(backoff * (2**attempt))
-    return False
 
 
 def tier_low_payload(reading: Any) -> dict[str, Any]:
@@ -181,14 +136,6 @@ def tier_low_payload(reading: Any) -> dict[str, Any]:
     return {"tier": reading.tier, "free_bytes": max(reading.free_after, 0),
             "checkpoint_bytes": reading.checkpoint_bytes,
             "headroom_checkpoints": round(max(reading.headroom, 0.0), 2), "threshold": reading.threshold}
-
-
-def emit_tier_low(reading: Any, run: str, step: int, *, node: str, **kw: Any) -> bool:
-    """``ckpt.tier.low`` for the save of ``run``/``step`` that took the tier below the line,
-    labelled ``ckpt.tier`` and ``ckpt.node`` (what an automation or the UI's filter matches);
-    other keywords as ``emit``."""
-    return emit(TIER_LOW, run, step, node=node, payload=tier_low_payload(reading), labels={"tier": reading.tier},
-                extra_id=f"tier{reading.tier}", **kw)
 
 
 # --- announcing from pipeline steps --------------------------------------------------------

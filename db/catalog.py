@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy import Select, delete, func, select, text
-from sqlalchemy.engine import Connection, Row, make_url
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
 
-from core.errors import BadInput, CatalogUnavailable, NotFound, PruneRefused, SchemaOutdated
+from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
 from core.manifest import Manifest
 from db import (
     lineage as _lineage,
@@ -29,19 +28,19 @@ from db import (
     retention as _ret,
     state as _state,
 )
+from db.audit import Audit
+from db.clock import catalog_now as _now
+from db.drills import Drills
 from db.entities import (
     CKPT_COMMITTED,
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
-    CKPT_RETIRED,
     CORRUPT,
     MISSING,
     VERIFIED,
-    AuditEntry,
     CheckpointInfo,
     Claim,
-    DrillResult,
     FileInfo,
     LineageEdge,
     Location,
@@ -54,33 +53,36 @@ from db.entities import (
     TierUsage,
 )
 from db.migrate import current_revision, head_revision, known_revisions, upgrade_connection
+from db.pins import Pins
 from db.rows import (
     add_audit,
-    aliases,
-    audit,
     checkpoint_row,
     checkpoint_row_by_id,
     checkpoint_select,
     checkpoints,
     completions,
     cursors,
-    drills as drills_table,
     files as files_table,
     insert_ignore,
-    pins,
     replica_row,
     replica_select,
     replicas as replicas_table,
     run_row,
     runs,
-    to_audit,
     to_checkpoint,
-    to_drill,
     to_file,
     to_replica,
     to_run,
 )
-from db.session import DEFAULT_BUSY_TIMEOUT_S, lease_engine, make_engine, normalize_url, release_engine, transaction
+from db.session import (
+    DEFAULT_BUSY_TIMEOUT_S,
+    CatalogPart,
+    lease_engine,
+    make_engine,
+    normalize_url,
+    release_engine,
+    transaction,
+)
 
 if TYPE_CHECKING:
     from core.retention import CheckpointFacts
@@ -89,22 +91,7 @@ if TYPE_CHECKING:
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
-def host_now() -> datetime:
-    """The worker's own UTC clock: the one place Python's time is read for catalog stamps."""
-    return datetime.now(UTC)
-
-
-def _now(conn: Connection) -> datetime:
-    """The catalog's clock, read inside the caller's transaction, so leases, claims and
-    retention ages compare times of one clock whatever the workers' clocks say (a node five
-    minutes fast must not steal live claims). PostgreSQL: the server's ``now()`` (the
-    transaction's start). SQLite is a file on the worker's own host: its clock is the host's."""
-    if conn.dialect.name == "postgresql":
-        return conn.execute(text("SELECT now()")).scalar_one().astimezone(UTC)
-    return host_now()
-
-
-class Catalog:
+class Catalog(Pins, Audit, Drills, CatalogPart):
     # --- lifecycle -------------------------------------------------------------------
     def __init__(self, url: str, *, check_schema: bool = True,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
@@ -158,9 +145,6 @@ class Catalog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _tx(self, write: bool = True) -> AbstractContextManager[Connection]:
-        return transaction(self.engine, write=write)
 
     # --- runs ------------------------------------------------------------------------
     def ensure_run(self, name: str, *, project: str | None = None, config_digest: str | None = None,
@@ -543,84 +527,6 @@ class Catalog:
                 replica_row(conn, replica_id)  # NotFound for an unknown id
             return done == 1
 
-    # --- pins, aliases, lineage --------------------------------------------------------
-    def pin(self, run: str, step: int, *, reason: str | None = None, actor: str) -> None:
-        """Keep this checkpoint on every tier whatever retention says (idempotent, audited)."""
-        with self._tx() as conn:
-            now = _now(conn)
-            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "pinned")
-            if insert_ignore(conn, pins, dict(checkpoint_id=ck.id, reason=reason, actor=actor, pinned_at=now),
-                             ["checkpoint_id"]):
-                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="pin",
-                          reason=reason, run=run, step=step)
-
-    def unpin(self, run: str, step: int, *, actor: str) -> None:
-        """Idempotent, audited."""
-        with self._tx() as conn:
-            ck = checkpoint_row(conn, run, step, lock=True)
-            if conn.execute(delete(pins).where(pins.c.checkpoint_id == ck.id)).rowcount:
-                add_audit(conn, at=_now(conn), actor=actor, subject=f"checkpoint:{run}/{step}", action="unpin",
-                          run=run, step=step)
-
-    def is_pinned(self, run: str, step: int) -> bool:
-        with self._tx(write=False) as conn:
-            ck = checkpoint_row(conn, run, step)
-            return conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ck.id)).first() is not None
-
-    def set_alias(self, run: str, alias: str, step: int, *, actor: str) -> None:
-        """Point ``alias`` (e.g. ``best``) of ``run`` at ``step``; moves an existing alias."""
-        if not alias or len(alias) > 128:
-            raise BadInput(f"invalid alias {alias!r}")
-        with self._tx() as conn:
-            now = _now(conn)
-            ck = _not_retired(checkpoint_row(conn, run, step, lock=True), "aliased")
-            key = (aliases.c.run_id == ck.run_id) & (aliases.c.name == alias)
-            conn.execute(delete(aliases).where(key))
-            conn.execute(aliases.insert().values(run_id=ck.run_id, name=alias, checkpoint_id=ck.id, set_at=now))
-            add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="alias",
-                      to_state=alias, run=run, step=step)
-
-    def remove_alias(self, run: str, alias: str, *, actor: str) -> None:
-        """Idempotent, audited."""
-        with self._tx() as conn:
-            r = run_row(conn, run)
-            key = (aliases.c.run_id == r.id) & (aliases.c.name == alias)
-            step = conn.execute(select(checkpoints.c.step).join(aliases, aliases.c.checkpoint_id == checkpoints.c.id)
-                                .where(key)).scalar()
-            if step is not None:
-                conn.execute(delete(aliases).where(key))
-                add_audit(conn, at=_now(conn), actor=actor, subject=f"checkpoint:{run}/{step}", action="unalias",
-                          from_state=alias, run=run, step=step)
-
-    def resolve_alias(self, run: str, alias: str) -> int:
-        """The step ``alias`` points at; ``NotFound`` if the run has no such alias."""
-        with self._tx(write=False) as conn:
-            r = run_row(conn, run)
-            step = conn.execute(select(checkpoints.c.step).join(aliases, aliases.c.checkpoint_id == checkpoints.c.id)
-                                .where(aliases.c.run_id == r.id, aliases.c.name == alias)).scalar()
-        if step is None:
-            raise NotFound(f"run {run!r} has no alias {alias!r}")
-        return step
-
-    def aliases(self, run: str) -> dict[str, int]:
-        """alias -> step for one run."""
-        with self._tx(write=False) as conn:
-            r = run_row(conn, run)
-            rows = conn.execute(select(aliases.c.name, checkpoints.c.step)
-                                .join(checkpoints, aliases.c.checkpoint_id == checkpoints.c.id)
-                                .where(aliases.c.run_id == r.id))
-            return dict(rows.all())
-
-    def add_lineage(self, child: tuple[str, int], parent: tuple[str, int], relation: str, *,
-                    actor: str) -> None:
-        """Raises ``LineageCycle`` if ``parent`` descends from ``child``; idempotent."""
-        with self._tx() as conn:
-            now = _now(conn)
-            c, p = checkpoint_row(conn, *child), checkpoint_row(conn, *parent)
-            if _lineage.add_edge(conn, c.id, p.id, relation, now=now):
-                add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{child[0]}/{child[1]}", action="lineage",
-                          to_state=relation, reason=f"{relation} {parent[0]}/{parent[1]}", run=child[0], step=child[1])
-
     # --- queries (numbered as in the catalog issue) -------------------------------------
     def newest_verified(self, run: str, *, tier: int | None = None, follow_resumed: bool = False,
                         durable_only: bool = False) -> CheckpointInfo | None:
@@ -682,46 +588,6 @@ class Catalog:
         with self._tx(write=False) as conn:
             return _ret.retired_with_copies(conn, limit=limit)
 
-    def history(self, run: str, step: int) -> list[AuditEntry]:
-        """(8) The checkpoint's audit trail, oldest first."""
-        with self._tx(write=False) as conn:
-            rows = conn.execute(select(audit).where(audit.c.run == run, audit.c.step == step).order_by(audit.c.id))
-            return [to_audit(r) for r in rows]
-
-    def audit_log(self, *, run: str | None = None, limit: int = 100,
-                  since: datetime | None = None) -> list[AuditEntry]:
-        """The newest audit entries (of one run, or all; at or after ``since``), newest first."""
-        stmt = select(audit).order_by(audit.c.id.desc()).limit(limit)
-        if run is not None:
-            stmt = stmt.where(audit.c.run == run)
-        if since is not None:
-            stmt = stmt.where(audit.c.at >= since)
-        with self._tx(write=False) as conn:
-            return [to_audit(r) for r in conn.execute(stmt)]
-
-    def clock(self) -> datetime:
-        """The catalog's clock (see ``_now``): what leases, ages and retentions compare against."""
-        with self._tx(write=False) as conn:
-            return _now(conn)
-
-    def expired_audit(self, before: datetime, *, after_id: int = 0, limit: int = 5000) -> list[AuditEntry]:
-        """Audit entries stamped before ``before``, by id after ``after_id``, at most ``limit``:
-        pages of what the audit retention exports (``ix_audit_log_at``)."""
-        stmt = (select(audit).where(audit.c.at < before, audit.c.id > after_id).order_by(audit.c.id).limit(limit))
-        with self._tx(write=False) as conn:
-            return [to_audit(r) for r in conn.execute(stmt)]
-
-    def delete_audit(self, before: datetime, *, upto_id: int, actor: str, exported_to: str) -> int:
-        """Delete the audit entries stamped before ``before`` with id <= ``upto_id``: exactly the
-        pages ``expired_audit`` returned for the same ``before``, once they are exported (the
-        caller's duty). Leaves one audit entry saying how many and where they went."""
-        with self._tx() as conn:
-            gone = conn.execute(delete(audit).where(audit.c.at < before, audit.c.id <= upto_id)).rowcount
-            if gone:
-                add_audit(conn, at=_now(conn), actor=actor, subject="audit", action="expire-audit",
-                          reason=f"{gone} entries before {before.isoformat()} exported to {exported_to}")
-            return gone
-
     def usage(self, run: str | None = None) -> list[TierUsage]:
         """(9) Verified bytes and checkpoint counts per run per tier."""
         with self._tx(write=False) as conn:
@@ -767,48 +633,6 @@ class Catalog:
             now = _now(conn)
             if not insert_ignore(conn, cursors, dict(name=name, position=position, updated_at=now), ["name"]):
                 conn.execute(cursors.update().where(cursors.c.name == name).values(position=position, updated_at=now))
-
-    # --- drills -------------------------------------------------------------------------
-    def record_drill(self, run: str, step: int, tier: int, *, ok: bool, seconds: float, bytes: int,
-                     detail: str | None = None, actor: str, nodes: int = 1, bound_seconds: float | None = None,
-                     tier_bytes: dict[str, int] | None = None,
-                     node_seconds: list[float] | None = None) -> DrillResult:
-        """One drill of ``run``/``step`` from ``tier``: ``seconds`` is the recovery time (for a
-        cluster drill of ``nodes``, first start to last part loaded)."""
-        with self._tx() as conn:
-            now = _now(conn)
-            ck = checkpoint_row(conn, run, step)
-            did = conn.execute(drills_table.insert().values(
-                checkpoint_id=ck.id, tier=_state.check_tier(tier), ok=ok, seconds=seconds, bytes=bytes, at=now,
-                detail=detail, actor=actor, nodes=nodes, bound_seconds=bound_seconds, tier_bytes=tier_bytes,
-                node_seconds=node_seconds).returning(drills_table.c.id)).scalar_one()
-            add_audit(conn, at=now, actor=actor, subject=f"drill:{did}", action="drill",
-                      to_state="ok" if ok else "failed", reason=f"tier {tier}, {nodes} node(s), {seconds:.3f} s" +
-                      (f": {detail}" if detail else ""), run=run, step=step)
-            return to_drill(conn.execute(_drill_select().where(drills_table.c.id == did)).one())
-
-    def drills(self, run: str | None = None, limit: int = 50) -> list[DrillResult]:
-        """Newest first."""
-        stmt = _drill_select().order_by(drills_table.c.id.desc()).limit(limit)
-        with self._tx(write=False) as conn:
-            if run is not None:
-                stmt = stmt.where(checkpoints.c.run_id == run_row(conn, run).id)
-            return [to_drill(r) for r in conn.execute(stmt)]
-
-
-def _not_retired(ck: Row, what: str) -> Row:
-    """A retired checkpoint's copies are being deleted (its retirement is final): it cannot be
-    pinned or aliased back, which would leave its deletion half done."""
-    if ck.state == CKPT_RETIRED:
-        raise BadInput(f"checkpoint {ck.run_name}/{ck.step} was retired by the retention policy and cannot be {what}")
-    return ck
-
-
-def _drill_select() -> Select:
-    return select(drills_table, checkpoints.c.step, runs.c.name.label("run_name")).select_from(
-        drills_table.join(checkpoints, checkpoints.c.id == drills_table.c.checkpoint_id)
-        .join(runs, runs.c.id == checkpoints.c.run_id))
-
 
 @lru_cache(maxsize=1)
 def _head() -> str:

@@ -33,7 +33,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,3 +246,12 @@ def transaction(engine: Engine, *, write: bool = True) -> Iterator[Connection]:
 def _first_line(exc: DBAPIError) -> str:
     text = str(exc.orig) if exc.orig is not None else str(exc)
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+class CatalogPart:
+    """What the parts ``db.catalog.Catalog`` is made of share: its engine and one transaction on it."""
+
+    engine: Engine
+
+    def _tx(self, write: bool = True) -> AbstractContextManager[Connection]:
+        return transaction(self.engine, write=write)

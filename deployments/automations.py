@@ -30,6 +30,7 @@ from typing import Any
 from uuid import UUID
 
 from core import events
+from tasks import prefect_events
 
 AUTOMATION_NAME = "ckpt-rpo-late"
 WEBHOOK_BLOCK = "ckpt-rpo-webhook"
@@ -102,7 +103,7 @@ def save_webhook(api_url: str) -> UUID:
     from pydantic import SecretStr
 
     block = Webhook(method="POST", url=SecretStr(api_url.rstrip("/") + "/events"),
-                    headers=SecretDict({"Content-Type": "application/json", **events.auth_headers()}))
+                    headers=SecretDict({"Content-Type": "application/json", **prefect_events.auth_headers()}))
     block_id = block.save(WEBHOOK_BLOCK, overwrite=True)
     return UUID(str(block_id))
 

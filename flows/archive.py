@@ -8,16 +8,34 @@ the first caller that sees every part verified there announces ``ckpt.checkpoint
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from prefect import flow
 
 from core import events
 from core.errors import BadEvent
-from core.events import announcing, emit
+from core.events import announcing
 from core.policy import is_milestone
 from core.settings import Settings, load_settings
-from flows.common import ArchiveResult, Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
-from tasks.base import open_catalog
+from flows.common import Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
+from tasks.base import HopResult, open_catalog
+from tasks.prefect_events import emit
 from tasks.register import checkpoint_args, reject_event
+
+
+@dataclass
+class ArchiveResult:
+    run: str
+    step: int
+    milestone: bool
+    hops: list[HopResult] = field(default_factory=list)
+    archived: bool = False  # this call saw the checkpoint complete on Tier 2 first
+    reason: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        return {"run": self.run, "step": self.step, "milestone": self.milestone,
+                "archived": self.archived, "reason": self.reason, "hops": hop_rows(self.hops)}
 
 
 def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str = "cli") -> ArchiveResult:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar, copy_context
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -67,20 +67,6 @@ def _task_steps(retries: int, base_delay: float) -> Steps:
     from tasks.retry import with_policy
 
     return Steps(**{name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()})
-
-
-@dataclass
-class ArchiveResult:
-    run: str
-    step: int
-    milestone: bool
-    hops: list[HopResult] = field(default_factory=list)
-    archived: bool = False  # this call saw the checkpoint complete on Tier 2 first
-    reason: str = ""
-
-    def summary(self) -> dict[str, Any]:
-        return {"run": self.run, "step": self.step, "milestone": self.milestone,
-                "archived": self.archived, "reason": self.reason, "hops": hop_rows(self.hops)}
 
 
 def hop_rows(hops: list[HopResult]) -> list[dict[str, Any]]:

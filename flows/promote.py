@@ -24,11 +24,10 @@ from prefect import flow
 
 from core import events
 from core.errors import BadEvent
-from core.events import announcing, emit
+from core.events import announcing
 from core.settings import Settings, load_settings
-from flows.archive import archive
+from flows.archive import ArchiveResult, archive
 from flows.common import (
-    ArchiveResult,
     Steps,
     artifact_batch,
     artifact_key,
@@ -40,6 +39,7 @@ from flows.common import (
 from flows.retention import retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
+from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction

@@ -15,6 +15,7 @@ from prefect import flow
 from core import events
 from core.settings import load_settings
 from flows.common import artifact_key, current_actor, publish_table
+from tasks.prefect_events import emit
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica
 from tasks.restore import RestoreReport, restore_task
 
@@ -22,7 +23,7 @@ from tasks.restore import RestoreReport, restore_task
 def announce_bad(bad: list[BadReplica], source: str) -> None:
     """One ``ckpt.checkpoint.corrupt`` event per replica a read proved bad."""
     for b in bad:
-        events.emit(events.CORRUPT, b.run, b.step, part=b.part, extra_id=f"{source}-tier{b.tier}-r{b.replica_id}",
+        emit(events.CORRUPT, b.run, b.step, part=b.part, extra_id=f"{source}-tier{b.tier}-r{b.replica_id}",
                     payload={"tier": b.tier, "state": b.state, "reason": b.reason, "found_by": source})
 
 
@@ -42,7 +43,7 @@ def restore_checkpoint(run: str, dest: str, step: int | None = None,
     report = restore_task(settings, run, dest, step=step, preference=tuple(preference or DEFAULT_PREFERENCE),
                           actor=current_actor("restore"))
     announce_bad(report.bad, "restore")
-    events.emit(events.RESTORED, report.run, report.step, node=settings.node,
+    emit(events.RESTORED, report.run, report.step, node=settings.node,
                 extra_id=f"{report.dest}|{report.seconds}",
                 payload={"tiers": sorted(set(report.tiers)), "bytes": report.bytes, "dest": report.dest,
                          "seconds": round(report.seconds, 3), "fell_back_from": report.fell_back_from})

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from core.events import announcing, emit
+from core.events import announcing
 from core.settings import Settings, load_settings
 from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
+from tasks.prefect_events import emit
 from tasks.retention import PruneAction, apply_retention
 
 

@@ -75,7 +75,7 @@ class Browser:
     profile are gone afterwards)."""
 
     def __init__(self, chromium: str, *, width: int = 1400, height: int = 900, timeout: float = 60.0):
-        from ckpt.local_stack import free_port
+        from ckpt.processes import free_port
 
         self.width, self.height, self.timeout = width, height, timeout
         self._profile = tempfile.TemporaryDirectory(prefix="ckpt-ui-browser-")

@@ -175,7 +175,7 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
 def _post(api_url: str, path: str, body: dict) -> Any:
     import httpx
 
-    from core.events import auth_headers
+    from tasks.prefect_events import auth_headers
 
     r = httpx.post(f"{api_url}{path}", json=body, timeout=10, headers=auth_headers())
     r.raise_for_status()
@@ -192,11 +192,12 @@ def send_hostile_event(api_url: str, node: str) -> str:
 
     from core import events
     from flows.promote import run_name
+    from tasks import prefect_events
 
     ev = events.build_event(events.COMPLETED, "hostile", 1, node=node)
     ev["id"] = str(uuid.uuid4())
     ev["payload"] = {**ev.get("payload", {}), "run": HOSTILE_RUN, "step": 1, "node": node}
-    events.post_events(api_url, [ev])
+    events.post_events(api_url, [ev], headers=prefect_events.auth_headers())
     return run_name({"run": HOSTILE_RUN, "step": 1})
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckpt.local_stack import free_port
-from core.events import auth_headers
+from ckpt.processes import free_port
+from tasks.prefect_events import auth_headers
 from tests.kit.agents import wait_for
 from tests.kit.up import fresh_shell_env, start_up
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.local_stack import free_port, stop_process
+from ckpt.processes import free_port, stop_process
 from tests.kit.agents import wait_for
 from tests.kit.up import REPO, Up, fresh_shell_env, start_up
 

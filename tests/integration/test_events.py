@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from core import events
+from tasks.prefect_events import emit
 from deployments import names
 from tests.kit.agents import (
     Agents,
@@ -103,7 +104,7 @@ def test_duplicate_event_gives_one_promotion(agents):
     """)
     assert out["delivered"] == [["run-dup", 3, 0, True]]
     for _ in range(3):  # the same fact announced again (a retry, a second watcher)
-        assert events.emit(events.COMPLETED, "run-dup", 3, node=NODE, api_url=agents.api_url,
+        assert emit(events.COMPLETED, "run-dup", 3, node=NODE, api_url=agents.api_url,
                            payload={"kind": "step"})
     wait_for("tier 1 copy", lambda: 1 in _tiers_verified(agents, "run-dup", 3), agents=agents)
     time.sleep(4)  # a triggered run exists (scheduled) within ~1 s of its event: room for a second
@@ -172,7 +173,7 @@ def test_checkpoint_of_unknown_format_fails_clearly_and_copies_nothing(agents):
     (folder / "manifest.json").write_text(
         '{"run": "run-fmt", "step": 1, "format": "pickle", "files": '
         '[{"path": "weights.pkl", "size": 5, "checksum": "00000000"}]}')
-    assert events.emit(events.COMPLETED, "run-fmt", 1, node=NODE, api_url=agents.api_url)
+    assert emit(events.COMPLETED, "run-fmt", 1, node=NODE, api_url=agents.api_url)
     runs = wait_for("a finished promote run", lambda: [r for r in _triggered(agents, "run-fmt", "1") if finished(r)],
                     timeout=90, agents=agents)
     assert [r["state_type"] for r in runs] == ["FAILED"]

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from core import events
-from core.events import auth_headers
+from tasks.prefect_events import auth_headers, emit
 from deployments import names
 from deployments.fast_path import claim_message
 from tests.kit.agents import Agents, finished, flow_runs, start_agents, train, wait_for
@@ -74,9 +74,9 @@ def _commit(agents: Agents, run: str, step: int) -> None:
 def test_event_is_promoted_at_once_by_the_fast_path_and_duplicates_are_one_run(agents):
     _commit(agents, "run-fp", 1)
     for _ in range(3):  # the same fact announced three times (a retry, a second watcher)
-        assert events.emit(events.COMPLETED, "run-fp", 1, node=NODE, api_url=agents.api_url)
+        assert emit(events.COMPLETED, "run-fp", 1, node=NODE, api_url=agents.api_url)
     _commit(agents, "run-fp", 2)  # a later event: once its run is done, the duplicates were seen
-    assert events.emit(events.COMPLETED, "run-fp", 2, node=NODE, api_url=agents.api_url)
+    assert emit(events.COMPLETED, "run-fp", 2, node=NODE, api_url=agents.api_url)
     later = wait_for("the later run finished", lambda: [r for r in _runs(agents, "run-fp", 2) if finished(r)],
                      timeout=120, agents=agents)
     assert [r["state_type"] for r in later] == ["COMPLETED"]
@@ -105,7 +105,7 @@ def test_killed_flow_process_ends_crashed_and_reconcile_finishes_it(agents):
     lock = sqlite3.connect(agents.env["CKPT_CATALOG_URL"].removeprefix("sqlite:///"), isolation_level=None)
     try:
         lock.execute("BEGIN IMMEDIATE")  # the run's first catalog write waits on it: the run stays running
-        assert events.emit(events.COMPLETED, "run-kill", 3, node=NODE, api_url=agents.api_url)
+        assert emit(events.COMPLETED, "run-kill", 3, node=NODE, api_url=agents.api_url)
         run = wait_for("the promote run running", lambda: [r for r in _runs(agents, "run-kill", 3)
                                                            if r["state_type"] == "RUNNING"], agents=agents)[0]
         pid = int(run["infrastructure_pid"].rsplit(":", 1)[1])

@@ -160,7 +160,7 @@ def test_newest_without_a_good_copy_anywhere_falls_back_to_the_previous_and_says
 
 
 def test_an_unreachable_tier_is_not_a_reason_to_restore_older_state(settings, tmp_path):
-    from ckpt.local_stack import free_port
+    from ckpt.processes import free_port
     from core.errors import StorageUnavailable
 
     run = "rt-down"

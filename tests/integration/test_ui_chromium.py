@@ -7,7 +7,7 @@ hostile event's run failed in red, the promote run's task runs and the run's sta
 
 import pytest
 
-from ckpt.local_stack import free_port
+from ckpt.processes import free_port
 from scripts import ui_screenshot as shot
 from scripts.ui_browser import Browser, BrowserError
 from tests.kit.require import require

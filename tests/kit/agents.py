@@ -19,8 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from ckpt.local_stack import stack_env, start_agent, stop_process, wait_deployments
-from core.events import auth_headers
+from ckpt.processes import stop_process
+from ckpt.local_stack import stack_env, start_agent, wait_deployments
+from tasks.prefect_events import auth_headers
 from deployments import names
 
 

@@ -85,7 +85,8 @@ def db_url(request, tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory):
     """moto's S3 server on loopback, real HTTP, once per session (as ``ckpt up`` starts it)."""
-    from ckpt.local_stack import start_moto, stop_process
+    from ckpt.processes import stop_process
+    from ckpt.local_stack import start_moto
 
     proc, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
@@ -108,7 +109,7 @@ def localstack_python() -> Path:
 
 def start_localstack(home: Path, *, timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
     """LocalStack's S3 alone, host mode, on a free loopback port; returns (process, endpoint URL)."""
-    from ckpt.local_stack import LOOPBACK, _spawn, free_port, stop_process, wait_http
+    from ckpt.processes import LOOPBACK, free_port, spawn, stop_process, wait_http
 
     python = localstack_python()
     if not python.exists():
@@ -118,7 +119,7 @@ def start_localstack(home: Path, *, timeout: float = 90.0) -> tuple[subprocess.P
     env.update(SERVICES="s3", GATEWAY_LISTEN=f"{LOOPBACK}:{port}", SKIP_INFRA_DOWNLOADS="1",
                LOCALSTACK_VOLUME_DIR=str(home / "volume"), FILESYSTEM_ROOT=str(home / "fs"),
                TMPDIR=str(home), DISABLE_EVENTS="1", DNS_ADDRESS="0", LS_LOG="warn")
-    proc = _spawn([str(python), "-m", "localstack.runtime.main"], home / "localstack.log", env, cwd=home)
+    proc = spawn([str(python), "-m", "localstack.runtime.main"], home / "localstack.log", env, cwd=home)
     url = f"http://{LOOPBACK}:{port}"
     try:
         wait_http(f"{url}/_localstack/health", timeout=timeout, proc=proc, what="LocalStack S3")
@@ -133,7 +134,7 @@ def localstack_endpoint(tmp_path_factory):
     """LocalStack's S3 on loopback, once per session: an S3 that answers 400 BadDigest to a
     wrong CRC32C or Content-MD5 (PutObject, UploadPart, CompleteMultipartUpload), and enforces
     Object Lock and If-None-Match."""
-    from ckpt.local_stack import stop_process
+    from ckpt.processes import stop_process
 
     proc, url = start_localstack(tmp_path_factory.mktemp("localstack"))
     try:
@@ -177,7 +178,8 @@ def prefect_server(tmp_path_factory):
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from ckpt.local_stack import start_prefect_server, stop_process
+    from ckpt.processes import stop_process
+    from ckpt.local_stack import start_prefect_server
 
     proc, url = start_prefect_server(tmp_path_factory.mktemp("prefect"), port=None, ui=False, timeout=90)
     old = os.environ.get("PREFECT_API_URL")

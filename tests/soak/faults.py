@@ -251,11 +251,11 @@ class Clock:
 
     ``install`` replaces ``datetime`` in the modules that read Python's clock for stamps and
     ages (``datetime.now``): the writer's manifest stamp (``core.manifest``), scrub's grace,
-    and ``db.catalog.host_now``, which is the catalog's clock only where the catalog is a
+    and ``db.clock.host_now``, which is the catalog's clock only where the catalog is a
     SQLite file on the workers' one host. Leases, claims and retention ages must
     read the catalog's clock (PostgreSQL's ``now()``), so a skewed worker changes none of them.
     On SQLite every worker shares the host's clock, so worker clocks cannot drift apart: there
-    ``db.catalog`` keeps the true clock and the skew reaches the writer's stamps and the rest.
+    ``db.clock`` keeps the true clock and the skew reaches the writer's stamps and the rest.
     """
 
     def __init__(self) -> None:
@@ -274,10 +274,10 @@ class Clock:
                 return _dt.datetime.now(tz) + clock.offset
 
         import core.manifest
-        import db.catalog
+        import db.clock
         import tasks.scrub
 
-        modules = [core.manifest, tasks.scrub] + ([] if catalog_on_host else [db.catalog])
+        modules = [core.manifest, tasks.scrub] + ([] if catalog_on_host else [db.clock])
         for mod in modules:
             assert getattr(mod, "datetime", None) is _dt.datetime, mod.__name__
             monkeypatch.setattr(mod, "datetime", SkewedDatetime)

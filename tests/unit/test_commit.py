@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from ckpt.cli import app
 from core import checksum, events
 from core.manifest import Manifest
+from tasks import prefect_events
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "core" / "manifest.schema.json").read_text())
 
@@ -89,7 +90,7 @@ def test_an_event_that_does_not_arrive_fails_the_command_but_keeps_the_commit(en
         raise ConnectionError("refused")
 
     monkeypatch.setattr(events, "post_events", down)
-    monkeypatch.setattr(events.time, "sleep", lambda s: None)
+    monkeypatch.setattr(prefect_events.time, "sleep", lambda s: None)
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     _cli("commit", str(_job_folder(tmp_path / "j")), "--run", "r", "--step", "1", code=1)
     assert _manifest_doc(env, "r", 1)["step"] == 1

@@ -7,6 +7,7 @@ import pytest
 
 from ckpt.announce import completed_payload
 from core import events
+from tasks.prefect_events import emit
 from core.errors import EventTooLarge
 from core.manifest import FileEntry, Manifest
 
@@ -26,7 +27,7 @@ def test_an_event_over_the_limit_is_refused_before_anything_is_sent(monkeypatch)
     monkeypatch.setattr(events, "post_events", never)
     huge = {"notes": "x" * events.MAX_EVENT_BYTES}
     with pytest.raises(EventTooLarge, match="PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES"):
-        events.emit(events.COMPLETED, "run-a", 1, payload=huge, api_url="http://127.0.0.1:9/api")
+        emit(events.COMPLETED, "run-a", 1, payload=huge, api_url="http://127.0.0.1:9/api")
 
 
 def test_the_limit_keeps_headroom_for_what_the_server_adds():

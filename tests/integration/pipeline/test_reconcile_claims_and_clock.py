@@ -176,7 +176,7 @@ def test_a_killed_tier0_verify_does_not_leak_the_node_s_disk(settings):
 # --- item 10: the catalog's clock ---------------------------------------------------------------
 def _skew(monkeypatch, delta: timedelta) -> None:
     """The worker's clock (what the catalog module reads from Python) runs ``delta`` off."""
-    import db.catalog
+    import db.clock
 
     real = datetime
 
@@ -185,7 +185,7 @@ def _skew(monkeypatch, delta: timedelta) -> None:
         def now(cls, tz=None):
             return real.now(tz) + delta
 
-    monkeypatch.setattr(db.catalog, "datetime", Skewed)
+    monkeypatch.setattr(db.clock, "datetime", Skewed)
 
 
 @pytest.mark.postgres

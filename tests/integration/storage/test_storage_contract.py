@@ -207,7 +207,7 @@ def test_open_store_picks_the_backend(tmp_path, settings_factory, s3_endpoint):
 
 
 def test_s3_unreachable_endpoint_is_transient_and_missing_bucket_is_config(s3_endpoint):
-    from ckpt.local_stack import free_port
+    from ckpt.processes import free_port
     from core.errors import ConfigError, StorageUnavailable, is_transient
 
     dead = S3Store("s3://bkt/p", 2, endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2)
