@@ -60,8 +60,8 @@ def catalog_url(pg_server):
 @pytest.fixture(scope="module")
 def locked_server(tmp_path_factory):
     """(API URL, Prefect home) of a server with API auth on; this process sends the secret too."""
-    from ckpt.processes import stop_process
     from ckpt.local_stack import start_prefect_server
+    from ckpt.processes import stop_process
 
     home = tmp_path_factory.mktemp("prefect-auth")
     proc, url = start_prefect_server(home, port=None, ui=False, timeout=90, auth_string=AUTH)

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from core import events
-from tasks.prefect_events import emit
 from deployments import names
+from tasks.prefect_events import emit
 from tests.kit.agents import (
     Agents,
     finished,

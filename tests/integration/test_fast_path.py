@@ -17,9 +17,9 @@ import uuid
 import pytest
 
 from core import events
-from tasks.prefect_events import auth_headers, emit
 from deployments import names
 from deployments.fast_path import claim_message
+from tasks.prefect_events import auth_headers, emit
 from tests.kit.agents import Agents, finished, flow_runs, start_agents, train, wait_for
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]

@@ -28,8 +28,8 @@ from tests.kit.checkpoints import (
     write_checkpoint,
 )
 from tests.kit.pipeline import pipeline_settings
-from tests.kit.s3 import FaultProxy
 from tests.kit.require import require
+from tests.kit.s3 import FaultProxy
 
 RUN = "run-a"
 ROOT = Path(__file__).resolve().parents[2]

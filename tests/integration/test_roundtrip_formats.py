@@ -14,9 +14,9 @@ import pytest
 
 from tasks.restore import restore_checkpoint
 from tests.kit.checkpoints import flip_bit, replica_states
+from tests.kit.require import require_module
 from tests.kit.restore import commit_folder, promote, prune, scenario_settings, tier0_dir, tier1_dir
 from tests.kit.s3 import corrupt_s3_object
-from tests.kit.require import require_module
 
 torch = require_module("torch", "the torch extra (pip install -e '.[torch]')")
 

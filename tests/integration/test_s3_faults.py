@@ -14,7 +14,6 @@ from datetime import UTC, timedelta
 
 import boto3
 import pytest
-from tests.kit.s3_proxy import S3Proxy
 
 from core import checksum
 from core.errors import (
@@ -29,6 +28,7 @@ from core.paths import safe_run_name
 from core.storage.local import LocalStore
 from core.storage.s3 import PROBE_KEY, S3Store
 from core.transfer import copy_part, verify_part
+from tests.kit.s3_proxy import S3Proxy
 
 MiB = 1024 * 1024
 PREFIX = "run-a/step-00000100"
@@ -259,12 +259,11 @@ def test_a_parts_retried_upload_leaves_another_parts_upload_running(settings_fac
                                                                    proxy):
     """Part 0's first upload to Tier 2 dies (its upload aborted); while part 1's upload is in
     flight, part 0's retry sweeps its own dead staging data and nothing of part 1's."""
-    from tests.kit.pipeline import pipeline_settings
-    from tests.kit.checkpoints import replica_states, write_checkpoint
-
     from tasks.copy import copy_to_tier1, upload_to_tier2
     from tasks.register import register_part
     from tasks.verify import verify_replica
+    from tests.kit.checkpoints import replica_states, write_checkpoint
+    from tests.kit.pipeline import pipeline_settings
 
     settings = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault",
                                  s3_endpoint_url=proxy.url, s3_multipart_threshold=5 * MiB,

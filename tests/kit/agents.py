@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from ckpt.processes import stop_process
 from ckpt.local_stack import stack_env, start_agent, wait_deployments
-from tasks.prefect_events import auth_headers
+from ckpt.processes import stop_process
 from deployments import names
+from tasks.prefect_events import auth_headers
 
 
 @dataclass

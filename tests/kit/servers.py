@@ -85,8 +85,8 @@ def db_url(request, tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory):
     """moto's S3 server on loopback, real HTTP, once per session (as ``ckpt up`` starts it)."""
-    from ckpt.processes import stop_process
     from ckpt.local_stack import start_moto
+    from ckpt.processes import stop_process
 
     proc, url = start_moto(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
@@ -178,8 +178,8 @@ def prefect_server(tmp_path_factory):
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from ckpt.processes import stop_process
     from ckpt.local_stack import start_prefect_server
+    from ckpt.processes import stop_process
 
     proc, url = start_prefect_server(tmp_path_factory.mktemp("prefect"), port=None, ui=False, timeout=90)
     old = os.environ.get("PREFECT_API_URL")

@@ -70,14 +70,15 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import time
-from datetime import timedelta
 import shutil
 import tempfile
+import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from faults import Clock, Injector, Killed, Plan, S3Faults, S3Plan, install
 from hypothesis import HealthCheck, Phase, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -88,7 +89,6 @@ import tasks.restore
 import tasks.scrub  # noqa: F401
 from core.errors import CkptError
 from core.layout import checkpoint_dirname, checkpoint_prefix, is_staging, part_key
-from faults import Clock, Injector, Killed, Plan, S3Faults, S3Plan, install
 from tests.kit.checkpoints import expire_claims, flip_bit, truncate, write_checkpoint
 
 RUN = "run-a"

@@ -10,10 +10,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-
-from core.errors import StorageUnavailable
 from faults import Plan, S3Plan
 from test_soak import STATS, Soak, _run, prepare
+
+from core.errors import StorageUnavailable
 from tests.kit.s3_proxy import S3Proxy
 
 NO_SKEW = timedelta(0)
@@ -32,8 +32,9 @@ def proxy(s3_endpoint):
 def test_a_soak_with_every_copy_failing_fails(caught_by, db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
     """Caught twice over: by the first fault-free promotion's error, and (with errors only
     counted, as the soak used to) by the progress it lacks."""
-    import core.transfer
     import test_soak
+
+    import core.transfer
 
     def broken_copy(*args, **kwargs):
         raise StorageUnavailable("copy_part is broken")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from core import checksum, formats
 from ckpt.client import CheckpointStager
+from core import checksum, formats
 from core.errors import BadInput, ConflictError, PathEscape
 from core.manifest import Manifest, ParentRef
 

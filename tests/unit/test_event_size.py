@@ -7,9 +7,9 @@ import pytest
 
 from ckpt.announce import completed_payload
 from core import events
-from tasks.prefect_events import emit
 from core.errors import EventTooLarge
 from core.manifest import FileEntry, Manifest
+from tasks.prefect_events import emit
 
 
 def test_a_completed_event_stays_small_whatever_the_checkpoint_holds():

@@ -108,9 +108,8 @@ def test_an_entry_too_long_for_any_real_tensor_is_refused_without_parsing_it():
 
 
 def test_header_padding_and_metadata_are_still_accepted():
-    from safetensors.numpy import save
-
     import numpy as np
+    from safetensors.numpy import save
 
     data = save({"w": np.ones((3, 5), dtype=np.float16)}, metadata={"format": "pt", "note": "a } brace"})
     assert formats.validate_safetensors(io.BytesIO(data), len(data), "m.safetensors") == 1

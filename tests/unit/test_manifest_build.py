@@ -12,10 +12,10 @@ from safetensors.numpy import save_file
 
 from core import checksum
 from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
+from core.layout import staging_name
 from core.manifest import Manifest
 from core.manifest_build import build_manifest, read_manifest, write_manifest
 from core.storage.local import LocalStore
-from core.layout import staging_name
 
 
 def test_crc32c_spellings_match_the_standard_check_value():

@@ -6,9 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from db.entities import ReplicaInfo
+from db.entities import FileInfo, ReplicaInfo
 from tasks.resume import plan_sources, wide_files
-from db.entities import FileInfo
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

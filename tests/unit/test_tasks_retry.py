@@ -7,8 +7,15 @@ import errno
 import pytest
 from prefect.states import Completed, Failed
 
-from core.errors import (CatalogUnavailable, CopyInProgress, CorruptCheckpoint, PathEscape, PruneRefused,
-                         StorageFull, StorageUnavailable)
+from core.errors import (
+    CatalogUnavailable,
+    CopyInProgress,
+    CorruptCheckpoint,
+    PathEscape,
+    PruneRefused,
+    StorageFull,
+    StorageUnavailable,
+)
 from tasks.retry import backoff_delays, retry_if_transient
 
 

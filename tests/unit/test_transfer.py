@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import ConflictError, CorruptCheckpoint, StorageFull
+from core.layout import checkpoint_prefix, is_staging
 from core.manifest_build import build_manifest
-from core.layout import checkpoint_prefix
-from core.layout import is_staging
 from core.transfer import copy_part, find_committed, read_committed, verify_part
 from tests.kit.checkpoints import ckpt_dir, flip_bit, write_checkpoint
 

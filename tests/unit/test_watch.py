@@ -10,9 +10,9 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
+from ckpt.watch import Watcher, completion, step_of
 from core import checksum
 from core.manifest import Manifest
-from ckpt.watch import Watcher, completion, step_of
 from tests.kit.require import require_module
 
 

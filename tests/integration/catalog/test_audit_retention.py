@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import update
+
 from db.rows import audit
 from tests.kit.catalog import catalog_cli, checkpoint, verified
 

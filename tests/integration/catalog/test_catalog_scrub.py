@@ -5,13 +5,13 @@ so reading ``limit`` per round visits all of them within a cycle. Both backends.
 from __future__ import annotations
 
 import math
+from datetime import UTC
 
 import pytest
 from sqlalchemy import text
 
 from core.errors import BadInput, NotFound, UnknownRun
 from db.entities import CORRUPT, MISSING, VERIFIED
-from datetime import UTC
 from tests.kit.catalog import checkpoint, replica_in_state, verified
 
 

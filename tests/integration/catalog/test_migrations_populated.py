@@ -4,7 +4,7 @@ checkpoint, file, replica and audit row intact and readable through the catalog 
 
 from __future__ import annotations
 
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 
 from db.catalog import Catalog, upgrade
 from db.migrate import head_revision

@@ -11,15 +11,15 @@ import os
 import shutil
 
 import pytest
-from tests.kit.pipeline import Recorder
-from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
-from tests.kit.checkpoints import expire_claims, flip_bit, replica_states
 
 from core.errors import ConflictError, PathEscape
 from core.events import announcing
 from db.catalog import Catalog
 from tasks.restore import restore_checkpoint
 from tasks.scrub import scrub
+from tests.kit.checkpoints import expire_claims, flip_bit, replica_states
+from tests.kit.pipeline import Recorder
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
 
 RUN = "llm-c"
 

@@ -18,7 +18,7 @@ from core.errors import CorruptCheckpoint
 from core.manifest import FileEntry, Manifest
 from flows.common import plain_steps
 from flows.promote import promote
-from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, write_checkpoint
+from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, write_checkpoint
 from tests.kit.pipeline import pipeline_settings
 from tests.kit.require import require_module
 

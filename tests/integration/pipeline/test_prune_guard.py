@@ -15,9 +15,9 @@ from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from tests.kit.checkpoints import (
+    ckpt_dir,
     flip_bit,
     open_catalog as catalog,
-    ckpt_dir,
     published_files,
     replica_states,
     shard_paths,

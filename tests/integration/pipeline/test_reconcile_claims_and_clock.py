@@ -16,9 +16,9 @@ from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
 from tests.kit.checkpoints import (
-    open_catalog as catalog,
     ckpt_dir,
     expire_claims,
+    open_catalog as catalog,
     replica_states,
     shard_paths,
     write_checkpoint,
@@ -190,8 +190,8 @@ def _skew(monkeypatch, delta: timedelta) -> None:
 
 @pytest.mark.postgres
 def test_a_worker_five_minutes_fast_cannot_steal_a_live_claim(pg_url, monkeypatch):
-    from tests.kit.catalog import checkpoint
     from db.catalog import Catalog
+    from tests.kit.catalog import checkpoint
 
     cat = Catalog.open(pg_url, auto_upgrade=True)
     try:

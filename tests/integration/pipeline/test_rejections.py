@@ -6,8 +6,6 @@ Before, each reconcile pass promoted a refused part again: one more audit row an
 
 from __future__ import annotations
 
-from core.events import announcing
-
 import json
 import shutil
 from pathlib import Path
@@ -15,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from core.errors import BadInput
+from core.events import announcing
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
+from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, replica_states, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
-from tests.kit.checkpoints import open_catalog as catalog, ckpt_dir, replica_states, write_checkpoint
 
 RUN = "run-a"
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from core.events import announcing
-
 from pathlib import Path
 
 import pytest
 
 from core.errors import CorruptCheckpoint
+from core.events import announcing
 from core.settings import MilestonePolicy, RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote

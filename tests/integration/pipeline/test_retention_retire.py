@@ -243,8 +243,9 @@ def test_a_retired_checkpoint_keeps_its_lineage_and_cannot_be_pinned_back(settin
             cat.pin(RUN, 200, actor="test")
         with pytest.raises(BadInput, match="retired"):
             cat.set_alias(RUN, "best", 200, actor="test")
-    from ckpt.commands.catalog import lineage_tree
     from rich.console import Console
+
+    from ckpt.commands.catalog import lineage_tree
 
     console = Console(width=120, record=True)
     console.print(lineage_tree(RUN, 300, edges, descendants=False,

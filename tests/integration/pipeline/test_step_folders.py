@@ -14,8 +14,8 @@ from core.storage.local import LocalStore
 from core.transfer import find_committed
 from flows.common import plain_steps
 from flows.reconcile import reconcile_once
-from tests.kit.pipeline import pipeline_settings
 from tests.kit.checkpoints import replica_states, write_checkpoint
+from tests.kit.pipeline import pipeline_settings
 
 RUN = "run-a"
 BIG = 123_456_789

@@ -11,14 +11,12 @@ import fsspec
 import pytest
 
 from core.errors import ConfigError
-from core.settings import load_settings
-from core.storage.s3 import S3Store
-
 from core.events import announcing
 from core.layout import checkpoint_prefix
-from core.settings import display_url
+from core.settings import display_url, load_settings
 from core.storage import open_store
 from core.storage.fsspec import FsspecStore
+from core.storage.s3 import S3Store
 from flows.common import plain_steps
 from flows.promote import promote
 from tests.kit.catalog import catalog_cli

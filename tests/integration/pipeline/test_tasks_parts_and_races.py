@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from core.events import announcing
-
 import threading
 from pathlib import Path
 
 import pytest
 
 from core.errors import PruneRefused
+from core.events import announcing
 from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote

@@ -18,7 +18,6 @@ import pytest
 from core import checksum
 from core.errors import ConfigError, ObjectLocked
 from core.storage.s3 import S3Store
-
 from tests.kit.servers import each_s3_endpoint  # noqa: F401 - every test here on moto, then LocalStack
 
 MiB = 1024 * 1024

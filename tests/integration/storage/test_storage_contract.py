@@ -12,10 +12,10 @@ import pytest
 
 from core import checksum
 from core.errors import BadInput, ConflictError, CorruptCheckpoint, NotFound, PathEscape
-from core.storage import open_store
-from core.storage.local import LocalStore
-from core.storage.fsspec import FsspecStore
 from core.layout import is_staging
+from core.storage import open_store
+from core.storage.fsspec import FsspecStore
+from core.storage.local import LocalStore
 from core.storage.s3 import S3Store
 from tests.kit.stores import all_names, put, read
 

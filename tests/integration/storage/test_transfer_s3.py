@@ -13,7 +13,6 @@ from core.storage.local import LocalStore
 from core.storage.s3 import S3Store, new_client
 from core.transfer import copy_part, find_committed, verify_part
 from tests.kit.checkpoints import write_checkpoint
-
 from tests.kit.servers import each_s3_endpoint  # noqa: F401 - every test here on moto, then LocalStack
 
 MiB = 1024 * 1024

@@ -12,11 +12,11 @@ import threading
 
 import boto3
 import pytest
-from tests.kit.s3_proxy import S3Proxy
 
 from core import checksum
 from core.errors import StorageUnavailable, is_transient
 from core.storage.s3 import S3Store
+from tests.kit.s3_proxy import S3Proxy
 
 pytestmark = pytest.mark.validating_s3
 
@@ -116,13 +116,12 @@ def test_a_part_corrupted_on_the_way_to_tier2_is_retried_from_the_source_and_nev
     """The pipeline's Tier 2 upload: the server refuses a part flipped in transit; the Tier 2
     replica is not trusted, the Tier 1 copy it was read from stays verified (no scrub, no
     repair, no rejection), and the retry, read from the same source, verifies on Tier 2."""
-    from tests.kit.checkpoints import replica_states, write_checkpoint
-    from tests.kit.pipeline import pipeline_settings
-
     from db.catalog import Catalog
     from tasks.copy import copy_to_tier1, upload_to_tier2
     from tasks.register import register_part
     from tasks.verify import verify_replica
+    from tests.kit.checkpoints import replica_states, write_checkpoint
+    from tests.kit.pipeline import pipeline_settings
 
     settings = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{bucket}/vault",
                                  s3_endpoint_url=proxy.url, s3_multipart_threshold=5 * MiB,
