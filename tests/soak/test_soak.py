@@ -121,14 +121,16 @@ CLOCK = Clock()
 # commit: copy publishes with put_verified/write_small_atomic, verify reads, prune deletes) or a
 # catalog call (the commit itself, a claim, an audit row)
 _PRUNE_STORE = ("delete", "delete_part", "list", "stat", "open_read", "read_small")
-_PRUNE_CATALOG = ("claim_prune", "transition", "record_deletion", "prune_candidates", "replicas")
+# retention: its facts, the retirement recorded before any delete, then each copy's claimed prune
+_PRUNE_CATALOG = ("claim_prune", "transition", "record_deletion", "retention_facts", "retire", "replicas")
 _COPY_STORE = ("put_verified", "write_small_atomic", "open_read", "read_small", "verify_object", "list", "stat")
 _COPY_CATALOG = ("register_part", "claim_copy", "transition", "complete_on_tier", "files", "get_checkpoint")
 TARGETS = {  # operation -> (store methods, catalog methods) it calls, so a planned fault mostly fires
     "promote": ((*_COPY_STORE, "delete", "delete_part"), (*_COPY_CATALOG, "claim_prune", "record_deletion")),
     "retention": (_PRUNE_STORE, _PRUNE_CATALOG),
     "reconcile": (_COPY_STORE + _PRUNE_STORE, _COPY_CATALOG + _PRUNE_CATALOG + ("expired_claims",
-                                                                                "expire_copy_claim")),
+                                                                                "expire_copy_claim",
+                                                                                "retired_with_copies")),
     "scrub": (("open_read", "verify_object", "put_verified", "write_small_atomic", "delete_part", "delete", "list"),
               ("scrub_candidates", "transition", "mark_checked", "claim_copy", "record_deletion", "bad_replicas")),
 }
