@@ -25,22 +25,9 @@ pytestmark = [
 
 
 def _module():
-    import lightning as L
+    from tests.kit.lightning import tiny_module
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, _idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    torch.manual_seed(0)
-    return Tiny()
+    return tiny_module()
 
 
 def _loader():

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.kit.require import require_module
+
+torch = require_module("torch")
 
 from tests.kit.restore import promote, scenario_settings, tier0_dir  # noqa: E402
 
@@ -98,8 +100,8 @@ trainer.train(resume_from_checkpoint=resume_from("hf-r"))  # no checkpoint yet: 
 
 
 def test_hf_trainer_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require_module("transformers")
+    require_module("accelerate")
     from transformers import TrainerCallback
 
     from ckpt.integrations.hf import TieringCallback, resume_from
@@ -142,24 +144,11 @@ def lit_trainer(out, io, max_steps: int, callbacks=()):
 
 
 def lit_module_and_data():
-    import lightning as L
+    from tests.kit.lightning import tiny_module
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, _idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    return Tiny(), torch.utils.data.DataLoader(data, batch_size=4)
+    return tiny_module(), torch.utils.data.DataLoader(data, batch_size=4)
 
 
 LIT_TRAIN = """
@@ -186,7 +175,7 @@ lit_trainer(os.path.join(out, "trainer"), io, 8, [Die()]).fit(model, data, ckpt_
 
 
 def test_lightning_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path, monkeypatch):
-    pytest.importorskip("lightning")
+    require_module("lightning")
     from lightning.pytorch.callbacks import Callback
 
     from ckpt.integrations.lightning import TieringCheckpointIO, resume_path

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.kit.require import require_module
+
+torch = require_module("torch")
 
 from core.errors import StorageFull  # noqa: E402
 from tests.kit.restore import scenario_settings  # noqa: E402
@@ -30,8 +32,8 @@ def written(root) -> list[str]:
 
 
 def test_hf_trainer_raises_storage_full_before_it_saves(small_tier0):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require_module("transformers")
+    require_module("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from ckpt.integrations.hf import TieringCallback
@@ -53,7 +55,7 @@ def test_hf_trainer_raises_storage_full_before_it_saves(small_tier0):
 
 
 def test_lightning_save_raises_storage_full_before_it_writes(small_tier0):
-    pytest.importorskip("lightning")
+    require_module("lightning")
     from ckpt.integrations.lightning import TieringCheckpointIO
 
     settings, root = small_tier0

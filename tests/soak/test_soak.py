@@ -288,7 +288,6 @@ class Soak(RuleBasedStateMachine):
         self.seen_pruned: set[int] = set()  # replica ids already counted as pruned
         self.verified_on: set[tuple[int, int]] = set()  # (step, tier 1 or 2) seen verified with the saved bytes
         self.retired: set[int] = set()  # steps the catalog calls retired
-        self.last_good_audit: dict[int, int] = {}  # step -> the newest audit id when it last had a good copy
         self.trace: list[str] = []
         STATS["examples"] += 1
 
@@ -808,7 +807,6 @@ class Soak(RuleBasedStateMachine):
         cat = Catalog(self.settings["node-0"].catalog_url)
         good_now: set[int] = set()
         try:
-            newest_audit = max((e.id for e in cat.audit_log(run=RUN, limit=1)), default=0)
             newest_ever = max(self.ever_verified, default=None)
             for step in sorted(self.saved):
                 version = self.canonical(cat, step)
@@ -851,7 +849,6 @@ class Soak(RuleBasedStateMachine):
                 good = self.good(step, version)
                 if good:
                     self.excused.discard(step)
-                    self.last_good_audit[step] = newest_audit
                 elif ck.state == RETIRED and step in self.ever_verified:
                     if not self.retired_first(cat, step):
                         STATS["checkpoints_lost"] += 1

@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 from core.checksum import hash_file
 from core.errors import CorruptCheckpoint
 from core.load_check import ManifestFile, load_and_check
+from tests.kit.require import require_module
 
 
 def listed(folder, *names):
@@ -49,7 +50,7 @@ def test_a_header_the_library_refuses_is_corrupt_even_when_the_bytes_match_the_m
 
 
 def test_a_whole_dcp_checkpoint_is_loaded_with_torch(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"w": torch.arange(6.0), "opt": {"m": torch.ones(3)}}, checkpoint_id=str(tmp_path), no_dist=True)
