@@ -11,7 +11,11 @@ neighbours Chromium waits on update, sync and field-trial servers it can never r
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -78,7 +82,7 @@ class Browser:
         from ckpt.processes import free_port
 
         self.width, self.height, self.timeout = width, height, timeout
-        self._profile = tempfile.TemporaryDirectory(prefix="ckpt-ui-browser-")
+        self._profile = tempfile.TemporaryDirectory(prefix="ckpt-ui-browser-", ignore_cleanup_errors=True)
         self._log = Path(self._profile.name) / "chromium.log"
         port = free_port()
         with open(self._log, "wb") as log:
@@ -199,6 +203,9 @@ class Browser:
         return len(data)
 
     def close(self) -> None:
+        """Close the tab's socket, end Chromium and every process it started (its renderer, GPU
+        and crash handler live in its session and may outlive it, writing into the profile), then
+        remove the profile."""
         ws = getattr(self, "_ws", None)
         if ws is not None:
             ws.close()
@@ -209,6 +216,16 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the rest of its session: start_new_session
+        for _ in range(20):  # a child killed a moment ago may still be flushing into the profile
+            try:
+                shutil.rmtree(self._profile.name)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.25)
         self._profile.cleanup()
 
     def __enter__(self) -> Self:

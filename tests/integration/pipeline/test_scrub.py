@@ -113,6 +113,28 @@ def test_a_checkpoint_never_copied_to_a_durable_tier_gets_a_tier1_copy(settings)
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
 
 
+def test_a_checkpoint_verified_nowhere_yet_is_left_to_its_promotion_not_failed(settings):
+    """A promotion that died after registering (its Tier 0 copy never read back) on a worker
+    whose clock runs past the grace: there is no trusted source to repair from, and nothing is
+    bad either. Scrub says it is left to the promotion and reconcile, and reports no failure;
+    reconcile then promotes it."""
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    files = {"w.bin": os.urandom(200_000)}
+    commit_folder(settings, RUN, 100, files)
+    plain_steps().register(settings, RUN, 100, actor="test")  # then the worker died
+    assert replica_states(settings, RUN, 100) == {}
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert report.ok and report.repairs == []
+    assert [s for s in report.skipped if "not verified on any tier yet" in s and "left to its promotion" in s]
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+
+
 def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_url, s3_endpoint, s3_bucket):
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
     files = {"w.bin": os.urandom(300_000)}
