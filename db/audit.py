@@ -31,6 +31,20 @@ class Audit(CatalogPart):
         with self._tx(write=False) as conn:
             return [to_audit(r) for r in conn.execute(stmt)]
 
+    def record_rejection_once(self, subject: str, reason: str, *, actor: str, run: str | None = None) -> bool:
+        """Audit a rejected input that carries no step the catalog can hold (a folder named out of
+        range, found again by every reconcile pass) once: True if recorded now, False if a
+        rejection of ``subject`` is on record already (found through the (run, step) index)."""
+        with self._tx() as conn:
+            seen = conn.execute(select(audit.c.id).where(
+                audit.c.run == run if run is not None else audit.c.run.is_(None), audit.c.step.is_(None),
+                audit.c.action == "reject", audit.c.subject == subject).limit(1)).first()
+            if seen is not None:
+                return False
+            add_audit(conn, at=_now(conn), actor=actor, subject=subject, action="reject", to_state="rejected",
+                      reason=reason, run=run, step=None)
+            return True
+
     def clock(self) -> datetime:
         """The catalog's clock (see ``_now``): what leases, ages and retentions compare against."""
         with self._tx(write=False) as conn:

@@ -86,9 +86,10 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     mark_missing(settings, report, actor=actor)
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
-        todo0 = parts_todo(cat, tier0, list(find_committed(tier0)), report, tier=0, grace_seconds=grace_seconds)
+        todo0 = parts_todo(cat, tier0, list(find_committed(tier0)), report, tier=0, grace_seconds=grace_seconds,
+                           actor=actor)
         todo1 = parts_todo(cat, tier1, adoption_slice(cat, tier1, settings.reconcile_check_limit), report, tier=1,
-                      grace_seconds=grace_seconds)
+                           grace_seconds=grace_seconds, actor=actor)
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         attempt(report, report.promoted, f"{run}/{step} part {part}",
@@ -116,9 +117,10 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
         stuck = cat.expired_claims()
         lapsed = [rep for rep in stuck if rep.state == COPYING
                   and each(report, replica_item(rep), lambda rep=rep: cat.expire_copy_claim(rep.id, actor=actor))]
-    for rep in lapsed:
-        report.recovered.append(f"{replica_item(rep)}: stalled copy -> "
-                                f"{_recheck(settings, rep, steps=steps, actor=actor)}")
+    for rep in lapsed:  # each re-check is its own item: an unexpected error fails only it
+        state = each(report, replica_item(rep), lambda rep=rep: _recheck(settings, rep, steps=steps, actor=actor))
+        if state is not None:
+            report.recovered.append(f"{replica_item(rep)}: stalled copy -> {state}")
     for rep in [r for r in stuck if r.state == PRUNING]:
         item = replica_item(rep)
         if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):

@@ -76,13 +76,13 @@ def attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> Non
 
 
 def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int]], report: ReconcileReport, *,
-          tier: int, grace_seconds: float) -> list[tuple[str, int, int, int]]:
+          tier: int, grace_seconds: float, actor: str = "cli") -> list[tuple[str, int, int, int]]:
     """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
     catalog's view of all of them in one set-based read (``promotion_status``), not queries per
     part; a part's manifest is read only for the few that look wanted (``_rejected``). A part
     named out of range (``check_ref``) is listed and left alone; should the set-based read fail,
     each part is read on its own, so one bad item fails only itself."""
-    found = [p for p in found if _named_in_range(p, report, tier=tier)]
+    found = [p for p in found if _named_in_range(cat, store, p, report, tier=tier, actor=actor)]
     status = _promotion_status(cat, found, report, tier=tier, grace_seconds=grace_seconds)
     todo = []
     for p in found:
@@ -95,7 +95,10 @@ def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, 
     return todo
 
 
-def _named_in_range(found: tuple[str, int, int, int], report: ReconcileReport, *, tier: int) -> bool:
+def _named_in_range(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], report: ReconcileReport, *,
+                    tier: int, actor: str) -> bool:
+    """Whether the folder's step and part numbers are in range (``check_ref``); one that is not is
+    listed, audited as a rejection once (not on every pass) and left alone."""
     from core.layout import check_ref
 
     run, step, part, parts = found
@@ -103,7 +106,11 @@ def _named_in_range(found: tuple[str, int, int, int], report: ReconcileReport, *
         check_ref(step, part, parts)
         return True
     except BadInput as exc:
-        report.skipped.append(f"tier {tier} {checkpoint_prefix(run, step)} part {part}: {exc}; folder left alone")
+        what = f"tier {tier} {checkpoint_prefix(run, step)} part {part}"
+        report.skipped.append(f"{what}: {exc}; folder left alone")
+        subject = f"folder:{store.url_for(checkpoint_prefix(run, step))}#part-{part}"
+        reason = f"{type(exc).__name__}: {exc}"
+        each(report, what, lambda: cat.record_rejection_once(subject, reason, actor=actor, run=run))
         return False
 
 

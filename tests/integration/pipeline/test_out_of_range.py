@@ -83,6 +83,9 @@ def test_a_step_past_bigint_among_good_checkpoints_stops_nothing(settings_factor
     assert published_files(settings.tier0_url, RUN, HUGE) == before  # left alone
     again = reconcile_once(settings, steps=plain_steps())  # and again next pass, still listed
     assert [s for s in again.skipped if str(HUGE) in s] and again.failed == []
+    with Catalog(settings.catalog_url) as cat:  # a rejection on record, once however many passes find it
+        rows = [a for a in cat.audit_log(limit=50) if a.action == "reject"]
+    assert len(rows) == 1 and str(HUGE) in rows[0].subject and "out of range" in rows[0].reason
 
 
 def test_registering_a_step_past_bigint_is_refused_with_an_audit_row(settings_factory, db_url):

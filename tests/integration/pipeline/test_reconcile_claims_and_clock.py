@@ -145,6 +145,26 @@ def test_a_lapsed_claim_on_a_copy_no_longer_whole_is_not_trusted(settings):
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"  # the good copy is untouched
 
 
+def test_a_re_check_that_breaks_fails_only_its_own_item(settings):
+    """A lapsed claim whose re-check raises something unexpected is that item's failure: the
+    pass goes on and promotes the node's next checkpoint."""
+    _kill_a_verify_after_its_claim(settings, 100)
+    write_checkpoint(settings.tier0_url, RUN, 300)
+    steps = plain_steps()
+    real_verify = steps.verify
+
+    def verify(s, run, step, *a, **kw):
+        if step == 100:
+            raise RuntimeError("a driver bug")
+        return real_verify(s, run, step, *a, **kw)
+
+    report = reconcile_once(settings, steps=replace(steps, verify=verify))
+
+    assert len(report.failed) == 1 and "RuntimeError: a driver bug" in report.failed[0]
+    assert f"{RUN}/300 part 0" in report.promoted
+    assert replica_states(settings, RUN, 300)[(1, 0)] == "verified"
+
+
 def test_a_killed_tier0_verify_does_not_leak_the_node_s_disk(settings):
     """The sequence of issue 17 c: the Tier 0 verify of step 300 is killed after its claim; the
     retried promotion finds the live claim, reads the copy but records nothing, and copies to
