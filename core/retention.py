@@ -13,7 +13,9 @@ What each tier keeps (the README's table says the same):
 - Tier 2 keeps by its own policy (``keep_last``, ``top_k``, ``max_age``; off by default, which
   keeps everything) and always within Object Lock.
 - On every tier: a pinned or aliased checkpoint, the newest verified one of its run, and one
-  newer than the run's newest durable one (rotate only after the new save is durable).
+  newer than the run's newest durable one (rotate only after the new save is durable). While
+  such a newer one exists, the newest durable checkpoint keeps its most durable copy too: it
+  is what the run resumes from if the node holding the newer one is lost.
 - A parent of another run (``keep_parents``) keeps its most durable copy while the child run
   has any checkpoint.
 
@@ -155,6 +157,10 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
             continue
         holds = _holds(c, newest, newest_durable)
         parent = [f"parent of {r}" for r in c.children] if rules.keep_parents else []
+        # the run's newest durable checkpoint, while a newer verified one is not durable yet, is
+        # what a lost node resumes from: kept (on its most durable tier) whatever the policies say
+        if c.step == newest_durable and newest is not None and newest > newest_durable:
+            parent.insert(0, "newest durable")
         locks = sorted({r.locked_until for r in c.replicas if r.locked_until is not None and r.locked_until > now})
         lock = [f"locked until {locks[-1].isoformat()}"] if locks else []
         tier_reasons = {t: by_tier[t].get(c.step, []) for t in TIERS if c.on(t)}

@@ -34,8 +34,9 @@ class RetentionPolicy(BaseModel):
 
     keep_last: int | None = Field(default=None, ge=1, description="keep the newest N checkpoints of each run")
     keep_milestones: bool = Field(
-        default=True, description="keep milestones: Tier 0 until archived (Tier 2 on) or durable, Tier 1 until "
-                                  "archived (Tier 2 on) or for good (Tier 2 off); no effect on Tier 2")
+        default=True, description="keep milestones on Tier 1 until archived (Tier 2 on) or for good (Tier 2 "
+                                  "off); no effect on Tier 0 (scratch: a milestone leaves it once durable, like any "
+                                  "checkpoint) or Tier 2")
     top_k: int | None = Field(default=None, ge=1, description="keep the best k by `metric`")
     metric: str | None = Field(default=None, description="metric name for top_k, e.g. 'loss'")
     metric_mode: Literal["min", "max"] = Field(default="min",

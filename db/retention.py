@@ -108,7 +108,8 @@ def retire(conn: Connection, run: str, step: int, *, reason: str, actor: str, no
            keep_parents: bool = True) -> bool:
     """Record ``committed -> retired`` before any byte goes, after checking again, under the
     checkpoint's lock, what never lets a checkpoint be retired: a pin, an alias, being the
-    newest verified checkpoint of its run or newer than its newest durable one, a child run
+    newest verified checkpoint of its run, newer than its newest durable one or that one itself
+    while a newer verified one is not durable, a child run
     (``keep_parents``). True if recorded now, False if it was retired already; ``PruneRefused``
     with the reason when the rows forbid it."""
     ck = checkpoint_row(conn, run, step, lock=True)
@@ -141,6 +142,8 @@ def _retire_refusal(conn: Connection, ck: Row, keep_parents: bool) -> str | None
     newest_durable = conn.execute(durable).scalar()
     if newest_durable is None or ck.step > newest_durable:
         return "newer than newest durable"
+    if ck.step == newest_durable:  # and a newer verified one (checked above) is not durable yet
+        return "newest durable"
     if keep_parents:
         kids = lineage_children(conn, [ck.id])
         if kids:

@@ -9,8 +9,8 @@ from core.retention import plan
 from tests.kit.retention_cases import case_files, facts_of, load, now_of, parts_of, rendered, rules_of
 
 RULES = ("keep_last", "milestone", "milestone not yet archived", "top_k loss", "top_k acc", "max_age", "pinned",
-         "alias best", "newest verified", "newer than newest durable", "parent of ft", "not yet durable",
-         "locked until", "retention off", "last durable copy", "no tier keeps it", "retired",
+         "alias best", "newest verified", "newer than newest durable", "newest durable", "parent of ft",
+         "not yet durable", "locked until", "retention off", "last durable copy", "no tier keeps it", "retired",
          "not kept on tier 0", "not kept on tier 1")
 
 

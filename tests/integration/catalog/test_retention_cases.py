@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
+from core.errors import PruneRefused
 from core.retention import plan
 from db.catalog import Catalog
 from db.rows import checkpoints
@@ -68,3 +69,26 @@ def test_golden_case_through_the_catalog(path, db_url):
                                            for r in f.replicas))
                  for f in cat.retention_facts()]
     assert rendered(plan(facts, rules_of(case), now_of(case)), parts_of(case)) == case["expect"]
+
+
+HOLDS = ("pinned", "alias ", "newest verified", "newer than newest durable", "newest durable", "parent of ")
+
+
+@pytest.mark.parametrize("path", case_files(), ids=lambda p: p.stem)
+def test_the_catalog_refuses_to_retire_what_the_rule_holds(path, db_url):
+    """The catalog's own check under the checkpoint's lock (``Catalog.retire``) agrees with the
+    rule: every checkpoint the plan keeps for a hold (pin, alias, newest verified, newer than
+    the newest durable, the newest durable one, a parent) is refused; every one it retires is
+    recorded retired."""
+    case = load(path)
+    rules = rules_of(case)
+    with Catalog.open(db_url, auto_upgrade=True) as cat:
+        _fill(cat, db_url, case)
+        decided = plan(cat.retention_facts(), rules, now_of(case)).checkpoints
+        held = [d for d in decided if d.action == "keep" and any(r.startswith(HOLDS) for r in d.reason.split(", "))]
+        for d in held:
+            with pytest.raises(PruneRefused, match="not retired"):
+                cat.retire(d.run, d.step, reason="a test", actor="test", keep_parents=rules.keep_parents)
+        for d in decided:
+            if d.action == "retire" and d.reason != "retired":
+                assert cat.retire(d.run, d.step, reason=d.reason, actor="test", keep_parents=rules.keep_parents)
