@@ -641,6 +641,9 @@ class Soak(RuleBasedStateMachine):
         step = steps[pick % len(steps)]
         cat = Catalog(self.settings["node-0"].catalog_url)
         try:
+            ck = self._checkpoint(cat, step)
+            if ck is None or ck.state == RETIRED:
+                return  # retention let it go: a retired checkpoint is never pinned back
             if self.good(step, self.canonical(cat, step)):
                 cat.pin(RUN, step, reason="soak", actor="soak")
                 self.pinned.add(step)
@@ -806,6 +809,7 @@ class Soak(RuleBasedStateMachine):
         from db.catalog import Catalog
         cat = Catalog(self.settings["node-0"].catalog_url)
         good_now: set[int] = set()
+        retired_now: set[int] = set()
         try:
             newest_ever = max(self.ever_verified, default=None)
             for step in sorted(self.saved):
@@ -846,6 +850,8 @@ class Soak(RuleBasedStateMachine):
                         STATS["checkpoints_verified"] += 1
                     self.ever_verified.add(step)
                     newest_ever = max(newest_ever or step, step)
+                if ck.state == RETIRED:
+                    retired_now.add(step)
                 good = self.good(step, version)
                 if good:
                     self.excused.discard(step)
@@ -872,6 +878,9 @@ class Soak(RuleBasedStateMachine):
                                      f"{' (newest verified)' if step == newest_ever else ''}"
                                      f"{' (pinned)' if step in self.pinned else ''}; replicas: "
                                      + ", ".join(f"t{r.tier}/{r.node}:{r.state}" for r in reps))
+            for step in retired_now & (self.pinned | ({newest_ever} - self.damaged)):
+                self.violate(f"step {step} was retired although it is "
+                             f"{'pinned' if step in self.pinned else 'the newest that reached verified'}")
             self._audited_deletes(cat)
         finally:
             cat.close()

@@ -197,6 +197,18 @@ def test_a_retirement_recorded_after_the_deletes_is_a_loss(db_url, s3_endpoint, 
         m.teardown()
 
 
+def test_retiring_the_newest_verified_checkpoint_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                                  monkeypatch):
+    """Recorded first or not, a retirement of what retention never retires is a violation."""
+    m = _two_checkpoints(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _retire(m, 200)
+        with pytest.raises(AssertionError, match="step 200 was retired although it is the newest that reached"):
+            m.nothing_is_lost()
+    finally:
+        m.teardown()
+
+
 def test_a_restore_that_fails_past_a_verified_copy_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
                                                                   monkeypatch):
     import tasks.restore
