@@ -33,6 +33,11 @@ from tasks.retry import pipeline_task
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
 LOCKED = "locked"  # under the store's retention (S3 Object Lock) until a date: planned for after it
 DEMOTE, RETIRE, KEEP = rule.DEMOTE, rule.RETIRE, rule.KEEP
+# a Tier 2 copy whose Object Lock date could not be read may be locked: kept this pass, and its
+# checkpoint not retired (``_keep_unknown_locks``)
+UNKNOWN_LOCK = "lock date unknown"
+DEFERRED = "retirement deferred: a tier 2 copy's lock date is unknown"
+UNKNOWN_LOCK_REASONS = (UNKNOWN_LOCK, DEFERRED)
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,11 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
         now = now or cat.clock()
         rules = retention_rules(settings)
         decided = rule.plan(facts, rules, now)
+        unknown: dict[int, str] = {}
         if 2 in tiers and settings.tier2_url:
-            facts = _with_locks(cat, settings, facts, decided)
-            decided = rule.plan(facts, rules, now)
+            facts, unknown = _with_locks(cat, settings, facts, decided)
+            decided = _keep_unknown_locks(rule.plan(facts, rules, now), unknown)
+    held = {d.replica_id for d in decided.replicas if d.action == KEEP and d.reason.startswith(UNKNOWN_LOCK_REASONS)}
     out: list[PruneAction] = []
     for d in decided.replicas:
         if d.tier not in tiers or (d.tier == 0 and node is not None and d.node not in (None, "", node)):
@@ -94,7 +101,7 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
             if d.reason.startswith("locked until"):
                 until = d.reason.removeprefix("locked until ").split(",")[0]
                 out.append(replace(action, outcome=LOCKED, detail=f"Object Lock until {until}; let go after that"))
-            elif explain:
+            elif explain or d.replica_id in held:  # a lock not known is shown even unasked
                 out.append(replace(action, outcome=KEPT, detail=d.reason))
             continue
         if d.action == RETIRE and not whole and d.reason != "retired":
@@ -106,12 +113,15 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
 
 
 def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFacts],
-                decided: rule.Plan) -> list[rule.CheckpointFacts]:
+                decided: rule.Plan) -> tuple[list[rule.CheckpointFacts], dict[int, str]]:
     """``facts`` with the Object Lock date of each Tier 2 copy the first plan lets go (asked of
-    the store: the manifest, written last, carries the latest retain-until date of its part)."""
+    the store: the manifest, written last, carries the latest retain-until date of its part),
+    and the copies whose date could not be read (replica id -> the error): those may be locked,
+    so they are kept this pass (``_keep_unknown_locks``)."""
     going = {d.replica_id for d in decided.replicas if d.tier == 2 and d.action != KEEP}
+    unknown: dict[int, str] = {}
     if not going:
-        return facts
+        return facts, unknown
     out = []
     with open_tier(settings, 2) as store:
         for c in facts:
@@ -120,11 +130,33 @@ def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFac
                 if r.replica_id in going:
                     try:
                         r = replace(r, locked_until=store.locked_until([part_key(c.run, c.step, r.part, c.parts)]))
-                    except CkptError as exc:  # left to go: the prune checks the lock again itself
-                        log.warning("retention: Object Lock of %s/%s not known: %s", c.run, c.step, exc)
+                    except CkptError as exc:  # not known: maybe locked, so kept this pass
+                        log.warning("retention: Object Lock of %s/%s not known, kept: %s", c.run, c.step, exc)
+                        unknown[r.replica_id] = f"{type(exc).__name__}: {exc}"
                 reps.append(r)
             out.append(replace(c, replicas=tuple(reps)))
-    return out
+    return out, unknown
+
+
+def _keep_unknown_locks(plan: rule.Plan, unknown: dict[int, str]) -> rule.Plan:
+    """``plan`` with every copy whose Object Lock date could not be read kept (``lock date
+    unknown: ERROR``), and the checkpoints the plan would retire with such a copy not retired this
+    pass: their other copies kept too (a retirement is recorded before any copy goes; one that
+    left a locked copy behind could not be finished). Demotions of other copies stand, and a
+    checkpoint already recorded retired still loses its other copies."""
+    if not unknown:
+        return plan
+    stuck = {(d.run, d.step) for d in plan.replicas if d.replica_id in unknown and d.action != KEEP}
+    deferred = {(d.run, d.step) for d in plan.checkpoints if d.action == RETIRE and d.reason != "retired"} & stuck
+    reps = []
+    for d in plan.replicas:
+        if d.replica_id in unknown and d.action != KEEP:
+            d = replace(d, action=KEEP, reason=f"{UNKNOWN_LOCK}: {unknown[d.replica_id]}")
+        elif d.action == RETIRE and (d.run, d.step) in deferred:
+            d = replace(d, action=KEEP, reason=DEFERRED)
+        reps.append(d)
+    cks = [replace(d, action=KEEP, reason=DEFERRED) if (d.run, d.step) in deferred else d for d in plan.checkpoints]
+    return rule.Plan(checkpoints=tuple(cks), replicas=tuple(reps))
 
 
 def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Callable[..., Any],

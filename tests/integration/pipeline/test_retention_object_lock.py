@@ -1,7 +1,8 @@
 """Retention on a Tier 2 under S3 Object Lock (moto over HTTP, the real pipeline as plain
 functions, a real catalog): a locked milestone is planned for after its date, never tried
 and never a failure; a prune asked by hand is refused, audited, and every byte stays; an
-unlocked copy in the same (versioned) bucket is really removed when pruned, versions and all."""
+unlocked copy in the same (versioned) bucket is really removed when pruned, versions and all; a
+copy whose lock date cannot be read is kept, and its checkpoint not retired, until it can."""
 
 from __future__ import annotations
 
@@ -82,3 +83,57 @@ def test_an_unlocked_copy_in_a_versioned_bucket_is_pruned_for_real(settings_fact
     assert _tier2(settings, 1).state == "pruned"
     assert _objects(lock_bucket, s3_endpoint, 1) == ([], [])  # no version kept, no delete marker left
     assert len(_objects(lock_bucket, s3_endpoint, 2)[0]) == 3
+
+
+@pytest.mark.parametrize("would", ["demote", "retire"])
+def test_a_copy_whose_lock_date_cannot_be_read_is_kept_and_nothing_is_retired(
+        settings_factory, sqlite_url, s3_endpoint, lock_bucket, monkeypatch, would):
+    """The store cannot say whether step 1's Tier 2 copy is locked (its HeadObject fails): the
+    copy is kept this pass, shown with why (``lock date unknown: ERROR``), and its checkpoint is not
+    retired (its other copies stay too), where Tier 2's keep_last=1 would demote that copy (Tiers
+    0 and 1 keep everything) or retire the checkpoint (they keep the newest only). Once the date
+    can be read again, the next pass does what the policy says."""
+    from core.errors import StorageUnavailable
+    from core.storage.s3.store import S3Store
+    from flows.common import plain_steps
+    from flows.retention import retention
+    from tasks.retention import KEEP, KEPT, RETIRE
+    from tests.kit.restore import tier0_dir, tier1_dir
+
+    keep_newest = dict(retention_tier0=RetentionPolicy(keep_last=1), retention_tier1=RetentionPolicy(keep_last=1))
+    settings = _settings(settings_factory, sqlite_url, s3_endpoint, lock_bucket,
+                         **(keep_newest if would == "retire" else {}))
+
+    def unreadable(self, keys):
+        raise StorageUnavailable(f"HeadObject {next(iter(keys))}: timed out")
+    readable = S3Store.locked_until
+    monkeypatch.setattr(S3Store, "locked_until", unreadable)
+    _milestones(settings, 1, 2)  # the promotion of step 2 applies retention too
+    stored, _ = _objects(lock_bucket, s3_endpoint, 1)
+    assert len(stored) == 3
+
+    plan = [a for a in plan_retention(settings) if a.step == 1]
+    t2 = next(a for a in plan if a.tier == 2)
+    assert (t2.action, t2.outcome) == (KEEP, KEPT)
+    assert t2.reason.startswith("lock date unknown: StorageUnavailable: HeadObject") and "timed out" in t2.reason
+    if would == "retire":  # its other copies are held with it, shown as such
+        assert {(a.tier, a.action, a.reason) for a in plan if a.tier != 2} == {
+            (t, KEEP, "retirement deferred: a tier 2 copy's lock date is unknown") for t in (0, 1)}
+    else:  # Tiers 0 and 1 keep everything: nothing else of step 1 in the plan
+        assert [a.tier for a in plan] == [2]
+    done = [a for a in retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
+    assert {a.outcome for a in done} == {KEPT}  # nothing tried, nothing failed
+
+    with Catalog(settings.catalog_url) as cat:
+        ck = cat.get_checkpoint(RUN, 1)
+        assert ck.state == "committed"
+        assert {r.tier: r.state for r in cat.replicas(ck.id)} == {0: "verified", 1: "verified", 2: "verified"}
+        assert not [e for e in cat.history(RUN, 1) if e.action in ("retire", "delete")]
+    assert tier0_dir(settings, RUN, 1).exists() and tier1_dir(settings, RUN, 1).exists()
+    assert _objects(lock_bucket, s3_endpoint, 1) == (stored, [])
+
+    monkeypatch.setattr(S3Store, "locked_until", readable)  # readable again (none set): the policy applies
+    done = [a for a in retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
+    assert {(a.tier, a.outcome) for a in done if a.tier == 2} == {(2, "pruned")}
+    assert {a.action for a in done} == ({RETIRE} if would == "retire" else {"demote"})
+    assert _objects(lock_bucket, s3_endpoint, 1) == ([], [])

@@ -124,8 +124,9 @@ def test_fifty_steps_leave_the_ten_newest_the_kept_milestones_and_the_parent_on_
 
 
 # --- a retirement killed at every step, finished by reconcile -------------------------------------
-def _hook_deletes(monkeypatch, kill_at: int):
-    """Every store the prune opens: the ``kill_at``-th delete (from 1) kills the worker."""
+def _hook_deletes(monkeypatch, kill_at: int, *, after: bool = False):
+    """Every store the prune opens: the ``kill_at``-th delete (from 1) kills the worker, before
+    it deletes anything or, with ``after``, once it has (before the prune records ``pruned``)."""
     import tasks.prune as prune_mod
 
     real_open, calls = prune_mod.open_tier, {"n": 0}
@@ -138,9 +139,12 @@ def _hook_deletes(monkeypatch, kill_at: int):
 
                 def deleting(key, _real=real):
                     calls["n"] += 1
-                    if calls["n"] == kill_at:
+                    if calls["n"] == kill_at and not after:
                         raise Killed(f"killed at delete {kill_at}: {key}")
-                    return _real(key)
+                    out = _real(key)
+                    if calls["n"] == kill_at:
+                        raise Killed(f"killed after delete {kill_at}: {key}")
+                    return out
                 setattr(store, name, deleting)
             yield store
 
@@ -148,31 +152,42 @@ def _hook_deletes(monkeypatch, kill_at: int):
     return calls
 
 
-@pytest.mark.parametrize("kill_at", range(7))
-def test_a_retirement_killed_at_any_step_is_finished_by_reconcile(settings_factory, sqlite_url, monkeypatch,
-                                                                  kill_at):
-    """Step 100 on Tiers 0 and 1: its retirement is recorded, then 6 deletes (per tier: the
-    manifest, the manifest again with the files, the folder). 0: killed after the record, before
-    any prune began."""
-    settings = _settings(settings_factory, sqlite_url)
+# where the worker dies: after the record, before any prune began; at each of the 6 deletes (per
+# tier: the manifest, the manifest again with the files, the folder), before it; and after each
+# tier's last delete, before that copy is recorded ``pruned`` (Tier 1's: the retirement's last)
+KILLS = ["recorded"] + [f"delete-{n}" for n in range(1, 7)] + ["after-delete-3", "after-delete-6"]
+
+
+@pytest.mark.parametrize("kill", KILLS)
+def test_a_retirement_killed_at_any_step_is_finished_by_reconcile(settings_factory, db_url, monkeypatch, kill):
+    """Step 100 on Tiers 0 and 1: its retirement is recorded, then 6 deletes, then each copy
+    recorded ``pruned``; a worker killed anywhere in between leaves it to reconcile, which
+    finishes it on either catalog."""
+    settings = _settings(settings_factory, db_url)
     save(settings, 100, 200)
     keep1 = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1),
                                         "retention_tier1": RetentionPolicy(keep_last=1)})
     plan = [a for a in plan_retention(keep1, run=RUN) if a.step == 100]
     assert [(a.tier, a.action, a.reason) for a in plan] == [(0, RETIRE, "no tier keeps it"),
                                                             (1, RETIRE, "no tier keeps it")]
-    if kill_at == 0:
+    if kill == "recorded":
         import tasks.retention as ret
 
         def killed(*_a, **_kw):
             raise Killed("killed after the retirement was recorded")
         monkeypatch.setattr(ret, "_prune", killed)
     else:
-        _hook_deletes(monkeypatch, kill_at)
+        calls = _hook_deletes(monkeypatch, int(kill.rsplit("-", 1)[1]), after=kill.startswith("after"))
     with pytest.raises(Killed):
         apply_retention(keep1, plan, prune=plain_steps().prune, actor="killed-worker")
     monkeypatch.undo()
     assert states(settings)[100] == "retired"
+    if kill == "after-delete-6":  # every byte gone, the last copy not yet recorded pruned
+        assert calls["n"] == 6
+        assert not tier0_dir(settings, RUN, 100).exists() and not tier1_dir(settings, RUN, 100).exists()
+        with Catalog(settings.catalog_url) as cat:
+            ck = cat.get_checkpoint(RUN, 100)
+            assert {r.tier: r.state for r in cat.replicas(ck.id)} == {0: "pruned", 1: "pruning"}
 
     expire_claims(settings)  # the dead worker's leases lapse
     report = reconcile_once(keep1, steps=plain_steps(), actor="reconcile")
