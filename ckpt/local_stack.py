@@ -12,8 +12,9 @@ credentials) and the agents, the job's exports and every call made from here car
 
 Each piece is a child process started with its own log file and stopped cleanly (SIGINT,
 then SIGTERM, then SIGKILL after a grace period), so nothing is left behind. Ports are the
-asked ones when free, else any free loopback port; a port given with ``ckpt up --port`` is
-required (taken: a clear error, never a silent other port).
+asked ones when free, else any free loopback port: Prefect's ``port`` and S3's the one after it
+(``s3_port``); with ``ckpt up --port P`` both are required, P and P + 1 (taken: a clear error,
+never a silent other port), so a restarted stack keeps the API and S3 URLs its jobs' exports name.
 """
 
 from __future__ import annotations
@@ -84,12 +85,16 @@ def start_prefect_server(home: Path, *, port: int | None = 4200, ui: bool = True
     return proc, url
 
 
-def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt",
-               timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server on loopback with ``bucket`` created; returns (process, endpoint URL)."""
+S3_PORT_IS = "the S3 server's (--port + 1)"  # how a taken S3 port is named: ckpt up puts it after Prefect's
+
+
+def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt", timeout: float = 60.0,
+               port_required: bool = False) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on loopback with ``bucket`` created; returns (process, endpoint URL).
+    ``port_required``: on ``port`` or not at all (``free_port``)."""
     import boto3
 
-    port = free_port(port)
+    port = free_port(port, required=port_required, what=S3_PORT_IS)
     proc = spawn([sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)], log)
     url = f"http://{LOOPBACK}:{port}"
     try:
@@ -263,10 +268,24 @@ class LocalStack(Started):
     def ui_url(self) -> str:
         return self.api_url.removesuffix("/api")
 
+    @property
+    def s3_port(self) -> int | None:
+        """S3's port: the one after Prefect's (asked; ``free_port`` decides), so that a stack
+        restarted with ``--port P`` is back on the same S3 endpoint, as on the same API."""
+        return self.port + 1 if self.port else None
+
+    def start_s3(self) -> None:
+        """moto's S3 server on ``s3_port`` (required with ``port_required``)."""
+        moto, self.s3_url = start_moto(self.root / "logs" / "moto.log", port=self.s3_port,
+                                       port_required=self.port_required)
+        self.procs.append(moto)
+
     def start(self) -> LocalStack:
         from db.catalog import upgrade
 
         self.root = self.root.absolute()
+        if self.tier2 and self.port_required:  # taken: an error before any server is started
+            free_port(self.s3_port, required=True, what=S3_PORT_IS)
         if self.production is not None:
             self.production.server_env_extra.update(auth_env(self.auth_string, server=True))
             self.api_url = self.production.start().api_url
@@ -275,8 +294,7 @@ class LocalStack(Started):
                                                         auth_string=self.auth_string, port_required=self.port_required)
             self.procs.append(server)
         if self.tier2:
-            moto, self.s3_url = start_moto(self.root / "logs" / "moto.log")
-            self.procs.append(moto)
+            self.start_s3()
         catalog_url = self.production.catalog_url if self.production is not None else None
         self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url,
                                 catalog_url=catalog_url, auth_string=self.auth_string), **self.extra_env}

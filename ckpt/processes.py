@@ -15,12 +15,13 @@ from core.errors import ConfigError
 LOOPBACK = "127.0.0.1"
 
 
-def free_port(preferred: int | None = None, *, required: bool = False) -> int:
+def free_port(preferred: int | None = None, *, required: bool = False, what: str = "") -> int:
     """``preferred`` if nothing listens there, else a free port the OS picks; with ``required``
     a taken ``preferred`` is a ``ConfigError`` (a stack restarted with ``--port P`` must come
-    back on P: the exports its jobs hold name it). The test bind sets SO_REUSEADDR, as the
-    servers themselves do (uvicorn): a port held only by TIME_WAIT connections of a stack that
-    just stopped is free, not taken."""
+    back on P: the exports its jobs hold name it), which names the port as ``what`` says (e.g.
+    "the S3 server's"). The test bind sets SO_REUSEADDR, as the servers themselves do (uvicorn,
+    werkzeug): a port held only by TIME_WAIT connections of a stack that just stopped is free,
+    not taken."""
     if preferred:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -29,9 +30,9 @@ def free_port(preferred: int | None = None, *, required: bool = False) -> int:
                 return preferred
             except OSError as exc:
                 if required:
-                    raise ConfigError(f"port {preferred} on {LOOPBACK} is taken ({exc.strerror}): another "
-                                      "process listens there; stop it, or start on another --port (and give "
-                                      "the jobs the new exports)") from None
+                    raise ConfigError(f"{what + ' ' if what else ''}port {preferred} on {LOOPBACK} is taken "
+                                      f"({exc.strerror}): another process listens there; stop it, or start on "
+                                      "another --port (and give the jobs the new exports)") from None
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]

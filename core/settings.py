@@ -228,23 +228,61 @@ _HARMLESS_PARAMS = frozenset({"region", "version", "versionid", "version_id", "a
                               "block_size", "project", "location"})
 
 
+# a host as it may follow a userinfo's "@": a bracketed IPv6 literal, a dotted IPv4 address or a name
+# whose last label is not all digits (RFC 1123), then an optional port
+_HOST_PORT = r"(?:\[[0-9A-Fa-f:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|(?:[\w~%-]+\.)*[\w~%-]*[^\W\d][\w~%-]*\.?)(?::\d*)?"
+
+
+def _from_host(rest: str) -> str:
+    """``rest`` (what follows ``scheme://``) from its host on: without its userinfo.
+
+    A password may hold "/", "?", "#" or "@", and then the authority does not end at the first
+    "/": the userinfo runs to the last "@" followed by a host (``_HOST_PORT``, then "/" or the
+    end), before the query if one there qualifies. When the part before the first "/" is a
+    userinfo's for certain (it holds "@", or a ":" not followed by a port), such an "@" is looked
+    for in the whole URL, and failing one the last "@" ends the userinfo. When it reads as
+    HOST:PORT, it may be a user and the digits a password starts with ("user:123/x@host/p"): an
+    "@" before the query followed by a host is taken for the userinfo's end (a path that holds
+    "@name" is shown from "name" on: a URL shown short, never a secret shown); a path "@" followed
+    by no host ("nas:22/ckpt/v@2") leaves the URL as it is. Without "@" or ":" before the first
+    "/" there is no userinfo ("memory://root/v@2", ``file:///a@b/c``)."""
+    import re
+
+    head = re.split(r"[?#]", rest, maxsplit=1)[0]
+    netloc = head.split("/", 1)[0]
+    certain = "@" in netloc or (":" in netloc and not re.fullmatch(_HOST_PORT, netloc))
+    if not certain and ":" not in netloc:
+        return rest
+
+    def host_after(ats: list[int]) -> int | None:
+        for at in reversed(ats):
+            if re.fullmatch(_HOST_PORT, re.split(r"[/?#]", rest[at + 1:], maxsplit=1)[0]):
+                return at
+        return None
+
+    in_head = [i for i, c in enumerate(head) if c == "@"]
+    at = host_after(in_head)
+    if at is None and certain:
+        beyond = [i for i, c in enumerate(rest) if c == "@" and i >= len(head)]
+        at = host_after(beyond)
+        if at is None and (in_head or beyond):
+            at = (beyond or in_head)[-1]
+    return rest if at is None else rest[at + 1:]
+
+
 def display_url(url: str) -> str:
     """The form of a store's URL that may be recorded and shown (catalog replicas, events,
     artifacts, ``ckpt show``), built by allow-list: scheme, host, port and path; no userinfo
-    (``user:password@``, a password holding ``@`` or ``/`` included), no fragment, and only
-    the query parameters known harmless (``_HARMLESS_PARAMS``). The store keeps the real URL."""
+    (``user:password@``, a password holding "@", "/", "?" or "#" included: ``_from_host``), no
+    fragment, and only the query parameters known harmless (``_HARMLESS_PARAMS``). The store
+    keeps the real URL."""
     from urllib.parse import parse_qsl, urlencode
 
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url  # a plain path
-    rest = rest.split("#", 1)[0]
+    rest = _from_host(rest).split("#", 1)[0]
     rest, _, query = rest.partition("?")
-    netloc = rest.split("/", 1)[0]
-    if "@" in netloc:
-        rest = rest[netloc.rfind("@") + 1:]
-    elif ":" in netloc and not netloc.split(":", 1)[1].isdigit() and "@" in rest:  # a password holding "/"
-        rest = rest[rest.rfind("@") + 1:]
     kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k.lower() in _HARMLESS_PARAMS]
     return f"{scheme}://{rest}" + (f"?{urlencode(kept, safe='/:')}" if kept else "")
 

@@ -290,8 +290,9 @@ def watch_cmd(
 
 def up_cmd(
     root: Path = typer.Option(Path(".ckpt-stack"), "--dir", help="where the stack keeps its data and logs"),
-    port: int = typer.Option(None, "--port", help="Prefect server port; a taken one is an error (the jobs' "
-                             "exports name it) [default: 4200, or a free one if taken]"),
+    port: int = typer.Option(None, "--port", min=1, max=65534,
+                             help="Prefect server port P, the S3 server on P + 1; a taken one is an error (the "
+                             "jobs' exports name them) [default: 4200 and 4201, or free ones if taken]"),
     nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
     auth: bool = typer.Option(True, "--auth/--no-auth",

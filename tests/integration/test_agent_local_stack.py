@@ -1,5 +1,5 @@
-"""`ckpt up`: the local stack starts (Prefect server with API auth on, S3 server, agent), starts a
-dead agent again without touching the servers, and stops cleanly."""
+"""`ckpt up`: the local stack starts (Prefect server with API auth on, S3 server on the port after
+its, agent), starts a dead agent again without touching the servers, and stops cleanly."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckpt.processes import free_port
 from tasks.prefect_events import auth_headers
 from tests.kit.agents import wait_for
-from tests.kit.up import fresh_shell_env, start_up
+from tests.kit.up import fresh_shell_env, stack_port, start_up
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -45,12 +44,14 @@ def _read_on(up) -> None:
 
 
 def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
-    port = free_port()
+    port = stack_port()
     up = start_up(tmp_path / "stack", env=fresh_shell_env(tmp_path / "home"), port=port, cwd=tmp_path)
     again: list[int] = []
     try:
         assert f"Prefect UI   http://127.0.0.1:{port}" in up.text
         assert up.exports["PREFECT_API_URL"] == f"http://127.0.0.1:{port}/api"
+        # S3 on the port after: a restart with the same --port keeps this export valid too
+        assert up.exports["CKPT_S3_ENDPOINT_URL"] == up.s3_url == f"http://127.0.0.1:{port + 1}"
         assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200
         # the UI asks the server where the API is: this stack's port, not Prefect's default 4200
         ui = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=5).json()

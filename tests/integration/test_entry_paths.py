@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.processes import free_port, stop_process
+from ckpt.processes import stop_process
 from tests.kit.agents import wait_for
-from tests.kit.up import REPO, Up, fresh_shell_env, start_up
+from tests.kit.up import REPO, Up, fresh_shell_env, stack_port, start_up
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.timeout(600)]  # the first test also starts ckpt up
 
@@ -85,7 +85,7 @@ class Shell:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("entry-paths")
-    up: Up = start_up(root / "stack", env=fresh_shell_env(root / "home"), port=free_port(), cwd=root)
+    up: Up = start_up(root / "stack", env=fresh_shell_env(root / "home"), port=stack_port(), cwd=root)
     try:
         yield root, up
     finally:

@@ -228,6 +228,34 @@ def test_cli_promote_here_then_retention_and_reconcile(env_settings):
     assert ckpt_dir(settings.tier0_url, RUN, 2).is_dir()  # a dry run deletes nothing
 
 
+def test_reconcile_publishes_what_it_promoted_as_an_artifact(env_settings, s3_endpoint, s3_bucket):
+    """Checkpoints committed whose event was lost (the catalog never heard of them) are promoted
+    by reconcile, and its run says so in the UI: a ``reconcile-promotions-<node>`` table with a
+    row per promotion, naming the run, step and the tiers it reached (a milestone archived inline
+    reaches Tier 2)."""
+    from prefect.artifacts import Artifact
+
+    from flows.common import artifact_key
+    from flows.reconcile import reconcile
+
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(tier2_url=f"s3://{s3_bucket}/reconciled", s3_endpoint_url=s3_endpoint, runs=(run,))
+    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=settings.node)
+    write_checkpoint(settings.tier0_url, run, 20, shard_bytes=64 << 10, node=settings.node, kind="milestone")
+
+    state = reconcile(return_state=True)
+
+    assert state.is_completed(), state.message
+    assert sorted(state.result()["promoted"]) == [f"{run}/10 part 0", f"{run}/20 part 0"]
+    table = Artifact.get(artifact_key("reconcile-promotions", settings.node))
+    assert table is not None and table.type == "table"
+    assert table.flow_run_id == state.state_details.flow_run_id  # this pass's, not an earlier test's
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert sorted((r["run"], r["step"], r["part"], r["tiers"], r["durable"]) for r in rows) == [
+        (run, 10, 0, "0 -> 1", True), (run, 20, 0, "0 -> 1 -> 2", True)]
+    assert all(r["files"] > 0 and r["bytes"] > 0 for r in rows)
+
+
 def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_settings, s3_endpoint, s3_bucket,
                                                                            monkeypatch):
     import functools

@@ -63,6 +63,17 @@ class Up:
         return rest or ""
 
 
+def stack_port() -> int:
+    """A port P for ``ckpt up --port P`` with P and P + 1 (its S3 server's, required as P is) free."""
+    from ckpt.processes import free_port
+
+    for _ in range(100):
+        port = free_port()
+        if port < 65535 and free_port(port + 1) == port + 1:
+            return port
+    raise AssertionError("no two free loopback ports in a row")
+
+
 def start_up(root: Path, *, env: dict[str, str], port: int, cwd: Path, args: tuple[str, ...] = (),
              timeout: float = 180) -> Up:
     """``ckpt up --dir ROOT --port PORT`` with ``env``; returns once it printed its exports."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 from core.settings import Settings
+from tests.kit.require import require_module
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 
@@ -61,7 +61,7 @@ def _redis_plugin_settings() -> dict[str, type]:
 def _prefect_setting_exists(var: str) -> bool:
     from prefect.settings import Settings as PrefectSettings
 
-    legacy = pytest.importorskip("prefect.settings.legacy")
+    legacy = require_module("prefect.settings.legacy", "Prefect 3's settings registry (prefect.settings.legacy)")
     if var in legacy._get_valid_setting_names(PrefectSettings):
         return True
     for prefix, cls in _redis_plugin_settings().items():

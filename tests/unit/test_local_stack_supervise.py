@@ -1,8 +1,9 @@
 """``ckpt up``'s stack keeps itself whole: a dead agent is started again with a backoff, told once
 per restart, while the servers keep running; the port asked with ``--port`` is the one it comes
 back on (a port held only by TIME_WAIT connections is free), and a port really taken is an
-error, never a silent other port. Agents here are small processes standing in for ``ckpt agent``;
-time is passed in, never waited for, but for the processes' own exits."""
+error, never a silent other port; so is S3's, the port after it. Agents here are small
+processes standing in for ``ckpt agent``; time is passed in, never waited for, but for the
+processes' own exits."""
 
 from __future__ import annotations
 
@@ -128,3 +129,53 @@ def test_ckpt_up_on_a_taken_port_says_so_and_starts_nothing(tmp_path, monkeypatc
             CliRunner().invoke(app, ["up", "--dir", str(tmp_path / "stack"), "--port", str(port), "--no-tier2"],
                                catch_exceptions=False)
     assert not (tmp_path / "stack" / "prefect" / "server.log").exists()  # no server was started elsewhere
+
+
+def _port_before_a_listener() -> tuple[int, socket.socket]:
+    """A free port P whose next one, P + 1, a socket listens on (returned, to close)."""
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind((ls.LOOPBACK, 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1
+        if port > 0 and ls.free_port(port) == port:
+            return port, taken
+        taken.close()
+    raise AssertionError("no free port right before a listening one")
+
+
+def test_ckpt_up_on_a_port_whose_s3_port_is_taken_says_so_and_starts_nothing(tmp_path, monkeypatch):
+    import signal
+
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    monkeypatch.setattr(signal, "signal", lambda *_a: None)  # ckpt up's SIGTERM handler stays out of pytest
+    port, taken = _port_before_a_listener()
+    with taken, pytest.raises(ConfigError, match=rf"S3 server's \(--port \+ 1\) port {port + 1} on 127.0.0.1 is taken"):
+        CliRunner().invoke(app, ["up", "--dir", str(tmp_path / "stack"), "--port", str(port)], catch_exceptions=False)
+    assert not (tmp_path / "stack" / "prefect" / "server.log").exists()  # not even the Prefect server started
+    assert not (tmp_path / "stack" / "logs" / "moto.log").exists()
+
+
+def test_a_stack_restarted_on_its_port_serves_s3_on_the_same_endpoint(tmp_path):
+    """The S3 endpoint in a job's exports stays valid across a restart with ``--port P``: S3 is
+    on P + 1 each time, also when the last run's connections left that port in TIME_WAIT."""
+    import httpx
+
+    port, taken = _port_before_a_listener()
+    taken.close()  # P + 1 is free now
+    endpoints = []
+    for _ in range(2):  # started, then started again on the same --port
+        stack = ls.LocalStack(tmp_path / "stack", port=port, port_required=True)
+        client = httpx.Client(timeout=10)
+        try:
+            stack.start_s3()
+            assert client.get(f"{stack.s3_url}/ckpt").status_code == 200  # the bucket is made
+            env = ls.stack_env(tmp_path / "data", api_url=f"http://{ls.LOOPBACK}:{port}/api", s3_url=stack.s3_url)
+            endpoints.append(ls.job_exports(env, node="node-0", catalog_url="sqlite://")["CKPT_S3_ENDPOINT_URL"])
+        finally:
+            stack.stop()  # the server goes first: its end of the kept-alive connection is left in TIME_WAIT
+            client.close()
+    assert endpoints == [f"http://127.0.0.1:{port + 1}"] * 2

@@ -37,8 +37,18 @@ def test_display_url_keeps_only_scheme_host_port_path_and_harmless_parameters():
         "https://h/ckpt?region=eu")
     assert display_url(f"https://h/ckpt?pass={TOKEN}&access={TOKEN}&x={TOKEN}") == "https://h/ckpt"
     assert display_url(f"https://h:8443/ckpt#token={TOKEN}") == "https://h:8443/ckpt"
+    # a password that holds "/" after digits reads as HOST:PORT to urllib: the host after its "@" tells
+    assert display_url("https://user:123/x@host/p") == "https://host/p"
+    assert display_url("https://user:123/x@10.0.0.1:9000/p") == "https://10.0.0.1:9000/p"
+    assert display_url("s3://AKIA:SE/CRET@bucket/p") == "s3://bucket/p"
+    assert display_url(f"s3://AKIA:s@e/cr@t{PASSWORD}@bucket/x") == "s3://bucket/x"  # "@" before the first "/"
+    assert display_url(f"https://u:pa#ss{PASSWORD}@host/p") == "https://host/p"  # "#" and "?" in it
+    assert display_url(f"https://u:pa?ss{PASSWORD}@host/p") == "https://host/p"
+    assert display_url(f"sftp://u:{PASSWORD}@nas:22/ckpt/v@2") == "sftp://nas:22/ckpt/v@2"  # "@" in the path
+    assert display_url(f"https://u:{PASSWORD}@h/x?email=a@b.com&region=eu") == "https://h/x?region=eu"
+    assert display_url(f"https://u:{PASSWORD}@[::1]:8443/p") == "https://[::1]:8443/p"
     for plain in ("/lustre/ckpt", "file:///lustre/ckpt", "memory://root/v@2", "sftp://nas:22/ckpt/v@2",
-                  "https://h/ckpt?region=eu"):
+                  "https://h/ckpt?region=eu", "file:///home/a@b.com/ckpt", "sftp://[::1]:22/ckpt/v@2"):
         assert display_url(plain) == plain
     store = FsspecStore(f"memory://ckpt:{PASSWORD}@nas/x?token={TOKEN}", 1)
     assert store.url_for("run/step") == "memory://nas/x/run/step"
