@@ -11,7 +11,8 @@ What each tier keeps (the README's table says the same):
 - Tier 1 keeps its keep rules, and milestones until archived (Tier 2 on) or as the archive
   (Tier 2 off).
 - Tier 2 keeps by its own policy (``keep_last``, ``top_k``, ``max_age``; off by default, which
-  keeps everything) and always within Object Lock.
+  keeps everything) and always within Object Lock; a milestone's archive also stays while another
+  tier keeps the checkpoint (demoted, Tier 1 would hold it as not yet archived and upload it again).
 - On every tier: a pinned or aliased checkpoint, the newest verified one of its run, and one
   newer than the run's newest durable one (rotate only after the new save is durable). While
   such a newer one exists, the newest durable checkpoint keeps its most durable copy too: it
@@ -171,6 +172,7 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
             continue
         c_out.append(CheckpointDecision(c.run, c.step, KEEP, ", ".join(why_kept)))
         parent_tier = max((t for t in tier_reasons if c.complete(t)), default=max(tier_reasons))
+        archive = rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones)
         staying = set(c.replicas)
         for t in TIERS:
             reasons = holds + tier_reasons.get(t, [])
@@ -180,6 +182,11 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
                 mine = reasons + (lock if r.locked_until is not None and r.locked_until > now else [])
                 if mine:
                     r_out.append(_decide(c, r, KEEP, ", ".join(mine)))
+                elif t == 2 and archive:
+                    # a milestone's archive stays while another tier keeps the checkpoint: demoted
+                    # on the strength of Tier 1, it would be "not yet archived" there and uploaded
+                    # again, round after round; once no tier keeps it, the checkpoint is retired
+                    r_out.append(_decide(c, r, KEEP, "archive of a milestone another tier keeps"))
                 elif any(o is not r and o.part == r.part and o.tier != t and durability(o.tier) >= durability(t)
                          for o in staying):
                     staying.discard(r)
