@@ -99,8 +99,15 @@ def cli() -> str:
         rows = []
         for p in cmd.params:
             if p.param_type_name == "option" and "--help" not in p.opts:
-                default = "" if p.is_flag or p.default in (None, ()) else f" (default: {p.default})"
-                rows.append(f"| `{', '.join(p.opts)}` | {_cell((p.help or '') + default)} |")
+                if "default" in (p.help or ""):  # the help says it (a default that depends on others)
+                    default = ""
+                elif p.is_flag and p.secondary_opts:  # --x/--no-x: both spellings, and which one holds
+                    default = f" (default: `{(p.opts if p.default else p.secondary_opts)[0]}`)"
+                elif p.is_flag or p.default in (None, ()):
+                    default = ""
+                else:
+                    default = f" (default: {p.default})"
+                rows.append(f"| `{', '.join([*p.opts, *p.secondary_opts])}` | {_cell((p.help or '') + default)} |")
             elif p.param_type_name == "argument":
                 rows.append(f"| `{p.name.upper() if p.name else ''}` | argument |")
         if rows:
