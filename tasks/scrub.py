@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from core.errors import CkptError, is_transient
@@ -88,10 +88,10 @@ def scrub(settings: Settings, *, fraction: float | None = None, repair: bool = T
     fraction = settings.scrub_fraction if fraction is None else fraction
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    now = now or datetime.now(UTC)
     started = time.monotonic()
     tiers = [t for t in DURABLE_TIERS if settings.tier_url(t)]  # Tiers 1 and 2 are readable wherever configured
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
+        now = now or cat.clock()  # the grace runs on the clock that stamped the commits, not this worker's
         eligible = cat.count_verified(tiers)
         chosen = cat.scrub_candidates(tiers, math.ceil(fraction * eligible)) if eligible else []
         report = ScrubReport(eligible=eligible, checked=0, bytes_read=0, seconds=0.0)

@@ -216,3 +216,31 @@ def test_a_replica_another_worker_is_copying_is_skipped_not_failed(settings):
     assert report.ok and report.repairs == []
     assert [s for s in report.skipped if "copying by another worker" in s]
     assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"
+
+
+def test_a_worker_clock_hours_fast_does_not_make_a_fresh_checkpoint_old(settings_factory, pg_url, monkeypatch):
+    """The grace before scrub copies a checkpoint without a durable copy runs on the catalog's
+    clock (PostgreSQL's ``now()``), which stamped its commit: a worker two hours fast leaves a
+    checkpoint committed a moment ago to the promotion in flight."""
+    from datetime import datetime, timedelta
+
+    import db.clock
+    import tasks.scrub
+    from flows.common import plain_steps
+
+    settings = scenario_settings(settings_factory, pg_url)
+    commit_folder(settings, RUN, 100, {"w.bin": os.urandom(100_000)})
+    plain_steps().register(settings, RUN, 100, actor="test")
+    plain_steps().verify(settings, RUN, 100, tier=0, actor="test")  # its promotion is copying it now
+
+    class Fast(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + timedelta(hours=2)
+
+    for module in (db.clock, tasks.scrub):
+        monkeypatch.setattr(module, "datetime", Fast, raising=False)
+    report = scrub(settings, fraction=1.0)
+
+    assert report.repairs == [] and report.ok
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified"}
