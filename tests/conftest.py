@@ -29,3 +29,11 @@ from tests.kit.servers import (  # noqa: F401
 )
 from tests.kit.settings import settings_factory  # noqa: F401
 from tests.kit.stores import tiers  # noqa: F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fault soak's file first, the rest in their order. Under pytest-xdist's ``loadfile`` a
+    file is one worker's: the soak's takes that worker for minutes, so started first the other
+    worker fills in around it, where collected last (``tests/soak`` sorts after ``integration``)
+    it ran alone at the end while the other worker idled."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/soak/test_soak.py"))
