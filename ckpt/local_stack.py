@@ -7,8 +7,9 @@ catalog on PostgreSQL.
 API auth: with an auth string the server runs with ``PREFECT_SERVER_API_AUTH_STRING`` (every
 API route but ``GET /health`` and ``GET /ready`` then answers 401 without HTTP Basic
 credentials) and the agents, the job's exports and every call made from here carry it as
-``PREFECT_API_AUTH_STRING`` (``auth_env``). ``ckpt up`` turns it on with a fresh secret
-(``new_auth_string``); a production-shaped stack calls the same two functions.
+``PREFECT_API_AUTH_STRING`` (``auth_env``). ``ckpt up`` turns it on with the secret kept in its
+folder (``stack_auth_string``: made on first use, kept across restarts so the jobs' exports stay
+valid); a production-shaped stack calls the same functions.
 
 Each piece is a child process started with its own log file and stopped cleanly (SIGINT,
 then SIGTERM, then SIGKILL after a grace period), so nothing is left behind. Ports are the
@@ -38,6 +39,32 @@ if TYPE_CHECKING:
 def new_auth_string() -> str:
     """A fresh API secret (256 bits, URL-safe: it travels in shell exports and HTTP headers)."""
     return secrets.token_urlsafe(32)
+
+
+AUTH_FILE = "api-auth-string"  # in the stack's --dir: the secret a restarted stack keeps
+
+
+def stack_auth_string(root: Path) -> str:
+    """The stack's API secret: kept in ``ROOT/api-auth-string`` (mode 0600, made on first use),
+    so a stack restarted on the same ``--dir`` serves the secret the jobs' exports carry."""
+    path = root / AUTH_FILE
+    for _ in range(2):
+        try:
+            kept = path.read_text().strip()
+            if kept:
+                return kept
+        except FileNotFoundError:
+            pass
+        root.mkdir(parents=True, exist_ok=True)
+        secret = new_auth_string()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue  # another ``ckpt up`` on this folder made it meanwhile: read theirs
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secret + "\n")
+        return secret
+    raise ConfigError(f"{path} is empty: remove it, and ckpt up makes a new secret")
 
 
 def auth_env(auth_string: str | None, *, server: bool = False) -> dict[str, str]:

@@ -296,8 +296,9 @@ def up_cmd(
     nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
     auth: bool = typer.Option(True, "--auth/--no-auth",
-                              help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else a new one) "
-                                   "that every API call must carry; printed as PREFECT_API_AUTH_STRING"),
+                              help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else the one "
+                                   "kept in --dir, made on first use) that every API call must carry; printed as "
+                                   "PREFECT_API_AUTH_STRING"),
     production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
                                     "(--no-services) and services processes on PostgreSQL + Redis; "
                                     "catalog on PostgreSQL"),
@@ -318,13 +319,13 @@ def up_cmd(
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack, new_auth_string
+    from ckpt.local_stack import LocalStack, stack_auth_string
     from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
     from core.errors import BadInput
 
     if not production and (pg_url or redis_url or api_workers > 1):
         raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
-    secret = (os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or new_auth_string()) if auth else None
+    secret = (os.environ.get("PREFECT_SERVER_API_AUTH_STRING") or stack_auth_string(root)) if auth else None
     prod = None
     if production:
         prod = ProductionStack(root.absolute() / "prefect", pg_server_url=pg_url or DEFAULT_PG_URL,

@@ -179,3 +179,19 @@ def test_a_stack_restarted_on_its_port_serves_s3_on_the_same_endpoint(tmp_path):
             stack.stop()  # the server goes first: its end of the kept-alive connection is left in TIME_WAIT
             client.close()
     assert endpoints == [f"http://127.0.0.1:{port + 1}"] * 2
+
+
+def test_a_restarted_stack_keeps_its_api_secret_readable_only_by_its_owner(tmp_path):
+    """The secret a job's exports carry survives a restart of ``ckpt up`` on the same folder;
+    another folder gets its own; the file is the owner's alone."""
+    import stat
+
+    first = ls.stack_auth_string(tmp_path / "stack")
+    assert len(first) >= 40
+    assert ls.stack_auth_string(tmp_path / "stack") == first
+    assert stat.S_IMODE((tmp_path / "stack" / ls.AUTH_FILE).stat().st_mode) == 0o600
+    assert ls.stack_auth_string(tmp_path / "other") != first
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / ls.AUTH_FILE).write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        ls.stack_auth_string(tmp_path / "blank")
