@@ -18,7 +18,8 @@ from core.errors import BadEvent
 from core.events import announcing
 from core.policy import is_milestone
 from core.settings import Settings, load_settings
-from flows.common import Steps, artifact_key, current_actor, hop_rows, publish_table, task_steps
+from flows.artifacts import artifact_key, publish_table
+from flows.common import Steps, current_actor, hop_rows, task_steps
 from tasks.base import HopResult, open_catalog
 from tasks.prefect_events import emit
 from tasks.register import checkpoint_args, reject_event

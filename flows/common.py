@@ -1,33 +1,87 @@
 """The pipeline's compositions run on either of two sets of steps: the plain functions (tests,
 benchmarks, a caller without Prefect) or their Prefect tasks (retries, task runs in the UI).
-Both sets take the same arguments, so the composition is written once.
+Both sets take the same arguments, so the composition is written once. Each member of ``Steps``
+has the type of its plain function (a ``Protocol``: the steps take keyword arguments), which
+the function and its Prefect task (``Task[P, R]`` calls as ``fn`` does) both satisfy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar, copy_context
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.settings import Settings
 from tasks.base import HopResult
 
-Step = Callable[..., Any]
+if TYPE_CHECKING:  # the steps' modules open the catalog: imported where the steps are built
+    from tasks.hop import Tier1Hop
+    from tasks.prune import Pruned
+    from tasks.register import Registered
+    from tasks.retention import PruneAction
+
+
+class RegisterStep(Protocol):
+    """``tasks.register.register_part``: the part's manifest -> the catalog."""
+
+    def __call__(self, settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
+                 node: str | None = None, actor: str = "cli", source_tier: int = 0) -> Registered: ...
+
+
+class VerifyStep(Protocol):
+    """``tasks.verify.verify_replica``: the part's checksums and format on ``tier``, recorded."""
+
+    def __call__(self, settings: Settings, run: str, step: int, part: int = 0, *,
+                 tier: int = 0, node: str | None = None, actor: str = "cli") -> HopResult: ...
+
+
+class MarkCompleteStep(Protocol):
+    """``tasks.record.mark_complete``: true for the one caller that recorded the checkpoint
+    complete on ``tier``."""
+
+    def __call__(self, settings: Settings, run: str, step: int, tier: int, *, actor: str = "cli") -> bool: ...
+
+
+class PlanRetentionStep(Protocol):
+    """``tasks.retention.plan_retention``: what the retention rule demotes or retires."""
+
+    def __call__(self, settings: Settings, *, run: str | None = None, now: datetime | None = None,
+                 tiers: Sequence[int] = (0, 1, 2), node: str | None = None,
+                 explain: bool = False) -> list[PruneAction]: ...
+
+
+class PruneStep(Protocol):
+    """``tasks.prune.prune_replica``: the guarded delete of one replica."""
+
+    def __call__(self, settings: Settings, replica_id: int, *, actor: str = "cli",
+                 reason: str | None = None) -> Pruned: ...
+
+
+class Tier1HopStep(Protocol):
+    """``tasks.hop.tier1_hop``: register, verify on Tier 0, copy to Tier 1, mark complete."""
+
+    def __call__(self, settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
+                 node: str | None = None, actor: str = "cli") -> Tier1Hop: ...
+
+
+class Tier2HopStep(Protocol):
+    """``tasks.hop.tier2_hop``: upload one part to Tier 2, verify it there."""
+
+    def __call__(self, settings: Settings, run: str, step: int, part: int = 0, *, node: str | None = None,
+                 actor: str = "cli") -> list[HopResult]: ...
 
 
 @dataclass(frozen=True)
 class Steps:
-    register: Step
-    verify: Step
-    mark_complete: Step
-    plan_retention: Step
-    prune: Step
-    tier1_hop: Step  # register, verify on Tier 0, copy to Tier 1, mark complete: one part, one step
-    tier2_hop: Step  # upload to Tier 2, verify there: one part, one step
+    register: RegisterStep
+    verify: VerifyStep
+    mark_complete: MarkCompleteStep
+    plan_retention: PlanRetentionStep
+    prune: PruneStep
+    tier1_hop: Tier1HopStep  # register, verify on Tier 0, copy to Tier 1, mark complete: one part, one step
+    tier2_hop: Tier2HopStep  # upload to Tier 2, verify there: one part, one step
 
 
 def step_tasks() -> dict[str, Any]:
@@ -42,9 +96,10 @@ def step_tasks() -> dict[str, Any]:
     from tasks.retention import plan_retention_task
     from tasks.verify import verify_task
 
-    return {"register": register_task, "verify": verify_task, "mark_complete": mark_complete_task,
-            "plan_retention": plan_retention_task, "prune": prune_task, "tier1_hop": tier1_hop_task,
-            "tier2_hop": tier2_hop_task}
+    registry = Steps(register=register_task, verify=verify_task, mark_complete=mark_complete_task,
+                     plan_retention=plan_retention_task, prune=prune_task, tier1_hop=tier1_hop_task,
+                     tier2_hop=tier2_hop_task)  # mypy checks each task against its member's type
+    return {f.name: getattr(registry, f.name) for f in fields(Steps)}
 
 
 def plain_steps() -> Steps:
@@ -73,13 +128,6 @@ def hop_rows(hops: list[HopResult]) -> list[dict[str, Any]]:
     return [h.row() for h in hops]
 
 
-def artifact_key(*words: object) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    import re
-
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(w) for w in words).lower()).strip("-")
-
-
 def current_actor(role: str = "cli") -> str:
     """Who acts, as the catalog's audit records it: ``role`` (``event``: a run an event
     triggered; ``reconcile/<node>``, ``retention``, ...), followed inside a flow run by
@@ -91,58 +139,3 @@ def current_actor(role: str = "cli") -> str:
     except Exception:  # noqa: BLE001 - outside Prefect there is no flow run
         rid = None
     return f"{role} flow-run:{rid}" if rid else role
-
-
-def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    """A table artifact in the current flow run; silently nothing outside one. Inside
-    ``artifact_batch`` it is posted with the batch, at its end."""
-    def post() -> None:
-        from prefect.artifacts import create_table_artifact
-
-        create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
-
-    publish(key, post)
-
-
-def publish(key: str, post: Callable[[], Any]) -> None:
-    """Run ``post`` (which creates the artifact ``key`` in the current flow run) now, or hand it
-    to the open ``artifact_batch``. Best effort: the work an artifact reports is done and recorded
-    in the catalog, so an orchestrator that answers 5xx under a burst costs the artifact (a
-    warning in the run's log), never the run's result."""
-    from prefect.context import FlowRunContext
-
-    if FlowRunContext.get() is None:
-        return
-    batch = _BATCH.get()
-    if batch is not None:
-        batch.submit(copy_context().run, _post, key, post)
-        return
-    _post(key, post)
-
-
-def _post(key: str, post: Callable[[], Any]) -> None:
-    try:
-        post()
-    except Exception as exc:  # noqa: BLE001 - see publish
-        from prefect.logging import get_run_logger
-
-        get_run_logger().warning("artifact %s not published: %s: %s", key, type(exc).__name__, exc)
-
-
-_BATCH: ContextVar[ThreadPoolExecutor | None] = ContextVar("ckpt_artifact_batch", default=None)
-
-
-@contextmanager
-def artifact_batch(workers: int = 4) -> Iterator[None]:
-    """The artifacts published inside are posted on background threads (in the flow run's
-    context) while the flow goes on, and waited for on exit: a flow's end waits for at most about
-    one API round trip, not one per artifact, and an artifact published before the flow's last
-    step (the run's status page, before retention) costs it nothing. Also after an error: what
-    was done is shown."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-artifact")
-    token = _BATCH.set(pool)
-    try:
-        yield
-    finally:
-        _BATCH.reset(token)
-        pool.shutdown(wait=True)

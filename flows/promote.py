@@ -27,15 +27,8 @@ from core.errors import BadEvent
 from core.events import announcing
 from core.settings import Settings, load_settings
 from flows.archive import ArchiveResult, archive
-from flows.common import (
-    Steps,
-    artifact_batch,
-    artifact_key,
-    current_actor,
-    hop_rows,
-    publish_table,
-    task_steps,
-)
+from flows.artifacts import artifact_batch, artifact_key, publish_table
+from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import retention
 from flows.status import publish_run_status
 from tasks.base import HopResult

@@ -45,7 +45,8 @@ from core.events import announcing
 from core.settings import Settings, load_settings
 from db.entities import COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
-from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
+from flows.artifacts import artifact_batch, artifact_key, publish_table
+from flows.common import Steps, current_actor, task_steps
 from flows.promote import PromoteResult, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier

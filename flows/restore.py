@@ -14,7 +14,8 @@ from prefect import flow
 
 from core import events
 from core.settings import load_settings
-from flows.common import artifact_key, current_actor, publish_table
+from flows.artifacts import artifact_key, publish_table
+from flows.common import current_actor
 from tasks.prefect_events import emit
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica
 from tasks.restore import RestoreReport, restore_task

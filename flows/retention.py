@@ -15,7 +15,8 @@ from prefect import flow
 
 from core.events import announcing
 from core.settings import Settings, load_settings
-from flows.common import Steps, artifact_batch, artifact_key, current_actor, publish_table, task_steps
+from flows.artifacts import artifact_batch, artifact_key, publish_table
+from flows.common import Steps, current_actor, task_steps
 from tasks.prefect_events import emit
 from tasks.retention import PruneAction, apply_retention
 

@@ -13,7 +13,8 @@ from prefect import flow
 
 from core.errors import CorruptCheckpoint
 from core.settings import load_settings
-from flows.common import artifact_key, current_actor, publish_table
+from flows.artifacts import artifact_key, publish_table
+from flows.common import current_actor
 from flows.restore import announce_bad
 from tasks.scrub import ScrubReport, scrub_task
 

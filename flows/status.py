@@ -149,7 +149,7 @@ def publish_run_status(catalog_url: str, run: str) -> None:
     """Publish (a new version of) the run's status artifact from the current flow run (with the
     open ``artifact_batch``, at its end); nothing outside a flow run. Key: ``run-<name>`` made a
     valid artifact key. Best effort, like every artifact."""
-    from flows.common import artifact_key, publish
+    from flows.artifacts import artifact_key, post_artifact
 
     def post() -> None:
         from prefect.artifacts import create_markdown_artifact
@@ -161,4 +161,4 @@ def publish_run_status(catalog_url: str, run: str) -> None:
             cat.close()
         create_markdown_artifact(md, key=artifact_key("run", run), description=f"status of run {run}")
 
-    publish(artifact_key("run", run), post)
+    post_artifact(artifact_key("run", run), post)

@@ -246,7 +246,7 @@ def lookup(api_url: str, run: str, flow_runs: dict[str, str]) -> dict[str, str]:
     """Ids of what is shot: a promote run (``busiest_promote``), the RPO automation, the newest
     version of the run's status artifact."""
     from deployments.automations import AUTOMATION_NAME
-    from flows.common import artifact_key
+    from flows.artifacts import artifact_key
 
     autos = [a for a in _post(api_url, "/automations/filter", {}) if a["name"] == AUTOMATION_NAME]
     arts = _post(api_url, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": [artifact_key("run", run)]}}})

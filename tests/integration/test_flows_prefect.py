@@ -235,7 +235,7 @@ def test_reconcile_publishes_what_it_promoted_as_an_artifact(env_settings, s3_en
     reaches Tier 2)."""
     from prefect.artifacts import Artifact
 
-    from flows.common import artifact_key
+    from flows.artifacts import artifact_key
     from flows.reconcile import reconcile
 
     run = f"run-{uuid.uuid4().hex[:8]}"

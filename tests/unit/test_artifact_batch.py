@@ -9,14 +9,14 @@ from contextvars import ContextVar
 
 import pytest
 
-from flows import common
+from flows import artifacts
 
 WHO: ContextVar[str] = ContextVar("who", default="nobody")
 
 
 @pytest.fixture
 def in_flow_run(monkeypatch):
-    """A flow run context as far as ``publish`` asks, and a run logger that records warnings."""
+    """A flow run context as far as ``post_artifact`` asks, and a run logger that records warnings."""
     import prefect.context
     import prefect.logging
 
@@ -43,9 +43,9 @@ def test_artifacts_in_a_batch_are_posted_concurrently_in_the_callers_context_by_
         return run
 
     WHO.set("flow-run-7")
-    with common.artifact_batch():
+    with artifacts.artifact_batch():
         for key in ("promote-a", "retention-a", "run-a"):
-            common.publish(key, post(key))  # returns at once: the flow goes on
+            artifacts.post_artifact(key, post(key))  # returns at once: the flow goes on
     assert sorted(posted) == [("promote-a", "flow-run-7"), ("retention-a", "flow-run-7"), ("run-a", "flow-run-7")]
     assert in_flow_run == []
 
@@ -56,27 +56,27 @@ def test_a_refused_artifact_is_a_warning_and_the_others_are_still_posted(in_flow
     def refused() -> None:
         raise RuntimeError("500 Internal Server Error")
 
-    with common.artifact_batch():
-        common.publish("bad", refused)
-        common.publish("good", lambda: posted.append("good"))
+    with artifacts.artifact_batch():
+        artifacts.post_artifact("bad", refused)
+        artifacts.post_artifact("good", lambda: posted.append("good"))
     assert posted == ["good"]
     assert in_flow_run == ["artifact bad not published: RuntimeError: 500 Internal Server Error"]
 
 
 def test_artifacts_are_posted_even_when_the_flow_body_fails(in_flow_run):
     posted: list[str] = []
-    with pytest.raises(ValueError), common.artifact_batch():
-        common.publish("promote-a", lambda: posted.append("promote-a"))
+    with pytest.raises(ValueError), artifacts.artifact_batch():
+        artifacts.post_artifact("promote-a", lambda: posted.append("promote-a"))
         raise ValueError("the copy failed")
     assert posted == ["promote-a"]
 
 
 def test_outside_a_batch_an_artifact_is_posted_at_once_and_outside_a_flow_run_not_at_all(monkeypatch, in_flow_run):
     posted: list[str] = []
-    common.publish("now", lambda: posted.append("now"))
+    artifacts.post_artifact("now", lambda: posted.append("now"))
     assert posted == ["now"]
     import prefect.context
 
     monkeypatch.setattr(prefect.context.FlowRunContext, "get", classmethod(lambda cls: None))
-    common.publish("never", lambda: posted.append("never"))
+    artifacts.post_artifact("never", lambda: posted.append("never"))
     assert posted == ["now"]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from core import events, sizing
 from db.entities import LineageEdge
-from flows.common import artifact_key
+from flows.artifacts import artifact_key
 from flows.status import RunStatus, TierNewest, lineage_line, status_markdown
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
