@@ -96,7 +96,7 @@ def main() -> None:
 
     from tasks.copy import copy_to_tier1
     from tasks.record import mark_complete
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -121,7 +121,7 @@ def main() -> None:
 
         def before() -> None:
             settings = hop.settings
-            register_part(settings, RUN, STEP, node=NODE, actor="bench")
+            register_stored_part(settings, RUN, STEP, node=NODE, actor="bench")
             verify_replica(settings, RUN, STEP, tier=0, node=NODE, actor="bench")
             copy_to_tier1(settings, RUN, STEP, node=NODE, actor="bench")
             assert mark_complete(settings, RUN, STEP, 1, actor="bench")

@@ -95,9 +95,9 @@ def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> 
     from prefect.types.entrypoint import EntrypointType
 
     from flows.archive import archive_checkpoint
-    from flows.drill import restore_drill
+    from flows.drill import drill_flow
     from flows.retention import enforce_retention
-    from flows.scrub import scrub
+    from flows.scrub import scrub_flow
 
     return [
         archive_checkpoint.to_deployment(
@@ -112,11 +112,11 @@ def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> 
         ),
         # Flow defaults apply (scrub: Settings.scrub_fraction, repair on; drill: any run's newest
         # milestone, scratch under <data_dir>/drills); a run started by hand may pass others.
-        scrub.to_deployment(
+        scrub_flow.to_deployment(
             name=names.CLUSTER, cron=settings.scrub_cron, entrypoint_type=EntrypointType.MODULE_PATH,
             tags=["ckpt", "cluster"], description="Re-read a share of the stored copies; repair what rotted.",
         ),
-        restore_drill.to_deployment(
+        drill_flow.to_deployment(
             name=names.CLUSTER, cron=settings.drill_cron, entrypoint_type=EntrypointType.MODULE_PATH,
             tags=["ckpt", "cluster"], description="Timed restore of the newest milestone from Tier 1 and Tier 2.",
         ),

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the steps' modules open the catalog: imported where the ste
 
 
 class RegisterStep(Protocol):
-    """``tasks.register.register_part``: the part's manifest -> the catalog."""
+    """``tasks.register.register_stored_part``: the part's manifest -> the catalog."""
 
     def __call__(self, settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
                  node: str | None = None, actor: str = "cli", source_tier: int = 0) -> Registered: ...
@@ -92,11 +92,11 @@ def step_tasks() -> dict[str, Any]:
     from tasks.hop import tier1_hop_task, tier2_hop_task
     from tasks.prune import prune_task
     from tasks.record import mark_complete_task
-    from tasks.register import register_task
+    from tasks.register import register_stored_part_task
     from tasks.retention import plan_retention_task
     from tasks.verify import verify_task
 
-    registry = Steps(register=register_task, verify=verify_task, mark_complete=mark_complete_task,
+    registry = Steps(register=register_stored_part_task, verify=verify_task, mark_complete=mark_complete_task,
                      plan_retention=plan_retention_task, prune=prune_task, tier1_hop=tier1_hop_task,
                      tier2_hop=tier2_hop_task)  # mypy checks each task against its member's type
     return {f.name: getattr(registry, f.name) for f in fields(Steps)}

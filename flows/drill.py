@@ -1,4 +1,4 @@
-"""restore_drill flow: the scheduled recovery drill (``Settings.drill_cron``).
+"""drill_flow (Prefect flow ``restore-drill``): the scheduled recovery drill (``Settings.drill_cron``).
 
 For the run of the newest milestone (or ``run``), on Tier 1 and on Tier 2: the newest
 checkpoint held whole there is resumed by one process per part at once, cold, each part loaded
@@ -23,8 +23,8 @@ from tasks.drill import DRILL_TIERS, cluster_drill_task
 
 
 @flow(name="restore-drill", flow_run_name="restore-drill", log_prints=True)
-def restore_drill(run: str | None = None, scratch: str | None = None, nodes: int | None = None,
-                  tiers: list[int] | None = None) -> list[dict[str, Any]]:
+def drill_flow(run: str | None = None, scratch: str | None = None, nodes: int | None = None,
+               tiers: list[int] | None = None) -> list[dict[str, Any]]:
     """Drill ``run`` (default: the newest milestone's run) on each of ``tiers`` (1 and 2) with
     ``nodes`` processes (default: the checkpoint's parts)."""
     settings = load_settings()  # from the environment, never a flow parameter

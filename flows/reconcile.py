@@ -63,7 +63,7 @@ from tasks.reconcile import (
     replica_item,
 )
 from tasks.record import claim_followups
-from tasks.retention import FAILED, PRUNED, REFUSED, apply_retention, finish_retirements as _finish_retirements
+from tasks.retention import FAILED, PRUNED, REFUSED, apply_retention, finish_retirements
 
 
 def promotion_row(result: PromoteResult) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
         attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
     prune_own_tier0(settings, report, steps=steps, **kw)
-    finish_retirements(settings, report, steps=steps, **kw)
+    finish_retirements_into(report, settings, steps=steps, **kw)
     return report
 
 
@@ -179,10 +179,10 @@ def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps
             report.failed.append(f"{item}: {action.detail}")
 
 
-def finish_retirements(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
+def finish_retirements_into(report: ReconcileReport, settings: Settings, *, steps: Steps, actor: str) -> None:
     """Delete what interrupted retirements left (step 6): every copy of a retired checkpoint,
     on Tier 1 and 2 and on this node's Tier 0 (another node's NVMe is its own reconcile's)."""
-    for action in _finish_retirements(settings, prune=steps.prune, actor=actor):
+    for action in finish_retirements(settings, prune=steps.prune, actor=actor):
         item = f"tier {action.tier} {action.run}/{action.step} part {action.part}"
         if action.outcome == PRUNED:
             report.retired.append(item)

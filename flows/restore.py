@@ -1,4 +1,5 @@
-"""restore_checkpoint flow: the restore of ``tasks.restore`` as a Prefect run, announced.
+"""restore_flow (Prefect flow ``restore-checkpoint``): the restore of ``tasks.restore`` as a Prefect run,
+announced.
 
 Named ``restore/<run>`` in the UI. It announces ``ckpt.checkpoint.corrupt`` for every copy the
 restore proved bad and ``ckpt.checkpoint.restored`` for the result, and publishes a table of
@@ -37,8 +38,8 @@ def restore_rows(report: RestoreReport) -> list[dict[str, Any]]:
 
 
 @flow(name="restore-checkpoint", flow_run_name="restore/{run}", log_prints=True)
-def restore_checkpoint(run: str, dest: str, step: int | None = None,
-                       preference: list[int] | None = None) -> dict[str, Any]:
+def restore_flow(run: str, dest: str, step: int | None = None,
+                 preference: list[int] | None = None) -> dict[str, Any]:
     """Restore ``run`` (newest verified, or ``step``) into ``dest`` from the nearest good copy."""
     settings = load_settings()  # from the environment, never a flow parameter
     report = restore_task(settings, run, dest, step=step, preference=tuple(preference or DEFAULT_PREFERENCE),

@@ -1,5 +1,5 @@
 """scrub flow: re-read a share of the stored copies, mark what rotted, repair it (scheduled by
-``Settings.scrub_cron``; ``ckpt scrub`` runs the same function by hand).
+``Settings.scrub_cron``; ``ckpt scrub`` runs the same step, ``tasks.scrub.scrub``, by hand).
 
 Publishes a table of what was found and repaired, announces ``ckpt.checkpoint.corrupt`` for
 each bad copy, and fails the run when something could not be repaired, so it shows red.
@@ -30,7 +30,7 @@ def scrub_rows(report: ScrubReport) -> list[dict[str, Any]]:
 
 
 @flow(name="scrub", flow_run_name="scrub", log_prints=True)
-def scrub(fraction: float | None = None, repair: bool = True) -> dict[str, Any]:
+def scrub_flow(fraction: float | None = None, repair: bool = True) -> dict[str, Any]:
     """Re-read ``fraction`` of the verified durable copies (default ``Settings.scrub_fraction``).
     Settings are read here, from the environment: never a flow parameter (Prefect stores
     parameters with every run, in its database and UI)."""

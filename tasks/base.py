@@ -56,15 +56,15 @@ def open_tier(settings: Settings, tier: int) -> Iterator[TierStore]:
         yield store
 
 
-def read_manifest(store: TierStore, run: str, step: int, part: int, parts: int) -> Manifest:
+def read_part_manifest(store: TierStore, run: str, step: int, part: int, parts: int) -> Manifest:
     """The committed manifest of a part on ``store``; ``NotFound`` when the part is not committed.
 
     The manifest must name the same run, step, part and parts as its key, so a manifest copied
     under another checkpoint's name cannot be registered as that checkpoint.
     """
-    from core.manifest_build import read_manifest as read_at
+    from core.manifest_build import read_manifest
 
-    manifest = read_at(store, checkpoint_prefix(run, step), part, parts)
+    manifest = read_manifest(store, checkpoint_prefix(run, step), part, parts)
     got = (manifest.run, manifest.step, manifest.part, manifest.parts)
     if got != (run, step, part, parts):
         raise CorruptCheckpoint(
@@ -90,7 +90,7 @@ def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run:
     A manifest that differs (edited, replaced) is ``CorruptCheckpoint``: bytes are always
     checked against what was registered, never against whatever a tier now claims.
     """
-    manifest = read_manifest(store, run, step, part, parts)
+    manifest = read_part_manifest(store, run, step, part, parts)
     if manifest.digest() != catalog_digest(cat, checkpoint_id, run, step, part, parts):
         raise CorruptCheckpoint(
             f"manifest at {store.url_for(part_key(run, step, part, parts))} differs from the catalog",

@@ -2,7 +2,7 @@
 hop of a promotion (register -> copy to Tier 1, verifying Tier 0 in the same read -> complete), and
 ``tier2_hop``, a part's archive (upload to Tier 2 -> verify it there).
 
-Each piece is its own plain step (``register_part``, ``promote_part``, ``mark_complete``),
+Each piece is its own plain step (``register_stored_part``, ``promote_part``, ``mark_complete``),
 idempotent and claimed in the catalog, so the hop is one unit of retry: a retry registers
 again (a no-op), re-reads Tier 0 and finds the copy done or takes it over. ``promote_part``
 reads Tier 0 once: the copy checks every byte against the manifest on its way to Tier 1 and
@@ -20,7 +20,7 @@ from core.settings import Settings
 from tasks.base import HopResult, copy_priority
 from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
-from tasks.register import register_part
+from tasks.register import register_stored_part
 from tasks.retry import pipeline_task
 from tasks.verify import verify_replica
 
@@ -47,7 +47,7 @@ def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int
 
 def _tier1_hop(settings: Settings, run: str, step: int, part: int, parts: int, *,
                node: str | None, actor: str) -> Tier1Hop:
-    reg = register_part(settings, run, step, part, parts, node=node, actor=actor)
+    reg = register_stored_part(settings, run, step, part, parts, node=node, actor=actor)
     result = Tier1Hop(reg.checkpoint_id, reg.parts)
     if reg.promoted:  # a repeated or concurrent event: this part is already on Tier 1
         result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,

@@ -7,7 +7,7 @@ from core.errors import CorruptCheckpoint
 from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, VERIFIED, CheckpointInfo
-from tasks.base import open_catalog, open_tier, read_manifest
+from tasks.base import open_catalog, open_tier, read_part_manifest
 from tasks.retry import pipeline_task
 
 
@@ -34,7 +34,7 @@ def _check_parts_add_up(settings: Settings, cat: Catalog, ck: CheckpointInfo, ti
 
     with open_tier(settings, tier) as store:
         prefix = checkpoint_prefix(ck.run, ck.step)
-        manifests = [read_manifest(store, ck.run, ck.step, p, ck.parts) for p in range(ck.parts)]
+        manifests = [read_part_manifest(store, ck.run, ck.step, p, ck.parts) for p in range(ck.parts)]
         try:
             check_union_complete(manifests, lambda rel: store.open_read(f"{prefix}/{rel}"))
         except CorruptCheckpoint as exc:

@@ -25,7 +25,7 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import CKPT_RETIRED, VERIFIED
-from tasks.base import open_catalog, open_tier, read_manifest
+from tasks.base import open_catalog, open_tier, read_part_manifest
 from tasks.retry import pipeline_task
 
 
@@ -43,9 +43,9 @@ class Registered:
     promoted: bool = False  # this part is already verified on Tier 1: nothing left to copy
 
 
-def register_part(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-                  node: str | None = None, actor: str = "cli",
-                  source_tier: int = 0) -> Registered:
+def register_stored_part(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
+                         node: str | None = None, actor: str = "cli",
+                         source_tier: int = 0) -> Registered:
     """Read the part's manifest from ``source_tier`` (Tier 0; reconcile adopts parts found only
     on Tier 1) and register it; idempotent for the same manifest (its digest). A manifest whose
     digest differs from the one registered for the part is a ``ConflictError`` (refused, audited,
@@ -61,7 +61,7 @@ def register_part(settings: Settings, run: str, step: int, part: int = 0, parts:
             with open_tier(settings, source_tier) as store:
                 digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
                 _refuse_if_rejected_before(cat, run, step, part, digest)
-                manifest = read_manifest(store, run, step, part, parts)
+                manifest = read_part_manifest(store, run, step, part, parts)
             _ensure_run(cat, manifest, actor=actor)
             info = cat.register_part(manifest, actor=actor)  # the content check: same digest or ConflictError
         except AlreadyRejected:
@@ -170,4 +170,4 @@ def _plain_name(run: str) -> bool:
         return False
 
 
-register_task = pipeline_task(register_part, name="register")
+register_stored_part_task = pipeline_task(register_stored_part, name="register")

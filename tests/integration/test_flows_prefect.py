@@ -138,11 +138,11 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
 
     from db.entities import COPYING, MISSING
     from flows.promote import promote_checkpoint
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
 
     settings = env_settings(task_retries=6, task_retry_delay_seconds=1.0)
     write_checkpoint(settings.tier0_url, RUN, 100)
-    register_part(settings, RUN, 100)
+    register_stored_part(settings, RUN, 100)
     cat = open_catalog(settings)
     ck = cat.get_checkpoint(RUN, 100)
     other = cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=3600)

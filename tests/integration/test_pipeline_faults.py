@@ -84,12 +84,12 @@ KILLED_COPY = textwrap.dedent("""
 
 def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_factory, db_url):
     from tasks.copy import copy_to_tier1
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
 
     settings = pipeline_settings(settings_factory, db_url)
     m = write_checkpoint(settings.tier0_url, RUN, 100, shards=3, shard_bytes=4 << 20)
-    register_part(settings, RUN, 100)
+    register_stored_part(settings, RUN, 100)
     verify_replica(settings, RUN, 100, tier=0)
     proc = subprocess.Popen([sys.executable, "-c", KILLED_COPY, str(ROOT), str(settings.data_dir),
                              settings.catalog_url, "100"], stdout=subprocess.PIPE, text=True)

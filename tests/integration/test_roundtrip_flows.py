@@ -72,9 +72,9 @@ def settings(prefect_server, settings_factory, db_url, s3_endpoint, s3_bucket, m
 
 
 def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, tmp_path, prefect_server):
-    from flows.drill import restore_drill
-    from flows.restore import restore_checkpoint
-    from flows.scrub import scrub
+    from flows.drill import drill_flow
+    from flows.restore import restore_flow
+    from flows.scrub import scrub_flow
 
     run = f"flow-{uuid.uuid4().hex[:8]}"
     files = {"w.bin": os.urandom(300_000)}
@@ -82,7 +82,7 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     promote(settings, run, 100)
     shutil.rmtree(tier0_dir(settings, run, 100))
 
-    out = restore_checkpoint(run, str(tmp_path / "r"))
+    out = restore_flow(run, str(tmp_path / "r"))
     assert (out["step"], out["tiers"]) == (100, [1])
     assert (tmp_path / "r" / "w.bin").read_bytes() == files["w.bin"]
     assert artifacts(f"restore-{run}")
@@ -91,12 +91,12 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
     [missing] = events_named(prefect_server, "ckpt.checkpoint.corrupt", run)
     assert (missing["payload"]["tier"], missing["payload"]["state"]) == (0, "missing")
 
-    drills = restore_drill(scratch=str(tmp_path / "scratch"))
+    drills = drill_flow(scratch=str(tmp_path / "scratch"))
     assert [(d["tier"], d["ok"]) for d in drills] == [(1, True), (2, True)]
     assert [a for a in artifacts("restore-drill") if run in str(a.data)]
 
     flip_bit(tier1_dir(settings, run, 100) / "w.bin", -1)
-    found = scrub(fraction=1.0)
+    found = scrub_flow(fraction=1.0)
     assert (found["bad"], found["repaired"]) == (1, 1)  # repaired from Tier 2
     assert (tier1_dir(settings, run, 100) / "w.bin").read_bytes() == files["w.bin"]
     assert artifacts("scrub")
@@ -110,7 +110,7 @@ def test_restore_scrub_and_drill_flows_run_and_publish_their_figures(settings, t
 def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
     from prefect.states import State
 
-    from flows.scrub import scrub
+    from flows.scrub import scrub_flow
 
     run = f"flow-{uuid.uuid4().hex[:8]}"
     commit_folder(settings, run, 100, {"w.bin": os.urandom(1000)})
@@ -118,7 +118,7 @@ def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
     shutil.rmtree(tier0_dir(settings, run, 100))
     flip_bit(tier1_dir(settings, run, 100) / "w.bin", -1)
 
-    state: State = scrub(fraction=1.0, return_state=True)
+    state: State = scrub_flow(fraction=1.0, return_state=True)
 
     assert state.is_failed()
     assert "could not be repaired" in state.message

@@ -260,7 +260,7 @@ def test_a_parts_retried_upload_leaves_another_parts_upload_running(settings_fac
     """Part 0's first upload to Tier 2 dies (its upload aborted); while part 1's upload is in
     flight, part 0's retry sweeps its own dead staging data and nothing of part 1's."""
     from tasks.copy import copy_to_tier1, upload_to_tier2
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
     from tests.kit.checkpoints import replica_states, write_checkpoint
     from tests.kit.pipeline import pipeline_settings
@@ -271,7 +271,7 @@ def test_a_parts_retried_upload_leaves_another_parts_upload_running(settings_fac
     for part in (0, 1):
         write_checkpoint(settings.tier0_url, "run-a", 100, shards=1, shard_bytes=6 * MiB, part=part, parts=2,
                          kind="milestone")
-        register_part(settings, "run-a", 100, part, 2)
+        register_stored_part(settings, "run-a", 100, part, 2)
         verify_replica(settings, "run-a", 100, part, tier=0)
         copy_to_tier1(settings, "run-a", 100, part)
     moto = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")

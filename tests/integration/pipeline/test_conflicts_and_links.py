@@ -69,10 +69,10 @@ def test_a_different_checkpoint_under_a_promoted_step_is_refused_loudly(settings
 
 
 def test_a_different_checkpoint_is_refused_before_tier1_holds_the_first(settings):
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
 
     save(settings, 100)
-    register_part(settings, RUN, 100, actor="test")  # registered, not yet copied
+    register_stored_part(settings, RUN, 100, actor="test")  # registered, not yet copied
     resave(settings, 100)
     seen = Recorder()
 
@@ -245,8 +245,8 @@ def test_a_staging_sweep_is_audited(settings):
     from tasks.copy import copy_to_tier1
 
     save(settings, 100)
-    from tasks.register import register_part
-    register_part(settings, RUN, 100, actor="test")
+    from tasks.register import register_stored_part
+    register_stored_part(settings, RUN, 100, actor="test")
     with Catalog(settings.catalog_url) as cat:  # a copy to Tier 1 that died after staging a file
         ck = cat.get_checkpoint(RUN, 100)
         claim = cat.claim_copy(ck.id, 1, 0, "file:///t1", node=None, actor="test")

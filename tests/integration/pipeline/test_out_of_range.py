@@ -21,7 +21,7 @@ from core.manifest import Manifest
 from db.catalog import Catalog
 from flows.common import plain_steps
 from flows.reconcile import reconcile_once
-from tasks.register import checkpoint_args, register_part
+from tasks.register import checkpoint_args, register_stored_part
 from tests.kit.checkpoints import ckpt_dir, published_files, replica_states, write_checkpoint
 from tests.kit.pipeline import pipeline_settings
 
@@ -94,7 +94,7 @@ def test_registering_a_step_past_bigint_is_refused_with_an_audit_row(settings_fa
     _plant_huge_step(settings.tier0_url, 100)
 
     with pytest.raises(BadInput, match="out of range"):
-        register_part(settings, RUN, HUGE)
+        register_stored_part(settings, RUN, HUGE)
 
     with Catalog(settings.catalog_url) as cat:
         rows = [a for a in cat.audit_log(limit=20) if a.action == "reject"]

@@ -169,10 +169,10 @@ def test_a_killed_tier0_verify_does_not_leak_the_node_s_disk(settings):
     """The sequence of issue 17 c: the Tier 0 verify of step 300 is killed after its claim; the
     retried promotion finds the live claim, reads the copy but records nothing, and copies to
     Tier 1; once the lease lapses, reconcile re-checks the NVMe copy, and retention can prune it."""
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
 
     write_checkpoint(settings.tier0_url, RUN, 300)
-    register_part(settings, RUN, 300)
+    register_stored_part(settings, RUN, 300)
     cat = catalog(settings)
     try:  # the killed verify's claim
         ck = cat.get_checkpoint(RUN, 300)

@@ -92,13 +92,13 @@ def test_pruning_one_part_on_tier0_deletes_only_that_node_s_files(settings):
 def test_tier0_copy_cannot_be_pruned_before_its_tier1_copy_is_verified(settings):
     from tasks.copy import copy_to_tier1
     from tasks.prune import prune_replica
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
 
     write_checkpoint(settings.tier0_url, RUN, 100)
     write_checkpoint(settings.tier0_url, RUN, 200)
     promote(settings, RUN, 200, steps=plain_steps())  # 100 is no longer the newest
-    register_part(settings, RUN, 100)
+    register_stored_part(settings, RUN, 100)
     verify_replica(settings, RUN, 100, tier=0)
     rid = tier0_replica_id(settings, RUN, 100)
 

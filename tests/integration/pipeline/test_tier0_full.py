@@ -16,7 +16,7 @@ from core.settings import RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
 from tasks import tier0_space
-from tasks.register import register_part
+from tasks.register import register_stored_part
 from tasks.verify import verify_replica
 from tests.kit.checkpoints import replica_states
 from tests.kit.pipeline import pipeline_settings
@@ -48,7 +48,7 @@ def intact(folder) -> bool:
 
 def on_tier0_known(settings, step: int) -> None:
     """The node's agent has registered ``step`` and verified it on Tier 0, not promoted it yet."""
-    register_part(settings, RUN, step)
+    register_stored_part(settings, RUN, step)
     verify_replica(settings, RUN, step, tier=0)
 
 

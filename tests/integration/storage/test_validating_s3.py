@@ -118,7 +118,7 @@ def test_a_part_corrupted_on_the_way_to_tier2_is_retried_from_the_source_and_nev
     repair, no rejection), and the retry, read from the same source, verifies on Tier 2."""
     from db.catalog import Catalog
     from tasks.copy import copy_to_tier1, upload_to_tier2
-    from tasks.register import register_part
+    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
     from tests.kit.checkpoints import replica_states, write_checkpoint
     from tests.kit.pipeline import pipeline_settings
@@ -127,7 +127,7 @@ def test_a_part_corrupted_on_the_way_to_tier2_is_retried_from_the_source_and_nev
                                  s3_endpoint_url=proxy.url, s3_multipart_threshold=5 * MiB,
                                  s3_multipart_chunksize=5 * MiB)
     write_checkpoint(settings.tier0_url, RUN, STEP, shards=1, shard_bytes=11 * MiB, kind="milestone")
-    register_part(settings, RUN, STEP, 0, 1)
+    register_stored_part(settings, RUN, STEP, 0, 1)
     verify_replica(settings, RUN, STEP, 0, tier=0)
     copy_to_tier1(settings, RUN, STEP, 0)
     hook, flipped = flip_once(lambda req: is_part(2)(req) and "safetensors" in req.key)
