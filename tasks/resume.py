@@ -8,6 +8,10 @@ Contract of ``resume``:
   folder in place when Tier 1 is a path mounted here; else a fetch (Tier 1, then Tier 2) into
   this node's Tier 0 under the layout, recorded there as a verified replica under a claim (the
   next resume then finds case 1), or into ``to`` (absent or empty; filled atomically).
+- A fetch into a tier that is a folder here (Tier 0; Tier 1 rehydrated) is staged whole in a
+  hidden folder beside the checkpoint's and renamed into place (``claimed_fetch``): killed
+  midway, it leaves none of the part's files under their names; the next claim of the part
+  removes what it left. (Into an object store: files, then the manifest as the commit marker.)
 - "Good" means the copy is verified in the catalog, its manifest still lists exactly the files
   the catalog registered, and every file has the registered size (``verify="full"``: and the
   registered CRC32C, read back now). A copy that fails is marked ``corrupt``/``missing`` and the
@@ -16,7 +20,7 @@ Contract of ``resume``:
 - A part brings only its own files plus the checkpoint-wide files its format needs to load
   (DCP ``.metadata``, the HF index), from whichever part holds them.
 - A fetch from Tier 2 whose Tier 1 copy is gone first rehydrates Tier 1 as a claimed copy
-  (``tasks.copy.copy_between_tiers``): of N nodes resuming at once one reads S3, the others
+  (``claimed_fetch``): of N nodes resuming at once one reads S3, the others
   wait for its claim and read Tier 1.
 - It records nothing but replicas: resuming a run is not a new run.
 - A folder under ``<data_dir>/resume/<run>/`` (the fetch of a node whose part another node holds
@@ -26,15 +30,17 @@ Contract of ``resume``:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
 from core.formats import WIDE_FILES
 from core.layout import checkpoint_dirname, checkpoint_prefix, parse_step_dirname
+from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
@@ -42,6 +48,9 @@ from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
 from tasks.base import HopResult, log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
+
+if TYPE_CHECKING:
+    from core.storage.local import LocalStore
 
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
@@ -374,14 +383,12 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
 
 def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int,
                    dst_tier: int, actor: str) -> HopResult:
-    """``copy_between_tiers`` as a claimed copy, waiting while another worker holds the claim:
+    """``claimed_fetch`` (a claimed copy), waiting while another worker holds the claim:
     until it publishes (then: a skipped hop) or its lease lapses (then: taken over). Asks the
     catalog every ``HYDRATION_POLL_S``; retries the claim (which reads the source's manifest)
     only every fifth of a lease. A holder that keeps renewing its lease is waited for however
     long its copy takes (each renewal moves the row's ``updated_at``); ``CopyInProgress`` only
     after two leases and ``CLAIM_WAIT_GRACE_S`` without a sign of it. Monotonic clock only."""
-    from tasks.copy import copy_between_tiers
-
     silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
     deadline = time.monotonic() + silence
     next_try, seen = 0.0, None
@@ -394,12 +401,179 @@ def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: i
             time.sleep(HYDRATION_POLL_S)
             continue
         try:
-            return copy_between_tiers(settings, ck.run, ck.step, part, src_tier=src_tier, dst_tier=dst_tier,
-                                      node=settings.node, actor=actor)
+            return claimed_fetch(settings, ck, part, src_tier=src_tier, dst_tier=dst_tier, actor=actor)
         except CopyInProgress:
             if time.monotonic() > deadline:
                 raise
             next_try = time.monotonic() + settings.claim_lease_seconds / 5
+
+
+def claimed_fetch(settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int, dst_tier: int,
+                  actor: str) -> HopResult:
+    """One part copied to ``dst_tier`` as a claimed copy. Into a tier that is a folder here, the
+    part is fetched whole into a hidden stage beside the checkpoint's folder and renamed into
+    place (``_staged_copy``): a fetch killed midway leaves none of the part's files under their
+    names. Into an object store (no rename there) ``copy_between_tiers``: files, manifest last."""
+    from core.storage.local import LocalStore
+    from tasks.base import open_tier
+    from tasks.copy import copy_between_tiers
+
+    with open_tier(settings, dst_tier) as dst:
+        if isinstance(dst, LocalStore):
+            return _staged_copy(settings, ck, part, dst, src_tier=src_tier, actor=actor)
+    return copy_between_tiers(settings, ck.run, ck.step, part, src_tier=src_tier, dst_tier=dst_tier,
+                              node=settings.node, actor=actor)
+
+
+def stage_label(step: int, part: int, parts: int) -> str:
+    """What a part's fetch stage is named for, after the ``staging_name`` mark:
+    ``step-00000100.part-00000-of-00001``. The stage lies in the run's folder, beside the step's."""
+    return f"{checkpoint_dirname(step)}.part-{part:05d}-of-{parts:05d}"
+
+
+def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalStore, *, src_tier: int,
+                 actor: str) -> HopResult:
+    """``copy_between_tiers`` into the folder tier ``dst``, published whole: under the part's
+    claim, the stages a dead fetch of this part left are removed (the claim proves their writer
+    is gone: a live one would hold it), the files are copied into a fresh stage
+    ``<run>/.ckpt-staging-<pid>-<id>-<stage_label>`` (each read back as ``put_verified`` does,
+    the manifest last) and the stage is renamed onto the step's folder (``_publish_stage``);
+    only then is the replica ``verified``. A failure removes the stage; a kill leaves it to the
+    next claim."""
+    import shutil
+
+    from core import events
+    from core.layout import staging_name
+    from core.transfer import copy_part
+    from db.entities import CORRUPT, MISSING
+    from tasks.base import copy_priority, delete_part, open_tier, sweep_staging
+    from tasks.claim import ClaimedCopy
+    from tasks.copy import watch_headroom
+    from tasks.verify import part_replica
+
+    run, step, tier, node = ck.run, ck.step, dst.tier, settings.node
+    hop = f"tier {src_tier} -> tier {tier}"
+    prefix = checkpoint_prefix(run, step)
+    url = dst.url_for(prefix)
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src:
+        manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
+        prior = part_replica(cat, ck.id, tier, part, None)
+        held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
+                                     lease_s=settings.claim_lease_seconds)
+        if held is None:
+            if rep.state == VERIFIED:
+                return HopResult(hop=hop, run=run, step=step, part=part, files=len(manifest.files),
+                                 bytes=manifest.total_bytes, seconds=0.0, skipped=True)
+            raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
+                                 f"tier {tier} (replica {rep.id}, {rep.state})")
+        with held:
+            if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
+                delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+                            reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
+            elif prior is not None and prior.state in (COPYING, MISSING):  # staging files of a promotion that died
+                own = {f.path for f in manifest.files} | {manifest.name}
+                shared = {f.path for f in cat.files(ck.id) if f.part != part}
+                why = f"left by a copy that died (replica {prior.id} was {prior.state})"
+                sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
+                              keys=[f"{prefix}/{p}" for p in sorted(own - shared)])
+            _sweep_stages(cat, dst, ck, part, actor)
+            stage_key = f"{run}/{staging_name(stage_label(step, part, ck.parts))}"
+            stage = dst.write_path(stage_key)
+            try:
+                report = copy_part(src, prefix, dst, stage_key, manifest, parallelism=settings.copy_parallelism,
+                                   progress=held.progress(), buffer_bytes=settings.io_buffer_bytes,
+                                   priority=copy_priority(settings))
+                held.check()  # a claim lost meanwhile (taken over after a stall) publishes nothing
+                _publish_stage(stage, dst.write_path(prefix), manifest)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)  # gone already when published
+            held.verified(bytes=report.bytes, seconds=report.seconds,
+                          reason=f"copied from tier {src_tier} and read back")
+        watch_headroom(settings, dst, tier, prefix, ck, part=part, node=node)
+    events.announce(events.PROMOTED if tier == 1 else events.VERIFIED, run, step, part=part, parts=ck.parts,
+                    node=node, extra_id=f"tier{tier}",
+                    payload={"tier": tier, "bytes": report.bytes, "seconds": round(report.seconds, 3), "url": url})
+    return HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
+                     seconds=report.seconds, skipped=False)
+
+
+def _sweep_stages(cat: Catalog, dst: LocalStore, ck: CheckpointInfo, part: int, actor: str) -> int:
+    """Remove the stages of ``part`` of ``ck`` in the run's folder on ``dst``: called under the
+    part's claim, so each was left by a fetch that died (or lost the claim). Audited; a link is
+    removed itself, never followed. Stages of other parts and steps are never touched."""
+    import shutil
+
+    from core.layout import STAGING_MARK, is_staging
+
+    folder = dst.write_path(safe_run_name(ck.run))
+    label = stage_label(ck.step, part, ck.parts)
+    try:
+        dead = [e for e in folder.iterdir() if is_staging(e.name) and e.name[len(STAGING_MARK):].split("-", 2)[-1]
+                == label]
+    except FileNotFoundError:
+        return 0
+    if not dead:
+        return 0
+    cat.record_deletion(f"staging:{ck.run}/{ck.step}@tier{dst.tier}",
+                        f"{len(dead)} stage folder(s) of part {part}: left by a resume's fetch that died",
+                        actor=actor, run=ck.run, step=ck.step)
+    for entry in dead:
+        if entry.is_symlink() or not entry.is_dir():
+            entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+    log.info("resume %s/step-%d part %d: removed %d stage folder(s) a dead fetch left on tier %d",
+             ck.run, ck.step, part, len(dead), dst.tier)
+    return len(dead)
+
+
+def _publish_stage(stage: Path, folder: Path, manifest: Manifest) -> None:
+    """Put a part's complete ``stage`` in place: one rename onto ``folder`` when that is absent
+    (or empty); else (other parts' files are there) each file hard-linked in beside them, data
+    first, the manifest (the part's commit marker) last, each step made durable before the next.
+    Never replaces a file: one already there must have the registered bytes (``ConflictError``)."""
+    import errno
+
+    from core.checksum import hash_file
+    from core.errors import PathEscape
+    from core.storage.local import fsync_dir
+
+    if folder.is_symlink():
+        raise PathEscape(f"{folder} is a symlink; a fetch never publishes through a link")
+    try:
+        os.rename(stage, folder)  # replaces an empty folder atomically; refuses a non-empty one
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    else:
+        fsync_dir(folder.parent)
+        return
+    registered = {e.path: (e.size, e.checksum) for e in manifest.files}
+    changed: set[Path] = set()
+
+    def link(rel: str) -> None:
+        staged, target = stage / rel, folder / rel
+        new = [p for p in reversed(target.parents) if p.is_relative_to(folder) and not p.exists()]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        changed.update(p.parent for p in new)
+        try:
+            os.link(staged, target)
+        except FileExistsError:
+            same = (staged.read_bytes() == target.read_bytes() if rel == manifest.name
+                    else not target.is_symlink() and hash_file(target) == registered[rel])
+            if not same:
+                raise ConflictError(f"{target} already exists with other bytes; refusing to overwrite") from None
+            return
+        changed.add(target.parent)
+
+    for e in manifest.files:
+        link(e.path)
+    for d in sorted(changed, key=lambda p: -len(p.parts)):
+        fsync_dir(d)
+    changed.clear()
+    link(manifest.name)
+    for d in changed:
+        fsync_dir(d)
 
 
 def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:

@@ -207,21 +207,104 @@ def test_lightning_resumes_with_one_line_after_a_kill(settings_factory, sqlite_u
 
 
 # --- DCP ---------------------------------------------------------------------------------------
-def test_dcp_loads_from_the_resume_point(settings_factory, sqlite_url):
+def dcp_setup():
+    """A tiny model and its AdamW, the same at every call."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def dcp_step(model, optim, step: int) -> None:
+    """Training step ``step`` (1-based) on its own batch of a fixed data set."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+    i = (step - 1) * 4 % 64
+    loss = torch.nn.functional.mse_loss(model(x[i:i + 4]), y[i:i + 4])
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+
+
+def dcp_state(model, optim, step: int) -> dict:
+    """What a DCP job saves and loads in place: model, optimizer (state allocated), global step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
+
+
+def same(a, b) -> bool:
+    """Equal state dicts: every tensor bit for bit, everything else by value."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+DCP_TRAIN = """
+import os, signal, sys
+import torch
+from ckpt.client import CheckpointStager
+from ckpt.integrations.dcp import async_save_and_commit
+from ckpt.resume import resume_point
+from tests.integration.test_trainer_resume import dcp_setup, dcp_state, dcp_step
+out = sys.argv[1]
+model, optim = dcp_setup()
+assert resume_point("dcp-k", part=0, parts=1) is None  # no checkpoint yet: a fresh start
+stager, saves = CheckpointStager("dcp-k", announce=False), []
+for step in range(1, 9):
+    dcp_step(model, optim, step)
+    if step % 2 == 0:
+        saves.append(async_save_and_commit(dcp_state(model, optim, step), stager, step))
+    if step == 4:
+        torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, os.path.join(out, "at-4.pt"))
+    if step == 5:
+        for fut in saves:
+            fut.result(60)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_dcp_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path):
+    """The node also comes back with its NVMe wiped: the one line fetches step 4 from Tier 1 (an
+    object store here) into Tier 0, and ``dcp.load`` reads it there."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from ckpt.client import CheckpointStager
     from ckpt.integrations.dcp import async_save_and_commit
     from ckpt.resume import resume_point
 
-    settings = scenario_settings(settings_factory, sqlite_url, runs=("dcp-r",))
-    assert resume_point("dcp-r", part=0, parts=1, settings=settings) is None
-    sd = {"w": torch.randn(32, 32), "step": torch.tensor(3)}
-    with CheckpointStager("dcp-r", settings=settings, announce=False) as stager:
-        async_save_and_commit(sd, stager, 3).result(30)
-    promote(settings, "dcp-r", 3)
+    settings = scenario_settings(settings_factory, sqlite_url, runs=("dcp-k",),
+                                 tier1_url=f"memory://dcp-k-{os.getpid()}-{id(tmp_path)}")
+    run_killed(DCP_TRAIN, settings, str(tmp_path))
+    for step in (2, 4):
+        promote(settings, "dcp-k", step)
+    shutil.rmtree(tier0_dir(settings, "dcp-k", 4).parent)
 
-    back = {"w": torch.zeros(32, 32), "step": torch.tensor(0)}
-    dcp.load(back, checkpoint_id=resume_point("dcp-r", part=0, parts=1, settings=settings).path, no_dist=True)
+    model, optim = dcp_setup()
+    state = dcp_state(model, optim, 0)
+    dcp.load(state, checkpoint_id=resume_point("dcp-k", part=0, parts=1, settings=settings).path, no_dist=True)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    assert torch.equal(back["w"], sd["w"]) and int(back["step"]) == 3
+    at4 = torch.load(tmp_path / "at-4.pt")
+    assert int(state["step"]) == 4
+    again = resume_point("dcp-k", settings=settings)  # the wiped Tier 0 has step 4 again: fetched there
+    assert again.path == str(tier0_dir(settings, "dcp-k", 4)) and again.parts[0].source == "in place"
+    assert same(model.state_dict(), at4["model"]) and same(optim.state_dict(), at4["optim"])
+    for step in (5, 6):  # training goes on from step 4 exactly as if it had never stopped
+        dcp_step(model, optim, step)
+    ref_model, ref_optim = dcp_setup()
+    for step in range(1, 7):
+        dcp_step(ref_model, ref_optim, step)
+    assert same(model.state_dict(), ref_model.state_dict()) and same(optim.state_dict(), ref_optim.state_dict())
+    with CheckpointStager("dcp-k", settings=settings, announce=False) as stager:
+        assert async_save_and_commit(dcp_state(model, optim, 6), stager, 6).result(30).step == 6
+    promote(settings, "dcp-k", 6)
+    no_lineage(settings, "dcp-k", 6)
+    assert resume_point("dcp-k", part=0, parts=1, settings=settings).path == str(tier0_dir(settings, "dcp-k", 6))

@@ -427,7 +427,7 @@ def test_a_node_whose_tier0_claim_another_node_won_gets_a_folder_with_the_files(
     """Data parallel: every node loads part 0. The NVMe of node-0 (the part's Tier 0 home) was
     wiped; node-7 sees no verified Tier 0 copy, goes for the claim, but node-0 takes it first and
     fetches into its own NVMe. Node-7 must not be handed its own (empty) Tier 0 folder."""
-    import tasks.copy as copy_mod
+    import tasks.resume as resume_mod
     from tests.kit.checkpoints import open_catalog
 
     settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1h-{os.getpid()}-{id(db_url)}")
@@ -437,14 +437,14 @@ def test_a_node_whose_tier0_claim_another_node_won_gets_a_folder_with_the_files(
         row = cat.replicas(cat.get_checkpoint(RUN, 100).id, 0)[0]
         cat.transition(row.id, "missing", expected="verified", actor="test", reason="the NVMe was wiped")
     node7 = on_node(settings, "node-7")
-    real, won = copy_mod.copy_between_tiers, []
+    real, won = resume_mod.claimed_fetch, []
 
     def node0_first(s, *args, **kw):
         if s.node == "node-7" and not won:
             won.append(resume(settings, RUN))  # node-0 resumes too and wins the claim
         return real(s, *args, **kw)
 
-    monkeypatch.setattr(copy_mod, "copy_between_tiers", node0_first)
+    monkeypatch.setattr(resume_mod, "claimed_fetch", node0_first)
 
     point = resume(node7, RUN)
 

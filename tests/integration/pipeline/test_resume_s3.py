@@ -1,5 +1,6 @@
 """Resume against Tier 2 on moto's S3 server (through a recording proxy): Tier 1 rehydrated once
-for the whole cluster, a Tier 1 copy that vanishes mid-read, a fetch killed halfway."""
+for the whole cluster, a Tier 1 copy that vanishes mid-read, a fetch killed halfway, a part
+linked in beside another part's files."""
 
 from __future__ import annotations
 
@@ -135,6 +136,12 @@ resume(load_settings(), %r)
 
 def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_one_completes(
         settings_factory, db_url, s3_bucket, s3_endpoint):
+    """The fetch (here: the Tier 1 rehydration) is killed once one file was written and read
+    back: the destination holds none of the part's files under their names (they wait in a
+    hidden stage beside it), and the restarted resume, once it holds the dead fetch's claim,
+    removes that stage and publishes the part whole."""
+    from core.layout import is_staging
+
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
                                  claim_lease_seconds=2.0)
     files = save_milestone(settings)
@@ -149,14 +156,62 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_on
     assert proc.returncode == -signal.SIGKILL, proc.stderr
 
     folder = tier1_dir(settings, RUN, 100)
-    assert not (folder / "manifest.json").exists()  # nothing committed: no reader trusts it
+    assert [rel for rel in [*FILES, "manifest.json"] if (folder / rel).exists()] == []  # absent, not partial
+    stages = [p for p in folder.parent.iterdir() if is_staging(p.name)]
+    assert len(stages) == 1 and tree(stages[0])  # killed mid-fetch: files were in, beside the destination,
+    assert not (stages[0] / "manifest.json").exists()  # and the part was not complete
     assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # the dead worker's claim
 
     point = resume(node9, RUN)  # restarted at once: waits out the dead claim's lease, takes it over
 
     assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
-    assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
+    assert not [p for p in folder.parent.rglob("*") if is_staging(p.name)]  # the dead fetch's stage is gone
+
+
+def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last(
+        settings_factory, db_url, s3_bucket, s3_endpoint, monkeypatch):
+    """Tier 1 lost part 1 of a two-part milestone but still holds part 0 in the same folder: the
+    part, staged whole, cannot be renamed onto that folder, so its files are linked in beside
+    part 0's (never replacing one), its manifest last; part 0's files are left as they were."""
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import write_checkpoint
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    node1 = on_node(settings, "node-1")
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
+                         shard_bytes=32 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+    folder = tier1_dir(settings, RUN, 100)
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        mine = [*sorted(f.path for f in cat.files(ck.id, 1)), "manifest.part-00001-of-00002.json"]
+        for rel in mine:
+            (folder / rel).unlink()
+        rep = next(r for r in cat.replicas(ck.id, 1) if r.part == 1)
+        cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost part 1")
+    before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
+    real_link, linked = os.link, []
+
+    def link(src, dst, **kw):  # the real link, its order noted
+        real_link(src, dst, **kw)
+        if Path(dst).parent == folder:
+            linked.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "link", link)
+
+    point = resume(on_node(settings, "node-7"), RUN, part=1, parts=2)
+
+    assert point.path == str(folder) and [(p.tier, p.source) for p in point.parts] == [(2, "fetched")]
+    for rel in mine:
+        assert (folder / rel).read_bytes() == (tier0_dir(node1, RUN, 100) / rel).read_bytes()
+    assert {n: (p.stat().st_ino, p.read_bytes()) for n in before if (p := folder / n)} == before
+    assert sorted(linked) == sorted(mine) and linked[-1] == mine[-1]  # the part's commit marker last
+    assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
+    assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
 
 
 def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
