@@ -215,11 +215,22 @@ class Settings(BaseSettings):
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part replaced by ``***``: the form
-    in which a connection URL may appear in a message, a log line or anything Prefect stores."""
+    """``url`` (or a message holding URLs) with the secret of each ``user:password@`` replaced by
+    ``***`` (``***@`` for a bare token): the form in which a connection URL may appear in a
+    message, a log line or anything Prefect stores. A password may hold "/", "@", "?" or "#"
+    (``_from_host`` finds where the host starts)."""
     import re
 
-    return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"]+@", r"\1:***@", url)
+    def one(m: re.Match[str]) -> str:
+        scheme, rest = m.group(1), m.group(2)
+        tail = _from_host(rest)
+        if tail == rest:
+            return m.group(0)
+        userinfo = rest[: len(rest) - len(tail) - 1]
+        return f"{scheme}://{userinfo.split(':', 1)[0] + ':' if ':' in userinfo else ''}***@{tail}"
+
+    text = re.sub(r"([A-Za-z][\w+.-]*)://([^\s'\"]+)", one, url)
+    return re.sub(r"([^\s/:@'\"]+):[^\s/@'\"*]+@", r"\1:***@", text)  # a user:password@host without a scheme
 
 
 # query parameters whose values are shown as they are: everything else is dropped from the shown
