@@ -77,10 +77,12 @@ class S3Shaper:
             self.gets.clear()
             self.bytes_sent = 0
 
-    def _count(self, method: str, path: str, n: int) -> None:
+    def _count_get(self, path: str) -> None:
         with self._lock:
-            if method == "GET":
-                self.gets[urlsplit(path).path.lstrip("/")] += 1
+            self.gets[urlsplit(path).path.lstrip("/")] += 1
+
+    def _count_bytes(self, n: int) -> None:
+        with self._lock:
             self.bytes_sent += n
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -98,6 +100,8 @@ class S3Shaper:
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("transfer-encoding", "content-length", "expect", "connection")}
                 headers["Content-Length"] = str(len(body))
+                if self.command == "GET":  # counted before any byte goes: a client that has read the
+                    proxy._count_get(self.path)  # whole answer always finds its GET counted
                 upstream = http.client.HTTPConnection(*proxy.upstream, timeout=120)
                 try:
                     upstream.request(self.command, self.path, body=body, headers=headers)
@@ -115,8 +119,8 @@ class S3Shaper:
                     elif resp.getheader("Content-Length") is None:
                         self.send_header("Content-Length", "0")
                     self.end_headers()
-                    sent = self._stream(resp, whole) if self.command != "HEAD" else 0
-                    proxy._count(self.command, self.path, sent)
+                    if self.command != "HEAD":
+                        self._stream(resp, whole)
                 finally:
                     upstream.close()
 
@@ -126,6 +130,7 @@ class S3Shaper:
                           else (whole[i:i + CHUNK] for i in range(0, len(whole), CHUNK)))
                 for chunk in chunks:
                     pacer.sent(len(chunk))
+                    proxy._count_bytes(len(chunk))  # before the write, as the GET: never behind the client
                     self.wfile.write(chunk)
                 return pacer.done
 
