@@ -32,7 +32,7 @@ from core.settings import Settings
 from core.storage.base import TierStore
 from core.transfer import SourceMismatch
 from db.catalog import Catalog
-from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo
+from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import (
     HopResult,
     copy_priority,
@@ -53,6 +53,28 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
     """Copy a registered part from ``src_tier`` to ``dst_tier`` and record it ``verified``."""
     return _claimed_copy(settings, run, step, part, src_tier=src_tier, dst_tier=dst_tier,
                          node=node or settings.node, actor=actor)[-1]
+
+
+def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, manifest: Manifest,
+                prior: ReplicaInfo | None, *, src_tier: int, actor: str, lease_s: float) -> None:
+    """Under the part's claim, before copying it to ``dst`` again: what an earlier copy left.
+    Known-bad bytes (``corrupt``) are deleted, never resumed on. A copy of this part that died
+    (``copying``/``missing``) left staging data that is garbage: this part's own files are ours
+    alone under the claim (swept now, not after a wall-clock wait); paths another part also
+    lists may be that part's live copy (swept only once a lease old); other parts' files are
+    never touched."""
+    run, step, prefix = ck.run, ck.step, checkpoint_prefix(ck.run, ck.step)
+    if prior is not None and prior.state == CORRUPT:
+        delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+                    reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
+    elif prior is not None and prior.state in (COPYING, MISSING):
+        own = [f.path for f in manifest.files] + [manifest.name]
+        shared = {f.path for f in cat.files(ck.id) if f.part != part}
+        why = f"left by a copy that died (replica {prior.id} was {prior.state})"
+        sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
+                      keys=[f"{prefix}/{p}" for p in own if p not in shared])
+        sweep_staging(cat, dst, run, step, older_than_s=lease_s, actor=actor, reason=why,
+                      keys=[f"{prefix}/{p}" for p in own if p in shared])
 
 
 def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tier: int, dst_tier: int,
@@ -85,21 +107,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
                                      f"tier {dst_tier} (replica {rep.id}, {rep.state})")
             with held:
-                if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
-                    delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
-                                reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
-                elif prior is not None and prior.state in (COPYING, MISSING):
-                    # a copy of this part that died: its staging data is garbage. This part's own
-                    # files are ours alone under the claim just taken (swept now, not after a
-                    # wall-clock wait); paths another part also lists may be that part's live copy
-                    # (left a lease); other parts' files are never touched
-                    own = [f.path for f in manifest.files] + [manifest.name]
-                    shared = {f.path for f in cat.files(ck.id) if f.part != part}
-                    why = f"left by a copy that died (replica {prior.id} was {prior.state})"
-                    sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
-                                  keys=[f"{prefix}/{p}" for p in own if p not in shared])
-                    sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why,
-                                  keys=[f"{prefix}/{p}" for p in own if p in shared])
+                clear_prior(cat, dst, ck, part, manifest, prior, src_tier=src_tier, actor=actor, lease_s=held.lease_s)
                 shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
                 if source is not None:
                     source.copying()

@@ -445,10 +445,9 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
     from core import events
     from core.layout import staging_name
     from core.transfer import copy_part
-    from db.entities import CORRUPT, MISSING
-    from tasks.base import copy_priority, delete_part, open_tier, sweep_staging
+    from tasks.base import copy_priority, open_tier
     from tasks.claim import ClaimedCopy
-    from tasks.copy import watch_headroom
+    from tasks.copy import clear_prior, watch_headroom
     from tasks.verify import part_replica
 
     run, step, tier, node = ck.run, ck.step, dst.tier, settings.node
@@ -467,15 +466,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
                                  f"tier {tier} (replica {rep.id}, {rep.state})")
         with held:
-            if prior is not None and prior.state == CORRUPT:  # known-bad bytes: never resume on them
-                delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
-                            reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
-            elif prior is not None and prior.state in (COPYING, MISSING):  # staging files of a promotion that died
-                own = {f.path for f in manifest.files} | {manifest.name}
-                shared = {f.path for f in cat.files(ck.id) if f.part != part}
-                why = f"left by a copy that died (replica {prior.id} was {prior.state})"
-                sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
-                              keys=[f"{prefix}/{p}" for p in sorted(own - shared)])
+            clear_prior(cat, dst, ck, part, manifest, prior, src_tier=src_tier, actor=actor, lease_s=held.lease_s)
             _sweep_stages(cat, dst, ck, part, actor)
             stage_key = f"{run}/{staging_name(stage_label(step, part, ck.parts))}"
             stage = dst.write_path(stage_key)
