@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core import events
-from core.errors import EventTooLarge
+from core.errors import EventTooLarge, NotFound, UnknownRun
 from core.manifest import Manifest
 from core.settings import Settings
+from deployments.names import promote_deployment
 from tasks import prefect_events
 
 if TYPE_CHECKING:
@@ -48,8 +49,7 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
     catalog has not registered yet (its promotion still running) is left for a later attempt:
     the run itself is registered at once, so its own checkpoints can be promoted. An
     unreachable catalog leaves everything for later."""
-    from core.errors import NotFound, UnknownRun
-    from db.catalog import Catalog
+    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic; the client imports this module
 
     try:
         cat = Catalog(settings.catalog_url)
@@ -147,8 +147,6 @@ def node_served(api_url: str, node: str, *, timeout: float = 5.0) -> bool | None
     None when the API cannot say (unreachable, another error)."""
     import httpx
 
-    from deployments.names import promote_deployment
-
     try:
         r = httpx.get(f"{api_url.rstrip('/')}/deployments/name/{promote_deployment(node)}", timeout=timeout,
                       headers=prefect_events.auth_headers())
@@ -167,8 +165,6 @@ def warn_if_unserved(api_url: str, node: str) -> None:
 
 
 def _deployment(node: str) -> str:
-    from deployments.names import promote_deployment
-
     return promote_deployment(node)
 
 

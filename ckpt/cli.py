@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+import ckpt.commands
 from core.errors import BadInput, CkptError, ConfigError
 
 app = typer.Typer(name="ckpt", help="Keep training checkpoints safe across storage tiers.",
@@ -22,9 +23,7 @@ err = Console(stderr=True)
 
 
 def _register_commands() -> None:
-    import ckpt.commands as pkg
-
-    for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+    for mod in sorted(pkgutil.iter_modules(ckpt.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"ckpt.commands.{mod.name}")
         register = getattr(module, "register", None)
         if register:

@@ -40,13 +40,17 @@ from typing import TYPE_CHECKING, Any, Self, overload
 
 from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
+from core import checksum
 from core.errors import BadInput, ConflictError, StorageFull
-from core.layout import checkpoint_dirname
+from core.formats import detect_format
+from core.layout import checkpoint_dirname, staging_name
 from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
+from core.manifest_build import build_manifest, write_manifest
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
 from core.space import Reading, free_bytes
+from core.storage.local import fsync_dir
 
 if TYPE_CHECKING:
     import numpy as np
@@ -149,7 +153,7 @@ class CheckpointStager:
         ``stall_seconds``: for an adopted folder, the stall the caller measured itself (a trainer
         integration, whose library's own save came before this call, or an async save committed
         from another thread); by default the time this call took."""
-        from core import safetensors_writer as stw
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
 
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -222,9 +226,7 @@ class CheckpointStager:
 
     def _commit(self, folder: Path | None, arrays: Mapping[str, tuple[np.ndarray, str]] | None, t0: float | None,
                 *, step: int, stall: float | None = None, **meta: Any) -> SavedCheckpoint:
-        from core import safetensors_writer as stw
-        from core.layout import staging_name
-        from core.storage.local import fsync_dir
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -261,9 +263,6 @@ class CheckpointStager:
                   *, step: int, metrics: dict[str, float], parent: ParentRef | None, kind: str) -> Manifest:
         """Commit the part's manifest inside ``folder``. ``files`` None: an adopted folder,
         described (hashed) and validated by its format here."""
-        from core.formats import detect_format
-        from core.manifest_build import build_manifest, write_manifest
-
         common: dict[str, Any] = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics,
                                       parent=parent)
         if files is None:
@@ -286,8 +285,6 @@ def publish_folder(staging: Path, final: Path, manifest: Manifest) -> None:
     """Move a committed part into ``final``: one rename when ``final`` is new; else file by
     file (another part, or the same part saved again), manifest last. The same bytes again
     are a no-op; different bytes for an existing file raise ``ConflictError``."""
-    from core import checksum
-
     try:
         os.rename(staging, final)
         return

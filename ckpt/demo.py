@@ -31,10 +31,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ckpt.client import CheckpointStager, SavedCheckpoint
+from ckpt.commands.catalog import lineage_tree
+from ckpt.local_stack import LocalStack
+from core.errors import NotFound
+from core.settings import load_settings
+from db.catalog import Catalog
+
 if TYPE_CHECKING:
     from rich.tree import Tree
-
-    from db.catalog import Catalog
 
 NODES = ("node-0", "node-1")
 RUN1, RUN2 = "pretrain", "resume"
@@ -90,8 +95,6 @@ def rank_tensors(rank: int, nbytes: int) -> dict[str, np.ndarray]:
 def train(run: str, steps: list[int], args: argparse.Namespace, *,
           resumed_from: tuple[str, int] | None = None) -> list[Saved]:
     """Two ranks, one per node, each committing its part of every checkpoint on its Tier 0."""
-    from ckpt.client import CheckpointStager, SavedCheckpoint
-
     ranks = [rank_tensors(r, args.mb * 1_000_000 // len(NODES)) for r in range(len(NODES))]
     stagers = [CheckpointStager(run, node=node, part=r, parts=len(NODES), resumed_from=resumed_from,
                                 shard_bytes=16 * 1024 * 1024) for r, node in enumerate(NODES)]
@@ -127,8 +130,6 @@ def train(run: str, steps: list[int], args: argparse.Namespace, *,
 def status(cat: Catalog, rec: Saved, tier2: bool) -> Status:
     """Whether ``rec`` reached Tier 1 (and Tier 2 if a milestone): every part's replica was
     verified there at some point (retention may have pruned it since, e.g. from Tier 0)."""
-    from core.errors import NotFound
-
     try:
         ck = cat.get_checkpoint(rec.run, rec.step)
     except NotFound:
@@ -157,9 +158,6 @@ def tier_label(states: list[str]) -> str:
 
 def wait_for_tiers(saved: list[Saved], *, tier2: bool, timeout: float,
                    quiet: bool = False) -> dict[tuple[str, int], Status]:
-    from core.settings import load_settings
-    from db.catalog import Catalog
-
     cat = Catalog(load_settings().catalog_url)
     deadline = time.monotonic() + timeout
     last = ""
@@ -196,10 +194,6 @@ def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> Tab
 
 
 def lineage(saved: list[Saved]) -> Tree:
-    from ckpt.commands.catalog import lineage_tree
-    from core.settings import load_settings
-    from db.catalog import Catalog
-
     root = saved[0]
     cat = Catalog(load_settings().catalog_url)
     try:
@@ -210,8 +204,6 @@ def lineage(saved: list[Saved]) -> Tree:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ckpt.local_stack import LocalStack
-
     args = parse_args(argv)
     t0 = time.monotonic()
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -32,6 +32,10 @@ from typing import TYPE_CHECKING
 
 from ckpt.processes import LOOPBACK, Started, free_port, spawn, stop_process, wait_http
 from core.errors import ConfigError
+from core.settings import load_settings
+from db.catalog import upgrade
+from deployments.names import ARCHIVE_DEPLOYMENT, promote_deployment
+from tasks.prefect_events import auth_headers
 
 if TYPE_CHECKING:
     from ckpt.production_stack import ProductionStack
@@ -153,8 +157,6 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
     runner (status READY): then its triggers and schedules are live."""
     import httpx
 
-    from tasks.prefect_events import auth_headers
-
     headers = auth_headers(auth_string)
 
     deadline = time.monotonic() + timeout
@@ -242,8 +244,6 @@ class LocalStack(Started):
 
     def exports(self) -> dict[str, str]:
         """``job_exports`` for the first node (the one whose agent also serves the cluster)."""
-        from core.settings import load_settings
-
         return job_exports(self.env, node=self.nodes[0], catalog_url=str(load_settings().catalog_url))
 
     def alive(self) -> bool:
@@ -308,8 +308,6 @@ class LocalStack(Started):
         self.procs.append(moto)
 
     def start(self) -> LocalStack:
-        from db.catalog import upgrade
-
         self.root = self.root.absolute()
         if self.tier2 and self.port_required:  # taken: an error before any server is started
             free_port(self.s3_port, required=True, what=S3_PORT_IS)
@@ -326,13 +324,9 @@ class LocalStack(Started):
         self.env = {**stack_env(self.root / "data", api_url=self.api_url, s3_url=self.s3_url,
                                 catalog_url=catalog_url, auth_string=self.auth_string), **self.extra_env}
         os.environ.update(self.env)  # this process (the demo's training job) sees the same stack
-        from core.settings import load_settings
-
         upgrade(load_settings().catalog_url)
         self.start_agents()
-        from deployments import names
-
-        wanted = [names.promote_deployment(n) for n in self.nodes] + [names.ARCHIVE_DEPLOYMENT]
+        wanted = [promote_deployment(n) for n in self.nodes] + [ARCHIVE_DEPLOYMENT]
         wait_deployments(self.api_url, wanted, procs=self.agents, auth_string=self.auth_string)
         return self
 

@@ -13,12 +13,9 @@ else fetched into Tier 0 or ``to``); ``None`` for a run with no checkpoint yet. 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from tasks.resume import FETCHED, IN_PLACE, PartResume, ResumePoint, Verify
-
-if TYPE_CHECKING:
-    from core.settings import Settings
+from core.settings import Settings, load_settings
+from tasks.resume import FETCHED, IN_PLACE, PartResume, ResumePoint, Verify, resume
 
 __all__ = ["FETCHED", "IN_PLACE", "PartResume", "ResumePoint", "resume_point"]
 
@@ -27,7 +24,4 @@ def resume_point(run: str, *, part: int | None = None, parts: int | None = None,
                  verify: Verify = "size", settings: Settings | None = None) -> ResumePoint | None:
     """Where ``run`` resumes on this node (``part`` of ``parts``, or the whole checkpoint):
     ``ResumePoint(run, step, path, parts, note)``, or None when the run has no checkpoint."""
-    from core.settings import load_settings
-    from tasks.resume import resume
-
     return resume(settings or load_settings(), run, part=part, parts=parts, to=to, verify=verify)

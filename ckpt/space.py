@@ -26,13 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckpt.integrations import same_filesystem
 from core.errors import StorageFull
 from core.settings import Settings
 from core.sizing import fmt_bytes
+from core.space import Reading, folder_bytes, free_bytes, headroom, state_size
 
 if TYPE_CHECKING:
     from ckpt.client import CheckpointStager
-from core.space import Reading, free_bytes, headroom, state_size
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,6 @@ def ensure_room_for_folder(stager: CheckpointStager, step: int, folder: Path) ->
     """Before ``folder`` is linked into Tier 0 for ``step`` (``ckpt commit``, ``ckpt watch``):
     room for its bytes when they must be copied (another file system); nothing to check when
     they are hard-linked (no byte written)."""
-    from ckpt.integrations import same_filesystem
-    from core.space import folder_bytes
-
     if not same_filesystem(folder, stager.checkpoint_dir(step).parent):
         stager.ensure_room(step, tensors_needed(folder_bytes(folder), 0))
 
@@ -110,7 +108,7 @@ class Tier0Space:
             free=max(free, 0), needed=needed, waiting=None if count is None else (count, waiting))
 
     def _retain(self) -> None:
-        from tasks import tier0_space
+        from tasks import tier0_space  # deferred: start-up — Prefect, SQLAlchemy; the client imports this module
 
         try:
             done = tier0_space.retain_tier0_here(self.settings, actor=f"stager:{self.settings.node}")
@@ -123,7 +121,7 @@ class Tier0Space:
                      ", ".join(f"{a.run}/{a.step}" for a in pruned))
 
     def _waiting(self) -> tuple[int | None, int]:
-        from tasks import tier0_space
+        from tasks import tier0_space  # deferred: start-up — Prefect, SQLAlchemy; the client imports this module
 
         try:
             return tier0_space.waiting_for_promotion(self.settings)

@@ -35,7 +35,7 @@ from ckpt.client import CheckpointStager, SavedCheckpoint
 from ckpt.space import ensure_room_for_folder
 from core.errors import StorageFull
 from core.formats import DCP_METADATA, HF_INDEX, hf_index_shards
-from core.layout import manifest_name
+from core.layout import manifest_name, staging_name
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,6 @@ class Watcher:
     def poll(self) -> list[SavedCheckpoint]:
         """Commit and announce what became complete since the last poll. A folder that fails
         (bad format, a link leaving it) is logged and skipped for good, never retried in a loop."""
-        from core.layout import staging_name
-
         done: list[SavedCheckpoint] = []
         for step, folder, why in self.pending():
             self.seen.add(step)

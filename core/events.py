@@ -16,6 +16,8 @@ from contextvars import ContextVar
 from datetime import UTC
 from typing import Any
 
+from core.errors import EventTooLarge
+
 COMPLETED = "ckpt.checkpoint.completed"  # training side: a part is committed on Tier 0
 VERIFIED = "ckpt.checkpoint.verified"
 PROMOTED = "ckpt.checkpoint.promoted"  # a part verified on Tier 1
@@ -87,8 +89,6 @@ def check_size(event: dict[str, Any], max_bytes: int = MAX_EVENT_BYTES) -> dict[
     """``event`` unchanged when its JSON, plus headroom for what the server adds, fits under
     ``max_bytes``; ``EventTooLarge`` naming the size and the limit otherwise."""
     import json
-
-    from core.errors import EventTooLarge
 
     size = len(json.dumps(event, default=str).encode())
     if size + EVENT_HEADROOM_BYTES > max_bytes:

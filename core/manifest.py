@@ -19,6 +19,7 @@ from typing import Any
 
 from core.errors import BadInput, CkptError, CorruptCheckpoint
 from core.layout import check_ref, is_manifest_name, manifest_name
+from core.paths import safe_relpath
 
 MANIFEST_VERSION = 1
 KINDS = ("step", "epoch", "milestone")
@@ -124,8 +125,6 @@ class Manifest:
 
     def validate(self) -> None:
         """Structural checks; raises ``BadInput`` (or ``PathEscape``) on the first problem."""
-        from core.paths import safe_relpath
-
         if not self.run or "/" in self.run or self.run.startswith("."):
             raise BadInput(f"invalid run name {self.run!r}")
         check_ref(self.step, self.part, self.parts)

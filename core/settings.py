@@ -301,7 +301,7 @@ def display_url(url: str) -> str:
 def tier2_url_problem(url: str) -> str | None:
     """Why ``url`` may not be the Tier 2 root (None when it may), as the storage backend
     registered for its scheme says (``core.storage.registry.tier2_url_problem``)."""
-    from core.storage import tier2_url_problem as problem  # the backends import this module
+    from core.storage import tier2_url_problem as problem  # deferred: cycle — core.storage.fsspec imports this module
 
     return problem(url)
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
+from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
 from db.entities import (
     CKPT_COMMITTED,
     COPYING,
@@ -289,8 +290,6 @@ def milestone_backlog(conn: Connection, policy: MilestonePolicy) -> list[Checkpo
     checkpoints not yet archived, whatever the catalog holds. The every-K-steps rule marks
     nothing (it is the policy's, not the checkpoint's): with it set, its term still tests every
     checkpoint complete on Tier 1 and not on Tier 2 (bounded in practice by Tier 1 retention)."""
-    from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
-
     masks = _masks(lambda m: m & tier_bit(1) and not m & tier_bit(2))
     wanted = [m for m in range(1, (MARK_TAGGED | MARK_EPOCH) + 1) if m & marks_wanted(policy)]
     terms: list[ColumnElement[bool]] = []

@@ -42,6 +42,8 @@ from typing import Any
 from core import events
 from core.settings import Settings
 from deployments import names
+from deployments.automations import ensure_rpo_automation
+from deployments.fast_path import fast_path, start_fork_server
 
 
 def promote_trigger(node: str) -> Any:
@@ -73,8 +75,8 @@ def durable_trigger() -> Any:
 def node_deployments(settings: Settings) -> list[Any]:
     from prefect.types.entrypoint import EntrypointType
 
-    from flows.promote import promote_checkpoint
-    from flows.reconcile import reconcile
+    from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.reconcile import reconcile  # deferred: start-up — Prefect, SQLAlchemy
 
     node = settings.node
     return [
@@ -94,10 +96,10 @@ def node_deployments(settings: Settings) -> list[Any]:
 def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> list[Any]:
     from prefect.types.entrypoint import EntrypointType
 
-    from flows.archive import archive_checkpoint
-    from flows.drill import drill_flow
-    from flows.retention import enforce_retention
-    from flows.scrub import scrub_flow
+    from flows.archive import archive_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.drill import drill_flow  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.retention import enforce_retention  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.scrub import scrub_flow  # deferred: start-up — Prefect, SQLAlchemy
 
     return [
         archive_checkpoint.to_deployment(
@@ -147,8 +149,6 @@ def ensure_alerts(settings: Settings) -> None:
     fatal: promotions matter more than the alert about them."""
     import logging
 
-    from deployments.automations import ensure_rpo_automation
-
     try:
         ensure_rpo_automation(settings.rpo_seconds, settings.prefect_api_url)
     except Exception as exc:  # noqa: BLE001 - see above
@@ -162,8 +162,6 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
 
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from deployments.fast_path import fast_path, start_fork_server
 
     os.environ.update(agent_environment(settings))
     if settings.fast_path:

@@ -50,6 +50,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from core.errors import NotFound
 from deployments import names
 
 log = logging.getLogger("ckpt.agent.fast_path")
@@ -92,7 +93,7 @@ def start_fork_server() -> bool:
         return False
     for module in WARM_IMPORTS:
         importlib.import_module(module)
-    from db.catalog import preload
+    from db.catalog import preload  # deferred: start-up — SQLAlchemy, Alembic
 
     preload()  # no connection is opened before the fork: each process opens its own
     resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
@@ -154,10 +155,10 @@ def run_warm(conn: Any, env: dict[str, str]) -> None:
     from prefect.flow_engine import run_flow
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings, temporary_settings
 
-    from flows.common import step_tasks
-    from flows.promote import promote_checkpoint
+    from flows.common import step_tasks  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
-    step_tasks()  # the task modules (and what they import) load now, not during the run
+    step_tasks()  # the task modules (flows.common imports them) and their registry: built now, not during the run
     warm_up()
     with SettingsContext(profile=get_settings_context().profile, settings=Settings()), \
             temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
@@ -173,9 +174,8 @@ def warm_up() -> None:
     and SQLAlchemy's first compilations. A failure here is the run's to report, not ours."""
     import fastapi.encoders  # noqa: F401
 
-    from core.errors import NotFound
-    from core.settings import load_settings
-    from db.catalog import Catalog
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
     try:
         with Catalog(load_settings().catalog_url) as cat, suppress(NotFound):

@@ -11,16 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from core.settings import Settings
 from tasks.base import HopResult
-
-if TYPE_CHECKING:  # the steps' modules open the catalog: imported where the steps are built
-    from tasks.hop import Tier1Hop
-    from tasks.prune import Pruned
-    from tasks.register import Registered
-    from tasks.retention import PruneAction
+from tasks.hop import Tier1Hop, tier1_hop_task, tier2_hop_task
+from tasks.prune import Pruned, prune_task
+from tasks.record import mark_complete_task
+from tasks.register import Registered, register_stored_part_task
+from tasks.retention import PruneAction, plan_retention_task
+from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, with_policy
+from tasks.verify import verify_task
 
 
 class RegisterStep(Protocol):
@@ -89,13 +90,6 @@ def step_tasks() -> dict[str, Any]:
     plain function is the task's ``.fn``). A hop of one part is one task run (``tasks.hop``):
     each task run costs the flow round trips and the server ingest, which a burst of N parts pays
     N times."""
-    from tasks.hop import tier1_hop_task, tier2_hop_task
-    from tasks.prune import prune_task
-    from tasks.record import mark_complete_task
-    from tasks.register import register_stored_part_task
-    from tasks.retention import plan_retention_task
-    from tasks.verify import verify_task
-
     registry = Steps(register=register_stored_part_task, verify=verify_task, mark_complete=mark_complete_task,
                      plan_retention=plan_retention_task, prune=prune_task, tier1_hop=tier1_hop_task,
                      tier2_hop=tier2_hop_task)  # mypy checks each task against its member's type
@@ -109,8 +103,6 @@ def plain_steps() -> Steps:
 
 def task_steps(settings: Settings | None = None) -> Steps:
     """The Prefect tasks with the configured retry budget (``Settings.task_retries``...)."""
-    from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES
-
     r = settings.task_retries if settings is not None else DEFAULT_RETRIES
     d = settings.task_retry_delay_seconds if settings is not None else DEFAULT_BASE_DELAY_S
     return _task_steps(r, d)
@@ -119,8 +111,6 @@ def task_steps(settings: Settings | None = None) -> Steps:
 @lru_cache(maxsize=8)
 def _task_steps(retries: int, base_delay: float) -> Steps:
     """Built once per retry budget and process (``Task.with_options`` costs ~2 ms a task)."""
-    from tasks.retry import with_policy
-
     return Steps(**{name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()})
 
 

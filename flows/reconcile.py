@@ -43,6 +43,7 @@ from prefect import flow
 from core.errors import CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
 from core.events import announcing
 from core.settings import Settings, load_settings
+from core.transfer import find_committed
 from db.entities import COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
@@ -80,8 +81,6 @@ def promotion_row(result: PromoteResult) -> dict[str, Any]:
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
                    on_durable: Callable[[PromoteResult], None] | None = None) -> ReconcileReport:
     """One pass of the sweeps above on this node (``on_durable``: as for ``promote``)."""
-    from core.transfer import find_committed
-
     report = ReconcileReport()
     recover_claims(settings, report, steps=steps, actor=actor)
     mark_missing(settings, report, actor=actor)

@@ -17,6 +17,7 @@ from core.events import announcing
 from core.settings import Settings, load_settings
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, task_steps
+from tasks.audit import expire_audit_task
 from tasks.prefect_events import emit
 from tasks.retention import PruneAction, apply_retention
 
@@ -65,7 +66,5 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
         actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
                             actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
-        from tasks.audit import expire_audit_task
-
         expire_audit_task(settings, actor=current_actor("retention"))
     return [a.row() for a in actions]

@@ -19,6 +19,7 @@ from statistics import median
 from core import sizing
 from db.catalog import Catalog
 from db.entities import DrillResult, LineageEdge
+from flows.artifacts import artifact_key, post_artifact
 
 TIERS = (0, 1, 2)
 TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
@@ -149,8 +150,6 @@ def publish_run_status(catalog_url: str, run: str) -> None:
     """Publish (a new version of) the run's status artifact from the current flow run (with the
     open ``artifact_batch``, at its end); nothing outside a flow run. Key: ``run-<name>`` made a
     valid artifact key. Best effort, like every artifact."""
-    from flows.artifacts import artifact_key, post_artifact
-
     def post() -> None:
         from prefect.artifacts import create_markdown_artifact
 

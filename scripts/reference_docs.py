@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ckpt.cli import app
+from core.settings import Settings
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reference"
 
 
@@ -41,8 +44,6 @@ def _cell(text: str) -> str:
 
 def configuration() -> str:
     from pydantic import BaseModel
-
-    from core.settings import Settings
 
     lines = [
         "# Configuration reference",
@@ -79,8 +80,6 @@ def configuration() -> str:
 
 def cli() -> str:
     import typer.main
-
-    from ckpt.cli import app
 
     group = typer.main.get_command(app)
     lines = ["# CLI reference", "",

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from ckpt.processes import free_port
+
 BROWSER_FLAGS = ("--headless", "--no-sandbox",  # root in a container has no user namespaces; our own loopback UI
                  "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--hide-scrollbars", "--force-device-scale-factor=1")
@@ -79,8 +81,6 @@ class Browser:
     profile are gone afterwards)."""
 
     def __init__(self, chromium: str, *, width: int = 1400, height: int = 900, timeout: float = 60.0):
-        from ckpt.processes import free_port
-
         self.width, self.height, self.timeout = width, height, timeout
         self._profile = tempfile.TemporaryDirectory(prefix="ckpt-ui-browser-", ignore_cleanup_errors=True)
         self._log = Path(self._profile.name) / "chromium.log"

@@ -47,8 +47,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: this checkout's packages
     sys.path.insert(0, str(REPO))
 
+from ckpt.client import CheckpointStager  # noqa: E402
+from core import events  # noqa: E402
 from core.events import AUTH_STRING_ENV  # noqa: E402
+from deployments.automations import AUTOMATION_NAME  # noqa: E402
+from flows.artifacts import artifact_key  # noqa: E402
 from scripts.ui_browser import Browser, BrowserError, is_red  # noqa: E402
+from tasks import prefect_events  # noqa: E402
 
 DEFAULT_OUT = REPO / "docs" / "img"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
@@ -94,8 +99,6 @@ def find_chromium(explicit: str | None = None) -> str | None:
 def pages(ui_base: str, *, run: str, promote_run_id: str, automation_id: str, artifact_id: str) -> list[Page]:
     """What is shot, with the text each page must show once rendered. ``ui_base``: the UI's
     root with the current UI's base path (``http://127.0.0.1:4200/v2``)."""
-    from deployments.automations import AUTOMATION_NAME
-
     return [
         Page("flow-runs.png", f"{ui_base}/runs", f"promote/{run}/step-", 1250),
         Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "tier0-to-tier1", 900),
@@ -159,8 +162,6 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
     runs to wait for: a promote per step (it archives the milestone inline)."""
     import numpy as np
 
-    from ckpt.client import CheckpointStager
-
     rng = np.random.default_rng(steps[0])
     origin = (parent, 1000) if parent else None
     with CheckpointStager(run, resumed_from=origin) as stager:
@@ -175,9 +176,7 @@ def train(run: str, *, parent: str | None = None, steps: tuple[int, ...], milest
 def _post(api_url: str, path: str, body: dict) -> Any:
     import httpx
 
-    from tasks.prefect_events import auth_headers
-
-    r = httpx.post(f"{api_url}{path}", json=body, timeout=10, headers=auth_headers())
+    r = httpx.post(f"{api_url}{path}", json=body, timeout=10, headers=prefect_events.auth_headers())
     r.raise_for_status()
     return r.json()
 
@@ -190,9 +189,7 @@ def send_hostile_event(api_url: str, node: str) -> str:
     client could send; the name of the promote run it triggers (which must fail)."""
     import uuid
 
-    from core import events
-    from flows.promote import run_name
-    from tasks import prefect_events
+    from flows.promote import run_name  # deferred: start-up — Prefect (reads the stack's exports on import)
 
     ev = events.build_event(events.COMPLETED, "hostile", 1, node=node)
     ev["id"] = str(uuid.uuid4())
@@ -245,9 +242,6 @@ def busiest_promote(api_url: str, run: str, flow_runs: dict[str, str]) -> str:
 def lookup(api_url: str, run: str, flow_runs: dict[str, str]) -> dict[str, str]:
     """Ids of what is shot: a promote run (``busiest_promote``), the RPO automation, the newest
     version of the run's status artifact."""
-    from deployments.automations import AUTOMATION_NAME
-    from flows.artifacts import artifact_key
-
     autos = [a for a in _post(api_url, "/automations/filter", {}) if a["name"] == AUTOMATION_NAME]
     arts = _post(api_url, "/artifacts/latest/filter", {"artifacts": {"key": {"any_": [artifact_key("run", run)]}}})
     if not autos or not arts:

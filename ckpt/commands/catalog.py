@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -18,9 +18,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ckpt.tables import actor_role, table as fold_table
-
-if TYPE_CHECKING:
-    from db.entities import AuditEntry, LineageEdge, ReplicaInfo
+from core.errors import BadInput, NotFound
+from core.sizing import fmt_bytes
+from db.entities import TIER_NAMES, AuditEntry, LineageEdge, ReplicaInfo
 
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
 out = Console()
@@ -34,8 +34,8 @@ def register(app: typer.Typer) -> None:
 
 @contextmanager
 def _catalog():
-    from core.settings import load_settings
-    from db.catalog import Catalog
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
     cat = Catalog(load_settings().catalog_url)
     try:
@@ -65,14 +65,10 @@ def _when(t: datetime | None) -> str:
 
 
 def _size(n: int | None) -> str:
-    from core.sizing import fmt_bytes
-
     return "-" if n is None else fmt_bytes(n)
 
 
 def _tiers(tiers: Iterable[int]) -> str:
-    from db.entities import TIER_NAMES
-
     return ", ".join(f"{t}:{TIER_NAMES[t]}" for t in tiers) or "-"
 
 
@@ -140,8 +136,8 @@ def audit_cmd(run: str = typer.Option(None, "--run", help="only this run"),
 
 
 def _expire_audit(as_json: bool) -> None:
-    from core.settings import load_settings
-    from tasks.audit import expire_audit
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.audit import expire_audit  # deferred: start-up — Prefect, SQLAlchemy
 
     done = expire_audit(load_settings(), actor="cli")
     if as_json:
@@ -164,8 +160,6 @@ def parse_since(text: str) -> datetime:
     """``30s``, ``30m``, ``2h``, ``7d`` ago, or an ISO-8601 time (UTC when it names no zone)."""
     import re
     from datetime import UTC, timedelta
-
-    from core.errors import BadInput
 
     m = re.fullmatch(r"(\d+)\s*([smhd])", text.strip())
     if m:
@@ -197,8 +191,6 @@ def _replica_table(reps: Iterable[ReplicaInfo]) -> Table:
 
 def locate_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
     """Where every replica of a checkpoint is, and in what state."""
-    from db.entities import TIER_NAMES
-
     with _catalog() as cat:
         reps = cat.replicas(cat.get_checkpoint(run, step).id)
     if as_json:
@@ -215,8 +207,6 @@ def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only cop
                                                    help="look into the run this one resumed from"),
                as_json: bool = JSON_OPT) -> None:
     """The newest verified checkpoint of a run and where its copies are."""
-    from core.errors import NotFound
-
     with _catalog() as cat:
         ck = cat.newest_verified(run, tier=tier, durable_only=durable, follow_resumed=follow_resumed)
         if ck is None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from ckpt.commands.ops import _run_step
+
 
 def register(app: typer.Typer) -> None:
     app.command("commit")(commit_cmd)
@@ -28,10 +30,9 @@ def commit_cmd(
     """Check the folder's format, write its manifest (CRC32C), commit it under
     <tier0>/<run>/step-XXXXXXXX/ and announce it. Exit 1 when the event did not arrive (the
     checkpoint stays committed; reconcile promotes it)."""
-    from ckpt.announce import prefect_api_url, undelivered
-    from ckpt.commands.ops import _run_step
-    from ckpt.commit import commit_folder
-    from core.settings import load_settings
+    from ckpt.announce import prefect_api_url, undelivered  # deferred: start-up — pydantic-settings (core.settings)
+    from ckpt.commit import commit_folder  # deferred: start-up — pydantic-settings (core.settings)
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
     settings = load_settings()
     done = commit_folder(directory, run, step, settings, milestone=milestone, epoch_end=epoch_end,

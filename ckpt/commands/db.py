@@ -11,8 +11,8 @@ def register(app: typer.Typer) -> None:
     @db_app.command("upgrade")
     def upgrade_cmd(url: str = typer.Option(None, "--url", help="catalog URL (default: settings)")) -> None:
         """Apply the catalog's migrations up to the newest schema."""
-        from core.settings import load_settings
-        from db.catalog import upgrade
+        from core.settings import load_settings  # deferred: start-up — pydantic-settings
+        from db.catalog import upgrade  # deferred: start-up — SQLAlchemy, Alembic
 
         target = url or load_settings().catalog_url
         rev = upgrade(target)

@@ -10,9 +10,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
+from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+from core import sizing
+from core.errors import BadInput
+from core.paths import safe_run_name
+from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure, fmt_bytes, fmt_percent, fmt_seconds
+
 if TYPE_CHECKING:
     from ckpt.client import SavedCheckpoint
-    from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure
 
 _D = TypeVar("_D")
 
@@ -54,9 +59,6 @@ def plan_cmd(
     failure, the total overhead and the interval that minimises it. With --nodes, the
     orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis) and
     the cluster size that saturates it."""
-    from core import sizing
-    from core.errors import BadInput
-
     if params is not None and size is not None:
         raise BadInput("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
     if params is None and size is None and nodes is None:
@@ -99,8 +101,6 @@ def plan_cmd(
 
 
 def _print_load(load: OrchestrationLoad) -> None:
-    from core.sizing import fmt_percent, fmt_seconds
-
     c = load.capacity
     typer.echo(f"Orchestration load: {load.nodes} nodes, one checkpoint every {fmt_seconds(load.interval_seconds)}")
     typer.echo(f"  per burst: {load.flow_runs_per_burst:.0f} flow runs, {load.task_runs_per_burst:.0f} task runs "
@@ -115,8 +115,6 @@ def _print_load(load: OrchestrationLoad) -> None:
 
 def _recovery_model(tier0_read: str | None, tier1_read: str | None, s3_streams: int, s3_stream: str | None,
                     node_link: str | None) -> RecoveryModel:
-    from core import sizing
-
     def bw(text: str | None, default: _D) -> float | _D:
         return sizing.parse_bandwidth(text) if text is not None else default
 
@@ -129,8 +127,6 @@ RECOVERY_TIER = 1  # a failed node is replaced: its Tier 0 is gone, the shared f
 
 def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> dict:
     """One plan's recovery figures as plain values (the JSON and the printed tables)."""
-    from core import sizing
-
     tiers = []
     for r in sizing.recovery_times(p.checkpoint_bytes, nodes, p.bandwidth_bytes_per_s, model):
         row = {"tier": r.tier, "node_seconds": r.node_seconds, "cluster_seconds": r.cluster_seconds,
@@ -155,8 +151,6 @@ def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> 
 def _print_recovery(recovery: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
 
     con = Console()
     failures = "failures" in recovery[0]
@@ -183,11 +177,10 @@ def _print_recovery(recovery: list[dict]) -> None:
 
 def _measured_runs() -> list[RunFigure]:
     """Each run's figure from the catalog; an unreachable catalog gives none (with a note)."""
-    from core import sizing
-    from core.settings import load_settings
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
     try:
-        from db.catalog import Catalog
+        from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
         cat = Catalog(load_settings().catalog_url)
         try:
@@ -205,8 +198,6 @@ def _measured_runs() -> list[RunFigure]:
 def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
 
     con = Console()
     t = Table(title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B")
@@ -244,8 +235,8 @@ def agent_cmd(
     """Serve the deployments on this node until interrupted: promote (event-triggered),
     reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
     the restore drill (cron)."""
-    from core.settings import display_url, load_settings
-    from deployments.agent import serve_agent
+    from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
+    from deployments.agent import serve_agent  # deferred: start-up — pydantic-settings; Prefect when serving
 
     settings = load_settings(**({"node": node} if node else {}))
     t0, t1, t2 = (display_url(settings.tier_url(t) or "(off)") for t in (0, 1, 2))
@@ -272,9 +263,8 @@ def watch_cmd(
     steps (--milestone-every) or folders holding the milestone marker file."""
     import logging
 
-    from ckpt.watch import watch
-    from core.paths import safe_run_name
-    from core.settings import load_settings
+    from ckpt.watch import watch  # deferred: start-up — pydantic-settings (core.settings)
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     settings = load_settings()
@@ -319,9 +309,7 @@ def up_cmd(
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack, stack_auth_string
-    from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
-    from core.errors import BadInput
+    from ckpt.local_stack import LocalStack, stack_auth_string  # deferred: start-up — SQLAlchemy, pydantic-settings
 
     if not production and (pg_url or redis_url or api_workers > 1):
         raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
@@ -371,10 +359,8 @@ def run_register_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Register a run (idempotent), with the checkpoint it started from."""
-    from core.errors import BadInput
-    from core.paths import safe_run_name
-    from core.settings import load_settings
-    from db.catalog import Catalog
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
     if resumed_from and fine_tuned_from:
         raise BadInput("give --resumed-from or --fine-tuned-from, not both")
@@ -395,9 +381,6 @@ def run_register_cmd(
 
 
 def _run_step(text: str) -> tuple[str, int]:
-    from core.errors import BadInput
-    from core.paths import safe_run_name
-
     run, sep, step = text.rpartition(":")
     if not sep or not step.isdigit():
         raise BadInput(f"expected RUN:STEP, got {text!r}")

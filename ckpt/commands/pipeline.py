@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
+from ckpt.tables import table as fold_table
+from core.errors import BadInput, CkptError
+from core.layout import check_ref
+from core.progress import observe
+from deployments.names import promote_deployment
+
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
 
@@ -57,9 +63,7 @@ def promote_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Promote a checkpoint part: verify on Tier 0, copy to Tier 1, then archive and prune."""
-    from core.errors import BadInput
-    from core.layout import check_ref
-    from core.settings import load_settings
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
     try:
         check_ref(step, part, parts)
@@ -67,8 +71,8 @@ def promote_cmd(
         raise BadInput(f"invalid --step/--part/--parts: {exc}") from None
     settings = load_settings(**({"node": node} if node else {}))
     if here and not prefect_configured(settings):
-        from flows.common import plain_steps
-        from flows.promote import promote
+        from flows.common import plain_steps  # deferred: start-up — Prefect, SQLAlchemy
+        from flows.promote import promote  # deferred: start-up — Prefect, SQLAlchemy
 
         with _progress_bar(as_json):
             result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node).summary()
@@ -76,7 +80,7 @@ def promote_cmd(
         return
     with prefect_api(settings):
         if here:
-            from flows.promote import promote_checkpoint
+            from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
             with _progress_bar(as_json):
                 result = promote_checkpoint(run, step, part, parts, node=settings.node)
@@ -94,8 +98,6 @@ def _progress_bar(off: bool) -> Iterator[None]:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from core.progress import observe
-
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, Any] = {}
@@ -112,9 +114,6 @@ def _progress_bar(off: bool) -> Iterator[None]:
 def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool) -> None:
     from prefect.deployments import run_deployment
 
-    from core.errors import CkptError
-    from deployments.names import promote_deployment
-
     name = promote_deployment(node)
     # sync_compatible: called outside an event loop it returns the FlowRun, not a coroutine
     fr = cast("FlowRun", run_deployment(name, parameters={"run": run, "step": step, "part": part, "parts": parts,
@@ -130,8 +129,6 @@ def _print_promotion(result: dict, as_json: bool) -> None:
         typer.echo(json.dumps(result, indent=1))
         return
     from rich.console import Console
-
-    from ckpt.tables import table as fold_table
 
     hops = result["hops"] + ((result.get("archive") or {}).get("hops") or [])
     table = fold_table("hop", "files", "bytes", "seconds", "MB/s", "skipped",
@@ -156,9 +153,9 @@ def retention_cmd(
 ) -> None:
     """Apply each tier's retention policy: demote copies through the guarded prune and retire
     checkpoints no tier keeps (or, with --dry-run, show the plan and the rule behind each line)."""
-    from core.settings import load_settings
-    from flows.common import plain_steps
-    from flows.retention import enforce_retention, retention
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from flows.common import plain_steps  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.retention import enforce_retention, retention  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings()
     if prefect_configured(settings):
@@ -176,8 +173,6 @@ def retention_cmd(
 def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
     """The plan as a table: each copy, what the rule decided and why, and what became of it."""
     from rich.console import Console
-
-    from ckpt.tables import table as fold_table
 
     out = out or Console()
     if not rows:
@@ -198,9 +193,9 @@ def reconcile_cmd(
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones,
     prune this node's Tier 0 by retention."""
-    from core.settings import load_settings
-    from flows.common import plain_steps
-    from flows.reconcile import reconcile, reconcile_once
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from flows.common import plain_steps  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.reconcile import reconcile, reconcile_once  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings(**({"node": node} if node else {}))
     if prefect_configured(settings):

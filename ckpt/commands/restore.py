@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from ckpt.tables import table as fold_table
+from core.errors import BadInput
+
 if TYPE_CHECKING:
     from db.entities import DrillResult
 
@@ -37,9 +40,9 @@ def restore_cmd(
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from core.settings import load_settings
-    from tasks.replicas import DEFAULT_PREFERENCE
-    from tasks.restore import restore_checkpoint
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.replicas import DEFAULT_PREFERENCE  # deferred: start-up — SQLAlchemy, Alembic
+    from tasks.restore import restore_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings()
     preference = tuple(tier) if tier else DEFAULT_PREFERENCE
@@ -86,8 +89,8 @@ def scrub_cmd(
     """Read stored copies back, mark the bad ones, repair them from a good copy."""
     from rich.console import Console
 
-    from core.settings import load_settings
-    from tasks.scrub import scrub
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.scrub import scrub  # deferred: start-up — Prefect, SQLAlchemy
 
     report = scrub(load_settings(), fraction=1.0 if all_ else fraction, repair=repair)
     if as_json:
@@ -125,9 +128,8 @@ def drill_cmd(
     with its format's loader and checked against the manifest; records the cluster RTO (first
     start to last part loaded), each node's time, bytes read per tier and the bound (the same
     bytes read raw from the tier)."""
-    from core.errors import BadInput
-    from core.settings import load_settings
-    from tasks.drill import DRILL_TIERS, cluster_drill
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.drill import DRILL_TIERS, cluster_drill  # deferred: start-up — Prefect, SQLAlchemy
 
     tiers = tuple(tier) if tier else DRILL_TIERS
     if any(t not in DRILL_TIERS for t in tiers):
@@ -149,9 +151,9 @@ def drills_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The history of restoration drills: recovery time per tier."""
-    from core.settings import load_settings
-    from tasks.base import open_catalog
-    from tasks.drill import cluster_row
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.base import open_catalog  # deferred: start-up — SQLAlchemy, Alembic
+    from tasks.drill import cluster_row  # deferred: start-up — Prefect, SQLAlchemy
 
     with open_catalog(load_settings().catalog_url) as cat:
         results = cat.drills(run, limit)
@@ -164,8 +166,7 @@ def drills_cmd(
 def _print_drills(results: list[DrillResult]) -> None:
     from rich.console import Console
 
-    from ckpt.tables import table as fold_table
-    from tasks.drill import cluster_row
+    from tasks.drill import cluster_row  # deferred: start-up — Prefect, SQLAlchemy
 
     table = fold_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
                        title="restoration drills (RTO: first start to last part loaded)",

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from core.errors import BadInput
+
 
 def register(app: typer.Typer) -> None:
     app.command("resume")(resume_cmd)
@@ -22,9 +24,8 @@ def resume_cmd(
 ) -> None:
     """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it
     from (printed alone on stdout; nothing there when the run has no checkpoint yet)."""
-    from core.errors import BadInput
-    from core.settings import load_settings
-    from tasks.resume import resume
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.resume import resume  # deferred: start-up — SQLAlchemy, Alembic
 
     if verify not in ("size", "full"):
         raise BadInput(f"--verify must be size or full, not {verify!r}")

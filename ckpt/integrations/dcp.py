@@ -70,7 +70,7 @@ def async_save_and_commit(state_dict: dict[str, Any], stager: CheckpointStager, 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.space import state_needed
+    from ckpt.space import state_needed  # deferred: start-up — pydantic-settings (core.settings)
 
     t0 = time.perf_counter()
     out: Future = Future()

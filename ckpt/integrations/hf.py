@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from ckpt.client import CheckpointStager
 from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, same_filesystem, staging_dir
+from ckpt.space import state_needed
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState
-
-    from ckpt.client import CheckpointStager
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,6 @@ class TieringCallback(TrainerCallback):
         failed save, with nothing written."""
         if not (control.should_save and state.is_world_process_zero):
             return
-        from ckpt.space import state_needed
-
         if self.commits is None:
             self.commits = BackgroundCommits(self._make_stager())
         model, optimizer = hooks.get("model"), hooks.get("optimizer")
@@ -152,8 +150,6 @@ class TieringCallback(TrainerCallback):
         self.commits.stager.ensure_room(int(state.global_step), state_needed(saved_state))
 
     def _make_stager(self) -> CheckpointStager:
-        from ckpt.client import CheckpointStager
-
         return CheckpointStager(self.run, resumed_from=self.origin, **self.stager_options)
 
     def _link_tree(self, folder: Path, staging: Path) -> None:
@@ -169,7 +165,7 @@ def resume_from(run: str, **resume_options: Any) -> str | None:
     """The folder to give ``Trainer.train(resume_from_checkpoint=...)``: the run's newest good
     checkpoint on this node (``ckpt.resume.resume_point``; options such as ``to``, ``verify``,
     ``settings`` go to it), or None when the run has no checkpoint yet (a fresh start)."""
-    from ckpt.resume import resume_point
+    from ckpt.resume import resume_point  # deferred: start-up — SQLAlchemy, Alembic (tasks.resume)
 
     point = resume_point(run, **resume_options)
     return None if point is None else point.path

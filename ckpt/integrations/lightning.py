@@ -39,7 +39,10 @@ from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from ckpt.client import CheckpointStager
 from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir
+from ckpt.space import state_needed
+from core.errors import CorruptCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +71,10 @@ class TieringCheckpointIO(TorchCheckpointIO):
         """Lightning's write, then the commit; before the write, Tier 0 must have room for the
         checkpoint (``CheckpointStager.ensure_room``): ``StorageFull`` otherwise, raised out of
         the save as Lightning raises a failed write, with nothing written."""
-        from ckpt.space import state_needed
-
         t0 = time.perf_counter()
         target = Path(path)
         step = int(checkpoint.get("global_step", 0))
         if self.commits is None:
-            from ckpt.client import CheckpointStager
-
             self.commits = BackgroundCommits(CheckpointStager(self.run, resumed_from=self.origin,
                                                               **self.stager_options))
         self.commits.stager.ensure_room(step, state_needed(checkpoint))
@@ -111,8 +110,7 @@ def resume_path(run: str, **resume_options: Any) -> str | None:
     """The ``.ckpt`` file to give ``Trainer.fit(ckpt_path=...)``: the one file of the run's
     newest good checkpoint on this node (``ckpt.resume.resume_point``; ``to``, ``verify``,
     ``settings`` go to it), or None when the run has no checkpoint yet."""
-    from ckpt.resume import resume_point
-    from core.errors import CorruptCheckpoint
+    from ckpt.resume import resume_point  # deferred: start-up — SQLAlchemy, Alembic (tasks.resume)
 
     point = resume_point(run, **resume_options)
     if point is None:

@@ -48,7 +48,7 @@ def store_options(settings: Settings, tier: int) -> dict[str, Any]:
 
 
 def open_s3(url: str, tier: int, settings: Settings | None) -> S3Store:
-    from core.storage.s3.store import S3Store
+    from core.storage.s3.store import S3Store  # deferred: cycle — the store imports url_problem from here
 
     if settings is None:
         return S3Store(url, tier, buffer_bytes=io_buffer(None))
