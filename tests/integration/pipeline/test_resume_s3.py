@@ -134,6 +134,17 @@ resume(load_settings(), %r)
 """
 
 
+def kill_mid_fetch(settings, s3_endpoint: str, *, lease_s: float) -> None:
+    """A resume on node-9, in its own process, killed once the fetch has written one file."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
+           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
+           "CKPT_CLAIM_LEASE_SECONDS": str(lease_s)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_one_completes(
         settings_factory, db_url, s3_bucket, s3_endpoint):
     """The fetch (here: the Tier 1 rehydration) is killed once one file was written and read
@@ -147,13 +158,7 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_on
     files = save_milestone(settings)
     lose_tier1(settings)
     node9 = on_node(settings, "node-9")
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
-           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
-           "CKPT_CLAIM_LEASE_SECONDS": "2"}
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
-                          cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    kill_mid_fetch(settings, s3_endpoint, lease_s=2)
 
     folder = tier1_dir(settings, RUN, 100)
     assert [rel for rel in [*FILES, "manifest.json"] if (folder / rel).exists()] == []  # absent, not partial
@@ -167,6 +172,43 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_on
     assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
     assert not [p for p in folder.parent.rglob("*") if is_staging(p.name)]  # the dead fetch's stage is gone
+
+
+def test_reconcile_removes_the_stage_a_killed_fetch_left_once_no_claim_holds_it(
+        settings_factory, db_url, s3_bucket, s3_endpoint):
+    """A resume killed mid-fetch whose part nobody fetches again: reconcile leaves the stage
+    while the dead fetch's claim is live (it cannot tell a dead writer from a slow one), and
+    removes it, audited, once the claim has lapsed (and the stalled copy is finished the way
+    reconcile finishes any: copied again, whole, from the copy that holds it)."""
+    from core.layout import is_staging
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+    from tests.kit.checkpoints import expire_claims
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 claim_lease_seconds=600.0)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    kill_mid_fetch(settings, s3_endpoint, lease_s=600)
+    folder = tier1_dir(settings, RUN, 100)
+
+    def stages() -> list[Path]:
+        return [p for p in folder.parent.iterdir() if is_staging(p.name)]
+
+    assert len(stages()) == 1
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert len(stages()) == 1  # the claim is live: its writer may be at work
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"
+
+    assert expire_claims(settings) >= 1  # as if a lease had passed
+    report = reconcile_once(settings, steps=plain_steps(), actor="test")
+
+    assert stages() == []
+    assert any("stage folder(s)" in line for line in report.recovered), report.recovered
+    assert tree(folder) == files and replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    with open_catalog(settings) as cat:
+        assert any(e.action == "delete" and "stage folder" in (e.reason or "")
+                   for e in cat.audit_log(run=RUN)), "the removal is recorded before it happens"
 
 
 def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last(
@@ -212,6 +254,59 @@ def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last
     assert sorted(linked) == sorted(mine) and linked[-1] == mine[-1]  # the part's commit marker last
     assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
     assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
+
+
+def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory, db_url, s3_bucket, s3_endpoint,
+                                                                 monkeypatch):
+    """The link-in of a rehydrated part fails at its second file (a full or read-only folder,
+    say): the file already linked in is taken back, part 0's files stay as they were, nothing of
+    part 1 is left under its names, the claim is released; the next resume publishes it whole."""
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import write_checkpoint
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    node1 = on_node(settings, "node-1")
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
+                         shard_bytes=32 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+    folder = tier1_dir(settings, RUN, 100)
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        mine = [*sorted(f.path for f in cat.files(ck.id, 1)), "manifest.part-00001-of-00002.json"]
+        for rel in mine:
+            (folder / rel).unlink()
+        rep = next(r for r in cat.replicas(ck.id, 1) if r.part == 1)
+        cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost part 1")
+    before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
+    real_link, calls = os.link, []
+
+    def link(src, dst, **kw):
+        if Path(dst).parent == folder:
+            calls.append(Path(dst).name)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device", str(dst))
+        real_link(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    node7 = on_node(settings, "node-7")
+
+    with pytest.raises(Exception, match="No space left"):
+        resume(node7, RUN, part=1, parts=2)
+
+    assert len(calls) == 2 and calls[0] in mine  # one file was linked in before the failure
+    assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()} == before
+    assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
+    assert replica_states(settings, RUN, 100)[(1, 1)] != "verified"
+
+    monkeypatch.setattr(os, "link", real_link)
+    point = resume(node7, RUN, part=1, parts=2)
+    assert point.path == str(folder)
+    for rel in mine:
+        assert (folder / rel).read_bytes() == (tier0_dir(node1, RUN, 100) / rel).read_bytes()
+    assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
 
 
 def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
