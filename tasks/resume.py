@@ -34,6 +34,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,7 +48,7 @@ from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
-from tasks.base import HopResult, log, open_catalog, registered_manifest
+from tasks.base import HopResult, catalog_manifest, log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
 
 if TYPE_CHECKING:
@@ -455,12 +456,18 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
     hop = f"tier {src_tier} -> tier {tier}"
     prefix = checkpoint_prefix(run, step)
     url = dst.url_for(prefix)
-    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src:
-        manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
+            ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
+        # the files to fetch are the catalog's; the source's manifest (the one to commit, proven
+        # against the catalog) is read while they stream: on S3 one round trip less before the
+        # first byte. A source without its manifest fails the copy before anything is published.
+        found = side.submit(registered_manifest, cat, src, ck.id, run, step, part, ck.parts)
+        manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts)
         prior = part_replica(cat, ck.id, tier, part, None)
         held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
                                      lease_s=settings.claim_lease_seconds)
         if held is None:
+            found.cancel()
             if rep.state == VERIFIED:
                 return HopResult(hop=hop, run=run, step=step, part=part, files=len(manifest.files),
                                  bytes=manifest.total_bytes, seconds=0.0, skipped=True)
@@ -474,7 +481,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             try:
                 report = copy_part(src, prefix, dst, stage_key, manifest, parallelism=settings.copy_parallelism,
                                    progress=held.progress(), buffer_bytes=settings.io_buffer_bytes,
-                                   priority=copy_priority(settings))
+                                   priority=copy_priority(settings), confirm=found.result)
                 held.check()  # a claim lost meanwhile (taken over after a stall) publishes nothing
                 _publish_stage(stage, dst.write_path(prefix), manifest)
             finally:
@@ -729,7 +736,11 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     bad: list[BadReplica] = []
     done = []
     try:
-        with RestoreStage(dest.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst:
+        with RestoreStage(dest.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst, \
+                ThreadPoolExecutor(max(1, len(wide)), thread_name_prefix="wide") as side:
+            # the checkpoint-wide files (small: an index, DCP's .metadata) come alongside the parts
+            beside = [side.submit(_bring_file, cat, stores, ck, f, dst, f"{stage.name}/{f.path}", actor, notes)
+                      for f in wide]
             for p in wanted:
                 t0 = time.monotonic()
                 part_bytes = sum(f.size for f in cat.files(ck.id, p))
@@ -740,8 +751,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
                     raise _NoGoodCopy(str(exc)) from None
                 done.append(PartResume(p, 2 if moved[p] else tier, FETCHED, part_bytes + moved[p],
                                        time.monotonic() - t0))
-            for f in wide:
-                _bring_file(cat, stores, ck, f, dst, f"{stage.name}/{f.path}", actor, notes)
+            for fut in beside:
+                fut.result()
             publish(stage, dest, pending=dst)
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -309,6 +309,45 @@ def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory,
     assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
 
 
+@pytest.mark.parametrize("into", ["tier1", "folder"])
+def test_the_manifest_is_read_while_the_files_stream_not_before(settings_factory, db_url, s3_bucket, s3_endpoint,
+                                                                 monkeypatch, tmp_path, into):
+    """On S3 every request waits ~0.1 s for its first byte: a fetch asks for the part's files (the
+    catalog lists them) and its manifest at once, not one after the other. Here the manifest's
+    GET is held until a file's GET has begun: a fetch that waited for the manifest first would
+    never begin one. Into Tier 1 (the rehydration) and into a folder of the user's."""
+    import threading
+
+    from core.storage.s3.store import S3Store
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    if into == "folder":  # a node that reads Tier 2 alone
+        settings = settings.model_copy(update={"tier1_url": None})
+    data_begun, order = threading.Event(), []
+    real_small, real_read = S3Store.read_small, S3Store.open_read
+
+    def read_small(self, key, *a, **kw):
+        if key.endswith(".json") and "step-" in key:
+            order.append(("manifest asked", data_begun.is_set()))
+            assert data_begun.wait(60), "the manifest was asked for alone: no file's GET began meanwhile"
+        return real_small(self, key, *a, **kw)
+
+    def open_read(self, key):
+        if not key.endswith(".json"):
+            data_begun.set()
+        return real_read(self, key)
+
+    monkeypatch.setattr(S3Store, "read_small", read_small)
+    monkeypatch.setattr(S3Store, "open_read", open_read)
+
+    point = resume(on_node(settings, "node-5"), RUN, to=tmp_path / "out" if into == "folder" else None)
+
+    assert order and tree(point.path) == files
+    assert [(p.tier, p.source) for p in point.parts] == [(2, "fetched")]
+
+
 def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
     return scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket,
                              s3_range_bytes=64 * 1024, s3_ranged_threshold=128 * 1024)
