@@ -326,7 +326,9 @@ def _good(cat: Catalog, store: TierStore, ck: CheckpointInfo, src: Source, files
 
 def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo, verify: Verify, actor: str,
                notes: list[str]) -> bool:
-    """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there, the file intact."""
+    """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there (once
+    a rehydration of it in flight has ended: ``await_copy``), the file intact."""
+    await_copy(cat, stores.settings, ck, f.part, 1)
     src = next((s for s in _sources(cat, stores, ck, f.part) if s.tier == 1 and s.in_place), None)
     if src is None:
         return False
@@ -381,6 +383,26 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
         return 0
     notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
     return hop.bytes
+
+
+def await_copy(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, tier: int) -> str | None:
+    """Wait while another worker copies ``part`` to ``tier`` (its replica ``copying``), so a
+    checkpoint-wide file of that part is read from the copy it is publishing, not once more from
+    S3 by every node: the cluster reads each object once. Gives up, as ``copy_when_free`` does,
+    after two leases and ``CLAIM_WAIT_GRACE_S`` without a sign of the holder. Returns the row's
+    state when the wait ended (None: no row)."""
+    silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
+    deadline, seen = time.monotonic() + silence, None
+    while True:
+        row = next((r for r in cat.replicas(ck.id, tier) if r.part == part), None)
+        if row is None or row.state != COPYING:
+            return None if row is None else row.state
+        sign = (row.claim_token, row.updated_at)
+        if sign != seen:
+            seen, deadline = sign, time.monotonic() + silence
+        if time.monotonic() > deadline:
+            return row.state
+        time.sleep(HYDRATION_POLL_S)
 
 
 def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int,
@@ -806,6 +828,8 @@ def _bring_file(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInf
         return 0
     except (NotFound, CorruptCheckpoint):
         pass
+    if stores.configured(1):  # the node resuming that part may be rehydrating it: read Tier 1 after it
+        await_copy(cat, stores.settings, ck, f.part, 1)
     prefix = checkpoint_prefix(ck.run, ck.step)
     for src in _sources(cat, stores, ck, f.part):
         store = stores.get(src.tier)

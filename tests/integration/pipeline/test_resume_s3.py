@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -88,6 +89,76 @@ def test_two_nodes_resuming_at_once_read_each_object_from_s3_once(settings_facto
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
     sources = sorted((p.parts[0].tier, p.parts[0].source, p.parts[0].bytes_moved) for p in points.values())
     assert sources == [(1, "in place", 0), (2, "fetched", sum(FILES.values()))]  # one read S3, one waited
+
+
+def test_nodes_rehydrating_a_checkpoint_read_its_index_from_s3_once(settings_factory, db_url, s3_bucket, proxy,
+                                                                   monkeypatch):
+    """Two nodes resume their parts of a two-part milestone whose Tier 1 copy is gone. Part 0
+    holds the checkpoint-wide index that part 1 needs to load: the node of part 1 waits for the
+    node of part 0 to publish part 0 on Tier 1 and reads the index there, so every object,
+    the index too, is read from S3 once per cluster resume. (Node-a is held at its first byte
+    until node-b has published part 1: node-b then needs the index while part 0 is in flight.)"""
+    from core.storage.s3.store import S3Store
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import write_checkpoint
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket)
+    node_a, node_b = on_node(settings, "node-a"), on_node(settings, "node-b")
+    for part, s in ((0, node_a), (1, node_b)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
+                         shard_bytes=64 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+    expected = tree(tier1_dir(settings, RUN, 100))
+    shutil.rmtree(tier1_dir(settings, RUN, 100))
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        assert {(r.part, r.state) for r in cat.replicas(ck.id, 2)} == {(0, "verified"), (1, "verified")}
+        for rep in cat.replicas(ck.id, 1):
+            cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost")
+    for s in (node_a, node_b):  # cold nodes
+        shutil.rmtree(tier0_dir(s, RUN, 100))
+    proxy.seen.clear()
+    a_copying, real_read, points, errors = threading.Event(), S3Store.open_read, {}, []
+
+    def part1_on_tier1() -> bool:
+        with open_catalog(settings) as cat:
+            return any(r.part == 1 and r.state == "verified" for r in cat.replicas(ck.id, 1))
+
+    def open_read(self, key):
+        if "model-p00" in key and not a_copying.is_set():
+            # node-a holds part 0's Tier 1 claim; it goes on once node-b has published part 1,
+            # so node-b comes to the index while part 0 is still being copied
+            a_copying.set()
+            deadline = time.monotonic() + 60
+            while not part1_on_tier1() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real_read(self, key)
+
+    monkeypatch.setattr(S3Store, "open_read", open_read)
+
+    def node(s, part):
+        try:
+            points[part] = resume(s, RUN, part=part, parts=2)
+        except Exception as exc:
+            errors.append(exc)
+
+    a = threading.Thread(target=node, args=(node_a, 0))
+    a.start()
+    assert a_copying.wait(60)
+    b = threading.Thread(target=node, args=(node_b, 1))
+    b.start()
+    for t in (a, b):
+        t.join(timeout=120)
+
+    assert errors == []
+    assert {p.path for p in points.values()} == {str(tier1_dir(settings, RUN, 100))}
+    assert tree(tier1_dir(settings, RUN, 100)) == expected
+    gets = Counter(r.key.rsplit("/", 1)[-1] for r in proxy.seen
+                   if r.method == "GET" and "step-" in r.key and "manifest" not in r.key)
+    assert gets == dict.fromkeys(expected, 1), gets
+    assert "model.safetensors.index.json" in gets
 
 
 def test_tier1_copy_removed_between_choice_and_read_falls_to_tier2(settings_factory, db_url, s3_bucket,
