@@ -285,6 +285,7 @@ def copy_part(
     check_source: bool = False,
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
     priority: WorkerPriority = NORMAL,
+    confirm: Callable[[], Manifest] | None = None,
 ) -> TransferReport:
     """Copy one committed part to another tier and commit it there (manifest last).
 
@@ -295,6 +296,12 @@ def copy_part(
     ``progress(bytes_done)`` receives the cumulative bytes read (from several threads).
 
     ``priority``: the CPU and I/O priority of the worker threads (``WorkerPriority``).
+
+    ``confirm``: the manifest to commit, asked for once every file is in (e.g. the source's
+    manifest, read while the files streamed and proven against the catalog, which listed the
+    files to copy: one round trip less before the first byte). It must describe the same files
+    (the same digest) as ``manifest``, else ``CorruptCheckpoint`` and nothing is committed; an
+    error it raises goes on unchanged.
 
     ``check_source``: the copy is also the source's verify (module doc): every file is proven
     at the source, a source mismatch raises ``SourceMismatch`` and a file missing at the
@@ -336,6 +343,8 @@ def copy_part(
         except NotFound:
             if check_source:
                 raise NotFound(f"{entry.path}: missing from {src_store.url_for(src_prefix)}") from None
+            if confirm is not None:  # the part gone whole, manifest too, is missing (NotFound), not corrupt
+                confirm()
             raise CorruptCheckpoint(f"{entry.path}: missing at the source", path=entry.path) from None
         except CorruptCheckpoint as exc:
             if check_source and (bad := source_bad(entry)) is not None:  # the source's fault, not the copy's
@@ -351,6 +360,12 @@ def copy_part(
         results = _run_all(one, list(manifest.files), parallelism, priority)
     except SourceMismatch as exc:  # every worker has stopped: ``published`` is complete
         raise SourceMismatch(str(exc), path=exc.path, published=published) from None
+    if confirm is not None:
+        final = confirm()
+        if final.digest() != manifest.digest() or final.name != manifest.name:
+            raise CorruptCheckpoint(f"{src_store.url_for(_key(src_prefix, manifest.name))} describes other files "
+                                    "than were copied", path=manifest.name)
+        marker = final.to_json()
     if not committed:
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]

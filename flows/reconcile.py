@@ -64,6 +64,7 @@ from tasks.reconcile import (
     replica_item,
 )
 from tasks.record import claim_followups
+from tasks.resume import sweep_dead_stages
 from tasks.retention import FAILED, PRUNED, REFUSED, apply_retention, finish_retirements
 
 
@@ -88,8 +89,12 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
             open_tier(settings, 1) as tier1:
         todo0 = parts_todo(cat, tier0, list(find_committed(tier0)), report, tier=0, grace_seconds=grace_seconds,
                            actor=actor)
-        todo1 = parts_todo(cat, tier1, adoption_slice(cat, tier1, settings.reconcile_check_limit), report, tier=1,
-                           grace_seconds=grace_seconds, actor=actor)
+        visited: list[str] = []
+        todo1 = parts_todo(cat, tier1, adoption_slice(cat, tier1, settings.reconcile_check_limit, visited), report,
+                           tier=1, grace_seconds=grace_seconds, actor=actor)
+        for tier, store, runs in ((0, tier0, tier0.folders()), (1, tier1, visited)):
+            each(report, f"tier {tier} stages", lambda store=store, runs=runs, tier=tier: _swept_stages(
+                report, tier, sweep_dead_stages(cat, store, runs, node=settings.node, actor=actor)))
     kw = dict(actor=actor)
     for run, step, part, parts in todo0:
         attempt(report, report.promoted, f"{run}/{step} part {part}",
@@ -108,6 +113,11 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     prune_own_tier0(settings, report, steps=steps, **kw)
     finish_retirements_into(report, settings, steps=steps, **kw)
     return report
+
+
+def _swept_stages(report: ReconcileReport, tier: int, removed: int) -> None:
+    if removed:
+        report.recovered.append(f"tier {tier}: {removed} stage folder(s) a killed resume's fetch left, removed")
 
 
 def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:

@@ -77,10 +77,17 @@ def read_part_manifest(store: TierStore, run: str, step: int, part: int, parts: 
 
 def catalog_digest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> str:
     """The manifest digest of a part as the catalog registered it (the source of truth)."""
+    return catalog_manifest(cat, checkpoint_id, run, step, part, parts).digest()
+
+
+def catalog_manifest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> Manifest:
+    """A part's manifest as far as the catalog holds it: its files, sizes and checksums (no
+    times, metrics or tags): enough to fetch and check the bytes while the tier's own manifest,
+    the one to commit, is read (``copy_part``'s ``confirm``)."""
     files = cat.files(checkpoint_id, part)
     algorithm = files[0].algorithm if files else "crc32c"
     entries = tuple(FileEntry(path=f.path, size=f.size, checksum=f.checksum) for f in files)
-    return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts).digest()
+    return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts)
 
 
 def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, step: int,

@@ -141,12 +141,14 @@ def each(report: ReconcileReport, item: str, fn: Any) -> Any:
         return None
 
 
-def adoption_slice(cat: Catalog, tier1: TierStore, limit: int) -> list[tuple[str, int, int, int]]:
+def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
+                   visited: list[str] | None = None) -> list[tuple[str, int, int, int]]:
     """Parts committed on Tier 1, run folder by run folder from where the last pass (of any
     node: one shared ``sweep_cursor``) stopped, until about ``limit`` parts are found (at least
     one run per pass); past the last run the next pass starts again at the first. A pass lists
     a bounded share of Tier 1, not all of it; a run folder added or removed meanwhile shifts the
-    rotation by one, which at worst checks a run twice or leaves it to the next rotation."""
+    rotation by one, which at worst checks a run twice or leaves it to the next rotation.
+    ``visited`` receives the run folders this pass listed."""
     from core.transfer import find_committed
 
     runs = tier1.folders()
@@ -155,6 +157,8 @@ def adoption_slice(cat: Catalog, tier1: TierStore, limit: int) -> list[tuple[str
     found: list[tuple[str, int, int, int]] = []
     while i < len(runs) and len(found) < limit:
         found += find_committed(tier1, runs[i])
+        if visited is not None:
+            visited.append(runs[i])
         i += 1
     cat.set_sweep_cursor(ADOPT_CURSOR, i if i < len(runs) else 0)
     return found

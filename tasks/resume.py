@@ -31,8 +31,10 @@ Contract of ``resume``:
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -46,7 +48,7 @@ from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
-from tasks.base import HopResult, log, open_catalog, registered_manifest
+from tasks.base import HopResult, catalog_manifest, log, open_catalog, registered_manifest
 from tasks.replicas import TierStores, classify_failure, mark_bad
 
 if TYPE_CHECKING:
@@ -324,7 +326,9 @@ def _good(cat: Catalog, store: TierStore, ck: CheckpointInfo, src: Source, files
 
 def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo, verify: Verify, actor: str,
                notes: list[str]) -> bool:
-    """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there, the file intact."""
+    """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there (once
+    a rehydration of it in flight has ended: ``await_copy``), the file intact."""
+    await_copy(cat, stores.settings, ck, f.part, 1)
     src = next((s for s in _sources(cat, stores, ck, f.part) if s.tier == 1 and s.in_place), None)
     if src is None:
         return False
@@ -379,6 +383,26 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
         return 0
     notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
     return hop.bytes
+
+
+def await_copy(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, tier: int) -> str | None:
+    """Wait while another worker copies ``part`` to ``tier`` (its replica ``copying``), so a
+    checkpoint-wide file of that part is read from the copy it is publishing, not once more from
+    S3 by every node: the cluster reads each object once. Gives up, as ``copy_when_free`` does,
+    after two leases and ``CLAIM_WAIT_GRACE_S`` without a sign of the holder. Returns the row's
+    state when the wait ended (None: no row)."""
+    silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
+    deadline, seen = time.monotonic() + silence, None
+    while True:
+        row = next((r for r in cat.replicas(ck.id, tier) if r.part == part), None)
+        if row is None or row.state != COPYING:
+            return None if row is None else row.state
+        sign = (row.claim_token, row.updated_at)
+        if sign != seen:
+            seen, deadline = sign, time.monotonic() + silence
+        if time.monotonic() > deadline:
+            return row.state
+        time.sleep(HYDRATION_POLL_S)
 
 
 def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, *, src_tier: int,
@@ -454,12 +478,18 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
     hop = f"tier {src_tier} -> tier {tier}"
     prefix = checkpoint_prefix(run, step)
     url = dst.url_for(prefix)
-    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src:
-        manifest = registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
+    with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
+            ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
+        # the files to fetch are the catalog's; the source's manifest (the one to commit, proven
+        # against the catalog) is read while they stream: on S3 one round trip less before the
+        # first byte. A source without its manifest fails the copy before anything is published.
+        found = side.submit(registered_manifest, cat, src, ck.id, run, step, part, ck.parts)
+        manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts)
         prior = part_replica(cat, ck.id, tier, part, None)
         held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
                                      lease_s=settings.claim_lease_seconds)
         if held is None:
+            found.cancel()
             if rep.state == VERIFIED:
                 return HopResult(hop=hop, run=run, step=step, part=part, files=len(manifest.files),
                                  bytes=manifest.total_bytes, seconds=0.0, skipped=True)
@@ -473,7 +503,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             try:
                 report = copy_part(src, prefix, dst, stage_key, manifest, parallelism=settings.copy_parallelism,
                                    progress=held.progress(), buffer_bytes=settings.io_buffer_bytes,
-                                   priority=copy_priority(settings))
+                                   priority=copy_priority(settings), confirm=found.result)
                 held.check()  # a claim lost meanwhile (taken over after a stall) publishes nothing
                 _publish_stage(stage, dst.write_path(prefix), manifest)
             finally:
@@ -492,37 +522,106 @@ def _sweep_stages(cat: Catalog, dst: LocalStore, ck: CheckpointInfo, part: int, 
     """Remove the stages of ``part`` of ``ck`` in the run's folder on ``dst``: called under the
     part's claim, so each was left by a fetch that died (or lost the claim). Audited; a link is
     removed itself, never followed. Stages of other parts and steps are never touched."""
-    import shutil
+    label = stage_label(ck.step, part, ck.parts)
+    dead = [e for e, found in _stages(dst, ck.run) if found == (ck.step, part, ck.parts)]
+    return _remove_stages(cat, dst, ck.run, ck.step, part, dead, actor,
+                          f"{len(dead)} stage folder(s) of part {part}: left by a resume's fetch that died ({label})")
 
+
+_STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>\d{5})$")
+
+
+def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]:
+    """The fetch stages in ``run``'s folder on the folder tier ``dst``, with the (step, part,
+    parts) each is for; an entry of another shape is not a stage and is left alone."""
     from core.layout import STAGING_MARK, is_staging
 
-    folder = dst.write_path(safe_run_name(ck.run))
-    label = stage_label(ck.step, part, ck.parts)
+    folder = dst.local_path(safe_run_name(run))
+    if folder is None or folder.is_symlink():
+        return []
     try:
-        dead = [e for e in folder.iterdir() if is_staging(e.name) and e.name[len(STAGING_MARK):].split("-", 2)[-1]
-                == label]
-    except FileNotFoundError:
-        return 0
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for e in entries:
+        m = _STAGE.match(e.name[len(STAGING_MARK):].split("-", 2)[-1]) if is_staging(e.name) else None
+        if m is not None:
+            found.append((e, (int(m["step"]), int(m["part"]), int(m["parts"]))))
+    return found
+
+
+def _remove_stages(cat: Catalog, dst: TierStore, run: str, step: int, part: int, dead: list[Path], actor: str,
+                   reason: str) -> int:
+    """Remove ``dead`` stage folders (audited before the first byte goes; a link is removed
+    itself, never followed; one a sibling removed first is skipped)."""
+    import shutil
+
     if not dead:
         return 0
-    cat.record_deletion(f"staging:{ck.run}/{ck.step}@tier{dst.tier}",
-                        f"{len(dead)} stage folder(s) of part {part}: left by a resume's fetch that died",
-                        actor=actor, run=ck.run, step=ck.step)
+    cat.record_deletion(f"staging:{run}/{step}@tier{dst.tier}", reason, actor=actor, run=run, step=step)
     for entry in dead:
         if entry.is_symlink() or not entry.is_dir():
             entry.unlink(missing_ok=True)
         else:
             shutil.rmtree(entry, ignore_errors=True)
-    log.info("resume %s/step-%d part %d: removed %d stage folder(s) a dead fetch left on tier %d",
-             ck.run, ck.step, part, len(dead), dst.tier)
+    log.info("%s/step-%d part %d: removed %d stage folder(s) a dead fetch left on tier %d",
+             run, step, part, len(dead), dst.tier)
     return len(dead)
+
+
+def sweep_dead_stages(cat: Catalog, dst: TierStore, runs: Iterable[str], *, node: str, actor: str) -> int:
+    """Reconcile's sweep of the fetch stages in ``runs``' folders on the folder tier ``dst``
+    whose writer is gone, so a resume killed mid-fetch leaves no garbage even when that part is
+    never fetched again (its checkpoint retired, say). A stage is created only under its part's
+    claim and is gone (renamed, or removed) before the claim ends, so one whose part's replica on
+    ``dst`` is not ``copying`` (run after ``recover_claims``, which ends claims past their lease)
+    was left by a fetch that died; a stage of a live claim, or of a checkpoint it cannot place,
+    is left alone (the latter once ``STAGE_AGE_S`` old goes: no claim can hold it). The stages
+    are listed before the rows are read: one made after the listing is not considered. Returns
+    how many went."""
+    removed = 0
+    for run in runs:
+        stages = _stages(dst, run)
+        by_part: dict[tuple[int, int, int], list[Path]] = {}
+        for entry, found in stages:
+            by_part.setdefault(found, []).append(entry)
+        for (step, part, _parts), entries in sorted(by_part.items()):
+            try:
+                ck = cat.get_checkpoint(run, step)
+            except (NotFound, UnknownRun):
+                cutoff = time.time() - STAGE_AGE_S
+                entries = [e for e in entries if _mtime(e) < cutoff]
+                removed += _remove_stages(cat, dst, run, step, part, entries, actor,
+                                          f"{len(entries)} stage folder(s) of part {part}: of a checkpoint the "
+                                          f"catalog does not know, older than {STAGE_AGE_S:.0f} s")
+                continue
+            rows = [r for r in cat.replicas(ck.id, dst.tier)
+                    if r.part == part and (dst.tier != 0 or r.node in (None, "", node))]
+            if any(r.state == COPYING for r in rows):
+                continue  # a live claim (or one whose lease has not lapsed yet): its writer may be at work
+            removed += _remove_stages(cat, dst, run, step, part, entries, actor,
+                                      f"{len(entries)} stage folder(s) of part {part}: left by a resume's fetch "
+                                      "that died (no claim holds the part)")
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def _publish_stage(stage: Path, folder: Path, manifest: Manifest) -> None:
     """Put a part's complete ``stage`` in place: one rename onto ``folder`` when that is absent
     (or empty); else (other parts' files are there) each file hard-linked in beside them, data
     first, the manifest (the part's commit marker) last, each step made durable before the next.
-    Never replaces a file: one already there must have the registered bytes (``ConflictError``)."""
+    Never replaces a file: one already there must have the registered bytes (``ConflictError``).
+    All or nothing: a link that fails (a conflict, a full or read-only folder) takes back the
+    links this call made, and the folders it created, before the error goes on; a kill midway
+    leaves some data files linked in but no manifest (the part uncommitted), which the next claim
+    of the part removes (``clear_prior``) as it does a killed copy's files."""
     import errno
 
     from core.checksum import hash_file
@@ -541,11 +640,13 @@ def _publish_stage(stage: Path, folder: Path, manifest: Manifest) -> None:
         return
     registered = {e.path: (e.size, e.checksum) for e in manifest.files}
     changed: set[Path] = set()
+    made: list[Path] = []  # links and folders this call created, in order
 
     def link(rel: str) -> None:
         staged, target = stage / rel, folder / rel
         new = [p for p in reversed(target.parents) if p.is_relative_to(folder) and not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
+        made.extend(new)
         changed.update(p.parent for p in new)
         try:
             os.link(staged, target)
@@ -555,16 +656,25 @@ def _publish_stage(stage: Path, folder: Path, manifest: Manifest) -> None:
             if not same:
                 raise ConflictError(f"{target} already exists with other bytes; refusing to overwrite") from None
             return
+        made.append(target)
         changed.add(target.parent)
 
-    for e in manifest.files:
-        link(e.path)
-    for d in sorted(changed, key=lambda p: -len(p.parts)):
-        fsync_dir(d)
-    changed.clear()
-    link(manifest.name)
-    for d in changed:
-        fsync_dir(d)
+    try:
+        for e in manifest.files:
+            link(e.path)
+        for d in sorted(changed, key=lambda p: -len(p.parts)):
+            fsync_dir(d)
+        changed.clear()
+        link(manifest.name)
+        for d in changed:
+            fsync_dir(d)
+    except BaseException:
+        for path in reversed(made):  # links (the stage keeps their bytes) and then the folders made for them
+            try:
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+            except OSError:
+                log.warning("publish of %s: could not take back %s", folder, path)
+        raise
 
 
 def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier: int) -> ResumePoint:
@@ -648,7 +758,11 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     bad: list[BadReplica] = []
     done = []
     try:
-        with RestoreStage(dest.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst:
+        with RestoreStage(dest.parent, buffer_bytes=stores.settings.io_buffer_bytes) as dst, \
+                ThreadPoolExecutor(max(1, len(wide)), thread_name_prefix="wide") as side:
+            # the checkpoint-wide files (small: an index, DCP's .metadata) come alongside the parts
+            beside = [side.submit(_bring_file, cat, stores, ck, f, dst, f"{stage.name}/{f.path}", actor, notes)
+                      for f in wide]
             for p in wanted:
                 t0 = time.monotonic()
                 part_bytes = sum(f.size for f in cat.files(ck.id, p))
@@ -659,8 +773,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
                     raise _NoGoodCopy(str(exc)) from None
                 done.append(PartResume(p, 2 if moved[p] else tier, FETCHED, part_bytes + moved[p],
                                        time.monotonic() - t0))
-            for f in wide:
-                _bring_file(cat, stores, ck, f, dst, f"{stage.name}/{f.path}", actor, notes)
+            for fut in beside:
+                fut.result()
             publish(stage, dest, pending=dst)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -714,6 +828,8 @@ def _bring_file(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInf
         return 0
     except (NotFound, CorruptCheckpoint):
         pass
+    if stores.configured(1):  # the node resuming that part may be rehydrating it: read Tier 1 after it
+        await_copy(cat, stores.settings, ck, f.part, 1)
     prefix = checkpoint_prefix(ck.run, ck.step)
     for src in _sources(cat, stores, ck, f.part):
         store = stores.get(src.tier)

@@ -99,7 +99,7 @@ trainer.train(resume_from_checkpoint=resume_from("hf-r"))  # no checkpoint yet: 
 """
 
 
-def test_hf_trainer_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path, monkeypatch):
+def test_hf_trainer_resumes_with_one_line_after_a_kill(settings_factory, db_url, tmp_path, monkeypatch):
     require_module("transformers")
     require_module("accelerate")
     from transformers import TrainerCallback
@@ -107,7 +107,7 @@ def test_hf_trainer_resumes_with_one_line_after_a_kill(settings_factory, sqlite_
     from ckpt.integrations.hf import TieringCallback, resume_from
 
     monkeypatch.setenv("PREFECT_API_URL", "")
-    settings = scenario_settings(settings_factory, sqlite_url)
+    settings = scenario_settings(settings_factory, db_url)
     run_killed(HF_TRAIN, settings, str(tmp_path))
     for step in (2, 4):
         promote(settings, "hf-r", step)
@@ -174,14 +174,14 @@ lit_trainer(os.path.join(out, "trainer"), io, 8, [Die()]).fit(model, data, ckpt_
 """
 
 
-def test_lightning_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path, monkeypatch):
+def test_lightning_resumes_with_one_line_after_a_kill(settings_factory, db_url, tmp_path, monkeypatch):
     require_module("lightning")
     from lightning.pytorch.callbacks import Callback
 
     from ckpt.integrations.lightning import TieringCheckpointIO, resume_path
 
     monkeypatch.setenv("PREFECT_API_URL", "")
-    settings = scenario_settings(settings_factory, sqlite_url)
+    settings = scenario_settings(settings_factory, db_url)
     run_killed(LIT_TRAIN, settings, str(tmp_path))
     for step in (2, 4):
         promote(settings, "lit-r", step)
@@ -268,7 +268,7 @@ for step in range(1, 9):
 """
 
 
-def test_dcp_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tmp_path):
+def test_dcp_resumes_with_one_line_after_a_kill(settings_factory, db_url, tmp_path):
     """The node also comes back with its NVMe wiped: the one line fetches step 4 from Tier 1 (an
     object store here) into Tier 0, and ``dcp.load`` reads it there."""
     import shutil
@@ -280,7 +280,7 @@ def test_dcp_resumes_with_one_line_after_a_kill(settings_factory, sqlite_url, tm
     from ckpt.integrations.dcp import async_save_and_commit
     from ckpt.resume import resume_point
 
-    settings = scenario_settings(settings_factory, sqlite_url, runs=("dcp-k",),
+    settings = scenario_settings(settings_factory, db_url, runs=("dcp-k",),
                                  tier1_url=f"memory://dcp-k-{os.getpid()}-{id(tmp_path)}")
     run_killed(DCP_TRAIN, settings, str(tmp_path))
     for step in (2, 4):

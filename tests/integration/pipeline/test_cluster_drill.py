@@ -64,7 +64,6 @@ def test_every_node_resumes_its_part_at_once_from_tier1_and_tier2(settings, tmp_
     assert {r.tier: r.bound_seconds for r in recorded} == {d.result.tier: d.result.bound_seconds for d in drills}
 
 
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # node processes are slow to start on 2 cores
 def test_a_part_the_loader_would_refuse_fails_the_drill_on_that_tier(settings, tmp_path):
     save(settings, 100)
     # part 1's first shard (part 0 needs nothing of part 1's); same size: only reading the bytes finds it
@@ -80,7 +79,6 @@ def test_a_part_the_loader_would_refuse_fails_the_drill_on_that_tier(settings, t
     assert (states[(1, 0)], states[(1, 1)]) == ("verified", "corrupt")  # the load found it, marked it
 
 
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_copy_gone_from_its_tier_is_a_recorded_failure_without_a_bound(settings, tmp_path):
     save(settings, 100)
     shard_paths(settings.tier1_url, RUN, 100)[3].unlink()  # part 1's second shard, behind the catalog's back
@@ -104,7 +102,6 @@ def test_nodes_must_match_the_parts_and_a_tier_without_the_checkpoint_is_skipped
     assert drills == [] and skipped == [f"tier 2: no checkpoint of {RUN} held whole there"]
 
 
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the catalog side is covered above on both
 def test_cli_drill_nodes_json_then_drills(settings, monkeypatch):
     from typer.testing import CliRunner
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -90,6 +91,76 @@ def test_two_nodes_resuming_at_once_read_each_object_from_s3_once(settings_facto
     assert sources == [(1, "in place", 0), (2, "fetched", sum(FILES.values()))]  # one read S3, one waited
 
 
+def test_nodes_rehydrating_a_checkpoint_read_its_index_from_s3_once(settings_factory, db_url, s3_bucket, proxy,
+                                                                   monkeypatch):
+    """Two nodes resume their parts of a two-part milestone whose Tier 1 copy is gone. Part 0
+    holds the checkpoint-wide index that part 1 needs to load: the node of part 1 waits for the
+    node of part 0 to publish part 0 on Tier 1 and reads the index there, so every object,
+    the index too, is read from S3 once per cluster resume. (Node-a is held at its first byte
+    until node-b has published part 1: node-b then needs the index while part 0 is in flight.)"""
+    from core.storage.s3.store import S3Store
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import write_checkpoint
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket)
+    node_a, node_b = on_node(settings, "node-a"), on_node(settings, "node-b")
+    for part, s in ((0, node_a), (1, node_b)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
+                         shard_bytes=64 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+    expected = tree(tier1_dir(settings, RUN, 100))
+    shutil.rmtree(tier1_dir(settings, RUN, 100))
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        assert {(r.part, r.state) for r in cat.replicas(ck.id, 2)} == {(0, "verified"), (1, "verified")}
+        for rep in cat.replicas(ck.id, 1):
+            cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost")
+    for s in (node_a, node_b):  # cold nodes
+        shutil.rmtree(tier0_dir(s, RUN, 100))
+    proxy.seen.clear()
+    a_copying, real_read, points, errors = threading.Event(), S3Store.open_read, {}, []
+
+    def part1_on_tier1() -> bool:
+        with open_catalog(settings) as cat:
+            return any(r.part == 1 and r.state == "verified" for r in cat.replicas(ck.id, 1))
+
+    def open_read(self, key):
+        if "model-p00" in key and not a_copying.is_set():
+            # node-a holds part 0's Tier 1 claim; it goes on once node-b has published part 1,
+            # so node-b comes to the index while part 0 is still being copied
+            a_copying.set()
+            deadline = time.monotonic() + 60
+            while not part1_on_tier1() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real_read(self, key)
+
+    monkeypatch.setattr(S3Store, "open_read", open_read)
+
+    def node(s, part):
+        try:
+            points[part] = resume(s, RUN, part=part, parts=2)
+        except Exception as exc:
+            errors.append(exc)
+
+    a = threading.Thread(target=node, args=(node_a, 0))
+    a.start()
+    assert a_copying.wait(60)
+    b = threading.Thread(target=node, args=(node_b, 1))
+    b.start()
+    for t in (a, b):
+        t.join(timeout=120)
+
+    assert errors == []
+    assert {p.path for p in points.values()} == {str(tier1_dir(settings, RUN, 100))}
+    assert tree(tier1_dir(settings, RUN, 100)) == expected
+    gets = Counter(r.key.rsplit("/", 1)[-1] for r in proxy.seen
+                   if r.method == "GET" and "step-" in r.key and "manifest" not in r.key)
+    assert gets == dict.fromkeys(expected, 1), gets
+    assert "model.safetensors.index.json" in gets
+
+
 def test_tier1_copy_removed_between_choice_and_read_falls_to_tier2(settings_factory, db_url, s3_bucket,
                                                                    s3_endpoint, monkeypatch):
     from core.storage.fsspec import FsspecStore
@@ -134,6 +205,17 @@ resume(load_settings(), %r)
 """
 
 
+def kill_mid_fetch(settings, s3_endpoint: str, *, lease_s: float) -> None:
+    """A resume on node-9, in its own process, killed once the fetch has written one file."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
+           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
+           "CKPT_CLAIM_LEASE_SECONDS": str(lease_s)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_one_completes(
         settings_factory, db_url, s3_bucket, s3_endpoint):
     """The fetch (here: the Tier 1 rehydration) is killed once one file was written and read
@@ -147,13 +229,7 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_on
     files = save_milestone(settings)
     lose_tier1(settings)
     node9 = on_node(settings, "node-9")
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
-           "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,
-           "CKPT_CLAIM_LEASE_SECONDS": "2"}
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_FETCH % RUN], env=env, timeout=120,
-                          cwd=str(Path(__file__).resolve().parents[3]), capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    kill_mid_fetch(settings, s3_endpoint, lease_s=2)
 
     folder = tier1_dir(settings, RUN, 100)
     assert [rel for rel in [*FILES, "manifest.json"] if (folder / rel).exists()] == []  # absent, not partial
@@ -167,6 +243,43 @@ def test_a_resume_killed_mid_fetch_leaves_nothing_committed_and_the_restarted_on
     assert point.path == str(folder) and tree(folder) == files and (folder / "manifest.json").is_file()
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
     assert not [p for p in folder.parent.rglob("*") if is_staging(p.name)]  # the dead fetch's stage is gone
+
+
+def test_reconcile_removes_the_stage_a_killed_fetch_left_once_no_claim_holds_it(
+        settings_factory, db_url, s3_bucket, s3_endpoint):
+    """A resume killed mid-fetch whose part nobody fetches again: reconcile leaves the stage
+    while the dead fetch's claim is live (it cannot tell a dead writer from a slow one), and
+    removes it, audited, once the claim has lapsed (and the stalled copy is finished the way
+    reconcile finishes any: copied again, whole, from the copy that holds it)."""
+    from core.layout import is_staging
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+    from tests.kit.checkpoints import expire_claims
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 claim_lease_seconds=600.0)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    kill_mid_fetch(settings, s3_endpoint, lease_s=600)
+    folder = tier1_dir(settings, RUN, 100)
+
+    def stages() -> list[Path]:
+        return [p for p in folder.parent.iterdir() if is_staging(p.name)]
+
+    assert len(stages()) == 1
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert len(stages()) == 1  # the claim is live: its writer may be at work
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"
+
+    assert expire_claims(settings) >= 1  # as if a lease had passed
+    report = reconcile_once(settings, steps=plain_steps(), actor="test")
+
+    assert stages() == []
+    assert any("stage folder(s)" in line for line in report.recovered), report.recovered
+    assert tree(folder) == files and replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    with open_catalog(settings) as cat:
+        assert any(e.action == "delete" and "stage folder" in (e.reason or "")
+                   for e in cat.audit_log(run=RUN)), "the removal is recorded before it happens"
 
 
 def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last(
@@ -212,6 +325,98 @@ def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last
     assert sorted(linked) == sorted(mine) and linked[-1] == mine[-1]  # the part's commit marker last
     assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
     assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
+
+
+def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory, db_url, s3_bucket, s3_endpoint,
+                                                                 monkeypatch):
+    """The link-in of a rehydrated part fails at its second file (a full or read-only folder,
+    say): the file already linked in is taken back, part 0's files stay as they were, nothing of
+    part 1 is left under its names, the claim is released; the next resume publishes it whole."""
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import write_checkpoint
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    node1 = on_node(settings, "node-1")
+    for part, s in ((0, settings), (1, node1)):
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
+                         shard_bytes=32 << 10)
+        with Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, 2)
+    folder = tier1_dir(settings, RUN, 100)
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        mine = [*sorted(f.path for f in cat.files(ck.id, 1)), "manifest.part-00001-of-00002.json"]
+        for rel in mine:
+            (folder / rel).unlink()
+        rep = next(r for r in cat.replicas(ck.id, 1) if r.part == 1)
+        cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost part 1")
+    before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
+    real_link, calls = os.link, []
+
+    def link(src, dst, **kw):
+        if Path(dst).parent == folder:
+            calls.append(Path(dst).name)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device", str(dst))
+        real_link(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    node7 = on_node(settings, "node-7")
+
+    with pytest.raises(Exception, match="No space left"):
+        resume(node7, RUN, part=1, parts=2)
+
+    assert len(calls) == 2 and calls[0] in mine  # one file was linked in before the failure
+    assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()} == before
+    assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
+    assert replica_states(settings, RUN, 100)[(1, 1)] != "verified"
+
+    monkeypatch.setattr(os, "link", real_link)
+    point = resume(node7, RUN, part=1, parts=2)
+    assert point.path == str(folder)
+    for rel in mine:
+        assert (folder / rel).read_bytes() == (tier0_dir(node1, RUN, 100) / rel).read_bytes()
+    assert replica_states(settings, RUN, 100)[(1, 1)] == "verified"
+
+
+@pytest.mark.parametrize("into", ["tier1", "folder"])
+def test_the_manifest_is_read_while_the_files_stream_not_before(settings_factory, db_url, s3_bucket, s3_endpoint,
+                                                                 monkeypatch, tmp_path, into):
+    """On S3 every request waits ~0.1 s for its first byte: a fetch asks for the part's files (the
+    catalog lists them) and its manifest at once, not one after the other. Here the manifest's
+    GET is held until a file's GET has begun: a fetch that waited for the manifest first would
+    never begin one. Into Tier 1 (the rehydration) and into a folder of the user's."""
+    import threading
+
+    from core.storage.s3.store import S3Store
+
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    files = save_milestone(settings)
+    lose_tier1(settings)
+    if into == "folder":  # a node that reads Tier 2 alone
+        settings = settings.model_copy(update={"tier1_url": None})
+    data_begun, order = threading.Event(), []
+    real_small, real_read = S3Store.read_small, S3Store.open_read
+
+    def read_small(self, key, *a, **kw):
+        if key.endswith(".json") and "step-" in key:
+            order.append(("manifest asked", data_begun.is_set()))
+            assert data_begun.wait(60), "the manifest was asked for alone: no file's GET began meanwhile"
+        return real_small(self, key, *a, **kw)
+
+    def open_read(self, key):
+        if not key.endswith(".json"):
+            data_begun.set()
+        return real_read(self, key)
+
+    monkeypatch.setattr(S3Store, "read_small", read_small)
+    monkeypatch.setattr(S3Store, "open_read", open_read)
+
+    point = resume(on_node(settings, "node-5"), RUN, to=tmp_path / "out" if into == "folder" else None)
+
+    assert order and tree(point.path) == files
+    assert [(p.tier, p.source) for p in point.parts] == [(2, "fetched")]
 
 
 def ranged_settings(settings_factory, db_url, s3_bucket, proxy):
