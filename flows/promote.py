@@ -29,7 +29,7 @@ from core.settings import Settings, load_settings
 from flows.archive import ArchiveResult, archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, hop_rows, task_steps
-from flows.retention import retention
+from flows.retention import run_retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
 from tasks.prefect_events import emit
@@ -91,7 +91,7 @@ def follow_up(settings: Settings, result: PromoteResult, *, steps: Steps, node: 
                         payload={"tier": 1, "milestone": wants}, labels={"milestone": str(wants).lower()})
     if on_durable is not None:
         on_durable(result)
-    result.retention = retention(settings, run=run, steps=steps, actor=actor)
+    result.retention = run_retention(settings, run=run, steps=steps, actor=actor)
     followups_done(settings, result.checkpoint_id, actor=actor)
 
 

@@ -22,7 +22,7 @@ from tasks.prefect_events import emit
 from tasks.retention import PruneAction, apply_retention
 
 
-def retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
+def run_retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
               actor: str = "cli", explain: bool = False) -> list[PruneAction]:
     """Plan and (unless ``dry_run``) apply it; returns the actions with outcomes. Artifacts: a
     dry run's plan; the result (each planned action with its outcome), or the plan when applying
@@ -63,7 +63,7 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
     """Settings read once here; the steps run as Prefect tasks; the plan is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
-        actions = retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
+        actions = run_retention(settings, run=run, dry_run=dry_run, steps=task_steps(settings),
                             actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         expire_audit_task(settings, actor=current_actor("retention"))

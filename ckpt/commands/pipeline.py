@@ -155,14 +155,14 @@ def retention_cmd(
     checkpoints no tier keeps (or, with --dry-run, show the plan and the rule behind each line)."""
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from flows.common import plain_steps  # deferred: start-up — Prefect, SQLAlchemy
-    from flows.retention import enforce_retention, retention  # deferred: start-up — Prefect, SQLAlchemy
+    from flows.retention import enforce_retention, run_retention  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings()
     if prefect_configured(settings):
         with prefect_api(settings):
             rows = enforce_retention(run=run, dry_run=dry_run, node=settings.node, explain=explain)
     else:
-        rows = [a.row() for a in retention(settings, run=run, dry_run=dry_run, steps=plain_steps(),
+        rows = [a.row() for a in run_retention(settings, run=run, dry_run=dry_run, steps=plain_steps(),
                                            explain=explain)]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))

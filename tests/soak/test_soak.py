@@ -567,9 +567,9 @@ class Soak(RuleBasedStateMachine):
     # --- operations: scheduled flows --------------------------------------------------------------
     def retention(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
-        from flows.retention import retention
+        from flows.retention import run_retention
         self.operate(f"retention({node})", plan, s3=s3, skew=skew,
-                     fn=lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+                     fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
 
     def retention_killed_then_again(self, node: str, plan: Plan, skew: timedelta) -> None:
         """A retention run dies at a store delete (before or after it); its lease is
@@ -579,17 +579,17 @@ class Soak(RuleBasedStateMachine):
         over (two prunes of one replica)."""
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
-        from flows.retention import retention
+        from flows.retention import run_retention
         # always a kill at the prune's first store delete (before or after it), whatever else drew
         plan = Plan(kind="kill", target="store", method="delete", at=0, after=plan.after)
         before = self._replicas_in("pruning")  # claims an earlier, lapsed operation left
         self.operate(f"retention_killed({node})", plan, lapse_after_kill=False,
-                     fn=lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+                     fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
         claimed = self._replicas_in("pruning") - before
         if claimed:
             STATS["retention_killed_mid_prune"] += 1
         self.operate(f"retention({node})", Plan(), skew=skew,
-                     fn=lambda: retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+                     fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
         if claimed - self._replicas_in("pruning"):
             self.violate(f"a second retention took over prune claims {sorted(claimed)} under a live lease")
         if claimed:  # reconcile takes over lapsed claims: here on a clock at least 6 minutes fast

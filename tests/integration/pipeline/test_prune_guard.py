@@ -177,7 +177,7 @@ def test_a_second_prune_never_takes_over_a_live_prune_whose_delete_failed(two_st
 def test_two_overlapping_retention_runs_prune_once(two_steps, monkeypatch):
     """cron retention and post-promotion retention both planned step 100's Tier 0 copy; the
     second applies its plan while the first is deleting it."""
-    from flows.retention import retention
+    from flows.retention import run_retention
     from tasks.prune import prune_replica
     from tasks.retention import apply_retention, plan_retention
 
@@ -191,7 +191,7 @@ def test_two_overlapping_retention_runs_prune_once(two_steps, monkeypatch):
             inner["b"] = apply_retention(settings, plan_b, prune=prune_replica, actor="retention-b")
 
     _hook_tier0_deletes(monkeypatch, settings, on_delete)
-    outer = retention(settings, run=RUN, steps=plain_steps(), actor="retention-a")
+    outer = run_retention(settings, run=RUN, steps=plain_steps(), actor="retention-a")
 
     assert [(a.step, a.outcome) for a in outer if a.tier == 0] == [(100, "pruned")]
     assert [(a.step, a.outcome) for a in inner["b"] if a.tier == 0] == [(100, "refused")]

@@ -106,7 +106,7 @@ def test_a_copy_whose_lock_date_cannot_be_read_is_kept_and_nothing_is_retired(
     from core.errors import StorageUnavailable
     from core.storage.s3.store import S3Store
     from flows.common import plain_steps
-    from flows.retention import retention
+    from flows.retention import run_retention
     from tasks.retention import KEEP, KEPT, RETIRE
     from tests.kit.restore import tier0_dir, tier1_dir
 
@@ -127,7 +127,7 @@ def test_a_copy_whose_lock_date_cannot_be_read_is_kept_and_nothing_is_retired(
     # its other copies are held with it, shown as such
     assert {(a.tier, a.action, a.reason) for a in plan if a.tier != 2} == {
         (t, KEEP, "retirement deferred: a tier 2 copy's lock date is unknown") for t in (0, 1)}
-    done = [a for a in retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
+    done = [a for a in run_retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
     assert {a.outcome for a in done} == {KEPT}  # nothing tried, nothing failed
 
     with Catalog(settings.catalog_url) as cat:
@@ -139,7 +139,7 @@ def test_a_copy_whose_lock_date_cannot_be_read_is_kept_and_nothing_is_retired(
     assert _objects(lock_bucket, s3_endpoint, 1) == (stored, [])
 
     monkeypatch.setattr(S3Store, "locked_until", readable)  # readable again (none set): the policy applies
-    done = [a for a in retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
+    done = [a for a in run_retention(settings, run=RUN, steps=plain_steps(), actor="test") if a.step == 1]
     assert {(a.tier, a.outcome) for a in done if a.tier == 2} == {(2, "pruned")}
     assert {a.action for a in done} == {RETIRE}
     assert _objects(lock_bucket, s3_endpoint, 1) == ([], [])

@@ -11,7 +11,7 @@ from core.events import announcing
 from core.settings import MilestonePolicy, RetentionPolicy
 from flows.common import plain_steps
 from flows.promote import promote
-from flows.retention import retention
+from flows.retention import run_retention
 from tasks.retention import ELSEWHERE, KEPT, PLANNED, PRUNED, REFUSED, apply_retention, plan_retention
 from tests.kit.checkpoints import ckpt_dir, open_catalog, replica_states, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
@@ -40,7 +40,7 @@ def test_keep_last_plans_the_older_tier0_copies_and_a_dry_run_deletes_nothing(se
     promote_steps(settings, [10, 20, 30, 40])
     keep2 = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=2))
 
-    plan = retention(keep2, run=RUN, dry_run=True, steps=plain_steps())
+    plan = run_retention(keep2, run=RUN, dry_run=True, steps=plain_steps())
 
     assert [(a.tier, a.step, a.outcome) for a in plan] == [(0, 10, PLANNED), (0, 20, PLANNED)]
     for s in (10, 20, 30, 40):
@@ -54,7 +54,7 @@ def test_applying_the_plan_prunes_tier0_and_keeps_tier1(settings):
     events = Recorder()
 
     with announcing(events):
-        done = retention(keep2, run=RUN, steps=plain_steps())
+        done = run_retention(keep2, run=RUN, steps=plain_steps())
 
     assert [(a.step, a.outcome) for a in done] == [(10, PRUNED), (20, PRUNED)]
     for s in (10, 20):
@@ -64,14 +64,14 @@ def test_applying_the_plan_prunes_tier0_and_keeps_tier1(settings):
     for s in (30, 40):
         assert ckpt_dir(settings.tier0_url, RUN, s).is_dir()
     assert events.names() == ["pruned", "pruned"]
-    assert retention(keep2, run=RUN, steps=plain_steps()) == []  # nothing left to do
+    assert run_retention(keep2, run=RUN, steps=plain_steps()) == []  # nothing left to do
 
 
 def test_tier1_copy_without_a_tier2_copy_is_not_planned(settings):
     promote_steps(settings, [10, 20, 30])
     keep1 = with_policy(settings, retention_tier1=RetentionPolicy(keep_last=1))
 
-    assert retention(keep1, run=RUN, steps=plain_steps()) == []
+    assert run_retention(keep1, run=RUN, steps=plain_steps()) == []
     for s in (10, 20, 30):
         assert replica_states(settings, RUN, s)[(1, 0)] == "verified"
         assert ckpt_dir(settings.tier1_url, RUN, s).is_dir()
@@ -120,7 +120,7 @@ def test_unarchived_milestone_leaves_tier0_once_durable_and_is_held_on_tier1(set
 
     assert plan[(1, 20)].outcome == KEPT and plan[(1, 20)].detail == "milestone not yet archived"
     assert plan[(0, 20)].outcome == PLANNED and plan[(0, 10)].outcome == PLANNED
-    done = retention(policy, run=RUN, steps=plain_steps())
+    done = run_retention(policy, run=RUN, steps=plain_steps())
     # step 10: no tier keeps it, so it is retired (both copies); step 20 leaves Tier 0 only
     assert {(a.tier, a.step) for a in done if a.outcome == PRUNED} == {(0, 10), (1, 10), (0, 20)}
     assert not ckpt_dir(settings.tier0_url, RUN, 20).exists()
@@ -131,7 +131,7 @@ def test_tier0_copies_of_another_node_are_left_to_that_node(settings):
     promote_steps(settings, [10, 20])
     other = with_policy(settings, node="node-9", retention_tier0=RetentionPolicy(keep_last=1))
 
-    done = retention(other, run=RUN, steps=plain_steps())
+    done = run_retention(other, run=RUN, steps=plain_steps())
 
     assert [(a.step, a.outcome) for a in done] == [(10, ELSEWHERE)]
     assert ckpt_dir(settings.tier0_url, RUN, 10).is_dir()
@@ -159,14 +159,14 @@ def test_artifacts_show_a_dry_runs_plan_and_an_applied_result_and_nothing_when_n
     promote_steps(settings, [10, 20, 30])
     keep2 = with_policy(settings, retention_tier0=RetentionPolicy(keep_last=2))
 
-    retention(settings, run=RUN, steps=plain_steps())  # Tier 0 retention off: nothing to do
+    run_retention(settings, run=RUN, steps=plain_steps())  # Tier 0 retention off: nothing to do
     assert shown == []
-    retention(keep2, run=RUN, dry_run=True, steps=plain_steps())
+    run_retention(keep2, run=RUN, dry_run=True, steps=plain_steps())
     assert [(k, [r["step"] for r in rows]) for k, rows in shown] == [(f"retention-plan-{RUN}", [10])]
     shown.clear()
-    retention(keep2, run=RUN, steps=plain_steps())
+    run_retention(keep2, run=RUN, steps=plain_steps())
     assert [(k, [(r["step"], r["outcome"]) for r in rows]) for k, rows in shown] == [
         (f"retention-result-{RUN}", [(10, PRUNED)])]
     shown.clear()
-    retention(keep2, steps=plain_steps())  # catalog-wide: reports even an empty result
+    run_retention(keep2, steps=plain_steps())  # catalog-wide: reports even an empty result
     assert [k for k, _ in shown] == ["retention-result-all"]

@@ -15,7 +15,7 @@ from core.settings import MilestonePolicy, RetentionPolicy
 from db.catalog import Catalog
 from flows.common import plain_steps
 from flows.reconcile import reconcile_once
-from flows.retention import retention
+from flows.retention import run_retention
 from tasks.retention import PRUNED, REFUSED, RETIRE, apply_retention, plan_retention
 from tests.kit.catalog import manifest
 from tests.kit.checkpoints import expire_claims
@@ -82,7 +82,7 @@ def test_tier1_keep_last_2_without_tier2_retires_the_older_checkpoints(settings_
 
     with Catalog(settings.catalog_url) as cat, pytest.raises(NotFound, match="retired"):
         candidates(cat, RUN, 100, fallback=False)
-    assert retention(settings, run=RUN, steps=plain_steps()) == []  # nothing left to do
+    assert run_retention(settings, run=RUN, steps=plain_steps()) == []  # nothing left to do
 
 
 def test_milestones_leave_tier0_once_durable_without_tier2(settings_factory, db_url):

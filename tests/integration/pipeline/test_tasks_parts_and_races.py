@@ -131,11 +131,11 @@ def test_retention_looping_during_promotions_never_loses_a_checkpoint(settings):
     errors: list[BaseException] = []
 
     def prune_loop():
-        from flows.retention import retention
+        from flows.retention import run_retention
 
         while not stop.is_set():
             try:
-                retention(tight, run=RUN, steps=plain_steps())
+                run_retention(tight, run=RUN, steps=plain_steps())
             except BaseException as exc:  # the test reports it
                 errors.append(exc)
 
