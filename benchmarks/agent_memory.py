@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, bench_parser, load_line, parse
+from db.catalog import upgrade
 
 HEAVY = ("torch", "numpy", "safetensors", "boto3", "pandas", "fsspec", "httpx", "alembic", "sqlalchemy",
          "uvicorn", "fastapi")
@@ -144,8 +145,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt-mem-") as home:
         env = {**os.environ, "CKPT_DATA_DIR": home, "PREFECT_HOME": str(Path(home) / "prefect"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        from db.catalog import upgrade
-
         upgrade(f"sqlite:///{Path(home) / 'catalog.db'}")
         rows: list[tuple[str, list[float], list[str]]] = []
         mods: list[str] = []

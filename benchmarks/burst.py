@@ -40,7 +40,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, parse
+from benchmarks.common import bench_parser, cpu_seconds, parse, s3_bucket
+from ckpt.client import CheckpointStager
+from ckpt.local_stack import stack_env, start_agent, start_prefect_server, wait_deployments
+from ckpt.processes import stop_process
+from ckpt.production_stack import ProductionStack, create_database, drop_database, pg_url
+from core import events
+from core.errors import ConfigError
+from core.settings import Settings
+from core.storage import open_store
+from core.transfer import copy_part, verify_part
+from db.catalog import Catalog, upgrade
+from deployments import names
 
 SMOKE = {"nodes": 2, "part_mb": 1.0}
 RUN, STEP = "burst", 1000
@@ -181,10 +192,6 @@ def pg_backends(admin_dsn: str, databases: list[str]) -> list[int]:
 def byte_copy_cpu(settings, manifest, prefix: str, scratch: str) -> float:
     """CPU seconds of one part's byte work done directly: verify on Tier 0, copy to Tier 1
     (read back inside), and when Tier 2 is on, copy to Tier 2."""
-    from benchmarks.common import cpu_seconds
-    from core.storage import open_store
-    from core.transfer import copy_part, verify_part
-
     t0 = open_store(settings.tier0_url, 0, settings)
     c0 = cpu_seconds()
     verify_part(t0, prefix, manifest)
@@ -199,8 +206,6 @@ def byte_copy_cpu(settings, manifest, prefix: str, scratch: str) -> float:
 def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]:
     """(events, promote+archive flow runs, task runs, seconds from t0 to the last flow run's end)."""
     import httpx
-
-    from deployments import names
 
     since = _iso(t0 - 1)
     until = _iso(t_end + 1)
@@ -244,15 +249,6 @@ class Setup:
 def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup) -> Phase:
     import httpx
     import numpy as np
-
-    from ckpt.client import CheckpointStager
-    from ckpt.local_stack import stack_env, start_agent, wait_deployments
-    from ckpt.processes import stop_process
-    from ckpt.production_stack import create_database, drop_database, pg_url
-    from core import events
-    from core.settings import Settings
-    from db.catalog import Catalog, upgrade
-    from deployments import names
 
     tag = uuid.uuid4().hex[:6]
     root = setup.work / name
@@ -359,10 +355,6 @@ def serve_all(api: str, nodes: list[str], procs: list, start, phase: Phase, logs
     first is started again, as a service manager would (compose: ``restart: unless-stopped``),
     and the phase notes it with the end of its log (a SQLite server answering "database is
     locked" to many agents registering at once is one cause)."""
-    from ckpt.local_stack import wait_deployments
-    from core.errors import ConfigError
-    from deployments import names
-
     wanted = [names.promote_deployment(n) for n in nodes] + [names.ARCHIVE_DEPLOYMENT]
     for attempt in range(restarts + 1):
         try:
@@ -415,11 +407,6 @@ def main() -> int:
 
     import shutil
     import tempfile
-
-    from benchmarks.common import s3_bucket
-    from ckpt.local_stack import start_prefect_server
-    from ckpt.processes import stop_process
-    from ckpt.production_stack import ProductionStack
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
     phases: list[Phase] = []

@@ -54,11 +54,16 @@ from sqlalchemy import text
 
 from benchmarks.common import bench_parser, parse
 from benchmarks.filled_tier import NODES, FilledTier
+from core.errors import CopyInProgress
 from core.manifest import FileEntry, Manifest
 from core.retention import Rules, plan
-from core.settings import MilestonePolicy, RetentionPolicy, Settings
+from core.settings import MilestonePolicy, RetentionPolicy, Settings, load_settings
+from db import register
 from db.catalog import Catalog, upgrade
 from db.rows import checkpoints, files, lineage, parts, replicas, runs
+from flows.common import Steps
+from flows.reconcile import reconcile_once
+from tasks.retention import plan_retention
 
 STEPS, FILES, GROUP = 100, 8, 20  # steps per run, files per checkpoint, runs per resume chain
 SMOKE = {"scale": 0.0001, "backend": "sqlite", "registrations": 20, "batch": 10, "reconcile_rounds": 1,
@@ -202,8 +207,6 @@ def registration(cat: Catalog, n: int, batch: int) -> dict[str, float]:
     one-statement form, SQLite's path), in alternating rounds with ``one``."""
     from sqlalchemy import event
 
-    from db import register
-
     with cat.engine.begin() as conn:
         conn.execute(text("CREATE TABLE IF NOT EXISTS bench_commit (id INTEGER)"))
     t = time.perf_counter()
@@ -264,12 +267,6 @@ def reconcile_cost(url: str, n_runs: int, rounds: int, k: int, top: int = 3,
     (``CopyInProgress``): what is timed is reconcile's own work, not copies."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
-
-    from core.errors import CopyInProgress
-    from core.settings import load_settings
-    from flows.common import Steps
-    from flows.reconcile import reconcile_once
-    from tasks.retention import plan_retention
 
     def hold(*_a, **_kw):
         raise CopyInProgress("benchmark: reconcile's own cost only, no copies")

@@ -44,6 +44,8 @@ from safetensors.numpy import save_file
 
 from benchmarks.common import Times, bench_parser, load_line, parse, ratio, table
 from ckpt.client import CheckpointStager
+from ckpt.integrations.dcp import async_save_and_commit
+from ckpt.space import state_needed
 from core.safetensors_writer import as_host_array, plan_shards
 from core.settings import load_settings
 
@@ -71,8 +73,6 @@ def baseline(folder: Path, t: dict[str, np.ndarray], shard_bytes: int, fsync: bo
 
 def room_check(stager: CheckpointStager, step: int, t: dict[str, np.ndarray], calls: int = 100) -> float:
     """Seconds per free-space check a save makes before writing (mean of ``calls``)."""
-    from ckpt.space import state_needed
-
     t0 = time.perf_counter()
     for _ in range(calls):
         stager.ensure_room(step, state_needed(t))
@@ -153,8 +153,6 @@ def dcp_table(root: Path, t: dict[str, np.ndarray], settings, rounds: int, *, cl
         print("(torch not installed: no DCP table)")
         return
     import warnings
-
-    from ckpt.integrations.dcp import async_save_and_commit
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sd = {k: torch.from_numpy(v) for k, v in t.items()}

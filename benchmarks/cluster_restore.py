@@ -47,7 +47,17 @@ from typing import Self
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# light modules only up here: each node process runs this script too (--worker) and imports the
+# catalog and the pipeline in ``prepare`` / ``child``; the parent imports what it alone needs in ``bench``
 from benchmarks.common import bench_parser, load_line, parse, s3_bucket, table
+from benchmarks.s3_shaper import S3_FIRST_BYTE_SECONDS, S3Shaper
+from core.layout import checkpoint_prefix
+from core.load_check import ManifestFile, load_and_check
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import RetentionPolicy, Settings, load_settings
+from core.sizing import parse_bandwidth
+from core.storage.s3 import forget_clients
+from tasks.drill_node import warm_up
 
 RUN, STEP = "bench-cluster", 100
 SMOKE = {"nodes": 2, "part_mib": 1.0}
@@ -61,8 +71,6 @@ def node_settings(spec: dict):
     ``data_dir``, where such a node would look for the checkpoint's Tier 1 copy, not find it
     and mark it missing in the catalog), so the tiers are narrowed after loading, as
     ``tasks.drill_node.drill_settings`` does for a drill."""
-    from core.settings import Settings
-
     settings = Settings(**json.loads(Path(spec["settings"]).read_text()))
     if spec.get("tier2_only"):
         settings = settings.model_copy(update={"tier0_url": None, "tier1_url": None})
@@ -85,13 +93,12 @@ def child(spec: dict) -> dict:
                           spec["keys"]))
         return {"bytes": sum(p.stat().st_size for p in dest.iterdir())}
     if mode == "whole":
-        from tasks.restore import restore_checkpoint
+        from tasks.restore import restore_checkpoint  # deferred: start-up (node processes start light)
 
         restore_checkpoint(settings, RUN, dest / "whole", step=STEP, preference=(2,), fallback=False, actor="bench")
         return {"bytes": sum(p.stat().st_size for p in (dest / "whole").rglob("*") if p.is_file())}
-    from core.load_check import ManifestFile, load_and_check
-    from db.catalog import Catalog
-    from tasks.resume import resume, wide_files
+    from db.catalog import Catalog  # deferred: start-up (node processes start light)
+    from tasks.resume import resume, wide_files  # deferred: start-up (node processes start light)
 
     point = resume(settings, RUN, part=part, parts=spec["parts"], to=dest / "part" if spec.get("to") else None,
                    actor="bench")
@@ -128,9 +135,6 @@ def prepare(spec: dict) -> None:
     running trainer has done before it resumes (``tasks.drill_node.warm_up``: its imports, its
     catalog client and its S3 client); the boto3 baseline makes its client here too."""
     import boto3
-
-    from core.storage.s3 import forget_clients
-    from tasks.drill_node import warm_up
 
     forget_clients()
     settings = node_settings(spec)
@@ -249,15 +253,10 @@ def main() -> None:
 
 
 def bench(args, work: Path, endpoint: str, bucket: str) -> None:
-    from benchmarks.s3_shaper import S3_FIRST_BYTE_SECONDS, S3Shaper
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest, write_manifest
-    from core.settings import RetentionPolicy, load_settings
-    from core.sizing import parse_bandwidth
-    from db.catalog import Catalog, upgrade
-    from flows.common import plain_steps
-    from flows.promote import promote
-    from tasks.drill import tier_read_seconds
+    from db.catalog import Catalog, upgrade  # deferred: start-up (node processes start light)
+    from flows.common import plain_steps  # deferred: start-up (node processes start light)
+    from flows.promote import promote  # deferred: start-up (node processes start light)
+    from tasks.drill import tier_read_seconds  # deferred: start-up (node processes start light)
 
     load0 = os.getloadavg()[0]
     n, part_bytes = args.nodes, int(args.part_mib * 2**20)
@@ -291,7 +290,7 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
 
 
 def _bound(base, shaped, tier_read_seconds) -> float:
-    from db.catalog import Catalog
+    from db.catalog import Catalog  # deferred: start-up (node processes start light)
 
     with Catalog(base.catalog_url) as cat:
         return tier_read_seconds(cat, shaped, cat.get_checkpoint(RUN, STEP), 2)
@@ -299,7 +298,7 @@ def _bound(base, shaped, tier_read_seconds) -> float:
 
 def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str, proxy, tier1: Path, prefix: str,
               load0: float, bound_fn) -> None:
-    from db.catalog import Catalog
+    from db.catalog import Catalog  # deferred: start-up (node processes start light)
 
     spec_dir = work / "specs"
     spec_dir.mkdir()

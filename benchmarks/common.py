@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ckpt.local_stack import start_moto, start_prefect_server
+from ckpt.processes import stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,9 +63,6 @@ def prefect_api(api_url: str | None, home: Path) -> Iterator[str]:
     if api_url:
         yield api_url
         return
-    from ckpt.local_stack import start_prefect_server
-    from ckpt.processes import stop_process
-
     proc, url = start_prefect_server(home, port=None, ui=False)
     try:
         yield url
@@ -93,9 +93,6 @@ def s3_bucket(endpoint: str | None, log: Path) -> Iterator[tuple[str, str]]:
             except Exception as exc:  # noqa: BLE001 - the figures are printed already
                 print(f"bucket {bucket} left on {endpoint}: {exc}")
         return
-    from ckpt.local_stack import start_moto
-    from ckpt.processes import stop_process
-
     proc, url = start_moto(log, bucket=bucket)
     try:
         yield url, bucket

@@ -38,6 +38,13 @@ import httpx
 import numpy as np
 
 from benchmarks.common import Times, bench_parser, parse, prefect_api, table
+from ckpt.client import CheckpointStager
+from ckpt.local_stack import stack_env, start_agent, wait_deployments
+from ckpt.processes import stop_process
+from core import events
+from core.settings import load_settings
+from db.catalog import Catalog, upgrade
+from deployments import names
 from tasks.prefect_events import auth_headers, emit
 
 SMOKE = {"gap": 0.0, "mb": 4}
@@ -90,14 +97,6 @@ def main() -> None:
 
 
 def bench(args, paths: list[str], root: Path, api: str, *, reused: bool) -> tuple[Times, dict]:
-    from ckpt.client import CheckpointStager
-    from ckpt.local_stack import stack_env, start_agent, wait_deployments
-    from ckpt.processes import stop_process
-    from core import events
-    from core.settings import load_settings
-    from db.catalog import Catalog, upgrade
-    from deployments import names
-
     tag = uuid.uuid4().hex[:6]
     run = f"lat-{tag}"
     nodes = {p: f"lat-{tag}-{p}" for p in paths}

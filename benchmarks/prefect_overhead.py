@@ -27,6 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_parser, parse, prefect_api, table, write_shards
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import load_settings
+from db.catalog import Catalog, upgrade
+from flows.common import plain_steps
+from tasks.prefect_events import auth_headers
 
 NODE = "bench-node"
 SMOKE = {"size_mib": 2, "shards": 2, "settle": 0.0}
@@ -52,19 +58,14 @@ def main() -> None:
 
 
 def write_checkpoint(tier0_url: str, step: int, total_bytes: int, shards: int) -> None:
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest, write_manifest
-
     folder = Path(tier0_url) / checkpoint_prefix("bench", step)
     write_shards(folder, total_bytes, shards, seed=step)
     write_manifest(folder, build_manifest(folder, "bench", step, node=NODE))
 
 
 def run_rounds(args) -> None:
-    from core.settings import load_settings
-    from db.catalog import Catalog, upgrade
-    from flows.common import plain_steps
-    from flows.promote import promote, promote_checkpoint
+    # Prefect takes its settings from the environment when first imported: main() sets PREFECT_API_URL
+    from flows.promote import promote, promote_checkpoint  # deferred: start-up (Prefect reads its env on import)
 
     settings = load_settings()
     upgrade(settings.catalog_url)
@@ -186,8 +187,6 @@ def flow_phases(flow_run_id, t0: float, t_end: float) -> dict[str, float]:
     the call's return (engine teardown, the heartbeat thread's join)."""
     import httpx
     from prefect.settings import PREFECT_API_URL
-
-    from tasks.prefect_events import auth_headers
 
     api = PREFECT_API_URL.value()
     states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": str(flow_run_id)}, timeout=30,

@@ -34,6 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_parser, load_line, parse, run_rounds, table, write_shards
 from benchmarks.tier_reads import counting_tier_reads
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import Settings
+from db.catalog import Catalog, upgrade
+from tasks.copy import copy_to_tier1
+from tasks.hop import tier1_hop
+from tasks.record import mark_complete
+from tasks.register import register_stored_part
+from tasks.verify import verify_replica
 
 RUN, STEP, NODE = "bench", 1000, "bench-node"
 SMOKE = {"gib": 4 / 1024, "shards": 4}
@@ -46,10 +55,6 @@ class HopBench:
     ``promote()`` is ``tier1_hop`` as the pipeline runs it."""
 
     def __init__(self, work: Path, gib: float, shards: int, parallelism: int, **settings: object):
-        from core.layout import checkpoint_prefix
-        from core.manifest_build import build_manifest, write_manifest
-        from core.settings import Settings
-
         self.work, self.t1_root = work, work / "tier1"
         self.src = work / "tier0" / checkpoint_prefix(RUN, STEP)
         write_shards(self.src, int(gib * 2**30), shards)
@@ -61,8 +66,6 @@ class HopBench:
         self._n = 0
 
     def fresh(self, **settings: object) -> None:
-        from db.catalog import Catalog, upgrade
-
         shutil.rmtree(self.t1_root, ignore_errors=True)
         self._n += 1
         url = f"sqlite:///{self.work / f'catalog-{self._n}.db'}"
@@ -72,8 +75,6 @@ class HopBench:
             cat.ensure_run(RUN, actor="bench")
 
     def promote(self) -> None:
-        from tasks.hop import tier1_hop
-
         assert tier1_hop(self.settings, RUN, STEP, node=NODE, actor="bench").durable
 
 
@@ -93,11 +94,6 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
     args = parse(ap, SMOKE)
     load0 = os.getloadavg()[0]
-
-    from tasks.copy import copy_to_tier1
-    from tasks.record import mark_complete
-    from tasks.register import register_stored_part
-    from tasks.verify import verify_replica
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:

@@ -32,7 +32,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, parse, run_rounds, s3_bucket, table, write_shards
+from benchmarks.common import bench_parser, measure, parse, run_rounds, s3_bucket, table, write_shards
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import load_settings
+from core.storage import open_store
+from core.storage.s3 import forget_clients
+from core.transfer import copy_part
+from db.catalog import Catalog, forget_schema_checks, upgrade
+from db.session import forget_engines
+from flows.common import Steps, plain_steps
+from flows.promote import promote
 
 RUN, NODE = "bench", "bench-node"
 SMOKE = {"size_mib": 1, "shards": 2}
@@ -65,10 +75,6 @@ def main() -> None:
 
 def forget_shared() -> None:
     """Today's cold start: no engine, schema check or S3 client survives from the last step."""
-    from core.storage.s3 import forget_clients
-    from db.catalog import forget_schema_checks
-    from db.session import forget_engines
-
     forget_engines()
     forget_schema_checks()
     forget_clients()
@@ -85,13 +91,6 @@ def forgetting(step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def measure_rounds(args) -> None:
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest, write_manifest
-    from core.settings import load_settings
-    from db.catalog import Catalog, upgrade
-    from flows.common import Steps, plain_steps
-    from flows.promote import promote
-
     settings = load_settings()
     upgrade(settings.catalog_url)
     with Catalog(settings.catalog_url) as cat:
@@ -137,12 +136,6 @@ def measure_rounds(args) -> None:
 
 def byte_work_cpu(settings, size: int, shards: int, rounds: int) -> float:
     """Median CPU seconds of the same bytes copied by the transfer engine alone, stores open."""
-    from benchmarks.common import measure
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest
-    from core.storage import open_store
-    from core.transfer import copy_part
-
     t0, t1, t2 = (open_store(settings.tier_url(t), t, settings) for t in range(3))
     try:
         got = []

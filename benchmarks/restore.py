@@ -35,6 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_parser, parse, run_rounds, s3_bucket, table, write_shards
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import RetentionPolicy, load_settings
+from db.catalog import Catalog, upgrade
+from flows.common import plain_steps
+from flows.promote import promote
+from tasks.restore import restore_checkpoint
 
 RUN, STEP = "bench", 1000
 SMOKE = {"gib": 4 / 1024, "shards": 4, "s3_rounds": 1}
@@ -72,14 +79,6 @@ class PoolFull(logging.Handler):
 def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     import boto3
     from botocore.config import Config
-
-    from core.layout import checkpoint_prefix
-    from core.manifest_build import build_manifest, write_manifest
-    from core.settings import RetentionPolicy, load_settings
-    from db.catalog import Catalog, upgrade
-    from flows.common import plain_steps
-    from flows.promote import promote
-    from tasks.restore import restore_checkpoint
 
     settings = load_settings(data_dir=work / "data", node="bench-node", tier2_url=f"s3://{bucket}/ckpt",
                              s3_endpoint_url=endpoint, copy_parallelism=args.parallelism,

@@ -29,6 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+from core.sizing import parse_bandwidth
+
 S3_CONNECTION_BYTES_PER_S = 90e6  # AWS: ~85-90 MB/s per connection
 S3_FIRST_BYTE_SECONDS = 0.1  # AWS: first byte out in roughly 100-200 ms
 CHUNK = 64 * 1024  # pacing granularity
@@ -150,8 +152,6 @@ class S3Shaper:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from core.sizing import parse_bandwidth
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--upstream", required=True, help="the S3 server to shape, e.g. http://127.0.0.1:5000")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import tasks.base
+
 
 class CountedReader:
     def __init__(self, inner: Any, key: str, seen: Counter):
@@ -41,8 +43,6 @@ class CountedReader:
 @contextmanager
 def counting_tier_reads(tier: int = 0) -> Iterator[Counter]:
     """While inside: a Counter of bytes read from ``tier`` by object key (its last segment)."""
-    import tasks.base
-
     seen: Counter = Counter()
     real: Callable[..., Any] = tasks.base.tier_store
 

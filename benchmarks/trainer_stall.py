@@ -71,7 +71,7 @@ def hf_round(root: Path, settings, mb: int, save_every: int, ours: bool, tag: st
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
-    from ckpt.integrations.hf import TieringCallback
+    from ckpt.integrations.hf import TieringCallback  # deferred: start-up (imports transformers and torch)
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -132,7 +132,7 @@ def lightning_round(root: Path, settings, mb: int, save_every: int, ours: bool, 
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ckpt.integrations.lightning import TieringCheckpointIO
+    from ckpt.integrations.lightning import TieringCheckpointIO  # deferred: start-up (imports lightning and torch)
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # its GPU/TPU lines and tips
 

@@ -13,18 +13,19 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from core.errors import BadInput, CorruptCheckpoint
+from core.errors import BadInput, ConfigError, CorruptCheckpoint
+from core.formats import WIDE_FILES
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
+from core.manifest_build import read_manifest
 from core.settings import Settings
+from core.storage import open_store
 from core.storage.base import TierStore
+from core.transfer import WorkerPriority
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, PRUNED, ReplicaInfo
-
-if TYPE_CHECKING:
-    from core.transfer import WorkerPriority
 
 log = logging.getLogger("ckpt.pipeline")
 
@@ -40,9 +41,6 @@ def open_catalog(url: str) -> Iterator[Catalog]:
 
 def tier_store(settings: Settings, tier: int) -> TierStore:
     """The store of ``tier`` as configured; Tier 2 unset is a ``ConfigError``."""
-    from core.errors import ConfigError
-    from core.storage import open_store
-
     url = settings.tier_url(tier)
     if not url:
         raise ConfigError(f"tier {tier} is not configured (set CKPT_TIER{tier}_URL)")
@@ -62,8 +60,6 @@ def read_part_manifest(store: TierStore, run: str, step: int, part: int, parts: 
     The manifest must name the same run, step, part and parts as its key, so a manifest copied
     under another checkpoint's name cannot be registered as that checkpoint.
     """
-    from core.manifest_build import read_manifest
-
     manifest = read_manifest(store, checkpoint_prefix(run, step), part, parts)
     got = (manifest.run, manifest.step, manifest.part, manifest.parts)
     if got != (run, step, part, parts):
@@ -154,8 +150,6 @@ def brought_in(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> list[s
     only because a resume brought them in beside it: those whose part has no live copy in the same
     place (on Tier 0: on this part's node). Only registered paths of the layout; ``store.delete``
     removes a link there itself, never what it points at."""
-    from core.formats import WIDE_FILES
-
     live = live_beside(cat.replicas(checkpoint_id, tier), part, tier)
     files = cat.files(checkpoint_id)
     mine = {f.path for f in files if f.part == part}
@@ -177,8 +171,6 @@ def shared_paths(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> set[
 def copy_priority(settings: Settings) -> WorkerPriority:
     """The priority the agent's background copy and verify threads run at (``copy_nice``,
     ``copy_io_class``): below a training job sharing the node."""
-    from core.transfer import WorkerPriority
-
     return WorkerPriority(nice=settings.copy_nice, io_class=settings.copy_io_class)
 
 

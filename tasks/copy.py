@@ -23,12 +23,13 @@ from contextlib import nullcontext
 from types import TracebackType
 from typing import Self
 
-from core import events
+from core import events, formats, transfer
 from core.errors import CopyInProgress, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix
 from core.manifest import Manifest
 from core.progress import reporter
 from core.settings import Settings
+from core.space import Reading, free_bytes, headroom
 from core.storage.base import TierStore
 from core.transfer import SourceMismatch
 from db.catalog import Catalog
@@ -81,8 +82,6 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                   node: str, actor: str, check_source: bool = False) -> list[HopResult]:
     """The copy under the destination's claim; with ``check_source`` (Tier 0 -> 1 only) also
     the verify of the Tier 0 source, from the same read (``promote_part``)."""
-    from core.transfer import copy_part
-
     hop = f"tier {src_tier} -> tier {dst_tier}"
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
             open_tier(settings, dst_tier) as dst:
@@ -112,9 +111,11 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 if source is not None:
                     source.copying()
                 try:
-                    report = copy_part(src, prefix, dst, prefix, manifest, parallelism=settings.copy_parallelism,
-                                       progress=held.progress(shown), check_source=check_source,
-                                       buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
+                    report = transfer.copy_part(src, prefix, dst, prefix, manifest,
+                                                parallelism=settings.copy_parallelism,
+                                                progress=held.progress(shown), check_source=check_source,
+                                                buffer_bytes=settings.io_buffer_bytes,
+                                                priority=copy_priority(settings))
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
                     _retract(cat, dst, run, step, part, exc.published, actor=actor,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
@@ -203,8 +204,6 @@ class _Tier0Source:
 
     def manifest(self) -> Manifest:
         """The registered manifest; the part's format checked on Tier 0 (headers only)."""
-        from core import formats
-
         started = time.monotonic()
         m = registered_manifest(self.cat, self.store, self.ck.id, self.ck.run, self.ck.step, self.part,
                                 self.ck.parts)
@@ -219,11 +218,10 @@ class _Tier0Source:
 
     def verify_alone(self, settings: Settings) -> None:
         """Read Tier 0 back on its own (no copy to read it) and record the verdict."""
-        from core.transfer import verify_part
-
         assert self._manifest is not None
-        report = verify_part(self.store, self.prefix, self._manifest, parallelism=settings.copy_parallelism,
-                             buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
+        report = transfer.verify_part(self.store, self.prefix, self._manifest,
+                                      parallelism=settings.copy_parallelism,
+                                      buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings))
         self._record(report.seconds, "tier 0 copy read back against its manifest")
 
     def matched(self, copy_seconds: float) -> None:
@@ -285,8 +283,6 @@ def watch_headroom(settings: Settings, store: TierStore, tier: int, prefix: str,
     """A local destination tier whose free space, now that this part landed, is below
     ``settings.tier_low_headroom_checkpoints`` checkpoints of this size: a warning and
     ``ckpt.tier.low`` once per crossing (per process). An object store has no such number."""
-    from core.space import Reading, free_bytes, headroom
-
     where = store.local_path(prefix)
     if where is None:
         return

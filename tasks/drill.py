@@ -18,13 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.errors import CkptError, NotFound
+from core import transfer
+from core.errors import BadInput, CkptError, NotFound
 from core.layout import checkpoint_prefix
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, Settings
+from core.storage.local import LocalStore
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, VERIFIED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
+from tasks.drill_node import NodeOutcome
+from tasks.replicas import TierStores
+from tasks.restore import restore_checkpoint
 from tasks.retry import pipeline_task
 
 DRILL_TIERS = (1, 2)
@@ -89,10 +94,6 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
 def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
                actor: str) -> tuple[bool, float, str | None]:
     """Restore from ``tier`` alone into ``scratch`` (removed after), check it; (ok, seconds, detail)."""
-    from core.storage.local import LocalStore
-    from core.transfer import verify_part
-    from tasks.restore import restore_checkpoint
-
     prefix = checkpoint_prefix(ck.run, ck.step)
     started = time.monotonic()
     try:
@@ -102,8 +103,8 @@ def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, 
         restored = LocalStore(scratch, 0, buffer_bytes=settings.io_buffer_bytes)
         for part in range(ck.parts):
             manifest = registered_manifest(cat, restored, ck.id, ck.run, ck.step, part, ck.parts)
-            verify_part(restored, prefix, manifest, parallelism=settings.copy_parallelism,
-                        buffer_bytes=settings.io_buffer_bytes, deep=True)
+            transfer.verify_part(restored, prefix, manifest, parallelism=settings.copy_parallelism,
+                                 buffer_bytes=settings.io_buffer_bytes, deep=True)
         return True, seconds, None
     except (CkptError, NotFound) as exc:
         return False, time.monotonic() - started, f"{type(exc).__name__}: {exc}"[:500]
@@ -155,8 +156,6 @@ def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | No
     newest checkpoint held whole there, every part resumed at once by its own process (``nodes``
     must be the checkpoint's parts; default: that). Returns the recorded drills and what was
     skipped, and why."""
-    from core.errors import BadInput
-
     base = Path(scratch) if scratch else Path(settings.data_dir).expanduser().absolute() / "drills"
     done, skipped = [], []
     with open_catalog(settings.catalog_url) as cat:
@@ -189,8 +188,6 @@ def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path, a
     import json
     import subprocess
     import sys
-
-    from tasks.drill_node import NodeOutcome
 
     where.mkdir(parents=True, exist_ok=True)
     spec_file = where / "settings.json"
@@ -253,8 +250,6 @@ def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier
     load) from ``tier`` with one stream per file, ``copy_parallelism`` streams per part at once,
     timed. bytes / that time is the tier's measured bandwidth, so the bound is the time itself."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from tasks.replicas import TierStores
 
     prefix = checkpoint_prefix(ck.run, ck.step)
     keys = [f"{prefix}/{f.path}" for f in cat.files(ck.id)]

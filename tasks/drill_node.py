@@ -23,7 +23,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# light at import (no catalog, no Prefect): benchmarks/cluster_restore.py's node processes import it
+# before they prepare; the pipeline modules are imported where they are used, and first in warm_up
+from core.errors import CkptError, CorruptCheckpoint, NotFound
+from core.layout import checkpoint_prefix
+from core.load_check import ManifestFile, framework, load_and_check
 from core.settings import Settings
+from db.entities import VERIFIED
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,6 @@ def drill_settings(settings: Settings, tier: int, part: int) -> Settings:
 def drill_node(settings: Settings, run: str, step: int, part: int, parts: int, tier: int, dest: Path,
                actor: str = "drill") -> NodeOutcome:
     """See the module contract. ``settings``: the cluster's own (this function narrows them)."""
-    from core.errors import CkptError, NotFound
-
     started = time.time()
     cold = drill_settings(settings, tier, part)
     try:
@@ -65,12 +69,9 @@ def drill_node(settings: Settings, run: str, step: int, part: int, parts: int, t
 
 def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int, tier: int, dest: Path,
                      actor: str, started: float) -> NodeOutcome:
-    from core.errors import CorruptCheckpoint
-    from core.layout import checkpoint_prefix
-    from core.load_check import ManifestFile, load_and_check
-    from tasks.base import open_catalog
-    from tasks.replicas import TierStores
-    from tasks.resume import IN_PLACE, resume, wide_files
+    from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.resume import IN_PLACE, resume, wide_files  # deferred: start-up (keeps this module light: see warm_up)
 
     with TierStores(cold) as stores:
         mounted = tier == 1 and stores.get(1).local_path(checkpoint_prefix(run, step)) is not None
@@ -105,9 +106,8 @@ def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int,
 
 
 def _mark_corrupt(settings: Settings, checkpoint_id: int, tier: int, part: int, exc: Exception, actor: str) -> None:
-    from db.entities import VERIFIED
-    from tasks.base import open_catalog
-    from tasks.replicas import mark_bad
+    from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.replicas import mark_bad  # deferred: start-up (keeps this module light: see warm_up)
 
     assert settings.catalog_url is not None
     with open_catalog(settings.catalog_url) as cat:
@@ -121,12 +121,11 @@ def warm_up(settings: Settings, run: str) -> None:
     connected to the catalog once and built its S3 client (botocore parses its service model:
     0.2 s of CPU idle, over 1 s on a loaded machine; the process's stores share the client),
     so that the drill times the resume, not the interpreter."""
-    import tasks.copy
-    import tasks.restore
-    import tasks.resume  # noqa: F401
-    from core.load_check import framework
-    from tasks.base import open_catalog
-    from tasks.replicas import TierStores
+    import tasks.copy  # deferred: start-up (warm_up is a node's import step)
+    import tasks.restore  # deferred: start-up (warm_up is a node's import step)
+    import tasks.resume  # deferred: start-up (warm_up is a node's import step)  # noqa: F401
+    from tasks.base import open_catalog  # deferred: start-up (warm_up is a node's import step)
+    from tasks.replicas import TierStores  # deferred: start-up (warm_up is a node's import step)
 
     framework()
     assert settings.catalog_url is not None

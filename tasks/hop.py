@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.settings import Settings
+from core.transfer import run_at
 from tasks.base import HopResult, copy_priority
 from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
@@ -39,8 +40,6 @@ def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int
 
     All of it (catalog, format check, copy) runs at the agent's copy priority (``copy_nice``,
     ``copy_io_class``): the training job on the node keeps its cores."""
-    from core.transfer import run_at
-
     return run_at(copy_priority(settings), lambda: _tier1_hop(settings, run, step, part, parts, node=node,
                                                               actor=actor))
 

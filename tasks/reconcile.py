@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import BadInput, CkptError, CopyInProgress
-from core.layout import checkpoint_prefix, part_key
+from core.layout import check_ref, checkpoint_prefix, part_key
+from core.manifest_build import read_attempt_digest
 from core.settings import Settings
 from core.storage.base import TierStore
+from core.transfer import find_committed
 from db.catalog import Catalog
 from db.entities import (
     CKPT_CORRUPT,
@@ -99,8 +101,6 @@ def _named_in_range(cat: Catalog, store: TierStore, found: tuple[str, int, int, 
                     tier: int, actor: str) -> bool:
     """Whether the folder's step and part numbers are in range (``check_ref``); one that is not is
     listed, audited as a rejection once (not on every pass) and left alone."""
-    from core.layout import check_ref
-
     run, step, part, parts = found
     try:
         check_ref(step, part, parts)
@@ -149,8 +149,6 @@ def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
     a bounded share of Tier 1, not all of it; a run folder added or removed meanwhile shifts the
     rotation by one, which at worst checks a run twice or leaves it to the next rotation.
     ``visited`` receives the run folders this pass listed."""
-    from core.transfer import find_committed
-
     runs = tier1.folders()
     i = cat.sweep_cursor(ADOPT_CURSOR)
     i = i if i < len(runs) else 0
@@ -191,8 +189,6 @@ def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], 
               tier: int) -> bool:
     """Whether the part's manifest on ``store`` is one the catalog already refused (skipped,
     listed, not judged again); a re-saved part has another digest and is promoted afresh."""
-    from core.manifest_build import read_attempt_digest
-
     run, step, part, parts = found
     prior = cat.rejection(run, step, part, read_attempt_digest(store, checkpoint_prefix(run, step), part, parts))
     if prior is not None:

@@ -4,6 +4,8 @@ work that follows it being done)."""
 from __future__ import annotations
 
 from core.errors import CorruptCheckpoint
+from core.formats import check_union_complete
+from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, VERIFIED, CheckpointInfo
@@ -29,9 +31,6 @@ def _check_parts_add_up(settings: Settings, cat: Catalog, ck: CheckpointInfo, ti
     """Each part was verified alone; before the checkpoint counts as complete, its parts
     together must form a whole HF/DCP checkpoint (``formats.check_union_complete``). One that
     does not is recorded ``corrupt`` (reconcile leaves it; its copies stay) and raised."""
-    from core.formats import check_union_complete
-    from core.layout import checkpoint_prefix
-
     with open_tier(settings, tier) as store:
         prefix = checkpoint_prefix(ck.run, ck.step)
         manifests = [read_part_manifest(store, ck.run, ck.step, p, ck.parts) for p in range(ck.parts)]

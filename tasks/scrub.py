@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from core import transfer
 from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
@@ -118,14 +119,12 @@ def _reread(cat: Catalog, stores: TierStores, ck: CheckpointInfo, rep: ReplicaIn
             actor: str) -> int | None:
     """Read one replica back in full; mark it bad on a proven failure. Bytes read, or None
     when the read could not finish for a transient reason."""
-    from core.transfer import verify_part
-
     settings = stores.settings
     store = stores.get(rep.tier)
     try:
         manifest = registered_manifest(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts)
-        verify_part(store, checkpoint_prefix(ck.run, ck.step), manifest, parallelism=settings.copy_parallelism,
-                    buffer_bytes=settings.io_buffer_bytes, deep=True)
+        transfer.verify_part(store, checkpoint_prefix(ck.run, ck.step), manifest,
+                             parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes, deep=True)
         return manifest.total_bytes
     except Exception as exc:  # classified below; the rest propagates
         state = classify_failure(exc)
@@ -186,8 +185,6 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     that cannot be done; says why instead (a string when another worker holds the replica:
     nothing failed, it is being copied now).
     """
-    from core.transfer import copy_part
-
     if ck.state == CKPT_RETIRED:  # its copies are going: never copied back
         return f"{ck.run}/step-{ck.step} part {part} tier {tier}: checkpoint is retired, not repaired"
     settings = stores.settings
@@ -208,9 +205,9 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
             bad = next((r.state for r in replicas if r.tier == tier and r.part == part), "absent")
             delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
                         reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
-            result = copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
-                               parallelism=settings.copy_parallelism,
-                               progress=held.progress())
+            result = transfer.copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
+                                        parallelism=settings.copy_parallelism,
+                                        progress=held.progress())
             held.verified(bytes=result.bytes, seconds=time.monotonic() - started,
                           reason=f"scrub repair from tier {src_rep.tier}")
     except CkptError as exc:

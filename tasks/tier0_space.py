@@ -12,6 +12,7 @@ from __future__ import annotations
 from core.settings import Settings
 from db.entities import PRUNED, PRUNING
 from tasks.base import open_catalog
+from tasks.prune import prune_replica
 from tasks.retention import PruneAction, apply_retention, plan_retention
 
 WAITING_LIMIT = 200  # unpromoted checkpoints looked at; a node with more is far behind anyway
@@ -19,8 +20,6 @@ WAITING_LIMIT = 200  # unpromoted checkpoints looked at; a node with more is far
 
 def retain_tier0_here(settings: Settings, *, actor: str) -> list[PruneAction]:
     """Tier 0 retention of ``settings.node``, applied now; each action with its outcome."""
-    from tasks.prune import prune_replica
-
     if not settings.retention(0).enabled:
         return []
     plan = plan_retention(settings, tiers=(0,), node=settings.node)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
-from core import events
+from core import events, transfer
 from core.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix
 from core.settings import Settings
@@ -32,8 +32,6 @@ from tasks.retry import pipeline_task
 def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
                    tier: int = 0, node: str | None = None, actor: str = "cli") -> HopResult:
     """Recompute the part's checksums and check its format on ``tier``; record the verdict."""
-    from core.transfer import verify_part
-
     node = node or settings.node
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, tier) as store:
         ck = cat.get_checkpoint(run, step)
@@ -47,8 +45,9 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
             started = time.monotonic()
             try:
                 manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
-                verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
-                            buffer_bytes=settings.io_buffer_bytes, deep=tier < 2, priority=copy_priority(settings))
+                transfer.verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
+                                     buffer_bytes=settings.io_buffer_bytes, deep=tier < 2,
+                                     priority=copy_priority(settings))
             except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
                 record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
                 events.announce(events.CORRUPT, run, step, part=part, parts=ck.parts, node=node,
