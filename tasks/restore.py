@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from core import transfer
 from core.errors import ConflictError, NotFound, StorageUnavailable, is_transient
 from core.layout import checkpoint_prefix
 from core.paths import safe_run_name
@@ -187,7 +188,6 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
                 bad: list[BadReplica], notes: list[str]) -> int:
     """Copy one part from its nearest good replica; return the tier it came from."""
-    from core.transfer import copy_part
 
     settings = stores.settings
     sources = verified_sources(replicas, part, settings, preference)
@@ -209,7 +209,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 # tier's manifest is read (one round trip, ~0.1 s on S3) while the files stream
                 with ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
                     found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts)
-                    copy_part(src, prefix, dst, dst_prefix,
+                    transfer.copy_part(src, prefix, dst, dst_prefix,
                               catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts),
                               parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency),
                               progress=report, confirm=found.result)

@@ -30,29 +30,62 @@ Contract of ``resume``:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from core.errors import BadInput, ConflictError, CopyInProgress, CorruptCheckpoint, NotFound, UnknownRun
+from core import events, transfer
+from core.checksum import hash_file
+from core.errors import (
+    BadInput,
+    ConflictError,
+    CopyInProgress,
+    CorruptCheckpoint,
+    NotFound,
+    PathEscape,
+    UnknownRun,
+)
 from core.formats import WIDE_FILES
-from core.layout import checkpoint_dirname, checkpoint_prefix, parse_step_dirname
-from core.manifest import Manifest
+from core.layout import (
+    STAGING_MARK,
+    checkpoint_dirname,
+    checkpoint_prefix,
+    is_staging,
+    manifest_name,
+    parse_step_dirname,
+    staging_name,
+)
+from core.manifest import MAX_MANIFEST_BYTES, Manifest
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
+from core.storage.local import LocalStore, fsync_dir
+from core.storage.stage import RestoreStage, publish
 from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
-from tasks.base import HopResult, catalog_manifest, log, open_catalog, registered_manifest
-from tasks.replicas import TierStores, classify_failure, mark_bad
-
-if TYPE_CHECKING:
-    from core.storage.local import LocalStore
+from tasks.base import (
+    HopResult,
+    catalog_digest,
+    catalog_manifest,
+    copy_priority,
+    log,
+    open_catalog,
+    open_tier,
+    registered_manifest,
+)
+from tasks.claim import ClaimedCopy
+from tasks.copy import clear_prior, copy_between_tiers, watch_headroom
+from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad
+from tasks.restore import _fetch_part, _PartFailed, candidates, ensure_empty_target
+from tasks.verify import part_replica
 
 Verify = Literal["size", "full"]
 IN_PLACE, FETCHED = "in place", "fetched"
@@ -64,7 +97,6 @@ STAGE_AGE_S = 3600.0  # a resume's stage folder older than this was left by a ki
 @dataclass(frozen=True)
 class PartResume:
     """Where one part came from: ``tier``, ``source`` (in place | fetched), bytes moved now."""
-
     part: int
     tier: int
     source: str
@@ -75,7 +107,6 @@ class PartResume:
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint to resume from and the local folder holding it."""
-
     run: str
     step: int
     path: str
@@ -90,7 +121,6 @@ class ResumePoint:
 @dataclass(frozen=True)
 class Source:
     """One way to get a part: read ``tier`` in place, or fetch from it."""
-
     tier: int
     in_place: bool
     replica: ReplicaInfo
@@ -162,7 +192,6 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
             cat.get_run(run)
         except UnknownRun:
             return None
-        from tasks.restore import candidates
 
         newest: int | None = None
         for ck in candidates(cat, run, None, True):
@@ -238,8 +267,6 @@ def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
     (a sibling worker that saw a newer checkpoint may be loading one). Only names of the layout;
     a link is removed itself, never followed. Best effort: a failure is logged, the resume stands.
     Returns how many went."""
-    import shutil
-
     base = resume_root(settings, run)
     if base.is_symlink() or not base.is_dir():
         return 0
@@ -438,10 +465,6 @@ def claimed_fetch(settings: Settings, ck: CheckpointInfo, part: int, *, src_tier
     part is fetched whole into a hidden stage beside the checkpoint's folder and renamed into
     place (``_staged_copy``): a fetch killed midway leaves none of the part's files under their
     names. Into an object store (no rename there) ``copy_between_tiers``: files, manifest last."""
-    from core.storage.local import LocalStore
-    from tasks.base import open_tier
-    from tasks.copy import copy_between_tiers
-
     with open_tier(settings, dst_tier) as dst:
         if isinstance(dst, LocalStore):
             return _staged_copy(settings, ck, part, dst, src_tier=src_tier, actor=actor)
@@ -464,15 +487,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
     the manifest last) and the stage is renamed onto the step's folder (``_publish_stage``);
     only then is the replica ``verified``. A failure removes the stage; a kill leaves it to the
     next claim."""
-    import shutil
 
-    from core import events
-    from core.layout import staging_name
-    from core.transfer import copy_part
-    from tasks.base import copy_priority, open_tier
-    from tasks.claim import ClaimedCopy
-    from tasks.copy import clear_prior, watch_headroom
-    from tasks.verify import part_replica
 
     run, step, tier, node = ck.run, ck.step, dst.tier, settings.node
     hop = f"tier {src_tier} -> tier {tier}"
@@ -501,9 +516,10 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             stage_key = f"{run}/{staging_name(stage_label(step, part, ck.parts))}"
             stage = dst.write_path(stage_key)
             try:
-                report = copy_part(src, prefix, dst, stage_key, manifest, parallelism=settings.copy_parallelism,
-                                   progress=held.progress(), buffer_bytes=settings.io_buffer_bytes,
-                                   priority=copy_priority(settings), confirm=found.result)
+                report = transfer.copy_part(src, prefix, dst, stage_key, manifest,
+                                            parallelism=settings.copy_parallelism, progress=held.progress(),
+                                            buffer_bytes=settings.io_buffer_bytes, priority=copy_priority(settings),
+                                            confirm=found.result)
                 held.check()  # a claim lost meanwhile (taken over after a stall) publishes nothing
                 _publish_stage(stage, dst.write_path(prefix), manifest)
             finally:
@@ -534,8 +550,6 @@ _STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>
 def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]:
     """The fetch stages in ``run``'s folder on the folder tier ``dst``, with the (step, part,
     parts) each is for; an entry of another shape is not a stage and is left alone."""
-    from core.layout import STAGING_MARK, is_staging
-
     folder = dst.local_path(safe_run_name(run))
     if folder is None or folder.is_symlink():
         return []
@@ -555,8 +569,6 @@ def _remove_stages(cat: Catalog, dst: TierStore, run: str, step: int, part: int,
                    reason: str) -> int:
     """Remove ``dead`` stage folders (audited before the first byte goes; a link is removed
     itself, never followed; one a sibling removed first is skipped)."""
-    import shutil
-
     if not dead:
         return 0
     cat.record_deletion(f"staging:{run}/{step}@tier{dst.tier}", reason, actor=actor, run=run, step=step)
@@ -622,11 +634,7 @@ def _publish_stage(stage: Path, folder: Path, manifest: Manifest) -> None:
     links this call made, and the folders it created, before the error goes on; a kill midway
     leaves some data files linked in but no manifest (the part uncommitted), which the next claim
     of the part removes (``clear_prior``) as it does a killed copy's files."""
-    import errno
 
-    from core.checksum import hash_file
-    from core.errors import PathEscape
-    from core.storage.local import fsync_dir
 
     if folder.is_symlink():
         raise PathEscape(f"{folder} is a symlink; a fetch never publishes through a link")
@@ -735,12 +743,7 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     manifests are this checkpoint's as registered, its files have their sizes). Anything else in
     ``dest`` is refused, unless it is this node's ``scratch`` resume folder holding no part of this
     checkpoint (a sibling worker's other part is never removed under it): that is redone."""
-    import shutil
-    import uuid
 
-    from core.storage.stage import RestoreStage, publish
-    from tasks.replicas import BadReplica
-    from tasks.restore import _fetch_part, _PartFailed, ensure_empty_target
 
     if dest.is_dir() and any(dest.iterdir()):
         held = _parts_held(cat, ck, dest)
@@ -788,10 +791,6 @@ def _quiet(_done: int, _label: str) -> None:
 def _parts_held(cat: Catalog, ck: CheckpointInfo, folder: Path) -> set[int]:
     """The parts of ``ck`` whose manifest ``folder`` holds exactly as registered: files of another
     checkpoint of the same model (same names, same sizes) are not this one's."""
-    from core.layout import manifest_name
-    from core.manifest import MAX_MANIFEST_BYTES, Manifest
-    from tasks.base import catalog_digest
-
     held = set()
     for p in range(ck.parts):
         path = folder / manifest_name(p, ck.parts)
@@ -808,8 +807,6 @@ def _parts_held(cat: Catalog, ck: CheckpointInfo, folder: Path) -> set[int]:
 
 def _check_folder(folder: Path, files: list[FileInfo], verify: Verify) -> bool:
     """Whether ``folder`` holds exactly these files as registered (sizes; CRC32C with ``full``)."""
-    from core.checksum import hash_file
-
     for f in files:
         p = folder / f.path
         if not p.is_file() or p.stat().st_size != f.size:
