@@ -41,6 +41,7 @@ def test_report_compares_the_two_servers():
 
 def test_agents_that_fit_in_the_memory_share():
     mb = 1e6
-    assert agents_that_fit(64, 130 * mb, 20_000 * mb, 0.5) == 38      # 10 GB / 260 MB
+    assert agents_that_fit(64, 130 * mb, 20_000 * mb, 0.5) == 51      # 10 GB / (1.5 x 130 MB)
+    assert agents_that_fit(64, 286 * mb, 22_000 * mb, 0.85) == 43     # the burst's tree at rest, 22 GB free
     assert agents_that_fit(64, 130 * mb, 40_000 * mb, 0.5) == 64
     assert agents_that_fit(64, 130 * mb, 100 * mb, 0.5) == 1
