@@ -31,7 +31,6 @@ from core.layout import checkpoint_prefix
 from core.manifest_build import build_manifest, write_manifest
 from core.settings import load_settings
 from db.catalog import Catalog, upgrade
-from flows.common import plain_steps
 from tasks.prefect_events import auth_headers
 
 NODE = "bench-node"
@@ -64,7 +63,9 @@ def write_checkpoint(tier0_url: str, step: int, total_bytes: int, shards: int) -
 
 
 def run_rounds(args) -> None:
-    # Prefect takes its settings from the environment when first imported: main() sets PREFECT_API_URL
+    # Prefect takes its settings from the environment when first imported, and main() sets
+    # PREFECT_API_URL: nothing that imports Prefect may load before (flows.* do)
+    from flows.common import plain_steps  # deferred: start-up (Prefect reads its env on import)
     from flows.promote import promote, promote_checkpoint  # deferred: start-up (Prefect reads its env on import)
 
     settings = load_settings()

@@ -13,7 +13,7 @@ import pytest
 
 from tasks.prefect_events import auth_headers
 from tests.kit.agents import wait_for
-from tests.kit.up import fresh_shell_env, stack_port, start_up
+from tests.kit.up import fresh_shell_env, start_up_anywhere
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -44,8 +44,7 @@ def _read_on(up) -> None:
 
 
 def test_up_serves_the_stack_and_ctrl_c_stops_all_of_it(tmp_path):
-    port = stack_port()
-    up = start_up(tmp_path / "stack", env=fresh_shell_env(tmp_path / "home"), port=port, cwd=tmp_path)
+    up, port = start_up_anywhere(tmp_path / "stack", env=fresh_shell_env(tmp_path / "home"), cwd=tmp_path)
     again: list[int] = []
     try:
         assert f"Prefect UI   http://127.0.0.1:{port}" in up.text

@@ -33,7 +33,7 @@ import pytest
 
 from ckpt.processes import stop_process
 from tests.kit.agents import wait_for
-from tests.kit.up import REPO, Up, fresh_shell_env, stack_port, start_up
+from tests.kit.up import REPO, fresh_shell_env, start_up_anywhere
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.timeout(600)]  # the first test also starts ckpt up
 
@@ -85,7 +85,7 @@ class Shell:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("entry-paths")
-    up: Up = start_up(root / "stack", env=fresh_shell_env(root / "home"), port=stack_port(), cwd=root)
+    up, _port = start_up_anywhere(root / "stack", env=fresh_shell_env(root / "home"), cwd=root)
     try:
         yield root, up
     finally:

@@ -91,3 +91,21 @@ def start_up(root: Path, *, env: dict[str, str], port: int, cwd: Path, args: tup
         raise
     return up
 
+
+TAKEN = "is taken"  # ckpt up's one-line error when --port or --port + 1 is in use
+
+
+def start_up_anywhere(root: Path, *, env: dict[str, str], cwd: Path, args: tuple[str, ...] = (),
+                      timeout: float = 180, tries: int = 3) -> tuple[Up, int]:
+    """``start_up`` on a ``stack_port``; when another process took P or P + 1 between the pick
+    and ckpt up's bind (parallel test workers' servers bind OS-picked ports too), which ckpt up
+    refuses in one line, it is started again on another pair. Returns it and its port."""
+    for attempt in range(tries):
+        port = stack_port()
+        try:
+            return start_up(root, env=env, port=port, cwd=cwd, args=args, timeout=timeout), port
+        except AssertionError as exc:
+            if TAKEN not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+

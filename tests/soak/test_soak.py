@@ -1081,17 +1081,16 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.mark.validating_s3
 def test_nothing_is_lost_under_faults_on_an_s3_that_checks_checksums(sqlite_url, localstack_endpoint, settings_factory,
                                                                      monkeypatch):
-    """The same soak on LocalStack's S3, which refuses a wrong checksum (moto stores whatever it
-    is sent), on SQLite, at half the budget (its progress floors scaled): what it adds over the
-    moto runs is the S3 that validates, exercised by every upload of the sequence; about 40 s."""
+    """The same soak, at the same budget, on LocalStack's S3, which refuses a wrong checksum (moto
+    stores whatever it is sent), on SQLite: about a minute. (At half the budget the default
+    seed's sequence restores nothing, so its progress floor fails: the budget stays whole.)"""
     from tests.kit.s3_proxy import S3Proxy
     STATS.clear()
     SECONDS.clear()
     started = time.monotonic()
     proxy = S3Proxy(localstack_endpoint, on_request=S3_FAULTS)
     try:
-        _run(sqlite_url, localstack_endpoint, proxy.url, settings_factory, monkeypatch,
-             examples=max(1, EXAMPLES // 2))
+        _run(sqlite_url, localstack_endpoint, proxy.url, settings_factory, monkeypatch)
     finally:
         proxy.close()
         STATS["wall_s"] = round(time.monotonic() - started)
