@@ -102,6 +102,7 @@ def test_nodes_must_match_the_parts_and_a_tier_without_the_checkpoint_is_skipped
     assert drills == [] and skipped == [f"tier 2: no checkpoint of {RUN} held whole there"]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the CLI's shape; the catalog side runs on both above
 def test_cli_drill_nodes_json_then_drills(settings, monkeypatch):
     from typer.testing import CliRunner
 
