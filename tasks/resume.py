@@ -549,8 +549,12 @@ _STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>
 
 def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]:
     """The fetch stages in ``run``'s folder on the folder tier ``dst``, with the (step, part,
-    parts) each is for; an entry of another shape is not a stage and is left alone."""
-    folder = dst.local_path(safe_run_name(run))
+    parts) each is for; an entry of another shape is not a stage and is left alone, and a folder
+    whose name is not a run's (``lost+found``) holds none."""
+    try:
+        folder = dst.local_path(safe_run_name(run))
+    except (BadInput, PathEscape):
+        return []
     if folder is None or folder.is_symlink():
         return []
     try:

@@ -60,3 +60,39 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, says):
                          cwd=tmp_path, env=env, timeout=60)
     assert out.returncode == 2, out.stderr
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_the_stage_sweep_leaves_what_is_not_a_stage_of_a_run(tmp_path):
+    """Reconcile's sweep of dead fetch stages on a folder tier: a folder at the root whose name is
+    not a run's, a run's step folder and a hidden file of another shape are none of its business
+    (nothing removed, nothing raised); a stage of a checkpoint the catalog does not know goes only
+    once it is older than a killed resume's could still be in flight."""
+    import os
+    import time
+
+    from core.layout import STAGING_MARK
+    from core.storage.local import LocalStore
+    from db.catalog import Catalog, upgrade
+    from tasks.resume import STAGE_AGE_S, sweep_dead_stages
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    upgrade(url)
+    root = tmp_path / "tier0"
+    (root / "lost+found").mkdir(parents=True)
+    run = root / "llm"
+    (run / "step-00000100").mkdir(parents=True)
+    (run / ".hidden-file").write_text("x")
+    young = run / f"{STAGING_MARK}1-abcdef01-step-00000200.part-00000-of-00001"
+    old = run / f"{STAGING_MARK}2-abcdef02-step-00000300.part-00000-of-00001"
+    for stage in (young, old):
+        (stage / "shard").mkdir(parents=True)
+    past = time.time() - STAGE_AGE_S - 60
+    os.utime(old, (past, past))
+    store = LocalStore(str(root), 0)
+    with Catalog(url) as cat:
+        removed = sweep_dead_stages(cat, store, ["lost+found", "llm", "no-such-run"], node="node-0", actor="test")
+        assert removed == 1
+        assert [e.reason for e in cat.audit_log() if e.action == "delete"] == [
+            "1 stage folder(s) of part 0: of a checkpoint the catalog does not know, older than 3600 s"]
+    assert sorted(p.name for p in run.iterdir()) == sorted([".hidden-file", "step-00000100", young.name])
+    assert (root / "lost+found").is_dir()
