@@ -99,17 +99,10 @@ def test_nodes_rehydrating_a_checkpoint_read_its_index_from_s3_once(settings_fac
     the index too, is read from S3 once per cluster resume. (Node-a is held at its first byte
     until node-b has published part 1: node-b then needs the index while part 0 is in flight.)"""
     from core.storage.s3.store import S3Store
-    from db.catalog import Catalog
-    from tests.kit.checkpoints import write_checkpoint
 
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=proxy.url, s3_bucket=s3_bucket)
     node_a, node_b = on_node(settings, "node-a"), on_node(settings, "node-b")
-    for part, s in ((0, node_a), (1, node_b)):
-        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
-                         shard_bytes=64 << 10)
-        with Catalog(s.catalog_url) as cat:
-            cat.ensure_run(RUN, actor="test")
-        promote(s, RUN, 100, part, 2)
+    save_two_part_milestone((node_a, node_b))
     expected = tree(tier1_dir(settings, RUN, 100))
     shutil.rmtree(tier1_dir(settings, RUN, 100))
     with open_catalog(settings) as cat:
@@ -282,22 +275,25 @@ def test_reconcile_removes_the_stage_a_killed_fetch_left_once_no_claim_holds_it(
                    for e in cat.audit_log(run=RUN)), "the removal is recorded before it happens"
 
 
-def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last(
-        settings_factory, db_url, s3_bucket, s3_endpoint, monkeypatch):
-    """Tier 1 lost part 1 of a two-part milestone but still holds part 0 in the same folder: the
-    part, staged whole, cannot be renamed onto that folder, so its files are linked in beside
-    part 0's (never replacing one), its manifest last; part 0's files are left as they were."""
+def save_two_part_milestone(nodes) -> None:
+    """A two-part milestone saved on ``nodes`` (part 0's node, part 1's) and promoted to every tier."""
     from db.catalog import Catalog
     from tests.kit.checkpoints import write_checkpoint
 
-    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
-    node1 = on_node(settings, "node-1")
-    for part, s in ((0, settings), (1, node1)):
+    for part, s in enumerate(nodes):
         write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
                          shard_bytes=32 << 10)
         with Catalog(s.catalog_url) as cat:
             cat.ensure_run(RUN, actor="test")
         promote(s, RUN, 100, part, 2)
+
+
+def tier1_lost_part1(settings) -> tuple[object, Path, list[str]]:
+    """That milestone (part 1 saved on node-1), then Tier 1 loses part 1 alone, and the catalog
+    knows: part 0's files stay in the folder. Returns node-1's settings, the Tier 1 folder and
+    part 1's files (manifest last)."""
+    node1 = on_node(settings, "node-1")
+    save_two_part_milestone((settings, node1))
     folder = tier1_dir(settings, RUN, 100)
     with open_catalog(settings) as cat:
         ck = cat.get_checkpoint(RUN, 100)
@@ -306,6 +302,16 @@ def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last
             (folder / rel).unlink()
         rep = next(r for r in cat.replicas(ck.id, 1) if r.part == 1)
         cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost part 1")
+    return node1, folder, mine
+
+
+def test_a_part_rehydrated_beside_another_parts_files_is_linked_in_manifest_last(
+        settings_factory, db_url, s3_bucket, s3_endpoint, monkeypatch):
+    """Tier 1 lost part 1 of a two-part milestone but still holds part 0 in the same folder: the
+    part, staged whole, cannot be renamed onto that folder, so its files are linked in beside
+    part 0's (never replacing one), its manifest last; part 0's files are left as they were."""
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
+    node1, folder, mine = tier1_lost_part1(settings)
     before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
     real_link, linked = os.link, []
 
@@ -332,25 +338,8 @@ def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory,
     """The link-in of a rehydrated part fails at its second file (a full or read-only folder,
     say): the file already linked in is taken back, part 0's files stay as they were, nothing of
     part 1 is left under its names, the claim is released; the next resume publishes it whole."""
-    from db.catalog import Catalog
-    from tests.kit.checkpoints import write_checkpoint
-
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
-    node1 = on_node(settings, "node-1")
-    for part, s in ((0, settings), (1, node1)):
-        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node, kind="milestone",
-                         shard_bytes=32 << 10)
-        with Catalog(s.catalog_url) as cat:
-            cat.ensure_run(RUN, actor="test")
-        promote(s, RUN, 100, part, 2)
-    folder = tier1_dir(settings, RUN, 100)
-    with open_catalog(settings) as cat:
-        ck = cat.get_checkpoint(RUN, 100)
-        mine = [*sorted(f.path for f in cat.files(ck.id, 1)), "manifest.part-00001-of-00002.json"]
-        for rel in mine:
-            (folder / rel).unlink()
-        rep = next(r for r in cat.replicas(ck.id, 1) if r.part == 1)
-        cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost part 1")
+    node1, folder, mine = tier1_lost_part1(settings)
     before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
     real_link, calls = os.link, []
 
