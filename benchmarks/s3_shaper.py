@@ -55,8 +55,9 @@ class Pacer:
 
 
 class S3Shaper:
-    """The proxy: ``url`` to point an S3 client at; ``gets`` counts GETs per ``bucket/key``;
-    ``bytes_sent`` the response bytes it sent. Stop with ``close()`` or use as a context."""
+    """The proxy: ``url`` to point an S3 client at; ``gets`` counts GETs per ``bucket/key`` and
+    ``get_bytes`` the body bytes those GETs were sent; ``bytes_sent`` the response bytes it sent.
+    Stop with ``close()`` or use as a context."""
 
     def __init__(self, upstream: str, *, bandwidth: float = S3_CONNECTION_BYTES_PER_S,
                  first_byte: float = S3_FIRST_BYTE_SECONDS, port: int = 0):
@@ -66,6 +67,7 @@ class S3Shaper:
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
         self.bandwidth, self.first_byte = bandwidth, first_byte
         self.gets: Counter[str] = Counter()
+        self.get_bytes: Counter[str] = Counter()
         self.bytes_sent = 0
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -77,15 +79,18 @@ class S3Shaper:
     def reset_counts(self) -> None:
         with self._lock:
             self.gets.clear()
+            self.get_bytes.clear()
             self.bytes_sent = 0
 
-    def _count_get(self, path: str) -> None:
+    def _count_get(self, key: str) -> None:
         with self._lock:
-            self.gets[urlsplit(path).path.lstrip("/")] += 1
+            self.gets[key] += 1
 
-    def _count_bytes(self, n: int) -> None:
+    def _count_bytes(self, n: int, key: str | None) -> None:
         with self._lock:
             self.bytes_sent += n
+            if key is not None:
+                self.get_bytes[key] += n
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -102,8 +107,9 @@ class S3Shaper:
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in ("transfer-encoding", "content-length", "expect", "connection")}
                 headers["Content-Length"] = str(len(body))
-                if self.command == "GET":  # counted before any byte goes: a client that has read the
-                    proxy._count_get(self.path)  # whole answer always finds its GET counted
+                key = urlsplit(self.path).path.lstrip("/") if self.command == "GET" else None
+                if key is not None:  # counted before any byte goes: a client that has read the
+                    proxy._count_get(key)  # whole answer always finds its GET counted
                 upstream = http.client.HTTPConnection(*proxy.upstream, timeout=120)
                 try:
                     upstream.request(self.command, self.path, body=body, headers=headers)
@@ -122,17 +128,17 @@ class S3Shaper:
                         self.send_header("Content-Length", "0")
                     self.end_headers()
                     if self.command != "HEAD":
-                        self._stream(resp, whole)
+                        self._stream(resp, whole, key if 200 <= resp.status < 300 else None)
                 finally:
                     upstream.close()
 
-            def _stream(self, resp: http.client.HTTPResponse, whole: bytes | None) -> int:
+            def _stream(self, resp: http.client.HTTPResponse, whole: bytes | None, key: str | None) -> int:
                 pacer = Pacer(proxy.bandwidth)
                 chunks = (iter(lambda: resp.read(CHUNK), b"") if whole is None
                           else (whole[i:i + CHUNK] for i in range(0, len(whole), CHUNK)))
                 for chunk in chunks:
                     pacer.sent(len(chunk))
-                    proxy._count_bytes(len(chunk))  # before the write, as the GET: never behind the client
+                    proxy._count_bytes(len(chunk), key)  # before the write, as the GET: never behind the client
                     self.wfile.write(chunk)
                 return pacer.done
 

@@ -70,12 +70,13 @@ def test_the_cap_is_per_connection_not_shared(upstream):
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda i: _get(proxy.url, f"/bucket/obj-{i % 2}"), range(4)))
         wall = time.perf_counter() - t0
-        gets, sent = dict(proxy.gets), proxy.bytes_sent
+        gets, sent, per_key = dict(proxy.gets), proxy.bytes_sent, dict(proxy.get_bytes)
     assert all(r[0] == BODY for r in results)
     assert all(r[2] >= len(BODY) / 1e6 * 0.95 for r in results)
     assert wall < 4 * len(BODY) / 1e6 * 0.75
     assert gets == {"bucket/obj-0": 2, "bucket/obj-1": 2}
     assert sent == 4 * len(BODY)
+    assert per_key == {"bucket/obj-0": 2 * len(BODY), "bucket/obj-1": 2 * len(BODY)}
 
 
 def test_boto3_reads_through_it_from_moto(s3_endpoint, s3_bucket):
@@ -91,6 +92,7 @@ def test_boto3_reads_through_it_from_moto(s3_endpoint, s3_bucket):
         assert part == blob[10:20]
         assert c.head_object(Bucket=s3_bucket, Key="a/b")["ContentLength"] == len(blob)
         assert proxy.gets[f"{s3_bucket}/a/b"] == 2
+        assert proxy.get_bytes[f"{s3_bucket}/a/b"] == len(blob) + 10  # the HEAD sends no body
 
 
 def test_bad_settings_are_refused(upstream):

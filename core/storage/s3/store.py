@@ -16,8 +16,9 @@ Uploads (``put_verified``):
 - afterwards ``verify_object`` must find the manifest's CRC32C and size at the destination.
 
 Downloads: ``open_read`` is one GET stream. Objects of ``ranged_threshold`` bytes or more can be
-fetched with ``read_ranges_into``: ranged GETs of ``range_bytes`` (AWS's guidance: 8-16 MiB,
-one connection each, ``max_concurrency`` at once on the process's one client), each written at
+fetched with ``read_ranges_into``: equal ranged GETs of about ``range_bytes`` (AWS's guidance:
+8-16 MiB; ``split_ranges``), one connection each, ``max_concurrency`` at once on the process's
+one client, each written at
 its offset as it streams and hashed on the way, the ranges' CRC32Cs combined into the object's
 (``core.checksum.combine``), so the bytes are read once. A range whose bounds, length or object
 size differ from what was asked is ``CorruptCheckpoint``.
@@ -113,6 +114,23 @@ _PROBE_BODY = b"ckpt-tiering probe: sent with a CRC32C that does not match these
 _validates: dict[tuple[str, str], bool] = {}
 _validates_lock = threading.Lock()
 # (endpoint URL, bucket) -> (Object Lock enabled, versioning on); per process.
+
+
+def split_ranges(size: int, range_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of the ranged GETs of a ``size``-byte object: equal ranges (within a byte),
+    as many as ``size / range_bytes`` rounded, at least one; so each is 2/3 to 3/2 of
+    ``range_bytes`` and no GET is spent on a small tail (a 16 MiB shard plus its header is two
+    8 MiB ranges, not three)."""
+    if size <= 0:
+        return []
+    n = max(1, (2 * size + range_bytes) // (2 * range_bytes))  # size / range_bytes, rounded half up
+    base, extra = divmod(size, n)
+    out, off = [], 0
+    for i in range(n):
+        length = base + (1 if i < extra else 0)
+        out.append((off, length))
+        off += length
+    return out
 
 
 def part_size(size: int, chunk_bytes: int) -> int:
@@ -220,13 +238,13 @@ class S3Store(ObjectLockMixin, TierStore):
 
     def read_ranges_into(self, key: str, fd: int, size: int, progress: Callable[[int], None] | None = None
                          ) -> tuple[int, str]:
-        """Fetch ``key`` into the open file ``fd`` (written at offsets) as ranged GETs of
-        ``range_bytes``, ``max_concurrency`` at once over the process's one client; return
+        """Fetch ``key`` into the open file ``fd`` (written at offsets) as ranged GETs of about
+        ``range_bytes`` (``split_ranges``), ``max_concurrency`` at once over the process's one client; return
         (size, CRC32C hex) of what was written, combined from each range's CRC32C as it arrived
         (no second read). Memory: one ``buffer_bytes`` chunk per range in flight. A range that
         comes back with other bounds or length is ``CorruptCheckpoint``; the caller compares
         the result with the manifest."""
-        ranges = [(off, min(self.range_bytes, size - off)) for off in range(0, size, self.range_bytes)]
+        ranges = split_ranges(size, self.range_bytes)
         with self._pool_lock:
             if self._ranges is None:
                 self._ranges = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="s3-range")
