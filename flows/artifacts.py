@@ -46,6 +46,21 @@ def post_artifact(key: str, post: Callable[[], Any]) -> None:
     _post(key, post)
 
 
+def name_this_run(name: str) -> None:
+    """Give the current flow run its name on the open ``artifact_batch``'s threads (else now).
+    Prefect's ``flow_run_name`` renames a run with one API round trip before the run is Running;
+    named from the body, that round trip overlaps the run's work instead. Best effort, as an
+    artifact: a run left with Prefect's generated name loses nothing else."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None or ctx.client is None:
+        return
+    flow_run_id, client = ctx.flow_run.id, ctx.client
+    ctx.flow_run.name = name
+    post_artifact(f"name {name}", lambda: client.set_flow_run_name(flow_run_id=flow_run_id, name=name))
+
+
 def _post(key: str, post: Callable[[], Any]) -> None:
     try:
         post()

@@ -27,7 +27,7 @@ from core.errors import BadEvent
 from core.events import announcing
 from core.settings import Settings, load_settings
 from flows.archive import ArchiveResult, archive
-from flows.artifacts import artifact_batch, artifact_key, publish_table
+from flows.artifacts import artifact_batch, artifact_key, name_this_run, publish_table
 from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import run_retention
 from flows.status import publish_run_status
@@ -118,21 +118,23 @@ def run_name(params: dict[str, Any]) -> str:
     return name if parts == 1 else f"{name}/part-{part}-of-{parts}"
 
 
-def _run_name() -> str:
-    from prefect.runtime import flow_run
-
-    return run_name(dict(flow_run.parameters))
-
-
-@flow(name="promote-checkpoint", flow_run_name=_run_name)
+@flow(name="promote-checkpoint")  # named from its body (name_this_run), not with flow_run_name
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None) -> dict:
     """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion,
     and, by the promotion that made the checkpoint durable, the run's status page
-    (``run-<name>``, flows/status.py) republished; all posted together at the end
-    (``artifact_batch``).
+    (``run-<name>``, flows/status.py) republished; all posted on background threads while the
+    promotion goes on, waited for at the end (``artifact_batch``), as is the run's name
+    (``run_name``: ``promote/<run>/step-<step>``, set from here so that Prefect's rename is not
+    one more round trip before the run starts).
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
+    with artifact_batch():
+        name_this_run(run_name({"run": run, "step": step, "part": part, "parts": parts}))
+        return _promote_checkpoint(run, step, part, parts, node)
+
+
+def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int | str, node: str | None) -> dict:
     settings = load_settings(**({"node": node} if node else {}))
     actor = current_actor("event")
     try:
@@ -140,7 +142,7 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     except BadEvent as exc:
         reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
         raise
-    with artifact_batch(), announcing(emit):
+    with announcing(emit):
         def show(result: PromoteResult) -> None:
             hops = result.hops + (result.archive.hops if result.archive else [])
             publish_table(artifact_key("promote", run, step, part), hop_rows(hops),

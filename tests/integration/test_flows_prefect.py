@@ -300,6 +300,9 @@ def test_event_parameters_arrive_as_strings_and_malformed_ones_fail_with_a_rejec
     assert bad.is_failed()
     with pytest.raises(BadEvent):
         bad.result()
+    # both named on the server by the flow's body, the failed one too
+    assert flow_run_of(good).name == f"promote/{RUN}/step-100"
+    assert flow_run_of(bad).name.startswith("promote/malformed-event/run=")
     cat = open_catalog(settings)
     try:
         assert any(e.action == "reject" and e.subject.startswith("event:promote") for e in cat.audit_log(limit=20))
