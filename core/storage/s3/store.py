@@ -18,10 +18,9 @@ Uploads (``put_verified``):
 Downloads: ``open_read`` is one GET stream. Objects of ``ranged_threshold`` bytes or more can be
 fetched with ``read_ranges_into``: equal ranged GETs of about ``range_bytes`` (AWS's guidance:
 8-16 MiB; ``split_ranges``), one connection each, ``max_concurrency`` at once on the process's
-one client, each written at
-its offset as it streams and hashed on the way, the ranges' CRC32Cs combined into the object's
-(``core.checksum.combine``), so the bytes are read once. A range whose bounds, length or object
-size differ from what was asked is ``CorruptCheckpoint``.
+one client, each written at its offset as it streams and hashed on the way, the ranges' CRC32Cs
+combined into the object's (``core.checksum.combine``), so the bytes are read once. A range
+whose bounds, length or object size differ from what was asked is ``CorruptCheckpoint``.
 
 Verification (``verify_object``) trusts HeadObject's full-object CRC32C only where the endpoint
 is known to check the checksums it is sent (AWS S3 does). An endpoint that stores whatever
@@ -239,8 +238,8 @@ class S3Store(ObjectLockMixin, TierStore):
     def read_ranges_into(self, key: str, fd: int, size: int, progress: Callable[[int], None] | None = None
                          ) -> tuple[int, str]:
         """Fetch ``key`` into the open file ``fd`` (written at offsets) as ranged GETs of about
-        ``range_bytes`` (``split_ranges``), ``max_concurrency`` at once over the process's one client; return
-        (size, CRC32C hex) of what was written, combined from each range's CRC32C as it arrived
+        ``range_bytes`` (``split_ranges``), ``max_concurrency`` at once over the process's one
+        client; return (size, CRC32C hex) of what was written, combined from each range's CRC32C as it arrived
         (no second read). Memory: one ``buffer_bytes`` chunk per range in flight. A range that
         comes back with other bounds or length is ``CorruptCheckpoint``; the caller compares
         the result with the manifest."""
