@@ -24,10 +24,11 @@ published), as the boto3 baseline is timed. The Tier 2-only nodes read Tier 2 al
 Tier 0 and Tier 1 narrowed away after the settings are loaded). The bound is
 the bytes of the checkpoint over Tier 2's bandwidth as the N nodes get it, measured in the same
 rounds: each node drains its objects raw through the proxy (``copy_parallelism`` streams, the
-bytes dropped: no check, no write, no catalog), all nodes at once. The figure of one process
-reading every object alone (``tasks.drill.tier_read_seconds``, what a drill records) is printed
-beside it: here the N node processes, the proxy and the S3 server share two cores, so N readers
-at once cannot reach it (on a cluster each node reads with its own cores and NIC). It prints
+bytes dropped: no check, no write, no catalog), all nodes at once (as ``ckpt drill`` measures
+its bound: ``tasks.drill_node.drain``). The figure of one process reading every object alone
+(``tasks.drill.tier_read_seconds``) is printed beside it: here the N node processes, the proxy
+and the S3 server share two cores, so N readers at once cannot reach it (on a cluster each node
+reads with its own cores and NIC). It prints
 the bytes read per tier, the S3 GETs and the bytes sent per object during the Tier 2 resume
 (over the object's size: 1.00 is read once), and last:
 ``cluster restore: N nodes, tier 2 RTO X s, bound Y s (xR), whole-checkpoint-per-node Z s``
@@ -113,19 +114,9 @@ def child(spec: dict) -> dict:
             list(pool.map(download, spec["keys"]))
         return {"bytes": sum(p.stat().st_size for p in dest.iterdir())}
     if mode == "raw":  # the tier's bandwidth as N nodes see it at once: each drains its objects, nothing else
-        from tasks.replicas import TierStores  # deferred: start-up (node processes start light)
+        from tasks.drill_node import drain  # deferred: start-up (node processes start light)
 
-        with TierStores(settings) as stores, ThreadPoolExecutor(settings.copy_parallelism) as pool:
-            store = stores.get(2)
-
-            def drain(key: str) -> int:
-                n = 0
-                with store.open_read(key) as fh:
-                    while chunk := fh.read(settings.io_buffer_bytes):
-                        n += len(chunk)
-                return n
-
-            return {"bytes": sum(pool.map(drain, [k.split("/", 1)[1] for k in spec["keys"]]))}
+        return {"bytes": drain(settings, 2, [k.split("/", 1)[1] for k in spec["keys"]])}
     if mode == "whole":
         from tasks.restore import restore_checkpoint  # deferred: start-up (node processes start light)
 

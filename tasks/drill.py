@@ -127,6 +127,7 @@ class ClusterDrill:
 
     result: DrillResult
     outcomes: list[Any]
+    drained: list[int] = field(default_factory=list)  # bytes each node read raw for the bound, by part
 
     def row(self) -> dict[str, Any]:
         return cluster_row(self.result)
@@ -174,17 +175,18 @@ def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | No
                                f"node, so --nodes must be {ck.parts}, not {nodes}")
             where = base / f"cluster-{uuid.uuid4().hex[:8]}"
             try:
-                outcomes, go = _run_nodes(settings, ck, tier, where, actor)
-                bound = _bound_or_none(cat, settings, ck, tier)
+                outcomes, go, (bound, drained) = _run_nodes(settings, ck, tier, where, actor)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
-            done.append(ClusterDrill(_record(cat, ck, tier, outcomes, go, bound, actor), outcomes))
+            done.append(ClusterDrill(_record(cat, ck, tier, outcomes, go, bound, actor), outcomes, drained))
     return done, skipped
 
 
-def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path, actor: str) -> tuple[list[Any], float]:
-    """Start one process per part, wait until all are ready, start them at once; their outcomes
-    and the common start (time.time())."""
+def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path,
+               actor: str) -> tuple[list[Any], float, tuple[float | None, list[int]]]:
+    """Start one process per part, wait until all are ready, start them at once; when each has
+    said its outcome, start their drains at once (``tasks.drill_node``: the bound). Their
+    outcomes, the common start (time.time()) and the bound with each node's bytes (``_bound``)."""
     import json
     import subprocess
     import sys
@@ -203,26 +205,57 @@ def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path, a
             line = _readline(p, NODE_READY_TIMEOUT_S)
             if line.strip() != "ready":
                 raise CkptError(f"a drill node did not start: {line.strip()[:200] or 'no output'}")
-        go = time.time()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        go = _say(procs, "go")
         outcomes = []
         for part, p in enumerate(procs):
-            out, _ = p.communicate(timeout=NODE_TIMEOUT_S)
-            lines = out.strip().splitlines()
-            if p.returncode == 0 and lines:
-                outcomes.append(NodeOutcome(**json.loads(lines[-1])))
-            else:
+            line = _readline(p, NODE_TIMEOUT_S)
+            try:
+                outcomes.append(NodeOutcome(**json.loads(line)))
+            except (ValueError, TypeError):
                 outcomes.append(NodeOutcome(part, False, go, time.time(),
-                                            detail=f"node process exited {p.returncode}"))
-        return outcomes, go
+                                            detail=f"node process exited {p.poll()}: {line.strip()[:200]}"))
+        return outcomes, go, _bound(procs, ck, tier)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
+
+
+def _say(procs: list[Any], word: str) -> float:
+    """Send ``word`` to every node at once (the common start); when (time.time())."""
+    at = time.time()
+    for p in procs:
+        try:
+            p.stdin.write(f"{word}\n")
+            p.stdin.flush()
+        except OSError:  # a node that already exited: its missing answer says so
+            pass
+    return at
+
+
+def _bound(procs: list[Any], ck: CheckpointInfo, tier: int) -> tuple[float | None, list[int]]:
+    """Every node drains its part raw at once: (first start -> last byte, the bytes each node
+    read), the seconds None when a node could not read its files back (the drill is recorded
+    either way)."""
+    import json
+
+    start = _say(procs, "drain")
+    ends: list[float] = []
+    drained: list[int] = []
+    for part, p in enumerate(procs):
+        line = _readline(p, NODE_TIMEOUT_S)
+        try:
+            got = json.loads(line)
+        except ValueError:
+            got = {"detail": f"node process exited {p.poll()}"}
+        if got.get("detail") or "drained_at" not in got:
+            log.warning("drill %s/step-%d: no bound measured on tier %d: part %d: %s", ck.run, ck.step, tier,
+                        part, got.get("detail"))
+            return None, drained
+        ends.append(got["drained_at"])
+        drained.append(got["bytes"])
+    return max(ends) - start, drained
 
 
 def _readline(proc: Any, timeout: float) -> str:
@@ -236,19 +269,11 @@ def _readline(proc: Any, timeout: float) -> str:
     return got[0] if got else ""
 
 
-def _bound_or_none(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float | None:
-    """The bound, or None when the tier cannot give these bytes back (the drill is recorded either way)."""
-    try:
-        return tier_read_seconds(cat, settings, ck, tier)
-    except (CkptError, NotFound, OSError) as exc:
-        log.warning("drill %s/step-%d: no bound measured on tier %d: %s", ck.run, ck.step, tier, exc)
-        return None
-
-
 def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
-    """The tier's floor for these bytes: every file of the checkpoint read raw (no check, no
-    load) from ``tier`` with one stream per file, ``copy_parallelism`` streams per part at once,
-    timed. bytes / that time is the tier's measured bandwidth, so the bound is the time itself."""
+    """Every file of the checkpoint read raw (no check, no load) from ``tier`` by this one
+    process, ``copy_parallelism`` streams per part at once, timed: the tier as one reader gets
+    it (benchmarks/cluster_restore.py prints it beside the drill's bound, which N node
+    processes measure together)."""
     from concurrent.futures import ThreadPoolExecutor
 
     prefix = checkpoint_prefix(ck.run, ck.step)

@@ -9,9 +9,16 @@ loaded with the format's own loader and checked against the manifest
 (``core.load_check``). Returns a ``NodeOutcome``; a failure to resume or to load is an outcome
 with ``ok=False`` and the reason, never an exception (the drill records every node).
 
+The bound's share of a node (``drain``): the same files read raw from the same tier with the
+same streams, nothing checked, loaded or kept. The drill starts every node's drain at once, so
+the bound is the tier's bandwidth as N nodes get it together (one process reading everything
+would see a tier, and a machine, that N nodes do not).
+
 As a process (``python -m tasks.drill_node SPEC_JSON``): imports everything, prints ``ready``,
 waits for ``go`` on stdin (the common start; anything else, or the drill process gone, and it
-exits doing nothing), then prints the outcome as one JSON line.
+exits doing nothing), then prints the outcome as one JSON line; then waits for ``drain`` (the
+bound's common start; anything else and it exits) and prints its drain as one JSON line
+(``{"bytes", "drained_at", "detail"}``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,6 +124,36 @@ def _mark_corrupt(settings: Settings, checkpoint_id: int, tier: int, part: int, 
                 mark_bad(cat, r, "corrupt", f"drill: loading failed: {exc}", actor=actor)
 
 
+def part_keys(settings: Settings, run: str, step: int, part: int) -> list[str]:
+    """The keys a node resuming ``part`` reads: its own files and the checkpoint-wide files its
+    format needs that another part holds (``tasks.resume.wide_files``)."""
+    from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.resume import wide_files  # deferred: start-up (keeps this module light: see warm_up)
+
+    assert settings.catalog_url is not None
+    with open_catalog(settings.catalog_url) as cat:
+        files = cat.files(cat.get_checkpoint(run, step).id)
+    prefix = checkpoint_prefix(run, step)
+    return [f"{prefix}/{f.path}" for f in [f for f in files if f.part == part] + wide_files(files, [part])]
+
+
+def drain(settings: Settings, tier: int, keys: list[str]) -> int:
+    """Read ``keys`` raw from ``tier`` as a resume reads them (``copy_parallelism`` streams, the
+    store's own reads: ranged GETs on S3), nothing checked or kept; the bytes read."""
+    from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
+
+    def one(key: str) -> int:
+        n = 0
+        with store.open_read(key) as fh:
+            while chunk := fh.read(settings.io_buffer_bytes):
+                n += len(chunk)
+        return n
+
+    with TierStores(settings) as stores, ThreadPoolExecutor(max(1, settings.copy_parallelism)) as pool:
+        store = stores.get(tier)
+        return sum(pool.map(one, keys))
+
+
 def warm_up(settings: Settings, run: str) -> None:
     """What a trainer has done before it resumes: imported its loaders and the client,
     connected to the catalog once and built its S3 client (botocore parses its service model:
@@ -146,6 +184,20 @@ def main(argv: list[str]) -> None:
     outcome = drill_node(settings, spec["run"], spec["step"], spec["part"], spec["parts"], spec["tier"],
                          Path(spec["dest"]), spec.get("actor", "drill"))
     print(json.dumps(asdict(outcome)), flush=True)
+    cold = drill_settings(settings, spec["tier"], spec["part"])
+    try:
+        keys, detail = part_keys(cold, spec["run"], spec["step"], spec["part"]), None
+    except (CkptError, NotFound, OSError) as exc:
+        keys, detail = [], f"{type(exc).__name__}: {exc}"[:500]
+    if sys.stdin.readline().strip() != "drain":
+        return
+    n = 0
+    if detail is None:
+        try:
+            n = drain(cold, spec["tier"], keys)
+        except (CkptError, NotFound, OSError) as exc:
+            detail = f"{type(exc).__name__}: {exc}"[:500]
+    print(json.dumps({"bytes": n, "drained_at": time.time(), "detail": detail}), flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ def test_every_node_resumes_its_part_at_once_from_tier1_and_tier2(settings, tmp_
     assert not list((tmp_path / "s").iterdir())  # scratch removed
     with Catalog(settings.catalog_url) as cat:
         recorded = cat.drills(RUN)
+        files = cat.files(cat.get_checkpoint(RUN, 100).id)
+    # the bound: each node read its own files again, raw, plus the index it needs that part 0 holds
+    index = next(f.size for f in files if f.path == "model.safetensors.index.json")
+    own = [sum(f.size for f in files if f.part == part) for part in range(PARTS)]
+    assert [d.drained for d in drills] == [[own[0], own[1] + index]] * 2
     assert sorted((r.tier, r.nodes, r.ok) for r in recorded) == [(1, 2, True), (2, 2, True)]
     assert {r.tier: r.bound_seconds for r in recorded} == {d.result.tier: d.result.bound_seconds for d in drills}
 
@@ -86,7 +91,7 @@ def test_a_copy_gone_from_its_tier_is_a_recorded_failure_without_a_bound(setting
     drills, _ = cluster_drill(settings, run=RUN, tiers=(1,), scratch=tmp_path / "s")
 
     (d,) = drills
-    assert (d.result.ok, d.result.bound_seconds) == (False, None)
+    assert (d.result.ok, d.result.bound_seconds) == (False, None)  # part 1 could not drain its files
     assert [o.ok for o in d.outcomes] == [True, False]
     with Catalog(settings.catalog_url) as cat:
         assert [(r.tier, r.ok, r.bound_seconds) for r in cat.drills(RUN)] == [(1, False, None)]
