@@ -12,15 +12,17 @@ server and services processes on PostgreSQL + Redis, ``ckpt.production_stack``) 
 baseline beside it, against a Prefect server on SQLite. Printed per server: time from the
 burst to every part verified on Tier 1 and to durable; orchestrator events/s, flow runs/s and
 task runs/s sustained over the burst (from the burst to the last flow run's end); CPU seconds
-per part spent outside the byte copy (all CPU of the Prefect server processes, the agents and
-their flow-run subprocesses and the PostgreSQL backends of the stack's databases, less what the
-same byte work costs done directly with the transfer engine here; Redis and moto not counted).
+per part spent outside the byte copy (all CPU of the Prefect server processes; the agents with
+everything under them: the fork server, the warm processes it forked and reaped, flow-run
+subprocesses; PostgreSQL: the stack's live backends and, through the postmaster's children's
+time, the backends that exited during the burst; Redis; less what the same byte work costs done
+directly with the transfer engine here; moto not counted), and that CPU split by role.
 
-Memory: an agent and each flow-run subprocess it starts hold ~100-150 MB each (measured and
-printed). When N agents plus one flow run each do not fit in ``--mem-fraction`` of the
-available memory (the machine is shared), fewer agent processes run, each serving the parts of
-several ranks of one node (a node with several GPUs) one flow run at a time (``--limit 1``);
-the figures say how many ran.
+Memory: an agent's processes (the agent, its fork server, the warm process forked from it,
+multiprocessing's resource tracker) at rest, PSS by role, measured and printed. When N agents
+plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
+shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
+with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
@@ -75,8 +77,10 @@ class Phase:
     flow_runs: int = 0
     task_runs: int = 0
     cpu_s: float = 0.0                # orchestration + byte work, all processes counted
+    cpu_by_role: dict[str, float] = field(default_factory=dict)  # the same CPU split: server, agents, database
     copy_cpu_per_part_s: float = 0.0  # the byte work alone, per part
     agent_rss_mb: float = 0.0
+    agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, warm, tracker
     peak_rss_mb: float = 0.0          # agents and their flow runs together
     notes: list[str] = field(default_factory=list)
 
@@ -128,7 +132,11 @@ def report(phases: list[Phase]) -> str:
         ("task runs/s sustained", lambda p: f"{p.rate(p.task_runs):.1f} ({p.task_runs})"),
         ("CPU s per part outside the byte copy", lambda p: f"{p.cpu_outside_copy_per_part_s:.2f}"),
         ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
+        ("CPU s per part: server / agents / database", lambda p: " / ".join(
+            f"{p.cpu_by_role.get(r, 0.0) / p.parts:.2f}" if p.parts else "-" for r in CPU_ROLES)),
         ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
+        ("  agent / fork server / warm / tracker", lambda p: " / ".join(
+            f"{p.agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"),
     ]
     width = 42
     lines = [f"{'':{width}}" + "".join(f"{p.server:>26}" for p in phases)]
@@ -157,6 +165,82 @@ def proc_cpu(pid: int) -> float:
     except OSError:
         return 0.0
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+CPU_ROLES = ("server", "agents", "database")
+PSS_ROLES = ("agent", "fork server", "warm process", "resource tracker")
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes under ``pid`` (its fork server, warm processes, flow runs)."""
+    out: list[int] = []
+    try:
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            out += [int(child), *descendants(int(child))]
+    except OSError:
+        pass
+    return out
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two readings of ``proc_cpu`` over sets of processes. A process
+    gone by the second reading counts -before: its whole CPU is then in its reaper's children's
+    time (the fork server's for a warm process, the postmaster's for a database backend), which
+    is in the second reading; a process new in the second counts in full."""
+    return sum(after.get(pid, 0.0) - before.get(pid, 0.0) for pid in set(before) | set(after))
+
+
+def role_pss(pid: int) -> dict[str, float]:
+    """MB of PSS of an agent's processes by role: the agent, multiprocessing's resource tracker
+    (a fresh interpreter the fork server needs), the fork server (forked from the agent) and the
+    warm processes (forked from the fork server)."""
+    def pss(p: int) -> float:
+        try:
+            return sum(int(line.split()[1]) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+                       if line.startswith("Pss:")) / 1024 * 1.048576
+        except OSError:
+            return 0.0
+
+    out = {"agent": pss(pid)}
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        children = []
+    for child in children:
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_text()
+        except OSError:
+            continue
+        if "resource_tracker" in cmd:
+            out["resource tracker"] = out.get("resource tracker", 0.0) + pss(child)
+        else:
+            out["fork server"] = out.get("fork server", 0.0) + pss(child)
+            warm = descendants(child)
+            out["warm process"] = out.get("warm process", 0.0) + sum(pss(w) for w in warm)
+    return out
+
+
+def postmaster(backends: list[int]) -> list[int]:
+    """PostgreSQL's postmaster (the parent of a backend): its children's time holds the CPU of
+    the backends that exited during the burst (each flow run's connections)."""
+    for pid in backends:
+        try:
+            return [int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])]
+        except OSError:
+            continue
+    return []
+
+
+def redis_pids() -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().strip() == "redis-server":
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
 
 
 def proc_rss(pid: int) -> float:
@@ -276,10 +360,11 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         wait_deployments(api, [names.promote_deployment(node[0]), names.ARCHIVE_DEPLOYMENT], timeout=300,
                          procs=procs)
         agent_rss = proc_rss(first.pid)
+        agent_roles = role_pss(first.pid)
         if setup.agents is None:
             setup.agents = agents_that_fit(setup.nodes, agent_rss, mem_available(), setup.mem_fraction)
         k = setup.agents
-        phase = Phase(name, setup.nodes, k, agent_rss_mb=agent_rss / 1e6)
+        phase = Phase(name, setup.nodes, k, agent_rss_mb=agent_rss / 1e6, agent_pss_by_role=agent_roles)
         limit = None if k == setup.nodes else 1
         if k < setup.nodes:
             phase.notes.append(f"{setup.nodes} agents, each running a promotion, would need ~"
@@ -314,8 +399,18 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
                                                   str(root / "bytecopy"))
 
         admin = setup.pg_admin
-        pids = server_pids + [p.pid for p in procs]
-        cpu0 = {pid: proc_cpu(pid) for pid in pids + pg_backends(admin, [*server_dbs, catalog_db])}
+
+        def cpu_now() -> dict[str, dict[int, float]]:
+            """Every process that works for the burst, by role, with its CPU so far (children's
+            time included: the warm processes a fork server reaped, the backends the postmaster
+            reaped)."""
+            agents = [q for proc in procs for q in (proc.pid, *descendants(proc.pid))]
+            backends = pg_backends(admin, [*server_dbs, catalog_db])
+            db = backends + postmaster(backends) + redis_pids()
+            return {"server": {q: proc_cpu(q) for q in server_pids},
+                    "agents": {q: proc_cpu(q) for q in agents}, "database": {q: proc_cpu(q) for q in db}}
+
+        cpu0 = cpu_now()
         body = [events.build_event(events.COMPLETED, RUN, STEP, part=p, parts=setup.nodes, node=owner[p],
                                    payload={"kind": "milestone"}) for p in range(setup.nodes)]
         t0 = time.time()
@@ -344,8 +439,9 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         finally:
             cat.close()
         t_end = time.time()
-        backends = pg_backends(admin, [*server_dbs, catalog_db])
-        phase.cpu_s = sum(proc_cpu(pid) - cpu0.get(pid, 0.0) for pid in set(pids + backends))
+        cpu1 = cpu_now()
+        phase.cpu_by_role = {role: cpu_between(cpu0[role], cpu1[role]) for role in CPU_ROLES}
+        phase.cpu_s = sum(phase.cpu_by_role.values())
         time.sleep(3)  # the event persister writes in batches
         phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
         return phase

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from benchmarks.burst import Phase, agents_that_fit, last_line, report
+from benchmarks.burst import Phase, agents_that_fit, cpu_between, last_line, report
 
 
 def _phase(**kw) -> Phase:
@@ -45,3 +45,19 @@ def test_agents_that_fit_in_the_memory_share():
     assert agents_that_fit(64, 286 * mb, 22_000 * mb, 0.85) == 43     # the burst's tree at rest, 22 GB free
     assert agents_that_fit(64, 130 * mb, 40_000 * mb, 0.5) == 64
     assert agents_that_fit(64, 130 * mb, 100 * mb, 0.5) == 1
+
+
+def test_cpu_of_a_process_reaped_during_the_burst_is_counted_once_through_its_reaper():
+    # the fork server (10) forks warm process 11 before the burst; 11 runs a flow (4 s after 0.5 s of
+    # warm-up) and exits, reaped: its 4.5 s land in 10's children's time; 12 is the next warm process
+    before = {10: 1.0, 11: 0.5}
+    after = {10: 1.0 + 0.2 + 4.5, 12: 0.1}  # 11 is gone: /proc has nothing, proc_cpu would read 0
+    assert cpu_between(before, after) == 0.2 + 4.0 + 0.1  # the server's own 0.2, the flow's 4.0, the new 0.1
+    assert cpu_between({1: 2.0}, {1: 5.0}) == 3.0
+
+
+def test_report_splits_the_cpu_and_the_agent_s_memory_by_role():
+    p = _phase(cpu_by_role={"server": 64.0, "agents": 128.0, "database": 8.0},
+               agent_pss_by_role={"agent": 71.0, "fork server": 47.0, "warm process": 51.0, "resource tracker": 7.0})
+    out = report([p])
+    assert "1.00 / 2.00 / 0.12" in out and "71 / 47 / 51 / 7 MB" in out
