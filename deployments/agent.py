@@ -44,6 +44,7 @@ from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.fast_path import fast_path, start_fork_server
+from deployments.tls import share_verified_contexts
 
 
 def promote_trigger(node: str) -> Any:
@@ -164,6 +165,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     os.environ.update(agent_environment(settings))
+    if settings.prefect_tls_shared:
+        share_verified_contexts()  # before the fork: the warm processes inherit it
     if settings.fast_path:
         start_fork_server()  # before any thread: warm processes share the agent's imported pages
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}

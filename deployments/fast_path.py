@@ -52,6 +52,7 @@ from uuid import UUID
 
 from core.errors import NotFound
 from deployments import names
+from deployments.tls import share_verified_contexts
 
 log = logging.getLogger("ckpt.agent.fast_path")
 
@@ -178,7 +179,10 @@ def warm_up() -> None:
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
     try:
-        with Catalog(load_settings().catalog_url) as cat, suppress(NotFound):
+        settings = load_settings()
+        if settings.prefect_tls_shared:
+            share_verified_contexts()  # a warm process forked from the agent has it already; a spawned one not yet
+        with Catalog(settings.catalog_url) as cat, suppress(NotFound):
             cat.get_checkpoint("warm-up", 0)
     except Exception as exc:  # noqa: BLE001 - see above
         log.debug("warm-up: %s: %s", type(exc).__name__, exc)

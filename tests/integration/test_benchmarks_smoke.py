@@ -121,6 +121,12 @@ def test_promotion_cpu(s3_endpoint):
                      r"cleared before the promotion / cold = \d+\.\d\d x", out), out
 
 
+def test_agent_cpu():
+    out = run_benchmark("agent_cpu")
+    assert_rows(out, "per-client TLS contexts (Prefect's own)", ["ours: shared TLS context"])
+    assert re.search(r"ratio: ours / per-client TLS contexts = \d+\.\d\d x CPU per promotion", out), out
+
+
 def test_restore(s3_endpoint):
     out = run_benchmark("restore", "--s3-endpoint", s3_endpoint)
     assert_rows(out, "cp -r (Tier 1 folder)", ["cp -r && sync", "ours: restore from Tier 1"])
