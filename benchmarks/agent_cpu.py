@@ -9,9 +9,11 @@ Idle agents cost nothing measurable here (0.07 % of a core between polls), so th
 promotions' CPU: Prefect's engine, the catalog, the copy, forking and warming the next process.
 
 Contenders, each a fresh agent per round, their order rotated:
-- ours: the agent as it ships (``CKPT_PREFECT_TLS_SHARED`` on: its Prefect clients share one
-  verified TLS context per CA file, deployments/tls.py);
-- per-client TLS contexts (the baseline): the same agent with it off, as Prefect builds them.
+- ours: the agent as it ships (``CKPT_PREFECT_REUSE`` on: its Prefect clients share one
+  verified TLS context per CA file, deployments/tls.py, and it builds a run's Prefect settings and
+  Prefect's models before it forks its warm processes, deployments/fast_path.py);
+- Prefect as it comes (the baseline): the same agent with it off: a TLS context per client, the
+  settings and models built in each warm process.
 Medians, best rounds, the load average.
 
     .venv/bin/python benchmarks/agent_cpu.py [--rounds 3 --parts 8 --mib 1]
@@ -38,15 +40,15 @@ from core.settings import Settings
 from db.catalog import Catalog, upgrade
 from deployments import names
 
-CONTENDERS = {"ours: shared TLS context": "true", "per-client TLS contexts (Prefect's own)": "false"}
-BASE = "per-client TLS contexts (Prefect's own)"
+CONTENDERS = {"ours: built once, before the fork": "true", "Prefect as it comes": "false"}
+BASE = "Prefect as it comes"
 
 
 def tree_cpu(pid: int) -> dict[int, float]:
     return {p: proc_cpu(p) for p in (pid, *descendants(pid))}
 
 
-def one_round(api: str, work: Path, shared: str, parts: int, mib: float, tag: str) -> float:
+def one_round(api: str, work: Path, reuse: str, parts: int, mib: float, tag: str) -> float:
     """A fresh agent promotes ``parts`` checkpoints one after another; its CPU per promotion."""
     import numpy as np
 
@@ -55,7 +57,7 @@ def one_round(api: str, work: Path, shared: str, parts: int, mib: float, tag: st
     node = f"cpu-{tag}"
     env = stack_env(work / f"data-{tag}", api_url=api, s3_url=None, catalog_url=catalog)
     env.update(CKPT_TIER0_URL=str(work / f"t0-{tag}"), CKPT_TIER1_URL=str(work / f"t1-{tag}"),
-               CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_TLS_SHARED=shared)
+               CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_REUSE=reuse)
     agent = start_agent(env, work / f"agent-{tag}.log", node=node, node_only=True)
     try:
         wait_deployments(api, [names.promote_deployment(node)], timeout=300, procs=[agent])
@@ -103,7 +105,7 @@ def main() -> None:
     ours = statistics.median(got[names_[0]])
     base = statistics.median(got[BASE])
     print(load_line(load0))
-    print(f"ratio: ours / per-client TLS contexts = {ours / base:.2f} x CPU per promotion "
+    print(f"ratio: ours / Prefect as it comes = {ours / base:.2f} x CPU per promotion "
           f"(best rounds {min(got[names_[0]]) / min(got[BASE]):.2f} x)")
 
 if __name__ == "__main__":

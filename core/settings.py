@@ -132,11 +132,12 @@ class Settings(BaseSettings):
         default=True,
         description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
                     "event subscription); off: the runner's poll and a fresh process, as Prefect serves it")
-    prefect_tls_shared: bool = Field(
+    prefect_reuse: bool = Field(
         default=True,
-        description="the agent's Prefect clients share one verified TLS context per CA file (Prefect builds one "
-                    "per client: ~15 ms of CPU each, about seven per promote run); off: one per client, as Prefect "
-                    "builds them")
+        description="the agent builds once what Prefect builds per client and per run: one verified TLS context "
+                    "per CA file for its Prefect clients (~15 ms of CPU each, about seven clients per promote run), "
+                    "and before it forks its warm processes a run's Prefect settings and Prefect's models; off: as "
+                    "Prefect builds them")
     rpo_seconds: int = Field(
         default=900, ge=10,
         description="recovery point objective: a checkpoint completed but not durable (every part on Tier 1) "

@@ -165,10 +165,11 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     os.environ.update(agent_environment(settings))
-    if settings.prefect_tls_shared:
+    if settings.prefect_reuse:
         share_verified_contexts()  # before the fork: the warm processes inherit it
     if settings.fast_path:
-        start_fork_server()  # before any thread: warm processes share the agent's imported pages
+        # before any thread: warm processes share the agent's imported pages
+        start_fork_server(prebuild=settings.prefect_reuse)
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:

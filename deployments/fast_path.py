@@ -52,7 +52,7 @@ from uuid import UUID
 
 from core.errors import NotFound
 from deployments import names
-from deployments.tls import share_verified_contexts
+from deployments.tls import SharedVerifiedContexts, share_verified_contexts
 
 log = logging.getLogger("ckpt.agent.fast_path")
 
@@ -77,14 +77,15 @@ WARM_IMPORTS = ("prefect.client.schemas.objects", "prefect.context", "prefect.fl
 _fork_server: dict[str, int] = {}
 
 
-def start_fork_server() -> bool:
+def start_fork_server(*, prebuild: bool = True) -> bool:
     """Start multiprocessing's fork server as a fork of this process (not a fresh interpreter),
     after importing what a warm process needs: each warm process is then forked from it and
     shares those pages copy-on-write with the agent and the server, instead of importing
     Prefect, SQLAlchemy and the flow again (~120 MB each). Only a process with one thread may
     fork (a lock held by another thread would stay held in the child forever): with more, or
     when multiprocessing's fork server is already running, nothing is started and False says
-    the warm processes are spawned as before. Call it before anything starts a thread."""
+    the warm processes are spawned as before. Call it before anything starts a thread.
+    ``prebuild``: build before the fork what each warm process would build after it (``_prebuild``)."""
     import gc
     import importlib
     from multiprocessing import connection, forkserver, resource_tracker
@@ -97,6 +98,8 @@ def start_fork_server() -> bool:
     from db.catalog import preload  # deferred: start-up — SQLAlchemy, Alembic
 
     preload()  # no connection is opened before the fork: each process opens its own
+    if prebuild:
+        _prebuild()  # what every warm process would otherwise build again after the fork
     resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
@@ -124,6 +127,63 @@ def start_fork_server() -> bool:
     _fork_server["pid"] = pid
     log.info("fast path: warm processes fork from pid %s", pid)
     return True
+
+
+# Prefect's settings of a promote run, built by the agent before the fork for the environment it
+# had then (run_warm uses them when its environment is still that one, else builds its own).
+_prebuilt: dict[str, Any] = {}
+
+
+def run_settings() -> Any:
+    """Prefect's settings as a promote run in a warm process uses them: read from this
+    environment (and Prefect's profile and files), heartbeats off (the fast path supervises the
+    process itself). ~35 ms of CPU to build: a fork of the fork server reuses the agent's when
+    its Prefect environment (``PREFECT_*``, all Prefect's settings read from it) says nothing
+    else: every variable the same as at the fork, or added since with the value those settings
+    already hold (Prefect sets a few of its own in the agent after the fork)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
+
+    if "settings" in _prebuilt:
+        at_fork, held = _prebuilt["env"], _prebuilt["held"]
+        now = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
+        if at_fork.keys() <= now.keys() and all(at_fork.get(k, held.get(k)) == v for k, v in now.items()):
+            return _prebuilt["settings"]
+    return Settings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
+def _prebuild() -> None:
+    """Build before the fork what each warm process would build again after it, once per
+    promotion: the run's Prefect settings (``run_settings``), the Prefect models its clients
+    validate on first use (pydantic builds a deferred model's validator at its first use: ~5 ms
+    to tens of ms each) and the shared verified TLS context (deployments/tls.py) for the CA
+    file Prefect's clients use. Anything that fails here is simply built later, as before."""
+    import importlib
+    import sys
+
+    import pydantic
+
+    try:
+        settings = run_settings()
+        _prebuilt.update(env={k: v for k, v in os.environ.items() if k.startswith("PREFECT_")},
+                         held=settings.to_environment_variables(exclude_unset=False), settings=settings)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.debug("fast path: Prefect's settings not prebuilt: %s: %s", type(exc).__name__, exc)
+    prefixes = ("prefect.client.schemas", "prefect.events.schemas", "prefect.artifacts")
+    for name in [m for m in sys.modules if m.startswith(prefixes)]:
+        for model in vars(sys.modules[name]).values():
+            if (isinstance(model, type) and issubclass(model, pydantic.BaseModel)
+                    and not getattr(model, "__pydantic_complete__", True)):
+                with suppress(Exception):
+                    model.model_rebuild(raise_errors=False)
+    orchestration = importlib.import_module("prefect.client.orchestration")
+    if isinstance(orchestration.ssl, SharedVerifiedContexts):
+        from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+        if not PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value():
+            import certifi
+
+            with suppress(OSError, ValueError):
+                orchestration.ssl.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
 
 
 def _fresh_signal_handlers() -> None:
@@ -154,15 +214,13 @@ def run_warm(conn: Any, env: dict[str, str]) -> None:
     from prefect.client.schemas.objects import FlowRun
     from prefect.context import SettingsContext, get_settings_context
     from prefect.flow_engine import run_flow
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings, temporary_settings
 
     from flows.common import step_tasks  # deferred: start-up — Prefect, SQLAlchemy
     from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
     step_tasks()  # the task modules (flows.common imports them) and their registry: built now, not during the run
     warm_up()
-    with SettingsContext(profile=get_settings_context().profile, settings=Settings()), \
-            temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with SettingsContext(profile=get_settings_context().profile, settings=run_settings()):
         conn.send(READY)
         flow_run = conn.recv()
         if flow_run is not None:
@@ -180,7 +238,7 @@ def warm_up() -> None:
 
     try:
         settings = load_settings()
-        if settings.prefect_tls_shared:
+        if settings.prefect_reuse:
             share_verified_contexts()  # a warm process forked from the agent has it already; a spawned one not yet
         with Catalog(settings.catalog_url) as cat, suppress(NotFound):
             cat.get_checkpoint("warm-up", 0)

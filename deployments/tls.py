@@ -11,7 +11,9 @@ context once and pass it to each client; Prefect gives no setting to pass one, s
 with a CA file, the verified form, which neither module changes after creating it. The
 ``ssl`` module itself, and every other caller, is left alone; a call without a CA file (Prefect's
 ``PREFECT_API_TLS_INSECURE_SKIP_VERIFY`` form, which turns verification off on the context it
-gets) still gets a fresh context.
+gets) still gets a fresh context. The agent does it when ``CKPT_PREFECT_REUSE`` is on (the
+default), before it forks its fork server, which then builds the context for Prefect's CA file
+once (deployments/fast_path.py ``_prebuild``) so that no warm process builds it again.
 """
 
 from __future__ import annotations

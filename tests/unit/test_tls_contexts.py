@@ -64,3 +64,46 @@ def test_a_replaced_ca_file_gets_a_new_context(shared, tmp_path):
     assert proxy.create_default_context(cafile=str(bundle)) is not first
     with pytest.raises((OSError, ssl.SSLError)):
         proxy.create_default_context(cafile=str(tmp_path / "missing.pem"))
+
+
+PREBUILD_PROBE = r"""
+import json, os, sys
+from deployments import fast_path
+from deployments.tls import share_verified_contexts
+import prefect.client.orchestration as orchestration
+from prefect.client.schemas.responses import DeploymentResponse
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+share_verified_contexts()
+before = DeploymentResponse.__pydantic_complete__
+fast_path._prebuild()
+built = fast_path.run_settings()
+same = fast_path.run_settings() is built
+os.environ["PREFECT_SERVER_EPHEMERAL_ENABLED"] = str(built.server.ephemeral.enabled)  # Prefect's own, same value
+same = same and fast_path.run_settings() is built
+os.environ["PREFECT_LOGGING_LEVEL"] = "DEBUG"  # the environment changed after the fork: built anew
+fresh = fast_path.run_settings()
+print(json.dumps({"models": [before, DeploymentResponse.__pydantic_complete__], "same": same,
+                  "fresh": fresh is not built and fresh.logging.level == "DEBUG",
+                  "heartbeat": [built.flows.heartbeat_frequency, fresh.flows.heartbeat_frequency],
+                  "contexts": len(orchestration.ssl._made)}))
+"""
+
+
+def test_the_agent_builds_before_the_fork_what_each_warm_process_built_again():
+    """deployments.fast_path._prebuild: a run's Prefect settings (heartbeats off), Prefect's
+    deferred models and the shared TLS context, built once in the agent; a warm process whose
+    environment changed since builds its own settings. In a fresh interpreter (module state)."""
+    import json
+    import subprocess
+    import sys
+
+    set_by_the_probe = ("PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_EPHEMERAL_ENABLED")
+    env = {k: v for k, v in os.environ.items() if k not in set_by_the_probe}
+    out = subprocess.run([sys.executable, "-c", PREBUILD_PROBE], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["models"] == [False, True]  # pydantic defers it to first use: each warm process paid for it
+    assert got["same"] and got["fresh"] and got["heartbeat"] == [None, None]
+    assert got["contexts"] == 1
