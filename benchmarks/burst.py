@@ -197,7 +197,7 @@ def role_pss(pid: int) -> dict[str, float]:
     def pss(p: int) -> float:
         try:
             return sum(int(line.split()[1]) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
-                       if line.startswith("Pss:")) / 1024 * 1.048576
+                       if line.startswith("Pss:")) * 1024 / 1e6  # kB -> MB
         except OSError:
             return 0.0
 

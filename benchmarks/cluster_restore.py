@@ -26,7 +26,7 @@ the bytes of the checkpoint over Tier 2's bandwidth as the N nodes get it, measu
 rounds: each node drains its objects raw through the proxy (``copy_parallelism`` streams, the
 bytes dropped: no check, no write, no catalog), all nodes at once (as ``ckpt drill`` measures
 its bound: ``tasks.drill_node.drain``). The figure of one process reading every object alone
-(``tasks.drill.tier_read_seconds``) is printed beside it: here the N node processes, the proxy
+(``one_reader_seconds``) is printed beside it: here the N node processes, the proxy
 and the S3 server share two cores, so N readers at once cannot reach it (on a cluster each node
 reads with its own cores and NIC). It prints
 the bytes read per tier, the S3 GETs and the bytes sent per object during the Tier 2 resume
@@ -298,7 +298,6 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     from db.catalog import Catalog, upgrade  # deferred: start-up (node processes start light)
     from flows.common import plain_steps  # deferred: start-up (node processes start light)
     from flows.promote import promote  # deferred: start-up (node processes start light)
-    from tasks.drill import tier_read_seconds  # deferred: start-up (node processes start light)
 
     load0 = os.getloadavg()[0]
     n, part_bytes = args.nodes, int(args.part_mib * 2**20)
@@ -328,14 +327,21 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
               f"byte; {args.parallelism} streams per node")
         shaped = base.model_copy(update={"s3_endpoint_url": proxy.url})
         run_bench(args, work, n, nbytes, nodes, shaped, bucket, proxy, tier1, prefix, load0,
-                  lambda: _bound(base, shaped, tier_read_seconds))
+                  lambda: one_reader_seconds(base, shaped))
 
 
-def _bound(base, shaped, tier_read_seconds) -> float:
+def one_reader_seconds(base, shaped) -> float:
+    """Every object of the checkpoint drained through the proxy by this one process
+    (``copy_parallelism`` streams per part at once), timed: Tier 2 as one reader gets it."""
     from db.catalog import Catalog  # deferred: start-up (node processes start light)
+    from tasks.drill_node import drain  # deferred: start-up (node processes start light)
 
     with Catalog(base.catalog_url) as cat:
-        return tier_read_seconds(cat, shaped, cat.get_checkpoint(RUN, STEP), 2)
+        ck = cat.get_checkpoint(RUN, STEP)
+        keys = [f"{checkpoint_prefix(RUN, STEP)}/{f.path}" for f in cat.files(ck.id)]
+    started = time.monotonic()
+    drain(shaped, 2, keys, streams=ck.parts * shaped.copy_parallelism)
+    return time.monotonic() - started
 
 
 def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str, proxy, tier1: Path, prefix: str,

@@ -28,7 +28,6 @@ from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, VERIFIED, CheckpointInfo, DrillResult
 from tasks.base import log, open_catalog, registered_manifest
 from tasks.drill_node import NodeOutcome
-from tasks.replicas import TierStores
 from tasks.restore import restore_checkpoint
 from tasks.retry import pipeline_task
 
@@ -267,29 +266,6 @@ def _readline(proc: Any, timeout: float) -> str:
     t.start()
     t.join(timeout)
     return got[0] if got else ""
-
-
-def tier_read_seconds(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int) -> float:
-    """Every file of the checkpoint read raw (no check, no load) from ``tier`` by this one
-    process, ``copy_parallelism`` streams per part at once, timed: the tier as one reader gets
-    it (benchmarks/cluster_restore.py prints it beside the drill's bound, which N node
-    processes measure together)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    prefix = checkpoint_prefix(ck.run, ck.step)
-    keys = [f"{prefix}/{f.path}" for f in cat.files(ck.id)]
-    with TierStores(settings) as stores:
-        store = stores.get(tier)
-
-        def drain(key: str) -> None:
-            with store.open_read(key) as fh:
-                while fh.read(settings.io_buffer_bytes):
-                    pass
-
-        started = time.monotonic()
-        with ThreadPoolExecutor(max(1, ck.parts * settings.copy_parallelism)) as pool:
-            list(pool.map(drain, keys))
-        return time.monotonic() - started
 
 
 def _record(cat: Catalog, ck: CheckpointInfo, tier: int, outcomes: list[Any], go: float, bound: float | None,

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 # light at import (no catalog, no Prefect): benchmarks/cluster_restore.py's node processes import it
 # before they prepare; the pipeline modules are imported where they are used, and first in warm_up
@@ -79,7 +80,7 @@ def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int,
                      actor: str, started: float) -> NodeOutcome:
     from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
     from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
-    from tasks.resume import IN_PLACE, resume, wide_files  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.resume import IN_PLACE, resume  # deferred: start-up (keeps this module light: see warm_up)
 
     with TierStores(cold) as stores:
         mounted = tier == 1 and stores.get(1).local_path(checkpoint_prefix(run, step)) is not None
@@ -92,7 +93,7 @@ def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int,
     with open_catalog(cold.catalog_url) as cat:
         ck = cat.get_checkpoint(run, step)
         files = cat.files(ck.id)
-    mine = [f for f in files if f.part == part] + wide_files(files, [part])
+    mine = part_files(files, part)
     try:
         checked = load_and_check(point.path, [ManifestFile(f.path, f.size, f.checksum) for f in mine], ck.format)
     except CorruptCheckpoint as exc:
@@ -124,22 +125,29 @@ def _mark_corrupt(settings: Settings, checkpoint_id: int, tier: int, part: int, 
                 mark_bad(cat, r, "corrupt", f"drill: loading failed: {exc}", actor=actor)
 
 
-def part_keys(settings: Settings, run: str, step: int, part: int) -> list[str]:
-    """The keys a node resuming ``part`` reads: its own files and the checkpoint-wide files its
-    format needs that another part holds (``tasks.resume.wide_files``)."""
-    from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
+def part_files(files: list[Any], part: int) -> list[Any]:
+    """The files a node resuming ``part`` reads: its own and the checkpoint-wide files its format
+    needs that another part holds (``tasks.resume.wide_files``)."""
     from tasks.resume import wide_files  # deferred: start-up (keeps this module light: see warm_up)
+
+    return [f for f in files if f.part == part] + wide_files(files, [part])
+
+
+def part_keys(settings: Settings, run: str, step: int, part: int) -> list[str]:
+    """The keys of ``part_files`` of ``run``/``step``, from the catalog."""
+    from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
 
     assert settings.catalog_url is not None
     with open_catalog(settings.catalog_url) as cat:
         files = cat.files(cat.get_checkpoint(run, step).id)
     prefix = checkpoint_prefix(run, step)
-    return [f"{prefix}/{f.path}" for f in [f for f in files if f.part == part] + wide_files(files, [part])]
+    return [f"{prefix}/{f.path}" for f in part_files(files, part)]
 
 
-def drain(settings: Settings, tier: int, keys: list[str]) -> int:
-    """Read ``keys`` raw from ``tier`` as a resume reads them (``copy_parallelism`` streams, the
-    store's own reads: ranged GETs on S3), nothing checked or kept; the bytes read."""
+def drain(settings: Settings, tier: int, keys: list[str], *, streams: int | None = None) -> int:
+    """Read ``keys`` raw from ``tier`` as a resume reads them (``streams`` at once, default
+    ``copy_parallelism``; the store's own reads: ranged GETs on S3), nothing checked or kept;
+    the bytes read."""
     from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
 
     def one(key: str) -> int:
@@ -149,7 +157,7 @@ def drain(settings: Settings, tier: int, keys: list[str]) -> int:
                 n += len(chunk)
         return n
 
-    with TierStores(settings) as stores, ThreadPoolExecutor(max(1, settings.copy_parallelism)) as pool:
+    with TierStores(settings) as stores, ThreadPoolExecutor(max(1, streams or settings.copy_parallelism)) as pool:
         store = stores.get(tier)
         return sum(pool.map(one, keys))
 
