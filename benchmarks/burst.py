@@ -82,6 +82,7 @@ class Phase:
     agent_rss_mb: float = 0.0
     agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, warm, tracker
     peak_rss_mb: float = 0.0          # agents and their flow runs together
+    started_by: dict[str, int] = field(default_factory=dict)  # promote runs: fast path / runner
     notes: list[str] = field(default_factory=list)
 
     def rate(self, n: int) -> float:
@@ -134,6 +135,8 @@ def report(phases: list[Phase]) -> str:
         ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
         ("CPU s per part: server / agents / database", lambda p: " / ".join(
             f"{p.cpu_by_role.get(r, 0.0) / p.parts:.2f}" if p.parts else "-" for r in CPU_ROLES)),
+        ("promote runs started: fast path / runner", lambda p: " / ".join(
+            str(p.started_by.get(r, 0)) for r in STARTERS)),
         ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
         ("  agent / fork server / warm / tracker", lambda p: " / ".join(
             f"{p.agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"),
@@ -311,6 +314,36 @@ def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]
     return int(ev.get("total", 0)), len(runs), int(tasks), (max(ends) - t0) if ends else 0.0
 
 
+STARTERS = ("fast path", "runner")
+
+
+def started_by(pending_messages: list[str | None]) -> dict[str, int]:
+    """How many promote runs each path started, from each run's ``Pending`` state message (None:
+    the run never went Pending): the fast path claims with ``claim_message``, the runner's poll
+    with a message of its own, or none."""
+    from deployments.fast_path import claim_message
+
+    mark = claim_message("")
+    out = dict.fromkeys(STARTERS, 0)
+    for m in pending_messages:
+        out["fast path" if m is not None and m.startswith(mark) else "runner"] += 1
+    return out
+
+
+def pending_messages(api: str, since: float) -> list[str | None]:
+    """The ``Pending`` state message of every promote run created since ``since``."""
+    import httpx
+
+    runs = httpx.post(f"{api}/flow_runs/filter", json={
+        "flows": {"name": {"any_": [names.PROMOTE_FLOW]}},
+        "flow_runs": {"expected_start_time": {"after_": _iso(since - 1)}}, "limit": 200}, timeout=60).json()
+    out: list[str | None] = []
+    for r in runs:
+        states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": r["id"]}, timeout=60).json()
+        out.append(next((s.get("message") or "" for s in states if s.get("type") == "PENDING"), None))
+    return out
+
+
 def _iso(t: float) -> str:
     from datetime import UTC, datetime
 
@@ -444,6 +477,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         phase.cpu_s = sum(phase.cpu_by_role.values())
         time.sleep(3)  # the event persister writes in batches
         phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
+        phase.started_by = started_by(pending_messages(api, t0))
         return phase
     finally:
         for p in procs:  # all at once, then one by one (each gets its grace period from now)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from benchmarks.burst import Phase, agents_that_fit, cpu_between, last_line, report
+from benchmarks.burst import Phase, agents_that_fit, cpu_between, last_line, report, started_by
+from deployments.fast_path import claim_message
 
 
 def _phase(**kw) -> Phase:
@@ -61,3 +62,12 @@ def test_report_splits_the_cpu_and_the_agent_s_memory_by_role():
                agent_pss_by_role={"agent": 71.0, "fork server": 47.0, "warm process": 51.0, "resource tracker": 7.0})
     out = report([p])
     assert "1.00 / 2.00 / 0.12" in out and "71 / 47 / 51 / 7 MB" in out
+
+
+def test_runs_are_counted_by_the_path_that_started_them():
+    # the fast path's claim names its node; the runner's poll leaves its own message or none;
+    # a run that never went Pending was started by neither and is counted against the fast path
+    msgs = [claim_message("b1-n00"), claim_message("b1-n07"), "", "Flow run submitted by runner", None]
+    assert started_by(msgs) == {"fast path": 2, "runner": 3}
+    assert "promote runs started: fast path / runner" in report([_phase(started_by=started_by(msgs))])
+    assert "2 / 3" in report([_phase(started_by=started_by(msgs))])
