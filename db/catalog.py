@@ -640,8 +640,8 @@ def _head() -> str:
 
 
 def preload() -> None:
-    """Read Alembic's migration scripts now (what the first schema check of a process reads):
-    a process that forks workers afterwards shares these pages with them."""
+    """Read the migration scripts' revisions now (what the first schema check of a process
+    reads, as text: db/migrate.py): a process that forks workers afterwards shares them."""
     _head()
 
 
