@@ -132,6 +132,12 @@ class Settings(BaseSettings):
         default=True,
         description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
                     "event subscription); off: the runner's poll and a fresh process, as Prefect serves it")
+    runner_warm: bool = Field(
+        default=True,
+        description="with the fast path on, a promote run the runner's poll takes first (most runs of a burst: the "
+                    "poll is faster than the event stream under load) also starts in the warm process, or a fork of "
+                    "the agent's fork server, instead of a new interpreter that imports Prefect and the pipeline "
+                    "again; off: as Prefect's runner starts it")
     prefect_reuse: bool = Field(
         default=True,
         description="the agent builds once what Prefect builds per client and per run: one verified TLS context "

@@ -35,7 +35,9 @@ the runner's poll stays the fallback.
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -43,8 +45,10 @@ from core import events
 from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
-from deployments.fast_path import fast_path, start_fork_server
+from deployments.fast_path import fast_path, run_in_warm_process, start_fork_server
 from deployments.tls import share_verified_contexts
+
+log = logging.getLogger("ckpt.agent")
 
 
 def promote_trigger(node: str) -> Any:
@@ -159,8 +163,6 @@ def ensure_alerts(settings: Settings) -> None:
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
-    from contextlib import nullcontext
-
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -174,6 +176,40 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:
             ensure_alerts(settings)
-        with fast_path(settings.node) if settings.fast_path else nullcontext():
-            serve(*build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger), limit=limit,
-                  print_starting_message=True)
+        deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
+        if settings.fast_path:
+            with fast_path(settings.node):
+                serve_runner(deployments, limit=limit, warm=settings.runner_warm)
+        else:
+            serve(*deployments, limit=limit, print_starting_message=True)
+
+
+def serve_runner(deployments: list[Any], *, limit: int | None, warm: bool = True) -> None:
+    """Prefect's ``serve``, with one change (``warm``): the runner holds the promote flow itself
+    (``Runner.add_flow`` does the same for the flows given to it), so a promote run its poll
+    takes starts through ``run_flow_in_subprocess``, which the agent routes to the fast path's
+    warm process (``fast_path.run_in_warm_process``), instead of ``python -m prefect.engine`` in
+    a new interpreter. Under a burst the poll takes most runs before their event reaches the
+    fast path's subscription (36 of 64 in the 64-node burst), so this is where the CPU went."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner, _starter_direct
+
+    from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
+
+    runner = Runner(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        deployment_id: Any = runner.add_deployment(deployment)  # a UUID here (a sync caller)
+        if warm and deployment.flow_name == names.PROMOTE_FLOW:
+            runner._deployment_registry.register_flow(deployment_id, promote_checkpoint)
+    if warm:
+        _starter_direct.run_flow_in_subprocess = run_in_warm_process  # type: ignore[assignment]
+    with suppress(Exception):  # the table Prefect prints: cosmetic
+        from prefect.flows import _display_serve_start_message
+
+        _display_serve_start_message(*deployments)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal) as exc:
+        log.info("received %s, shutting down", type(exc).__name__)

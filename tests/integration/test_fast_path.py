@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import uuid
 
+import psutil
 import pytest
 
 from core import events
@@ -125,3 +126,85 @@ def test_killed_flow_process_ends_crashed_and_reconcile_finishes_it(agents):
     reconcile_once(agents.settings(NODE), steps=plain_steps(), actor="test")  # what its schedule does
 
     assert _on_tier1(agents, "run-kill", 3)
+
+
+POLL_NODE = f"fp-poll-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def polling_agent(prefect_server, tmp_path_factory):
+    """An agent whose runner polls every second: the path that starts most runs of a burst."""
+    root = tmp_path_factory.mktemp("fast-path-poll")
+    a = start_agents(prefect_server, root, (POLL_NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}",
+                     s3_url=None, bucket=None, extra={"PREFECT_RUNNER_POLL_FREQUENCY": "1",
+                                                      "CKPT_RECONCILE_INTERVAL_SECONDS": "3600"})
+    yield a
+    a.stop()
+
+
+def _schedule_later(agents: Agents, run: str, step: int, seconds: float) -> str:
+    """A promote run of the node's deployment due ``seconds`` from now: later than the fast path
+    takes a run, so the runner's poll starts it."""
+    from datetime import UTC, datetime, timedelta
+
+    import httpx
+
+    headers = auth_headers()
+    dep = httpx.get(f"{agents.api_url}/deployments/name/{names.promote_deployment(POLL_NODE)}", headers=headers,
+                    timeout=10)
+    dep.raise_for_status()
+    due = (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
+    r = httpx.post(f"{agents.api_url}/deployments/{dep.json()['id']}/create_flow_run", headers=headers, timeout=10,
+                   json={"parameters": {"run": run, "step": step, "part": 0, "parts": 1, "node": POLL_NODE},
+                         "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": due}}})
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def test_run_taken_by_the_runners_poll_runs_in_a_fork_of_the_warm_server_not_a_new_interpreter(polling_agent):
+    agents = polling_agent
+    train(agents, f"""
+        with CheckpointStager("run-poll", node="{POLL_NODE}", shard_bytes=1 << 20, announce=False) as st:
+            st.save(5, tensors(seed=5))
+    """)
+    lock = sqlite3.connect(agents.env["CKPT_CATALOG_URL"].removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # the run stays running while its process is looked at
+        flow_run_id = _schedule_later(agents, "run-poll", 5, seconds=3)
+        wait_for("the run running", lambda: _by_id(agents, flow_run_id)["state_type"] == "RUNNING", timeout=60,
+                 agents=agents)
+        agent = psutil.Process(agents.procs[0].pid)
+        # not in a new interpreter (Prefect's runner starts one with the run's id in its environment)
+        assert not [c.cmdline() for c in agent.children() if _environ(c).get("PREFECT__FLOW_RUN_ID") == flow_run_id]
+        # but in a fork of the fork server, beside the warm process waiting for the next run
+        server = psutil.Process(_fork_server_pid(agents.procs[0].pid))
+        assert len(server.children()) == 2, [c.pid for c in server.children()]
+    finally:
+        lock.rollback()
+        lock.close()
+    done = wait_for("the run finished", lambda: (r := _by_id(agents, flow_run_id)) and finished(r) and r,
+                    timeout=120, agents=agents)
+    assert done["state_type"] == "COMPLETED"
+    pending = [s for s in _states(agents, flow_run_id) if s["type"] == "PENDING"]
+    assert pending and claim_message(POLL_NODE) not in [s["message"] for s in pending]  # the runner's claim
+    assert _on_tier1(agents, "run-poll", 5)
+
+
+def _environ(p: psutil.Process) -> dict[str, str]:
+    try:
+        return p.environ()
+    except psutil.Error:  # exited meanwhile
+        return {}
+
+
+def _fork_server_pid(agent_pid: int) -> int:
+    """The agent's child that forks the warm processes (the one with children of its own)."""
+    return next(c.pid for c in psutil.Process(agent_pid).children() if c.children())
+
+
+def _by_id(agents: Agents, flow_run_id: str) -> dict:
+    import httpx
+
+    r = httpx.get(f"{agents.api_url}/flow_runs/{flow_run_id}", headers=auth_headers(), timeout=10)
+    r.raise_for_status()
+    return r.json()

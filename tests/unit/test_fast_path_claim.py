@@ -1,0 +1,183 @@
+"""The fast path's claim, in order, without a server: a scheduled run is claimed (``Pending``)
+before the warm process is waited for, so a burst's second run is never left ``Scheduled`` for
+the runner's poll while its warm process is forked again; a claimed run whose warm process does
+not come is handed back ``Scheduled``; one the runner took first is left alone; one cancelled
+while it waits is never started.
+
+The Prefect client and the warm process are stand-ins that record what the fast path did: the
+order of those calls is the behaviour under test (the same path against a real server and real
+warm processes: tests/integration/test_fast_path.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from deployments import fast_path
+from deployments.fast_path import FastPath, claim_message
+
+NODE = "claim-node"
+
+
+class Client:
+    """Records the calls; grants every proposal unless ``reject`` (the runner was first)."""
+
+    def __init__(self, flow_run, events: list, *, reject: bool = False) -> None:
+        self.flow_run, self.events, self.reject = flow_run, events, reject
+
+    async def read_flow_run(self, flow_run_id):
+        return self.flow_run
+
+    async def set_flow_run_state(self, flow_run_id, state, force=False):
+        from prefect.client.schemas.responses import SetStateStatus
+
+        if self.reject:
+            self.events.append(("rejected", state.type.value))
+            return SimpleNamespace(status=SetStateStatus.REJECT, state=self.flow_run.state)
+        self.events.append(("state", state.type.value, state.message, force))
+        self.flow_run = self.flow_run.model_copy(update={"state": state})
+        return SimpleNamespace(status=SetStateStatus.ACCEPT, state=state)
+
+    async def update_flow_run(self, flow_run_id, **fields):
+        self.events.append(("update", sorted(fields)))
+
+
+class Warm:
+    """A warm process that says ready from its ``ready_after``-th poll on (never: None)."""
+
+    def __init__(self, events: list, ready_after: int | None) -> None:
+        self.events, self.ready_after, self.polls = events, ready_after, 0
+        self.process = SimpleNamespace(pid=4242, is_alive=lambda: True, terminate=lambda: None)
+
+    def ready(self) -> bool:
+        self.polls += 1
+        ok = self.ready_after is not None and self.polls > self.ready_after
+        if ok:
+            self.events.append(("warm ready",))
+        return ok
+
+    def run(self, flow_run) -> None:
+        self.events.append(("run", flow_run.state.type.value))
+
+    def stop(self) -> None:
+        self.events.append(("warm stopped",))
+
+
+def _scheduled_run(deployment_id):
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Scheduled
+
+    return FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), deployment_id=deployment_id, name="promote/r/step-1",
+                   state=Scheduled())
+
+
+def _path(warm: Warm, finished: list) -> FastPath:
+    path = FastPath(NODE)
+    path._spare = warm
+    path._refill = lambda: None  # no real process
+    path._supervise = lambda *a: None
+    path._finish = lambda flow_run_id, why: finished.append(why)
+    return path
+
+
+def test_run_is_claimed_before_the_warm_process_is_ready_then_started_in_it():
+    events: list = []
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    client, warm = Client(flow_run, events), Warm(events, ready_after=3)
+    path = _path(warm, [])
+
+    asyncio.run(path._offer(client, flow_run.id, deployment_id))
+
+    assert events[0] == ("state", "PENDING", claim_message(NODE), False)  # first, before any wait
+    assert events[1:] == [("warm ready",), ("run", "PENDING"), ("update", ["infrastructure_pid"])]
+    assert path._running == {flow_run.id: warm} and not path._claimed
+
+
+def test_claimed_run_whose_warm_process_never_comes_is_handed_back_scheduled(monkeypatch):
+    monkeypatch.setattr(fast_path, "SPARE_WAIT_SECONDS", 0.2)
+    events: list = []
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    client, warm = Client(flow_run, events), Warm(events, ready_after=None)
+    path = _path(warm, [])
+
+    asyncio.run(path._offer(client, flow_run.id, deployment_id))
+
+    assert [e[:2] for e in events] == [("state", "PENDING"), ("state", "SCHEDULED")]
+    assert events[-1][3] is True and "no warm process ready" in events[-1][2]
+    scheduled = client.flow_run.state
+    assert scheduled.is_scheduled() and scheduled.state_details.scheduled_time is not None  # due: the runner's
+    assert not path._running and not path._claimed and path._spare is warm  # the warm process stays the spare
+
+
+def test_run_the_runner_claimed_first_is_left_alone():
+    events: list = []
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    client, warm = Client(flow_run, events, reject=True), Warm(events, ready_after=0)
+    path = _path(warm, [])
+
+    asyncio.run(path._offer(client, flow_run.id, deployment_id))
+
+    assert events == [("rejected", "PENDING")]  # no wait, no run, no hand-back
+    assert warm.polls == 0 and path._spare is warm and not path._claimed
+
+
+def test_another_nodes_run_is_not_claimed():
+    events: list = []
+    flow_run = _scheduled_run(uuid.uuid4())
+    client, warm = Client(flow_run, events), Warm(events, ready_after=0)
+    path = _path(warm, [])
+
+    asyncio.run(path._offer(client, flow_run.id, uuid.uuid4()))
+
+    assert events == []
+
+
+def test_run_cancelled_while_it_waits_for_its_warm_process_never_starts():
+    events: list = []
+    finished: list = []
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    client, warm = Client(flow_run, events), Warm(events, ready_after=None)
+    path = _path(warm, finished)
+
+    async def scenario() -> None:
+        offer = asyncio.create_task(path._offer(client, flow_run.id, deployment_id))
+        while flow_run.id not in path._claimed:
+            await asyncio.sleep(0.01)
+        path._cancel(flow_run.id)  # the Cancelling event
+        warm.ready_after = 0  # the warm process comes after all
+        await offer
+
+    asyncio.run(scenario())
+    for t in threading.enumerate():  # _finish runs in a thread of its own
+        if t.name == f"ckpt-fast-path-{flow_run.id}":
+            t.join(5)
+
+    assert ("run", "PENDING") not in [e[:2] for e in events]
+    assert finished == ["cancelled before it started"]  # _finish ends it Cancelled (it is Cancelling)
+    assert path._spare is warm and not path._running and not path._claimed
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_stopping_agent_hands_back_what_it_claimed_and_nothing_else(started):
+    path = _path(Warm([], ready_after=0), [])
+    given: list = []
+    path._give_back = given.append
+    flow_run_id = uuid.uuid4()
+    if started:
+        path._running[flow_run_id] = Warm([], ready_after=0)
+        path._running[flow_run_id].process = SimpleNamespace(pid=1, terminate=lambda: None, join=lambda t: None)
+    else:
+        path._claimed.add(flow_run_id)
+
+    path.stop()
+
+    assert given == ([] if started else [flow_run_id])
