@@ -24,7 +24,12 @@ plus one flow run each do not fit in ``--mem-fraction`` of the available memory 
 shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
 
+``--cold-runner`` adds the same burst on the same stack with ``CKPT_RUNNER_WARM=false``: the
+runs the runner's poll takes first start in new interpreters, as Prefect's runner starts them,
+instead of the fast path's warm process; "promote runs started" says how many each path took.
+
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
+    python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
 """
 
@@ -54,6 +59,7 @@ from core.storage import open_store
 from core.transfer import copy_part, verify_part
 from db.catalog import Catalog, upgrade
 from deployments import names
+from deployments.fast_path import claim_message
 
 SMOKE = {"nodes": 2, "part_mb": 1.0}
 RUN, STEP = "burst", 1000
@@ -315,14 +321,13 @@ def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]
 
 
 STARTERS = ("fast path", "runner")
+COLD = "pg+redis, runner cold"  # the --cold-runner phase
 
 
 def started_by(pending_messages: list[str | None]) -> dict[str, int]:
     """How many promote runs each path started, from each run's ``Pending`` state message (None:
     the run never went Pending): the fast path claims with ``claim_message``, the runner's poll
     with a message of its own, or none."""
-    from deployments.fast_path import claim_message
-
     mark = claim_message("")
     out = dict.fromkeys(STARTERS, 0)
     for m in pending_messages:
@@ -370,11 +375,13 @@ class Setup:
     agents: int | None = None  # decided by the first phase, kept for the second
 
 
-def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup) -> Phase:
+def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup,
+              env_extra: dict[str, str] | None = None) -> Phase:
     import httpx
     import numpy as np
 
     tag = uuid.uuid4().hex[:6]
+    run = f"{RUN}-{tag}"  # the events' ids derive from run/step/part: a second phase on one server is not a duplicate
     root = setup.work / name
     catalog_db = f"ckpt_burst_{os.getpid()}_{tag}"
     create_database(setup.pg_admin, catalog_db)
@@ -387,6 +394,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         env.update(CKPT_RECONCILE_INTERVAL_SECONDS="3600",      # the burst is about events
                    CKPT_TIER2_URL=f"s3://{setup.bucket}/{name}-{tag}",
                    PREFECT_RUNNER_POLL_FREQUENCY="5")            # as docker-compose.yml
+        env.update(env_extra or {})
         node = [f"b{tag}-n{i:02d}" for i in range(setup.nodes)]
         first = start_agent(env, root / "logs" / f"agent-{node[0]}.log", node=node[0])
         procs.append(first)
@@ -423,12 +431,12 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         first_saved = None
         for p in range(setup.nodes):
             s = Settings(**{key[5:].lower(): v for key, v in env.items() if key.startswith("CKPT_")}, node=owner[p])
-            with CheckpointStager(RUN, settings=s, part=p, parts=setup.nodes, announce=False,
+            with CheckpointStager(run, settings=s, part=p, parts=setup.nodes, announce=False,
                                   shard_bytes=4 << 20) as st:
                 saved = st.save(STEP, {"w": rng.standard_normal(size, dtype=np.float32)}, milestone=True)
             first_saved = first_saved or (s, saved)
         s0, saved0 = first_saved
-        phase.copy_cpu_per_part_s = byte_copy_cpu(s0, saved0.manifest, f"{RUN}/step-{STEP:08d}",
+        phase.copy_cpu_per_part_s = byte_copy_cpu(s0, saved0.manifest, f"{run}/step-{STEP:08d}",
                                                   str(root / "bytecopy"))
 
         admin = setup.pg_admin
@@ -444,7 +452,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
                     "agents": {q: proc_cpu(q) for q in agents}, "database": {q: proc_cpu(q) for q in db}}
 
         cpu0 = cpu_now()
-        body = [events.build_event(events.COMPLETED, RUN, STEP, part=p, parts=setup.nodes, node=owner[p],
+        body = [events.build_event(events.COMPLETED, run, STEP, part=p, parts=setup.nodes, node=owner[p],
                                    payload={"kind": "milestone"}) for p in range(setup.nodes)]
         t0 = time.time()
         httpx.post(f"{api}/events", json=body, timeout=60).raise_for_status()
@@ -455,9 +463,9 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
             while time.monotonic() < deadline:
                 phase.peak_rss_mb = max(phase.peak_rss_mb, sum(proc_rss(p.pid) for p in procs) / 1e6)
                 try:
-                    ck = cat.get_checkpoint(RUN, STEP)
+                    ck = cat.get_checkpoint(run, STEP)
                     phase.verified = sum(r.state == "verified" for r in cat.replicas(ck.id, tier=1))
-                    done = [h.to_state for h in cat.history(RUN, STEP) if h.action == "complete"]
+                    done = [h.to_state for h in cat.history(run, STEP) if h.action == "complete"]
                 except Exception:  # noqa: BLE001 - not registered yet
                     ck, done = None, []
                 now = time.time() - t0
@@ -538,6 +546,9 @@ def main() -> int:
     ap.add_argument("--pg-url", default=os.environ.get("CKPT_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379")
     ap.add_argument("--no-sqlite", action="store_true", help="skip the SQLite server baseline")
+    ap.add_argument("--cold-runner", action="store_true",
+                    help="also run the same burst on the same stack with CKPT_RUNNER_WARM=false (the runner's "
+                         "poll starts its runs in new interpreters, as Prefect does): the baseline of that setting")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -548,6 +559,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
     phases: list[Phase] = []
+    cold: list[Phase] = []  # --cold-runner: printed after the others, never the exit status
     load0 = os.getloadavg()[0]
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
@@ -560,6 +572,10 @@ def main() -> int:
                 print(f"production stack up in {stack.start_seconds:.1f} s: {stack.describe()}", flush=True)
                 phases.append(guarded("postgres+redis", setup, lambda: run_phase(
                     "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup)))
+                if args.cold_runner:  # the same burst, same stack, the runner's runs in new interpreters
+                    cold.append(guarded(COLD, setup, lambda: run_phase(
+                        COLD, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
+                        env_extra={"CKPT_RUNNER_WARM": "false"})))
             if not args.no_sqlite:
                 t = time.monotonic()
                 proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)
@@ -569,7 +585,7 @@ def main() -> int:
                 finally:
                     stop_process(proc, grace=20.0)
     finally:
-        if any(p.failures() for p in phases):  # keep the logs, not the checkpoints
+        if any(p.failures() for p in phases + cold):  # keep the logs, not the checkpoints
             for data in work.glob("*/data"):
                 shutil.rmtree(data, ignore_errors=True)
             print(f"logs kept under {work}")
@@ -578,21 +594,21 @@ def main() -> int:
 
     print(f"{args.nodes} parts of {args.part_mb:g} MB, one milestone checkpoint; load average at start {load0:.1f}, "
           f"now {os.getloadavg()[0]:.1f} (2 cores shared: figures are noisy, compare the columns)")
-    for p in phases:
+    for p in phases + cold:
         for note in p.notes:
             print(f"{p.server}: {note}")
-    print(report(phases))
+    print(report(phases + cold))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(p) | {
             "events_per_s": p.rate(p.events), "flow_runs_per_s": p.rate(p.flow_runs),
             "task_runs_per_s": p.rate(p.task_runs),
-            "cpu_outside_copy_per_part_s": p.cpu_outside_copy_per_part_s} for p in phases], indent=1))
+            "cpu_outside_copy_per_part_s": p.cpu_outside_copy_per_part_s} for p in phases + cold], indent=1))
     # the exit status is the production shape's; the SQLite server is the baseline beside it, whose
     # losses under a burst are a finding of the run (the reason for the production shape), not a failure
     problems = phases[0].failures() if phases else ["no phase ran"]
     for f in problems:
         print(f"FAILED: {f}")
-    for p in phases[1:]:
+    for p in phases[1:] + cold:
         for f in p.failures():
             print(f"baseline {p.server}: {f}")
     print(last_line(phases[0], phases[1] if len(phases) > 1 else None))
