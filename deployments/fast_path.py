@@ -594,7 +594,11 @@ def run_in_warm_process(flow: Any, flow_run: Any = None, **kwargs: Any) -> Any:
     if path is None or flow_run is None or getattr(flow, "name", None) != names.PROMOTE_FLOW or kwargs.get(
             "parameters") or kwargs.get("wait_for") or kwargs.get("context"):
         return run_flow_in_subprocess(flow, flow_run=flow_run, **kwargs)
-    process = path.start_now(flow_run)
+    try:
+        process = path.start_now(flow_run)
+    except Exception as exc:  # noqa: BLE001 - the fork server gone, say: the run still starts, as Prefect starts it
+        log.warning("fast path: %s starts in a new interpreter: %s: %s", flow_run.name, type(exc).__name__, exc)
+        return run_flow_in_subprocess(flow, flow_run=flow_run, **kwargs)
     log.info("fast path: %s, taken by the runner's poll, runs in pid %s", flow_run.name, process.pid)
     return process
 

@@ -1,10 +1,11 @@
 """The agent's fast path on a real Prefect server: a promote run starts in the agent's warm
 process the moment the deployment trigger schedules it; duplicates stay one run; a killed flow
-process ends ``Crashed`` and reconcile finishes its checkpoint.
+process ends ``Crashed`` and reconcile finishes its checkpoint; a run the runner's poll takes
+runs warm too.
 
-The agent's runner polls once an hour here, so every run these tests see started was started
-by the fast path (the runner's poll is the fallback, covered by tests/integration/test_events.py
-and the ``--path trigger`` benchmark).
+The first agent's runner polls once an hour, so every run it starts in these tests was started
+by the fast path. A second agent polls every second: a run due a little later, which the fast
+path leaves to the poll, must run in a fork of the agent's fork server, not in a new interpreter.
 """
 
 from __future__ import annotations

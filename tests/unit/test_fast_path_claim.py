@@ -181,3 +181,34 @@ def test_stopping_agent_hands_back_what_it_claimed_and_nothing_else(started):
     path.stop()
 
     assert given == ([] if started else [flow_run_id])
+
+
+@pytest.mark.parametrize("case", ["promote, fast path listening", "no fast path", "another flow", "fork fails"])
+def test_runner_starts_promote_runs_through_the_fast_path_and_anything_else_as_prefect_does(monkeypatch, case):
+    import prefect.flow_engine
+
+    from deployments import names
+
+    started: list = []
+    monkeypatch.setattr(prefect.flow_engine, "run_flow_in_subprocess",
+                        lambda flow, flow_run=None, **kw: started.append(("prefect", flow.name)) or "spawned")
+    path = _path(Warm([], ready_after=0), [])
+
+    def start_now(flow_run):
+        if case == "fork fails":
+            raise OSError("the fork server is gone")
+        started.append(("warm", flow_run.name))
+        return SimpleNamespace(pid=4242)
+
+    path.start_now = start_now
+    if case != "no fast path":
+        monkeypatch.setattr(fast_path, "_active", [path])
+    flow = SimpleNamespace(name="reconcile" if case == "another flow" else names.PROMOTE_FLOW)
+    flow_run = _scheduled_run(uuid.uuid4())
+
+    result = fast_path.run_in_warm_process(flow, flow_run=flow_run, env={"PREFECT__DEPLOYMENT_NAME": "x"})
+
+    if case == "promote, fast path listening":
+        assert started == [("warm", flow_run.name)] and result.pid == 4242
+    else:
+        assert started == [("prefect", flow.name)] and result == "spawned"
