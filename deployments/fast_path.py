@@ -15,11 +15,11 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
    processes instead of each interpreter importing its own copy; spawned where that cannot be;
 3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
    (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
-   never both start a run. The claim does not wait for the warm process (a second run of the
-   same burst would sit ``Scheduled`` while it is forked again, and go to the runner's poll).
-   The warm process runs it with Prefect's own engine (``run_flow``: states, task runs, logs
-   and artifacts as in any served run) and exits; a new warm process is forked at once for the
-   next run;
+   never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
+   states, task runs, logs and artifacts as in any served run) and exits; a new warm process is
+   forked at once for the next run. Nothing waits for the warm process: a run that comes while
+   it is still warming up (the second run of a burst) goes at once to a process forked for it,
+   which runs it as soon as it is warm;
 4. supervises it: a process that exits before its run is final (killed, out of memory) leaves
    the run ``Crashed``, as Prefect's runner does for the processes it starts; a run cancelled
    from the UI has its process stopped and ends ``Cancelled``.
@@ -27,8 +27,8 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 Nothing here creates flow runs: the deployment trigger stays the one source of runs, so a
 duplicate event is still one run and the UI shows the same runs as before. The runner stays the
 fallback: a run this path does not take (the subscription down, a run scheduled for later)
-starts at the runner's next poll, as without it, and a run it claimed whose warm process is not
-ready within a minute (or whose agent stops first) is handed back, ``Scheduled`` and due, to that poll;
+starts at the runner's next poll, as without it, and a run it claimed but could not start (no
+process could be forked, the agent stopping) is handed back, ``Scheduled`` and due, to that poll;
 whichever proposes ``Pending`` first starts it.
 
 The warm process runs without Prefect's flow-run heartbeats. Its liveness is watched by the
@@ -46,7 +46,6 @@ import multiprocessing
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
@@ -64,7 +63,6 @@ CANCELLING = "prefect.flow-run.Cancelling"
 READY = "ready"
 DUE_WITHIN = timedelta(seconds=1)  # a run scheduled later than this (on purpose) is the runner's
 RESUBSCRIBE_SECONDS = 5.0
-SPARE_WAIT_SECONDS = 60.0  # a claimed run waits this long for its warm process, then goes to the runner
 
 
 def claim_message(node: str) -> str:
@@ -310,7 +308,6 @@ class FastPath:
         self._main: asyncio.Task | None = None
         self._thread: threading.Thread | None = None
         self._offers: set[asyncio.Task] = set()
-        self._one_at_a_time = asyncio.Lock()
 
     def start(self) -> None:
         self._refill()
@@ -420,14 +417,15 @@ class FastPath:
     # --- claiming and starting a run ------------------------------------------------------
     async def _offer(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
         """Claim ``flow_run_id`` at once if it is a run of this node's promote deployment, still
-        scheduled and due; start it as soon as a warm process is ready.
+        scheduled and due, and start it at once: in the warm process when it is ready, else in a
+        process forked now from the fork server, which runs it as soon as it has warmed up.
 
-        The claim comes first: a run that waited, still ``Scheduled``, for the warm process to
-        be forked again after the previous run took it (seconds when many agents share the
-        cores) was taken by the runner's next poll and ran in a freshly spawned interpreter
-        (~1.8 CPU s of imports): in the 64-node burst, 36 of 64 runs. A claimed run waits in
-        ``Pending`` instead; one whose warm process is not ready within ``SPARE_WAIT_SECONDS``
-        is handed back (``Scheduled``, due now) for the runner's next poll."""
+        Neither the claim nor the start waits for the warm process. A run that waited for it,
+        still ``Scheduled``, while it was forked again after the previous run took it (seconds
+        when many agents share the cores) went to the runner's next poll; runs that waited for
+        it one after another, claimed, were started one warm-up apart. A run claimed but not
+        started (no process could be started, the agent stopping) goes back to ``Scheduled``,
+        due, for the runner's poll."""
         from prefect.client.schemas.responses import SetStateStatus
         from prefect.states import Pending
 
@@ -445,17 +443,13 @@ class FastPath:
             return  # the runner was first: one run, one execution
         with self._lock:
             self._claimed.add(flow_run_id)
-        async with self._one_at_a_time:  # claimed runs take the warm process in the order scheduled
-            warm = await self._wait_spare()
-        if warm is None:
-            await self._hand_back(client, flow_run_id, f"no warm process ready within {SPARE_WAIT_SECONDS:.0f} s")
-            return
+        warm = self._take_spare() or WarmProcess(self._ctx, self._env)
         with self._lock:
             claimed = flow_run_id in self._claimed
             self._claimed.discard(flow_run_id)
             if claimed:
                 self._running[flow_run_id] = warm
-        if not claimed:  # handed back meanwhile (the agent is stopping)
+        if not claimed:  # cancelled, or handed back by the agent's stop, meanwhile
             self._put_back(warm)
             return
         _in_context(self._supervise, flow_run_id, warm, name=f"ckpt-fast-path-{flow_run_id}")
@@ -480,17 +474,6 @@ class FastPath:
         await client.set_flow_run_state(flow_run_id, Scheduled(scheduled_time=datetime.now(UTC),
                                                                message=f"handed back by the fast path: {why}"),
                                         force=True)
-
-    async def _wait_spare(self) -> WarmProcess | None:
-        """The warm process, waiting while it is still importing (it started before this run was
-        scheduled: never later than a process the runner would spawn at its next poll)."""
-        deadline = time.monotonic() + SPARE_WAIT_SECONDS
-        while not self._stopping.is_set() and time.monotonic() < deadline:
-            warm = self._take_spare()
-            if warm is not None:
-                return warm
-            await asyncio.sleep(0.05)
-        return None
 
     def _take_spare(self) -> WarmProcess | None:
         """The warm process if it is ready (None while it is still importing)."""

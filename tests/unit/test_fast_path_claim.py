@@ -1,8 +1,9 @@
 """The fast path's claim, in order, without a server: a scheduled run is claimed (``Pending``)
-before the warm process is waited for, so a burst's second run is never left ``Scheduled`` for
-the runner's poll while its warm process is forked again; a claimed run whose warm process does
-not come is handed back ``Scheduled``; one the runner took first is left alone; one cancelled
-while it waits is never started.
+and started at once, in the warm process when it is ready, else in a process forked for it (a
+burst's second run is neither left ``Scheduled`` for the runner's poll nor queued behind the
+next warm-up); a claimed run that no process can start is handed back ``Scheduled``; one the
+runner took first is left alone; one cancelled before it starts never starts; the runner's own
+promote runs go to the warm process too.
 
 The Prefect client and the warm process are stand-ins that record what the fast path did: the
 order of those calls is the behaviour under test (the same path against a real server and real
@@ -85,35 +86,59 @@ def _path(warm: Warm, finished: list) -> FastPath:
     return path
 
 
-def test_run_is_claimed_before_the_warm_process_is_ready_then_started_in_it():
+def test_run_is_claimed_then_started_in_the_ready_warm_process():
     events: list = []
     deployment_id = uuid.uuid4()
     flow_run = _scheduled_run(deployment_id)
-    client, warm = Client(flow_run, events), Warm(events, ready_after=3)
+    client, warm = Client(flow_run, events), Warm(events, ready_after=0)
     path = _path(warm, [])
 
     asyncio.run(path._offer(client, flow_run.id, deployment_id))
 
-    assert events[0] == ("state", "PENDING", claim_message(NODE), False)  # first, before any wait
-    assert events[1:] == [("warm ready",), ("run", "PENDING"), ("update", ["infrastructure_pid"])]
+    assert events == [("state", "PENDING", claim_message(NODE), False), ("warm ready",), ("run", "PENDING"),
+                      ("update", ["infrastructure_pid"])]
     assert path._running == {flow_run.id: warm} and not path._claimed
 
 
-def test_claimed_run_whose_warm_process_never_comes_is_handed_back_scheduled(monkeypatch):
-    monkeypatch.setattr(fast_path, "SPARE_WAIT_SECONDS", 0.2)
+def test_run_that_comes_while_the_warm_process_warms_up_starts_at_once_in_a_process_forked_for_it(monkeypatch):
+    """A burst's second run: neither left ``Scheduled`` for the runner's poll nor queued behind
+    the next warm-up, it goes to a process of its own, which runs it once warm."""
     events: list = []
+    forked: list = []
     deployment_id = uuid.uuid4()
     flow_run = _scheduled_run(deployment_id)
-    client, warm = Client(flow_run, events), Warm(events, ready_after=None)
-    path = _path(warm, [])
+    client, spare = Client(flow_run, events), Warm(events, ready_after=None)  # still warming up
+    path = _path(spare, [])
+    monkeypatch.setattr(fast_path, "WarmProcess", lambda ctx, env: forked.append(Warm(events, None)) or forked[-1])
 
     asyncio.run(path._offer(client, flow_run.id, deployment_id))
 
+    assert events == [("state", "PENDING", claim_message(NODE), False), ("run", "PENDING"),
+                      ("update", ["infrastructure_pid"])]
+    assert len(forked) == 1 and path._running == {flow_run.id: forked[0]}
+    assert forked[0].polls == 0  # nothing waited for it to be ready
+    assert path._spare is spare and not path._claimed  # the warm process stays for the next run
+
+
+def test_claimed_run_that_no_process_can_start_is_handed_back_scheduled(monkeypatch):
+    events: list = []
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    client, spare = Client(flow_run, events), Warm(events, ready_after=None)
+    path = _path(spare, [])
+
+    def no_fork(ctx, env):
+        raise OSError("the fork server is gone")
+
+    monkeypatch.setattr(fast_path, "WarmProcess", no_fork)
+
+    asyncio.run(path._offer_safely(client, flow_run.id, deployment_id))
+
     assert [e[:2] for e in events] == [("state", "PENDING"), ("state", "SCHEDULED")]
-    assert events[-1][3] is True and "no warm process ready" in events[-1][2]
+    assert events[-1][3] is True and "the fork server is gone" in events[-1][2]
     scheduled = client.flow_run.state
     assert scheduled.is_scheduled() and scheduled.state_details.scheduled_time is not None  # due: the runner's
-    assert not path._running and not path._claimed and path._spare is warm  # the warm process stays the spare
+    assert not path._running and not path._claimed
 
 
 def test_run_the_runner_claimed_first_is_left_alone():
@@ -125,7 +150,7 @@ def test_run_the_runner_claimed_first_is_left_alone():
 
     asyncio.run(path._offer(client, flow_run.id, deployment_id))
 
-    assert events == [("rejected", "PENDING")]  # no wait, no run, no hand-back
+    assert events == [("rejected", "PENDING")]  # nothing started, nothing handed back
     assert warm.polls == 0 and path._spare is warm and not path._claimed
 
 
@@ -140,30 +165,19 @@ def test_another_nodes_run_is_not_claimed():
     assert events == []
 
 
-def test_run_cancelled_while_it_waits_for_its_warm_process_never_starts():
-    events: list = []
+def test_run_cancelled_between_its_claim_and_its_start_never_starts():
     finished: list = []
-    deployment_id = uuid.uuid4()
-    flow_run = _scheduled_run(deployment_id)
-    client, warm = Client(flow_run, events), Warm(events, ready_after=None)
-    path = _path(warm, finished)
+    path = _path(Warm([], ready_after=0), finished)
+    flow_run_id = uuid.uuid4()
+    path._claimed.add(flow_run_id)
 
-    async def scenario() -> None:
-        offer = asyncio.create_task(path._offer(client, flow_run.id, deployment_id))
-        while flow_run.id not in path._claimed:
-            await asyncio.sleep(0.01)
-        path._cancel(flow_run.id)  # the Cancelling event
-        warm.ready_after = 0  # the warm process comes after all
-        await offer
-
-    asyncio.run(scenario())
+    path._cancel(flow_run_id)  # the Cancelling event
     for t in threading.enumerate():  # _finish runs in a thread of its own
-        if t.name == f"ckpt-fast-path-{flow_run.id}":
+        if t.name == f"ckpt-fast-path-{flow_run_id}":
             t.join(5)
 
-    assert ("run", "PENDING") not in [e[:2] for e in events]
     assert finished == ["cancelled before it started"]  # _finish ends it Cancelled (it is Cancelling)
-    assert path._spare is warm and not path._running and not path._claimed
+    assert not path._claimed and not path._running  # _offer, resuming, finds its claim gone: no start
 
 
 @pytest.mark.parametrize("started", [False, True])
