@@ -30,7 +30,8 @@ says what was wrong (the flow validates), never a silently dropped one, and noth
 Flow runs execute in subprocesses that inherit this process's environment, so the agent's
 settings (``CKPT_*``) are the flows' settings. With ``fast_path`` (the default) a promote run
 starts the moment it is scheduled, in a warm process of the agent (deployments/fast_path.py);
-the runner's poll stays the fallback.
+the runner's poll stays the fallback, and a promote run it takes starts warm too
+(``serve_runner``, ``runner_warm``).
 """
 
 from __future__ import annotations
