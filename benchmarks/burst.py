@@ -18,8 +18,10 @@ subprocesses; PostgreSQL: the stack's live backends and, through the postmaster'
 time, the backends that exited during the burst; Redis; less what the same byte work costs done
 directly with the transfer engine here; moto not counted), and that CPU split by role.
 
-Memory: an agent's processes (the agent, its fork server, the warm process forked from it,
-multiprocessing's resource tracker) at rest, PSS by role, measured and printed. When N agents
+Memory: an agent's processes (the agent, its fork server, the warm process forked from it
+when one is kept ahead of the next run, multiprocessing's resource tracker where one runs) at
+rest, PSS by role, measured and printed for the first agent (it also serves the cluster's
+flows) and for a node's agent (every other one), just before the burst. When N agents
 plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
 shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
@@ -27,6 +29,8 @@ with several GPUs) one flow run at a time (``--limit 1``); the figures say how m
 ``--cold-runner`` adds the same burst on the same stack with ``CKPT_RUNNER_WARM=false``: the
 runs the runner's poll takes first start in new interpreters, as Prefect's runner starts them,
 instead of the fast path's warm process; "promote runs started" says how many each path took.
+``--with-spare`` adds it with ``CKPT_WARM_SPARE=true``: each agent keeps a warm process forked
+ahead of its next run (the agent count is the first phase's, which the spare makes larger).
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
@@ -87,6 +91,7 @@ class Phase:
     copy_cpu_per_part_s: float = 0.0  # the byte work alone, per part
     agent_rss_mb: float = 0.0
     agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, warm, tracker
+    node_agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # the same, a node's agent (--node-only)
     peak_rss_mb: float = 0.0          # agents and their flow runs together
     started_by: dict[str, int] = field(default_factory=dict)  # promote runs: fast path / runner
     notes: list[str] = field(default_factory=list)
@@ -146,6 +151,11 @@ def report(phases: list[Phase]) -> str:
         ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
         ("  agent / fork server / warm / tracker", lambda p: " / ".join(
             f"{p.agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"),
+        ("PSS per node agent (--node-only), at rest", lambda p: (
+            f"{sum(p.node_agent_pss_by_role.values()):.0f} MB" if p.node_agent_pss_by_role else "-")),
+        ("  agent / fork server / warm / tracker", lambda p: " / ".join(
+            f"{p.node_agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"
+            if p.node_agent_pss_by_role else "-"),
     ]
     width = 42
     lines = [f"{'':{width}}" + "".join(f"{p.server:>26}" for p in phases)]
@@ -322,6 +332,7 @@ def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]
 
 STARTERS = ("fast path", "runner")
 COLD = "pg+redis, runner cold"  # the --cold-runner phase
+SPARE = "pg+redis, spare kept"  # the --with-spare phase
 
 
 def started_by(pending_messages: list[str | None]) -> dict[str, int]:
@@ -451,6 +462,8 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
             return {"server": {q: proc_cpu(q) for q in server_pids},
                     "agents": {q: proc_cpu(q) for q in agents}, "database": {q: proc_cpu(q) for q in db}}
 
+        if k > 1:  # every agent but the first serves its node only (63 of 64): at rest, just before the burst
+            phase.node_agent_pss_by_role = role_pss(procs[1].pid)
         cpu0 = cpu_now()
         body = [events.build_event(events.COMPLETED, run, STEP, part=p, parts=setup.nodes, node=owner[p],
                                    payload={"kind": "milestone"}) for p in range(setup.nodes)]
@@ -549,6 +562,9 @@ def main() -> int:
     ap.add_argument("--cold-runner", action="store_true",
                     help="also run the same burst on the same stack with CKPT_RUNNER_WARM=false (the runner's "
                          "poll starts its runs in new interpreters, as Prefect does): the baseline of that setting")
+    ap.add_argument("--with-spare", action="store_true",
+                    help="also run the same burst on the same stack with CKPT_WARM_SPARE=true (each agent keeps a "
+                         "warm process forked ahead of its next run): the baseline of that setting")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -559,7 +575,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
     phases: list[Phase] = []
-    cold: list[Phase] = []  # --cold-runner: printed after the others, never the exit status
+    cold: list[Phase] = []  # --cold-runner, --with-spare: printed after the others, never the exit status
     load0 = os.getloadavg()[0]
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
@@ -576,6 +592,10 @@ def main() -> int:
                     cold.append(guarded(COLD, setup, lambda: run_phase(
                         COLD, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
                         env_extra={"CKPT_RUNNER_WARM": "false"})))
+                if args.with_spare:  # the same burst, same stack and agent count, a warm process kept ahead
+                    cold.append(guarded(SPARE, setup, lambda: run_phase(
+                        SPARE, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
+                        env_extra={"CKPT_WARM_SPARE": "true"})))
             if not args.no_sqlite:
                 t = time.monotonic()
                 proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)

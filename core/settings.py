@@ -138,6 +138,12 @@ class Settings(BaseSettings):
                     "poll is faster than the event stream under load) also starts in the warm process, or a fork of "
                     "the agent's fork server, instead of a new interpreter that imports Prefect and the pipeline "
                     "again; off: as Prefect's runner starts it")
+    warm_spare: bool = Field(
+        default=False,
+        description="with the fast path on, the agent keeps one warm process forked ahead of the next promote run "
+                    "(the run starts ~0.06 s sooner: the fork and the catalog's first connection already done) at "
+                    "~25 MB more per agent at rest; off: each run's process is forked from the agent's fork server "
+                    "when the run comes")
     prefect_reuse: bool = Field(
         default=True,
         description="the agent builds once what Prefect builds per client and per run: one verified TLS context "

@@ -179,7 +179,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
         if settings.fast_path:
-            with fast_path(settings.node):
+            with fast_path(settings.node, spare=settings.warm_spare):
                 serve_runner(deployments, limit=limit, warm=settings.runner_warm)
         else:
             serve(*deployments, limit=limit, print_starting_message=True)

@@ -9,17 +9,18 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 1. subscribes (Prefect's events websocket, ``get_events_subscriber``) to the
    ``prefect.flow-run.Scheduled`` events of its node's promote deployment: the run that the
    deployment trigger (or ``ckpt promote``) has just created;
-2. keeps one *warm* process: started ahead of time, Prefect and the flow imported, waiting. It
-   is forked from a fork server the agent forked from itself once its imports were done
-   (``start_fork_server``), so the imported pages are shared copy-on-write by the three
-   processes instead of each interpreter importing its own copy; spawned where that cannot be;
+2. runs each promote run in a *warm* process: forked from a fork server the agent forked from
+   itself once Prefect and the flow were imported (``start_fork_server``), so the imported pages
+   are shared copy-on-write instead of each interpreter importing its own copy (spawned where
+   that cannot be). The process is forked when the run comes (~0.06 s to ready: the fork and
+   the catalog's first connection) or, with ``spare`` (``CKPT_WARM_SPARE``), ahead of it and
+   kept waiting, at ~25 MB more per agent at rest;
 3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
    (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
    never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
-   states, task runs, logs and artifacts as in any served run) and exits; a new warm process is
-   forked at once for the next run. Nothing waits for the warm process: a run that comes while
-   it is still warming up (the second run of a burst) goes at once to a process forked for it,
-   which runs it as soon as it is warm;
+   states, task runs, logs and artifacts as in any served run) and exits. Nothing waits for a
+   spare: a run that comes while the spare is still warming up (the second run of a burst) goes
+   at once to a process forked for it, which runs it as soon as it is warm;
 4. supervises it: a process that exits before its run is final (killed, out of memory) leaves
    the run ``Crashed``, as Prefect's runner does for the processes it starts; a run cancelled
    from the UI has its process stopped and ends ``Cancelled``.
@@ -101,7 +102,7 @@ def start_fork_server(*, prebuild: bool = True) -> bool:
     preload()  # no connection is opened before the fork: each process opens its own
     if prebuild:
         _prebuild()  # what every warm process would otherwise build again after the fork
-    resource_tracker.ensure_running()  # a process of its own, as with spawn; its fd is inherited
+    _tracker_sink(resource_tracker)
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         listener.bind(address)
@@ -128,6 +129,19 @@ def start_fork_server(*, prebuild: bool = True) -> bool:
     _fork_server["pid"] = pid
     log.info("fast path: warm processes fork from pid %s", pid)
     return True
+
+
+def _tracker_sink(resource_tracker: Any) -> None:
+    """multiprocessing's resource tracker, which each fork request hands to the new process, is
+    a fresh interpreter of its own (~7 MB PSS per agent) that unlinks the named semaphores and
+    shared memory blocks a process leaked. The agent's processes create none (they use
+    ``Pipe`` and ``Process`` only: no ``Lock``, ``Queue`` or ``shared_memory``), so its requests
+    go to ``/dev/null`` instead of a process that would never have anything to do. Set before
+    anything starts the tracker; one already running is kept."""
+    tracker = resource_tracker._resource_tracker
+    with tracker._lock:
+        if tracker._fd is None:
+            tracker._fd = os.open(os.devnull, os.O_WRONLY)  # _check_alive's probe succeeds: "running"
 
 
 # Prefect's settings of a promote run, built by the agent before the fork for the environment it
@@ -291,12 +305,13 @@ def _in_context(target: Callable[..., Any], *args: Any, name: str) -> threading.
 
 
 class FastPath:
-    """The subscription, the warm process and the supervision of the runs it started."""
+    """The subscription, the warm processes and the supervision of the runs they run."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, spare: bool = False) -> None:
         from prefect.settings import get_current_settings
 
         self.node = node
+        self.spare = spare  # keep a warm process forked ahead of the next run (Settings.warm_spare)
         self._ctx = process_context()
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
         self._lock = threading.Lock()
@@ -315,8 +330,8 @@ class FastPath:
         _active[:] = [self]
 
     def start_now(self, flow_run: Any) -> Any:
-        """Start ``flow_run``, already claimed by the runner's poll, without waiting: in the warm
-        process when it is ready, else in a process forked now from the fork server, which runs
+        """Start ``flow_run``, already claimed by the runner's poll, without waiting: in the spare
+        warm process when one is ready, else in a process forked now from the fork server, which runs
         it once it has warmed up (``run_warm``). Returns the process; the runner supervises it."""
         warm = self._take_spare()
         if warm is None:
@@ -417,8 +432,8 @@ class FastPath:
     # --- claiming and starting a run ------------------------------------------------------
     async def _offer(self, client: Any, flow_run_id: UUID, deployment_id: UUID) -> None:
         """Claim ``flow_run_id`` at once if it is a run of this node's promote deployment, still
-        scheduled and due, and start it at once: in the warm process when it is ready, else in a
-        process forked now from the fork server, which runs it as soon as it has warmed up.
+        scheduled and due, and start it at once: in the spare warm process when one is ready, else in
+        a process forked now from the fork server, which runs it as soon as it has warmed up.
 
         Neither the claim nor the start waits for the warm process. A run that waited for it,
         still ``Scheduled``, while it was forked again after the previous run took it (seconds
@@ -476,7 +491,7 @@ class FastPath:
                                         force=True)
 
     def _take_spare(self) -> WarmProcess | None:
-        """The warm process if it is ready (None while it is still importing)."""
+        """The spare warm process if it is ready (None: no spare, or still warming up)."""
         with self._lock:
             warm = self._spare
             if warm is not None and warm.ready():
@@ -500,7 +515,9 @@ class FastPath:
 
     def _refill(self) -> None:
         with self._lock:
-            if self._stopping.is_set() or (self._spare is not None and self._spare.process.is_alive()):
+            if not self.spare or self._stopping.is_set():
+                return
+            if self._spare is not None and self._spare.process.is_alive():
                 return
             self._spare = WarmProcess(self._ctx, self._env)
 
@@ -587,9 +604,10 @@ def run_in_warm_process(flow: Any, flow_run: Any = None, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def fast_path(node: str) -> Iterator[FastPath]:
-    """The fast path of ``node``'s agent for the duration of the block (around ``serve``)."""
-    path = FastPath(node)
+def fast_path(node: str, *, spare: bool = False) -> Iterator[FastPath]:
+    """The fast path of ``node``'s agent for the duration of the block (around ``serve``);
+    ``spare``: a warm process kept forked ahead of the next run (``FastPath.spare``)."""
+    path = FastPath(node, spare=spare)
     path.start()
     try:
         yield path

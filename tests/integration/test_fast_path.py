@@ -113,6 +113,10 @@ def test_killed_flow_process_ends_crashed_and_reconcile_finishes_it(agents):
         pid = int(run["infrastructure_pid"].rsplit(":", 1)[1])
         # a process forked by the agent's fork server (itself a fork of the agent), not the agent
         assert pid != agents.procs[0].pid and _parent(_parent(pid)) == agents.procs[0].pid
+        # forked when the run came: no idle warm process beside it (CKPT_WARM_SPARE off by default),
+        # and no resource tracker interpreter among the agent's processes (a sink instead)
+        assert [c.pid for c in psutil.Process(_parent(pid)).children()] == [pid]
+        assert [c.pid for c in psutil.Process(agents.procs[0].pid).children()] == [_parent(pid)]
         os.kill(pid, signal.SIGKILL)
         crashed = wait_for("the run crashed", lambda: [r for r in _runs(agents, "run-kill", 3) if finished(r)],
                            timeout=60, agents=agents)
@@ -134,10 +138,11 @@ POLL_NODE = f"fp-poll-{uuid.uuid4().hex[:6]}"
 
 @pytest.fixture(scope="module")
 def polling_agent(prefect_server, tmp_path_factory):
-    """An agent whose runner polls every second: the path that starts most runs of a burst."""
+    """An agent whose runner polls every second: the path that starts most runs of a burst; it
+    keeps a spare warm process (``CKPT_WARM_SPARE``)."""
     root = tmp_path_factory.mktemp("fast-path-poll")
     a = start_agents(prefect_server, root, (POLL_NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}",
-                     s3_url=None, bucket=None, extra={"PREFECT_RUNNER_POLL_FREQUENCY": "1",
+                     s3_url=None, bucket=None, extra={"PREFECT_RUNNER_POLL_FREQUENCY": "1", "CKPT_WARM_SPARE": "true",
                                                       "CKPT_RECONCILE_INTERVAL_SECONDS": "3600"})
     yield a
     a.stop()
@@ -177,7 +182,7 @@ def test_run_taken_by_the_runners_poll_runs_in_a_fork_of_the_warm_server_not_a_n
         agent = psutil.Process(agents.procs[0].pid)
         # not in a new interpreter (Prefect's runner starts one with the run's id in its environment)
         assert not [c.cmdline() for c in agent.children() if _environ(c).get("PREFECT__FLOW_RUN_ID") == flow_run_id]
-        # but in a fork of the fork server, beside the warm process waiting for the next run
+        # but in a fork of the fork server, beside the spare warm process waiting for the next run
         server = psutil.Process(_fork_server_pid(agents.procs[0].pid))
         assert len(server.children()) == 2, [c.pid for c in server.children()]
     finally:

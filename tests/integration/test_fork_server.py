@@ -1,8 +1,9 @@
 """The agent's warm processes are forked from a fork server the agent forks from itself after
 its imports (deployments.fast_path.start_fork_server): the warm process is ready, is a child of
 that server, shares its pages, runs what it is given, and a killed one reports its signal as
-before; a dead server is replaced (spawned) and warm processes keep coming. A process with a
-second thread never forks (it falls back to spawning).
+before; no resource tracker process is started beside the server; a dead server is replaced
+(spawned) and warm processes keep coming. A process with a second thread never forks (it falls
+back to spawning).
 
 Each case is its own interpreter (the fork server is once per process, and pytest's has threads).
 """
@@ -50,6 +51,9 @@ else:
     lines = open(f"/proc/{warm.process.pid}/smaps_rollup").read().splitlines()[1:]
     rollup = {l.split(":")[0]: int(l.split()[1]) for l in lines}
     out["warm_rss_kib"], out["warm_private_kib"] = rollup["Rss"], rollup["Private_Clean"] + rollup["Private_Dirty"]
+    me = os.getpid()
+    children = open(f"/proc/{me}/task/{me}/children").read().split()
+    out["children"] = [open(f"/proc/{c}/cmdline").read().replace("\0", " ") for c in children]
     warm.stop()
     out["stopped_code"] = warm.process.exitcode
     killed = WarmProcess(process_context(), dict(os.environ))
@@ -88,6 +92,8 @@ def test_warm_process_is_forked_from_the_agent_and_shares_its_pages(tmp_path):
     # Prefect, SQLAlchemy and the flow are the server's pages: the warm process owns a small part
     # of what it maps (a spawned one owns ~100 MB of its ~125 MB)
     assert out["warm_private_kib"] < out["warm_rss_kib"] / 2, out
+    # the fork server is the agent's one child: no resource tracker interpreter (~7 MB) beside it
+    assert len(out["children"]) == 1 and "resource_tracker" not in out["children"][0], out["children"]
     assert out["stopped_code"] == 0  # told to stop, it exits cleanly
     assert out["killed_code"] == -15  # the supervisor still sees how a killed flow process ended
     assert out["after_server_died"] and out["after_server_died_code"] == 0

@@ -62,6 +62,10 @@ def test_report_splits_the_cpu_and_the_agent_s_memory_by_role():
                agent_pss_by_role={"agent": 71.0, "fork server": 47.0, "warm process": 51.0, "resource tracker": 7.0})
     out = report([p])
     assert "1.00 / 2.00 / 0.12" in out and "71 / 47 / 51 / 7 MB" in out
+    assert "PSS per node agent (--node-only), at rest" in out and "-" in out.splitlines()[-1]  # one agent: none
+    p.node_agent_pss_by_role = {"agent": 62.0, "fork server": 46.0}
+    out = report([p])
+    assert "108 MB" in out and "62 / 46 / 0 / 0 MB" in out
 
 
 def test_runs_are_counted_by_the_path_that_started_them():

@@ -226,3 +226,26 @@ def test_runner_starts_promote_runs_through_the_fast_path_and_anything_else_as_p
         assert started == [("warm", flow_run.name)] and result.pid == 4242
     else:
         assert started == [("prefect", flow.name)] and result == "spawned"
+
+
+def test_without_a_spare_a_run_gets_a_process_forked_when_it_comes_and_none_is_kept_warm(monkeypatch):
+    """``CKPT_WARM_SPARE`` off (the default): nothing is forked ahead of a run, and none after
+    it; on: one warm process is kept forked for the next run."""
+    events: list = []
+    forked: list = []
+    monkeypatch.setattr(fast_path, "WarmProcess", lambda ctx, env: forked.append(Warm(events, None)) or forked[-1])
+    deployment_id = uuid.uuid4()
+    flow_run = _scheduled_run(deployment_id)
+    path = FastPath(NODE)
+    path._supervise = lambda *a: None
+
+    path._refill()
+    assert forked == [] and path._spare is None
+    asyncio.run(path._offer(Client(flow_run, events), flow_run.id, deployment_id))
+
+    assert len(forked) == 1 and path._running == {flow_run.id: forked[0]} and path._spare is None
+    assert events[-2:] == [("run", "PENDING"), ("update", ["infrastructure_pid"])]
+
+    with_spare = FastPath(NODE, spare=True)
+    with_spare._refill()
+    assert len(forked) == 2 and with_spare._spare is forked[1]
