@@ -114,9 +114,11 @@ class Phase:
         return out
 
 
-# An agent's process tree (agent, fork server, warm process) at rest, measured by ``proc_rss``,
-# grows by about a third while its warm process runs a promotion (64-node burst here: 286 MB at
-# rest, 390 MB peak): the flow runs inside the warm process, no second interpreter per run.
+# An agent's process tree (agent, fork server, a spare warm process if kept) at rest, measured by
+# ``proc_rss``, grows by a quarter to a third while a warm process runs a promotion (64-node
+# burst here: 148 MB at rest, 185 MB peak per agent without a spare; 286 and 390 MB with spawned
+# ones, earlier): the flow runs inside the warm process, no second interpreter per run. 1.5 of
+# the figure at rest leaves room for the busiest agent.
 BUSY_GROWTH = 1.5
 
 
