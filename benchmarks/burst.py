@@ -31,6 +31,7 @@ runs the runner's poll takes first start in new interpreters, as Prefect's runne
 instead of the fast path's warm process; "promote runs started" says how many each path took.
 ``--with-spare`` adds it with ``CKPT_WARM_SPARE=true``: each agent keeps a warm process forked
 ahead of its next run (the agent count is the first phase's, which the spare makes larger).
+``--baseline-env KEY=VALUE`` adds it with any one setting of the agents changed.
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
@@ -567,6 +568,9 @@ def main() -> int:
     ap.add_argument("--with-spare", action="store_true",
                     help="also run the same burst on the same stack with CKPT_WARM_SPARE=true (each agent keeps a "
                          "warm process forked ahead of its next run): the baseline of that setting")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="also run the same burst on the same stack with this setting in the agents' environment "
+                         "(repeatable: one phase each), e.g. PREFECT_RUNNER_POLL_FREQUENCY=15")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -598,6 +602,11 @@ def main() -> int:
                     cold.append(guarded(SPARE, setup, lambda: run_phase(
                         SPARE, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
                         env_extra={"CKPT_WARM_SPARE": "true"})))
+                for setting in args.baseline_env:  # the same burst, same stack and agent count, one setting changed
+                    key, _, value = setting.partition("=")
+                    cold.append(guarded(f"pg+redis, {setting}", setup, lambda k=key, v=value: run_phase(
+                        f"pg+redis, {k}={v}", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
+                        env_extra={k: v})))
             if not args.no_sqlite:
                 t = time.monotonic()
                 proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)
