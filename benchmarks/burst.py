@@ -29,9 +29,9 @@ with several GPUs) one flow run at a time (``--limit 1``); the figures say how m
 ``--cold-runner`` adds the same burst on the same stack with ``CKPT_RUNNER_WARM=false``: the
 runs the runner's poll takes first start in new interpreters, as Prefect's runner starts them,
 instead of the fast path's warm process; "promote runs started" says how many each path took.
-``--with-spare`` adds it with ``CKPT_WARM_SPARE=true``: each agent keeps a warm process forked
-ahead of its next run (the agent count is the first phase's, which the spare makes larger).
-``--baseline-env KEY=VALUE`` adds it with any one setting of the agents changed.
+``--baseline-env KEY=VALUE`` adds it with one setting of the agents changed (repeatable), e.g.
+``CKPT_WARM_SPARE=true`` (each agent keeps a warm process forked ahead of its next run) or
+``PREFECT_RUNNER_POLL_FREQUENCY=30``; the agent count stays the first phase's.
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
@@ -214,7 +214,7 @@ def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
 
 def role_pss(pid: int) -> dict[str, float]:
     """MB of PSS of an agent's processes by role: the agent, multiprocessing's resource tracker
-    (a fresh interpreter the fork server needs), the fork server (forked from the agent) and the
+    (a fresh interpreter, where one runs: the agent starts none), the fork server (forked from the agent) and the
     warm processes (forked from the fork server)."""
     def pss(p: int) -> float:
         try:
@@ -335,7 +335,6 @@ def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]
 
 STARTERS = ("fast path", "runner")
 COLD = "pg+redis, runner cold"  # the --cold-runner phase
-SPARE = "pg+redis, spare kept"  # the --with-spare phase
 
 
 def started_by(pending_messages: list[str | None]) -> dict[str, int]:
@@ -565,12 +564,9 @@ def main() -> int:
     ap.add_argument("--cold-runner", action="store_true",
                     help="also run the same burst on the same stack with CKPT_RUNNER_WARM=false (the runner's "
                          "poll starts its runs in new interpreters, as Prefect does): the baseline of that setting")
-    ap.add_argument("--with-spare", action="store_true",
-                    help="also run the same burst on the same stack with CKPT_WARM_SPARE=true (each agent keeps a "
-                         "warm process forked ahead of its next run): the baseline of that setting")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run the same burst on the same stack with this setting in the agents' environment "
-                         "(repeatable: one phase each), e.g. PREFECT_RUNNER_POLL_FREQUENCY=15")
+                         "(repeatable: one phase each), e.g. CKPT_WARM_SPARE=true")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -581,7 +577,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
     phases: list[Phase] = []
-    cold: list[Phase] = []  # --cold-runner, --with-spare: printed after the others, never the exit status
+    cold: list[Phase] = []  # --cold-runner, --baseline-env: printed after the others, never the exit status
     load0 = os.getloadavg()[0]
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
@@ -598,10 +594,6 @@ def main() -> int:
                     cold.append(guarded(COLD, setup, lambda: run_phase(
                         COLD, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
                         env_extra={"CKPT_RUNNER_WARM": "false"})))
-                if args.with_spare:  # the same burst, same stack and agent count, a warm process kept ahead
-                    cold.append(guarded(SPARE, setup, lambda: run_phase(
-                        SPARE, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
-                        env_extra={"CKPT_WARM_SPARE": "true"})))
                 for setting in args.baseline_env:  # the same burst, same stack and agent count, one setting changed
                     key, _, value = setting.partition("=")
                     cold.append(guarded(f"pg+redis, {setting}", setup, lambda k=key, v=value: run_phase(

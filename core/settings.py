@@ -141,8 +141,8 @@ class Settings(BaseSettings):
     warm_spare: bool = Field(
         default=False,
         description="with the fast path on, the agent keeps one warm process forked ahead of the next promote run "
-                    "(the run starts ~0.06 s sooner: the fork and the catalog's first connection already done) at "
-                    "~25 MB more per agent at rest; off: each run's process is forked from the agent's fork server "
+                    "(the run starts ~0.07 s sooner: the fork and the catalog's first connection already done) at "
+                    "~30 MB more per agent at rest; off: each run's process is forked from the agent's fork server "
                     "when the run comes")
     prefect_reuse: bool = Field(
         default=True,

@@ -12,9 +12,9 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
 2. runs each promote run in a *warm* process: forked from a fork server the agent forked from
    itself once Prefect and the flow were imported (``start_fork_server``), so the imported pages
    are shared copy-on-write instead of each interpreter importing its own copy (spawned where
-   that cannot be). The process is forked when the run comes (~0.06 s to ready: the fork and
+   that cannot be). The process is forked when the run comes (~0.07 s to ready: the fork and
    the catalog's first connection) or, with ``spare`` (``CKPT_WARM_SPARE``), ahead of it and
-   kept waiting, at ~25 MB more per agent at rest;
+   kept waiting, at ~30 MB more per agent at rest;
 3. on the event, claims the run by proposing ``Pending``, a transition Prefect grants once
    (``PreventPendingTransitions``): the runner, which polls the same deployment, and this path
    never both start a run. The warm process runs it with Prefect's own engine (``run_flow``:
