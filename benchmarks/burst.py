@@ -32,9 +32,14 @@ instead of the fast path's warm process; "promote runs started" says how many ea
 ``--baseline-env KEY=VALUE`` adds it with one setting of the agents changed (repeatable), e.g.
 ``CKPT_WARM_SPARE=true`` (each agent keeps a warm process forked ahead of its next run) or
 ``PREFECT_RUNNER_POLL_FREQUENCY=30``; the agent count stays the first phase's.
+``--rest S`` first watches each phase's served stack for S seconds with nothing to do: its CPU
+per second by role (the runner's polls, the event subscriptions, the server's loops), and the
+burst's CPU per part above it (its figure less that rate over the burst's span): what the parts
+add, apart from what the stack costs whether or not checkpoints come.
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
+    python benchmarks/burst.py --nodes 16 --part-mb 16 --no-sqlite --rest 60
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
 """
 
@@ -95,6 +100,9 @@ class Phase:
     node_agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # the same, a node's agent (--node-only)
     peak_rss_mb: float = 0.0          # agents and their flow runs together
     started_by: dict[str, int] = field(default_factory=dict)  # promote runs: fast path / runner
+    window_s: float = 0.0             # the span the burst's CPU was counted over (burst -> all finished)
+    rest_s: float = 0.0               # --rest: seconds the stack was watched at rest before the burst
+    rest_cores_by_role: dict[str, float] = field(default_factory=dict)  # CPU at rest, cores, by role
     notes: list[str] = field(default_factory=list)
 
     def rate(self, n: int) -> float:
@@ -103,6 +111,18 @@ class Phase:
     @property
     def cpu_outside_copy_per_part_s(self) -> float:
         return max(0.0, self.cpu_s / self.parts - self.copy_cpu_per_part_s) if self.parts else 0.0
+
+    @property
+    def rest_cores(self) -> float:
+        return sum(self.rest_cores_by_role.values())
+
+    @property
+    def cpu_above_rest_per_part_s(self) -> float | None:
+        """CPU per part outside the byte copy less what the stack spends at rest over the same
+        span (polls, subscriptions, the server's loops): the cost the parts add. None without --rest."""
+        if not self.rest_s or not self.parts or self.to_durable_s is None:
+            return None
+        return max(0.0, self.cpu_outside_copy_per_part_s - self.rest_cores * self.window_s / self.parts)
 
     def failures(self) -> list[str]:
         out = []
@@ -146,6 +166,10 @@ def report(phases: list[Phase]) -> str:
         ("flow runs/s sustained", lambda p: f"{p.rate(p.flow_runs):.2f} ({p.flow_runs})"),
         ("task runs/s sustained", lambda p: f"{p.rate(p.task_runs):.1f} ({p.task_runs})"),
         ("CPU s per part outside the byte copy", lambda p: f"{p.cpu_outside_copy_per_part_s:.2f}"),
+        ("  of which above the stack at rest", lambda p: (
+            "-" if p.cpu_above_rest_per_part_s is None else f"{p.cpu_above_rest_per_part_s:.2f}")),
+        ("CPU at rest, cores: server / agents / db", lambda p: " / ".join(
+            f"{p.rest_cores_by_role.get(r, 0.0):.3f}" for r in CPU_ROLES) if p.rest_s else "-"),
         ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
         ("CPU s per part: server / agents / database", lambda p: " / ".join(
             f"{p.cpu_by_role.get(r, 0.0) / p.parts:.2f}" if p.parts else "-" for r in CPU_ROLES)),
@@ -386,6 +410,7 @@ class Setup:
     mem_fraction: float
     timeout: float
     agents: int | None = None  # decided by the first phase, kept for the second
+    rest_s: float = 0.0        # --rest: seconds to watch each phase's stack at rest before its burst
 
 
 def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup,
@@ -466,6 +491,12 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
 
         if k > 1:  # every agent but the first serves its node only (63 of 64): at rest, just before the burst
             phase.node_agent_pss_by_role = role_pss(procs[1].pid)
+        if setup.rest_s:  # the same processes, nothing to do: what the stack costs per second at rest
+            rest0, r0 = cpu_now(), time.monotonic()
+            time.sleep(setup.rest_s)
+            rest1, phase.rest_s = cpu_now(), time.monotonic() - r0
+            phase.rest_cores_by_role = {role: cpu_between(rest0[role], rest1[role]) / phase.rest_s
+                                        for role in CPU_ROLES}
         cpu0 = cpu_now()
         body = [events.build_event(events.COMPLETED, run, STEP, part=p, parts=setup.nodes, node=owner[p],
                                    payload={"kind": "milestone"}) for p in range(setup.nodes)]
@@ -496,6 +527,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
             cat.close()
         t_end = time.time()
         cpu1 = cpu_now()
+        phase.window_s = t_end - t0
         phase.cpu_by_role = {role: cpu_between(cpu0[role], cpu1[role]) for role in CPU_ROLES}
         phase.cpu_s = sum(phase.cpu_by_role.values())
         time.sleep(3)  # the event persister writes in batches
@@ -567,6 +599,9 @@ def main() -> int:
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run the same burst on the same stack with this setting in the agents' environment "
                          "(repeatable: one phase each), e.g. CKPT_WARM_SPARE=true")
+    ap.add_argument("--rest", type=float, default=0.0, metavar="SECONDS",
+                    help="first watch the served stack at rest this long: its CPU per second (runner polls, event "
+                         "subscriptions, the server's loops) and the burst's CPU per part above it")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -582,7 +617,7 @@ def main() -> int:
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
             setup = Setup(work, args.pg_url, s3_url, bucket, args.nodes, args.part_mb, args.mem_fraction,
-                          args.timeout)
+                          args.timeout, rest_s=args.rest)
             prefect_db = f"ckpt_prefect_{os.getpid()}_{uuid.uuid4().hex[:6]}"
             with ProductionStack(work / "prefect-prod", pg_server_url=args.pg_url, redis_url=args.redis_url,
                                  prefect_database=prefect_db, catalog_database=None, port=None, ui=False,

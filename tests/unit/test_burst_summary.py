@@ -75,3 +75,16 @@ def test_runs_are_counted_by_the_path_that_started_them():
     assert started_by(msgs) == {"fast path": 2, "runner": 3}
     assert "promote runs started: fast path / runner" in report([_phase(started_by=started_by(msgs))])
     assert "2 / 3" in report([_phase(started_by=started_by(msgs))])
+
+
+def test_cpu_above_rest_takes_off_what_the_idle_stack_spends_over_the_same_span():
+    # 200 CPU s over 64 parts in a 52.5 s window; at rest the stack spent 0.25 cores (server 0.125,
+    # agents 0.0625 each way): 13.125 CPU s of the window were the stack idling, not the parts
+    p = _phase(window_s=52.5, rest_s=60.0, rest_cores_by_role={"server": 0.125, "agents": 0.0625, "database": 0.0625})
+    assert p.rest_cores == 0.25
+    assert p.cpu_above_rest_per_part_s == (200 / 64 - 0.125) - 0.25 * 52.5 / 64
+    out = report([p])
+    assert "0.125 / 0.062 / 0.062" in out and f"{p.cpu_above_rest_per_part_s:.2f}" in out
+    assert _phase().cpu_above_rest_per_part_s is None  # no --rest: not measured, shown as "-"
+    assert "-" in next(line for line in report([_phase()]).splitlines() if "above the stack at rest" in line)
+    assert _phase(rest_s=60.0, to_durable_s=None).cpu_above_rest_per_part_s is None  # never durable: no figure
