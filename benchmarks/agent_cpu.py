@@ -16,6 +16,13 @@ Contenders, each a fresh agent per round, their order rotated:
   settings and models built in each warm process.
 Medians, best rounds, the load average.
 
+When it starts its own Prefect server (no ``--api-url``), the server's side of the same
+promotions too: its CPU per promotion and the API requests and events websockets per promotion
+(counted from its access log, over the same span as the agent's CPU). Besides reusing what it
+built, ``ours`` leaves out per run what a promote run never uses (deployments/fast_path.py:
+the API version check and the CSRF token request of each client, the server's default result
+storage, the suspension watch's client and websocket).
+
     .venv/bin/python benchmarks/agent_cpu.py [--rounds 3 --parts 8 --mib 1]
     .venv/bin/python benchmarks/agent_cpu.py --smoke
 """
@@ -23,18 +30,21 @@ Medians, best rounds, the load average.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.burst import cpu_between, descendants, proc_cpu
-from benchmarks.common import bench_parser, load_line, parse, prefect_api, table
+from benchmarks.common import bench_parser, load_line, parse, table
 from ckpt.client import CheckpointStager
-from ckpt.local_stack import stack_env, start_agent, wait_deployments
+from ckpt.local_stack import stack_env, start_agent, start_prefect_server, wait_deployments
 from ckpt.processes import stop_process
 from core.settings import Settings
 from db.catalog import Catalog, upgrade
@@ -44,12 +54,43 @@ CONTENDERS = {"ours: built once, before the fork": "true", "Prefect as it comes"
 BASE = "Prefect as it comes"
 
 
+# a request line of the access log; the runner's polls come with the clock, not with promotions
+REQUEST = re.compile(r'"(GET|POST|PATCH|PUT|DELETE) /api/(?!deployments/get_scheduled_flow_runs)')
+WEBSOCKET = re.compile(r'"WebSocket /api/events/(in|out)" \[accepted\]')
+
+
+class Server:
+    """The Prefect server the rounds run against: one started here (its pid and access log
+    known: its side is measured) or the one ``--api-url`` names (not measured)."""
+
+    def __init__(self, api: str, pid: int | None = None, log: Path | None = None) -> None:
+        self.api, self.pid, self.log = api, pid, log
+
+    def mark(self) -> tuple[float, int]:
+        """(CPU seconds so far, access log length) of a server started here, else (0, 0)."""
+        if self.pid is None or self.log is None:
+            return 0.0, 0
+        return proc_cpu(self.pid), self.log.stat().st_size
+
+    def since(self, mark: tuple[float, int]) -> tuple[float, int, int]:
+        """(CPU seconds, API requests, events websockets opened) since ``mark``. The runner's polls
+        are left out of the requests: they come with time, not with promotions."""
+        if self.pid is None or self.log is None:
+            return 0.0, 0, 0
+        with self.log.open("rb") as f:
+            f.seek(mark[1])
+            text = f.read().decode(errors="replace")
+        return proc_cpu(self.pid) - mark[0], len(REQUEST.findall(text)), len(WEBSOCKET.findall(text))
+
+
 def tree_cpu(pid: int) -> dict[int, float]:
     return {p: proc_cpu(p) for p in (pid, *descendants(pid))}
 
 
-def one_round(api: str, work: Path, reuse: str, parts: int, mib: float, tag: str) -> float:
-    """A fresh agent promotes ``parts`` checkpoints one after another; its CPU per promotion."""
+def one_round(server: Server, work: Path, reuse: str, parts: int, mib: float, tag: str) -> tuple[float, ...]:
+    """A fresh agent promotes ``parts`` checkpoints one after another; per promotion: its CPU,
+    and the server's CPU, API requests and events websockets (zeros when not measured)."""
+    api = server.api
     import numpy as np
 
     catalog = f"sqlite:///{work / f'catalog-{tag}.db'}"
@@ -64,7 +105,7 @@ def one_round(api: str, work: Path, reuse: str, parts: int, mib: float, tag: str
         time.sleep(2)  # the first warm process forked and warmed up
         settings = Settings(**{k[5:].lower(): v for k, v in env.items() if k.startswith("CKPT_")}, node=node)
         rng = np.random.default_rng(0)
-        before = tree_cpu(agent.pid)
+        before, at = tree_cpu(agent.pid), server.mark()
         with CheckpointStager(f"cpu-{tag}", settings=settings) as st, Catalog(catalog) as cat:
             for i in range(parts):
                 st.save(100 + i, {"w": rng.standard_normal(int(mib * 2**18), dtype=np.float32)})
@@ -74,7 +115,9 @@ def one_round(api: str, work: Path, reuse: str, parts: int, mib: float, tag: str
                         raise RuntimeError(f"step {100 + i} not verified on Tier 1 in 120 s (see the agent's log)")
                     time.sleep(0.1)
         time.sleep(1)  # the run's last writes, the next warm process
-        return cpu_between(before, tree_cpu(agent.pid)) / parts
+        agent_cpu = cpu_between(before, tree_cpu(agent.pid))
+        server_cpu, requests, sockets = server.since(at)
+        return agent_cpu / parts, server_cpu / parts, requests / parts, sockets / parts
     finally:
         stop_process(agent)
 
@@ -94,19 +137,64 @@ def main() -> None:
     args = parse(ap, {"parts": 2})
     load0 = os.getloadavg()[0]
     got: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    with tempfile.TemporaryDirectory(prefix="ckpt-agent-cpu-") as tmp, prefect_api(args.api_url, Path(tmp)) as api:
+    srv: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    reqs: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    socks: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    with (tempfile.TemporaryDirectory(prefix="ckpt-agent-cpu-") as tmp,
+          prefect_server(args.api_url, Path(tmp)) as server):
         names_ = list(CONTENDERS)
         for r in range(args.rounds):
             for j in range(len(names_)):
                 name = names_[(r + j) % len(names_)]
-                got[name].append(one_round(api, Path(tmp), CONTENDERS[name], args.parts, args.mib, f"{r}{j}"))
+                agent, server_cpu, requests, sockets = one_round(server, Path(tmp), CONTENDERS[name], args.parts,
+                                                                 args.mib, f"{r}{j}")
+                got[name].append(agent)
+                srv[name].append(server_cpu)
+                reqs[name].append(requests)
+                socks[name].append(sockets)
     table(f"agent CPU seconds per promotion (its whole process tree; {args.parts} promotions of {args.mib:g} MiB "
           f"per round, {args.rounds} rounds; the 's' columns are CPU seconds)", got, BASE)
     ours = statistics.median(got[names_[0]])
     base = statistics.median(got[BASE])
+    if server.pid is not None:
+        table("Prefect server CPU seconds per promotion (same rounds and span; the 's' columns are CPU seconds)",
+              srv, BASE)
+        for name in names_:
+            print(f"API requests per promotion (the runner's polls left out), {name}: "
+                  f"{statistics.median(reqs[name]):.1f} "
+                  f"(events websockets opened: {statistics.median(socks[name]):.1f})")
+    else:
+        print("Prefect server: not measured (--api-url: a server this script did not start)")
     print(load_line(load0))
     print(f"ratio: ours / Prefect as it comes = {ours / base:.2f} x CPU per promotion "
           f"(best rounds {min(got[names_[0]]) / min(got[BASE]):.2f} x)")
+    if server.pid is not None:
+        print(f"ratio: ours / Prefect as it comes = {ratio_of(srv, names_[0]):.2f} x server CPU per promotion, "
+              f"{ratio_of(reqs, names_[0]):.2f} x API requests per promotion")
+
+
+def ratio_of(figures: dict[str, list[float]], name: str) -> float:
+    base = statistics.median(figures[BASE])
+    return statistics.median(figures[name]) / base if base else 0.0
+
+
+@contextmanager
+def prefect_server(api_url: str | None, home: Path) -> Iterator[Server]:
+    """The server named by ``api_url`` (not measured), else one started here on SQLite with its
+    access log on (its requests are counted), stopped on exit."""
+    if api_url:
+        yield Server(api_url)
+        return
+    os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "INFO"  # uvicorn's access log: one line per request
+    try:
+        proc, url = start_prefect_server(home / "server", port=None, ui=False)
+    finally:
+        del os.environ["PREFECT_SERVER_LOGGING_LEVEL"]
+    try:
+        yield Server(url, proc.pid, home / "server" / "server.log")
+    finally:
+        stop_process(proc, grace=20.0)
+
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ from core import events
 from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
-from deployments.fast_path import fast_path, run_in_warm_process, start_fork_server
+from deployments.fast_path import csrf_off_env, fast_path, run_in_warm_process, start_fork_server
 from deployments.tls import share_verified_contexts
 
 log = logging.getLogger("ckpt.agent")
@@ -170,6 +170,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     os.environ.update(agent_environment(settings))
     if settings.prefect_reuse:
         share_verified_contexts()  # before the fork: the warm processes inherit it
+        # asked once here, not by each client of each promote run (before the fork: its settings hold it)
+        os.environ.update(csrf_off_env(settings.prefect_api_url or PREFECT_API_URL.value()))
     if settings.fast_path:
         # before any thread: warm processes share the agent's imported pages
         start_fork_server(prebuild=settings.prefect_reuse)

@@ -35,7 +35,9 @@ whichever proposes ``Pending`` first starts it.
 The warm process runs without Prefect's flow-run heartbeats. Its liveness is watched by the
 agent that spawned it (4.), whereas a self-hosted Prefect server acts on heartbeats only through
 a "zombie" automation, which this stack does not create; and the sync engine joins the heartbeat
-thread, which sleeps in 1 s steps, at the end of every run: up to a second per promotion.
+thread, which sleeps in 1 s steps, at the end of every run: up to a second per promotion. With
+``CKPT_PREFECT_REUSE`` (on) it also leaves out Prefect's per-run round trips that a promote run
+never needs (``run_settings``, ``csrf_off_env``, ``lean_promote_flow``, ``skip_suspension_watch``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
@@ -149,21 +152,89 @@ def _tracker_sink(resource_tracker: Any) -> None:
 _prebuilt: dict[str, Any] = {}
 
 
-def run_settings() -> Any:
+def run_settings(*, lean: bool = True) -> Any:
     """Prefect's settings as a promote run in a warm process uses them: read from this
     environment (and Prefect's profile and files), heartbeats off (the fast path supervises the
-    process itself). ~35 ms of CPU to build: a fork of the fork server reuses the agent's when
-    its Prefect environment (``PREFECT_*``, all Prefect's settings read from it) says nothing
-    else: every variable the same as at the fork, or added since with the value those settings
-    already hold (Prefect sets a few of its own in the agent after the fork)."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
+    process itself) and, ``lean`` (``CKPT_PREFECT_REUSE``), no check of the server's API version
+    per client (two round trips per run: the agent checked it as it registered its deployments,
+    and the warm process talks to the same server). ~35 ms of CPU to build: a fork of the fork
+    server reuses the agent's when its Prefect environment (``PREFECT_*``, all Prefect's settings
+    read from it) says nothing else: every variable the same as at the fork, or added since with
+    the value those settings already hold (Prefect sets a few of its own in the agent after the fork)."""
+    from prefect.settings import (
+        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        Settings,
+    )
 
-    if "settings" in _prebuilt:
+    if lean and "settings" in _prebuilt:
         at_fork, held = _prebuilt["env"], _prebuilt["held"]
         now = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
         if at_fork.keys() <= now.keys() and all(at_fork.get(k, held.get(k)) == v for k, v in now.items()):
             return _prebuilt["settings"]
-    return Settings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    updates: dict[Any, Any] = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    if lean:
+        updates[PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED] = False
+    return Settings().copy_with_update(updates=updates)
+
+
+def csrf_off_env(api_url: str | None) -> dict[str, str]:
+    """``PREFECT_CLIENT_CSRF_SUPPORT_ENABLED=false`` when the Prefect server at ``api_url`` says
+    its CSRF protection is off (Prefect's default), else nothing. Each Prefect client otherwise
+    asks the server for a token once, is told CSRF is off and stops asking: two round trips per
+    promote run (its API client and its log client), asked here once by the agent instead. A
+    server with CSRF protection on, or one that cannot be asked now, keeps Prefect's default."""
+    if not api_url:
+        return {}
+    import httpx
+
+    from tasks.prefect_events import auth_headers  # deferred: start-up — the agent asks once, at start
+
+    try:
+        r = httpx.get(f"{api_url.rstrip('/')}/csrf-token", params={"client": f"ckpt-agent-{os.getpid()}"},
+                      headers=auth_headers(), timeout=10)
+    except httpx.HTTPError:
+        return {}
+    if r.status_code == 422 and "CSRF protection is disabled" in r.text:
+        return {"PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false"}
+    return {}
+
+
+@lru_cache(maxsize=1)
+def lean_promote_flow() -> Any:
+    """The promote flow as a warm process runs it with ``CKPT_PREFECT_REUSE``: results not
+    persisted (a promotion's outcome is in the catalog; its summary is the run's return value
+    and artifact, and no task of it persists one) and a result storage named, so that the engine
+    does not ask the server for its default result storage at each run (``persist_result=False``
+    alone still asks). The storage is Prefect's local result folder, never written."""
+    from pathlib import Path
+
+    from prefect.settings import get_current_settings
+
+    from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
+
+    return promote_checkpoint.with_options(persist_result=False,
+                                           result_storage=Path(get_current_settings().results.local_storage_path))
+
+
+@contextmanager
+def _not_observed(*_args: Any, **_kwargs: Any) -> Iterator[None]:
+    yield
+
+
+def skip_suspension_watch() -> bool:
+    """Prefect's engine watches each deployment's flow run for a ``Suspended`` state set from
+    outside: a thread, a client and an events websocket opened before the run starts (and waited
+    for) and closed after it. A promote run never suspends or waits for input, and a run the
+    agent supervises is stopped through ``Cancelling`` (``FastPath._cancel``), so a warm process
+    runs without that watch: ~0.1 s less from claim to Running. True when Prefect's engine still
+    has the hook replaced here (tests/unit/test_fast_path_lean.py fails when it no longer does)."""
+    import prefect.flow_engine as engine
+
+    if not hasattr(engine, "observe_flow_run_suspension"):
+        return False
+    engine.observe_flow_run_suspension = _not_observed
+    return True
 
 
 def _prebuild() -> None:
@@ -178,6 +249,7 @@ def _prebuild() -> None:
     import pydantic
 
     try:
+        lean_promote_flow()
         settings = run_settings()
         _prebuilt.update(env={k: v for k, v in os.environ.items() if k.startswith("PREFECT_")},
                          held=settings.to_environment_variables(exclude_unset=False), settings=settings)
@@ -234,32 +306,40 @@ def run_warm(conn: Any, env: dict[str, str]) -> None:
     from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
     step_tasks()  # the task modules (flows.common imports them) and their registry: built now, not during the run
-    warm_up()
-    with SettingsContext(profile=get_settings_context().profile, settings=run_settings()):
+    lean = warm_up()
+    flow = promote_checkpoint
+    if lean:  # CKPT_PREFECT_REUSE: what a promote run never uses, not done per run (run_settings, lean_promote_flow)
+        flow = lean_promote_flow()
+        skip_suspension_watch()
+    with SettingsContext(profile=get_settings_context().profile, settings=run_settings(lean=lean)):
         with suppress(OSError):  # a run handed over at once (start_now) closed the other end already
             conn.send(READY)
         flow_run = conn.recv()
         if flow_run is not None:
-            run_flow(promote_checkpoint, flow_run=FlowRun.model_validate(flow_run), return_type="state")
+            run_flow(flow, flow_run=FlowRun.model_validate(flow_run), return_type="state")
 
 
-def warm_up() -> None:
+def warm_up() -> bool:
     """First-use costs paid before the run instead of during it: Prefect's parameter encoder
     (FastAPI's, imported on first use), the catalog's schema check (Alembic reads its scripts)
-    and SQLAlchemy's first compilations. A failure here is the run's to report, not ours."""
+    and SQLAlchemy's first compilations. A failure here is the run's to report, not ours.
+    Returns ``Settings.prefect_reuse`` (True when the settings cannot be read: the default)."""
     import fastapi.encoders  # noqa: F401
 
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
+    reuse = True
     try:
         settings = load_settings()
-        if settings.prefect_reuse:
+        reuse = settings.prefect_reuse
+        if reuse:
             share_verified_contexts()  # a warm process forked from the agent has it already; a spawned one not yet
         with Catalog(settings.catalog_url) as cat, suppress(NotFound):
             cat.get_checkpoint("warm-up", 0)
     except Exception as exc:  # noqa: BLE001 - see above
         log.debug("warm-up: %s: %s", type(exc).__name__, exc)
+    return reuse
 
 
 class WarmProcess:
