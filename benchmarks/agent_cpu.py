@@ -42,9 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.burst import cpu_between, descendants, proc_cpu
-from benchmarks.common import bench_parser, load_line, parse, table
+from benchmarks.common import bench_parser, load_line, parse, prefect_server, table
 from ckpt.client import CheckpointStager
-from ckpt.local_stack import stack_env, start_agent, start_prefect_server, wait_deployments
+from ckpt.local_stack import stack_env, start_agent, wait_deployments
 from ckpt.processes import stop_process
 from core.settings import Settings
 from db.catalog import Catalog, upgrade
@@ -141,7 +141,7 @@ def main() -> None:
     reqs: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     socks: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     with (tempfile.TemporaryDirectory(prefix="ckpt-agent-cpu-") as tmp,
-          prefect_server(args.api_url, Path(tmp)) as server):
+          measured_server(args.api_url, Path(tmp)) as server):
         names_ = list(CONTENDERS)
         for r in range(args.rounds):
             for j in range(len(names_)):
@@ -179,21 +179,11 @@ def ratio_of(figures: dict[str, list[float]], name: str) -> float:
 
 
 @contextmanager
-def prefect_server(api_url: str | None, home: Path) -> Iterator[Server]:
+def measured_server(api_url: str | None, home: Path) -> Iterator[Server]:
     """The server named by ``api_url`` (not measured), else one started here on SQLite with its
     access log on (its requests are counted), stopped on exit."""
-    if api_url:
-        yield Server(api_url)
-        return
-    os.environ["PREFECT_SERVER_LOGGING_LEVEL"] = "INFO"  # uvicorn's access log: one line per request
-    try:
-        proc, url = start_prefect_server(home / "server", port=None, ui=False)
-    finally:
-        del os.environ["PREFECT_SERVER_LOGGING_LEVEL"]
-    try:
-        yield Server(url, proc.pid, home / "server" / "server.log")
-    finally:
-        stop_process(proc, grace=20.0)
+    with prefect_server(api_url, home / "server", access_log=True) as (url, proc):
+        yield Server(url) if proc is None else Server(url, proc.pid, home / "server" / "server.log")
 
 
 if __name__ == "__main__":

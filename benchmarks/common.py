@@ -60,12 +60,30 @@ def parse(ap: argparse.ArgumentParser, smoke: dict[str, Any], argv: list[str] | 
 def prefect_api(api_url: str | None, home: Path) -> Iterator[str]:
     """``api_url`` when given, else a Prefect server (SQLite under ``home``) started here and
     stopped on exit; yields the API URL."""
-    if api_url:
-        yield api_url
-        return
-    proc, url = start_prefect_server(home, port=None, ui=False)
-    try:
+    with prefect_server(api_url, home) as (url, _proc):
         yield url
+
+
+@contextmanager
+def prefect_server(api_url: str | None, home: Path, *, access_log: bool = False) -> Iterator[tuple[str, Any]]:
+    """``prefect_api`` that also yields the server's process (None for ``api_url``: not ours).
+    ``access_log``: the server logs one line per request (uvicorn's access log) to
+    ``home/server.log``, for a benchmark that counts them."""
+    if api_url:
+        yield api_url, None
+        return
+    key, before = "PREFECT_SERVER_LOGGING_LEVEL", os.environ.get("PREFECT_SERVER_LOGGING_LEVEL")
+    if access_log:
+        os.environ[key] = "INFO"  # the server's environment is this one's, read as it starts
+    try:
+        proc, url = start_prefect_server(home, port=None, ui=False)
+    finally:
+        if access_log and before is None:
+            del os.environ[key]
+        elif access_log:
+            os.environ[key] = before
+    try:
+        yield url, proc
     finally:
         stop_process(proc, grace=20.0)
 
