@@ -12,8 +12,11 @@ Contenders, each a fresh agent per round, their order rotated:
 - ours: the agent as it ships (``CKPT_PREFECT_REUSE`` on: its Prefect clients share one
   verified TLS context per CA file, deployments/tls.py, and it builds a run's Prefect settings and
   Prefect's models before it forks its warm processes, deployments/fast_path.py);
-- Prefect as it comes (the baseline): the same agent with it off: a TLS context per client, the
-  settings and models built in each warm process.
+- Prefect as it comes (the baseline): the same agent with ``CKPT_PREFECT_REUSE`` off: a TLS context
+  per client, the settings and models built in each warm process;
+- with ``--baseline-env KEY=VALUE`` (repeatable), instead of that baseline, the agent as it ships
+  with those settings changed (``--baseline-env CKPT_HOP_TASK_RUN=false``: the part's hop in the
+  run's body, no task run).
 Medians, best rounds, the load average.
 
 When it starts its own Prefect server (no ``--api-url``), the server's side of the same
@@ -23,7 +26,7 @@ built, ``ours`` leaves out per run what a promote run never uses (deployments/fa
 the API version check and the CSRF token request of each client, the server's default result
 storage, the suspension watch's client and websocket).
 
-    .venv/bin/python benchmarks/agent_cpu.py [--rounds 3 --parts 8 --mib 1]
+    .venv/bin/python benchmarks/agent_cpu.py [--rounds 3 --parts 8 --mib 1] [--baseline-env KEY=VALUE]
     .venv/bin/python benchmarks/agent_cpu.py --smoke
 """
 
@@ -50,8 +53,19 @@ from core.settings import Settings
 from db.catalog import Catalog, upgrade
 from deployments import names
 
-CONTENDERS = {"ours: built once, before the fork": "true", "Prefect as it comes": "false"}
+OURS = "ours: built once, before the fork"
 BASE = "Prefect as it comes"
+CONTENDERS: dict[str, dict[str, str]] = {OURS: {}, BASE: {"CKPT_PREFECT_REUSE": "false"}}
+
+
+def contenders(baseline_env: list[str]) -> tuple[dict[str, dict[str, str]], str]:
+    """(name -> the agent's environment changes, the baseline's name): ours and Prefect as it
+    comes, or ours and ours with ``baseline_env`` (``KEY=VALUE`` each) changed."""
+    if not baseline_env:
+        return CONTENDERS, BASE
+    changed = dict(kv.split("=", 1) for kv in baseline_env)
+    name = "baseline: " + " ".join(baseline_env)
+    return {"ours": {}, name: changed}, name
 
 
 # a request line of the access log; the runner's polls come with the clock, not with promotions
@@ -87,7 +101,8 @@ def tree_cpu(pid: int) -> dict[int, float]:
     return {p: proc_cpu(p) for p in (pid, *descendants(pid))}
 
 
-def one_round(server: Server, work: Path, reuse: str, parts: int, mib: float, tag: str) -> tuple[float, ...]:
+def one_round(server: Server, work: Path, changes: dict[str, str], parts: int, mib: float,
+              tag: str) -> tuple[float, ...]:
     """A fresh agent promotes ``parts`` checkpoints one after another; per promotion: its CPU,
     and the server's CPU, API requests and events websockets (zeros when not measured)."""
     api = server.api
@@ -98,7 +113,8 @@ def one_round(server: Server, work: Path, reuse: str, parts: int, mib: float, ta
     node = f"cpu-{tag}"
     env = stack_env(work / f"data-{tag}", api_url=api, s3_url=None, catalog_url=catalog)
     env.update(CKPT_TIER0_URL=str(work / f"t0-{tag}"), CKPT_TIER1_URL=str(work / f"t1-{tag}"),
-               CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_REUSE=reuse)
+               CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_REUSE="true")
+    env.update(changes)
     agent = start_agent(env, work / f"agent-{tag}.log", node=node, node_only=True)
     try:
         wait_deployments(api, [names.promote_deployment(node)], timeout=300, procs=[agent])
@@ -134,31 +150,34 @@ def main() -> None:
     ap = bench_parser(__doc__, rounds=3, api_url=True)
     ap.add_argument("--parts", type=int, default=8, help="promotions per round")
     ap.add_argument("--mib", type=float, default=1.0, help="size of each checkpoint")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="the baseline is the agent as it ships with this setting changed (repeatable)")
     args = parse(ap, {"parts": 2})
     load0 = os.getloadavg()[0]
-    got: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    srv: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    reqs: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    socks: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    runs, base_name = contenders(args.baseline_env)
+    got: dict[str, list[float]] = {name: [] for name in runs}
+    srv: dict[str, list[float]] = {name: [] for name in runs}
+    reqs: dict[str, list[float]] = {name: [] for name in runs}
+    socks: dict[str, list[float]] = {name: [] for name in runs}
     with (tempfile.TemporaryDirectory(prefix="ckpt-agent-cpu-") as tmp,
           measured_server(args.api_url, Path(tmp)) as server):
-        names_ = list(CONTENDERS)
+        names_ = list(runs)
         for r in range(args.rounds):
             for j in range(len(names_)):
                 name = names_[(r + j) % len(names_)]
-                agent, server_cpu, requests, sockets = one_round(server, Path(tmp), CONTENDERS[name], args.parts,
+                agent, server_cpu, requests, sockets = one_round(server, Path(tmp), runs[name], args.parts,
                                                                  args.mib, f"{r}{j}")
                 got[name].append(agent)
                 srv[name].append(server_cpu)
                 reqs[name].append(requests)
                 socks[name].append(sockets)
     table(f"agent CPU seconds per promotion (its whole process tree; {args.parts} promotions of {args.mib:g} MiB "
-          f"per round, {args.rounds} rounds; the 's' columns are CPU seconds)", got, BASE)
+          f"per round, {args.rounds} rounds; the 's' columns are CPU seconds)", got, base_name)
     ours = statistics.median(got[names_[0]])
-    base = statistics.median(got[BASE])
+    base = statistics.median(got[base_name])
     if server.pid is not None:
         table("Prefect server CPU seconds per promotion (same rounds and span; the 's' columns are CPU seconds)",
-              srv, BASE)
+              srv, base_name)
         for name in names_:
             print(f"API requests per promotion (the runner's polls left out), {name}: "
                   f"{statistics.median(reqs[name]):.1f} "
@@ -166,15 +185,19 @@ def main() -> None:
     else:
         print("Prefect server: not measured (--api-url: a server this script did not start)")
     print(load_line(load0))
-    print(f"ratio: ours / Prefect as it comes = {ours / base:.2f} x CPU per promotion "
-          f"(best rounds {min(got[names_[0]]) / min(got[BASE]):.2f} x)")
+    print(f"ratio: ours / {base_name} = {ours / base:.2f} x CPU per promotion "
+          f"(best rounds {min(got[names_[0]]) / min(got[base_name]):.2f} x)")
     if server.pid is not None:
-        print(f"ratio: ours / Prefect as it comes = {ratio_of(srv, names_[0]):.2f} x server CPU per promotion, "
-              f"{ratio_of(reqs, names_[0]):.2f} x API requests per promotion")
+        both = [a + b for a, b in zip(got[names_[0]], srv[names_[0]], strict=True)]
+        both_base = [a + b for a, b in zip(got[base_name], srv[base_name], strict=True)]
+        print(f"agent + server CPU per promotion: ours {statistics.median(both):.3f} s (best {min(both):.3f}), "
+              f"{base_name} {statistics.median(both_base):.3f} s (best {min(both_base):.3f})")
+        print(f"ratio: ours / {base_name} = {ratio_of(srv, names_[0], base_name):.2f} x server CPU per promotion, "
+              f"{ratio_of(reqs, names_[0], base_name):.2f} x API requests per promotion")
 
 
-def ratio_of(figures: dict[str, list[float]], name: str) -> float:
-    base = statistics.median(figures[BASE])
+def ratio_of(figures: dict[str, list[float]], name: str, base_name: str) -> float:
+    base = statistics.median(figures[base_name])
     return statistics.median(figures[name]) / base if base else 0.0
 
 

@@ -178,6 +178,8 @@ def test_training_interference():
     assert re.search(r"alone \(baseline\) +\d+\.\d", out), out
     assert re.search(r"beside a promotion, copy lowered .* -?\d+\.\d%", out), out
     assert re.search(r"quiet, no training \(baseline\) +\d+\.\d{3}", out), out
+    assert re.search(r"promotion CPU, quiet .*: \d+\.\d{3} s \(user \d+\.\d{3}, system \d+\.\d{3}\)", out), out
+    assert re.search(r"the least the loop loses while both goals hold: .* = \d+\.\d%", out), out
     assert re.search(r"goal: training slowdown <= 5 % -> -?\d+\.\d%, (MET|NOT MET); "
                      r"promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
 
