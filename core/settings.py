@@ -102,6 +102,13 @@ class Settings(BaseSettings):
                                      description="objects this large or larger are fetched as parallel ranged GETs")
     task_retries: int = Field(default=4, ge=0, le=20, description="retries of a pipeline task on transient errors")
     task_retry_delay_seconds: float = Field(default=2.0, ge=0, description="first retry delay; doubles, with jitter")
+    hop_task_run: bool = Field(
+        default=True,
+        description="each hop of a part (its promotion's copy to Tier 1; a milestone's upload to Tier 2) is a "
+                    "Prefect task run of its own, shown in the run's graph; off (for large clusters): the hops run "
+                    "in the flow run's own body under the same retry policy, each retry a line in the run's log, "
+                    "each hop a row of the run's hop table, and the orchestrator records a task run and its three "
+                    "state events less per part and hop")
 
     milestones: MilestonePolicy = Field(default=MilestonePolicy(),
                                         description="which checkpoints are milestones (archived to Tier 2)")

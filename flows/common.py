@@ -20,7 +20,7 @@ from tasks.prune import Pruned, prune_task
 from tasks.record import mark_complete_task
 from tasks.register import Registered, register_stored_part_task
 from tasks.retention import PruneAction, plan_retention_task
-from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, with_policy
+from tasks.retry import DEFAULT_BASE_DELAY_S, DEFAULT_RETRIES, retrying, with_policy
 from tasks.verify import verify_task
 
 
@@ -87,9 +87,9 @@ class Steps:
 
 def step_tasks() -> dict[str, Any]:
     """The one registry of pipeline steps: field name of ``Steps`` -> its Prefect task (the
-    plain function is the task's ``.fn``). A hop of one part is one task run (``tasks.hop``):
-    each task run costs the flow round trips and the server ingest, which a burst of N parts pays
-    N times."""
+    plain function is the task's ``.fn``). A hop of one part is one step (``tasks.hop``): one task
+    run, or none with ``Settings.hop_task_run`` off (``task_steps``): a task run costs the flow
+    round trips and the server ingest, which a burst of N parts pays N times."""
     registry = Steps(register=register_stored_part_task, verify=verify_task, mark_complete=mark_complete_task,
                      plan_retention=plan_retention_task, prune=prune_task, tier1_hop=tier1_hop_task,
                      tier2_hop=tier2_hop_task)  # mypy checks each task against its member's type
@@ -101,17 +101,29 @@ def plain_steps() -> Steps:
     return Steps(**{name: task.fn for name, task in step_tasks().items()})
 
 
+PART_HOPS = ("tier1_hop", "tier2_hop")  # the steps that run once per part of a checkpoint
+
+
 def task_steps(settings: Settings | None = None) -> Steps:
-    """The Prefect tasks with the configured retry budget (``Settings.task_retries``...)."""
+    """The steps a flow runs, with the configured retry budget (``Settings.task_retries``...):
+    Prefect tasks; with ``Settings.hop_task_run`` off, the hops of a part (``PART_HOPS``) run inline
+    in the flow run under the same policy (``tasks.retry.retrying``): they run once per part of
+    every checkpoint (the archive's once per part of a milestone), and each task run is a run
+    record and three state events more for the orchestrator, per part."""
     r = settings.task_retries if settings is not None else DEFAULT_RETRIES
     d = settings.task_retry_delay_seconds if settings is not None else DEFAULT_BASE_DELAY_S
-    return _task_steps(r, d)
+    return _task_steps(r, d, settings.hop_task_run if settings is not None else True)
 
 
 @lru_cache(maxsize=8)
-def _task_steps(retries: int, base_delay: float) -> Steps:
+def _task_steps(retries: int, base_delay: float, hop_task_run: bool) -> Steps:
     """Built once per retry budget and process (``Task.with_options`` costs ~2 ms a task)."""
-    return Steps(**{name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()})
+    steps = {name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()}
+    if not hop_task_run:
+        for name in PART_HOPS:
+            hop = step_tasks()[name]
+            steps[name] = retrying(hop.fn, name=hop.name, retries=retries, base_delay=base_delay)
+    return Steps(**steps)
 
 
 def hop_rows(hops: list[HopResult]) -> list[dict[str, Any]]:

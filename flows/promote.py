@@ -3,7 +3,8 @@ and prune.
 
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
 this node) -> copy to Tier 1 (claimed, read back, published manifest last), as one step
-(``tasks.hop``: one task run per part) -> when the catalog reports every part verified on
+(``tasks.hop``: one task run per part, or run in the flow run's own body under the same retry
+policy with ``Settings.hop_task_run`` off) -> when the catalog reports every part verified on
 Tier 1 (``complete_on_tier``), the caller that takes the checkpoint's follow-ups (any caller
 that finds them not recorded done and not under a live lease: a retry, a duplicate event or
 reconcile finishes what a killed one left): archive a milestone to Tier 2, announce
@@ -121,7 +122,8 @@ def run_name(params: dict[str, Any]) -> str:
 @flow(name="promote-checkpoint")  # named from its body (name_this_run), not with flow_run_name
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks; a table artifact per promotion,
+    """Settings read once here; the steps run as Prefect tasks (the part's hop in this run's body
+    with ``Settings.hop_task_run`` off: ``task_steps``); a table artifact per promotion,
     and, by the promotion that made the checkpoint durable, the run's status page
     (``run-<name>``, flows/status.py) republished; all posted on background threads while the
     promotion goes on, waited for at the end (``artifact_batch``), as is the run's name

@@ -1,15 +1,18 @@
-"""The hops of one part as single steps (one Prefect task run each): ``tier1_hop``, the fast
-hop of a promotion (register -> copy to Tier 1, verifying Tier 0 in the same read -> complete), and
+"""The hops of one part as single steps: ``tier1_hop``, the fast hop of a promotion (register ->
+copy to Tier 1, verifying Tier 0 in the same read -> complete), and
 ``tier2_hop``, a part's archive (upload to Tier 2 -> verify it there).
 
 Each piece is its own plain step (``register_stored_part``, ``promote_part``, ``mark_complete``),
 idempotent and claimed in the catalog, so the hop is one unit of retry: a retry registers
 again (a no-op), re-reads Tier 0 and finds the copy done or takes it over. ``promote_part``
 reads Tier 0 once: the copy checks every byte against the manifest on its way to Tier 1 and
-that is the Tier 0 verify (``tasks.copy``); the hop list still shows both. As
-one task it costs the orchestrator one task run per part instead of four: a task run costs the
-flow ~10-15 ms of round trips and the server ~1/20 s of ingest, which a 64-node burst pays
-64 times (``ckpt plan``). What each piece did is in the hop list the flow publishes.
+that is the Tier 0 verify (``tasks.copy``); the hop list still shows both. As one step it
+costs the orchestrator one task run per part instead of four, or none with
+``Settings.hop_task_run`` off (the flows run it inline under the task policy:
+``flows.common.task_steps``): a task run costs the flow round trips and the server its ingest (a
+task run record and three state events), which a 64-node burst pays 64 times. What each piece
+did is in the hop list the flow publishes. ``tier2_hop`` (a part of a milestone's archive, run by
+the one caller that takes the checkpoint's follow-ups) runs the same way.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The flows for real, against the session's Prefect server: names, artifacts, events, task
-retries on transient errors and none on permanent ones, and the CLI that starts them."""
+retries on transient errors and none on permanent ones (and the hops' own retries in the flow run
+with their task runs off), and the CLI that starts them."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -134,10 +136,6 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
     """Another worker's live claim (CopyInProgress) makes the copy task retry; once that worker
     lets go (released here only after the task was seen waiting for its retry, so no wall-clock
     race decides the outcome), a retry copies."""
-    import threading
-
-    from db.entities import COPYING, MISSING
-    from flows.promote import promote_checkpoint
     from tasks.register import register_stored_part
 
     settings = env_settings(task_retries=6, task_retry_delay_seconds=1.0)
@@ -147,13 +145,32 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
     ck = cat.get_checkpoint(RUN, 100)
     other = cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=3600)
     assert other.acquired
+
+    def a_retry_waits() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not awaiting_retry(prefect_server, "tier0-to-tier1"):
+            time.sleep(0.2)
+
+    state = promote_once_the_claim_goes(RUN, cat, other, a_retry_waits)
+
+    assert state.is_completed(), state.message
+    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
+    assert hop.run_count > 1
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+
+
+def promote_once_the_claim_goes(run: str, cat, other, wait):
+    """``promote_checkpoint(run, 100)`` while another worker holds the part's Tier 1 claim
+    (``other``), released on a helper thread once ``wait()`` returns (the promotion seen waiting for
+    its retry: no wall-clock race decides the outcome); the run's final state. ``cat`` is closed."""
+    from db.entities import COPYING, MISSING
+    from flows.promote import promote_checkpoint
+
     released = threading.Event()
 
     def release_once_a_retry_waits() -> None:
-        deadline = time.monotonic() + 120
         try:
-            while time.monotonic() < deadline and not awaiting_retry(prefect_server, "tier0-to-tier1"):
-                time.sleep(0.2)
+            wait()
         finally:
             cat.transition(other.replica.id, MISSING, expected=COPYING, claim_token=other.replica.claim_token,
                            actor="other", reason="the other worker gave up")
@@ -162,16 +179,12 @@ def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server
     helper = threading.Thread(target=release_once_a_retry_waits, daemon=True)
     helper.start()
     try:
-        state = promote_checkpoint(RUN, 100, return_state=True)
+        state = promote_checkpoint(run, 100, return_state=True)
     finally:
         helper.join(130)
         cat.close()
-
     assert released.is_set()
-    assert state.is_completed(), state.message
-    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
-    assert hop.run_count > 1
-    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+    return state
 
 
 def awaiting_retry(api: str, task_name: str) -> bool:
@@ -180,6 +193,65 @@ def awaiting_retry(api: str, task_name: str) -> bool:
     r = httpx.post(f"{api}/task_runs/filter", json=body, timeout=10)
     r.raise_for_status()
     return bool(r.json())
+
+
+@pytest.fixture
+def retry_waits(monkeypatch):
+    """The waits before the inline retries of a step (``tasks.retry.retrying``), as they begin."""
+    import tasks.retry
+
+    waits: list[float] = []
+    waiting = threading.Event()
+
+    def watched(seconds: float) -> None:
+        waits.append(seconds)
+        waiting.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(tasks.retry, "_sleep", watched)
+    return waits, waiting
+
+
+def run_log(api: str, flow_run_id) -> list[str]:
+    """The flow run's log lines as the UI shows them (the API), once the run's logs are sent."""
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    body = {"logs": {"flow_run_id": {"any_": [str(flow_run_id)]}}, "limit": 200}
+    r = httpx.post(f"{api}/logs/filter", json=body, timeout=10)
+    r.raise_for_status()
+    return [log["message"] for log in r.json()]
+
+
+def test_with_hop_task_runs_off_the_hops_run_in_the_flow_run_and_retry_there(env_settings, s3_endpoint, s3_bucket,
+                                                                              prefect_server, retry_waits):
+    """``CKPT_HOP_TASK_RUN=false`` (large clusters): a milestone's Tier 1 hop and Tier 2 upload run
+    in the promote run's body, no task run of their own; another worker's live claim
+    (CopyInProgress) makes the hop retry there (the claim released only once a retry waits, so no
+    wall-clock race decides the outcome), the retry copies, and the run's log says it retried."""
+    from tasks.register import register_stored_part
+
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(runs=(run,), hop_task_run=False, task_retries=6, task_retry_delay_seconds=1.0,
+                            tier2_url=f"s3://{s3_bucket}/inline", s3_endpoint_url=s3_endpoint)
+    write_checkpoint(settings.tier0_url, run, 100, kind="milestone")
+    register_stored_part(settings, run, 100)
+    cat = open_catalog(settings)
+    other = cat.claim_copy(cat.get_checkpoint(run, 100).id, 1, 0, "elsewhere", node=None, actor="other",
+                           lease_seconds=3600)
+    assert other.acquired
+    waits, waiting = retry_waits
+
+    state = promote_once_the_claim_goes(run, cat, other, lambda: waiting.wait(120))
+
+    assert state.is_completed(), state.message
+    assert state.result()["archive"]["archived"]
+    assert replica_states(settings, run, 100) == {(0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
+    assert sorted(task_runs_of(state.state_details.flow_run_id)) == ["mark-complete", "plan-retention"]
+    assert waits and 0.5 <= waits[0] <= 1.5  # the first delay (1 s) with its jitter
+    retried = [line for line in run_log(prefect_server, state.state_details.flow_run_id) if "; retry " in line]
+    assert len(retried) == len(waits), retried
+    assert retried[0].startswith("tier0-to-tier1: CopyInProgress: ") and "retry 1 of 6 in " in retried[0], retried
 
 
 def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):

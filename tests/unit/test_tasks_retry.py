@@ -65,3 +65,72 @@ def test_malformed_checkpoint_references_are_bad_events(args):
 
     with pytest.raises(BadEvent):
         checkpoint_args(*args)
+
+
+class Flaky:
+    """Raises each of ``errors`` in turn, then returns its arguments."""
+
+    def __init__(self, *errors: BaseException):
+        self.errors, self.calls = list(errors), 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return args, kwargs
+
+
+def test_an_inline_step_retries_transient_errors_after_growing_jittered_delays(caplog):
+    from tasks.retry import retrying
+
+    step, slept = Flaky(StorageUnavailable("S3 503"), CopyInProgress("another worker")), []
+    call = retrying(step, name="tier0-to-tier1", retries=4, base_delay=2.0, sleep=slept.append, draw=lambda: 1.0)
+
+    with caplog.at_level("WARNING", logger="ckpt.retry"):
+        assert call("run-a", 7, part=1) == (("run-a", 7), {"part": 1})
+
+    assert step.calls == 3
+    assert slept == [3.0, 6.0]  # 2 s then 4 s, each at the top of its +-50 % jitter
+    assert [r.getMessage() for r in caplog.records] == [
+        "tier0-to-tier1: StorageUnavailable: S3 503; retry 1 of 4 in 3.0 s",
+        "tier0-to-tier1: CopyInProgress: another worker; retry 2 of 4 in 6.0 s"]
+
+
+def test_an_inline_step_fails_at_once_on_a_permanent_error():
+    from tasks.retry import retrying
+
+    step, slept = Flaky(CorruptCheckpoint("bit flip", path="a")), []
+    with pytest.raises(CorruptCheckpoint, match="bit flip"):
+        retrying(step, name="hop", retries=4, base_delay=2.0, sleep=slept.append)()
+    assert (step.calls, slept) == (1, [])
+
+
+def test_an_inline_step_raises_the_last_transient_error_once_its_retries_are_spent():
+    from tasks.retry import retrying
+
+    step, slept = Flaky(*(StorageUnavailable(f"503 #{i}") for i in range(4))), []
+    with pytest.raises(StorageUnavailable, match="503 #2"):
+        retrying(step, name="hop", retries=2, base_delay=0.5, sleep=slept.append, draw=lambda: 0.0)()
+    assert step.calls == 3
+    assert slept == [0.25, 0.5]  # the bottom of the jitter: half of 0.5 s and of 1 s
+
+
+@pytest.mark.parametrize("draw", [0.0, 0.25, 0.5, 0.999])
+def test_jitter_stays_within_half_the_delay_either_way(draw):
+    from tasks.retry import jittered
+
+    assert 1.0 <= jittered(2.0, draw=lambda: draw) < 3.0
+
+
+def test_a_flow_runs_the_hops_of_a_part_as_task_runs_or_inline_when_asked():
+    from prefect import Task
+
+    from core.settings import Settings
+    from flows.common import task_steps
+
+    inline = task_steps(Settings(task_retries=3, task_retry_delay_seconds=0.5, hop_task_run=False))
+    assert not isinstance(inline.tier1_hop, Task) and not isinstance(inline.tier2_hop, Task)
+    assert isinstance(inline.mark_complete, Task) and inline.mark_complete.retries == 3  # once per checkpoint
+    runs = task_steps(Settings())
+    assert isinstance(runs.tier1_hop, Task) and isinstance(runs.tier2_hop, Task)
+    assert runs.tier1_hop.retries == 4
