@@ -154,19 +154,21 @@ class ServerCapacity:
     source: str
 
 
-# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16` (2026-12-01, 06:20 UTC): Prefect
-# 3.9.1 API server (--no-services) + services process on PostgreSQL + Redis
-# (ckpt.production_stack), 64 parts served by 20 agent processes with their warm promote
-# processes (64 did not fit in half the free memory), on this project's 2-core, 24 GiB machine.
-# Sustained over the burst: 64 flow runs (one promote per part; the milestone archived inline,
-# so no archive run) and 130 task runs (per part tier0-to-tier1 and tier1-to-tier2, plus the
-# checkpoint's mark-complete and plan-retention) in 175 s, i.e. 0.37 flow runs/s and 0.74 task
-# runs/s (1,298 events, 7.4/s). The agents (4.1 CPU s per part outside the byte copy) shared the
-# two cores with the server, so these rates are what the whole machine sustained: a floor for a
-# server with cores of its own. A report from the target cluster (`ckpt plan --burst-report`)
-# replaces them. (The burst before each hop of a part became one task run: 65 flow runs and
-# 386 task runs, 0.14 and 0.9 per second, durable in 451 s with 40 agents.)
-MEASURED_SERVER = ServerCapacity(flow_runs_per_s=0.37, task_runs_per_s=0.74, flow_runs_per_part=1.0,
+# Measured by `benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --mem-fraction 0.7`
+# (2026-12-04, 11:10 UTC, its first phase: the pipeline as shipped): Prefect 3.9 API server
+# (--no-services) + services process on PostgreSQL + Redis (ckpt.production_stack), 64 parts
+# served by 64 agents, one per node, with the warm promote processes they fork, on this project's
+# 2-core, 24 GiB machine. Sustained over the burst: 64 flow runs (one promote per part; the
+# milestone archived inline, so no archive run) and 130 task runs (per part tier0-to-tier1 and
+# tier1-to-tier2, plus the checkpoint's mark-complete and plan-retention) in 59 s, i.e. 1.08
+# flow runs/s and 2.2 task runs/s (1,257 events, 21/s); durable 60.0 s after the burst. The
+# agents (0.57 CPU s per part) shared the two cores with the server (0.62), so these rates are
+# what the whole machine sustained: a floor for a server with cores of its own. A report from
+# the target cluster (`ckpt plan --burst-report`) replaces them. (Earlier: 0.37 flow runs/s and
+# 0.74 task runs/s on 2026-12-01 with 20 agents, before the agents started the runner's runs warm
+# and a promote run left out Prefect's round trips it never uses; 0.14 and 0.9 before each hop of
+# a part became one task run.)
+MEASURED_SERVER = ServerCapacity(flow_runs_per_s=1.08, task_runs_per_s=2.2, flow_runs_per_part=1.0,
                                  task_runs_per_part=130 / 64,
                                  source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
 
