@@ -118,11 +118,11 @@ def task_steps(settings: Settings | None = None) -> Steps:
 @lru_cache(maxsize=8)
 def _task_steps(retries: int, base_delay: float, hop_task_run: bool) -> Steps:
     """Built once per retry budget and process (``Task.with_options`` costs ~2 ms a task)."""
-    steps = {name: with_policy(task, retries, base_delay) for name, task in step_tasks().items()}
+    tasks = step_tasks()
+    steps = {name: with_policy(task, retries, base_delay) for name, task in tasks.items()}
     if not hop_task_run:
-        for name in PART_HOPS:
-            hop = step_tasks()[name]
-            steps[name] = retrying(hop.fn, name=hop.name, retries=retries, base_delay=base_delay)
+        steps.update({name: retrying(tasks[name].fn, name=tasks[name].name, retries=retries, base_delay=base_delay)
+                      for name in PART_HOPS})
     return Steps(**steps)
 
 

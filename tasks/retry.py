@@ -56,13 +56,12 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
 
 
 def _sleep(seconds: float) -> None:
-    """The wait before an inline retry (a module attribute: a test can watch the waits)."""
+    """The wait before an inline retry (a module attribute: a test watches or skips the waits)."""
     time.sleep(seconds)
 
 
 def retrying(fn: Callable[P, R], *, name: str, retries: int = DEFAULT_RETRIES,
-             base_delay: float = DEFAULT_BASE_DELAY_S, sleep: Callable[[float], None] | None = None,
-             draw: Callable[[], float] = random.random) -> Callable[P, R]:
+             base_delay: float = DEFAULT_BASE_DELAY_S, draw: Callable[[], float] = random.random) -> Callable[P, R]:
     """``fn`` under the task policy, run inline in the caller's run: a transient error (``is_transient``)
     is retried up to ``retries`` times after ``backoff_delays`` with jitter, each retry a warning in
     the run's log (``name: error; retry i of n in s``); a permanent error, or the last transient
@@ -81,7 +80,7 @@ def retrying(fn: Callable[P, R], *, name: str, retries: int = DEFAULT_RETRIES,
                 first_line = (str(exc).splitlines() or [""])[0]
                 run_logger().warning("%s: %s: %s; retry %d of %d in %.1f s", name, type(exc).__name__, first_line,
                                      attempt + 1, retries, wait)
-                (sleep or _sleep)(wait)
+                _sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     return call

@@ -80,11 +80,21 @@ class Flaky:
         return args, kwargs
 
 
-def test_an_inline_step_retries_transient_errors_after_growing_jittered_delays(caplog):
+@pytest.fixture
+def slept(monkeypatch):
+    """The waits of inline retries, recorded instead of slept."""
+    import tasks.retry
+
+    waits: list[float] = []
+    monkeypatch.setattr(tasks.retry, "_sleep", waits.append)
+    return waits
+
+
+def test_an_inline_step_retries_transient_errors_after_growing_jittered_delays(caplog, slept):
     from tasks.retry import retrying
 
-    step, slept = Flaky(StorageUnavailable("S3 503"), CopyInProgress("another worker")), []
-    call = retrying(step, name="tier0-to-tier1", retries=4, base_delay=2.0, sleep=slept.append, draw=lambda: 1.0)
+    step = Flaky(StorageUnavailable("S3 503"), CopyInProgress("another worker"))
+    call = retrying(step, name="tier0-to-tier1", retries=4, base_delay=2.0, draw=lambda: 1.0)
 
     with caplog.at_level("WARNING", logger="ckpt.retry"):
         assert call("run-a", 7, part=1) == (("run-a", 7), {"part": 1})
@@ -96,21 +106,21 @@ def test_an_inline_step_retries_transient_errors_after_growing_jittered_delays(c
         "tier0-to-tier1: CopyInProgress: another worker; retry 2 of 4 in 6.0 s"]
 
 
-def test_an_inline_step_fails_at_once_on_a_permanent_error():
+def test_an_inline_step_fails_at_once_on_a_permanent_error(slept):
     from tasks.retry import retrying
 
-    step, slept = Flaky(CorruptCheckpoint("bit flip", path="a")), []
+    step = Flaky(CorruptCheckpoint("bit flip", path="a"))
     with pytest.raises(CorruptCheckpoint, match="bit flip"):
-        retrying(step, name="hop", retries=4, base_delay=2.0, sleep=slept.append)()
+        retrying(step, name="hop", retries=4, base_delay=2.0)()
     assert (step.calls, slept) == (1, [])
 
 
-def test_an_inline_step_raises_the_last_transient_error_once_its_retries_are_spent():
+def test_an_inline_step_raises_the_last_transient_error_once_its_retries_are_spent(slept):
     from tasks.retry import retrying
 
-    step, slept = Flaky(*(StorageUnavailable(f"503 #{i}") for i in range(4))), []
+    step = Flaky(*(StorageUnavailable(f"503 #{i}") for i in range(4)))
     with pytest.raises(StorageUnavailable, match="503 #2"):
-        retrying(step, name="hop", retries=2, base_delay=0.5, sleep=slept.append, draw=lambda: 0.0)()
+        retrying(step, name="hop", retries=2, base_delay=0.5, draw=lambda: 0.0)()
     assert step.calls == 3
     assert slept == [0.25, 0.5]  # the bottom of the jitter: half of 0.5 s and of 1 s
 
