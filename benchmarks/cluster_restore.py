@@ -26,16 +26,23 @@ the bytes of the checkpoint over Tier 2's bandwidth as the N nodes get it, measu
 rounds: each node drains its objects raw through the proxy (``copy_parallelism`` streams, the
 bytes dropped: no check, no write, no catalog), all nodes at once (as ``ckpt drill`` measures
 its bound: ``tasks.drill_node.drain``). The figure of one process reading every object alone
-(``one_reader_seconds``) is printed beside it: here the N node processes, the proxy
-and the S3 server share two cores, so N readers at once cannot reach it (on a cluster each node
-reads with its own cores and NIC). It prints
+(``one_reader_seconds``) is printed beside it: here the N node processes share the cores
+left to them, so N readers at once cannot reach it (on a cluster each node reads with its own
+cores and NIC).
+
+Cores: S3's server and the proxy run on a core of their own (the first this process may use),
+the N node processes on the others, as on a cluster, where the store runs on machines of its
+own: a node's work (checking, writing, loading) does not take the store's CPU, nor the
+store's the nodes'. ``--shared-cores`` runs everything on every core (the measurement before
+this split); with one core there is nothing to split. The output says where the proxy's
+threads and the nodes ran. It prints
 the bytes read per tier, the S3 GETs and the bytes sent per object during the Tier 2 resume
 (over the object's size: 1.00 is read once), and last:
 ``cluster restore: N nodes, tier 2 RTO X s, bound Y s (xR), whole-checkpoint-per-node Z s``
 (R = bound / RTO: 1 reaches the bound).
 
     .venv/bin/python benchmarks/cluster_restore.py [--nodes 16] [--part-mib 64] [--rounds 3]
-        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL]
+        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL] [--shared-cores]
     .venv/bin/python benchmarks/cluster_restore.py --smoke    # 2 nodes, 1 MiB parts, one round
 """
 
@@ -137,10 +144,14 @@ def child(spec: dict) -> dict:
             "parts": [[p.tier, p.source, p.bytes_moved] for p in point.parts]}
 
 
-def worker_main() -> None:
+def worker_main(cpus: set[int] | None) -> None:
     """One node for the whole benchmark: it starts (imports) once, then runs one job per spec
     line: prepares it, prints ``ready``, waits for ``go`` (the common start), runs it and
-    prints what it did as one JSON line. End of input (or anything but ``go``) ends it."""
+    prints what it did as one JSON line. End of input (or anything but ``go``) ends it.
+    ``cpus``: the cores the nodes run on (the storage side's are not theirs), set before any
+    thread starts so that every thread and ``cp`` it starts inherits them."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     while line := sys.stdin.readline():
         spec = json.loads(line)
         prepare(spec)
@@ -151,6 +162,7 @@ def worker_main() -> None:
         out = child(spec)
         out["done_at"] = time.time()
         out["cpu"] = cpu_seconds() - cpu0
+        out["cores"] = sorted(os.sched_getaffinity(0))
         if "fetch_cpu" in out:
             out["fetch_cpu"] -= cpu0
         print(json.dumps(out), flush=True)
@@ -204,9 +216,10 @@ class Nodes:
     """N node processes, started once and reused by every contender and round (interpreter
     start-up and imports are paid once per node, never timed)."""
 
-    def __init__(self, n: int):
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    def __init__(self, n: int, cpus: set[int] | None = None):
+        argv = [sys.executable, __file__, "--worker", *([",".join(map(str, sorted(cpus)))] if cpus else [])]
+        self.procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for _ in range(n)]
 
     def run(self, specs: list[dict]) -> Cluster:
         """One job per node, all started together; a contender's time is the common start to
@@ -276,7 +289,7 @@ def write_part(folder: Path, part: int, parts: int, part_bytes: int) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker_main()
+        worker_main({int(c) for c in sys.argv[2].split(",")} if len(sys.argv) > 2 else None)
         return
     ap = bench_parser(__doc__, rounds=3, s3_endpoint=True)
     ap.add_argument("--nodes", type=int, default=16)
@@ -285,13 +298,30 @@ def main() -> None:
     ap.add_argument("--first-byte", type=float, default=None, help="the proxy's first-byte latency, s [0.1]")
     ap.add_argument("--parallelism", type=int, default=4, help="copy_parallelism of each node")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="run S3 and the proxy on the nodes' cores (default: on a core of their own)")
     args = parse(ap, SMOKE)
+    args.storage_cpus, args.node_cpus = (None, None) if args.shared_cores else split_cores()
+    if args.storage_cpus:  # before S3's server starts: it and the proxy's threads inherit it
+        os.sched_setaffinity(0, args.storage_cpus)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-cluster-", dir=args.dir))
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (endpoint, bucket):
             bench(args, work, endpoint, bucket)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def split_cores() -> tuple[set[int] | None, set[int] | None]:
+    """(the storage side's cores, the nodes' cores): S3's server and the proxy on one core of
+    their own, the node processes on the rest. On a cluster S3 runs on machines of its own and
+    each node reads with its own cores, so a node's work (checking, writing, loading) does not
+    slow the store it reads from; sharing every core here would charge S3's CPU to the nodes
+    and the nodes' to S3 (``--shared-cores`` measures that way). (None, None) with one core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return {cpus[0]}, set(cpus[1:])
 
 
 def bench(args, work: Path, endpoint: str, bucket: str) -> None:
@@ -325,23 +355,35 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     with S3Shaper(endpoint, bandwidth=parse_bandwidth(args.bandwidth), first_byte=first_byte) as proxy:
         print(f"S3 through the shaping proxy: {args.bandwidth} per connection, {first_byte * 1000:.0f} ms to first "
               f"byte; {args.parallelism} streams per node")
+        server = "the proxy (S3 at --s3-endpoint runs where it was started)" if args.s3_endpoint else \
+            "S3's server and the proxy"
+        print("cores: " + (f"{server} share them with the nodes" if args.storage_cpus is None else
+                           f"{server} on {sorted(args.storage_cpus)}, the {n} node processes on "
+                           f"{sorted(args.node_cpus)}"))
         shaped = base.model_copy(update={"s3_endpoint_url": proxy.url})
         run_bench(args, work, n, nbytes, nodes, shaped, bucket, proxy, tier1, prefix, load0,
-                  lambda: one_reader_seconds(base, shaped))
+                  lambda: one_reader_seconds(base, shaped, args.node_cpus))
 
 
-def one_reader_seconds(base, shaped) -> float:
+def one_reader_seconds(base, shaped, cpus: set[int] | None) -> float:
     """Every object of the checkpoint drained through the proxy by this one process
-    (``copy_parallelism`` streams per part at once), timed: Tier 2 as one reader gets it."""
+    (``copy_parallelism`` streams per part at once, on the nodes' ``cpus``), timed: Tier 2 as
+    one reader gets it."""
     from db.catalog import Catalog  # deferred: start-up (node processes start light)
     from tasks.drill_node import drain  # deferred: start-up (node processes start light)
 
     with Catalog(base.catalog_url) as cat:
         ck = cat.get_checkpoint(RUN, STEP)
         keys = [f"{checkpoint_prefix(RUN, STEP)}/{f.path}" for f in cat.files(ck.id)]
-    started = time.monotonic()
-    drain(shaped, 2, keys, streams=ck.parts * shaped.copy_parallelism)
-    return time.monotonic() - started
+    mine = os.sched_getaffinity(0)
+    if cpus:  # the drain's threads inherit the nodes' cores from this thread; the proxy's keep its own
+        os.sched_setaffinity(0, cpus)
+    try:
+        started = time.monotonic()
+        drain(shaped, 2, keys, streams=ck.parts * shaped.copy_parallelism)
+        return time.monotonic() - started
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str, proxy, tier1: Path, prefix: str,
@@ -401,7 +443,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     last: dict[str, Cluster] = {}
     gets: dict[str, int] = {}
     got_bytes: dict[str, int] = {}
-    with Nodes(n) as nodes_:
+    with Nodes(n, args.node_cpus) as nodes_:
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 shutil.rmtree(dest, ignore_errors=True)
@@ -416,6 +458,9 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                     times[fetch_only].append(got.fetched())
                     cpu[fetch_only].append(got.fetch_cpu)
     shutil.rmtree(dest, ignore_errors=True)
+    node_cores = sorted({c for got in last.values() for r in got.results for c in r["cores"]})
+    print(f"ran on: the proxy's threads {sorted(os.sched_getaffinity(proxy.thread_id))}, the node processes "
+          f"{node_cores}")
     one_reader = bound_fn()
     bound = statistics.median(times[RAW])
     with Catalog(shaped.catalog_url) as cat:  # a resume that reads a copy marks it bad only when it is

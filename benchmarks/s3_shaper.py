@@ -76,6 +76,13 @@ class S3Shaper:
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int:
+        """The native id of the thread that accepts connections (each connection's thread is
+        started by it, so it has its CPU affinity)."""
+        assert self._thread.native_id is not None
+        return self._thread.native_id
+
     def reset_counts(self) -> None:
         with self._lock:
             self.gets.clear()

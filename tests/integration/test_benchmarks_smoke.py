@@ -209,6 +209,13 @@ def test_cluster_restore(s3_endpoint):
     again = re.search(r"bytes sent per object / its size: min 1\.00, max \d+\.\d\d; read more than once: (.*)", out)
     assert again and again.group(1) == "model.safetensors.index.json (x2.00)", out[-1500:]
     assert "same resume, fetch only (no load)" in out
+    # the store's side (here the proxy) and the nodes on cores of their own, where there are two
+    ran = re.search(r"ran on: the proxy's threads \[([\d, ]+)\], the node processes \[([\d, ]+)\]", out)
+    assert ran, out[-1500:]
+    proxy_cores, node_cores = ({int(c) for c in g.split(", ")} for g in ran.groups())
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not proxy_cores & node_cores, ran.group(0)
+        assert "the 2 node processes on" in out, out[-1500:]
     # every copy is good: no node may mark one bad because it reads another tier than it has
     assert "copies the catalog no longer holds verified after the run: 0 (none)" in out, out[-1500:]
     assert re.fullmatch(r"cluster restore: 2 nodes, tier 2 RTO \d+\.\d\d s, bound \d+\.\d\d s \(x\d+\.\d\d\), "
