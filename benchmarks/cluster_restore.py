@@ -4,7 +4,9 @@ path (every node restores the whole checkpoint) and plain tools, in the same run
 One checkpoint of N parts (HF safetensors, two shards per part, the index with part 0) is
 promoted to every tier (Tier 0 on each simulated node, Tier 1 a local folder, Tier 2 moto's S3
 server behind ``benchmarks/s3_shaper.py``: per-connection bandwidth and first-byte latency as
-S3 has them). N node processes are started once; per round and in rotated order, each
+S3 has them; moto serving a ranged GET from the range's bytes, as S3 does, through
+``benchmarks/moto_ranges.py``, or as it is with ``--moto-as-is``: the whole object read for
+each range). N node processes are started once; per round and in rotated order, each
 contender runs one job on every node, started together (each node prepares first: its
 imports, catalog and S3 clients, as a running trainer has them, and the boto3 baseline its
 client, so start-up is not timed; a contender's time is the common start to the last node
@@ -35,14 +37,15 @@ the N node processes on the others, as on a cluster, where the store runs on mac
 own: a node's work (checking, writing, loading) does not take the store's CPU, nor the
 store's the nodes'. ``--shared-cores`` runs everything on every core (the measurement before
 this split); with one core there is nothing to split. The output says where the proxy's
-threads and the nodes ran. It prints
+threads and the nodes ran, and how busy the store's side was during each contender (its CPU
+seconds per second: 1.0 is its core full). It prints
 the bytes read per tier, the S3 GETs and the bytes sent per object during the Tier 2 resume
 (over the object's size: 1.00 is read once), and last:
 ``cluster restore: N nodes, tier 2 RTO X s, bound Y s (xR), whole-checkpoint-per-node Z s``
 (R = bound / RTO: 1 reaches the bound).
 
     .venv/bin/python benchmarks/cluster_restore.py [--nodes 16] [--part-mib 64] [--rounds 3]
-        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL] [--shared-cores]
+        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL] [--moto-as-is] [--shared-cores]
     .venv/bin/python benchmarks/cluster_restore.py --smoke    # 2 nodes, 1 MiB parts, one round
 """
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -298,6 +302,9 @@ def main() -> None:
     ap.add_argument("--first-byte", type=float, default=None, help="the proxy's first-byte latency, s [0.1]")
     ap.add_argument("--parallelism", type=int, default=4, help="copy_parallelism of each node")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    ap.add_argument("--moto-as-is", action="store_true",
+                    help="moto reads the whole object for each ranged GET, as it does by itself (default: "
+                         "the range's bytes alone, as S3: benchmarks/moto_ranges.py)")
     ap.add_argument("--shared-cores", action="store_true",
                     help="run S3 and the proxy on the nodes' cores (default: on a core of their own)")
     args = parse(ap, SMOKE)
@@ -306,10 +313,30 @@ def main() -> None:
         os.sched_setaffinity(0, args.storage_cpus)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-cluster-", dir=args.dir))
     try:
-        with s3_bucket(args.s3_endpoint, work / "moto.log") as (endpoint, bucket):
+        with s3_bucket(args.s3_endpoint, work / "moto.log",
+                       ranges_at_cost=not args.moto_as_is) as (endpoint, bucket):
             bench(args, work, endpoint, bucket)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def store_cpu() -> float:
+    """CPU seconds so far of the store's side: this process (the proxy's threads; its own part,
+    reading the nodes' lines, is small) and its children but the nodes: S3's server when started
+    here (moto), read from ``/proc``."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    total = me.ru_utime + me.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                if b"moto" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def split_cores() -> tuple[set[int] | None, set[int] | None]:
@@ -357,6 +384,10 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
               f"byte; {args.parallelism} streams per node")
         server = "the proxy (S3 at --s3-endpoint runs where it was started)" if args.s3_endpoint else \
             "S3's server and the proxy"
+        if not args.s3_endpoint:
+            print("S3's server: moto, " + ("each ranged GET read from the whole object (--moto-as-is)"
+                                           if args.moto_as_is else
+                                           "each ranged GET served from the range's bytes (moto_ranges.py)"))
         print("cores: " + (f"{server} share them with the nodes" if args.storage_cpus is None else
                            f"{server} on {sorted(args.storage_cpus)}, the {n} node processes on "
                            f"{sorted(args.node_cpus)}"))
@@ -440,6 +471,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     fetch_only = "  same resume, fetch only (no load)"
     times: dict[str, list[float]] = {k: [] for k in [*names[:4], fetch_only, *names[4:]]}
     cpu: dict[str, list[float]] = {k: [] for k in times}
+    store: dict[str, list[float]] = {k: [] for k in names}  # the store's side's CPU / the contender's time
     last: dict[str, Cluster] = {}
     gets: dict[str, int] = {}
     got_bytes: dict[str, int] = {}
@@ -449,7 +481,9 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.rmtree(work / "cold", ignore_errors=True)
                 proxy.reset_counts()
+                store0 = store_cpu()
                 got = contenders[name](nodes_)
+                store[name].append((store_cpu() - store0) / got.seconds)
                 times[name].append(got.seconds)
                 cpu[name].append(got.cpu)
                 last[name] = got
@@ -458,6 +492,9 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                     times[fetch_only].append(got.fetched())
                     cpu[fetch_only].append(got.fetch_cpu)
     shutil.rmtree(dest, ignore_errors=True)
+    print("the store's side (proxy" + ("" if args.s3_endpoint else " + S3's server") + ") busy, CPU s per second of "
+          "each contender (median; 1.0 is one core): " + ", ".join(f"{k.split(' (')[0]} {statistics.median(v):.2f}"
+                                                                  for k, v in store.items() if v))
     node_cores = sorted({c for got in last.values() for r in got.results for c in r["cores"]})
     print(f"ran on: the proxy's threads {sorted(os.sched_getaffinity(proxy.thread_id))}, the node processes "
           f"{node_cores}")

@@ -89,9 +89,11 @@ def prefect_server(api_url: str | None, home: Path, *, access_log: bool = False)
 
 
 @contextmanager
-def s3_bucket(endpoint: str | None, log: Path) -> Iterator[tuple[str, str]]:
+def s3_bucket(endpoint: str | None, log: Path, *, ranges_at_cost: bool = False) -> Iterator[tuple[str, str]]:
     """A fresh bucket on ``endpoint`` when given, else on moto's server started here and
-    stopped on exit; yields (endpoint URL, bucket). Sets fake AWS credentials if none are set."""
+    stopped on exit; yields (endpoint URL, bucket). Sets fake AWS credentials if none are set.
+    ``ranges_at_cost``: the moto started here serves a ranged GET from the range's bytes alone
+    (``benchmarks/moto_ranges.py``), as S3 does, not from a copy of the whole object."""
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(key, "testing")
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -111,7 +113,8 @@ def s3_bucket(endpoint: str | None, log: Path) -> Iterator[tuple[str, str]]:
             except Exception as exc:  # noqa: BLE001 - the figures are printed already
                 print(f"bucket {bucket} left on {endpoint}: {exc}")
         return
-    proc, url = start_moto(log, bucket=bucket)
+    server = (str(Path(__file__).with_name("moto_ranges.py")),) if ranges_at_cost else ("-m", "moto.server")
+    proc, url = start_moto(log, bucket=bucket, server=server)
     try:
         yield url, bucket
     finally:

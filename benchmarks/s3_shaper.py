@@ -8,7 +8,9 @@ connections. Through this proxy every connection's responses are paced to ``--ba
 so a reader's time depends on how many connections it keeps busy, as it does against S3.
 Defaults follow AWS's published guidance (Optimizing Amazon S3 Performance, "Performance
 Guidelines"): about 85-90 MB/s per connection and first-byte-out latencies of roughly 100-200 ms
-(the lower end here). Request bodies (uploads) are forwarded unshaped.
+(the lower end here). Request bodies (uploads) are forwarded unshaped. What the server spends
+per request is its own: moto reads the whole object for every ranged GET, which
+``benchmarks/moto_ranges.py`` (S3's cost: the range's bytes) takes away.
 
 It counts the GETs of each object and the bytes it sent, so a benchmark can say how often each
 object was read from "S3". As a library: ``with S3Shaper(upstream) as proxy: proxy.url``. From

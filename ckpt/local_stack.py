@@ -120,13 +120,15 @@ S3_PORT_IS = "the S3 server's (--port + 1)"  # how a taken S3 port is named: ckp
 
 
 def start_moto(log: Path, *, port: int | None = None, bucket: str = "ckpt", timeout: float = 60.0,
-               port_required: bool = False) -> tuple[subprocess.Popen, str]:
+               port_required: bool = False, server: Sequence[str] = ("-m", "moto.server")
+               ) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on loopback with ``bucket`` created; returns (process, endpoint URL).
-    ``port_required``: on ``port`` or not at all (``free_port``)."""
+    ``port_required``: on ``port`` or not at all (``free_port``); ``server``: what the
+    interpreter runs, given moto.server's arguments (a script that patches moto first)."""
     import boto3
 
     port = free_port(port, required=port_required, what=S3_PORT_IS)
-    proc = spawn([sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)], log)
+    proc = spawn([sys.executable, *server, "-H", LOOPBACK, "-p", str(port)], log)
     url = f"http://{LOOPBACK}:{port}"
     try:
         wait_http(url, timeout=timeout, proc=proc, what="moto S3 server")
