@@ -155,3 +155,35 @@ def test_ranged_read_of_an_object_of_the_wrong_size_or_bytes_is_corrupt(s3_endpo
         assert (tmp_path / "t0" / "good").read_bytes() == data
     finally:
         store.close()
+
+
+def test_a_ranged_fetch_reads_the_body_in_small_chunks(s3_endpoint, s3_bucket, tmp_path, monkeypatch):
+    """Each read of a GET's body asks for at most READ_CHUNK_BYTES (256 KiB), whatever the
+    store's copy buffer (4 MiB reads cost 16 fetching nodes twice the CPU per byte), and the
+    bytes land whole."""
+    import os
+
+    from core import checksum
+    from core.storage.s3 import store as s3store
+
+    asked: list[int] = []
+    read = s3store._Body.read
+
+    def spying(self, n=-1):
+        asked.append(n)
+        return read(self, n)
+
+    monkeypatch.setattr(s3store._Body, "read", spying)
+    store = S3Store(f"s3://{s3_bucket}/chunks", 2, endpoint_url=s3_endpoint, buffer_bytes=4 * 1024 * 1024,
+                    range_bytes=1024 * 1024, ranged_threshold=1024 * 1024)
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    store.client.put_object(Bucket=s3_bucket, Key="chunks/obj", Body=data)
+    dst = LocalStore(tmp_path / "t0", 0)
+    try:
+        dst.put_written("obj", lambda fd: store.read_ranges_into("obj", fd, len(data)), len(data),
+                        checksum.hash_bytes(data))
+    finally:
+        store.close()
+    assert (tmp_path / "t0" / "obj").read_bytes() == data
+    assert store.read_chunk_bytes == s3store.READ_CHUNK_BYTES == 256 * 1024
+    assert asked and max(asked) <= s3store.READ_CHUNK_BYTES + 1  # +1: the probe past a range's end
