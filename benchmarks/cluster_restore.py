@@ -483,7 +483,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                 proxy.reset_counts()
                 store0 = store_cpu()
                 got = contenders[name](nodes_)
-                store[name].append((store_cpu() - store0) / got.seconds)
+                store[name].append((store_cpu() - store0) / got.seconds)  # prepare's share too: an upper bound
                 times[name].append(got.seconds)
                 cpu[name].append(got.cpu)
                 last[name] = got

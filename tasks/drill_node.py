@@ -151,9 +151,9 @@ def drain(settings: Settings, tier: int, keys: list[str], *, streams: int | None
     from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
 
     def one(key: str) -> int:
-        n, chunk_bytes = 0, getattr(store, "read_chunk_bytes", settings.io_buffer_bytes)  # as a fetch reads
+        n = 0
         with store.open_read(key) as fh:
-            while chunk := fh.read(chunk_bytes):
+            while chunk := fh.read(store.read_chunk_bytes):  # as a fetch reads
                 n += len(chunk)
         return n
 

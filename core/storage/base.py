@@ -61,6 +61,12 @@ class TierStore(ABC):
     root_url: str
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES
 
+    @property
+    def read_chunk_bytes(self) -> int:
+        """What one read of a stream from ``open_read`` asks for (the copy buffer unless the
+        store says otherwise: S3 reads a GET's body in smaller pieces)."""
+        return self.buffer_bytes
+
     def url_for(self, key: str) -> str:
         return self.root_url.rstrip("/") + "/" + key
 

@@ -115,11 +115,12 @@ _validates_lock = threading.Lock()
 # (endpoint URL, bucket) -> (Object Lock enabled, versioning on); per process.
 
 
-# What one read of a GET's body asks for. 256 KiB, not ``buffer_bytes`` (1-4 MiB, best for
-# file-to-file copies): each read of a body allocates its buffer and copies it into ``bytes``,
-# and at 4 MiB both miss the CPU caches; 16 nodes fetching 16 x 64 MiB at once on one shared
-# core spent 3.8 CPU s per GB to fetch with 4 MiB reads and 1.8 with 256 KiB (as boto3's own
-# download reads), 1.93 s against 2.39 s (benchmarks/cluster_restore.py --part-mib 32).
+# What one read of a GET's body asks for. 256 KiB (as boto3's own download reads), not
+# ``buffer_bytes`` (1-4 MiB, best for file-to-file copies): each read of a body allocates a
+# buffer of that size and copies it into ``bytes`` (the likely cost: fresh pages and cache
+# misses at 4 MiB). 16 nodes fetching 16 x 32 MiB at once on one shared core, two runs one after
+# the other: 3.83 CPU s per GB and 2.39 s with 4 MiB reads, 1.82 and 1.93 s with 256 KiB
+# (benchmarks/cluster_restore.py --part-mib 32); one process with cores to spare: no loss.
 READ_CHUNK_BYTES = 256 * 1024
 
 
@@ -187,7 +188,6 @@ class S3Store(ObjectLockMixin, TierStore):
         self.chunk_bytes, self.max_concurrency = chunk_bytes, max_concurrency
         self.parallelism = parallelism
         self.buffer_bytes = buffer_bytes
-        self.read_chunk_bytes = min(buffer_bytes, READ_CHUNK_BYTES)  # one read of a GET's body
         self.lock_days, self.lock_mode = lock_days, lock_mode
         self.range_bytes, self.ranged_threshold = range_bytes, max(ranged_threshold, range_bytes)
         self.client = client or self._make_client(endpoint_url, region, max_attempts)
@@ -207,6 +207,11 @@ class S3Store(ObjectLockMixin, TierStore):
         every request above it opened a fresh connection and urllib3 logged "Connection pool is
         full, discarding connection" when handing it back."""
         return max(10, self.max_concurrency + self.parallelism)
+
+    @property
+    def read_chunk_bytes(self) -> int:
+        """One read of a GET's body: ``READ_CHUNK_BYTES`` at most."""
+        return min(self.buffer_bytes, READ_CHUNK_BYTES)
 
     def _k(self, key: str) -> str:
         safe_relpath(key)
