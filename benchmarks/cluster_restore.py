@@ -6,8 +6,10 @@ promoted to every tier (Tier 0 on each simulated node, Tier 1 a local folder, Ti
 server behind ``benchmarks/s3_shaper.py``: per-connection bandwidth and first-byte latency as
 S3 has them; moto serving a ranged GET from the range's bytes, as S3 does, through
 ``benchmarks/moto_ranges.py``, or as it is with ``--moto-as-is``: the whole object read for
-each range). N node processes are started once; per round and in rotated order, each
-contender runs one job on every node, started together (each node prepares first: its
+each range). N node processes are started once; per round, in an order rotated each round and reversed
+every other (``round_order``), with the page cache written back before each contender (so that
+the files one leaves unsynced, ``cp``'s and boto3's, are not written back in the next one's
+time), each contender runs one job on every node, started together (each node prepares first: its
 imports, catalog and S3 clients, as a running trainer has them, and the boto3 baseline its
 client, so start-up is not timed; a contender's time is the common start to the last node
 done):
@@ -17,9 +19,15 @@ done):
 - resume, Tier 2 through the proxy: a cold node without Tier 1, fetched into a scratch folder;
 - boto3 download_file of each node's objects through the same proxy (the Tier 2 baseline), and
   the same with each file fsynced once downloaded (a resume's fetch returns its files on disk;
-  download_file returns with them in the page cache, written back after the round);
+  download_file returns with them in the page cache, written back before the next contender,
+  untimed);
 - raw read per node: the same objects drained through the same proxy and dropped (the bound);
-- today: each node restores the whole checkpoint from Tier 2 through the proxy.
+- today: each node restores the whole checkpoint from Tier 2 through the proxy;
+- resume, Tier 1 lost: Tier 1's copy removed and recorded missing before the round (untimed),
+  then cold nodes with Tier 1 configured resume at once: each rehydrates its part on Tier 1
+  from Tier 2 through the proxy (a claimed copy, read back) and loads it there; the index that
+  part 0 holds is read from Tier 1 by the others, so each object is read from S3 once per
+  cluster resume (printed with the GETs). Its time includes Tier 1's write and read-back.
 Every resume loads its part with safetensors and checks it against the manifest; the Tier 2
 resume's "fetch only" row is the same run timed to the end of the fetch (each file checked,
 published), as the boto3 baseline is timed. The Tier 2-only nodes read Tier 2 alone (their
@@ -85,6 +93,7 @@ RUN, STEP = "bench-cluster", 100
 SMOKE = {"nodes": 2, "part_mib": 1.0}
 DURABLE = "boto3 download_file + fsync (proxy)"  # on disk, as a resume's fetch leaves its files
 RAW = "raw read per node, nothing kept (proxy)"  # the bound: Tier 2's bandwidth as the N nodes get it
+REHYDRATE = "resume: Tier 1 lost, rehydrated from T2"  # each part published on Tier 1 once, loaded there
 READY_TIMEOUT_S = 300.0
 
 
@@ -417,6 +426,28 @@ def one_reader_seconds(base, shaped, cpus: set[int] | None) -> float:
         os.sched_setaffinity(0, mine)
 
 
+def lose_tier1(settings, tier1: Path) -> None:
+    """Tier 1's copy of the checkpoint gone and the catalog told so (as ``ckpt reconcile`` records
+    a loss): the next resume of each node rehydrates its part there from Tier 2."""
+    from db.catalog import Catalog  # deferred: start-up (node processes start light)
+
+    shutil.rmtree(tier1, ignore_errors=True)
+    with Catalog(settings.catalog_url) as cat:
+        for rep in cat.replicas(cat.get_checkpoint(RUN, STEP).id, 1):
+            if rep.state == "verified":
+                cat.transition(rep.id, "missing", expected="verified", actor="bench", reason="bench: tier 1 lost")
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The contenders' order in round ``r``: rotated by ``r`` (none always first), and reversed
+    every other round, so that no contender always runs right after the same other one: a
+    contender follows another's load (its page cache, its sockets closing, the store's side
+    catching up) in one round and precedes it in the next. Before this, the Tier 2 resume
+    always ran right after the ``cp`` contender and right before boto3's."""
+    order = names[::-1] if r % 2 else names
+    return order[r % len(names):] + order[:r % len(names)]
+
+
 def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str, proxy, tier1: Path, prefix: str,
               load0: float, bound_fn) -> None:
     from db.catalog import Catalog  # deferred: start-up (node processes start light)
@@ -437,6 +468,9 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     cold_t1 = [settings_file(f"t1-{i}", s.model_copy(update={"node": f"cold-{i}",
                                                                 "tier0_url": str(work / "cold" / f"{i}")}))
                for i, s in enumerate(nodes)]
+    hydrating = [settings_file(f"h-{i}", shaped.model_copy(update={"node": f"hydrating-{i}",
+                                                                  "tier0_url": str(work / "cold" / f"h{i}")}))
+                 for i in range(n)]
     t2_only = settings_file("t2", shaped.model_copy(update={"tier0_url": None, "tier1_url": None, "node": "cold"}))
     dest = work / "dest"
 
@@ -466,6 +500,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
         "today: whole checkpoint per node (T2)": lambda nodes_: nodes_.run(specs("whole")),
         RAW: lambda nodes_: nodes_.run(specs("raw")),
         DURABLE: lambda nodes_: nodes_.run(specs("boto3+fsync")),
+        REHYDRATE: lambda nodes_: nodes_.run(specs("resume", settings=hydrating)),
     }
     names = list(contenders)
     fetch_only = "  same resume, fetch only (no load)"
@@ -473,22 +508,25 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     cpu: dict[str, list[float]] = {k: [] for k in times}
     store: dict[str, list[float]] = {k: [] for k in names}  # the store's side's CPU / the contender's time
     last: dict[str, Cluster] = {}
-    gets: dict[str, int] = {}
-    got_bytes: dict[str, int] = {}
+    s3_reads: dict[str, tuple[dict[str, int], dict[str, int]]] = {}  # the last round's GETs, bytes per object
     with Nodes(n, args.node_cpus) as nodes_:
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in round_order(names, r):
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.rmtree(work / "cold", ignore_errors=True)
                 proxy.reset_counts()
+                if name == REHYDRATE:
+                    lose_tier1(shaped, tier1)
+                os.sync()  # untimed: no contender's files are written back in another's time
                 store0 = store_cpu()
                 got = contenders[name](nodes_)
                 store[name].append((store_cpu() - store0) / got.seconds)  # prepare's share too: an upper bound
                 times[name].append(got.seconds)
                 cpu[name].append(got.cpu)
                 last[name] = got
-                if name.startswith("resume: Tier 2"):
-                    gets, got_bytes = dict(proxy.gets), dict(proxy.get_bytes)
+                if name in (names[3], REHYDRATE):
+                    s3_reads[name] = dict(proxy.gets), dict(proxy.get_bytes)
+                if name == names[3]:
                     times[fetch_only].append(got.fetched())
                     cpu[fetch_only].append(got.fetch_cpu)
     shutil.rmtree(dest, ignore_errors=True)
@@ -512,7 +550,7 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
     print("(a resume's time includes loading its part with safetensors and checking it; boto3 and the fetch-only "
           "row end when the files are written)")
     print("\nbytes read per tier (the last round of each resume):")
-    for name in names[:2] + names[3:4]:
+    for name in names[:2] + names[3:4] + [REHYDRATE]:
         moved: dict[str, int] = {}
         for res in last[name].results:
             for tier, source, b in res["parts"]:
@@ -520,14 +558,18 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                 moved[key] = moved.get(key, 0) + (res["bytes"] if source == "in place" else b)
         loaded = sum(res["bytes"] for res in last[name].results)
         copied = sum(b for res in last[name].results for _t, _s, b in res["parts"])
-        print(f"  {name:38} {', '.join(f'{k}: {v / 2**20:.1f} MiB' for k, v in sorted(moved.items()))}; "
+        print(f"  {name:40} {', '.join(f'{k}: {v / 2**20:.1f} MiB' for k, v in sorted(moved.items()))}; "
               f"moved {copied / 2**20:.1f} MiB, loaded {loaded / 2**20:.1f} MiB, "
               f"{sum(res['tensors'] for res in last[name].results)} tensors")
-    if gets:  # each object's GETs and the bytes they sent, over its size: 1.0 is read once
-        sizes = {p.name: p.stat().st_size for p in tier1.iterdir()}
+    sizes = {p.name: p.stat().st_size for p in tier1.iterdir()}
+    for name, what in ((names[3], "the Tier 2 resume (nodes sharing no tier: each reads the index itself)"),
+                       (REHYDRATE, "the resume rehydrating Tier 1 (one cluster)")):
+        if name not in s3_reads:
+            continue
+        gets, got_bytes = s3_reads[name]  # each object's GETs and the bytes they sent over its size: 1.0 is once
         reads = {k.rsplit("/", 1)[-1]: b / sizes[k.rsplit("/", 1)[-1]] for k, b in got_bytes.items()}
         again = sorted(f"{k} (x{v:.2f})" for k, v in reads.items() if v > 1.0)
-        print(f"S3 during the Tier 2 resume: {len(gets)} objects, {sum(gets.values())} GETs (a large object's are "
+        print(f"S3 during {what}: {len(gets)} objects, {sum(gets.values())} GETs (a large object's are "
               f"ranged); bytes sent per object / its size: min "
               f"{min(reads.values()):.2f}, max {max(reads.values()):.2f}; "
               f"read more than once: {', '.join(again) or 'none'}")

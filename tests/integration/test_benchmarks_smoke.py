@@ -208,6 +208,12 @@ def test_cluster_restore(s3_endpoint):
     # tier holds in this run, is read once per node (as the boto3 baseline reads it)
     again = re.search(r"bytes sent per object / its size: min 1\.00, max \d+\.\d\d; read more than once: (.*)", out)
     assert again and again.group(1) == "model.safetensors.index.json (x2.00)", out[-1500:]
+    # with Tier 1 lost and rehydrated, the cluster reads every object from S3 once, the index too
+    once = re.search(r"S3 during the resume rehydrating Tier 1 \(one cluster\): (\d+) objects, .*; bytes sent per "
+                     r"object / its size: min (\d+\.\d\d), max (\d+\.\d\d); read more than once: (.*)", out)
+    assert once and once.groups()[1:] == ("1.00", "1.00", "none"), out[-2000:]
+    assert re.search(r"resume: Tier 1 lost, rehydrated from T2\s+tier 2 fetched: 2\.0 MiB; moved 2\.0 MiB", out), \
+        out[-2000:]
     assert "same resume, fetch only (no load)" in out
     # the store's side (here the proxy) and the nodes on cores of their own, where there are two
     ran = re.search(r"ran on: the proxy's threads \[([\d, ]+)\], the node processes \[([\d, ]+)\]", out)
