@@ -10,7 +10,7 @@ permanent errors of ``core.errors``. Methods return ``db.entities`` values, neve
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
@@ -261,9 +261,16 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
                 out |= {(n, st): state for n, st, state in conn.execute(stmt) if (n, st) in set(chunk)}
         return out
 
-    def files(self, checkpoint_id: int, part: int | None = None) -> list[FileInfo]:
+    def files(self, checkpoint_id: int, part: int | None = None, *, also_paths: Collection[str] = ()
+              ) -> list[FileInfo]:
+        """The checkpoint's files, by part and path; ``part``: that part's alone, and with
+        ``also_paths`` also every part's files of those paths (the checkpoint-wide files a part
+        needs to load, whichever part holds them): a node reads its own rows, not the whole
+        checkpoint's."""
         stmt = select(files_table).where(files_table.c.checkpoint_id == checkpoint_id)
-        if part is not None:
+        if part is not None and also_paths:
+            stmt = stmt.where((files_table.c.part == part) | files_table.c.path.in_(sorted(also_paths)))
+        elif part is not None:
             stmt = stmt.where(files_table.c.part == part)
         with self._tx(write=False) as conn:
             return [to_file(r) for r in conn.execute(stmt.order_by(files_table.c.part, files_table.c.path))]
@@ -450,10 +457,14 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
                 checkpoint_select().where(checkpoints.c.id.in_(ids))))}
             return [rows[i] for i in ids if i in rows]
 
-    def replicas(self, checkpoint_id: int, tier: int | None = None) -> list[ReplicaInfo]:
+    def replicas(self, checkpoint_id: int, tier: int | None = None, part: int | None = None) -> list[ReplicaInfo]:
+        """The checkpoint's replicas by tier and part; ``tier`` / ``part``: those alone (a node
+        resuming its part reads that part's rows, not every part's)."""
         stmt = replica_select().where(replicas_table.c.checkpoint_id == checkpoint_id)
         if tier is not None:
             stmt = stmt.where(replicas_table.c.tier == tier)
+        if part is not None:
+            stmt = stmt.where(replicas_table.c.part == part)
         with self._tx(write=False) as conn:
             return [to_replica(r) for r in conn.execute(stmt.order_by(replicas_table.c.tier, replicas_table.c.part))]
 

@@ -162,6 +162,15 @@ def wanted_parts(ck: CheckpointInfo, part: int | None, parts: int | None) -> lis
     return [part]
 
 
+def wanted_files(cat: Catalog, ck: CheckpointInfo, wanted: Sequence[int]) -> list[FileInfo]:
+    """The files of the wanted parts and every checkpoint-wide file (``WIDE_FILES``), whichever
+    part holds it: for one part, that part's rows alone (at thousands of nodes each node's
+    resume reads its own share of the catalog, not the whole checkpoint's)."""
+    if len(wanted) == 1:
+        return cat.files(ck.id, wanted[0], also_paths=WIDE_FILES)
+    return cat.files(ck.id)
+
+
 def wide_files(files: Sequence[FileInfo], wanted: Sequence[int]) -> list[FileInfo]:
     """Checkpoint-wide files (``WIDE_FILES``) that another part holds, one per path."""
     own = {f.path for f in files if f.part in wanted}
@@ -220,7 +229,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
                        target: Path | None, verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
     """Resume ``ck``: in place where every wanted part is good on one tier, else fetched."""
     settings = stores.settings
-    files = cat.files(ck.id)
+    files = wanted_files(cat, ck, wanted)
     wide = wide_files(files, wanted)
     if target is None:
         for tier in (0, 1):
@@ -300,7 +309,7 @@ def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
 
 def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:
     configured = {t for t in (0, 1, 2) if stores.configured(t)}
-    return plan_sources(cat.replicas(ck.id), part, node=stores.settings.node, configured=configured,
+    return plan_sources(cat.replicas(ck.id, part=part), part, node=stores.settings.node, configured=configured,
                         local={t for t in configured if _local(stores, t, ck)})
 
 
@@ -421,7 +430,7 @@ def await_copy(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, 
     silence = 2 * settings.claim_lease_seconds + CLAIM_WAIT_GRACE_S
     deadline, seen = time.monotonic() + silence, None
     while True:
-        row = next((r for r in cat.replicas(ck.id, tier) if r.part == part), None)
+        row = next(iter(cat.replicas(ck.id, tier, part)), None)
         if row is None or row.state != COPYING:
             return None if row is None else row.state
         sign = (row.claim_token, row.updated_at)
@@ -444,7 +453,7 @@ def copy_when_free(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: i
     deadline = time.monotonic() + silence
     next_try, seen = 0.0, None
     while True:
-        row = next((r for r in cat.replicas(ck.id, dst_tier) if r.part == part), None)
+        row = next(iter(cat.replicas(ck.id, dst_tier, part)), None)
         sign = None if row is None else (row.state, row.claim_token, row.updated_at)
         if sign != seen:  # the holder renewed, or the claim changed hands: it is alive
             seen, deadline = sign, time.monotonic() + silence
@@ -698,7 +707,8 @@ def _with_moved(point: ResumePoint, moved: dict[int, int], started: float, tier:
 
 def _tier0_is_ours(cat: Catalog, ck: CheckpointInfo, wanted: list[int], node: str) -> bool:
     """Whether this node may record a Tier 0 copy of every wanted part (no other node holds one)."""
-    rows = {r.part: r for r in cat.replicas(ck.id, 0)}
+    found = cat.replicas(ck.id, 0, wanted[0]) if len(wanted) == 1 else cat.replicas(ck.id, 0)
+    rows = {r.part: r for r in found}
     return all(p not in rows or rows[p].node in (None, "", node) or rows[p].state != VERIFIED for p in wanted)
 
 
@@ -707,7 +717,7 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
     claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
     done = []
-    files = cat.files(ck.id)
+    files = wanted_files(cat, ck, wanted)
     for p in wanted:
         t0 = time.monotonic()
         srcs = _sources(cat, stores, ck, p)
@@ -752,7 +762,8 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     if dest.is_dir() and any(dest.iterdir()):
         held = _parts_held(cat, ck, dest)
         found = (set(wanted) <= held
-                 and _check_folder(dest, [f for f in cat.files(ck.id) if f.part in wanted] + wide, verify))
+                 and _check_folder(dest, [f for f in wanted_files(cat, ck, wanted) if f.part in wanted] + wide,
+                                   verify))
         if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
         if scratch and not held and not dest.is_symlink():  # this node's own folder, of no part of ck: redone
@@ -774,7 +785,7 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
                 t0 = time.monotonic()
                 part_bytes = sum(f.size for f in cat.files(ck.id, p))
                 try:
-                    tier = _fetch_part(cat, stores, ck, p, cat.replicas(ck.id), dst, stage.name, (0, 1, 2),
+                    tier = _fetch_part(cat, stores, ck, p, cat.replicas(ck.id, part=p), dst, stage.name, (0, 1, 2),
                                        _quiet, actor, bad, notes)
                 except _PartFailed as exc:
                     raise _NoGoodCopy(str(exc)) from None

@@ -459,3 +459,33 @@ def test_a_to_folder_inside_a_tier_or_the_resume_folders_is_refused(settings):
         with pytest.raises(ConflictError, match="resume into a folder of your own"):
             resume(settings, RUN, to=inside)
         assert not inside.exists()
+
+
+def test_a_node_reads_the_catalog_rows_of_its_own_part_not_every_parts(settings, tmp_path, monkeypatch):
+    """At thousands of nodes every node resumes at once: each reads its own part's replica and
+    file rows (and the index's, which part 0 holds), not the whole checkpoint's N times over."""
+    import db.catalog
+
+    parts = 6
+    for part in range(parts):
+        s = on_node(settings, f"node-{part}")
+        write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=parts, node=s.node, shard_bytes=16 << 10)
+        with db.catalog.Catalog(s.catalog_url) as cat:
+            cat.ensure_run(RUN, actor="test")
+        promote(s, RUN, 100, part, parts)
+    seen: dict[str, set[int]] = {"replica": set(), "file": set()}
+    for kind, convert in (("replica", db.catalog.to_replica), ("file", db.catalog.to_file)):
+        def counting(row, kind=kind, convert=convert):
+            out = convert(row)
+            seen[kind].add(out.part)
+            return out
+
+        monkeypatch.setattr(db.catalog, f"to_{kind}", counting)
+    cold = on_node(settings, "node-cold")
+
+    in_place = resume(cold, RUN, part=3, parts=parts)  # Tier 1 read where it lies
+    fetched = resume(cold, RUN, part=4, parts=parts, to=tmp_path / "mine")  # copied into a folder
+
+    assert in_place.path == str(tier1_dir(settings, RUN, 100))
+    assert Path(fetched.path, "model.safetensors.index.json").is_file()
+    assert seen == {"replica": {0, 3, 4}, "file": {0, 3, 4}}, seen
