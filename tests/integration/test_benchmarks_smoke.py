@@ -226,3 +226,10 @@ def test_cluster_restore(s3_endpoint):
     assert "copies the catalog no longer holds verified after the run: 0 (none)" in out, out[-1500:]
     assert re.fullmatch(r"cluster restore: 2 nodes, tier 2 RTO \d+\.\d\d s, bound \d+\.\d\d s \(x\d+\.\d\d\), "
                         r"whole-checkpoint-per-node \d+\.\d\d s", out.strip().splitlines()[-1]), out[-500:]
+
+
+def test_resume_catalog():
+    out = run_benchmark("resume_catalog")
+    assert_rows(out, "resume, 4 parts", ["resume, 16 parts", "every part's rows, 16 parts"])
+    assert re.search(r"^sqlite: resume catalog: 16 parts, \d+\.\d ms per node \(x\d+\.\d\d of 4 parts\), "
+                     r"every part's rows \d+\.\d ms$", out, re.MULTILINE), out[-1500:]
