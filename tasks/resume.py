@@ -244,11 +244,12 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
             return _with_moved(found, moved, started, 2)
     if target is None and _tier0_is_ours(cat, ck, wanted, settings.node):
         try:
-            return _fetch_to_tier0(cat, stores, ck, wanted, wide, moved, verify, actor, notes)
+            return _fetch_to_tier0(cat, stores, ck, wanted, files, wide, moved, verify, actor, notes)
         except _HeldElsewhere as exc:  # lost the race for the Tier 0 row: fetched beside it instead
             log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
     dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
-    return _fetch_to_folder(cat, stores, ck, wanted, wide, dest, moved, verify, actor, notes, scratch=target is None)
+    return _fetch_to_folder(cat, stores, ck, wanted, files, wide, dest, moved, verify, actor, notes,
+                            scratch=target is None)
 
 
 def _outside_managed_folders(stores: TierStores, run: str, target: Path) -> None:
@@ -712,12 +713,12 @@ def _tier0_is_ours(cat: Catalog, ck: CheckpointInfo, wanted: list[int], node: st
     return all(p not in rows or rows[p].node in (None, "", node) or rows[p].state != VERIFIED for p in wanted)
 
 
-def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                    moved: dict[int, int], verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
+def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], files: list[FileInfo],
+                    wide: list[FileInfo], moved: dict[int, int], verify: Verify, actor: str,
+                    notes: list[str]) -> ResumePoint:
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
     claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
     done = []
-    files = wanted_files(cat, ck, wanted)
     for p in wanted:
         t0 = time.monotonic()
         srcs = _sources(cat, stores, ck, p)
@@ -749,9 +750,9 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     return ResumePoint(ck.run, ck.step, str(folder), done)
 
 
-def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], wide: list[FileInfo],
-                     dest: Path, moved: dict[int, int], verify: Verify, actor: str, notes: list[str], *,
-                     scratch: bool = False) -> ResumePoint:
+def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], files: list[FileInfo],
+                     wide: list[FileInfo], dest: Path, moved: dict[int, int], verify: Verify, actor: str,
+                     notes: list[str], *, scratch: bool = False) -> ResumePoint:
     """Wanted parts and wide files assembled in a hidden sibling of ``dest``, renamed into place
     whole; a ``dest`` an earlier resume of this checkpoint filled is taken as it is (checked: its
     manifests are this checkpoint's as registered, its files have their sizes). Anything else in
@@ -762,8 +763,7 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
     if dest.is_dir() and any(dest.iterdir()):
         held = _parts_held(cat, ck, dest)
         found = (set(wanted) <= held
-                 and _check_folder(dest, [f for f in wanted_files(cat, ck, wanted) if f.part in wanted] + wide,
-                                   verify))
+                 and _check_folder(dest, [f for f in files if f.part in wanted] + wide, verify))
         if found:  # an earlier resume of this checkpoint into this folder left it complete
             return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
         if scratch and not held and not dest.is_symlink():  # this node's own folder, of no part of ck: redone
@@ -783,7 +783,7 @@ def _fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wante
                       for f in wide]
             for p in wanted:
                 t0 = time.monotonic()
-                part_bytes = sum(f.size for f in cat.files(ck.id, p))
+                part_bytes = sum(f.size for f in files if f.part == p)
                 try:
                     tier = _fetch_part(cat, stores, ck, p, cat.replicas(ck.id, part=p), dst, stage.name, (0, 1, 2),
                                        _quiet, actor, bad, notes)
