@@ -27,7 +27,9 @@ done):
   then cold nodes with Tier 1 configured resume at once: each rehydrates its part on Tier 1
   from Tier 2 through the proxy (a claimed copy, read back) and loads it there; the index that
   part 0 holds is read from Tier 1 by the others, so each object is read from S3 once per
-  cluster resume (printed with the GETs). Its time includes Tier 1's write and read-back.
+  cluster resume (printed with the GETs). Its time includes Tier 1's write and read-back;
+- resume, Tier 2 with writeback at fsync only: the Tier 2 resume with early writeback switched
+  off (``core/storage/writeback.py``): the disk starts on a fetched file only at its fsync.
 Every resume loads its part with safetensors and checks it against the manifest; the Tier 2
 resume's "fetch only" row is the same run timed to the end of the fetch (each file checked,
 published), as the boto3 baseline is timed. The Tier 2-only nodes read Tier 2 alone (their
@@ -48,12 +50,14 @@ this split); with one core there is nothing to split. The output says where the 
 threads and the nodes ran, and how busy the store's side was during each contender (its CPU
 seconds per second: 1.0 is its core full). It prints
 the bytes read per tier, the S3 GETs and the bytes sent per object during the Tier 2 resume
-(over the object's size: 1.00 is read once), and last:
+(over the object's size: 1.00 is read once), how soon after the start each contender's GETs
+reached S3 (each object's first GET, the last GET), and last:
 ``cluster restore: N nodes, tier 2 RTO X s, bound Y s (xR), whole-checkpoint-per-node Z s``
 (R = bound / RTO: 1 reaches the bound).
 
     .venv/bin/python benchmarks/cluster_restore.py [--nodes 16] [--part-mib 64] [--rounds 3]
-        [--bandwidth 90MB/s] [--first-byte 0.1] [--s3-endpoint URL] [--moto-as-is] [--shared-cores]
+        [--bandwidth 90MB/s] [--first-byte 0.1] [--range-mib M] [--s3-endpoint URL] [--moto-as-is]
+        [--shared-cores] [--only WORD,...]
     .venv/bin/python benchmarks/cluster_restore.py --smoke    # 2 nodes, 1 MiB parts, one round
 """
 
@@ -94,6 +98,7 @@ SMOKE = {"nodes": 2, "part_mib": 1.0}
 DURABLE = "boto3 download_file + fsync (proxy)"  # on disk, as a resume's fetch leaves its files
 RAW = "raw read per node, nothing kept (proxy)"  # the bound: Tier 2's bandwidth as the N nodes get it
 REHYDRATE = "resume: Tier 1 lost, rehydrated from T2"  # each part published on Tier 1 once, loaded there
+LATE = "resume: T2, writeback at fsync only"  # the Tier 2 resume, early writeback off (core/storage/writeback.py)
 READY_TIMEOUT_S = 300.0
 
 
@@ -142,9 +147,11 @@ def child(spec: dict) -> dict:
 
         restore_checkpoint(settings, RUN, dest / "whole", step=STEP, preference=(2,), fallback=False, actor="bench")
         return {"bytes": sum(p.stat().st_size for p in (dest / "whole").rglob("*") if p.is_file())}
+    from core.storage import writeback  # deferred: start-up (node processes start light)
     from db.catalog import Catalog  # deferred: start-up (node processes start light)
     from tasks.resume import resume, wide_files  # deferred: start-up (node processes start light)
 
+    writeback.ENABLED = spec.get("early_writeback", True)
     point = resume(settings, RUN, part=part, parts=spec["parts"], to=dest / "part" if spec.get("to") else None,
                    actor="bench")
     fetched_at, fetch_cpu = time.time(), cpu_seconds()
@@ -310,10 +317,16 @@ def main() -> None:
     ap.add_argument("--bandwidth", default="90MB/s", help="the proxy's per-connection bandwidth")
     ap.add_argument("--first-byte", type=float, default=None, help="the proxy's first-byte latency, s [0.1]")
     ap.add_argument("--parallelism", type=int, default=4, help="copy_parallelism of each node")
+    ap.add_argument("--range-mib", type=float, default=None,
+                    help="s3_range_bytes of each node, MiB (default: the setting's default)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
     ap.add_argument("--moto-as-is", action="store_true",
                     help="moto reads the whole object for each ranged GET, as it does by itself (default: "
                          "the range's bytes alone, as S3: benchmarks/moto_ranges.py)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated words: run only the contenders whose name holds one (and the ones "
+                         "the summary needs: the Tier 2 resume, boto3 download_file, the raw read); a quick look, "
+                         "not a figure to quote: each contender's time moves with the ones around it")
     ap.add_argument("--shared-cores", action="store_true",
                     help="run S3 and the proxy on the nodes' cores (default: on a core of their own)")
     args = parse(ap, SMOKE)
@@ -369,7 +382,9 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     n, part_bytes = args.nodes, int(args.part_mib * 2**20)
     base = load_settings(data_dir=work / "data", node="node-0", tier1_url=str(work / "tier1"),
                          tier2_url=f"s3://{bucket}/ckpt", s3_endpoint_url=endpoint,
-                         copy_parallelism=args.parallelism, retention_tier0=RetentionPolicy(enabled=False),
+                         copy_parallelism=args.parallelism,
+                         **({"s3_range_bytes": int(args.range_mib * 2**20)} if args.range_mib else {}),
+                         retention_tier0=RetentionPolicy(enabled=False),
                          retention_tier1=RetentionPolicy(enabled=False))
     upgrade(base.catalog_url)
     with Catalog(base.catalog_url) as cat:
@@ -390,7 +405,8 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     first_byte = S3_FIRST_BYTE_SECONDS if args.first_byte is None else args.first_byte
     with S3Shaper(endpoint, bandwidth=parse_bandwidth(args.bandwidth), first_byte=first_byte) as proxy:
         print(f"S3 through the shaping proxy: {args.bandwidth} per connection, {first_byte * 1000:.0f} ms to first "
-              f"byte; {args.parallelism} streams per node")
+              f"byte; {args.parallelism} streams per node, ranged GETs of {base.s3_range_bytes / 2**20:g} MiB from "
+              f"{base.s3_ranged_threshold / 2**20:g} MiB up")
         server = "the proxy (S3 at --s3-endpoint runs where it was started)" if args.s3_endpoint else \
             "S3's server and the proxy"
         if not args.s3_endpoint:
@@ -436,6 +452,16 @@ def lose_tier1(settings, tier1: Path) -> None:
         for rep in cat.replicas(cat.get_checkpoint(RUN, STEP).id, 1):
             if rep.state == "verified":
                 cat.transition(rep.id, "missing", expected="verified", actor="bench", reason="bench: tier 1 lost")
+
+
+def first_gets(get_times: list[tuple[float, str]], go: float) -> tuple[float, float, float]:
+    """(median over the objects of each one's first GET, the last object's first GET, the last GET
+    of all), in seconds after the common start ``go``: how soon the nodes' reads reach S3."""
+    first: dict[str, float] = {}
+    for t, key in get_times:
+        first[key] = min(first.get(key, t), t)
+    return (statistics.median(first.values()) - go, max(first.values()) - go,
+            max(t for t, _k in get_times) - go)
 
 
 def round_order(names: list[str], r: int) -> list[str]:
@@ -501,17 +527,25 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
         RAW: lambda nodes_: nodes_.run(specs("raw")),
         DURABLE: lambda nodes_: nodes_.run(specs("boto3+fsync")),
         REHYDRATE: lambda nodes_: nodes_.run(specs("resume", settings=hydrating)),
+        LATE: lambda nodes_: nodes_.run(specs("resume", settings=t2_only, to=True, early_writeback=False)),
     }
     names = list(contenders)
+    if args.only:
+        words = [w.strip().lower() for w in args.only.split(",") if w.strip()]
+        need = {names[3], names[4], RAW}
+        for name in names:
+            if name not in need and not any(w in name.lower() for w in words):
+                del contenders[name]
     fetch_only = "  same resume, fetch only (no load)"
     times: dict[str, list[float]] = {k: [] for k in [*names[:4], fetch_only, *names[4:]]}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     store: dict[str, list[float]] = {k: [] for k in names}  # the store's side's CPU / the contender's time
     last: dict[str, Cluster] = {}
+    arrivals: dict[str, list[tuple[float, float, float]]] = {k: [] for k in names}
     s3_reads: dict[str, tuple[dict[str, int], dict[str, int]]] = {}  # the last round's GETs, bytes per object
     with Nodes(n, args.node_cpus) as nodes_:
         for r in range(args.rounds):
-            for name in round_order(names, r):
+            for name in round_order(list(contenders), r):
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.rmtree(work / "cold", ignore_errors=True)
                 proxy.reset_counts()
@@ -526,6 +560,8 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
                 last[name] = got
                 if name in (names[3], REHYDRATE):
                     s3_reads[name] = dict(proxy.gets), dict(proxy.get_bytes)
+                if proxy.get_times:
+                    arrivals[name].append(first_gets(proxy.get_times, got.go))
                 if name == names[3]:
                     times[fetch_only].append(got.fetched())
                     cpu[fetch_only].append(got.fetch_cpu)
@@ -542,15 +578,16 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
         marked = [f"tier {r.tier} part {r.part}: {r.state}" for r in cat.replicas(cat.get_checkpoint(RUN, STEP).id)
                   if r.state != "verified"]
 
-    t01 = {k: times[k] for k in names[:3]}
-    table(f"{n} nodes resume at once from Tier 0 / Tier 1", t01, names[2], nbytes=nbytes)
-    t2 = {k: times[k] for k in [names[3], fetch_only, *names[4:]]}
+    t01 = {k: times[k] for k in names[:3] if times[k]}
+    if names[2] in t01:
+        table(f"{n} nodes resume at once from Tier 0 / Tier 1", t01, names[2], nbytes=nbytes)
+    t2 = {k: times[k] for k in [names[3], fetch_only, *names[4:]] if times[k]}
     table(f"{n} nodes resume at once from Tier 2 through the proxy", t2, names[4], nbytes=nbytes,
           cpu={k: cpu[k] for k in t2})
     print("(a resume's time includes loading its part with safetensors and checking it; boto3 and the fetch-only "
           "row end when the files are written)")
     print("\nbytes read per tier (the last round of each resume):")
-    for name in names[:2] + names[3:4] + [REHYDRATE]:
+    for name in [k for k in names[:2] + names[3:4] + [REHYDRATE] if k in last]:
         moved: dict[str, int] = {}
         for res in last[name].results:
             for tier, source, b in res["parts"]:
@@ -574,11 +611,17 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
               f"{min(reads.values()):.2f}, max {max(reads.values()):.2f}; "
               f"read more than once: {', '.join(again) or 'none'}")
     print(f"copies the catalog no longer holds verified after the run: {len(marked)} ({', '.join(marked) or 'none'})")
+    print("GETs reaching S3 after the common start (median of rounds, s): each object's first GET, its median "
+          "over the objects / the last object's; the last GET of all")
+    for name, got in arrivals.items():
+        if got:
+            print(f"  {name:40} first GET: median {statistics.median(a[0] for a in got):.2f}, last object "
+                  f"{statistics.median(a[1] for a in got):.2f}; last GET {statistics.median(a[2] for a in got):.2f}")
     rto = statistics.median(times[names[3]])
-    whole = statistics.median(times[names[5]])
+    whole = statistics.median(times[names[5]]) if times[names[5]] else float("nan")
     boto = statistics.median(times[names[4]])
     fetch = statistics.median(times[fetch_only])
-    durable = statistics.median(times[DURABLE])
+    durable = statistics.median(times[DURABLE]) if times[DURABLE] else float("nan")
     print(f"Tier 2 resume / boto3 download_file = {rto / boto:.2f} x with the load, {fetch / boto:.2f} x fetch only "
           f"(goal <= 1.0); fetch only / boto3 download_file + fsync = {fetch / durable:.2f} x (the resume's files are "
           f"on disk when it returns; download_file's may still be in the page cache); bound / RTO = "

@@ -70,6 +70,7 @@ class S3Shaper:
         self.bandwidth, self.first_byte = bandwidth, first_byte
         self.gets: Counter[str] = Counter()
         self.get_bytes: Counter[str] = Counter()
+        self.get_times: list[tuple[float, str]] = []  # (time.time(), key) of each GET as it arrived
         self.bytes_sent = 0
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -89,11 +90,13 @@ class S3Shaper:
         with self._lock:
             self.gets.clear()
             self.get_bytes.clear()
+            self.get_times.clear()
             self.bytes_sent = 0
 
     def _count_get(self, key: str) -> None:
         with self._lock:
             self.gets[key] += 1
+            self.get_times.append((time.time(), key))
 
     def _count_bytes(self, n: int, key: str | None) -> None:
         with self._lock:

@@ -32,6 +32,7 @@ from core.paths import confine_local, safe_relpath
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
+from core.storage.writeback import writing
 
 if TYPE_CHECKING:
     from core.settings import Settings
@@ -274,7 +275,7 @@ class LocalStore(TierStore):
             if src_fd is not None:  # local -> local: copy in the kernel, the read-back checks it
                 copied = kernel_copy(src_fd, fd, size + 1, getattr(reader, "note_copied", None))
             if copied is None:
-                got = hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk))
+                got = hash_stream(reader, self.buffer_bytes, writing(fd, lambda chunk: _write_all(fd, chunk)))
                 check_match(key, size, checksum, *got, "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")

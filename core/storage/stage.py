@@ -36,6 +36,7 @@ from core.errors import ConflictError, CorruptCheckpoint
 from core.manifest import FileEntry, Manifest
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.local import LocalStore, fsync_dir
+from core.storage.writeback import writing
 
 FSYNC_PARALLELISM = 8  # files fsynced at once when a restore is published
 CLONE_CHUNK_BYTES = 64 * 1024 * 1024  # one copy_file_range call (progress moves per chunk)
@@ -73,7 +74,8 @@ class RestoreStage(LocalStore):
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> ObjectInfo:
         """Stream ``reader`` into ``key``, checksummed as it goes; kept only on a match."""
         return self.put_written(
-            key, lambda fd: checksum.hash_stream(reader, self.buffer_bytes, lambda chunk: _write_all(fd, chunk)),
+            key, lambda fd: checksum.hash_stream(reader, self.buffer_bytes,
+                                                 writing(fd, lambda chunk: _write_all(fd, chunk))),
             size, checksum_hex)
 
     def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int,

@@ -71,6 +71,7 @@ from core.storage.s3.errors import (
     s3_errors,
 )
 from core.storage.s3.lock import LOCK_MODES, ObjectLockMixin
+from core.storage.writeback import Writeback
 
 log = logging.getLogger("core.storage.s3")
 
@@ -287,6 +288,7 @@ class S3Store(ObjectLockMixin, TierStore):
             raise CorruptCheckpoint(f"{self.url_for(key)}: {total} bytes stored, {size} expected", path=key)
         body = _Body(resp["Body"], what)
         value, got = 0, 0
+        wb = Writeback(fd, offset)
         try:
             while got < length:
                 data = body.read(min(self.read_chunk_bytes, length - got + 1))
@@ -298,6 +300,7 @@ class S3Store(ObjectLockMixin, TierStore):
                     written = os.pwrite(fd, view, pos)
                     view, pos = view[written:], pos + written
                 got += len(data)
+                wb.wrote(len(data))
                 if progress is not None:
                     progress(len(data))
         finally:

@@ -163,7 +163,6 @@ def test_a_ranged_fetch_reads_the_body_in_small_chunks(s3_endpoint, s3_bucket, t
     bytes land whole."""
     import os
 
-    from core import checksum
     from core.storage.s3 import store as s3store
 
     asked: list[int] = []
@@ -176,8 +175,47 @@ def test_a_ranged_fetch_reads_the_body_in_small_chunks(s3_endpoint, s3_bucket, t
     monkeypatch.setattr(s3store._Body, "read", spying)
     store = S3Store(f"s3://{s3_bucket}/chunks", 2, endpoint_url=s3_endpoint, buffer_bytes=4 * 1024 * 1024,
                     range_bytes=1024 * 1024, ranged_threshold=1024 * 1024)
-    data = os.urandom(3 * 1024 * 1024 + 5)
-    store.client.put_object(Bucket=s3_bucket, Key="chunks/obj", Body=data)
+    fetch_ranged_whole(store, os.urandom(3 * 1024 * 1024 + 5), tmp_path)
+    assert store.read_chunk_bytes == s3store.READ_CHUNK_BYTES == 256 * 1024
+    assert asked and max(asked) <= s3store.READ_CHUNK_BYTES + 1  # +1: the probe past a range's end
+
+
+def test_a_ranged_fetch_starts_writeback_of_each_range_as_it_lands(s3_endpoint, s3_bucket, tmp_path, monkeypatch):
+    """Each range's bytes are handed to the kernel to write while the rest still arrive (each
+    byte at most once, inside its own range, at most WRITEBACK_BYTES left per range for the
+    fsync), and the file lands whole (core/storage/writeback.py)."""
+    import itertools
+    import os
+
+    from core.storage import writeback
+
+    seen: list[tuple[int, int]] = []
+    real = writeback._sync_file_range
+
+    def spy(fd, offset, length, flags):
+        seen.append((offset, offset + length))
+        return real(fd, offset, length, flags) if real is not None else 0
+
+    monkeypatch.setattr(writeback, "_sync_file_range", spy)
+    store = S3Store(f"s3://{s3_bucket}/wb", 2, endpoint_url=s3_endpoint, range_bytes=3 * MiB,
+                    ranged_threshold=3 * MiB)
+    data = os.urandom(9 * MiB + 7)
+    fetch_ranged_whole(store, data, tmp_path)
+    from core.storage.s3.store import split_ranges
+
+    for off, n in split_ranges(len(data), 3 * MiB):
+        mine = sorted(s for s in seen if off <= s[0] < off + n)
+        assert mine and mine[0][0] == off and mine[-1][1] <= off + n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(mine))  # contiguous, no byte twice
+        assert off + n - mine[-1][1] < writeback.WRITEBACK_BYTES
+
+
+def fetch_ranged_whole(store: S3Store, data: bytes, tmp_path) -> None:
+    """``data`` stored as ``obj`` under the store, fetched back with ranged GETs into a Tier 0
+    store under ``tmp_path`` (the store closed after); the fetched file holds exactly ``data``."""
+    from core import checksum
+
+    store.client.put_object(Bucket=store.bucket, Key=store._k("obj"), Body=data)
     dst = LocalStore(tmp_path / "t0", 0)
     try:
         dst.put_written("obj", lambda fd: store.read_ranges_into("obj", fd, len(data)), len(data),
@@ -185,5 +223,3 @@ def test_a_ranged_fetch_reads_the_body_in_small_chunks(s3_endpoint, s3_bucket, t
     finally:
         store.close()
     assert (tmp_path / "t0" / "obj").read_bytes() == data
-    assert store.read_chunk_bytes == s3store.READ_CHUNK_BYTES == 256 * 1024
-    assert asked and max(asked) <= s3store.READ_CHUNK_BYTES + 1  # +1: the probe past a range's end
