@@ -24,9 +24,11 @@ bound's common start; anything else and it exits) and prints its drain as one JS
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -133,33 +135,49 @@ def part_files(files: list[Any], part: int) -> list[Any]:
     return [f for f in files if f.part == part] + wide_files(files, [part])
 
 
-def part_keys(settings: Settings, run: str, step: int, part: int) -> list[str]:
-    """The keys of ``part_files`` of ``run``/``step``, from the catalog."""
+def part_keys(settings: Settings, run: str, step: int, part: int) -> dict[str, int]:
+    """The keys of ``part_files`` of ``run``/``step`` and their sizes, from the catalog."""
     from tasks.base import open_catalog  # deferred: start-up (keeps this module light: see warm_up)
 
     assert settings.catalog_url is not None
     with open_catalog(settings.catalog_url) as cat:
         files = cat.files(cat.get_checkpoint(run, step).id)
     prefix = checkpoint_prefix(run, step)
-    return [f"{prefix}/{f.path}" for f in part_files(files, part)]
+    return {f"{prefix}/{f.path}": f.size for f in part_files(files, part)}
 
 
-def drain(settings: Settings, tier: int, keys: list[str], *, streams: int | None = None) -> int:
-    """Read ``keys`` raw from ``tier`` as a resume reads them (``streams`` at once, default
-    ``copy_parallelism``; the store's own reads: ranged GETs on S3), nothing checked or kept;
-    the bytes read."""
+def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams: int | None = None) -> int:
+    """Read ``objects`` (key -> size) raw from ``tier`` as a resume reads them, nothing checked
+    or kept; the bytes read. The same streams: as many files at once as a fetch from that tier
+    (``copy_parallelism``; on a tier that is not a local folder, at least ``s3_max_concurrency``,
+    as ``tasks.restore._fetch_part``) unless ``streams`` says, each read as the store reads it
+    for a fetch: on S3 an object of the ranged size as ranged GETs (their bytes dropped), any
+    other one GET streamed in the fetch's chunks. Before, every object was one GET, so on S3 the
+    bound was measured with other requests than the resume it bounds."""
     from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
 
     def one(key: str) -> int:
+        size = objects[key]
+        reads_ranged = getattr(store, "reads_ranged", None)
+        if reads_ranged is not None and reads_ranged(size):
+            return int(store.read_ranges_into(key, null, size)[0])  # type: ignore[attr-defined]
         n = 0
         with store.open_read(key) as fh:
             while chunk := fh.read(store.read_chunk_bytes):  # as a fetch reads
                 n += len(chunk)
         return n
 
-    with TierStores(settings) as stores, ThreadPoolExecutor(max(1, streams or settings.copy_parallelism)) as pool:
+    with TierStores(settings) as stores:
         store = stores.get(tier)
-        return sum(pool.map(one, keys))
+        local = bool(objects) and store.local_path(next(iter(objects)).rpartition("/")[0]) is not None
+        width = streams or (settings.copy_parallelism if local else
+                            max(settings.copy_parallelism, settings.s3_max_concurrency))
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            with ThreadPoolExecutor(max(1, width)) as pool:
+                return sum(pool.map(one, objects))
+        finally:
+            os.close(null)
 
 
 def warm_up(settings: Settings, run: str) -> None:
@@ -196,7 +214,7 @@ def main(argv: list[str]) -> None:
     try:
         keys, detail = part_keys(cold, spec["run"], spec["step"], spec["part"]), None
     except (CkptError, NotFound, OSError) as exc:
-        keys, detail = [], f"{type(exc).__name__}: {exc}"[:500]
+        keys, detail = {}, f"{type(exc).__name__}: {exc}"[:500]
     if sys.stdin.readline().strip() != "drain":
         return
     n = 0

@@ -128,3 +128,40 @@ def test_cli_drill_nodes_json_then_drills(settings, monkeypatch):
     assert isinstance(bad.exception, BadInput) and "--nodes must be 2" in str(bad.exception)
     table = CliRunner().invoke(app, ["drills"])
     assert "nodes" in table.output and "bound" in table.output
+
+
+def test_the_bound_reads_tier2_with_the_requests_of_the_resume_it_bounds(settings, tmp_path, monkeypatch):
+    """A drill's bound drains each object as the resume fetches it: a shard of the ranged size
+    as the same ranged GETs, a small file as one GET; the bytes are counted, not kept."""
+    from collections import Counter
+
+    from core.storage.s3.store import S3Store
+    from tasks.drill_node import drain, drill_settings, part_keys
+    from tasks.resume import resume
+
+    save(settings, 100)
+    ranged = settings.model_copy(update={"s3_range_bytes": 16 << 10, "s3_ranged_threshold": 16 << 10})
+    cold = drill_settings(ranged, 2, 1)
+    reads: Counter[tuple[str, str]] = Counter()
+    read_range, open_read = S3Store._read_range, S3Store.open_read
+
+    def spy_range(self, key, *args, **kwargs):
+        reads[(key.rsplit("/", 1)[-1], "range")] += 1
+        return read_range(self, key, *args, **kwargs)
+
+    def spy_open(self, key):
+        reads[(key.rsplit("/", 1)[-1], "whole")] += 1
+        return open_read(self, key)
+
+    monkeypatch.setattr(S3Store, "_read_range", spy_range)
+    monkeypatch.setattr(S3Store, "open_read", spy_open)
+    objects = part_keys(cold, RUN, 100, 1)
+    assert drain(cold, 2, objects) == sum(objects.values())
+    drained, reads = reads, Counter()
+    point = resume(cold, RUN, part=1, parts=PARTS, to=tmp_path / "node-1", actor="test")
+    assert point is not None and point.step == 100
+    names = {k.rsplit("/", 1)[-1] for k in objects}
+    fetched = Counter({k: n for k, n in reads.items() if k[0] in names})  # the resume also reads its manifest
+    assert drained == fetched
+    assert {k for k in drained if k[1] == "range"} == {(n, "range") for n in names if n.endswith(".safetensors")}
+    assert drained[("model.safetensors.index.json", "whole")] == 1  # small: one GET
