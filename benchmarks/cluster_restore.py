@@ -154,11 +154,9 @@ def child(spec: dict) -> dict:
 
         restore_checkpoint(settings, RUN, dest / "whole", step=STEP, preference=(2,), fallback=False, actor="bench")
         return {"bytes": sum(p.stat().st_size for p in (dest / "whole").rglob("*") if p.is_file())}
-    from core.storage import writeback  # deferred: start-up (node processes start light)
     from db.catalog import Catalog  # deferred: start-up (node processes start light)
     from tasks.resume import resume, wide_files  # deferred: start-up (node processes start light)
 
-    writeback.ENABLED = spec.get("early_writeback", True)
     point = resume(settings, RUN, part=part, parts=spec["parts"], to=dest / "part" if spec.get("to") else None,
                    actor="bench")
     fetched_at, fetch_cpu = time.time(), cpu_seconds()
@@ -206,6 +204,9 @@ def prepare(spec: dict) -> None:
     catalog client and its S3 client); the boto3 baseline makes its client here too."""
     import boto3
 
+    from core.storage import writeback  # deferred: start-up (node processes start light)
+
+    writeback.ENABLED = spec.get("early_writeback", True)  # every job's own: one switched off leaves it off for none
     forget_clients()
     gc.collect()  # the garbage of this process's earlier jobs is not the next job's to collect
     settings = node_settings(spec)

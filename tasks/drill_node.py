@@ -149,12 +149,12 @@ def part_keys(settings: Settings, run: str, step: int, part: int) -> dict[str, i
 def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams: int | None = None) -> int:
     """Read ``objects`` (key -> size) raw from ``tier`` as a resume reads them, nothing checked
     or kept; the bytes read. The same streams: as many files at once as a fetch from that tier
-    (``copy_parallelism``; on a tier that is not a local folder, at least ``s3_max_concurrency``,
-    as ``tasks.restore._fetch_part``) unless ``streams`` says, each read as the store reads it
+    (``tasks.restore.fetch_streams``) unless ``streams`` says, each read as the store reads it
     for a fetch: on S3 an object of the ranged size as ranged GETs (their bytes dropped), any
     other one GET streamed in the fetch's chunks. Before, every object was one GET, so on S3 the
     bound was measured with other requests than the resume it bounds."""
     from tasks.replicas import TierStores  # deferred: start-up (keeps this module light: see warm_up)
+    from tasks.restore import fetch_streams  # deferred: start-up (keeps this module light: see warm_up)
 
     def one(key: str) -> int:
         size = objects[key]
@@ -170,8 +170,7 @@ def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams:
     with TierStores(settings) as stores:
         store = stores.get(tier)
         local = bool(objects) and store.local_path(next(iter(objects)).rpartition("/")[0]) is not None
-        width = streams or (settings.copy_parallelism if local else
-                            max(settings.copy_parallelism, settings.s3_max_concurrency))
+        width = streams or fetch_streams(settings, local)
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             with ThreadPoolExecutor(max(1, width)) as pool:

@@ -203,7 +203,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
             prefix, report = checkpoint_prefix(ck.run, ck.step), (lambda done: progress(done, label))
             if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
                 manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
-                fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=settings.copy_parallelism,
+                fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow; the
                 # tier's manifest is read (one round trip, ~0.1 s on S3) while the files stream
@@ -211,7 +211,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                     found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts)
                     transfer.copy_part(src, prefix, dst, dst_prefix,
                               catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts),
-                              parallelism=max(settings.copy_parallelism, settings.s3_max_concurrency),
+                              parallelism=fetch_streams(settings, False),
                               progress=report, confirm=found.result)
             return rep.tier
         except Exception as exc:  # classified below; the rest propagates
@@ -227,6 +227,13 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
             notes.append(f"step {ck.step} part {part}: tier {rep.tier} copy is {state} ({why}); "
                          "marked in the catalog, trying the next copy")
     raise _PartFailed(f"every copy of part {part} failed", transient=transient)
+
+
+def fetch_streams(settings: Settings, local: bool) -> int:
+    """Files a fetch of one part reads at once: ``copy_parallelism`` from a local folder; from
+    object storage at least ``s3_max_concurrency`` (one stream per small object, as many as the
+    S3 settings allow; a large object's ranged GETs share the store's own pool)."""
+    return settings.copy_parallelism if local else max(settings.copy_parallelism, settings.s3_max_concurrency)
 
 
 def _position(progress: Progress, base: int, total: int, done: int, label: str) -> None:

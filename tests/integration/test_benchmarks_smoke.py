@@ -60,6 +60,13 @@ def assert_rows(out: str, base: str, contenders: list[str]) -> None:
     assert all(r > 0 for r in rows.values()), rows
 
 
+def test_writeback():
+    out = run_benchmark("writeback")
+    assert_rows(out, "no early writeback (fsync writes all)",
+                ["early writeback every 1 MiB", "early writeback every 4 MiB"])
+    assert re.search(r"early writeback every 1 MiB: fsync \d+\.\d{3} s against \d+\.\d{3} s without", out), out
+
+
 def test_promote_tier1():
     out = run_benchmark("promote_tier1")
     assert_rows(out, "cp -r && sync", ["cp -r", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"])
