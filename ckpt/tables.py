@@ -17,9 +17,11 @@ def table(*columns: str, title: str | None = None, right: tuple[str, ...] = ()) 
 
 
 def actor_role(actor: str) -> str:
-    """``reconcile/node-0 flow-run:1f2e…`` -> ``reconcile/node-0``; an actor recorded before
+    """``reconcile/node-0 flow-run:1f2e…`` -> ``reconcile/node-0``, ``event agent:node-0 pid:42``
+    (a part promoted by its agent, no flow run) -> ``event agent:node-0``; an actor recorded before
     roles (``flow-run:<id>``) reads ``flow run <first 8 of its id>``."""
     role, _, _ = actor.partition(" flow-run:")
+    role, _, _ = role.partition(" pid:")
     if role.startswith("flow-run:"):
         return f"flow run {role.removeprefix('flow-run:')[:8]}"
     return role

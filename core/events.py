@@ -124,8 +124,11 @@ def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5
     ``headers``, by default ``auth_headers()``: a server with API auth on answers 401 without them."""
     import httpx
 
+    # plain http has no certificate to check: no CA bundle parsed per call (~20 ms of CPU each);
+    # no redirect is followed, so nothing reaches https unverified
     r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout,
-                   headers=auth_headers() if headers is None else headers)
+                   headers=auth_headers() if headers is None else headers,
+                   verify=not api_url.lower().startswith("http://"))
     if r.status_code != 204:
         raise ConnectionError(f"Prefect events endpoint answered {r.status_code}: {r.text[:200]}")
 

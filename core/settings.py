@@ -109,6 +109,18 @@ class Settings(BaseSettings):
                     "in the flow run's own body under the same retry policy, each retry a line in the run's log, "
                     "each hop a row of the run's hop table, and the orchestrator records a task run and its three "
                     "state events less per part and hop")
+    promote_runs: Literal["part", "checkpoint"] = Field(
+        default="part",
+        description="'part': each part's completed event becomes a promote flow run on its node (the deployment "
+                    "trigger), shown in the UI per part; 'checkpoint' (for large clusters): each node's agent "
+                    "promotes its parts itself on their events, with no flow run, under the same retry policy, "
+                    "and the part that completes a checkpoint on Tier 1 starts that checkpoint's one promote run, "
+                    "which takes its follow-ups (archive, durable event, status page, retention): one flow run per "
+                    "checkpoint instead of one per part")
+    part_scan_seconds: float = Field(
+        default=10.0, ge=1.0,
+        description="with promote_runs 'checkpoint', how often the agent lists its Tier 0 for committed parts no "
+                    "event brought (the event stream is best effort); a part two scans in a row found is promoted")
 
     milestones: MilestonePolicy = Field(default=MilestonePolicy(),
                                         description="which checkpoints are milestones (archived to Tier 2)")

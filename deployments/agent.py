@@ -3,7 +3,10 @@
 What one agent serves:
 - node-scoped (always): ``promote-checkpoint/<node>``, triggered by ``ckpt.checkpoint.completed``
   events whose ``ckpt.node`` label is this node (so the Tier 0 -> Tier 1 copy of a part runs
-  where its bytes are); ``reconcile/<node>`` every ``reconcile_interval_seconds`` (the safety
+  where its bytes are); with ``Settings.promote_runs`` = ``checkpoint`` it has no trigger: the
+  agent promotes each part on its event itself, and the part that completes a checkpoint starts
+  the checkpoint's one run of this deployment (deployments/part_events.py);
+  ``reconcile/<node>`` every ``reconcile_interval_seconds`` (the safety
   net for events that never arrived or triggers that never fired).
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +50,7 @@ from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.fast_path import csrf_off_env, fast_path, run_in_warm_process, start_fork_server
+from deployments.part_events import part_events
 from deployments.tls import share_verified_contexts
 
 log = logging.getLogger("ckpt.agent")
@@ -86,8 +90,9 @@ def node_deployments(settings: Settings) -> list[Any]:
 
     node = settings.node
     return [
-        promote_checkpoint.to_deployment(
-            name=node, triggers=[promote_trigger(node)], enforce_parameter_schema=False,
+        promote_checkpoint.to_deployment(  # checkpoint runs: the agent takes the events itself (part_events)
+            name=node, triggers=[promote_trigger(node)] if settings.promote_runs == "part" else [],
+            enforce_parameter_schema=False,
             entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
             description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
         ),
@@ -180,11 +185,12 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
-        if settings.fast_path:
-            with fast_path(settings.node, spare=settings.warm_spare):
-                serve_runner(deployments, limit=limit, warm=settings.runner_warm)
-        else:
-            serve(*deployments, limit=limit, print_starting_message=True)
+        with part_events(settings) if settings.promote_runs == "checkpoint" else nullcontext():
+            if settings.fast_path:
+                with fast_path(settings.node, spare=settings.warm_spare):
+                    serve_runner(deployments, limit=limit, warm=settings.runner_warm)
+            else:
+                serve(*deployments, limit=limit, print_starting_message=True)
 
 
 def serve_runner(deployments: list[Any], *, limit: int | None, warm: bool = True) -> None:

@@ -384,6 +384,37 @@ def _in_context(target: Callable[..., Any], *args: Any, name: str) -> threading.
     return thread
 
 
+class LoopThread:
+    """``main()``, a coroutine, on an event loop of its own on a daemon thread that sees the
+    starting thread's context (``_in_context``); ``stop`` cancels it and waits for the thread.
+    The agent's event subscriptions run this way (the fast path's, deployments/part_events.py's)."""
+
+    def __init__(self, main: Callable[[], Any], *, name: str) -> None:
+        self._main_fn, self.name = main, name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = _in_context(self._run, name=self.name)
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._main = self._loop.create_task(self._main_fn())
+            with suppress(asyncio.CancelledError):
+                self._loop.run_until_complete(self._main)
+        finally:
+            self._loop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._loop is not None and self._main is not None:
+            with suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(self._main.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
 class FastPath:
     """The subscription, the warm processes and the supervision of the runs they run."""
 
@@ -399,14 +430,12 @@ class FastPath:
         self._running: dict[UUID, WarmProcess] = {}
         self._claimed: set[UUID] = set()  # claimed (Pending), waiting for the warm process
         self._stopping = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._main: asyncio.Task | None = None
-        self._thread: threading.Thread | None = None
+        self._listener = LoopThread(self._listen, name="ckpt-fast-path")
         self._offers: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._refill()
-        self._thread = _in_context(self._listen_forever, name="ckpt-fast-path")
+        self._listener.start()
         _active[:] = [self]
 
     def start_now(self, flow_run: Any) -> Any:
@@ -429,11 +458,7 @@ class FastPath:
         self._stopping.set()
         if _active and _active[0] is self:
             _active.clear()
-        if self._loop is not None and self._main is not None:
-            with suppress(RuntimeError):  # the loop already ended
-                self._loop.call_soon_threadsafe(self._main.cancel)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._listener.stop()
         with self._lock:
             spare, self._spare = self._spare, None
             running = dict(self._running)
@@ -448,15 +473,6 @@ class FastPath:
             self._finish(flow_run_id, f"the agent on {self.node} stopped before the run finished")
 
     # --- the subscription ------------------------------------------------------------------
-    def _listen_forever(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        try:
-            self._main = self._loop.create_task(self._listen())
-            with suppress(asyncio.CancelledError):
-                self._loop.run_until_complete(self._main)
-        finally:
-            self._loop.close()
-
     async def _listen(self) -> None:
         from prefect.client.orchestration import get_client
 

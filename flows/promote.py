@@ -13,11 +13,16 @@ net, only when the inline archive did not finish), the status page, the run's re
 A part already verified on Tier 1 (a repeated or concurrent event) skips the copy, so any
 number of promotions of the same part leave one set of copies and the same catalog state. A
 corrupt source stops at verify: nothing is copied, nothing else changes.
+
+With ``Settings.promote_runs`` = ``checkpoint`` a part has no run: the node's agent runs its hop
+on the event (``promote_in_agent``) and the part that completes the checkpoint asks for one run
+of this flow, which finds its part on Tier 1 and takes the follow-ups: one run per checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +38,12 @@ from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import run_retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
+from tasks.hop import tier1_hop
 from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
+from tasks.retry import retrying
 
 
 @dataclass
@@ -94,6 +101,43 @@ def follow_up(settings: Settings, result: PromoteResult, *, steps: Steps, node: 
         on_durable(result)
     result.retention = run_retention(settings, run=run, steps=steps, actor=actor)
     followups_done(settings, result.checkpoint_id, actor=actor)
+
+
+FollowupsRequest = Callable[[str, int, int, int], None]
+
+
+def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
+                     request_followups: FollowupsRequest) -> PromoteResult:
+    """The promotion of one part with no flow run of its own (``Settings.promote_runs`` =
+    ``checkpoint``): what a node's agent runs for each completed event of its node
+    (deployments/part_events.py), ``payload`` the event's. The part's hop (``tasks.hop``:
+    register, copy to Tier 1 checking Tier 0 on the way, read back, mark complete) runs under the
+    task retry policy (``tasks.retry.retrying``) at the copy priority, its facts announced through
+    the caller's announcer (the agent's: ``emit``), as in a promote run. The one caller per
+    checkpoint that records it complete on Tier 1 (``Tier1Hop.durable``) then asks for the
+    checkpoint's one promote run (``request_followups(run, step, part, parts)``), which finds this
+    part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. A crash before that request leaves
+    the follow-ups to reconcile's backlog, as a promote run killed before them does. A malformed
+    event is audited as a rejection in the catalog and raised (``BadEvent``)."""
+    actor = f"event agent:{settings.node} pid:{os.getpid()}"  # the role, then the process that did it
+    try:
+        run, step, part, parts = checkpoint_args(payload.get("run"), payload.get("step"), payload.get("part", 0),
+                                                 payload.get("parts") or 1)
+    except BadEvent as exc:
+        reject_event(settings, f"promote {payload.get('run')!r} step {payload.get('step')!r}", exc, actor=actor)
+        raise
+    hop_step = retrying(tier1_hop, name="tier0-to-tier1", retries=settings.task_retries,
+                        base_delay=settings.task_retry_delay_seconds)
+    hop = hop_step(settings, run, step, part, parts, node=settings.node, actor=actor)
+    if hop.durable:
+        request_followups(run, step, part, hop.parts)
+    return PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
+
+
+def followups_key(run: str, step: int) -> str:
+    """The idempotency key of a checkpoint's promote run asked for by ``promote_in_agent``: the
+    server creates one run per key and deployment, so a request repeated is the same run."""
+    return f"ckpt-followups/{run}/{step}"
 
 
 def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:

@@ -76,3 +76,20 @@ def test_malformed_events_name_their_promote_runs_readably():
     assert run_name({"run": "run-a", "step": 12, "part": 1, "parts": 2}) == "promote/run-a/step-12/part-1-of-2"
     bad = run_name({"run": "", "step": "", "part": 0, "parts": 1})
     assert bad.startswith("promote/malformed-event/") and "//" not in bad
+
+
+def test_with_checkpoint_runs_the_promote_deployment_has_no_trigger(settings_factory):
+    """``CKPT_PROMOTE_RUNS=checkpoint``: the agent takes its parts' events itself, so an event is
+    never also a run; the default keeps the trigger of a run per part, for this node's parts only."""
+    from prefect.events.schemas.events import Resource
+
+    from core import events
+
+    per_part = _by_full_name(build_deployments(settings_factory(node=NODE), node_only=True))
+    (trigger,) = per_part[names.promote_deployment(NODE)].triggers
+    ev = events.build_event(events.COMPLETED, "run-a", 5, node=NODE)
+    assert trigger.expect == {events.COMPLETED} and trigger.match.matches(Resource(ev["resource"]))
+
+    per_checkpoint = _by_full_name(build_deployments(settings_factory(node=NODE, promote_runs="checkpoint"),
+                                                     node_only=True))
+    assert per_checkpoint[names.promote_deployment(NODE)].triggers == []

@@ -120,14 +120,16 @@ def test_tables_fold_long_run_names_and_history_reads_who_acted(cli, catalog):
     catalog.unpin(LONG_RUN, 10, actor="retention flow-run:5c1e0f0e-8d3b-4a55-b7a2-9a3cf0d1e2f3")
     catalog.pin(LONG_RUN, 10, actor="event flow-run:77d9e1c4-0a0b-4c2d-8e3f-4a5b6c7d8e9f")
     catalog.unpin(LONG_RUN, 10, actor="cli")
+    catalog.pin(LONG_RUN, 10, actor="event agent:node-3 pid:4242")  # a part its agent promoted, no flow run
 
     listed = cli("ls")
     assert LONG_RUN in _column(listed, 0) and "…" not in listed  # whole, folded, never cut short
     shown = cli("show", LONG_RUN, "10")
     assert "…" not in shown
     actors = _column(shown.split("history", 1)[1], 1)
-    for role in ("reconcile/node-0", "retention", "event", "cli"):
+    for role in ("reconcile/node-0", "retention", "event", "cli", "agent:node-3"):
         assert role in actors
-    assert "flow-run" not in actors
+    assert "flow-run" not in actors and "pid:" not in actors
     doc = json.loads(cli("show", LONG_RUN, "10", "--json"))
     assert "reconcile/node-0 flow-run:0b8f6a52-2f7e-4c41-9d1c-1f1d9c4e9a10" in [h["actor"] for h in doc["history"]]
+    assert "event agent:node-3 pid:4242" in [h["actor"] for h in doc["history"]]
