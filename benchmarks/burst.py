@@ -32,6 +32,12 @@ instead of the fast path's warm process; "promote runs started" says how many ea
 ``--baseline-env KEY=VALUE`` adds it with one setting of the agents changed (repeatable), e.g.
 ``CKPT_WARM_SPARE=true`` (each agent keeps a warm process forked ahead of its next run) or
 ``PREFECT_RUNNER_POLL_FREQUENCY=30``; the agent count stays the first phase's.
+``--env KEY=VALUE`` sets a setting of the agents in every phase (repeatable; a ``--baseline-env`` of
+the same key wins in its phase), e.g. ``--env CKPT_PROMOTE_RUNS=checkpoint --baseline-env
+CKPT_PROMOTE_RUNS=part``: one flow run per checkpoint against one per part, same stack, same run.
+``--warm-bursts N`` first makes N earlier checkpoints durable the same way, unmeasured: the burst
+then costs what it costs an agent that has promoted before (its catalog connection and compiled
+statements, its events client: what a long-running agent has at every checkpoint but its first).
 ``--rest S`` first watches each phase's served stack for S seconds with nothing to do: its CPU
 per second by role (the runner's polls, the event subscriptions, the server's loops), and the
 burst's CPU per part above it (its figure less that rate over the burst's span): what the parts
@@ -40,6 +46,8 @@ add, apart from what the stack costs whether or not checkpoints come.
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
     python benchmarks/burst.py --nodes 16 --part-mb 16 --no-sqlite --rest 60
+    python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --mem-fraction 0.7 \
+        --env CKPT_PROMOTE_RUNS=checkpoint --baseline-env CKPT_PROMOTE_RUNS=part
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
 """
 
@@ -326,18 +334,24 @@ def pg_backends(admin_dsn: str, databases: list[str]) -> list[int]:
                                            (databases,))]
 
 
-def byte_copy_cpu(settings, manifest, prefix: str, scratch: str) -> float:
+def byte_copy_cpu(settings, manifest, prefix: str, scratch: str, rounds: int = 3) -> float:
     """CPU seconds of one part's byte work done directly: verify on Tier 0, copy to Tier 1
-    (read back inside), and when Tier 2 is on, copy to Tier 2."""
+    (read back inside), and when Tier 2 is on, copy to Tier 2. The least of ``rounds`` (each to
+    fresh copies): a round that shared the cores with the agents settling costs more, and
+    counting that as byte work would understate what the burst spends outside it (one round
+    per phase read 0.08 and 0.28 CPU s for the same 16 MB part in one run)."""
     t0 = open_store(settings.tier0_url, 0, settings)
-    c0 = cpu_seconds()
-    verify_part(t0, prefix, manifest)
-    t1 = open_store(str(Path(scratch) / "tier1"), 1, settings)
-    copy_part(t0, prefix, t1, prefix, manifest)
-    if settings.tier2_url:
-        t2 = open_store(settings.tier2_url.rstrip("/") + "-bytecopy", 2, settings)
-        copy_part(t1, prefix, t2, prefix, manifest)
-    return cpu_seconds() - c0
+    spent = []
+    for r in range(rounds):
+        c0 = cpu_seconds()
+        verify_part(t0, prefix, manifest)
+        t1 = open_store(str(Path(scratch) / f"tier1-{r}"), 1, settings)
+        copy_part(t0, prefix, t1, prefix, manifest)
+        if settings.tier2_url:
+            t2 = open_store(settings.tier2_url.rstrip("/") + f"-bytecopy-{r}", 2, settings)
+            copy_part(t1, prefix, t2, prefix, manifest)
+        spent.append(cpu_seconds() - c0)
+    return min(spent)
 
 
 def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]:
@@ -411,6 +425,7 @@ class Setup:
     timeout: float
     agents: int | None = None  # decided by the first phase, kept for the second
     rest_s: float = 0.0        # --rest: seconds to watch each phase's stack at rest before its burst
+    warm_bursts: int = 0       # --warm-bursts: checkpoints burst and made durable before the one measured
 
 
 def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup,
@@ -430,6 +445,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         env = stack_env(root / "data", api_url=api, s3_url=setup.s3_url, bucket=setup.bucket,
                         catalog_url=catalog_url)
         env.update(CKPT_RECONCILE_INTERVAL_SECONDS="3600",      # the burst is about events
+                   CKPT_PART_SCAN_SECONDS="60",  # checkpoint runs: parts are committed a while before the burst
                    CKPT_TIER2_URL=f"s3://{setup.bucket}/{name}-{tag}",
                    PREFECT_RUNNER_POLL_FREQUENCY="5")            # as docker-compose.yml
         env.update(env_extra or {})
@@ -463,20 +479,35 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         serve_all(api, node[:k], procs, start, phase, root / "logs")
         owner = [node[p % k] for p in range(setup.nodes)]
 
-        # every part committed on its node's Tier 0, nothing announced yet
         rng = np.random.default_rng(0)
         size = max(1, int(setup.part_mb * 1e6 / 4))
-        first_saved = None
-        for p in range(setup.nodes):
-            s = Settings(**{key[5:].lower(): v for key, v in env.items() if key.startswith("CKPT_")}, node=owner[p])
-            with CheckpointStager(run, settings=s, part=p, parts=setup.nodes, announce=False,
-                                  shard_bytes=4 << 20) as st:
-                saved = st.save(STEP, {"w": rng.standard_normal(size, dtype=np.float32)}, milestone=True)
-            first_saved = first_saved or (s, saved)
-        s0, saved0 = first_saved
-        phase.copy_cpu_per_part_s = byte_copy_cpu(s0, saved0.manifest, f"{run}/step-{STEP:08d}",
-                                                  str(root / "bytecopy"))
 
+        def commit(step: int):
+            """Every part of ``step`` committed on its node's Tier 0, nothing announced yet."""
+            first_saved = None
+            for p in range(setup.nodes):
+                s = Settings(**{key[5:].lower(): v for key, v in env.items() if key.startswith("CKPT_")},
+                             node=owner[p])
+                with CheckpointStager(run, settings=s, part=p, parts=setup.nodes, announce=False,
+                                      shard_bytes=4 << 20) as st:
+                    saved = st.save(step, {"w": rng.standard_normal(size, dtype=np.float32)}, milestone=True)
+                first_saved = first_saved or (s, saved)
+            return first_saved
+
+        def burst(step: int) -> float:
+            body = [events.build_event(events.COMPLETED, run, step, part=p, parts=setup.nodes, node=owner[p],
+                                       payload={"kind": "milestone"}) for p in range(setup.nodes)]
+            t = time.time()
+            httpx.post(f"{api}/events", json=body, timeout=60).raise_for_status()
+            return t
+
+        for w in range(setup.warm_bursts):  # earlier checkpoints, not measured: the agents as they run for days
+            step = STEP - setup.warm_bursts + w
+            commit(step)
+            t = burst(step)
+            wait_for(f"warm-up checkpoint {step} durable", lambda st=step: _durable(catalog_url, run, st)
+                     and _all_finished(api), timeout=setup.timeout)
+            phase.notes.append(f"checkpoint {step}, before the one measured, durable in {time.time() - t:.1f} s")
         admin = setup.pg_admin
 
         def cpu_now() -> dict[str, dict[int, float]]:
@@ -497,11 +528,9 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
             rest1, phase.rest_s = cpu_now(), time.monotonic() - r0
             phase.rest_cores_by_role = {role: cpu_between(rest0[role], rest1[role]) / phase.rest_s
                                         for role in CPU_ROLES}
+        s0, saved0 = commit(STEP)  # right before it is announced, as a job does (the agents' Tier 0 scan waits 60 s)
         cpu0 = cpu_now()
-        body = [events.build_event(events.COMPLETED, run, STEP, part=p, parts=setup.nodes, node=owner[p],
-                                   payload={"kind": "milestone"}) for p in range(setup.nodes)]
-        t0 = time.time()
-        httpx.post(f"{api}/events", json=body, timeout=60).raise_for_status()
+        t0 = burst(STEP)
 
         cat = Catalog(catalog_url)
         try:
@@ -530,6 +559,8 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         phase.window_s = t_end - t0
         phase.cpu_by_role = {role: cpu_between(cpu0[role], cpu1[role]) for role in CPU_ROLES}
         phase.cpu_s = sum(phase.cpu_by_role.values())
+        phase.copy_cpu_per_part_s = byte_copy_cpu(s0, saved0.manifest, f"{run}/step-{STEP:08d}",
+                                                  str(root / "bytecopy"))
         time.sleep(3)  # the event persister writes in batches
         phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
         phase.started_by = started_by(pending_messages(api, t0))
@@ -562,6 +593,24 @@ def serve_all(api: str, nodes: list[str], procs: list, start, phase: Phase, logs
                 phase.notes.append(f"agent {nodes[i]} exited with {procs[i].returncode} while starting "
                                    f"({log[-1][:200] if log else 'no log'}); restarted")
                 procs[i] = start(i)
+
+
+def _durable(catalog_url: str, run: str, step: int) -> bool:
+    cat = Catalog(catalog_url)
+    try:
+        return "tier2" in [h.to_state for h in cat.history(run, step) if h.action == "complete"]
+    except Exception:  # noqa: BLE001 - not registered yet
+        return False
+    finally:
+        cat.close()
+
+
+def wait_for(what: str, pred, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.5)
 
 
 def _all_finished(api: str) -> bool:
@@ -599,9 +648,16 @@ def main() -> int:
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run the same burst on the same stack with this setting in the agents' environment "
                          "(repeatable: one phase each), e.g. CKPT_WARM_SPARE=true")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting in the agents' environment in every phase (repeatable), e.g. "
+                         "CKPT_PROMOTE_RUNS=checkpoint")
     ap.add_argument("--rest", type=float, default=0.0, metavar="SECONDS",
                     help="first watch the served stack at rest this long: its CPU per second (runner polls, event "
                          "subscriptions, the server's loops) and the burst's CPU per part above it")
+    ap.add_argument("--warm-bursts", type=int, default=0, metavar="N",
+                    help="first make N earlier checkpoints durable the same way, not measured: the burst then "
+                         "measures agents that have promoted before (a long-running agent's steady state), "
+                         "and the memory at rest of a node's agent is read after them")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a burst may take")
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
@@ -611,35 +667,38 @@ def main() -> int:
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
+    common = dict(setting.partition("=")[::2] for setting in args.env)
     phases: list[Phase] = []
     cold: list[Phase] = []  # --cold-runner, --baseline-env: printed after the others, never the exit status
     load0 = os.getloadavg()[0]
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
             setup = Setup(work, args.pg_url, s3_url, bucket, args.nodes, args.part_mb, args.mem_fraction,
-                          args.timeout, rest_s=args.rest)
+                          args.timeout, rest_s=args.rest, warm_bursts=args.warm_bursts)
             prefect_db = f"ckpt_prefect_{os.getpid()}_{uuid.uuid4().hex[:6]}"
             with ProductionStack(work / "prefect-prod", pg_server_url=args.pg_url, redis_url=args.redis_url,
                                  prefect_database=prefect_db, catalog_database=None, port=None, ui=False,
                                  fresh=True) as stack:
                 print(f"production stack up in {stack.start_seconds:.1f} s: {stack.describe()}", flush=True)
                 phases.append(guarded("postgres+redis", setup, lambda: run_phase(
-                    "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup)))
+                    "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
+                    env_extra=common)))
                 if args.cold_runner:  # the same burst, same stack, the runner's runs in new interpreters
                     cold.append(guarded(COLD, setup, lambda: run_phase(
                         COLD, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
-                        env_extra={"CKPT_RUNNER_WARM": "false"})))
+                        env_extra={**common, "CKPT_RUNNER_WARM": "false"})))
                 for setting in args.baseline_env:  # the same burst, same stack and agent count, one setting changed
                     key, _, value = setting.partition("=")
                     cold.append(guarded(f"pg+redis, {setting}", setup, lambda k=key, v=value: run_phase(
                         f"pg+redis, {k}={v}", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
-                        env_extra={k: v})))
+                        env_extra={**common, k: v})))
             if not args.no_sqlite:
                 t = time.monotonic()
                 proc, url = start_prefect_server(work / "prefect-sqlite", port=None, ui=False)
                 try:
                     print(f"sqlite server up in {time.monotonic() - t:.1f} s", flush=True)
-                    phases.append(guarded("sqlite", setup, lambda: run_phase("sqlite", url, [proc.pid], [], setup)))
+                    phases.append(guarded("sqlite", setup, lambda: run_phase("sqlite", url, [proc.pid], [], setup,
+                                                                             env_extra=common)))
                 finally:
                     stop_process(proc, grace=20.0)
     finally:
@@ -650,6 +709,8 @@ def main() -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
 
+    if common:
+        print("every phase: " + " ".join(f"{k}={v}" for k, v in common.items()))
     print(f"{args.nodes} parts of {args.part_mb:g} MB, one milestone checkpoint; load average at start {load0:.1f}, "
           f"now {os.getloadavg()[0]:.1f} (2 cores shared: figures are noisy, compare the columns)")
     for p in phases + cold:
