@@ -88,9 +88,6 @@ class PartEvents:
 
     def __init__(self, settings: Settings, *, announcer: Announcer | None = None, fork: bool | None = None) -> None:
         self.settings = settings
-        self._known: set[tuple[str, int, int]] = set()  # parts submitted, or on Tier 0 when the agent started
-        self._pending: set[tuple[str, int, int]] = set()  # found by the last scan, not submitted yet
-        self._scans = 0
         self.node = settings.node
         self.announcer = announcer  # how the hops' facts are announced: Prefect events (``emit``) unless given
         self.fork = forks_available() if fork is None else fork
@@ -99,6 +96,9 @@ class PartEvents:
         self._lock = threading.Lock()
         self._listener: LoopThread | None = None
         self._env: dict[str, str] = {}
+        self._known: set[tuple[str, int, int]] = set()  # parts submitted, or on Tier 0 when the agent started
+        self._pending: set[tuple[str, int, int]] = set()  # found by the last scan, not submitted yet
+        self._scans = 0
         self.done: list[Future] = []  # the last promotions' futures (tests; bounded)
 
     def start(self) -> None:
@@ -108,7 +108,10 @@ class PartEvents:
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
         self._listener = LoopThread(self._listen, name="ckpt-part-events")
         self._listener.start()
-        self.scan()  # what is on Tier 0 now is reconcile's
+        try:
+            self.scan()  # what is on Tier 0 now is reconcile's
+        except Exception as exc:  # noqa: BLE001 - the agent serves events without it; the next scan marks it
+            log.warning("scan of Tier 0 failed: %s: %s", type(exc).__name__, exc)
         scanner = threading.Thread(target=contextvars.copy_context().run, args=(self._scan_forever,),
                                    name="ckpt-part-scan", daemon=True)
         scanner.start()
@@ -133,8 +136,8 @@ class PartEvents:
                     async for event in subscriber:
                         self.submit(event.payload)
             except Exception as exc:  # noqa: BLE001 - reconcile covers the gap
-                log.warning("event subscription lost (%s: %s); parts committed meanwhile are promoted by "
-                            "reconcile until it is back", type(exc).__name__, exc)
+                log.warning("event subscription lost (%s: %s); parts committed meanwhile are promoted by the "
+                            "Tier 0 scan until it is back", type(exc).__name__, exc)
             await asyncio.sleep(RESUBSCRIBE_SECONDS)
 
     # --- the scan of Tier 0: events the stream did not deliver -------------------------------
