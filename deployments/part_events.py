@@ -232,8 +232,9 @@ def promote_part(settings: Settings, payload: Mapping[str, Any], announcer: Anno
 def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str, str]) -> None:
     """A part's promotion in a process forked from the agent's fork server: Prefect's settings
     as the agent's (``fast_path.run_settings``: the agent's own, built before the fork, when the
-    environment still says the same), events posted to the API at once (``emit`` with the API's
-    URL: a process that exits leaves nothing queued), exit code 1 when it failed."""
+    environment still says the same), the part's events posted to the API in one request when it
+    is done (``EventBatch``: a process that exits leaves nothing queued, as Prefect's websocket
+    worker could), exit code 1 when it failed."""
     os.environ.update(env)
     from prefect.context import SettingsContext, get_settings_context
 

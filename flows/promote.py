@@ -38,12 +38,10 @@ from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import run_retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
-from tasks.hop import tier1_hop
 from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done
 from tasks.register import checkpoint_args, reject_event
 from tasks.retention import PruneAction
-from tasks.retry import retrying
 
 
 @dataclass
@@ -116,9 +114,10 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     the caller's announcer (the agent's: ``emit``), as in a promote run. The one caller per
     checkpoint that records it complete on Tier 1 (``Tier1Hop.durable``) then asks for the
     checkpoint's one promote run (``request_followups(run, step, part, parts)``), which finds this
-    part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. A crash before that request leaves
-    the follow-ups to reconcile's backlog, as a promote run killed before them does. A malformed
-    event is audited as a rejection in the catalog and raised (``BadEvent``)."""
+    part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. A crash
+    before that request leaves the follow-ups to reconcile's backlog, as a promote run killed
+    before them does. A malformed event is audited as a rejection in the catalog and raised
+    (``BadEvent``)."""
     actor = f"event agent:{settings.node} pid:{os.getpid()}"  # the role, then the process that did it
     try:
         run, step, part, parts = checkpoint_args(payload.get("run"), payload.get("step"), payload.get("part", 0),
@@ -126,9 +125,9 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     except BadEvent as exc:
         reject_event(settings, f"promote {payload.get('run')!r} step {payload.get('step')!r}", exc, actor=actor)
         raise
-    hop_step = retrying(tier1_hop, name="tier0-to-tier1", retries=settings.task_retries,
-                        base_delay=settings.task_retry_delay_seconds)
-    hop = hop_step(settings, run, step, part, parts, node=settings.node, actor=actor)
+    # the hop as a flow runs it inline (Settings.hop_task_run off): the registry's step and retry policy
+    inline = task_steps(settings.model_copy(update={"hop_task_run": False}))
+    hop = inline.tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor)
     if hop.durable:
         request_followups(run, step, part, hop.parts)
     return PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
