@@ -9,6 +9,8 @@ each, untimed; the same Tier 0 part every time):
 - ``cp -r``: no fsync;
 - ``whole hop (one Tier 0 read)``: ``tier1_hop`` as the pipeline runs it, the copy being the
   Tier 0 verify (``tasks.copy.promote_part``);
+- ``whole hop, Tier 1 direct I/O``: the same with ``tier1_direct_io`` (written and read back
+  with O_DIRECT: the read-back reads the disk, not the page cache);
 - ``whole hop, verify then copy (before)``: the same steps with Tier 0 verified by a pass of
   its own before the copy (``verify_replica`` + ``copy_to_tier1``), as promotions ran before.
 Tier 0 bytes read are counted on every store the pipeline opens there (``benchmarks.tier_reads``:
@@ -47,6 +49,7 @@ from tasks.verify import verify_replica
 RUN, STEP, NODE = "bench", 1000, "bench-node"
 SMOKE = {"gib": 4 / 1024, "shards": 4}
 BASE, FUSED, BEFORE = "cp -r && sync", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"
+DIRECT = "whole hop, Tier 1 direct I/O"
 
 
 class HopBench:
@@ -105,7 +108,7 @@ def main() -> None:
             shutil.rmtree(cp_dst, ignore_errors=True)
             hop.fresh()
 
-        reads: dict[str, list[int]] = {FUSED: [], BEFORE: []}
+        reads: dict[str, list[int]] = {FUSED: [], DIRECT: [], BEFORE: []}
         data_files = {f.path for f in m.files}
 
         def counted(name: str, fn):
@@ -122,10 +125,19 @@ def main() -> None:
             copy_to_tier1(settings, RUN, STEP, node=NODE, actor="bench")
             assert mark_complete(settings, RUN, STEP, 1, actor="bench")
 
+        def direct() -> None:
+            plain = hop.settings
+            hop.settings = plain.model_copy(update={"tier1_direct_io": True})
+            try:
+                hop.promote()
+            finally:
+                hop.settings = plain
+
         contenders = {
             BASE: lambda: subprocess.run(f"cp -r '{src}' '{cp_dst}' && sync", shell=True, check=True),
             "cp -r": lambda: subprocess.run(["cp", "-r", str(src), str(cp_dst)], check=True),
             FUSED: counted(FUSED, hop.promote),
+            DIRECT: counted(DIRECT, direct),
             BEFORE: counted(BEFORE, before),
         }
         fresh("warm-up")

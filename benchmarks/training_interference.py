@@ -4,14 +4,16 @@ A training job (a separate process: torch matmuls on every core, as a job's comp
 reports its step count every 0.1 s. Each round measures, in an order rotated every round:
 - the loop's steps/s alone (a window of ``--window`` seconds);
 - the loop's steps/s while a Tier 0 -> Tier 1 promotion (``tier1_hop``, the whole hop) runs
-  beside it at the agent's default priority (``copy_nice`` 10, lowest best-effort I/O: the whole
-  hop runs on a thread at that priority, ``core.transfer.run_at``), and the promotion's time;
-- the same at ``copy_nice`` 5, and at the agent's own priority (``copy_nice`` 0, I/O unchanged);
+  beside it, and the promotion's time, four ways: at the agent's default copy priority
+  (``copy_nice`` 10, lowest best-effort I/O: the whole hop runs on a thread at that priority,
+  ``core.transfer.run_at``) and at the agent's own (nice 0, I/O unchanged), each with Tier 1
+  written and read back directly (``tier1_direct_io``: O_DIRECT, no page cache) and buffered;
 and, with no training running, the promotion's quiet time and CPU (this process's user + system
-time: the hop runs on its threads). Goals: the loop slows <= 5 % beside the promotion, and the
-promotion takes <= 1.5 x its quiet time. The two pull against each other when the loop keeps every
-core busy: what the promotion's CPU takes within 1.5 x its quiet time is the least the loop
-loses, which the last lines print (the floor both goals together need).
+time: the hop runs on its threads), direct and buffered. Goals: the loop slows <= 5 % beside the
+promotion at the default settings, and the promotion takes <= 1.5 x its quiet time. The two pull
+against each other when the loop keeps every core busy: what the promotion's CPU takes within
+1.5 x its quiet time is the least the loop loses, which the last lines print (the floor both
+goals together need).
 
     .venv/bin/python benchmarks/training_interference.py [--gib 1] [--rounds 3] [--window 4]
     .venv/bin/python benchmarks/training_interference.py --smoke    # 4 MiB, one round
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_parser, load_line, parse
 from benchmarks.promote_tier1 import HopBench
+from core.settings import Settings
 
 SMOKE = {"gib": 4 / 1024, "shards": 4, "window": 0.5, "matrix": 128, "sync": False}
 
@@ -105,13 +108,16 @@ def main() -> None:
     try:
         hop = HopBench(work, args.gib, args.shards, args.parallelism)
         nbytes = hop.manifest.total_bytes
-        ways = {"lowered (default: nice 10, I/O best-effort 7)": {"copy_nice": 10, "copy_io_class": "best-effort"},
-                "nice 5, I/O best-effort 7": {"copy_nice": 5, "copy_io_class": "best-effort"},
-                "agent's own priority (nice 0, I/O unchanged)": {"copy_nice": 0, "copy_io_class": "unchanged"}}
+        low: dict[str, object] = {"copy_nice": 10, "copy_io_class": "best-effort"}
+        own: dict[str, object] = {"copy_nice": 0, "copy_io_class": "unchanged"}
+        modes = {"direct I/O": {"tier1_direct_io": True}, "buffered": {"tier1_direct_io": False}}
+        ways = {f"{prio}, {mode}": {**settings, **modes[mode]}
+                for prio, settings in (("nice 10, I/O best-effort 7", low), ("nice 0, I/O unchanged", own))
+                for mode in modes}
+        default = f"nice 10, I/O best-effort 7, {'direct I/O' if Settings().tier1_direct_io else 'buffered'}"
 
-        cpu: list[tuple[float, float]] = []  # (user, system) seconds of each quiet promotion
-
-        def promote(**prio: object) -> tuple[float, float, float]:
+        def promote(**prio: object) -> tuple[float, float, float, tuple[float, float]]:
+            """(start, end, seconds, (user, system) CPU seconds of this process) of one promotion."""
             hop.fresh(**prio)
             if args.sync:
                 subprocess.run(["sync"], check=True)
@@ -120,13 +126,17 @@ def main() -> None:
             hop.promote()
             t1 = time.monotonic()
             r1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
-            return t0, t1, t1 - t0
+            return t0, t1, t1 - t0, (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime)
 
         hop.fresh()
         hop.promote()  # warm: imports, the source in the page cache
-        quiet = [promote(**ways[next(iter(ways))])[2] for _ in range(args.rounds)]
-        quiet_cpu = list(cpu)
+        quiet: dict[str, list[float]] = {m: [] for m in modes}
+        quiet_cpu: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for mode, settings in modes.items():
+                *_, took, cpu_s = promote(**low, **settings)
+                quiet[mode].append(took)
+                quiet_cpu[mode].append(cpu_s)
         alone: list[float] = []
         beside: dict[str, list[float]] = {w: [] for w in ways}
         hop_s: dict[str, list[float]] = {w: [] for w in ways}
@@ -141,7 +151,7 @@ def main() -> None:
                         time.sleep(args.window)
                         alone.append(trainer.rate(t0, time.monotonic()))
                         continue
-                    t0, t1, took = promote(**ways[name])
+                    t0, t1, took, _ = promote(**ways[name])
                     time.sleep(0.25)  # the report after the promotion's end
                     beside[name].append(trainer.rate(t0, t1 + 0.15) if took > 0.3 else trainer.rate(t0, t0 + 0.3))
                     hop_s[name].append(took)
@@ -150,33 +160,38 @@ def main() -> None:
 
         a = statistics.median(alone)
         print(f"checkpoint: {nbytes / 2**30:.3f} GiB in {len(hop.manifest.files)} files; training loop: "
-              f"{args.matrix}x{args.matrix} float32 matmuls on {threads} threads; {args.rounds} rounds")
-        print(f"\n{'training loop':52} {'median steps/s':>15} {'best':>8} {'slowdown':>9}   rounds")
-        print(f"{'alone (baseline)':52} {a:15.1f} {max(alone):8.1f} {0:8.1%}   "
+              f"{args.matrix}x{args.matrix} float32 matmuls on {threads} threads; {args.rounds} rounds; "
+              f"the default: {default}")
+        print(f"\n{'training loop':58} {'median steps/s':>15} {'best':>8} {'slowdown':>9}   rounds")
+        print(f"{'alone (baseline)':58} {a:15.1f} {max(alone):8.1f} {0:8.1%}   "
               + " ".join(f"{x:.1f}" for x in alone))
         for name, got in beside.items():
             m = statistics.median(got)
-            print(f"{'beside a promotion, copy ' + name:52} {m:15.1f} {max(got):8.1f} {1 - m / a:8.1%}   "
+            print(f"{'beside a promotion, ' + name:58} {m:15.1f} {max(got):8.1f} {1 - m / a:8.1%}   "
                   + " ".join(f"{x:.1f}" for x in got))
-        q = statistics.median(quiet)
-        print(f"\n{'promotion (whole hop)':52} {'median s':>15} {'best s':>8} {'x quiet':>9}   rounds")
-        print(f"{'quiet, no training (baseline)':52} {q:15.3f} {min(quiet):8.3f} {1:9.2f}   "
-              + " ".join(f"{x:.3f}" for x in quiet))
+        print(f"\n{'promotion (whole hop)':58} {'median s':>15} {'best s':>8} {'x quiet':>9}   rounds")
+        q = {mode: statistics.median(got) for mode, got in quiet.items()}
+        for mode, got in quiet.items():
+            print(f"{'quiet, no training, ' + mode + ' (baseline)':58} {q[mode]:15.3f} {min(got):8.3f} {1:9.2f}   "
+                  + " ".join(f"{x:.3f}" for x in got))
         for name, got in hop_s.items():
             m = statistics.median(got)
-            print(f"{'beside training, copy ' + name:52} {m:15.3f} {min(got):8.3f} {m / q:9.2f}   "
+            mode = next(md for md in modes if name.endswith(md))
+            print(f"{'beside training, ' + name:58} {m:15.3f} {min(got):8.3f} {m / q[mode]:9.2f}   "
                   + " ".join(f"{x:.3f}" for x in got))
-        user, system = (statistics.median(c[i] for c in quiet_cpu) for i in (0, 1))
-        floor = (user + system) / (threads * 1.5 * q)
-        print(f"\npromotion CPU, quiet (this process: user + system, median): {user + system:.3f} s "
-              f"(user {user:.3f}, system {system:.3f}) for {nbytes / 2**30:.3f} GiB")
-        print(f"the least the loop loses while both goals hold: the promotion's CPU within 1.5 x its quiet time "
-              f"({1.5 * q:.2f} s) on {threads} cores = {floor:.1%} (<= 5 % needs <= "
-              f"{0.05 * threads * 1.5 * q:.3f} CPU s per promotion)")
+        print()
+        for mode in modes:
+            user, system = (statistics.median(c[i] for c in quiet_cpu[mode]) for i in (0, 1))
+            c = statistics.median(sum(x) for x in quiet_cpu[mode])
+            floor = c / (threads * 1.5 * q[mode])
+            print(f"promotion CPU, quiet, {mode} (this process, median): {c:.3f} s (user {user:.3f}, system "
+                  f"{system:.3f}) for "
+                  f"{nbytes / 2**30:.3f} GiB; within 1.5 x its quiet time ({1.5 * q[mode]:.2f} s) on {threads} "
+                  f"cores that is {floor:.1%}, the least the loop loses while both goals hold")
         print(load_line(load0))
-        lowered = next(iter(ways))
-        slow, ratio = 1 - statistics.median(beside[lowered]) / a, statistics.median(hop_s[lowered]) / q
-        print(f"goal: training slowdown <= 5 % -> {slow:.1%}, {'MET' if slow <= 0.05 else 'NOT MET'}; "
+        mode = next(md for md in modes if default.endswith(md))
+        slow, ratio = 1 - statistics.median(beside[default]) / a, statistics.median(hop_s[default]) / q[mode]
+        print(f"goal ({default}): training slowdown <= 5 % -> {slow:.1%}, {'MET' if slow <= 0.05 else 'NOT MET'}; "
               f"promotion <= 1.5 x quiet -> {ratio:.2f} x, {'MET' if ratio <= 1.5 else 'NOT MET'}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

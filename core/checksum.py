@@ -66,29 +66,38 @@ def hash_stream(
     copy); the view is only valid during the call. Readers with ``readinto`` reuse one buffer;
     others (e.g. an HTTP body) are read with ``read(buffer_bytes)``.
     """
-    value, size = 0, 0
     readinto = getattr(reader, "readinto", None)
     if readinto is not None:
-        buf = bytearray(buffer_bytes)
-        view = memoryview(buf)
-        while True:
-            n = readinto(view)
-            if not n:
-                break
-            chunk = view[:n]
-            value = _crc32c.crc32c(chunk, value)
-            size += n
-            if sink is not None:
-                sink(chunk)
-    else:
-        while True:
-            data = reader.read(buffer_bytes)
-            if not data:
-                break
-            value = _crc32c.crc32c(data, value)
-            size += len(data)
-            if sink is not None:
-                sink(memoryview(data))
+        return hash_reads(readinto, memoryview(bytearray(buffer_bytes)), sink)
+    value, size = 0, 0
+    while True:
+        data = reader.read(buffer_bytes)
+        if not data:
+            break
+        value = _crc32c.crc32c(data, value)
+        size += len(data)
+        if sink is not None:
+            sink(memoryview(data))
+    return size, to_hex(value)
+
+
+def hash_reads(
+    readinto: Callable[[memoryview], int | None],
+    view: memoryview,
+    sink: Callable[[memoryview], None] | None = None,
+) -> tuple[int, str]:
+    """(size, crc32c hex) of what ``readinto(view)`` fills, call after call, until it reads
+    nothing; ``sink`` as in ``hash_stream``."""
+    value, size = 0, 0
+    while True:
+        n = readinto(view)
+        if not n:
+            break
+        chunk = view[:n]
+        value = _crc32c.crc32c(chunk, value)
+        size += n
+        if sink is not None:
+            sink(chunk)
     return size, to_hex(value)
 
 

@@ -91,6 +91,11 @@ class Settings(BaseSettings):
         default="best-effort", description="I/O priority of those threads: 'best-effort' at its lowest level (7), "
         "'idle' only when the disk is otherwise idle, 'unchanged' the agent's own (BFQ honours classes; "
         "mq-deadline only the class)")
+    tier1_direct_io: bool = Field(
+        default=False, description="Tier 1's bulk reads and writes (a promotion's copy, its source's read and its "
+        "read-back; verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): a quarter of the CPU per byte, "
+        "no page cache filled on the node, and the read-back reads what the storage holds; buffered where the file "
+        "system refuses it")
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
                                         description="Tier 2 uploads this large or larger are multipart")
     s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,

@@ -7,8 +7,9 @@ overwritten); folder fsyncs are batched (``flush``). Reads are confined under th
 symlinks resolved (``core.paths.confine_local``). Writes and deletes never go through a
 symlink under the root: a key whose folder is reached through a link is refused
 (``PathEscape``), and a link at the key itself is removed, never its target. The read-back
-proves what the file system returns after fsync (usually from its page cache, not the
-media); media faults that appear later are the scrub's job (``verify_object`` on a cold cache).
+proves what the file system returns after fsync: buffered, usually from its page cache, not
+the media; with ``direct_io`` (``core.storage.direct``) what the device or the file servers
+hold. Media faults that appear later are the scrub's job (``verify_object``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from core.checksum import hash_stream
 from core.errors import BadInput, ConflictError, NotFound, PathEscape
 from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import confine_local, safe_relpath
+from core.storage import direct
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
@@ -81,6 +83,18 @@ def kernel_copy(
     return done
 
 
+def _noting(reader: BinaryIO, sink: Callable[[memoryview], None]) -> Callable[[memoryview], None]:
+    """``sink``, telling ``reader.note_copied`` (where it has one) of each chunk's bytes."""
+    note = getattr(reader, "note_copied", None)
+    if note is None:
+        return sink
+
+    def noted(chunk: memoryview) -> None:
+        sink(chunk)
+        note(len(chunk))
+    return noted
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -106,13 +120,15 @@ def _mkdirs(path: Path) -> list[Path]:
 class LocalStore(TierStore):
     """A tier rooted at a local folder. ``root`` may be a path or a ``file://`` URL."""
 
-    def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES):
+    def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+                 direct_io: bool = False):
         root = str(root)
         root = root.removeprefix("file://")
         self.root = Path(root).expanduser().absolute()
         self.tier = tier
         self.root_url = str(self.root)
         self.buffer_bytes = buffer_bytes
+        self.direct_io = direct_io  # bulk reads and writes bypass the page cache (core.storage.direct)
         self._unsynced: set[Path] = set()  # folders with published entries not yet fsynced
         self._lock = threading.Lock()
 
@@ -184,6 +200,8 @@ class LocalStore(TierStore):
         return tuple(sorted(names))
 
     def _hash(self, path: Path) -> tuple[int, str]:
+        if self.direct_io:
+            return direct.hash_file(path, self.buffer_bytes)
         return checksum.hash_file(path, self.buffer_bytes)
 
     # --- writes ------------------------------------------------------------------------
@@ -255,9 +273,11 @@ class LocalStore(TierStore):
         """Copy into a staging file, fsync, read it back, publish only on a full match.
 
         From a local regular file (a reader with ``fileno()``) the bytes are copied in the
-        kernel (``copy_file_range``: no trip through Python, about 2x faster here) and the
-        read-back is the check; from any other reader they are streamed and hashed on the way
-        in too. A reader may offer ``note_copied(n)`` to hear of kernel-copied bytes.
+        kernel (``copy_file_range``: no trip through Python) and the read-back is the check;
+        with ``direct_io`` they are streamed through one aligned buffer with ``O_DIRECT`` on
+        both files instead (``core.storage.direct``) and checked on the way in; from any other
+        reader they are streamed and checked on the way in. A reader may offer
+        ``note_copied(n)`` to hear of bytes it did not read itself.
 
         Postcondition on return: the bytes under ``key`` were fsynced, read back from this
         tier and match (size, checksum); the name itself is durable after ``flush`` (which the
@@ -271,11 +291,13 @@ class LocalStore(TierStore):
             return ObjectInfo(key=key, size=size, checksum=checksum)
         src_fd = local_fd(reader)
         with self._staging(target, key) as (staging, fd):
-            copied = None
-            if src_fd is not None:  # local -> local: copy in the kernel, the read-back checks it
-                copied = kernel_copy(src_fd, fd, size + 1, getattr(reader, "note_copied", None))
-            if copied is None:
+            got: tuple[int, str] | None = None
+            if src_fd is not None and self.direct_io:  # the source through its page cache, written directly
+                got = direct.hash_fd(src_fd, self.buffer_bytes, _noting(reader, writing(fd, direct.DirectWriter(fd))),
+                                     direct=False)
+            elif src_fd is None or kernel_copy(src_fd, fd, size + 1, getattr(reader, "note_copied", None)) is None:
                 got = hash_stream(reader, self.buffer_bytes, writing(fd, lambda chunk: _write_all(fd, chunk)))
+            if got is not None:  # streamed: the source is checked as it went; a kernel copy is by the read-back
                 check_match(key, size, checksum, *got, "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")
@@ -393,7 +415,8 @@ class LocalStore(TierStore):
 
 
 def open_local(url: str, tier: int, settings: Settings | None) -> LocalStore:
-    return LocalStore(url, tier, buffer_bytes=io_buffer(settings))
+    return LocalStore(url, tier, buffer_bytes=io_buffer(settings),
+                      direct_io=settings is not None and tier == 1 and settings.tier1_direct_io)
 
 
 register(Backend(name="local", schemes=(PLAIN_PATH,), factory=open_local))

@@ -69,10 +69,12 @@ def test_writeback():
 
 def test_promote_tier1():
     out = run_benchmark("promote_tier1")
-    assert_rows(out, "cp -r && sync", ["cp -r", "whole hop (one Tier 0 read)", "whole hop, verify then copy (before)"])
+    assert_rows(out, "cp -r && sync", ["cp -r", "whole hop (one Tier 0 read)", "whole hop, Tier 1 direct I/O",
+                                       "whole hop, verify then copy (before)"])
     assert re.search(r"goal: whole hop <= 1\.0 x cp -r && sync -> \d+\.\d\d x median", out), out
     # the fused promotion reads Tier 0 once, the one before it twice
     assert re.search(r"whole hop \(one Tier 0 read\) .* = 1\.0\d\d x checkpoint bytes", out), out
+    assert re.search(r"whole hop, Tier 1 direct I/O .* = 1\.0\d\d x checkpoint bytes", out), out
     assert re.search(r"verify then copy \(before\) .* = 2\.0\d\d x checkpoint bytes", out), out
 
 
@@ -183,12 +185,16 @@ def test_training_interference():
     require_module("torch", "the torch extra")
     out = run_benchmark("training_interference")
     assert re.search(r"alone \(baseline\) +\d+\.\d", out), out
-    assert re.search(r"beside a promotion, copy lowered .* -?\d+\.\d%", out), out
-    assert re.search(r"quiet, no training \(baseline\) +\d+\.\d{3}", out), out
-    assert re.search(r"promotion CPU, quiet .*: \d+\.\d{3} s \(user \d+\.\d{3}, system \d+\.\d{3}\)", out), out
-    assert re.search(r"the least the loop loses while both goals hold: .* = \d+\.\d%", out), out
-    assert re.search(r"goal: training slowdown <= 5 % -> -?\d+\.\d%, (MET|NOT MET); "
-                     r"promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
+    for prio in ("nice 10, I/O best-effort 7", "nice 0, I/O unchanged"):
+        for mode in ("direct I/O", "buffered"):
+            assert re.search(rf"beside a promotion, {prio}, {mode} .* -?\d+\.\d%", out), out
+            assert re.search(rf"beside training, {prio}, {mode} +\d+\.\d{{3}}", out), out
+    for mode in ("direct I/O", "buffered"):
+        assert re.search(rf"quiet, no training, {mode} \(baseline\) +\d+\.\d{{3}}", out), out
+        assert re.search(rf"promotion CPU, quiet, {mode} .*: \d+\.\d{{3}} s \(user \d+\.\d{{3}}, "
+                         r"system \d+\.\d{3}\) .* that is \d+\.\d%, the least the loop loses", out), out
+    assert re.search(r"goal \(nice 10, I/O best-effort 7, buffered\): training slowdown <= 5 % -> -?\d+\.\d%, "
+                     r"(MET|NOT MET); promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
 
 
 def test_agent_memory():

@@ -3,7 +3,7 @@
 What a user checks: how many Tier 0 bytes one promotion reads; that a bad source still leaves
 nothing on Tier 1 and its Tier 0 replica ``corrupt``; that a worker killed between the copy and
 its catalog commit, retried, ends where an uninterrupted promotion ends. Real catalog (SQLite
-and PostgreSQL), real local tiers.
+and PostgreSQL), real local tiers, Tier 1 buffered and with direct I/O.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from tests.kit.pipeline import pipeline_settings
 RUN = "run-a"
 
 
-@pytest.fixture
-def settings(settings_factory, db_url):
-    return pipeline_settings(settings_factory, db_url, copy_parallelism=1)
+@pytest.fixture(params=[False, True], ids=["buffered", "direct-io"])
+def settings(settings_factory, db_url, request):
+    """Each test with Tier 1 written and read back through the page cache, and directly."""
+    return pipeline_settings(settings_factory, db_url, copy_parallelism=1, tier1_direct_io=request.param)
 
 
 def tier(settings, t: int) -> Path:

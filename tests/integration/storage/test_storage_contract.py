@@ -46,11 +46,12 @@ def s3_store(request):
     s.close()
 
 
-@pytest.fixture(params=["local", "memory", "s3", "s3-versioned", pytest.param("s3-validating", marks=VALIDATING),
+@pytest.fixture(params=["local", "local-direct-io", "memory", "s3", "s3-versioned",
+                        pytest.param("s3-validating", marks=VALIDATING),
                         pytest.param("s3-validating-versioned", marks=VALIDATING)])
 def store(request, tmp_path):
-    if request.param == "local":
-        yield LocalStore(tmp_path / "tier", tier=1)
+    if request.param.startswith("local"):
+        yield LocalStore(tmp_path / "tier", tier=1, direct_io=request.param == "local-direct-io")
     elif request.param == "memory":
         s = FsspecStore(f"memory://t-{uuid.uuid4().hex[:8]}/root", tier=1)
         yield s
