@@ -106,8 +106,9 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
                 reason: str, actor: str) -> int:
     """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
     single-part checkpoint owns its folder; a part of several leaves the paths another part
-    with a live copy on this tier still lists (``shared_paths``), and takes the checkpoint-wide
-    files of other parts a resume brought in beside it (``brought_in``). The deletion is audited
+    with a live copy on this tier still lists (``shared_paths``), takes the checkpoint-wide
+    files of other parts a resume brought in beside it (``brought_in``), and removes the folder
+    once nothing is left in it. The deletion is audited
     with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained."""
     prefix = checkpoint_prefix(run, step)
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
@@ -122,6 +123,7 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
             deleted += int(store.delete(f"{prefix}/{path}"))
         except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
             log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
+    store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
     return deleted
 
 

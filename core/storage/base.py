@@ -125,6 +125,11 @@ class TierStore(ABC):
         """Delete every object under ``prefix``; return how many. Missing prefix: 0. An empty
         prefix (the whole tier) raises ``BadInput``."""
 
+    def remove_empty(self, prefix: str) -> bool:
+        """Remove the folder ``prefix`` when nothing but empty folders is left in it; True if
+        it went. Object stores have no folders of their own: nothing to do (False)."""
+        return False
+
     def delete_part(self, prefix: str, manifest_name: str, paths: Iterable[str], *,
                     keep: Collection[str] = ()) -> int:
         """Uncommit a part, then delete its files: the manifest first (so a half-deleted part

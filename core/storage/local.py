@@ -21,7 +21,7 @@ import stat as stat_mod
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -258,8 +258,13 @@ class LocalStore(TierStore):
         OS errors mapped (ENOSPC -> StorageFull)."""
         self._changed(_mkdirs(target.parent))
         staging = target.parent / staging_name(target.name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
-            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(staging, flags, 0o644)
+            except FileNotFoundError:  # an emptied folder removed (``remove_empty``) since _mkdirs: again
+                self._changed(_mkdirs(target.parent))
+                fd = os.open(staging, flags, 0o644)
             try:
                 yield staging, fd
             finally:
@@ -379,6 +384,27 @@ class LocalStore(TierStore):
         os.rmdir(base)
         fsync_dir(base.parent)
         return count
+
+    def remove_empty(self, prefix: str) -> bool:
+        """Remove the folder ``prefix`` if nothing but empty folders is left in it (a
+        checkpoint's folder once its last part went); True if it went. Links are never
+        followed or removed; a folder a copy is writing into holds its staging file, so it
+        stays (``rmdir`` refuses a folder that is not empty)."""
+        base = self.write_path(prefix)
+        if base.is_symlink() or not base.is_dir():
+            return False
+        for dirpath, dirnames, _files in os.walk(base, topdown=False):  # never follows links
+            for d in dirnames:
+                full = os.path.join(dirpath, d)
+                if not os.path.islink(full):
+                    with suppress(OSError):  # not empty (or gone): left as it is
+                        os.rmdir(full)
+        try:
+            os.rmdir(base)
+        except OSError:
+            return False
+        fsync_dir(base.parent)
+        return True
 
     def sweep_staging(self, prefix: str, older_than_s: float = 3600.0, *, keys: Iterable[str] | None = None) -> int:
         """Remove staging files under ``prefix`` older than ``older_than_s`` (left by a copy

@@ -80,12 +80,73 @@ def test_pruning_one_part_on_tier0_deletes_only_that_node_s_files(settings):
 
     prune_replica(settings, tier0_replica_id(settings, RUN, 100, part=0))
 
-    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists() or \
-        published_files(settings.tier0_url, RUN, 100) == []
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()  # node-0's folder held part 0 alone
     assert "manifest.part-00001-of-00002.json" in published_files(node1.tier0_url, RUN, 100)
     assert len(published_files(settings.tier1_url, RUN, 100)) == 7  # 2 manifests, 4 shards, the index
     assert replica_states(settings, RUN, 100)[(0, 0)] == "pruned"
     assert replica_states(settings, RUN, 100)[(0, 1)] == "verified"
+
+
+def test_two_parts_on_one_node_pruned_leave_no_folder_behind(settings):
+    """Both parts of a checkpoint saved on one node share its step folder on Tier 0: the first
+    prune leaves the other part whole, the second leaves no empty folder (they used to pile up)."""
+    for step in (100, 200):  # (the newest checkpoint of a run keeps its Tier 0 copy)
+        for part in (0, 1):
+            write_checkpoint(settings.tier0_url, RUN, step, part=part, parts=2, node=settings.node)
+            promote(settings, RUN, step, part, 2, steps=plain_steps())
+    folder = ckpt_dir(settings.tier0_url, RUN, 100)
+    from tasks.prune import prune_replica
+
+    prune_replica(settings, tier0_replica_id(settings, RUN, 100, part=0))
+    assert "manifest.part-00001-of-00002.json" in published_files(settings.tier0_url, RUN, 100)
+    assert "manifest.part-00000-of-00002.json" not in published_files(settings.tier0_url, RUN, 100)
+    prune_replica(settings, tier0_replica_id(settings, RUN, 100, part=1))
+
+    assert not folder.exists()
+    assert folder.parent.is_dir()  # the run's folder stays: later steps land there
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (0, 1): "pruned",
+                                                  (1, 0): "verified", (1, 1): "verified"}
+    assert len(published_files(settings.tier0_url, RUN, 200)) == 7  # the next step untouched
+
+
+def test_a_folder_still_being_written_is_not_removed(tmp_path):
+    """A copy into the same folder holds its staging file there: the folder stays; and a copy
+    whose folder went between its mkdir and its first write makes it again."""
+    import io
+
+    from core import checksum
+    from core.storage.local import LocalStore
+
+    store = LocalStore(tmp_path / "t1", 1)
+    (tmp_path / "t1" / "ck" / "sub").mkdir(parents=True)
+    (tmp_path / "t1" / "ck" / ".ckpt-staging-1-a").write_bytes(b"x")
+    assert not store.remove_empty("ck")
+    assert (tmp_path / "t1" / "ck").is_dir() and not (tmp_path / "t1" / "ck" / "sub").exists()
+    (tmp_path / "t1" / "ck" / ".ckpt-staging-1-a").unlink()
+    (tmp_path / "t1" / "other").mkdir()
+    (tmp_path / "t1" / "ck" / "link").symlink_to(tmp_path / "t1" / "other")
+    assert not store.remove_empty("ck")  # a link is not an empty folder: never removed, never followed
+    assert (tmp_path / "t1" / "other").is_dir()
+    (tmp_path / "t1" / "ck" / "link").unlink()
+    assert store.remove_empty("ck") and not (tmp_path / "t1" / "ck").exists()
+
+    import core.storage.local as local
+
+    real = local._mkdirs
+
+    def raced(path):  # the folder is made, then a prune removes it before the staging file opens
+        out = real(path)
+        if not getattr(raced, "done", False):
+            raced.done = True
+            store.remove_empty("ck2")
+        return out
+
+    local._mkdirs = raced
+    try:
+        store.put_verified("ck2/f", io.BytesIO(b"abc"), 3, checksum.hash_bytes(b"abc"))
+    finally:
+        local._mkdirs = real
+    assert raced.done and (tmp_path / "t1" / "ck2" / "f").read_bytes() == b"abc"
 
 
 # --- prune racing promote ----------------------------------------------------------------
