@@ -79,6 +79,9 @@ class Settings(BaseSettings):
                     "delete) or compliance (nobody can delete or shorten it before its date, not even root)")
     catalog_url: str = Field(default="", description="SQLAlchemy URL; default SQLite in data_dir")
     node: str = Field(default_factory=socket.gethostname, description="this node's label (Tier 0 owner)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="the least severe of the agent's own log lines it writes (stderr): INFO shows "
+        "each part it promotes, each event it rejects, the runs it starts; Prefect's own lines keep Prefect's level")
 
     checksum_algorithm: Literal["crc32c"] = Field(default="crc32c",
                                                   description="the manifests' checksum (CRC32C, as S3 checks it)")

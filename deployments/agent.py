@@ -56,6 +56,20 @@ from deployments.tls import share_verified_contexts
 log = logging.getLogger("ckpt.agent")
 
 
+def agent_logging(level: str) -> None:
+    """The agent's own lines (the ``ckpt`` and ``core`` loggers) at ``level`` and above, one
+    line each on stderr, through a handler of their own (Prefect's lines keep Prefect's level
+    and format). Forked processes (a part's, a run's) keep it."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
+                                           "%H:%M:%S"))  # as Prefect writes its own
+    for name in ("ckpt", "core"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = [handler]
+        logger.propagate = False  # not twice through the root logger's handler
+
+
 def promote_trigger(node: str) -> Any:
     from prefect.events import DeploymentEventTrigger
 

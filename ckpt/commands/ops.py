@@ -236,9 +236,10 @@ def agent_cmd(
     reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
     the restore drill (cron)."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
-    from deployments.agent import serve_agent  # deferred: start-up — pydantic-settings; Prefect when serving
+    from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
 
     settings = load_settings(**({"node": node} if node else {}))
+    agent_logging(settings.log_level)
     t0, t1, t2 = (display_url(settings.tier_url(t) or "(off)") for t in (0, 1, 2))
     typer.echo(f"agent for node {settings.node}: Tier 0 {t0}, Tier 1 {t1}, Tier 2 {t2}"
                + (" [node only]" if node_only else ""))

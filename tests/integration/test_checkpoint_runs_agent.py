@@ -93,6 +93,10 @@ def test_a_checkpoint_of_parts_is_one_promote_run_and_its_parts_none(agents):
         cat.close()
     (actor,) = actors
     assert actor.startswith(f"event agent:{NODE} pid:") and actor != f"event agent:{NODE} pid:{agents.procs[0].pid}"
+    # what the operator reads in the agent's log (INFO, the default CKPT_LOG_LEVEL)
+    log = agents.logs()
+    for part in (0, 1):
+        assert f"promoted {RUN!r} step 1 part {part} on {NODE} in pid" in log, log
 
 
 def test_a_malformed_event_is_recorded_and_the_next_checkpoint_still_promoted(agents):
