@@ -34,6 +34,7 @@ from core import checksum
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: every call is buffered
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_write = os.write  # one write call (a seam for the disk-full tests)
 
 
 _local = threading.local()
@@ -140,7 +141,7 @@ class DirectWriter:
                 raise OSError(errno.EINVAL, "cannot leave O_DIRECT for an unaligned write")
         while chunk:
             try:
-                n = os.write(self.fd, chunk)
+                n = _write(self.fd, chunk)
             except OSError as exc:
                 if not self.direct or exc.errno not in _REFUSED or not set_direct(self.fd, False):
                     raise

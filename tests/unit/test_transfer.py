@@ -135,11 +135,13 @@ def test_different_committed_part_is_a_conflict(tiers):
         copy_part(t0, PREFIX, t1, PREFIX, m)
 
 
-@pytest.mark.parametrize("path", ["kernel-copy", "streamed"])
+@pytest.mark.parametrize("path", ["kernel-copy", "streamed", "direct-io"])
 def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, path):
+    import core.storage.direct as direct
     import core.storage.local as fsmod
 
     t0, t1 = tiers
+    t1.direct_io = path == "direct-io"
     m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
     real_write, real_copy, written = fsmod._write_all, fsmod._copy_range, []
 
@@ -160,6 +162,15 @@ def test_enospc_on_tier1_is_storage_full_and_leaves_nothing(tiers, monkeypatch, 
 
     monkeypatch.setattr(fsmod, "_write_all", filling_write)
     monkeypatch.setattr(fsmod, "_copy_range", filling_copy)
+    real_direct = direct._write
+
+    def filling_direct(fd, data):
+        disk_full_after_2mib()
+        n = real_direct(fd, data)
+        written.append(n)
+        return n
+
+    monkeypatch.setattr(direct, "_write", filling_direct)
     if path == "streamed":
         monkeypatch.setattr(fsmod, "local_fd", lambda reader: None)
     with pytest.raises(StorageFull):
