@@ -237,8 +237,10 @@ class Soak(RuleBasedStateMachine):
     s3_url: str = ""  # moto's S3 server (the test's own reads and damage go straight to it)
     s3_proxy_url: str = ""  # the proxy in front of it that the product talks to (``S3_FAULTS``)
 
-    @initialize()
-    def setup(self) -> None:
+    @initialize(direct_io=st.sampled_from([(False, False), (True, True), (True, False)]))
+    def setup(self, direct_io: tuple[bool, bool] = (False, False)) -> None:
+        """``direct_io``: each node's ``tier1_direct_io`` (both buffered, both direct, or one of
+        each, as while a cluster rolls the setting out)."""
         import uuid
 
         import boto3
@@ -268,7 +270,8 @@ class Soak(RuleBasedStateMachine):
                       retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False},
                       milestones={"every_steps": MILESTONE_EVERY},
                       tier2_url=f"s3://{self.bucket}/{T2_PREFIX}", s3_endpoint_url=self.s3_proxy_url)
-        self.settings = {n: load_settings(node=n, **common) for n in NODES}
+        self.settings = {n: load_settings(node=n, tier1_direct_io=d, **common) for n, d in zip(NODES, direct_io,
+                                                                                               strict=True)}
         self.roots = {"t0:node-0": Path(self.settings["node-0"].tier0_url),
                       "t0:node-1": Path(self.settings["node-1"].tier0_url),
                       "t1": Path(self.settings["node-0"].tier1_url)}
