@@ -95,10 +95,10 @@ class Settings(BaseSettings):
         "'idle' only when the disk is otherwise idle, 'unchanged' the agent's own (BFQ honours classes; "
         "mq-deadline only the class)")
     tier1_direct_io: bool = Field(
-        default=False, description="Tier 1's bulk reads and writes (a promotion's copy, its source's read and its "
-        "read-back; verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): a quarter of the CPU per byte, "
-        "no page cache filled on the node, and the read-back reads what the storage holds; buffered where the file "
-        "system refuses it")
+        default=False, description="Tier 1's bulk writes and reads (a promotion's copy into it and its read-back, "
+        "verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): under half the CPU per byte here, no page "
+        "cache filled on the node, and the read-back reads what the storage holds, at the cost of that read; "
+        "buffered where the file system refuses it")
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
                                         description="Tier 2 uploads this large or larger are multipart")
     s3_multipart_chunksize: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,

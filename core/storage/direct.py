@@ -4,8 +4,10 @@ A buffered copy of a part costs the CPU three memory copies per byte (the source
 Python's buffer, that buffer into new page-cache pages, the read-back's pages into the buffer
 again) plus the page cache's own bookkeeping and writeback, and it fills the node's page cache
 with bytes nobody reads again. On a training node that CPU and that memory are the job's.
-With ``O_DIRECT`` the device moves the bytes to and from one page-aligned buffer (DMA) and the
-CPU only computes the CRC32C: benchmarks/training_interference.py measures both in one run.
+With ``O_DIRECT`` on the destination the device moves the bytes from and back into one
+page-aligned buffer (DMA): the CPU copies each byte once (out of the source's page cache, where
+the save left it) and computes the CRC32C. benchmarks/training_interference.py measures both
+ways in one run (1 GiB: 0.45-0.65 CPU s against 1.28-1.41 buffered).
 
 It also makes the read-back stronger: a buffered read-back after fsync is answered from the
 page cache (it proves what the kernel holds); a direct one reads what the device stored (on a

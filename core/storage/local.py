@@ -279,8 +279,9 @@ class LocalStore(TierStore):
 
         From a local regular file (a reader with ``fileno()``) the bytes are copied in the
         kernel (``copy_file_range``: no trip through Python) and the read-back is the check;
-        with ``direct_io`` they are streamed through one aligned buffer with ``O_DIRECT`` on
-        both files instead (``core.storage.direct``) and checked on the way in; from any other
+        with ``direct_io`` they are streamed instead, read through the source's page cache into
+        one aligned buffer, checked on the way and written with ``O_DIRECT``
+        (``core.storage.direct``), and the read-back is direct too; from any other
         reader they are streamed and checked on the way in. A reader may offer
         ``note_copied(n)`` to hear of bytes it did not read itself.
 
