@@ -56,9 +56,11 @@ test: venv localstack
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-# the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS
+# the fault soak, long: CKPT_SOAK_EXAMPLES / CKPT_SOAK_STEPS / CKPT_SOAK_SEED (replay) / CKPT_SOAK_FAULTS /
+# CKPT_SOAK_DIRECT_IO (each example draws each node's tier1_direct_io; 0: buffered)
 soak: venv localstack
 	CKPT_SOAK_SEED=$${CKPT_SOAK_SEED:-random} CKPT_SOAK_EXAMPLES=$${CKPT_SOAK_EXAMPLES:-400} CKPT_SOAK_STEPS=$${CKPT_SOAK_STEPS:-60} \
+	CKPT_SOAK_DIRECT_IO=$${CKPT_SOAK_DIRECT_IO:-1} \
 	CKPT_SOAK_REPORT=$${CKPT_SOAK_REPORT:-soak-report.json} $(BIN)/python -m pytest tests/soak -o timeout=0 $(PYTEST_ARGS)
 
 demo: venv

@@ -114,6 +114,8 @@ VIOLATIONS_FILE = os.environ.get("CKPT_SOAK_VIOLATIONS")
 SHRINK = os.environ.get("CKPT_SOAK_SHRINK", "1") == "1"
 UNPLANNED = os.environ.get("CKPT_SOAK_UNPLANNED", "fail")  # 'count': record errors with no fault, do not fail
 STRICT_AUDIT = os.environ.get("CKPT_SOAK_STRICT_AUDIT", "1") == "1"
+DIRECT_IO: list[tuple[bool, bool]] = ([(False, False), (True, True), (True, False)]
+                                      if os.environ.get("CKPT_SOAK_DIRECT_IO", "0") == "1" else [(False, False)])
 
 STATS: Counter = Counter()  # read by conftest's terminal summary
 SECONDS: Counter = Counter()  # wall seconds per operation (and the invariant checks), for the report
@@ -237,10 +239,12 @@ class Soak(RuleBasedStateMachine):
     s3_url: str = ""  # moto's S3 server (the test's own reads and damage go straight to it)
     s3_proxy_url: str = ""  # the proxy in front of it that the product talks to (``S3_FAULTS``)
 
-    @initialize(direct_io=st.sampled_from([(False, False), (True, True), (True, False)]))
+    @initialize(direct_io=st.sampled_from(DIRECT_IO) if len(DIRECT_IO) > 1 else st.just(DIRECT_IO[0]))
     def setup(self, direct_io: tuple[bool, bool] = (False, False)) -> None:
-        """``direct_io``: each node's ``tier1_direct_io`` (both buffered, both direct, or one of
-        each, as while a cluster rolls the setting out)."""
+        """``direct_io``: each node's ``tier1_direct_io``; with ``CKPT_SOAK_DIRECT_IO=1`` (``make
+        soak``) each example draws both buffered, both direct, or one of each (as while a
+        cluster rolls the setting out); else buffered, and no draw (``make test``'s examples
+        stay the sequences its progress floors were set on)."""
         import uuid
 
         import boto3
