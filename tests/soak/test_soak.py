@@ -303,6 +303,7 @@ class Soak(RuleBasedStateMachine):
         self.retired: set[int] = set()  # steps the catalog calls retired
         self.trace: list[str] = []
         STATS["examples"] += 1
+        STATS["examples_tier1_direct_io:" + "/".join("direct" if d else "buffered" for d in direct_io)] += 1
 
     def teardown(self) -> None:
         INJECTOR.stop()
