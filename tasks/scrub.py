@@ -35,7 +35,7 @@ from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
-from db.entities import CKPT_RETIRED, COPYING, PENDING, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_RETIRED, COPYING, MISSING, PENDING, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -158,9 +158,12 @@ def _repair_under_replicated(cat: Catalog, stores: TierStores, report: ScrubRepo
                     (r.run, r.step, r.part) == (ck.run, ck.step, part) for r in report.repairs):
                 continue  # durable, or already tried by this run
             own = [r for r in reps if r.part == part]
-            if all(r.state in (PENDING, COPYING) for r in own):
+            if all(r.state in (PENDING, COPYING) or (r.state == MISSING and r.verified_at is None) for r in own):
                 # never trusted anywhere yet: a promotion in flight (or one that died, which
-                # reconcile takes over) makes it durable; scrub only copies from verified bytes
+                # reconcile takes over) makes it durable; scrub only copies from verified bytes.
+                # A check of the Tier 0 copy that failed for a transient reason (a storage
+                # outage) released it as ``missing`` without its ever having been verified:
+                # the same (its bytes are still there for reconcile's promotion)
                 states = ", ".join(sorted({r.state for r in own})) or "no copy recorded"
                 _note(report, f"{ck.run}/step-{ck.step} part {part}: not verified on any tier yet ({states}): "
                               "left to its promotion and reconcile")

@@ -135,6 +135,58 @@ def test_a_checkpoint_verified_nowhere_yet_is_left_to_its_promotion_not_failed(s
     assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
 
 
+def test_a_tier0_copy_released_by_a_storage_outage_is_left_to_reconcile_not_failed(settings, monkeypatch):
+    """Found by the fault soak: the promotion's check of Tier 0 (the copy to Tier 1) met a
+    storage outage, which released the Tier 0 copy as ``missing`` before it was ever verified;
+    a scrub on a worker whose clock runs past the grace then tried to "repair" the checkpoint,
+    had no verified source and reported a failure. Nothing was bad: the bytes are on Tier 0,
+    and reconcile promotes them."""
+    import tasks.copy
+    from core.errors import StorageUnavailable
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    files = {"w.bin": os.urandom(200_000)}
+    commit_folder(settings, RUN, 100, files)
+
+    def outage(*_a, **_k):  # Tier 0 times out as the claimed check reads the part's manifest
+        raise StorageUnavailable("manifest.json: tier 0 timed out (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(tasks.copy, "registered_manifest", outage)
+        with pytest.raises(StorageUnavailable):
+            promote(settings.model_copy(update={"task_retries": 0}), RUN, 100)
+    assert replica_states(settings, RUN, 100) == {(0, 0): "missing"}
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert report.ok and report.repairs == [], report
+    assert [s for s in report.skipped if "not verified on any tier yet (missing)" in s]
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+
+
+def test_a_tier0_copy_once_verified_then_gone_is_still_reported(settings):
+    """The other side of the line above: a Tier 0 copy that was verified and is now gone, with
+    no durable copy, is a loss scrub must report, not leave to anyone."""
+    from flows.common import plain_steps
+
+    commit_folder(settings, RUN, 100, {"w.bin": os.urandom(200_000)})
+    steps = plain_steps()
+    steps.register(settings, RUN, 100, actor="test")
+    steps.verify(settings, RUN, 100, tier=0, actor="test")  # promotion died before the copy
+    shutil.rmtree(tier0_dir(settings, RUN, 100))
+    with pytest.raises(Exception):  # noqa: B017 - the verify's verdict on the vanished copy
+        steps.verify(settings, RUN, 100, tier=0, actor="test")
+    assert replica_states(settings, RUN, 100) == {(0, 0): "missing"}
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert not report.ok
+    assert [(r.tier, r.ok) for r in report.repairs] == [(1, False)]
+
+
 def test_tier2_rot_is_found_by_reading_back_and_repaired(settings_factory, db_url, s3_endpoint, s3_bucket):
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
     files = {"w.bin": os.urandom(300_000)}
