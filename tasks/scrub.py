@@ -35,7 +35,7 @@ from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
 from db.catalog import Catalog
-from db.entities import CKPT_RETIRED, COPYING, MISSING, PENDING, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_RETIRED, COPYING, PENDING, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
 from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
@@ -158,17 +158,26 @@ def _repair_under_replicated(cat: Catalog, stores: TierStores, report: ScrubRepo
                     (r.run, r.step, r.part) == (ck.run, ck.step, part) for r in report.repairs):
                 continue  # durable, or already tried by this run
             own = [r for r in reps if r.part == part]
-            if all(r.state in (PENDING, COPYING) or (r.state == MISSING and r.verified_at is None) for r in own):
+            if all(r.state in (PENDING, COPYING) for r in own):
                 # never trusted anywhere yet: a promotion in flight (or one that died, which
-                # reconcile takes over) makes it durable; scrub only copies from verified bytes.
-                # A check of the Tier 0 copy that failed for a transient reason (a storage
-                # outage) released it as ``missing`` without its ever having been verified:
-                # the same (its bytes are still there for reconcile's promotion)
-                states = ", ".join(sorted({r.state for r in own})) or "no copy recorded"
-                _note(report, f"{ck.run}/step-{ck.step} part {part}: not verified on any tier yet ({states}): "
-                              "left to its promotion and reconcile")
+                # reconcile takes over) makes it durable; scrub only copies from verified bytes
+                _note(report, _left_to_promotion(ck, part, own))
                 continue
             _note(report, repair_replica(cat, stores, ck, part, 1, reps, actor))
+
+
+def _left_to_promotion(ck: CheckpointInfo, part: int, own: list[ReplicaInfo]) -> str:
+    states = ", ".join(sorted({r.state for r in own})) or "no copy recorded"
+    return (f"{ck.run}/step-{ck.step} part {part}: not verified on any tier yet ({states}): "
+            "left to its promotion and reconcile")
+
+
+def _never_verified(own: list[ReplicaInfo]) -> bool:
+    """No copy of the part was ever verified: its copies were only ever claimed, and a claimed
+    check or copy that failed for a transient reason (a storage outage) released them as
+    ``missing`` with nothing trusted. Its bytes, if any, are its promotion's and reconcile's to
+    bring in; there is no good copy to repair from, and none was lost."""
+    return all(r.state != VERIFIED and r.verified_at is None for r in own)
 
 
 def _note(report: ScrubReport, outcome: Repair | str) -> None:
@@ -190,6 +199,9 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     """
     if ck.state == CKPT_RETIRED:  # its copies are going: never copied back
         return f"{ck.run}/step-{ck.step} part {part} tier {tier}: checkpoint is retired, not repaired"
+    own = [r for r in replicas if r.part == part]
+    if _never_verified(own):
+        return _left_to_promotion(ck, part, own)
     settings = stores.settings
     prefix = checkpoint_prefix(ck.run, ck.step)
     found = _good_source(cat, stores, ck, part, tier, replicas, actor)

@@ -167,6 +167,49 @@ def test_a_tier0_copy_released_by_a_storage_outage_is_left_to_reconcile_not_fail
     assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
 
 
+def test_copies_released_by_an_outage_after_the_tier1_write_are_left_to_reconcile_not_failed(settings, monkeypatch):
+    """Found by the fault soak too: the outage struck right after the Tier 1 file was written
+    and lasted, so the Tier 1 copy was released ``missing`` (nothing trusted) and the Tier 0
+    check could not read Tier 0 back either. Scrub's repair of the bad Tier 1 copy had no
+    verified source and reported a failure; none was ever verified, nothing was lost."""
+    from core.errors import StorageUnavailable
+    from core.storage.local import LocalStore
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    files = {"w.bin": os.urandom(200_000)}
+    commit_folder(settings, RUN, 100, files)
+    real_put, real_open = LocalStore.put_verified, LocalStore.open_read
+    down: list[bool] = []
+
+    def put_then_outage(self, *a, **k):
+        info = real_put(self, *a, **k)
+        if self.tier == 1:
+            down.append(True)
+            raise StorageUnavailable("tier 1 timed out after the write (injected)")
+        return info
+
+    def open_read(self, key):
+        if down:
+            raise StorageUnavailable(f"{key}: storage down (injected)")
+        return real_open(self, key)
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalStore, "put_verified", put_then_outage)
+        m.setattr(LocalStore, "open_read", open_read)
+        with pytest.raises(StorageUnavailable):
+            promote(settings.model_copy(update={"task_retries": 0}), RUN, 100)
+    assert replica_states(settings, RUN, 100) == {(0, 0): "missing", (1, 0): "missing"}
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert report.ok and report.repairs == [], report
+    assert [s for s in report.skipped if "not verified on any tier yet (missing)" in s]
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+
+
 def test_a_tier0_copy_once_verified_then_gone_is_still_reported(settings):
     """The other side of the line above: a Tier 0 copy that was verified and is now gone, with
     no durable copy, is a loss scrub must report, not leave to anyone."""
