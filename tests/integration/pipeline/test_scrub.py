@@ -135,6 +135,21 @@ def test_a_checkpoint_verified_nowhere_yet_is_left_to_its_promotion_not_failed(s
     assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
 
 
+def _left_to_reconcile_then_promoted(settings, files: dict[str, bytes]) -> None:
+    """A scrub reports no failure for a part no copy of which was ever verified and says it is
+    left to reconcile; reconcile then promotes it from Tier 0."""
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    report = scrub(settings, fraction=1.0, grace_seconds=0)
+
+    assert report.ok and report.repairs == [], report
+    assert [s for s in report.skipped if "not verified on any tier yet (missing)" in s]
+    reconcile_once(settings, steps=plain_steps(), actor="test")
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+
+
 def test_a_tier0_copy_released_by_a_storage_outage_is_left_to_reconcile_not_failed(settings, monkeypatch):
     """Found by the fault soak: the promotion's check of Tier 0 (the copy to Tier 1) met a
     storage outage, which released the Tier 0 copy as ``missing`` before it was ever verified;
@@ -143,8 +158,6 @@ def test_a_tier0_copy_released_by_a_storage_outage_is_left_to_reconcile_not_fail
     and reconcile promotes them."""
     import tasks.copy
     from core.errors import StorageUnavailable
-    from flows.common import plain_steps
-    from flows.reconcile import reconcile_once
 
     files = {"w.bin": os.urandom(200_000)}
     commit_folder(settings, RUN, 100, files)
@@ -158,13 +171,7 @@ def test_a_tier0_copy_released_by_a_storage_outage_is_left_to_reconcile_not_fail
             promote(settings.model_copy(update={"task_retries": 0}), RUN, 100)
     assert replica_states(settings, RUN, 100) == {(0, 0): "missing"}
 
-    report = scrub(settings, fraction=1.0, grace_seconds=0)
-
-    assert report.ok and report.repairs == [], report
-    assert [s for s in report.skipped if "not verified on any tier yet (missing)" in s]
-    reconcile_once(settings, steps=plain_steps(), actor="test")
-    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
-    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+    _left_to_reconcile_then_promoted(settings, files)
 
 
 def test_copies_released_by_an_outage_after_the_tier1_write_are_left_to_reconcile_not_failed(settings, monkeypatch):
@@ -174,8 +181,6 @@ def test_copies_released_by_an_outage_after_the_tier1_write_are_left_to_reconcil
     verified source and reported a failure; none was ever verified, nothing was lost."""
     from core.errors import StorageUnavailable
     from core.storage.local import LocalStore
-    from flows.common import plain_steps
-    from flows.reconcile import reconcile_once
 
     files = {"w.bin": os.urandom(200_000)}
     commit_folder(settings, RUN, 100, files)
@@ -201,13 +206,7 @@ def test_copies_released_by_an_outage_after_the_tier1_write_are_left_to_reconcil
             promote(settings.model_copy(update={"task_retries": 0}), RUN, 100)
     assert replica_states(settings, RUN, 100) == {(0, 0): "missing", (1, 0): "missing"}
 
-    report = scrub(settings, fraction=1.0, grace_seconds=0)
-
-    assert report.ok and report.repairs == [], report
-    assert [s for s in report.skipped if "not verified on any tier yet (missing)" in s]
-    reconcile_once(settings, steps=plain_steps(), actor="test")
-    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
-    assert (tier1_dir(settings, RUN, 100) / "w.bin").read_bytes() == files["w.bin"]
+    _left_to_reconcile_then_promoted(settings, files)
 
 
 def test_a_tier0_copy_once_verified_then_gone_is_still_reported(settings):
