@@ -322,14 +322,20 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
 
     # --- replicas (compare-and-set state machine, see db.entities.TRANSITIONS) ----------
     def claim_copy(self, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
-                   actor: str, lease_seconds: float = 600) -> Claim:
+                   actor: str, lease_seconds: float = 600, token: str | None = None) -> Claim:
         """Create the replica row (pending) if absent and move it to ``copying`` for this caller.
         ``acquired=False`` when it is already ``verified`` (nothing to do) or another claim is
         live (``copying`` and touched within ``lease_seconds``); a stale claim is taken over.
-        (Also ``acquired=False`` while it is ``pruning``: a prune owns it.)"""
+        (Also ``acquired=False`` while it is ``pruning``: a prune owns it.)
+
+        ``token``: the claim token to use (default: a fresh one). A caller whose earlier call
+        with the same token raised after the catalog committed it (the answer lost) gets that
+        claim back, live or lapsed, with a fresh lease (audited ``reclaim``), instead of meeting
+        it as another worker's until its lease lapses. A token must be unguessable and used by
+        one worker only (``tasks.claim`` keeps the tokens of answers lost in its process)."""
         with self._tx() as conn:
             return _state.claim_copy(conn, checkpoint_id, tier, part, url, node=node, now=_now(conn), actor=actor,
-                                     lease_seconds=lease_seconds)
+                                     lease_seconds=lease_seconds, token=token)
 
     def heartbeat(self, replica_id: int, claim_token: str) -> None:
         """Keep a claim alive during a long copy. Raises ``StaleState`` if the claim was lost."""
@@ -354,7 +360,7 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
             return to_replica(row)
 
     def claim_prune(self, replica_id: int, *, actor: str, reason: str | None = None,
-                    lease_seconds: float = 120) -> PruneClaim:
+                    lease_seconds: float = 120, token: str | None = None) -> PruneClaim:
         """Take the prune of a replica as its owner: ``verified -> pruning`` under a fresh claim
         token and a lease of ``lease_seconds`` (renew it with ``heartbeat``), only if in the same
         transaction another replica of the same checkpoint and part is verified on a tier >= this
@@ -364,10 +370,13 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
         lease lapsed is taken over (``took_over``, audited) with the guard's current verdict in
         ``refused``. Only the owner's token finishes (``pruned``) or abandons the prune.
         ("Tier >= this one" is by durability class, ``db.rows.durability``: Tiers 1 and 2 both
-        survive node loss and stand in for each other; Tier 0 never protects a higher tier.)"""
+        survive node loss and stand in for each other; Tier 0 never protects a higher tier.)
+        ``token``: as for ``claim_copy``; a prune under this very token (its caller's answer was
+        lost) is given back as a takeover is (``took_over`` and ``reclaimed``, the guard's verdict
+        in ``refused``), live lease or not (audited ``reclaim``)."""
         with self._tx() as conn:
             return _state.claim_prune(conn, replica_id, now=_now(conn), actor=actor, reason=reason,
-                                      lease_seconds=lease_seconds)
+                                      lease_seconds=lease_seconds, token=token)
 
     def begin_prune(self, replica_id: int, *, actor: str, reason: str | None = None,
                     lease_seconds: float = 120) -> ReplicaInfo:

@@ -105,12 +105,14 @@ class Claim:
 @dataclass(frozen=True)
 class PruneClaim:
     """Result of ``Catalog.claim_prune``: the replica, now ``pruning`` under this caller's
-    ``replica.claim_token``. ``took_over``: a stalled prune (lease lapsed) was taken over;
+    ``replica.claim_token``. ``took_over``: a stalled prune (lease lapsed) was taken over, or
+    (``reclaimed``) its own token's claim given back to a caller whose answer was lost;
     ``refused``: why the guard forbids finishing it (only on a takeover: the owner abandons)."""
 
     replica: ReplicaInfo
     took_over: bool = False
     refused: str | None = None
+    reclaimed: bool = False
 
 
 @dataclass(frozen=True)

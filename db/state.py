@@ -115,7 +115,7 @@ def transition(conn: Connection, replica_id: int, to_state: str, *, expected: st
 
 
 def claim_copy(conn: Connection, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
-               now: datetime, actor: str, lease_seconds: float) -> Claim:
+               now: datetime, actor: str, lease_seconds: float, token: str | None = None) -> Claim:
     ckpt = checkpoint_row_by_id(conn, checkpoint_id)
     check_tier(tier)
     if not 0 <= part < ckpt.parts:
@@ -126,15 +126,35 @@ def claim_copy(conn: Connection, checkpoint_id: int, tier: int, part: int, url: 
     rid = conn.execute(select(replicas.c.id).where(replicas.c.checkpoint_id == checkpoint_id,
                                                    replicas.c.tier == tier, replicas.c.part == part)).scalar_one()
     rep = replica_row(conn, rid, lock=True)
+    if token is not None and rep.state == COPYING and rep.claim_token == token:
+        return _reclaim(conn, rep, node=node, url=url, now=now, actor=actor, lease_seconds=lease_seconds)
     live_claim = rep.state == COPYING and rep.lease_expires_at is not None and rep.lease_expires_at > now
     if rep.state in (VERIFIED, PRUNING) or live_claim:
         return Claim(replica=to_replica(rep), acquired=False)
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     why = "stale claim taken over" if rep.state == COPYING else "copy claimed"
     move(conn, rep, COPYING, now=now, actor=actor, reason=why, parts=ckpt.parts,
          values=dict(claim_token=token, lease_seconds=lease_seconds, node=node, url=url,
                      lease_expires_at=now + timedelta(seconds=lease_seconds)))
     return Claim(replica=to_replica(replica_row(conn, rid)), acquired=True)
+
+
+RECLAIMED = "claim taken back by the caller that made it (its answer was lost)"
+
+
+def _reclaim(conn: Connection, rep: Row, *, node: str | None, url: str, now: datetime, actor: str,
+             lease_seconds: float) -> Claim:
+    """The claim under ``rep.claim_token`` given back to the caller that chose that token: its
+    earlier claim committed, but the answer was lost (the connection dropped after the commit),
+    so nobody holds it. Its lease starts again; audited."""
+    conn.execute(update(replicas).where(replicas.c.id == rep.id, replicas.c.state == COPYING,
+                                        replicas.c.claim_token == rep.claim_token)
+                 .values(node=node, url=url, lease_seconds=lease_seconds, updated_at=now,
+                         lease_expires_at=now + timedelta(seconds=lease_seconds)))
+    add_audit(conn, at=now, actor=actor, subject=f"replica:{rep.id}", action="reclaim", from_state=COPYING,
+              to_state=COPYING, run=rep.run_name, step=rep.step,
+              reason=f"tier {rep.tier} part {rep.part}: {RECLAIMED}")
+    return Claim(replica=to_replica(replica_row(conn, rep.id)), acquired=True)
 
 
 def heartbeat(conn: Connection, replica_id: int, claim_token: str, *, now: datetime) -> None:
@@ -150,14 +170,16 @@ def lease_live(rep: Row, now: datetime) -> bool:
 
 
 def claim_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str, reason: str | None,
-                lease_seconds: float) -> PruneClaim:
-    """Take the prune of a replica under a fresh claim token and lease (see ``Catalog.claim_prune``).
+                lease_seconds: float, token: str | None = None) -> PruneClaim:
+    """Take the prune of a replica under a fresh claim token (or ``token``) and lease (see
+    ``Catalog.claim_prune``).
 
     ``verified -> pruning`` only if the guard allows (else ``PruneRefused``, nothing changed).
     A ``pruning`` replica under a live lease is another worker's: ``StaleState``. One whose
     lease lapsed (its worker died) is taken over whatever the guard says now, with the guard's
-    verdict in ``refused``: the new owner must then abandon it, never finish it.
-    Locks the checkpoint row first, then every replica of the same part, in id order, so
+    verdict in ``refused``: the new owner must then abandon it, never finish it. One under
+    ``token`` itself, live or lapsed, is given back the same way (``reclaimed``): its caller's
+    earlier answer was lost. Locks the checkpoint row first, then every replica of the same part, in id order, so
     concurrent prunes and pins serialise on the checkpoint instead of deadlocking."""
     peek = replica_row(conn, replica_id)
     ckpt = checkpoint_row_by_id(conn, peek.checkpoint_id, lock=True)
@@ -167,14 +189,15 @@ def claim_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str,
         .order_by(replicas.c.id).with_for_update()).all()
     rep = replica_row(conn, replica_id)
     took_over = rep.state == PRUNING
-    if took_over and lease_live(rep, now):
+    reclaimed = took_over and token is not None and rep.claim_token == token
+    if took_over and lease_live(rep, now) and not reclaimed:
         raise StaleState(f"replica {replica_id} is already being pruned (claim live until {rep.lease_expires_at})")
     if not took_over:
         check_legal(rep, PRUNING)
     refused = prune_refusal(conn, ckpt, rep, same_part)
     if refused and not took_over:
         raise PruneRefused(refused)
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     lease = dict(claim_token=token, lease_seconds=lease_seconds,
                  lease_expires_at=now + timedelta(seconds=lease_seconds))
     if took_over:
@@ -183,12 +206,14 @@ def claim_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str,
                             .values(updated_at=now, **lease)).rowcount
         if done != 1:
             raise StaleState(f"replica {rep.id} changed under us while taking over its prune")
-        add_audit(conn, at=now, actor=actor, subject=f"replica:{rep.id}", action="takeover",
+        why = RECLAIMED if reclaimed else "stalled prune taken over (lease lapsed)"
+        add_audit(conn, at=now, actor=actor, subject=f"replica:{rep.id}", action="reclaim" if reclaimed else "takeover",
                   from_state=PRUNING, to_state=PRUNING, run=rep.run_name, step=rep.step,
-                  reason=f"tier {rep.tier} part {rep.part}: stalled prune taken over (lease lapsed)")
+                  reason=f"tier {rep.tier} part {rep.part}: {why}")
     else:
         move(conn, rep, PRUNING, now=now, actor=actor, reason=reason, parts=ckpt.parts, values=lease)
-    return PruneClaim(replica=to_replica(replica_row(conn, replica_id)), took_over=took_over, refused=refused)
+    return PruneClaim(replica=to_replica(replica_row(conn, replica_id)), took_over=took_over, refused=refused,
+                      reclaimed=reclaimed)
 
 
 def prune_refusal(conn: Connection, ckpt: Row, rep: Row, same_part: Sequence[Row]) -> str | None:

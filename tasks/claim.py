@@ -11,12 +11,21 @@ which raises ``StaleState`` once the claim was lost, so two workers never both p
 Leaving the ``with`` block by an exception releases the claim (``copying -> missing`` with the
 reason) unless the work already settled the replica (``verified`` or a verdict such as
 ``corrupt``); so a retry may claim it again at once and nothing claims a copy that failed.
+
+A claim whose answer was lost (the catalog committed it, then the connection dropped, so the
+call raised) is held by nobody. Its token is kept in this process (``claim_token``), and the
+next claim of the same replica here, the step's retry, asks with that token and gets it back
+(``Catalog.claim_copy(token=...)``; prunes likewise, ``tasks.prune``) instead of meeting it as
+another worker's for a lease (120 s) and then waiting for reconcile. A token is handed to one
+caller at a time, so no two workers ever hold one claim; a killed process's tokens die with it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -28,6 +37,29 @@ if TYPE_CHECKING:
     from db.catalog import Catalog
 
 LEASE_S = 120.0  # a killed worker blocks the replica this long; renewed every fifth of it
+
+_LOST_KEPT = 1024  # tokens of lost answers kept per process (the oldest go first)
+_lost: dict[tuple[object, ...], str] = {}  # what was claimed -> the token of its lost answer
+_lost_lock = threading.Lock()
+
+
+@contextmanager
+def claim_token(*what: object) -> Iterator[str]:
+    """The token to claim ``what`` with (a replica's copy or prune, on one catalog): the token
+    of this process's lost answer for it, if any (taken: one caller at a time), else a fresh
+    one; kept for the next caller when the claim raises, since the catalog may have committed
+    it (module doc). A ``BaseException`` that is no ``Exception`` (the process going) keeps
+    nothing."""
+    with _lost_lock:
+        token = _lost.pop(what, None) or uuid.uuid4().hex
+    try:
+        yield token
+    except Exception:
+        with _lost_lock:
+            _lost[what] = token
+            while len(_lost) > _LOST_KEPT:
+                del _lost[next(iter(_lost))]
+        raise
 
 
 class Lease:
@@ -84,7 +116,9 @@ class ClaimedCopy:
              actor: str, lease_s: float = LEASE_S, what: str = "copy") -> tuple[ClaimedCopy | None, ReplicaInfo]:
         """``(held, replica)``: ``held`` is None when the claim was not acquired, and
         ``replica.state`` says why (``verified``: nothing to do)."""
-        claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor, lease_seconds=lease_s)
+        with claim_token("copy", cat.url, checkpoint_id, tier, part) as token:
+            claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor, lease_seconds=lease_s,
+                                   token=token)
         if not claim.acquired:
             return None, claim.replica
         return cls(cat, claim.replica, actor=actor, lease_s=lease_s, what=what), claim.replica

@@ -26,10 +26,10 @@ from core import events
 from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
-from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, PruneClaim, ReplicaInfo
 from db.rows import durability
 from tasks.base import delete_part, log, open_catalog, open_tier
-from tasks.claim import Lease
+from tasks.claim import Lease, claim_token
 from tasks.evidence import check_part
 from tasks.retry import pipeline_task
 
@@ -58,8 +58,9 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
         if rep.tier == 0 and rep.node and rep.node != settings.node:
             raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
         try:
-            claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
-                                    lease_seconds=settings.claim_lease_seconds)
+            with claim_token("prune", cat.url, replica_id) as token:
+                claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
+                                        lease_seconds=settings.claim_lease_seconds, token=token)
         except StaleState as exc:
             if cat.get_replica(replica_id).state == PRUNING:
                 raise PruneRefused(f"another worker owns the prune: {exc}") from exc
@@ -76,7 +77,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
                     abandon(cat, store, ck, rep, actor, why=f"prune refused: {refused}")
                     raise PruneRefused(refused)
                 try:
-                    deleted = _delete(cat, store, ck, rep, lease, actor, reason=reason, took_over=claim.took_over)
+                    deleted = _delete(cat, store, ck, rep, lease, actor, reason=reason, claim=claim)
                 except ObjectLocked as exc:  # the store's retention outlived our look at it: kept
                     raise PruneRefused(f"kept: {exc}") from exc
                 lease.stop()
@@ -92,7 +93,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
 
 
 def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, actor: str, *,
-            reason: str | None, took_over: bool) -> int:
+            reason: str | None, claim: PruneClaim) -> int:
     """Manifest first, then the files; the claim is checked before each delete."""
     lease.check()
     try:
@@ -104,7 +105,7 @@ def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
         raise
     lease.check()
     try:
-        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=_why(reason, took_over),
+        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=_why(reason, claim),
                                      actor=actor)
     except ObjectLocked:  # the manifest went, a file is locked: settled by what is left
         lease.stop()
@@ -112,9 +113,10 @@ def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
         raise
 
 
-def _why(reason: str | None, took_over: bool) -> str:
-    return ("prune" + (" (a prune taken over after its lease lapsed)" if took_over else "")
-           + (f": {reason}" if reason else ""))
+def _why(reason: str | None, claim: PruneClaim) -> str:
+    how = (" (a prune taken back after its claim's answer was lost)" if claim.reclaimed
+           else " (a prune taken over after its lease lapsed)" if claim.took_over else "")
+    return "prune" + how + (f": {reason}" if reason else "")
 
 
 def lock_refused(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo) -> str | None:

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import CopyInProgress, StorageFull, StorageUnavailable, is_transient
+from core.errors import CatalogUnavailable, CopyInProgress, StorageFull, StorageUnavailable, is_transient
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
+from tasks.register import register_stored_part
 from tests.kit.checkpoints import (
     ckpt_dir,
     expire_claims,
+    open_catalog,
     published_files,
     replica_states,
     same_bytes,
@@ -84,7 +86,6 @@ KILLED_COPY = textwrap.dedent("""
 
 def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_factory, db_url):
     from tasks.copy import copy_to_tier1
-    from tasks.register import register_stored_part
     from tasks.verify import verify_replica
 
     settings = pipeline_settings(settings_factory, db_url)
@@ -117,6 +118,65 @@ def test_copy_killed_midway_publishes_nothing_and_a_rerun_completes(settings_fac
         assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
     assert (ckpt_dir(settings.tier1_url, RUN, 100) / "manifest.json").is_file()
     assert not [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]
+
+
+# --- a claim whose answer was lost ----------------------------------------------------------
+@pytest.fixture
+def claim_answer_lost(monkeypatch):
+    """The catalog commits the first Tier 1 copy claim, then the connection drops: the call
+    raises, so its caller never learns it holds the claim. Yields the tokens it committed."""
+    from db.catalog import Catalog
+
+    original, committed = Catalog.claim_copy, []
+
+    def claim_copy(self, checkpoint_id, tier, part, url, **kwargs):
+        claim = original(self, checkpoint_id, tier, part, url, **kwargs)
+        if tier == 1 and not committed:
+            committed.append(claim.replica.claim_token)
+            raise CatalogUnavailable("server closed the connection unexpectedly (after COMMIT)")
+        return claim
+
+    monkeypatch.setattr(Catalog, "claim_copy", claim_copy)
+    return committed
+
+
+def test_a_promotion_whose_claim_answer_was_lost_is_finished_by_its_retry_at_once(settings_factory, db_url,
+                                                                                  claim_answer_lost):
+    settings = pipeline_settings(settings_factory, db_url)
+    write_checkpoint(settings.tier0_url, RUN, 100, shards=3)
+    with pytest.raises(CatalogUnavailable):
+        promote(settings, RUN, 100, steps=plain_steps())
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "copying"  # committed, held by nobody
+
+    promote(settings, RUN, 100, steps=plain_steps())  # the step's retry: no lease to wait out
+
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    with open_catalog(settings) as cat:
+        rep = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id) if r.tier == 1)
+        reclaims = [e for e in cat.history(RUN, 100) if e.action == "reclaim"]
+    assert [e.subject for e in reclaims] == [f"replica:{rep.id}"] and claim_answer_lost
+
+
+def test_a_lost_claim_is_given_back_to_one_taker_at_a_time(settings_factory, db_url, claim_answer_lost):
+    from tasks.claim import ClaimedCopy
+
+    settings = pipeline_settings(settings_factory, db_url)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    register_stored_part(settings, RUN, 100)
+    with open_catalog(settings) as cat:
+        ck = cat.get_checkpoint(RUN, 100)
+        with pytest.raises(CatalogUnavailable):
+            ClaimedCopy.take(cat, ck.id, 1, 0, "file:///t1", node=None, actor="a")
+        first, _ = ClaimedCopy.take(cat, ck.id, 1, 0, "file:///t1", node=None, actor="a")
+        second, rep = ClaimedCopy.take(cat, ck.id, 1, 0, "file:///t1", node=None, actor="b")
+        assert first is not None and first.token == claim_answer_lost[0]
+        assert second is None and rep.state == "copying" and rep.claim_token == first.token
+        with first:
+            first.settle("missing", "test: given up")
+        third, _ = ClaimedCopy.take(cat, ck.id, 1, 0, "file:///t1", node=None, actor="b")
+        assert third is not None and third.token != first.token  # settled: a fresh claim, a fresh token
 
 
 # --- S3 5xx --------------------------------------------------------------------------------

@@ -108,6 +108,28 @@ def _check_exactly_one_won(cat, pairs, outcomes):
         assert states == [PRUNING, VERIFIED]
 
 
+def test_a_prune_whose_answer_was_lost_is_given_back_to_its_token_only(catalog):
+    _, (t1, _t2) = _two_copies(catalog)
+    lost = catalog.claim_prune(t1.id, actor="retention", token="t-lost")  # committed; its caller never heard
+    assert lost.replica.state == PRUNING and not lost.took_over
+    with pytest.raises(StaleState):
+        catalog.claim_prune(t1.id, actor="other", token="t-other")  # another worker: the live prune is not its
+    again = catalog.claim_prune(t1.id, actor="retention", token="t-lost")
+    assert again.reclaimed and again.took_over and again.refused is None
+    assert again.replica.claim_token == "t-lost"
+    assert [e.action for e in catalog.history("r", 100)][-1] == "reclaim"
+    assert catalog.transition(t1.id, PRUNED, expected=PRUNING, actor="retention",
+                              claim_token="t-lost").state == PRUNED
+
+
+def test_a_reclaimed_prune_carries_the_guard_s_verdict_now(catalog):
+    _, (t1, _t2) = _two_copies(catalog)
+    catalog.claim_prune(t1.id, actor="retention", token="t-lost")
+    catalog.pin("r", 100, actor="operator", reason="a user pinned it meanwhile")
+    again = catalog.claim_prune(t1.id, actor="retention", token="t-lost")
+    assert again.reclaimed and again.refused and "pinned" in again.refused  # the owner must abandon it
+
+
 def test_two_threads_pruning_the_last_two_copies_exactly_one_wins(catalog, db_url):
     pairs = _race_setup(catalog)
     barrier, results = threading.Barrier(2), queue.Queue()

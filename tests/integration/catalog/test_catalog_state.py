@@ -102,6 +102,41 @@ def test_stale_claim_is_taken_over_and_old_owner_loses(catalog):
     assert catalog.transition(new.replica.id, VERIFIED, claim_token=new.replica.claim_token, actor="b").node == "n1"
 
 
+def test_a_claim_whose_answer_was_lost_is_given_back_to_its_token_only(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    lost = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=60, token="t-lost")
+    assert lost.acquired and lost.replica.claim_token == "t-lost"  # committed; say its caller never heard
+    assert not catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b", token="t-other").acquired
+    again = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=60, token="t-lost")
+    assert again.acquired and again.replica.id == lost.replica.id and again.replica.claim_token == "t-lost"
+    assert again.replica.updated_at >= lost.replica.updated_at
+    reclaims = [e for e in catalog.history("r", 1) if e.action == "reclaim"]
+    assert len(reclaims) == 1 and "answer was lost" in reclaims[0].reason and reclaims[0].actor == "a"
+    assert catalog.transition(again.replica.id, VERIFIED, claim_token="t-lost", actor="a").state == VERIFIED
+    # once settled, the token claims nothing: a verified replica has nothing to copy
+    assert not catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", token="t-lost").acquired
+
+
+def test_a_lost_claim_whose_lease_lapsed_is_given_back_with_a_fresh_lease(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=0.2, token="t-lost")
+    time.sleep(0.3)
+    assert [r.claim_token for r in catalog.expired_claims()] == ["t-lost"]
+    again = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=60, token="t-lost")
+    assert again.acquired and again.replica.claim_token == "t-lost" and catalog.expired_claims() == []
+    assert not catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b").acquired
+
+
+def test_a_lost_claim_taken_over_by_another_worker_is_not_given_back(catalog):
+    ck = checkpoint(catalog, "r", 1)
+    catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=0.2, token="t-lost")
+    time.sleep(0.3)  # its lease lapses (the catalog's clock: only ever later than this)
+    other = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n1", actor="b", token="t-b")
+    assert other.acquired and other.replica.claim_token == "t-b"
+    late = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", token="t-lost")
+    assert not late.acquired and late.replica.claim_token == "t-b" and late.replica.node == "n1"
+
+
 def test_heartbeat_keeps_a_claim_alive(catalog):
     ck = checkpoint(catalog, "r", 1)
     claim = catalog.claim_copy(ck.id, 1, 0, "file:///t1", node="n0", actor="a", lease_seconds=0.5)

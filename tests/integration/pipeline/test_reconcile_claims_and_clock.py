@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from core.errors import CatalogUnavailable
 from core.layout import part_key
 from core.settings import RetentionPolicy
 from flows.common import plain_steps
@@ -91,6 +92,38 @@ def test_a_taken_over_prune_rechecks_the_evidence_and_gives_the_copy_back(settin
     assert any("stalled prune given up" in r for r in report.recovered)
     # and reconcile's own sweeps then restore the Tier 1 copy from the intact Tier 0 one
     assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
+
+
+def test_a_prune_whose_claim_answer_was_lost_is_finished_by_its_retry_at_once(settings, monkeypatch):
+    from db.catalog import Catalog
+    from tasks.prune import prune_replica
+
+    original, committed = Catalog.claim_prune, []
+
+    def claim_prune(self, replica_id, **kwargs):  # commits, then the connection drops: once
+        claim = original(self, replica_id, **kwargs)
+        if not committed:
+            committed.append(claim.replica.claim_token)
+            raise CatalogUnavailable("server closed the connection unexpectedly (after COMMIT)")
+        return claim
+
+    monkeypatch.setattr(Catalog, "claim_prune", claim_prune)
+    rid = _tier0(settings, 100).id
+    with pytest.raises(CatalogUnavailable):
+        prune_replica(settings, rid, actor="retention", reason="keep_last")
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "pruning"  # committed, held by nobody
+
+    done = prune_replica(settings, rid, actor="retention", reason="keep_last")  # the task's retry: no lease to wait
+
+    assert done.replica_id == rid and replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()
+    cat = catalog(settings)
+    try:
+        history = cat.history(RUN, 100)
+    finally:
+        cat.close()
+    assert [e.action for e in history if e.subject == f"replica:{rid}"][-2:] == ["reclaim", "transition"]
+    assert any(e.action == "delete" and "taken back" in (e.reason or "") for e in history)
 
 
 def test_reconcile_leaves_a_live_prune_alone(settings):
