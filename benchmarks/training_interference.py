@@ -1,6 +1,7 @@
 """Benchmark: a CPU-bound training loop beside a promotion, in the same run.
 
-A training job (a separate process: torch matmuls on every core, as a job's compute would)
+A training job (a separate process: torch matmuls on every core, as a job's compute would, or
+on ``--threads`` of them)
 reports its step count every 0.1 s. Each round measures, in an order rotated every round:
 - the loop's steps/s alone (a window of ``--window`` seconds);
 - the loop's steps/s while a Tier 0 -> Tier 1 promotion (``tier1_hop``, the whole hop) runs
@@ -15,7 +16,7 @@ against each other when the loop keeps every core busy: what the promotion's CPU
 1.5 x its quiet time is the least the loop loses, which the last lines print (the floor both
 goals together need).
 
-    .venv/bin/python benchmarks/training_interference.py [--gib 1] [--rounds 3] [--window 4]
+    .venv/bin/python benchmarks/training_interference.py [--gib 1] [--rounds 3] [--window 4] [--threads N]
     .venv/bin/python benchmarks/training_interference.py --smoke    # 4 MiB, one round
 """
 
@@ -97,12 +98,18 @@ def main() -> None:
     ap.add_argument("--parallelism", type=int, default=4)
     ap.add_argument("--window", type=float, default=4.0, help="seconds the loop runs alone per round")
     ap.add_argument("--matrix", type=int, default=512, help="matmul size of a training step")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the loop's threads (default 0: every core; fewer leaves cores to the rest of the node, "
+                         "as a GPU job's host side does)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
     ap.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                     help="sync before each promotion (no writeback of the last one during it)")
     args = parse(ap, SMOKE)
     load0 = os.getloadavg()[0]
-    threads = os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    if not 0 <= args.threads <= cores:
+        ap.error(f"--threads {args.threads}: out of range (0 for every core, at most {cores})")
+    threads = args.threads or cores
 
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
@@ -183,11 +190,13 @@ def main() -> None:
         for mode in modes:
             user, system = (statistics.median(c[i] for c in quiet_cpu[mode]) for i in (0, 1))
             c = statistics.median(sum(x) for x in quiet_cpu[mode])
-            floor = c / (threads * 1.5 * q[mode])
+            left = max(0.0, c - (cores - threads) * 1.5 * q[mode])  # what the loop's free cores cannot take
+            floor = left / (threads * 1.5 * q[mode])
             print(f"promotion CPU, quiet, {mode} (this process, median): {c:.3f} s (user {user:.3f}, system "
                   f"{system:.3f}) for "
-                  f"{nbytes / 2**30:.3f} GiB; within 1.5 x its quiet time ({1.5 * q[mode]:.2f} s) on {threads} "
-                  f"cores that is {floor:.1%}, the least the loop loses while both goals hold")
+                  f"{nbytes / 2**30:.3f} GiB; within 1.5 x its quiet time ({1.5 * q[mode]:.2f} s), with "
+                  f"{cores - threads} of {cores} cores free of the loop, that is {floor:.1%} of the loop's cores, "
+                  f"the least it loses while both goals hold")
         print(load_line(load0))
         mode = next(md for md in modes if default.endswith(md))
         slow, ratio = 1 - statistics.median(beside[default]) / a, statistics.median(hop_s[default]) / q[mode]

@@ -192,9 +192,23 @@ def test_training_interference():
     for mode in ("direct I/O", "buffered"):
         assert re.search(rf"quiet, no training, {mode} \(baseline\) +\d+\.\d{{3}}", out), out
         assert re.search(rf"promotion CPU, quiet, {mode} .*: \d+\.\d{{3}} s \(user \d+\.\d{{3}}, "
-                         r"system \d+\.\d{3}\) .* that is \d+\.\d%, the least the loop loses", out), out
+                         r"system \d+\.\d{3}\) .* that is \d+\.\d% of the loop's cores, the least it loses", out), out
     assert re.search(r"goal \(nice 10, I/O best-effort 7, buffered\): training slowdown <= 5 % -> -?\d+\.\d%, "
                      r"(MET|NOT MET); promotion <= 1\.5 x quiet -> \d+\.\d\d x", out), out
+
+
+def test_training_interference_with_a_core_left_to_the_node():
+    require_module("torch", "the torch extra")
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("one core: none to leave")
+    out = run_benchmark("training_interference", "--threads", "1")
+    assert "matmuls on 1 threads" in out, out
+    assert re.search(rf"with {cores - 1} of {cores} cores free of the loop, that is \d+\.\d% of the loop's cores",
+                     out), out
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "training_interference.py"), "--smoke",
+                           "--threads", str(cores + 1)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"--threads {cores + 1}: out of range" in proc.stderr, proc.stderr
 
 
 def test_agent_memory():
