@@ -15,7 +15,7 @@ import itertools
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from statistics import median
 
@@ -145,13 +145,35 @@ def _sig3(x: float) -> str:
 @dataclass(frozen=True)
 class ServerCapacity:
     """What one Prefect server sustained during a measured checkpoint burst, and the work one
-    checkpoint part costs it. ``source`` says where the figures come from."""
+    checkpoint costs it: flow and task runs per part and per checkpoint (``CKPT_PROMOTE_RUNS``
+    'part': a promote run per part; 'checkpoint': one run per checkpoint whatever its parts),
+    and the CPU seconds its processes (API server and services, not its database) spend per
+    part above their rest. ``source`` says where the figures come from."""
 
     flow_runs_per_s: float
     task_runs_per_s: float
     flow_runs_per_part: float
     task_runs_per_part: float
     source: str
+    flow_runs_per_checkpoint: float = 0.0
+    task_runs_per_checkpoint: float = 0.0
+    cpu_per_part: float | None = None
+
+
+@dataclass(frozen=True)
+class RestLoad:
+    """What idle agents cost the Prefect server's processes, in cores, before any checkpoint:
+    the server's own loops (``base_cores``), and per agent its runner's poll for scheduled runs
+    every ``poll_seconds`` (``PREFECT_RUNNER_POLL_FREQUENCY``: ``cpu_per_poll`` CPU seconds each)
+    and the rest of what it holds open (``cores_per_agent``: its event subscriptions)."""
+
+    cpu_per_poll: float
+    cores_per_agent: float
+    source: str
+    base_cores: float = 0.0
+
+    def cores(self, agents: int, poll_seconds: float) -> float:
+        return self.base_cores + agents * (self.cores_per_agent + self.cpu_per_poll / poll_seconds)
 
 
 # Measured by `benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --mem-fraction 0.7`
@@ -167,34 +189,100 @@ class ServerCapacity:
 # the target cluster (`ckpt plan --burst-report`) replaces them. (Earlier: 0.37 flow runs/s and
 # 0.74 task runs/s on 2026-12-01 with 20 agents, before the agents started the runner's runs warm
 # and a promote run left out Prefect's round trips it never uses; 0.14 and 0.9 before each hop of
-# a part became one task run.)
+# a part became one task run.) The runs per checkpoint of each setting and the CPU per part above
+# rest: MEASURED_RUNS and MEASURED_CPU_PER_PART below.
 MEASURED_SERVER = ServerCapacity(flow_runs_per_s=1.08, task_runs_per_s=2.2, flow_runs_per_part=1.0,
-                                 task_runs_per_part=130 / 64,
+                                 task_runs_per_part=2.0, task_runs_per_checkpoint=2.0,
                                  source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
+
+# Runs per part and per checkpoint, by (promote_runs, hop_task_run), counted in the 64-node
+# bursts of a milestone (the archive is part of it): one run per part and hops as task runs 64
+# flow runs and 130 task runs (two hops a part, mark-complete and plan-retention); hops inline 64
+# and 4; one run per checkpoint, hops as task runs 1 and 67 (the run's archive: a task run per
+# part); hops inline 1 and 2 (docs/design/burst.md).
+MEASURED_RUNS: dict[tuple[str, bool], tuple[float, float, float, float]] = {
+    # (flow runs per part, per checkpoint, task runs per part, per checkpoint)
+    ("part", True): (1.0, 0.0, 2.0, 2.0),
+    ("part", False): (1.0, 0.0, 0.0, 4.0),
+    ("checkpoint", True): (0.0, 1.0, 1.0, 3.0),
+    ("checkpoint", False): (0.0, 1.0, 0.0, 2.0),
+}
+
+# The server's processes (API and services) at rest and per part, measured by
+# `benchmarks/burst.py --part-mb 16 --no-sqlite --rest 30 --warm-bursts 1` (2026-12-05, 2 shared
+# cores): 32 agents polling every 5 s (server at rest 0.160 / 0.144 cores, two phases) and every
+# 30 s (0.069 / 0.052), 16 agents every 5 s and 30 s (0.072, 0.051); least squares over the six:
+# 17 millicores of its own, 0.90 an agent (its subscriptions), 16.1 ms of CPU a poll (the fit is
+# within 0.011 cores of each; it puts 64 agents at 5 s at 0.281 cores, where an earlier run of
+# older code measured 0.224: on the high side). Above that rest, per part of the burst: one run
+# per checkpoint 0.133 / 0.138 (32 parts), 0.096 / 0.114 (16); one run per part 0.539 / 0.377 (32
+# parts): the higher of each.
+MEASURED_CPU_PER_PART: dict[str, float | None] = {"part": 0.54, "checkpoint": 0.14}
+MEASURED_REST = RestLoad(cpu_per_poll=0.0161, cores_per_agent=0.0009, base_cores=0.017,
+                         source="benchmarks/burst.py --rest 30, 16 and 32 agents, 5 and 30 s polls")
+
+
+def measured_capacity(promote_runs: str = "part", hop_task_run: bool = True) -> ServerCapacity:
+    """The built-in capacity (``MEASURED_SERVER``'s rates) with the runs and the CPU per part of
+    this setting."""
+    if (promote_runs, hop_task_run) not in MEASURED_RUNS:
+        raise BadInput(f"promote runs {promote_runs!r}: one of 'part', 'checkpoint'")
+    f_part, f_ckpt, t_part, t_ckpt = MEASURED_RUNS[(promote_runs, hop_task_run)]
+    return replace(MEASURED_SERVER, flow_runs_per_part=f_part, flow_runs_per_checkpoint=f_ckpt,
+                   task_runs_per_part=t_part, task_runs_per_checkpoint=t_ckpt,
+                   cpu_per_part=MEASURED_CPU_PER_PART[promote_runs],
+                   source=f"{MEASURED_SERVER.source}; runs of CKPT_PROMOTE_RUNS={promote_runs}, "
+                          f"CKPT_HOP_TASK_RUN={str(hop_task_run).lower()}")
+
+
+SATURATION_LIMIT = 10_000_000  # nodes: past this the model says "not within"
 
 
 @dataclass(frozen=True)
 class OrchestrationLoad:
-    """The Prefect work of one checkpoint of ``nodes`` parts every ``interval_seconds``."""
+    """The Prefect work of one checkpoint of ``nodes`` parts every ``interval_seconds``, against
+    one server: its run rates, and, where known, its processes' CPU (``server_cores`` of them)
+    less what ``nodes`` idle agents polling every ``poll_seconds`` already take (``rest``)."""
 
     nodes: int
     interval_seconds: float
     capacity: ServerCapacity
+    rest: RestLoad | None = None
+    poll_seconds: float = 5.0
+    server_cores: float = 1.0
 
     @property
     def flow_runs_per_burst(self) -> float:
-        return self.nodes * self.capacity.flow_runs_per_part  # the archive runs inline (a run only if it failed)
+        c = self.capacity
+        return self.nodes * c.flow_runs_per_part + c.flow_runs_per_checkpoint
 
     @property
     def task_runs_per_burst(self) -> float:
-        return self.nodes * self.capacity.task_runs_per_part
+        c = self.capacity
+        return self.nodes * c.task_runs_per_part + c.task_runs_per_checkpoint
+
+    @property
+    def rest_cores(self) -> float:
+        """The server's cores taken by the idle agents (0 when not modelled)."""
+        return self.rest.cores(self.nodes, self.poll_seconds) if self.rest is not None else 0.0
+
+    @property
+    def cpu_seconds(self) -> float | None:
+        """The drain time the server's CPU allows: the burst's CPU over the cores the idle agents
+        leave (infinite when they take them all); None when the CPU per part is not known."""
+        if self.rest_cores >= self.server_cores:
+            return math.inf
+        if self.capacity.cpu_per_part is None:
+            return None
+        return self.nodes * self.capacity.cpu_per_part / (self.server_cores - self.rest_cores)
 
     @property
     def drain_seconds(self) -> float:
-        """How long the server needs for one burst at its measured rates (the slower of flow
-        runs and task runs)."""
-        return max(self.flow_runs_per_burst / self.capacity.flow_runs_per_s,
-                   self.task_runs_per_burst / self.capacity.task_runs_per_s)
+        """How long the server needs for one burst: the slowest of its flow runs, its task runs
+        (at the measured rates) and its CPU."""
+        c = self.capacity
+        return max(self.flow_runs_per_burst / c.flow_runs_per_s, self.task_runs_per_burst / c.task_runs_per_s,
+                   self.cpu_seconds or 0.0)
 
     @property
     def utilisation(self) -> float:
@@ -203,26 +291,57 @@ class OrchestrationLoad:
         return self.drain_seconds / self.interval_seconds
 
     @property
-    def saturation_nodes(self) -> int:
-        """The smallest N whose burst takes the server the whole interval: the drain time is the
-        larger of N f / F and N t / T (f, t: flow and task runs per part; F, T: the server's
-        rates), so it reaches the interval I at N = min(I F / f, I T / t)."""
-        c, i = self.capacity, self.interval_seconds
-        by_flows = i * c.flow_runs_per_s / c.flow_runs_per_part
-        by_tasks = i * c.task_runs_per_s / c.task_runs_per_part
-        return max(1, math.ceil(min(by_flows, by_tasks)))
+    def saturation_nodes(self) -> int | None:
+        """The smallest N whose burst takes the server the whole interval (the drain time grows
+        with N: found by bisection); None when no N up to ``SATURATION_LIMIT`` does."""
+        def full(n: int) -> bool:
+            return replace(self, nodes=n).utilisation >= 1
+
+        if not full(SATURATION_LIMIT):
+            return None
+        if full(1):
+            return 1
+        lo, hi = 1, SATURATION_LIMIT  # not full(lo), full(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if full(mid) else (mid, hi)
+        return hi
 
 
 def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> ServerCapacity:
-    """The capacity a ``benchmarks/burst.py --json`` report measured for ``server``."""
+    """The capacity a ``benchmarks/burst.py --json`` report measured for ``server``: its run
+    rates, its runs (a phase with fewer flow runs than parts ran one per checkpoint: they count
+    per checkpoint, its task runs per part), and, when it watched the stack at rest first
+    (``--rest``), the server's CPU per part above its rest."""
     for phase in report:
         if phase.get("server") == server:
             parts = phase["parts"] or 1
             if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
                 raise BadInput(f"the burst report's {server} phase measured no rates")
+            per_checkpoint = phase["flow_runs"] < parts
+            cpu = None
+            rest = (phase.get("rest_cores_by_role") or {}).get("server")
+            if phase.get("rest_s") and rest is not None and "server" in (phase.get("cpu_by_role") or {}):
+                cpu = max(0.0, phase["cpu_by_role"]["server"] - rest * phase.get("window_s", 0.0)) / parts
             return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
-                                  phase["flow_runs"] / parts, phase["task_runs"] / parts,
-                                  source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)")
+                                  0.0 if per_checkpoint else phase["flow_runs"] / parts, phase["task_runs"] / parts,
+                                  source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)",
+                                  flow_runs_per_checkpoint=phase["flow_runs"] if per_checkpoint else 0.0,
+                                  cpu_per_part=cpu)
+    raise BadInput(f"the burst report has no {server!r} phase")
+
+
+def rest_from_report(report: list[dict], server: str = "postgres+redis") -> RestLoad | None:
+    """The server's cores at rest per agent a ``burst.py --rest`` report measured for ``server``
+    (at the poll frequency its agents ran with: not scaled by ``--poll-seconds``); None when it
+    did not watch the stack at rest."""
+    for phase in report:
+        if phase.get("server") == server:
+            rest = (phase.get("rest_cores_by_role") or {}).get("server")
+            if not phase.get("rest_s") or rest is None or not phase.get("agents"):
+                return None
+            return RestLoad(cpu_per_poll=0.0, cores_per_agent=rest / phase["agents"],
+                            source=f"burst report ({phase['agents']} agents at rest, at their poll frequency)")
     raise BadInput(f"the burst report has no {server!r} phase")
 
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -43,6 +44,12 @@ def plan_cmd(
                               "checkpoint burst of this many nodes on one Prefect server"),
     burst_report: Path | None = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
+    promote_runs: str | None = typer.Option(None, "--promote-runs", help="'part' or 'checkpoint': the runs "
+                                     "modelled [CKPT_PROMOTE_RUNS of this environment]"),
+    poll_seconds: float | None = typer.Option(None, "--poll-seconds", min=0.1, help="how often each agent's "
+                                       "runner polls the server [PREFECT_RUNNER_POLL_FREQUENCY, else 5]"),
+    server_cores: float = typer.Option(1.0, "--server-cores", min=0.1, help="cores of the Prefect server's "
+                                       "processes (API workers)"),
     mtbf: str | None = typer.Option(None, "--mtbf", help="mean time between failures of the whole job, e.g. 3h: "
                              "add the work lost per failure, the total overhead and the best interval"),
     tier0_read: str | None = typer.Option(None, "--tier0-read", help="a node's NVMe read bandwidth [7GB/s]"),
@@ -69,12 +76,7 @@ def plan_cmd(
               else sizing.BYTES_PER_PARAM * sizing.parse_params(params) if params is not None else None)
     if volume is not None:
         plans = [sizing.Plan(volume, secs, sizing.parse_bandwidth(b)) for b in bandwidth]
-    load = None
-    if nodes is not None:
-        capacity = sizing.MEASURED_SERVER
-        if burst_report is not None:
-            capacity = sizing.capacity_from_report(json.loads(burst_report.read_text()))
-        load = sizing.OrchestrationLoad(nodes, secs, capacity)
+    load = _load(nodes, secs, burst_report, promote_runs, poll_seconds, server_cores) if nodes is not None else None
     model = _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link)
     failures_every = sizing.parse_duration(mtbf, "MTBF") if mtbf is not None else None
     recovery = [_recovery(p, nodes or 1, model, failures_every) for p in plans]
@@ -88,9 +90,13 @@ def plan_cmd(
             out["orchestration"] = {"nodes": load.nodes, "interval_seconds": load.interval_seconds,
                                     "flow_runs_per_burst": load.flow_runs_per_burst,
                                     "task_runs_per_burst": load.task_runs_per_burst,
-                                    "drain_seconds": load.drain_seconds, "utilisation": load.utilisation,
+                                    "poll_seconds": load.poll_seconds, "server_cores": load.server_cores,
+                                    "rest_cores": load.rest_cores, "cpu_seconds": _finite(load.cpu_seconds),
+                                    "drain_seconds": _finite(load.drain_seconds),
+                                    "utilisation": _finite(load.utilisation),
                                     "saturation_nodes": load.saturation_nodes,
-                                    "capacity": load.capacity.__dict__}
+                                    "capacity": load.capacity.__dict__,
+                                    "rest": load.rest.__dict__ if load.rest is not None else None}
         typer.echo(json.dumps(out, indent=1))
         return
     if plans:
@@ -100,17 +106,65 @@ def plan_cmd(
         _print_load(load)
 
 
+def _finite(x: float | None) -> float | None:
+    """``x`` for JSON: None where it is infinite (a server its idle agents saturate never drains)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _load(nodes: int, secs: float, burst_report: Path | None, promote_runs: str | None, poll_seconds: float | None,
+          server_cores: float) -> OrchestrationLoad:
+    """The orchestration load of ``nodes`` under the settings of this environment (promote runs,
+    hop task runs, the runners' poll), or of a burst report."""
+    import os
+
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+
+    settings = load_settings()
+    rest: sizing.RestLoad | None = sizing.MEASURED_REST
+    if burst_report is not None:
+        report = json.loads(burst_report.read_text())
+        capacity, rest = sizing.capacity_from_report(report), sizing.rest_from_report(report)
+    else:
+        capacity = sizing.measured_capacity(promote_runs or settings.promote_runs, settings.hop_task_run)
+    if poll_seconds is None:
+        poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", "5")
+        try:
+            poll_seconds = float(poll)
+        except ValueError:
+            raise BadInput(f"PREFECT_RUNNER_POLL_FREQUENCY={poll!r}: not a number of seconds") from None
+    return sizing.OrchestrationLoad(nodes, secs, capacity, rest=rest, poll_seconds=poll_seconds,
+                                    server_cores=server_cores)
+
+
 def _print_load(load: OrchestrationLoad) -> None:
-    c = load.capacity
+    c, r = load.capacity, load.rest
     typer.echo(f"Orchestration load: {load.nodes} nodes, one checkpoint every {fmt_seconds(load.interval_seconds)}")
     typer.echo(f"  per burst: {load.flow_runs_per_burst:.0f} flow runs, {load.task_runs_per_burst:.0f} task runs "
-               f"({c.flow_runs_per_part:.3g} flow and {c.task_runs_per_part:.3g} task runs per part)")
+               f"({c.flow_runs_per_part:.3g} flow and {c.task_runs_per_part:.3g} task runs per part, "
+               f"{c.flow_runs_per_checkpoint:.3g} and {c.task_runs_per_checkpoint:.3g} per checkpoint)")
     typer.echo(f"  one server sustains {c.flow_runs_per_s:g} flow runs/s, {c.task_runs_per_s:g} task runs/s "
                f"[{c.source}]")
-    typer.echo(f"  it drains a burst in {fmt_seconds(load.drain_seconds)}: {fmt_percent(load.utilisation)} "
-               "of the interval")
-    typer.echo(f"  one server on PostgreSQL + Redis is saturated at {load.saturation_nodes} nodes "
-               f"(a burst then takes the whole interval)")
+    if r is None:
+        typer.echo("  at rest: not modelled (the burst report did not watch the stack at rest: burst.py --rest)")
+    else:
+        typer.echo(f"  at rest, {load.nodes} agents polling every {fmt_seconds(load.poll_seconds)} take "
+                   f"{load.rest_cores:.2f} of the server's {load.server_cores:g} core(s) "
+                   f"({r.base_cores:.3f} cores of its own, {r.cpu_per_poll * 1000:.1f} ms a poll, "
+                   f"{r.cores_per_agent * 1000:.2f} millicores an agent besides [{r.source}])")
+    if load.cpu_seconds is not None:
+        per_part = f"{c.cpu_per_part:.3f} CPU s per part" if c.cpu_per_part is not None else "no CPU left"
+        typer.echo(f"  its processes' CPU for a burst ({per_part}) takes "
+                   f"{fmt_seconds(load.cpu_seconds) if math.isfinite(load.cpu_seconds) else 'forever'} "
+                   f"on what the idle agents leave")
+    if math.isfinite(load.drain_seconds):
+        typer.echo(f"  it drains a burst in {fmt_seconds(load.drain_seconds)}: {fmt_percent(load.utilisation)} "
+                   "of the interval")
+    else:
+        typer.echo("  it never drains a burst: its idle agents take every core it has")
+    n = load.saturation_nodes
+    typer.echo(f"  one server on PostgreSQL + Redis is saturated at {n} nodes (a burst then takes the whole interval)"
+               if n is not None else f"  one server on PostgreSQL + Redis is not saturated below "
+               f"{sizing.SATURATION_LIMIT:,} nodes")
 
 
 def _recovery_model(tier0_read: str | None, tier1_read: str | None, s3_streams: int, s3_stream: str | None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -110,6 +112,48 @@ def test_saturation_is_the_first_cluster_whose_burst_fills_the_interval():
     assert sizing.OrchestrationLoad(60, 600, flow_bound).utilisation == pytest.approx(1.0)
 
 
+def test_one_run_per_checkpoint_costs_the_same_runs_at_any_size():
+    cap = sizing.measured_capacity("checkpoint", hop_task_run=False)
+    for n in (8, 64, 4096):
+        load = sizing.OrchestrationLoad(n, 1800, cap)
+        assert (load.flow_runs_per_burst, load.task_runs_per_burst) == (1, 2)
+    per_part = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity("part", hop_task_run=True))
+    assert (per_part.flow_runs_per_burst, per_part.task_runs_per_burst) == (64, 130)  # as burst.py counted
+    with pytest.raises(BadInput, match="one of 'part', 'checkpoint'"):
+        sizing.measured_capacity("node")
+
+
+def test_the_server_s_cpu_bounds_the_burst_once_the_runs_do_not():
+    cap = sizing.ServerCapacity(1e9, 1e9, 0.0, 0.0, "test", flow_runs_per_checkpoint=1, cpu_per_part=0.5)
+    # 200 parts x 0.5 CPU s on one core: 100 s; two cores: 50 s
+    assert sizing.OrchestrationLoad(200, 100, cap).drain_seconds == pytest.approx(100)
+    assert sizing.OrchestrationLoad(200, 100, cap, server_cores=2).drain_seconds == pytest.approx(50)
+    assert sizing.OrchestrationLoad(1, 100, cap).saturation_nodes == 200
+    assert sizing.OrchestrationLoad(1, 100, cap, server_cores=2).saturation_nodes == 400
+
+
+def test_idle_agents_polling_take_the_server_s_cores_before_any_burst():
+    rest = sizing.RestLoad(cpu_per_poll=0.02, cores_per_agent=0.001, source="test")
+    assert rest.cores(100, 5) == pytest.approx(100 * (0.001 + 0.004))  # 0.5 cores
+    assert rest.cores(100, 30) == pytest.approx(100 * (0.001 + 0.02 / 30))
+    cap = sizing.ServerCapacity(1e9, 1e9, 0.0, 0.0, "test", flow_runs_per_checkpoint=1, cpu_per_part=0.5)
+    # 100 agents at 5 s polls leave half a core: 100 x 0.5 / 0.5 = 100 s, the whole interval
+    half = sizing.OrchestrationLoad(100, 100, cap, rest=rest, poll_seconds=5)
+    assert half.rest_cores == pytest.approx(0.5) and half.drain_seconds == pytest.approx(100)
+    assert half.saturation_nodes == 100
+    # polling every 30 s leaves more of the core: saturated later
+    slow = sizing.OrchestrationLoad(100, 100, cap, rest=rest, poll_seconds=30)
+    assert slow.saturation_nodes is not None and slow.saturation_nodes > 100
+    # agents whose polls alone take every core saturate it whatever the checkpoint costs
+    free = sizing.ServerCapacity(1e9, 1e9, 0.0, 0.0, "test", cpu_per_part=None)
+    idle = sizing.OrchestrationLoad(200, 1800, free, rest=rest, poll_seconds=5)  # 200 x 0.005 = 1 core
+    assert math.isinf(idle.drain_seconds) and idle.saturation_nodes == 200
+    # with no CPU per part and no rest modelled, a constant burst never saturates it
+    assert sizing.OrchestrationLoad(10, 1800, sizing.ServerCapacity(1.0, 1.0, 0.0, 0.0, "test",
+                                                                     flow_runs_per_checkpoint=1)).saturation_nodes \
+        is None
+
+
 def test_capacity_from_a_burst_report():
     report = [{"server": "postgres+redis", "parts": 64, "agents": 64, "flow_runs": 64, "task_runs": 448,
                "flow_runs_per_s": 0.8, "task_runs_per_s": 5.5},
@@ -120,20 +164,65 @@ def test_capacity_from_a_burst_report():
     assert sizing.capacity_from_report(report, "sqlite").flow_runs_per_s == 0.6
     with pytest.raises(BadInput):
         sizing.capacity_from_report(report[1:])
+    assert sizing.rest_from_report(report) is None  # no --rest: not modelled
+
+
+def test_a_burst_report_with_the_stack_at_rest_and_one_run_per_checkpoint():
+    report = [{"server": "postgres+redis", "parts": 64, "agents": 64, "flow_runs": 1, "task_runs": 67,
+               "flow_runs_per_s": 0.05, "task_runs_per_s": 3.0, "rest_s": 30.0, "window_s": 20.0,
+               "rest_cores_by_role": {"server": 0.32, "agents": 0.05, "database": 0.03},
+               "cpu_by_role": {"server": 12.8, "agents": 25.0, "database": 4.0}}]
+    c = sizing.capacity_from_report(report)
+    assert (c.flow_runs_per_part, c.flow_runs_per_checkpoint) == (0.0, 1)  # one run for the checkpoint
+    assert c.cpu_per_part == pytest.approx((12.8 - 0.32 * 20) / 64)  # above the server's rest over the burst
+    rest = sizing.rest_from_report(report)
+    assert rest is not None and rest.cores(64, 5) == pytest.approx(0.32) and rest.cores(128, 30) == pytest.approx(0.64)
 
 
 def test_cli_says_where_one_server_saturates(tmp_path):
     import json
 
     out = _plan_output("--nodes", "64", "--interval", "30m", env_dir=tmp_path)
-    load = sizing.OrchestrationLoad(64, 1800, sizing.MEASURED_SERVER)
+    load = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity("part", True), rest=sizing.MEASURED_REST,
+                                    poll_seconds=5)
     assert f"saturated at {load.saturation_nodes} nodes" in out
-    assert "64 flow runs" in out
+    assert "64 flow runs" in out and "64 agents polling every 5.00 s take" in out
     report = tmp_path / "burst.json"
     report.write_text(json.dumps([{"server": "postgres+redis", "parts": 4, "agents": 4, "flow_runs": 5,
                                    "task_runs": 32, "flow_runs_per_s": 2.0, "task_runs_per_s": 10.0}]))
     out = _plan_output("--nodes", "64", "--interval", "30m", "--burst-report", str(report), env_dir=tmp_path)
-    assert "saturated at 2250 nodes" in out and "51.2 s" in out
+    assert "saturated at 2250 nodes" in out and "51.2 s" in out and "at rest: not modelled" in out
+
+
+def _saturation(out: str) -> int:
+    import re
+
+    m = re.search(r"saturated at (\d+) nodes", out)
+    assert m, out
+    return int(m.group(1))
+
+
+def test_cli_models_the_promote_runs_and_the_poll_of_this_environment(tmp_path):
+    part = _plan_output("--nodes", "512", "--promote-runs", "part", env_dir=tmp_path)
+    ckpt = _plan_output("--nodes", "512", "--promote-runs", "checkpoint", env_dir=tmp_path)
+    assert "512 flow runs" in part and "per burst: 1 flow runs" in ckpt
+    assert _saturation(ckpt) > _saturation(part)  # a run per part is the server's limit
+    slow = _plan_output("--nodes", "512", "--promote-runs", "checkpoint", "--poll-seconds", "30", env_dir=tmp_path)
+    assert _saturation(slow) > _saturation(ckpt)  # fewer polls leave the server more for the burst
+    env = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--nodes", "512", "--no-runs"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                         env={**os.environ, "CKPT_PROMOTE_RUNS": "checkpoint", "PREFECT_RUNNER_POLL_FREQUENCY": "30"})
+    assert env.returncode == 0 and _saturation(env.stdout) == _saturation(slow), env.stderr
+    import json
+
+    assert "it never drains a burst: its idle agents take every core" in _plan_output("--nodes", "5000",
+                                                                                     env_dir=tmp_path)
+    idle = json.loads(_plan_output("--nodes", "5000", "--json", env_dir=tmp_path))["orchestration"]
+    assert idle["rest_cores"] > 1 and idle["drain_seconds"] is None and idle["saturation_nodes"] < 5000
+    bad = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--nodes", "8", "--no-runs"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                         env={**os.environ, "PREFECT_RUNNER_POLL_FREQUENCY": "often"})
+    assert bad.returncode != 0 and "PREFECT_RUNNER_POLL_FREQUENCY='often'" in bad.stderr
 
 
 # --- recovery (ckpt plan --mtbf) -------------------------------------------------------------------
