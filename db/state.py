@@ -179,8 +179,9 @@ def claim_prune(conn: Connection, replica_id: int, *, now: datetime, actor: str,
     lease lapsed (its worker died) is taken over whatever the guard says now, with the guard's
     verdict in ``refused``: the new owner must then abandon it, never finish it. One under
     ``token`` itself, live or lapsed, is given back the same way (``reclaimed``): its caller's
-    earlier answer was lost. Locks the checkpoint row first, then every replica of the same part, in id order, so
-    concurrent prunes and pins serialise on the checkpoint instead of deadlocking."""
+    earlier answer was lost. Locks the checkpoint row first, then every replica of the same
+    part, in id order, so concurrent prunes and pins serialise on the checkpoint instead of
+    deadlocking."""
     peek = replica_row(conn, replica_id)
     ckpt = checkpoint_row_by_id(conn, peek.checkpoint_id, lock=True)
     same_part = conn.execute(
