@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -115,8 +116,6 @@ def _load(nodes: int, secs: float, burst_report: Path | None, promote_runs: str 
           server_cores: float) -> OrchestrationLoad:
     """The orchestration load of ``nodes`` under the settings of this environment (promote runs,
     hop task runs, the runners' poll), or of a burst report."""
-    import os
-
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
     settings = load_settings()
