@@ -13,7 +13,8 @@ reason) unless the work already settled the replica (``verified`` or a verdict s
 ``corrupt``); so a retry may claim it again at once and nothing claims a copy that failed.
 
 A claim whose answer was lost (the catalog committed it, then the connection dropped, so the
-call raised) is held by nobody. Its token is kept in this process (``claim_token``), and the
+call raised), or whose release could not be recorded (the catalog unreachable as the work
+failed), is held by nobody. Its token is kept in this process (``claim_token``), and the
 next claim of the same replica here, the step's retry, asks with that token and gets it back
 (``Catalog.claim_copy(token=...)``; prunes likewise, ``tasks.prune``) instead of meeting it as
 another worker's for a lease (120 s) and then waiting for reconcile. A token is handed to one
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-from core.errors import CkptError, StaleState
+from core.errors import CkptError, StaleState, is_transient
 from db.entities import COPYING, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import log
 
@@ -55,11 +56,17 @@ def claim_token(*what: object) -> Iterator[str]:
     try:
         yield token
     except Exception:
-        with _lost_lock:
-            _lost[what] = token
-            while len(_lost) > _LOST_KEPT:
-                del _lost[next(iter(_lost))]
+        keep_token(what, token)
         raise
+
+
+def keep_token(what: tuple[object, ...], token: str) -> None:
+    """Keep ``token`` for the next claim of ``what`` in this process (``claim_token``): a claim
+    held by nobody now, whose answer was lost or whose release could not be recorded."""
+    with _lost_lock:
+        _lost[what] = token
+        while len(_lost) > _LOST_KEPT:
+            del _lost[next(iter(_lost))]
 
 
 class Lease:
@@ -100,6 +107,11 @@ class Lease:
             raise StaleState(f"replica {self.replica_id}: {self._lost}")
 
 
+def copy_key(cat: Catalog, checkpoint_id: int, tier: int, part: int) -> tuple[object, ...]:
+    """What a copy claim claims, for ``claim_token``."""
+    return ("copy", cat.url, checkpoint_id, tier, part)
+
+
 class ClaimedCopy:
     """A replica held in ``copying`` under this worker's claim token (see module doc)."""
 
@@ -110,13 +122,14 @@ class ClaimedCopy:
         self.actor, self.what, self.lease_s = actor, what, lease_s
         self.settled = False
         self.lease = Lease(cat, replica.id, self.token, lease_s)
+        self.what_key = copy_key(cat, replica.checkpoint_id, replica.tier, replica.part)
 
     @classmethod
     def take(cls, cat: Catalog, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
              actor: str, lease_s: float = LEASE_S, what: str = "copy") -> tuple[ClaimedCopy | None, ReplicaInfo]:
         """``(held, replica)``: ``held`` is None when the claim was not acquired, and
         ``replica.state`` says why (``verified``: nothing to do)."""
-        with claim_token("copy", cat.url, checkpoint_id, tier, part) as token:
+        with claim_token(*copy_key(cat, checkpoint_id, tier, part)) as token:
             claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor, lease_seconds=lease_s,
                                    token=token)
         if not claim.acquired:
@@ -147,13 +160,18 @@ class ClaimedCopy:
 
     def settle(self, state: str, reason: str) -> None:
         """Record a verdict other than verified (``corrupt``, ``missing``) under the claim; a
-        claim lost meanwhile is logged, not raised (the verdict is raised by the caller)."""
+        claim lost meanwhile is logged, not raised (the verdict is raised by the caller). When
+        the catalog could not be told (a transient error), the claim stays held there by nobody:
+        its token is kept for this process's next claim of the replica (``keep_token``), the
+        step's retry, which takes it back instead of waiting out its lease."""
         self.settled = True
         try:
             self.cat.transition(self.replica.id, state, expected=COPYING, actor=self.actor,
                                 claim_token=self.token, reason=reason[:500])
         except CkptError as lost:
             log.warning("replica %s: could not record %s: %s", self.replica.id, state, lost)
+            if is_transient(lost):
+                keep_token(self.what_key, self.token)
 
     def __enter__(self) -> Self:
         self.lease.start()

@@ -179,6 +179,32 @@ def test_a_lost_claim_is_given_back_to_one_taker_at_a_time(settings_factory, db_
         assert third is not None and third.token != first.token  # settled: a fresh claim, a fresh token
 
 
+def test_a_promotion_whose_release_the_catalog_missed_is_finished_by_its_retry_at_once(settings_factory, db_url,
+                                                                                      monkeypatch):
+    from db.catalog import Catalog
+
+    settings = pipeline_settings(settings_factory, db_url)
+    write_checkpoint(settings.tier0_url, RUN, 100, shards=3)
+    original = Catalog.transition
+
+    def unreachable(self, *args, **kwargs):  # every state change fails: the verdicts and the releases
+        raise CatalogUnavailable("could not connect to server")
+
+    monkeypatch.setattr(Catalog, "transition", unreachable)
+    with pytest.raises(CatalogUnavailable):
+        promote(settings, RUN, 100, steps=plain_steps())
+    monkeypatch.setattr(Catalog, "transition", original)
+    assert replica_states(settings, RUN, 100) == {(0, 0): "copying", (1, 0): "copying"}  # held by nobody
+
+    promote(settings, RUN, 100, steps=plain_steps())  # the step's retry: no lease to wait out
+
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    with open_catalog(settings) as cat:
+        assert sorted(e.action for e in cat.history(RUN, 100) if e.action == "reclaim") == ["reclaim", "reclaim"]
+
+
 # --- S3 5xx --------------------------------------------------------------------------------
 @pytest.fixture
 def flaky_s3(s3_endpoint):
