@@ -454,12 +454,12 @@ class Soak(RuleBasedStateMachine):
             tier2 = "_tier2" if fired.endswith("@tier2") else ""
             STATS["fault_kind:" + (f"kill_at_{where.split('.')[0]}" if kind == "kill" else kind) + tier2] += 1
             self.trace[-1] += f"[{fired}]"
-        # a claim the catalog committed whose answer an outage swallowed, or one whose release the
-        # outage kept from being recorded, is held by nobody, as a killed worker's is: the worker's
-        # own retry takes it back (tasks.claim), another process (a duplicate event's) is told
-        # CopyInProgress (transient: its retries wait) until the lease lapses and reconcile takes
-        # it over. The soak's operations share one process, so it lapses them as after a kill.
-        orphaned = fired.startswith("catalog_outage")
+        # a claim the catalog committed whose answer an outage swallowed is held by nobody, as a
+        # killed worker's is: the product lets its lease lapse (reconcile then takes it over), and
+        # a duplicate in the meantime is told CopyInProgress (transient: its retries wait). One
+        # whose release an outage kept from being recorded is taken back by the next operation
+        # here (tasks.claim keeps its token: the soak's operations share one process)
+        orphaned = "_after_catalog.claim_" in fired
         if (fired.startswith("kill") or orphaned) and lapse_after_kill:
             expire_claims(self.settings["node-0"])  # a lease later, as if the dead worker's lease passed
             STATS["lease_expired_after_kill" if not orphaned else "lease_expired_after_an_orphaned_claim"] += 1
