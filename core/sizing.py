@@ -308,41 +308,51 @@ class OrchestrationLoad:
         return hi
 
 
+def _phase(report: list[dict], server: str) -> dict:
+    """The ``server`` phase of a ``benchmarks/burst.py --json`` report."""
+    for phase in report:
+        if phase.get("server") == server:
+            return phase
+    raise BadInput(f"the burst report has no {server!r} phase")
+
+
+def _server_rest(phase: dict) -> float | None:
+    """The server's cores at rest a phase measured (``--rest``), else None."""
+    rest = (phase.get("rest_cores_by_role") or {}).get("server")
+    return rest if phase.get("rest_s") and rest is not None else None
+
+
 def capacity_from_report(report: list[dict], server: str = "postgres+redis") -> ServerCapacity:
     """The capacity a ``benchmarks/burst.py --json`` report measured for ``server``: its run
     rates, its runs (a phase with fewer flow runs than parts ran one per checkpoint: they count
     per checkpoint, its task runs per part), and, when it watched the stack at rest first
     (``--rest``), the server's CPU per part above its rest."""
-    for phase in report:
-        if phase.get("server") == server:
-            parts = phase["parts"] or 1
-            if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
-                raise BadInput(f"the burst report's {server} phase measured no rates")
-            per_checkpoint = phase["flow_runs"] < parts
-            cpu = None
-            rest = (phase.get("rest_cores_by_role") or {}).get("server")
-            if phase.get("rest_s") and rest is not None and "server" in (phase.get("cpu_by_role") or {}):
-                cpu = max(0.0, phase["cpu_by_role"]["server"] - rest * phase.get("window_s", 0.0)) / parts
-            return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
-                                  0.0 if per_checkpoint else phase["flow_runs"] / parts, phase["task_runs"] / parts,
-                                  source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)",
-                                  flow_runs_per_checkpoint=phase["flow_runs"] if per_checkpoint else 0.0,
-                                  cpu_per_part=cpu)
-    raise BadInput(f"the burst report has no {server!r} phase")
+    phase = _phase(report, server)
+    parts = phase["parts"] or 1
+    if not phase.get("flow_runs_per_s") or not phase.get("task_runs_per_s"):
+        raise BadInput(f"the burst report's {server} phase measured no rates")
+    per_checkpoint = phase["flow_runs"] < parts
+    cpu = None
+    rest = _server_rest(phase)
+    if rest is not None and "server" in (phase.get("cpu_by_role") or {}):
+        cpu = max(0.0, phase["cpu_by_role"]["server"] - rest * phase.get("window_s", 0.0)) / parts
+    return ServerCapacity(phase["flow_runs_per_s"], phase["task_runs_per_s"],
+                          0.0 if per_checkpoint else phase["flow_runs"] / parts, phase["task_runs"] / parts,
+                          source=f"burst report ({phase['parts']} parts, {phase['agents']} agents)",
+                          flow_runs_per_checkpoint=phase["flow_runs"] if per_checkpoint else 0.0,
+                          cpu_per_part=cpu)
 
 
 def rest_from_report(report: list[dict], server: str = "postgres+redis") -> RestLoad | None:
     """The server's cores at rest per agent a ``burst.py --rest`` report measured for ``server``
     (at the poll frequency its agents ran with: not scaled by ``--poll-seconds``); None when it
     did not watch the stack at rest."""
-    for phase in report:
-        if phase.get("server") == server:
-            rest = (phase.get("rest_cores_by_role") or {}).get("server")
-            if not phase.get("rest_s") or rest is None or not phase.get("agents"):
-                return None
-            return RestLoad(cpu_per_poll=0.0, cores_per_agent=rest / phase["agents"],
-                            source=f"burst report ({phase['agents']} agents at rest, at their poll frequency)")
-    raise BadInput(f"the burst report has no {server!r} phase")
+    phase = _phase(report, server)
+    rest = _server_rest(phase)
+    if rest is None or not phase.get("agents"):
+        return None
+    return RestLoad(cpu_per_poll=0.0, cores_per_agent=rest / phase["agents"],
+                    source=f"burst report ({phase['agents']} agents at rest, at their poll frequency)")
 
 
 # --- recovery: how long the cluster waits for its checkpoint back, and what a failure costs -----
