@@ -1,4 +1,5 @@
-"""An optional observer of long copies, for progress bars in the CLI.
+"""An optional observer of long copies, for progress bars in the CLI; and the process's
+heartbeat, when it last moved a byte (``moved``), which tells a hung storage from a slow one.
 
 The pipeline's steps take plain values, so a progress bar cannot be passed down through them;
 instead the CLI installs an observer for the duration of a command (``observe``) and each copy
@@ -9,9 +10,11 @@ worker threads, so it must be thread-safe (rich's ``Progress`` is).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 Observer = Callable[[str, int, int], None]
 _observer: ContextVar[Observer | None] = ContextVar("ckpt_progress_observer", default=None)
@@ -32,3 +35,34 @@ def reporter(label: str, total: int) -> Callable[[int], None] | None:
     if fn is None:
         return None
     return lambda done: fn(label, done, total)
+
+
+# --- the process's heartbeat: when it last moved a byte ----------------------------------------
+# Every byte the pipeline moves is hashed (the manifest's CRC32C) or copied in the kernel, and
+# those loops call ``moved()`` once per chunk (1-4 MiB: a clock read and two stores). A claimed
+# operation whose storage hangs (a file system or object store that stops answering) stops
+# calling it: its lease stops being renewed (``tasks.claim.Lease``, ``copy_stall_seconds``) and
+# the agent stops a part's process (``deployments.part_events``). The clock is CLOCK_MONOTONIC,
+# one for every process of the machine, so a parent can compare a child's beats with its own.
+class _Heart:
+    last = time.monotonic()  # the last beat (the module's import before any)
+    shared: Any = None  # a ``multiprocessing.Value('d')`` the parent reads (``share``)
+
+
+def moved() -> None:
+    """This process moved bytes (or a claimed step came back to its claim) now."""
+    now = _Heart.last = time.monotonic()
+    if _Heart.shared is not None:
+        _Heart.shared.value = now
+
+
+def last_moved() -> float:
+    """``time.monotonic()`` of this process's last ``moved()`` (its start before any)."""
+    return _Heart.last
+
+
+def share(value: Any) -> None:
+    """Also write each beat into ``value`` (a shared ``multiprocessing.Value('d')``), where the
+    process that started this one watches it; starts the count now."""
+    _Heart.shared = value
+    moved()

@@ -196,6 +196,12 @@ class Settings(BaseSettings):
         default=120.0, gt=0,
         description="lease of a claimed copy or prune; renewed every fifth of it while the worker lives",
     )
+    copy_stall_seconds: float = Field(
+        default=600.0, ge=10,
+        description="a claimed copy, verify or restore in which no byte moved for this long is stalled (its "
+                    "storage stopped answering): its lease is no longer renewed, so the part is tried again once "
+                    "the lease lapses, and the agent stops a part's process (one flow run per checkpoint)",
+    )
     tier0_space_wait_seconds: float = Field(
         default=60.0, ge=0,
         description="a save that finds too little free space on Tier 0 runs this node's Tier 0 retention and "

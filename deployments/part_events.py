@@ -30,7 +30,10 @@ from the agent's fork server (as the fast path's warm processes are), which exit
 is done, at the copy priority (``copy_nice``, ``copy_io_class``). A malformed event
 is a rejection in the catalog and one line in the agent's log; a part that fails after its
 retries is one line too (``ckpt.checkpoint.corrupt`` when its bytes were bad), and reconcile
-tries it again; neither stops the next event.
+tries it again; neither stops the next event. Nor does a part whose storage stopped answering:
+its process tells the agent each time it moves bytes (``core.progress.share``), and one that
+moved none for ``copy_stall_seconds`` is killed (``watch_part``); its claim, no longer renewed,
+lapses and reconcile tries the part again.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from core import events
+from core import events, progress
 from core.errors import BadEvent
 from core.events import Announcer, announcing
 from core.settings import Settings
@@ -58,6 +61,8 @@ from deployments.fast_path import LoopThread, process_context
 log = logging.getLogger("ckpt.agent.parts")
 
 RESUBSCRIBE_SECONDS = 5.0
+POLL_S = 5.0  # how often the agent looks at a part's process's beat (``watch_part``)
+KILL_WAIT_S = 10.0  # how long a stalled part's process is given to end once killed
 REQUEST_ATTEMPTS = 4  # asking for a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
 
 
@@ -191,17 +196,45 @@ class PartEvents:
             from tasks.prefect_events import emit  # deferred: start-up — Prefect
 
             return promote_part(self.settings, payload, self.announcer or emit, self.request_followups)
-        process = process_context().Process(target=run_part_process, args=(self.settings, payload, self._env),
-                                            name="ckpt-part", daemon=True)
+        ctx = process_context()
+        beat = ctx.Value("d", time.monotonic(), lock=False)  # when the part's process last moved a byte
+        process = ctx.Process(target=run_part_process, args=(self.settings, payload, self._env, beat),
+                              name="ckpt-part", daemon=True)
         process.start()
-        process.join()
-        if process.exitcode not in (0, 1):  # killed, out of memory: nothing was logged there
+        code = watch_part(process, beat, self.settings.copy_stall_seconds, _what(payload))
+        if code not in (0, 1):  # killed, out of memory, stalled: nothing was logged there
             log.error("promotion of %s: its process (pid %s) exited with code %s (reconcile tries it again)",
-                      _what(payload), process.pid, process.exitcode)
-        return process.exitcode
+                      _what(payload), process.pid, code)
+        return code
 
     def request_followups(self, run: str, step: int, part: int, parts: int) -> None:
         request_followups(self.node, run, step, part, parts)
+
+
+def watch_part(process: Any, beat: Any, stall_s: float, what: str, *, clock: Callable[[], float] = time.monotonic,
+               kill_wait_s: float = KILL_WAIT_S) -> int | None:
+    """Wait for a part's process; its exit code. One whose ``beat`` (``core.progress.share``: the
+    last time it moved a byte) is older than ``stall_s`` is stalled on a storage that stopped
+    answering: it is killed, so the next part is not queued behind it for ever (its claim is no
+    longer renewed either: it lapses, and reconcile tries the part again). A process the kill
+    cannot end within ``kill_wait_s`` (stuck inside the kernel on a hung mount) is left behind
+    and logged: None."""
+    while True:
+        process.join(min(POLL_S, stall_s / 4))
+        if process.exitcode is not None:
+            return process.exitcode
+        idle = clock() - beat.value
+        if idle > stall_s:
+            break
+    log.error("promotion of %s: stalled, no byte moved for %.0f s (copy_stall_seconds %g): its storage does not "
+              "answer; stopping its process (pid %s); reconcile tries the part again", what, idle, stall_s,
+              process.pid)
+    process.kill()
+    process.join(kill_wait_s)
+    if process.exitcode is None:
+        log.error("promotion of %s: its process (pid %s) did not end (stuck in the kernel on the hung storage); "
+                  "left behind, the next part goes on", what, process.pid)
+    return process.exitcode
 
 
 def _what(payload: Mapping[str, Any]) -> str:
@@ -229,12 +262,15 @@ def promote_part(settings: Settings, payload: Mapping[str, Any], announcer: Anno
     return result
 
 
-def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str, str]) -> None:
+def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str, str], beat: Any = None) -> None:
     """A part's promotion in a process forked from the agent's fork server: Prefect's settings
     as the agent's (``fast_path.run_settings``: the agent's own, built before the fork, when the
     environment still says the same), the part's events posted to the API in one request when it
     is done (``EventBatch``: a process that exits leaves nothing queued, as Prefect's websocket
-    worker could), exit code 1 when it failed."""
+    worker could), exit code 1 when it failed. ``beat``: where its byte movement is told to the
+    agent (``watch_part``)."""
+    if beat is not None:
+        progress.share(beat)
     os.environ.update(env)
     from prefect.context import SettingsContext, get_settings_context
 

@@ -8,6 +8,13 @@ its claim and a killed worker's claim lapses after one lease (``LEASE_S``, the o
 policy of the pipeline). Work reports progress through ``held.check`` (or ``held.progress``),
 which raises ``StaleState`` once the claim was lost, so two workers never both publish a replica.
 
+A worker alive but stuck (its storage stopped answering: a hung mount, an object store that
+never replies) would renew its lease for ever and hold the part from every retry. So renewal
+also needs progress: once no byte moved in this process for ``stall_s``
+(``Settings.copy_stall_seconds``; every hashing loop and kernel copy beats ``core.progress``)
+the thread stops renewing, the claim lapses after its lease, reconcile or a retry takes the part
+over, and the stuck worker's next ``check`` raises ``StaleState``: it publishes nothing.
+
 Leaving the ``with`` block by an exception releases the claim (``copying -> missing`` with the
 reason) unless the work already settled the replica (``verified`` or a verdict such as
 ``corrupt``); so a retry may claim it again at once and nothing claims a copy that failed.
@@ -24,12 +31,14 @@ caller at a time, so no two workers ever hold one claim; a killed process's toke
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+from core import progress
 from core.errors import CkptError, StaleState, is_transient
 from db.entities import COPYING, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import log
@@ -74,9 +83,11 @@ class Lease:
     the lease) for as long as its worker holds it: the one renewal of every claimed operation
     (copy, verify, prune). ``check`` raises ``StaleState`` once the claim was lost."""
 
-    def __init__(self, cat: Catalog, replica_id: int, token: str, lease_s: float):
+    def __init__(self, cat: Catalog, replica_id: int, token: str, lease_s: float, *, stall_s: float | None = None):
         self.cat, self.replica_id, self.token, self.lease_s = cat, replica_id, token, lease_s
+        self.stall_s = stall_s  # no byte moved this long: the storage hangs, renewal stops (``stalled``)
         self.beats = 0  # renewals that reached the catalog (tests watch this)
+        self._taken = time.monotonic()
         self._lost: StaleState | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, args=(lease_s / 5,), daemon=True,
@@ -91,8 +102,23 @@ class Lease:
         if self._thread.is_alive():
             self._thread.join()
 
+    def stalled(self, now: float) -> float | None:
+        """Seconds since this process last moved a byte (``core.progress``) or the work came back
+        to its claim (``check``), since the claim was taken, once past ``stall_s``; else None."""
+        if not self.stall_s:
+            return None
+        idle = now - max(self._taken, progress.last_moved())
+        return idle if idle > self.stall_s else None
+
     def _renew(self, every: float) -> None:
         while not self._stop.wait(every):
+            idle = self.stalled(time.monotonic())
+            if idle is not None:  # a hung storage: stop renewing, so the claim lapses and the part is tried again
+                self._lost = StaleState(f"stalled: no byte moved for {idle:.0f} s (copy_stall_seconds "
+                                        f"{self.stall_s:g}): its storage does not answer; the claim is left to "
+                                        f"lapse after its lease")
+                log.error("replica %s: %s", self.replica_id, self._lost)
+                return
             try:
                 self.cat.heartbeat(self.replica_id, self.token)
                 self.beats += 1
@@ -103,8 +129,11 @@ class Lease:
                 log.warning("replica %s: lease renewal failed: %s", self.replica_id, exc)
 
     def check(self) -> None:
+        """Raise ``StaleState`` once the claim was lost; else the work came back to its claim,
+        which counts as progress (``core.progress.moved``)."""
         if self._lost is not None:
             raise StaleState(f"replica {self.replica_id}: {self._lost}")
+        progress.moved()
 
 
 def copy_key(cat: Catalog, checkpoint_id: int, tier: int, part: int) -> tuple[object, ...]:
@@ -116,25 +145,27 @@ class ClaimedCopy:
     """A replica held in ``copying`` under this worker's claim token (see module doc)."""
 
     def __init__(self, cat: Catalog, replica: ReplicaInfo, *, actor: str, lease_s: float = LEASE_S,
-                 what: str = "copy"):
+                 what: str = "copy", stall_s: float | None = None):
         assert replica.claim_token is not None
         self.cat, self.replica, self.token = cat, replica, replica.claim_token
         self.actor, self.what, self.lease_s = actor, what, lease_s
         self.settled = False
-        self.lease = Lease(cat, replica.id, self.token, lease_s)
+        self.lease = Lease(cat, replica.id, self.token, lease_s, stall_s=stall_s)
         self.what_key = copy_key(cat, replica.checkpoint_id, replica.tier, replica.part)
 
     @classmethod
     def take(cls, cat: Catalog, checkpoint_id: int, tier: int, part: int, url: str, *, node: str | None,
-             actor: str, lease_s: float = LEASE_S, what: str = "copy") -> tuple[ClaimedCopy | None, ReplicaInfo]:
+             actor: str, lease_s: float = LEASE_S, what: str = "copy",
+             stall_s: float | None = None) -> tuple[ClaimedCopy | None, ReplicaInfo]:
         """``(held, replica)``: ``held`` is None when the claim was not acquired, and
-        ``replica.state`` says why (``verified``: nothing to do)."""
+        ``replica.state`` says why (``verified``: nothing to do). ``stall_s``: the lease stops
+        being renewed once no byte moved for this long (``Lease.stalled``)."""
         with claim_token(*copy_key(cat, checkpoint_id, tier, part)) as token:
             claim = cat.claim_copy(checkpoint_id, tier, part, url, node=node, actor=actor, lease_seconds=lease_s,
                                    token=token)
         if not claim.acquired:
             return None, claim.replica
-        return cls(cat, claim.replica, actor=actor, lease_s=lease_s, what=what), claim.replica
+        return cls(cat, claim.replica, actor=actor, lease_s=lease_s, what=what, stall_s=stall_s), claim.replica
 
     # --- while held ------------------------------------------------------------------------
     def check(self, *_progress: Any) -> None:

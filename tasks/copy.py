@@ -94,8 +94,8 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
             prior = part_replica(cat, ck.id, dst_tier, part, None)
             held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
-                                         actor=actor,
-                                         lease_s=settings.claim_lease_seconds)
+                                         actor=actor, lease_s=settings.claim_lease_seconds,
+                                         stall_s=settings.copy_stall_seconds)
             if held is None:
                 if source is not None:  # no copy to read it: Tier 0 is checked alone
                     source.verify_alone(settings)
@@ -158,7 +158,7 @@ class _Tier0Source:
     def __enter__(self) -> Self:
         self.held, _ = ClaimedCopy.take(self.cat, self.ck.id, 0, self.part, self.url, node=self.node,
                                         actor=self.actor, what="tier 0 check (by the copy to tier 1)",
-                                        lease_s=self.lease_s)
+                                        lease_s=self.lease_s, stall_s=self._settings.copy_stall_seconds)
         if self.held is not None:
             self.held.__enter__()
         return self

@@ -512,7 +512,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
         manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts)
         prior = part_replica(cat, ck.id, tier, part, None)
         held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
-                                     lease_s=settings.claim_lease_seconds)
+                                     lease_s=settings.claim_lease_seconds, stall_s=settings.copy_stall_seconds)
         if held is None:
             found.cancel()
             if rep.state == VERIFIED:

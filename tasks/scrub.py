@@ -210,7 +210,8 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     src_rep, manifest = found
     dst = stores.get(tier)
     held, rep = ClaimedCopy.take(cat, ck.id, tier, part, dst.url_for(prefix), node=None, actor=actor,
-                                 what="scrub repair", lease_s=settings.claim_lease_seconds)
+                                 what="scrub repair", lease_s=settings.claim_lease_seconds,
+                                 stall_s=settings.copy_stall_seconds)
     if held is None:
         return (f"{ck.run}/step-{ck.step} part {part} tier {tier}: {rep.state} by another worker, "
                 "not repaired here")

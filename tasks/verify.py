@@ -40,7 +40,8 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
         # claim before reading: a replica recorded verified from a read that a prune (or a
         # failed copy) overtook would list files that are gone
         held, _ = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None,
-                                   actor=actor, what="verify", lease_s=settings.claim_lease_seconds)
+                                   actor=actor, what="verify", lease_s=settings.claim_lease_seconds,
+                                   stall_s=settings.copy_stall_seconds)
         with held if held is not None else nullcontext():
             started = time.monotonic()
             try:

@@ -30,6 +30,7 @@ from core.checksum import hash_stream
 from core.errors import BadInput, ConflictError, NotFound, PathEscape
 from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import confine_local, safe_relpath
+from core.progress import moved
 from core.storage import direct
 from core.storage.base import ObjectInfo, TierStore
 from core.storage.common import check_match, map_os_error
@@ -78,6 +79,7 @@ def kernel_copy(
         if n == 0:
             break
         done += n
+        moved()
         if note is not None:
             note(n)
     return done

@@ -205,6 +205,66 @@ def test_a_promotion_whose_release_the_catalog_missed_is_finished_by_its_retry_a
         assert sorted(e.action for e in cat.history(RUN, 100) if e.action == "reclaim") == ["reclaim", "reclaim"]
 
 
+# --- a storage that stops answering -----------------------------------------------------------
+def test_a_copy_whose_storage_hangs_lets_its_claim_lapse_and_publishes_nothing_after_the_retry(
+        settings_factory, db_url, monkeypatch):
+    """Tier 1 stops answering in the middle of a promotion: the worker is alive but stuck. Its
+    claims stop being renewed once no byte moved for copy_stall_seconds, so they lapse and the
+    retry takes the part over at once; when the stuck call returns, the worker publishes nothing."""
+    import threading
+    import time
+
+    from core.errors import StaleState
+    from core.storage import local
+
+    settings = pipeline_settings(settings_factory, db_url).model_copy(
+        update={"claim_lease_seconds": 0.5, "copy_stall_seconds": 0.3})  # below the settings' floor: a test
+    write_checkpoint(settings.tier0_url, RUN, 100, shards=3)
+    hung, released, original = threading.Event(), threading.Event(), local._copy_range
+
+    def copy_range(src_fd, dst_fd, count):
+        if not hung.is_set():  # the first copy into Tier 1 hangs until the test lets it go
+            hung.set()
+            assert released.wait(60)
+        return original(src_fd, dst_fd, count)
+
+    monkeypatch.setattr(local, "_copy_range", copy_range)
+    failed: list[BaseException] = []
+
+    def stuck_promotion() -> None:
+        try:
+            promote(settings, RUN, 100, steps=plain_steps())
+        except BaseException as exc:  # the test looks at it
+            failed.append(exc)
+
+    worker = threading.Thread(target=stuck_promotion)
+    worker.start()
+    try:
+        assert hung.wait(60)
+        deadline = time.monotonic() + 60
+        while True:  # renewed every 0.1 s while it moved; not once it stalled: the lease lapses
+            with open_catalog(settings) as cat:
+                lapsed = [(r.tier, r.state) for r in cat.expired_claims() if r.run == RUN and r.step == 100]
+            if sorted(lapsed) == [(0, "copying"), (1, "copying")]:
+                break
+            assert time.monotonic() < deadline, f"the stuck worker still holds its claims: {lapsed}"
+            time.sleep(0.05)
+
+        promote(settings, RUN, 100, steps=plain_steps())  # the retry (reconcile's, another worker's)
+    finally:
+        released.set()
+        worker.join(60)
+
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, 100):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    assert not [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]
+    assert len(failed) == 1 and isinstance(failed[0], StaleState) and "stalled" in str(failed[0]), failed
+    with open_catalog(settings) as cat:
+        takeovers = [e for e in cat.history(RUN, 100) if "stale claim taken over" in (e.reason or "")]
+    assert len(takeovers) == 2  # the Tier 0 check's claim and the copy's
+
+
 # --- S3 5xx --------------------------------------------------------------------------------
 @pytest.fixture
 def flaky_s3(s3_endpoint):

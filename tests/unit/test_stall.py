@@ -1,0 +1,169 @@
+"""A claimed step whose storage stopped answering (``copy_stall_seconds``): every byte moved beats
+the process's heartbeat (``core.progress``); a lease stops being renewed once no byte moved for
+``stall_s`` (``tasks.claim.Lease``), and the agent kills a part's process that stopped moving
+(``deployments.part_events.watch_part``)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from core import checksum, progress
+from core.errors import StaleState
+from core.storage.local import kernel_copy
+from deployments.part_events import watch_part
+from tasks.claim import Lease
+
+
+@pytest.fixture
+def long_idle(monkeypatch):
+    """The process last moved a byte an hour ago."""
+    monkeypatch.setattr(progress._Heart, "last", time.monotonic() - 3600)
+    monkeypatch.setattr(progress._Heart, "shared", None)
+
+
+def test_hashing_and_kernel_copies_beat_the_heartbeat(long_idle, tmp_path):
+    before = time.monotonic()
+    checksum.hash_stream(io.BytesIO(b"x" * 10_000), 4096)
+    assert progress.last_moved() >= before
+
+    progress._Heart.last = before - 3600
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_bytes(b"y" * 10_000)
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        copied = kernel_copy(s.fileno(), d.fileno(), 10_001)
+    if copied is None:
+        pytest.skip("this file system copies in the kernel nowhere")
+    assert progress.last_moved() >= before
+
+
+def test_a_shared_beat_is_written_where_the_parent_reads_it(long_idle):
+    beat = multiprocessing.get_context("spawn").Value("d", 0.0, lock=False)
+    progress.share(beat)
+    checksum.hash_bytes(b"z")
+    assert beat.value == progress.last_moved() > 0
+
+
+class Beats:
+    """A catalog that takes every heartbeat."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def heartbeat(self, replica_id: int, token: str) -> None:
+        self.count += 1
+
+
+def test_a_lease_counts_as_stalled_only_past_its_limit_since_the_last_byte_or_the_claim(long_idle):
+    lease = Lease(Beats(), 1, "t", 120, stall_s=600)
+    now = time.monotonic()
+    lease._taken = now - 1000
+    progress._Heart.last = now - 599
+    assert lease.stalled(now) is None  # a byte moved 599 s ago
+    progress._Heart.last = now - 601
+    assert lease.stalled(now) == pytest.approx(601)
+    lease._taken = now - 10  # taken 10 s ago: its own work has not started moving yet
+    assert lease.stalled(now) is None
+    lease.check()  # the work came back to its claim: that is progress
+    assert progress.last_moved() >= now
+    assert Lease(Beats(), 1, "t", 120).stalled(now + 10**6) is None  # no limit: never stalled
+
+
+def _wait_for(cond, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_stalled_lease_stops_renewing_and_its_holder_is_told(long_idle, caplog):
+    cat = Beats()
+    lease = Lease(cat, 7, "t", 0.25, stall_s=0.05).start()  # renewed every 0.05 s
+    try:
+        _wait_for(lambda: lease._lost is not None)
+        seen = cat.count
+        time.sleep(0.3)  # six renewal periods
+        assert cat.count == seen  # nobody renews a stalled claim: it lapses after its lease
+        with pytest.raises(StaleState, match="replica 7: stalled: no byte moved"):
+            lease.check()
+    finally:
+        lease.stop()
+    assert "stalled" in caplog.text
+
+
+def test_a_lease_without_a_stall_limit_is_renewed_while_nothing_moves(long_idle):
+    cat = Beats()
+    lease = Lease(cat, 7, "t", 0.25).start()
+    try:
+        _wait_for(lambda: cat.count >= 5)
+        lease.check()
+    finally:
+        lease.stop()
+
+
+def _hang(ready) -> None:
+    ready.set()
+    time.sleep(3600)
+
+
+def _exit_with(code: int) -> None:
+    time.sleep(0.2)
+    os._exit(code)
+
+
+@pytest.fixture
+def ctx():
+    return multiprocessing.get_context("fork")
+
+
+def test_a_part_process_that_moves_no_byte_is_killed_and_the_agent_goes_on(ctx, caplog):
+    beat = ctx.Value("d", time.monotonic(), lock=False)
+    ready = ctx.Event()
+    process = ctx.Process(target=_hang, args=(ready,), daemon=True)
+    process.start()
+    assert ready.wait(30)
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        code = watch_part(process, beat, 0.1, "'r' step 1 part 0")
+    assert code == -9 and not process.is_alive()
+    assert "'r' step 1 part 0: stalled, no byte moved" in caplog.text
+
+
+def test_a_part_process_that_keeps_moving_is_waited_for(ctx):
+    beat = ctx.Value("d", 0.0, lock=False)
+    process = ctx.Process(target=_exit_with, args=(1,), daemon=True)
+    process.start()
+    # its beat always fresh (the clock reads the beat itself): waited for however long it runs
+    assert watch_part(process, beat, 0.05, "x", clock=lambda: beat.value) == 1
+
+
+class Unkillable:
+    """A process stuck in the kernel (a hung mount): the kill does not end it."""
+
+    pid, exitcode = 4242, None
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+
+    def join(self, timeout: float | None = None) -> None:
+        time.sleep(min(timeout or 0, 0.01))
+
+    def kill(self) -> None:
+        self.killed.set()
+
+
+def test_a_part_process_the_kill_cannot_end_is_left_behind(caplog):
+    stuck = Unkillable()
+
+    class Beat:
+        value = 0.0
+
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        assert watch_part(stuck, Beat(), 10, "x", clock=lambda: 11.0, kill_wait_s=0.01) is None
+    assert stuck.killed.is_set()
+    assert "left behind, the next part goes on" in caplog.text
