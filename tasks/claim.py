@@ -23,8 +23,9 @@ A claim whose answer was lost (the catalog committed it, then the connection dro
 call raised), or whose release could not be recorded (the catalog unreachable as the work
 failed), is held by nobody. Its token is kept in this process (``claim_token``), and the
 next claim of the same replica here, the step's retry, asks with that token and gets it back
-(``Catalog.claim_copy(token=...)``; prunes likewise, ``tasks.prune``) instead of meeting it as
-another worker's for a lease (120 s) and then waiting for reconcile. A token is handed to one
+(``Catalog.claim_copy(token=...)``; prunes likewise, ``tasks.prune``, also one whose end could
+not be recorded) instead of meeting it as another worker's for a lease (120 s) and then
+waiting for reconcile. A token is handed to one
 caller at a time, so no two workers ever hold one claim; a killed process's tokens die with it.
 """
 
@@ -139,6 +140,11 @@ class Lease:
 def copy_key(cat: Catalog, checkpoint_id: int, tier: int, part: int) -> tuple[object, ...]:
     """What a copy claim claims, for ``claim_token``."""
     return ("copy", cat.url, checkpoint_id, tier, part)
+
+
+def prune_key(cat: Catalog, replica_id: int) -> tuple[object, ...]:
+    """What a prune claim claims, for ``claim_token``."""
+    return ("prune", cat.url, replica_id)
 
 
 class ClaimedCopy:

@@ -48,6 +48,14 @@ def _tier0(settings, step):
         cat.close()
 
 
+def _history(settings, step):
+    cat = catalog(settings)
+    try:
+        return cat.history(RUN, step)
+    finally:
+        cat.close()
+
+
 def _killed_prune(settings, step, *, delete_manifest: bool) -> int:
     """A prune of step's Tier 0 copy whose worker died (after its manifest delete, or before)."""
     rid = _tier0(settings, step).id
@@ -117,13 +125,35 @@ def test_a_prune_whose_claim_answer_was_lost_is_finished_by_its_retry_at_once(se
 
     assert done.replica_id == rid and replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
     assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()
-    cat = catalog(settings)
-    try:
-        history = cat.history(RUN, 100)
-    finally:
-        cat.close()
+    history = _history(settings, 100)
     assert [e.action for e in history if e.subject == f"replica:{rid}"][-2:] == ["reclaim", "transition"]
     assert any(e.action == "delete" and "taken back" in (e.reason or "") for e in history)
+
+
+def test_a_prune_whose_end_the_catalog_missed_is_finished_by_its_retry_at_once(settings, monkeypatch):
+    from db.catalog import Catalog
+    from tasks.prune import prune_replica
+
+    original, failed = Catalog.transition, []
+
+    def transition(self, replica_id, to_state, **kwargs):  # the prune's end is not recorded: once
+        if to_state == "pruned" and not failed:
+            failed.append(replica_id)
+            raise CatalogUnavailable("could not connect to server")
+        return original(self, replica_id, to_state, **kwargs)
+
+    monkeypatch.setattr(Catalog, "transition", transition)
+    rid = _tier0(settings, 100).id
+    with pytest.raises(CatalogUnavailable):
+        prune_replica(settings, rid, actor="retention", reason="keep_last")
+    assert replica_states(settings, RUN, 100)[(0, 0)] == "pruning"  # its files gone, held by nobody
+    assert not ckpt_dir(settings.tier0_url, RUN, 100).exists()
+
+    done = prune_replica(settings, rid, actor="retention", reason="keep_last")  # the task's retry: no lease to wait
+
+    assert done.replica_id == rid and replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
+    history = _history(settings, 100)
+    assert [e.action for e in history if e.subject == f"replica:{rid}"][-2:] == ["reclaim", "transition"]
 
 
 def test_reconcile_leaves_a_live_prune_alone(settings):
