@@ -200,7 +200,8 @@ class Settings(BaseSettings):
         default=600.0, ge=10,
         description="a claimed copy, verify or restore in which no byte moved for this long is stalled (its "
                     "storage stopped answering): its lease is no longer renewed, so the part is tried again once "
-                    "the lease lapses, and the agent stops a part's process (one flow run per checkpoint)",
+                    "the lease lapses, and the agent kills the process of a promotion that stalled (a part's, or a "
+                    "promote run's warm process)",
     )
     tier0_space_wait_seconds: float = Field(
         default=60.0, ge=0,

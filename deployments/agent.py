@@ -201,7 +201,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
         with part_events(settings) if settings.promote_runs == "checkpoint" else nullcontext():
             if settings.fast_path:
-                with fast_path(settings.node, spare=settings.warm_spare):
+                with fast_path(settings.node, spare=settings.warm_spare, stall_s=settings.copy_stall_seconds):
                     serve_runner(deployments, limit=limit, warm=settings.runner_warm)
             else:
                 serve(*deployments, limit=limit, print_starting_message=True)

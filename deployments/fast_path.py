@@ -23,7 +23,9 @@ pipeline before the flow body starts: seconds, most of the total. The agent ther
    at once to a process forked for it, which runs it as soon as it is warm;
 4. supervises it: a process that exits before its run is final (killed, out of memory) leaves
    the run ``Crashed``, as Prefect's runner does for the processes it starts; a run cancelled
-   from the UI has its process stopped and ends ``Cancelled``.
+   from the UI has its process stopped and ends ``Cancelled``; a run that moved no byte for
+   ``copy_stall_seconds`` (its storage stopped answering) has its process killed
+   (``watch_stall``, whichever path started it) and ends ``Crashed`` with that reason.
 
 Nothing here creates flow runs: the deployment trigger stays the one source of runs, so a
 duplicate event is still one run and the UI shows the same runs as before. The runner stays the
@@ -49,6 +51,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
@@ -56,6 +59,7 @@ from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
+from core import progress
 from core.errors import NotFound
 from deployments import names
 from deployments.tls import SharedVerifiedContexts, share_verified_contexts
@@ -67,6 +71,33 @@ CANCELLING = "prefect.flow-run.Cancelling"
 READY = "ready"
 DUE_WITHIN = timedelta(seconds=1)  # a run scheduled later than this (on purpose) is the runner's
 RESUBSCRIBE_SECONDS = 5.0
+STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
+KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
+
+
+def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
+                clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S) -> str | None:
+    """Wait until ``process`` (a ``multiprocessing`` process: only its sentinel is waited on, so
+    whoever else joins it still gets its exit code) ends. Once its ``beat`` (``core.progress.share``:
+    when it last moved a byte) is older than ``stall_s`` it is stalled on a storage that stopped
+    answering, and killed: nothing queues behind it for ever, and its claims, no longer renewed,
+    lapse for reconcile. A process the kill cannot end within ``kill_wait_s`` (stuck inside the
+    kernel on a hung mount) is left behind, logged. Returns why it was killed, or None."""
+    from multiprocessing.connection import wait
+
+    while not wait([process.sentinel], min(STALL_POLL_S, stall_s / 4)):
+        idle = clock() - beat.value
+        if idle > stall_s:
+            break
+    else:
+        return None
+    why = f"stalled, no byte moved for {idle:.0f} s (copy_stall_seconds {stall_s:g}): its storage does not answer"
+    log.error("%s: %s; stopping its process (pid %s); reconcile tries the part again", what, why, process.pid)
+    process.kill()
+    if not wait([process.sentinel], kill_wait_s):
+        log.error("%s: its process (pid %s) did not end (stuck in the kernel on the hung storage); left behind, "
+                  "the next run goes on", what, process.pid)
+    return why
 
 
 def claim_message(node: str) -> str:
@@ -292,11 +323,11 @@ def process_context() -> Any:
     return multiprocessing.get_context("forkserver" if running else "spawn")
 
 
-def run_warm(conn: Any, env: dict[str, str]) -> None:
+def run_warm(conn: Any, env: dict[str, str], beat: Any = None) -> None:
     """The warm process: import what a promote run needs and build Prefect's settings, say
     ready, run the one flow run it is then given (a ``FlowRun`` as JSON over ``conn``; None: stop), exit.
     Prefect's engine records every outcome of the flow itself; the process dying is the
-    supervisor's to record."""
+    supervisor's to record. ``beat``: where the run tells the agent it moves bytes (``watch_stall``)."""
     os.environ.update(env)
     from prefect.client.schemas.objects import FlowRun
     from prefect.context import SettingsContext, get_settings_context
@@ -316,6 +347,8 @@ def run_warm(conn: Any, env: dict[str, str]) -> None:
             conn.send(READY)
         flow_run = conn.recv()
         if flow_run is not None:
+            if beat is not None:
+                progress.share(beat)
             run_flow(flow, flow_run=FlowRun.model_validate(flow_run), return_type="state")
 
 
@@ -347,7 +380,10 @@ class WarmProcess:
 
     def __init__(self, ctx: Any, env: dict[str, str]) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=run_warm, args=(child, env), name="ckpt-promote-warm", daemon=True)
+        self.beat = ctx.Value("d", 0.0, lock=False)  # when its run last moved a byte (``watch_stall``)
+        self.stalled: str | None = None  # why it was killed, once its run stalled
+        self.process = ctx.Process(target=run_warm, args=(child, env, self.beat), name="ckpt-promote-warm",
+                                   daemon=True)
         self.process.start()
         child.close()
         self._ready = False
@@ -361,8 +397,17 @@ class WarmProcess:
             return False
         return self._ready and self.process.is_alive()
 
-    def run(self, flow_run: Any) -> None:
+    def run(self, flow_run: Any, stall_s: float | None = None) -> None:
+        """Hand ``flow_run`` over; with ``stall_s``, a thread kills the process once the run moved
+        no byte for that long (``watch_stall``: a hung storage), whoever supervises it."""
+        self.beat.value = time.monotonic()  # counted from now: the run shares its beats once it starts
         self.conn.send(flow_run.model_dump(mode="json"))
+        if stall_s:
+            _in_context(self._watch, stall_s, f"promote run {getattr(flow_run, 'name', flow_run.id)}",
+                        name=f"ckpt-stall-{self.process.pid}")
+
+    def _watch(self, stall_s: float, what: str) -> None:
+        self.stalled = watch_stall(self.process, self.beat, stall_s, what)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():
@@ -418,11 +463,12 @@ class LoopThread:
 class FastPath:
     """The subscription, the warm processes and the supervision of the runs they run."""
 
-    def __init__(self, node: str, *, spare: bool = False) -> None:
+    def __init__(self, node: str, *, spare: bool = False, stall_s: float | None = None) -> None:
         from prefect.settings import get_current_settings
 
         self.node = node
         self.spare = spare  # keep a warm process forked ahead of the next run (Settings.warm_spare)
+        self.stall_s = stall_s  # a run that moved no byte this long is killed (Settings.copy_stall_seconds)
         self._ctx = process_context()
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
         self._lock = threading.Lock()
@@ -447,7 +493,7 @@ class FastPath:
             warm = WarmProcess(self._ctx, self._env)
         self._refill()
         try:
-            warm.run(flow_run)
+            warm.run(flow_run, self.stall_s)
         finally:
             warm.conn.close()  # the run is in the pipe; the runner watches the process itself
         return warm.process
@@ -566,7 +612,7 @@ class FastPath:
         _in_context(self._supervise, flow_run_id, warm, name=f"ckpt-fast-path-{flow_run_id}")
         self._refill()
         try:
-            warm.run(flow_run.model_copy(update={"state": result.state}))  # as claimed: no read back
+            warm.run(flow_run.model_copy(update={"state": result.state}), self.stall_s)  # as claimed: no read back
         except Exception:
             warm.process.terminate()  # claimed but never started: the supervisor records it Crashed
             raise
@@ -624,7 +670,8 @@ class FastPath:
         with self._lock:
             self._running.pop(flow_run_id, None)
         self._finish(flow_run_id, f"the flow process (pid {warm.process.pid}) exited with code "
-                                  f"{warm.process.exitcode} before the run finished")
+                                  f"{warm.process.exitcode} before the run finished"
+                                  + (f": killed, {warm.stalled}" if warm.stalled else ""))
 
     def _cancel(self, flow_run_id: UUID) -> None:
         """A run cancelled from the UI or the API: stop its process (``_finish`` records it)."""
@@ -700,10 +747,11 @@ def run_in_warm_process(flow: Any, flow_run: Any = None, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def fast_path(node: str, *, spare: bool = False) -> Iterator[FastPath]:
+def fast_path(node: str, *, spare: bool = False, stall_s: float | None = None) -> Iterator[FastPath]:
     """The fast path of ``node``'s agent for the duration of the block (around ``serve``);
-    ``spare``: a warm process kept forked ahead of the next run (``FastPath.spare``)."""
-    path = FastPath(node, spare=spare)
+    ``spare``: a warm process kept forked ahead of the next run (``FastPath.spare``); ``stall_s``:
+    a run that moved no byte for this long is killed (``watch_stall``)."""
+    path = FastPath(node, spare=spare, stall_s=stall_s)
     path.start()
     try:
         yield path

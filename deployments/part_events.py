@@ -32,7 +32,7 @@ is a rejection in the catalog and one line in the agent's log; a part that fails
 retries is one line too (``ckpt.checkpoint.corrupt`` when its bytes were bad), and reconcile
 tries it again; neither stops the next event. Nor does a part whose storage stopped answering:
 its process tells the agent each time it moves bytes (``core.progress.share``), and one that
-moved none for ``copy_stall_seconds`` is killed (``watch_part``); its claim, no longer renewed,
+moved none for ``copy_stall_seconds`` is killed (``fast_path.watch_stall``); its claim, no longer renewed,
 lapses and reconcile tries the part again.
 """
 
@@ -46,7 +46,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -56,13 +56,11 @@ from core.errors import BadEvent
 from core.events import Announcer, announcing
 from core.settings import Settings
 from deployments import names
-from deployments.fast_path import LoopThread, process_context
+from deployments.fast_path import KILL_WAIT_S, LoopThread, process_context, watch_stall
 
 log = logging.getLogger("ckpt.agent.parts")
 
 RESUBSCRIBE_SECONDS = 5.0
-POLL_S = 5.0  # how often the agent looks at a part's process's beat (``watch_part``)
-KILL_WAIT_S = 10.0  # how long a stalled part's process is given to end once killed
 REQUEST_ATTEMPTS = 4  # asking for a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
 
 
@@ -201,7 +199,9 @@ class PartEvents:
         process = ctx.Process(target=run_part_process, args=(self.settings, payload, self._env, beat),
                               name="ckpt-part", daemon=True)
         process.start()
-        code = watch_part(process, beat, self.settings.copy_stall_seconds, _what(payload))
+        watch_stall(process, beat, self.settings.copy_stall_seconds, f"promotion of {_what(payload)}")
+        process.join(KILL_WAIT_S)  # ended, or killed; one the kill could not end is left behind
+        code = process.exitcode
         if code not in (0, 1):  # killed, out of memory, stalled: nothing was logged there
             log.error("promotion of %s: its process (pid %s) exited with code %s (reconcile tries it again)",
                       _what(payload), process.pid, code)
@@ -209,32 +209,6 @@ class PartEvents:
 
     def request_followups(self, run: str, step: int, part: int, parts: int) -> None:
         request_followups(self.node, run, step, part, parts)
-
-
-def watch_part(process: Any, beat: Any, stall_s: float, what: str, *, clock: Callable[[], float] = time.monotonic,
-               kill_wait_s: float = KILL_WAIT_S) -> int | None:
-    """Wait for a part's process; its exit code. One whose ``beat`` (``core.progress.share``: the
-    last time it moved a byte) is older than ``stall_s`` is stalled on a storage that stopped
-    answering: it is killed, so the next part is not queued behind it for ever (its claim is no
-    longer renewed either: it lapses, and reconcile tries the part again). A process the kill
-    cannot end within ``kill_wait_s`` (stuck inside the kernel on a hung mount) is left behind
-    and logged: None."""
-    while True:
-        process.join(min(POLL_S, stall_s / 4))
-        if process.exitcode is not None:
-            return process.exitcode
-        idle = clock() - beat.value
-        if idle > stall_s:
-            break
-    log.error("promotion of %s: stalled, no byte moved for %.0f s (copy_stall_seconds %g): its storage does not "
-              "answer; stopping its process (pid %s); reconcile tries the part again", what, idle, stall_s,
-              process.pid)
-    process.kill()
-    process.join(kill_wait_s)
-    if process.exitcode is None:
-        log.error("promotion of %s: its process (pid %s) did not end (stuck in the kernel on the hung storage); "
-                  "left behind, the next part goes on", what, process.pid)
-    return process.exitcode
 
 
 def _what(payload: Mapping[str, Any]) -> str:
@@ -268,7 +242,7 @@ def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str,
     environment still says the same), the part's events posted to the API in one request when it
     is done (``EventBatch``: a process that exits leaves nothing queued, as Prefect's websocket
     worker could), exit code 1 when it failed. ``beat``: where its byte movement is told to the
-    agent (``watch_part``)."""
+    agent (``fast_path.watch_stall``)."""
     if beat is not None:
         progress.share(beat)
     os.environ.update(env)

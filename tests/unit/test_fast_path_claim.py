@@ -62,7 +62,7 @@ class Warm:
             self.events.append(("warm ready",))
         return ok
 
-    def run(self, flow_run) -> None:
+    def run(self, flow_run, stall_s=None) -> None:
         self.events.append(("run", flow_run.state.type.value))
 
     def stop(self) -> None:

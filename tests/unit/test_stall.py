@@ -1,7 +1,7 @@
 """A claimed step whose storage stopped answering (``copy_stall_seconds``): every byte moved beats
 the process's heartbeat (``core.progress``); a lease stops being renewed once no byte moved for
-``stall_s`` (``tasks.claim.Lease``), and the agent kills a part's process that stopped moving
-(``deployments.part_events.watch_part``)."""
+``stall_s`` (``tasks.claim.Lease``), and the agent kills a part's process or a promote run's warm
+process that stopped moving (``deployments.fast_path.watch_stall``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from core import checksum, progress
 from core.errors import StaleState
 from core.storage.local import kernel_copy
-from deployments.part_events import watch_part
+from deployments.fast_path import WarmProcess, watch_stall
 from tasks.claim import Lease
 
 
@@ -122,48 +122,78 @@ def ctx():
     return multiprocessing.get_context("fork")
 
 
-def test_a_part_process_that_moves_no_byte_is_killed_and_the_agent_goes_on(ctx, caplog):
+def test_a_process_that_moves_no_byte_is_killed(ctx, caplog):
     beat = ctx.Value("d", time.monotonic(), lock=False)
     ready = ctx.Event()
     process = ctx.Process(target=_hang, args=(ready,), daemon=True)
     process.start()
     assert ready.wait(30)
-    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
-        code = watch_part(process, beat, 0.1, "'r' step 1 part 0")
-    assert code == -9 and not process.is_alive()
-    assert "'r' step 1 part 0: stalled, no byte moved" in caplog.text
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.fast_path"):
+        why = watch_stall(process, beat, 0.1, "promotion of 'r' step 1 part 0")
+    process.join(30)
+    assert process.exitcode == -9 and why is not None and why.startswith("stalled, no byte moved")
+    assert "promotion of 'r' step 1 part 0: stalled, no byte moved" in caplog.text
 
 
-def test_a_part_process_that_keeps_moving_is_waited_for(ctx):
+def test_a_process_that_keeps_moving_is_waited_for_and_its_code_left_to_whoever_joins_it(ctx):
     beat = ctx.Value("d", 0.0, lock=False)
     process = ctx.Process(target=_exit_with, args=(1,), daemon=True)
     process.start()
     # its beat always fresh (the clock reads the beat itself): waited for however long it runs
-    assert watch_part(process, beat, 0.05, "x", clock=lambda: beat.value) == 1
+    assert watch_stall(process, beat, 0.05, "x", clock=lambda: beat.value) is None
+    process.join(30)
+    assert process.exitcode == 1
+
+
+def test_a_warm_process_whose_run_stalls_is_killed_and_says_why(ctx, monkeypatch):
+    """The fast path's warm process: its beat counts from the hand-over, and with a stall limit a
+    thread watches it whoever supervises it (the fast path, or Prefect's runner)."""
+    import deployments.fast_path as fp
+
+    monkeypatch.setattr(fp, "run_warm", lambda conn, env, beat: (conn.recv(), time.sleep(3600)))  # a run that hangs
+    warm = WarmProcess(ctx, {})
+
+    class Run:
+        id, name = "f-1", "wary-otter"
+
+        def model_dump(self, mode: str) -> dict:
+            return {}
+
+    before = time.monotonic()
+    warm.run(Run(), stall_s=0.1)
+    assert warm.beat.value >= before  # not the creation's: a spare may have waited for hours
+    warm.process.join(30)
+    assert warm.process.exitcode == -9
+    deadline = time.monotonic() + 30
+    while warm.stalled is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert warm.stalled is not None and warm.stalled.startswith("stalled, no byte moved")
 
 
 class Unkillable:
     """A process stuck in the kernel (a hung mount): the kill does not end it."""
 
-    pid, exitcode = 4242, None
+    pid = 4242
 
     def __init__(self) -> None:
         self.killed = threading.Event()
-
-    def join(self, timeout: float | None = None) -> None:
-        time.sleep(min(timeout or 0, 0.01))
+        self.sentinel, self._w = os.pipe()  # never ready: nobody writes or closes the other end
 
     def kill(self) -> None:
         self.killed.set()
 
 
-def test_a_part_process_the_kill_cannot_end_is_left_behind(caplog):
+def test_a_process_the_kill_cannot_end_is_left_behind(caplog):
     stuck = Unkillable()
 
     class Beat:
         value = 0.0
 
-    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
-        assert watch_part(stuck, Beat(), 10, "x", clock=lambda: 11.0, kill_wait_s=0.01) is None
+    try:
+        with caplog.at_level(logging.ERROR, logger="ckpt.agent.fast_path"):
+            assert watch_stall(stuck, Beat(), 10, "x", clock=lambda: 11.0, kill_wait_s=0.01) is not None
+    finally:
+        os.close(stuck.sentinel)
+        os.close(stuck._w)
     assert stuck.killed.is_set()
-    assert "left behind, the next part goes on" in caplog.text
+    assert "left behind, the next run goes on" in caplog.text
