@@ -76,13 +76,15 @@ KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 
 
 def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
-                clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S) -> str | None:
+                clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S,
+                on_stall: Callable[[str], object] | None = None) -> str | None:
     """Wait until ``process`` (a ``multiprocessing`` process: only its sentinel is waited on, so
     whoever else joins it still gets its exit code) ends. Once its ``beat`` (``core.progress.share``:
     when it last moved a byte) is older than ``stall_s`` it is stalled on a storage that stopped
     answering, and killed: nothing queues behind it for ever, and its claims, no longer renewed,
     lapse for reconcile. A process the kill cannot end within ``kill_wait_s`` (stuck inside the
-    kernel on a hung mount) is left behind, logged. Returns why it was killed, or None."""
+    kernel on a hung mount) is left behind, logged. Returns why it was killed, or None;
+    ``on_stall(why)`` hears it before the kill (whoever joins the process then knows why)."""
     from multiprocessing.connection import wait
 
     while not wait([process.sentinel], min(STALL_POLL_S, stall_s / 4)):
@@ -93,6 +95,8 @@ def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
         return None
     why = f"stalled, no byte moved for {idle:.0f} s (copy_stall_seconds {stall_s:g}): its storage does not answer"
     log.error("%s: %s; stopping its process (pid %s); reconcile tries the part again", what, why, process.pid)
+    if on_stall is not None:
+        on_stall(why)
     process.kill()
     if not wait([process.sentinel], kill_wait_s):
         log.error("%s: its process (pid %s) did not end (stuck in the kernel on the hung storage); left behind, "
@@ -407,7 +411,10 @@ class WarmProcess:
                         name=f"ckpt-stall-{self.process.pid}")
 
     def _watch(self, stall_s: float, what: str) -> None:
-        self.stalled = watch_stall(self.process, self.beat, stall_s, what)
+        watch_stall(self.process, self.beat, stall_s, what, on_stall=self._stalled)
+
+    def _stalled(self, why: str) -> None:
+        self.stalled = why
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.is_alive():

@@ -164,10 +164,7 @@ def test_a_warm_process_whose_run_stalls_is_killed_and_says_why(ctx, monkeypatch
     assert warm.beat.value >= before  # not the creation's: a spare may have waited for hours
     warm.process.join(30)
     assert warm.process.exitcode == -9
-    deadline = time.monotonic() + 30
-    while warm.stalled is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert warm.stalled is not None and warm.stalled.startswith("stalled, no byte moved")
+    assert warm.stalled is not None and warm.stalled.startswith("stalled, no byte moved")  # known once it is dead
 
 
 class Unkillable:
