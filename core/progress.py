@@ -10,6 +10,8 @@ worker threads, so it must be thread-safe (rich's ``Progress`` is).
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,18 +49,41 @@ def reporter(label: str, total: int) -> Callable[[int], None] | None:
 class _Heart:
     last = time.monotonic()  # the last beat (the module's import before any)
     shared: Any = None  # a ``multiprocessing.Value('d')`` the parent reads (``share``)
+    held = 0  # phases under way that must not be cut short (``uninterrupted``)
+    lock = threading.Lock()
 
 
 def moved() -> None:
     """This process moved bytes (or a claimed step came back to its claim) now."""
     now = _Heart.last = time.monotonic()
-    if _Heart.shared is not None:
+    if _Heart.shared is not None and not _Heart.held:
         _Heart.shared.value = now
 
 
 def last_moved() -> float:
-    """``time.monotonic()`` of this process's last ``moved()`` (its start before any)."""
-    return _Heart.last
+    """``time.monotonic()`` of this process's last ``moved()`` (its start before any); infinite
+    (never stalled) while an ``uninterrupted`` phase runs."""
+    return math.inf if _Heart.held else _Heart.last
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A phase that must not be cut short once begun: deleting a part's published files under a
+    claim (a corrupt copy before it is copied again, a scrub repair's rotten copy, a failed
+    copy's retraction). A worker stalled there and taken over, which then woke, would go on
+    deleting names the new holder had published meanwhile. While one runs the process never
+    counts as stalled (its claims keep being renewed, the agent does not kill it): a hang there
+    holds the part, as every hang did before stalls were detected."""
+    with _Heart.lock:
+        _Heart.held += 1
+        if _Heart.shared is not None:
+            _Heart.shared.value = math.inf
+    try:
+        yield
+    finally:
+        with _Heart.lock:
+            _Heart.held -= 1
+        moved()
 
 
 def share(value: Any) -> None:

@@ -20,6 +20,7 @@ from core.formats import WIDE_FILES
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
 from core.manifest_build import read_manifest
+from core.progress import uninterrupted
 from core.settings import Settings
 from core.storage import open_store
 from core.storage.base import TierStore
@@ -109,22 +110,25 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
     with a live copy on this tier still lists (``shared_paths``), takes the checkpoint-wide
     files of other parts a resume brought in beside it (``brought_in``), and removes the folder
     once nothing is left in it. The deletion is audited
-    with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained."""
+    with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained.
+    It is never cut short for a stall (``core.progress.uninterrupted``): a worker taken over
+    mid-delete that then woke would delete what the new holder published."""
     prefix = checkpoint_prefix(run, step)
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
-    if parts == 1:
-        return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
-    ck = cat.get_checkpoint(run, step)
-    paths = [f.path for f in cat.files(ck.id, part)]
-    deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
-                                keep=shared_paths(cat, ck.id, part, store.tier))
-    for path in brought_in(cat, ck.id, part, store.tier):  # not the part's own: a leftover is only logged
-        try:
-            deleted += int(store.delete(f"{prefix}/{path}"))
-        except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
-            log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
-    store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
-    return deleted
+    with uninterrupted():
+        if parts == 1:
+            return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
+        ck = cat.get_checkpoint(run, step)
+        paths = [f.path for f in cat.files(ck.id, part)]
+        deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
+                                    keep=shared_paths(cat, ck.id, part, store.tier))
+        for path in brought_in(cat, ck.id, part, store.tier):  # not the part's own: a leftover is only logged
+            try:
+                deleted += int(store.delete(f"{prefix}/{path}"))
+            except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
+                log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
+        store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
+        return deleted
 
 
 def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,

@@ -27,7 +27,7 @@ from core import events, formats, transfer
 from core.errors import CopyInProgress, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix
 from core.manifest import Manifest
-from core.progress import reporter
+from core.progress import reporter, uninterrupted
 from core.settings import Settings
 from core.space import Reading, free_bytes, headroom
 from core.storage.base import TierStore
@@ -256,10 +256,11 @@ def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, key
         if doomed:
             cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
                                 f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
+        with uninterrupted():  # never cut short for a stall: see tasks.base.delete_part
             for key in doomed:
                 store.delete(key)
-        if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
-            store.delete_prefix(prefix)
+            if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
+                store.delete_prefix(prefix)
     except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear
         log.warning("%s/%s part %s: could not retract %d uncommitted file(s) from tier %s: %s",
                     run, step, part, len(doomed), store.tier, exc)

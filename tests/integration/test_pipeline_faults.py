@@ -206,6 +206,13 @@ def test_a_promotion_whose_release_the_catalog_missed_is_finished_by_its_retry_a
 
 
 # --- a storage that stops answering -----------------------------------------------------------
+def assert_promoted(settings, step: int) -> None:
+    """Both copies verified, and Tier 1 holds Tier 0's bytes."""
+    assert replica_states(settings, RUN, step) == {(0, 0): "verified", (1, 0): "verified"}
+    for src in shard_paths(settings.tier0_url, RUN, step):
+        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, step) / src.name)
+
+
 def test_a_copy_whose_storage_hangs_lets_its_claim_lapse_and_publishes_nothing_after_the_retry(
         settings_factory, db_url, monkeypatch):
     """Tier 1 stops answering in the middle of a promotion: the worker is alive but stuck. Its
@@ -255,14 +262,66 @@ def test_a_copy_whose_storage_hangs_lets_its_claim_lapse_and_publishes_nothing_a
         released.set()
         worker.join(60)
 
-    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
-    for src in shard_paths(settings.tier0_url, RUN, 100):
-        assert same_bytes(src, ckpt_dir(settings.tier1_url, RUN, 100) / src.name)
+    assert_promoted(settings, 100)
     assert not [p for p in published_files(settings.tier1_url, RUN, 100) if ".ckpt-staging-" in p]
     assert len(failed) == 1 and isinstance(failed[0], StaleState) and "stalled" in str(failed[0]), failed
     with open_catalog(settings) as cat:
         takeovers = [e for e in cat.history(RUN, 100) if "stale claim taken over" in (e.reason or "")]
     assert len(takeovers) == 2  # the Tier 0 check's claim and the copy's
+
+
+def test_a_copy_that_hangs_while_deleting_a_corrupt_copy_keeps_its_claim(settings_factory, db_url, monkeypatch):
+    """Deleting published bytes is never cut short for a stall: a worker taken over mid-delete
+    that then woke would go on deleting what the new holder published. So a promotion that hangs
+    while it deletes the corrupt Tier 1 copy it is about to replace keeps renewing its claim (no
+    takeover), and finishes once the storage answers."""
+    import threading
+    import time
+
+    from core.storage.local import LocalStore
+    from tasks.claim import Lease
+
+    settings = pipeline_settings(settings_factory, db_url).model_copy(
+        update={"claim_lease_seconds": 2.0, "copy_stall_seconds": 0.3})  # below the settings' floor: a test
+    write_checkpoint(settings.tier0_url, RUN, 100, shards=3)
+    promote(settings, RUN, 100, steps=plain_steps())
+    with open_catalog(settings) as cat:
+        rep = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id) if r.tier == 1)
+        cat.transition(rep.id, "corrupt", expected="verified", actor="test", reason="test: found rotten")
+    leases: list[Lease] = []
+    original_start, original_delete = Lease.start, LocalStore.delete_prefix
+    hung, released = threading.Event(), threading.Event()
+
+    def start(self):
+        leases.append(self)
+        return original_start(self)
+
+    def delete_prefix(self, prefix):  # the corrupt copy's folder: the storage stops answering
+        if self.tier == 1 and not hung.is_set():
+            hung.set()
+            assert released.wait(60)
+        return original_delete(self, prefix)
+
+    monkeypatch.setattr(Lease, "start", start)
+    monkeypatch.setattr(LocalStore, "delete_prefix", delete_prefix)
+    worker = threading.Thread(target=promote, args=(settings, RUN, 100), kwargs={"steps": plain_steps()})
+    worker.start()
+    try:
+        assert hung.wait(60)
+        held = next(lease for lease in leases if lease.replica_id == rep.id)
+        beats, deadline = held.beats, time.monotonic() + 60
+        while held.beats < beats + 2:  # two renewals (every 0.4 s) after the stall limit passed
+            assert held._lost is None, f"taken for stalled mid-delete: {held._lost}"
+            assert time.monotonic() < deadline, "no renewal while the delete hangs"
+            time.sleep(0.05)
+        held.check()  # still its holder
+        with open_catalog(settings) as cat:
+            assert not [r for r in cat.expired_claims() if r.id == rep.id]
+    finally:
+        released.set()
+        worker.join(60)
+
+    assert_promoted(settings, 100)
 
 
 # --- S3 5xx --------------------------------------------------------------------------------

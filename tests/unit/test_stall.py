@@ -75,6 +75,23 @@ def test_a_lease_counts_as_stalled_only_past_its_limit_since_the_last_byte_or_th
     assert Lease(Beats(), 1, "t", 120).stalled(now + 10**6) is None  # no limit: never stalled
 
 
+def test_an_uninterrupted_phase_never_counts_as_stalled_here_or_in_the_parent(long_idle):
+    beat = multiprocessing.get_context("spawn").Value("d", 0.0, lock=False)
+    progress.share(beat)
+    lease = Lease(Beats(), 1, "t", 120, stall_s=600)
+    now = time.monotonic()
+    lease._taken = progress._Heart.last = now - 10_000
+    with progress.uninterrupted():
+        with progress.uninterrupted():  # nested: still held until the outer one ends
+            pass
+        assert lease.stalled(now) is None
+        assert beat.value == float("inf")  # the agent's watch: idle is negative, never past the limit
+        checksum.hash_bytes(b"x")  # a beat meanwhile does not end it
+        assert beat.value == float("inf")
+    assert beat.value == progress.last_moved() >= now  # its end counts as a beat
+    assert lease.stalled(now + 601) is not None
+
+
 def _wait_for(cond, limit: float = 30.0) -> None:
     deadline = time.monotonic() + limit
     while not cond():
