@@ -367,6 +367,7 @@ def copy_part(
                                     "than were copied", path=manifest.name)
         marker = final.to_json()
     if not committed:
+        counter.add(0)  # the caller's last word first (a claim lost while the last file was written: no commit)
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]
     return TransferReport(len(copied), sum(copied), time.monotonic() - t0, len(results) - len(copied))

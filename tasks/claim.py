@@ -13,7 +13,8 @@ never replies) would renew its lease for ever and hold the part from every retry
 also needs progress: once no byte moved in this process for ``stall_s``
 (``Settings.copy_stall_seconds``; every hashing loop and kernel copy beats ``core.progress``)
 the thread stops renewing, the claim lapses after its lease, reconcile or a retry takes the part
-over, and the stuck worker's next ``check`` raises ``StaleState``: it publishes nothing. A
+over, and the stuck worker's next ``check`` raises ``StaleState``: it records nothing, and
+commits no part (``transfer.copy_part`` checks once more before the manifest). A
 deletion of published files is never cut short (``core.progress.uninterrupted``): a worker taken
 over mid-delete that then woke would delete what the new holder had published. The
 heartbeat is the process's, not the claim's (a read-back or an fsync reports to no claim): in a

@@ -49,6 +49,30 @@ def test_copy_tier0_to_tier1_then_verify(tiers):
     assert (again.files, again.skipped) == (0, len(m.files))
 
 
+def test_a_copy_whose_caller_lost_its_claim_after_the_last_file_commits_nothing(tiers, monkeypatch):
+    """The progress callback (a claim's check) is asked once more before the manifest: a worker
+    whose claim was lost while its last file was written (a stall, a takeover) never commits."""
+    t0, t1 = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=MiB)
+    lost, put, written = [], t1.put_verified, []
+
+    def put_verified(key, *args, **kwargs):
+        info = put(key, *args, **kwargs)
+        written.append(key)
+        if len(written) == len(m.files):
+            lost.append(key)  # the claim went while the last file was published
+        return info
+
+    def check(done: int) -> None:
+        if lost:
+            raise ConflictError("the claim was lost")
+
+    monkeypatch.setattr(t1, "put_verified", put_verified)
+    with pytest.raises(ConflictError, match="the claim was lost"):
+        copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=1, progress=check)
+    assert lost and not (t1.path(PREFIX) / "manifest.json").exists()
+
+
 def test_two_copies_at_once_give_one_set_of_files(tiers):
     t0, t1 = tiers
     m = write_checkpoint(t0.root, RUN, STEP, shards=4, shard_bytes=MiB)
