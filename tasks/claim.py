@@ -120,7 +120,7 @@ class Lease:
         while not self._stop.wait(every):
             idle = self.stalled(time.monotonic())
             if idle is not None:  # a hung storage: stop renewing, so the claim lapses and the part is tried again
-                self._lost = StaleState(f"stalled: no byte moved for {idle:.0f} s (copy_stall_seconds "
+                self._lost = StaleState(f"stalled, no byte moved for {idle:.0f} s (copy_stall_seconds "
                                         f"{self.stall_s:g}): its storage does not answer; the claim is left to "
                                         f"lapse after its lease")
                 log.error("replica %s: %s", self.replica_id, self._lost)

@@ -107,7 +107,7 @@ def test_a_stalled_lease_stops_renewing_and_its_holder_is_told(long_idle, caplog
         seen = cat.count
         time.sleep(0.3)  # six renewal periods
         assert cat.count == seen  # nobody renews a stalled claim: it lapses after its lease
-        with pytest.raises(StaleState, match="replica 7: stalled: no byte moved"):
+        with pytest.raises(StaleState, match="replica 7: stalled, no byte moved"):
             lease.check()
     finally:
         lease.stop()
