@@ -43,6 +43,23 @@ def test_hashing_and_kernel_copies_beat_the_heartbeat(long_idle, tmp_path):
     assert progress.last_moved() >= before
 
 
+def test_an_object_the_store_proves_without_a_read_is_progress_too(long_idle, tmp_path):
+    """A shallow verify (S3 compares its own checksum: no byte read here) beats once per object,
+    so a part of many objects is not taken for stalled."""
+    from core.layout import checkpoint_prefix
+    from core.transfer import verify_part
+    from core.storage.local import LocalStore
+    from tests.kit.checkpoints import write_checkpoint
+
+    store = LocalStore(tmp_path / "t1", 1)
+    m = write_checkpoint(store.root, "r", 1, shards=2, shard_bytes=1024)
+    proved = []
+    store.verify_object = lambda key, size, crc: proved.append((key, progress.last_moved()))  # no read
+    before = time.monotonic()
+    verify_part(store, checkpoint_prefix("r", 1), m, deep=False, parallelism=1)
+    assert len(proved) == len(m.files) and proved[-1][1] >= before  # the first proof beat before the last
+
+
 def test_a_shared_beat_is_written_where_the_parent_reads_it(long_idle):
     beat = multiprocessing.get_context("spawn").Value("d", 0.0, lock=False)
     progress.share(beat)
