@@ -16,9 +16,12 @@ import pytest
 
 from core import checksum, progress
 from core.errors import StaleState
-from core.storage.local import kernel_copy
+from core.layout import checkpoint_prefix
+from core.storage.local import LocalStore, kernel_copy
+from core.transfer import verify_part
 from deployments.fast_path import WarmProcess, watch_stall
 from tasks.claim import Lease
+from tests.kit.checkpoints import write_checkpoint
 
 
 @pytest.fixture
@@ -46,11 +49,6 @@ def test_hashing_and_kernel_copies_beat_the_heartbeat(long_idle, tmp_path):
 def test_an_object_the_store_proves_without_a_read_is_progress_too(long_idle, tmp_path):
     """A shallow verify (S3 compares its own checksum: no byte read here) beats once per object,
     so a part of many objects is not taken for stalled."""
-    from core.layout import checkpoint_prefix
-    from core.transfer import verify_part
-    from core.storage.local import LocalStore
-    from tests.kit.checkpoints import write_checkpoint
-
     store = LocalStore(tmp_path / "t1", 1)
     m = write_checkpoint(store.root, "r", 1, shards=2, shard_bytes=1024)
     proved = []
