@@ -56,8 +56,12 @@ class _Heart:
 def moved() -> None:
     """This process moved bytes (or a claimed step came back to its claim) now."""
     now = _Heart.last = time.monotonic()
-    if _Heart.shared is not None and not _Heart.held:
-        _Heart.shared.value = now
+    shared = _Heart.shared
+    if shared is not None:
+        if not _Heart.held:
+            shared.value = now
+        if _Heart.held:  # an uninterrupted phase (begun meanwhile, too): its infinite beat stands
+            shared.value = math.inf
 
 
 def last_moved() -> float:

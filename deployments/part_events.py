@@ -56,7 +56,7 @@ from core.errors import BadEvent
 from core.events import Announcer, announcing
 from core.settings import Settings
 from deployments import names
-from deployments.fast_path import KILL_WAIT_S, LoopThread, process_context, watch_stall
+from deployments.fast_path import LoopThread, process_context, watch_stall
 
 log = logging.getLogger("ckpt.agent.parts")
 
@@ -199,8 +199,8 @@ class PartEvents:
         process = ctx.Process(target=run_part_process, args=(self.settings, payload, self._env, beat),
                               name="ckpt-part", daemon=True)
         process.start()
-        watch_stall(process, beat, self.settings.copy_stall_seconds, f"promotion of {_what(payload)}")
-        process.join(KILL_WAIT_S)  # ended, or killed; one the kill could not end is left behind
+        stalled = watch_stall(process, beat, self.settings.copy_stall_seconds, f"promotion of {_what(payload)}")
+        process.join(0 if stalled else None)  # ended (or killed): reaped; one the kill could not end is left behind
         code = process.exitcode
         if code not in (0, 1):  # killed, out of memory, stalled: nothing was logged there
             log.error("promotion of %s: its process (pid %s) exited with code %s (reconcile tries it again)",

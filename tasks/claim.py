@@ -84,6 +84,15 @@ def keep_token(what: tuple[object, ...], token: str) -> None:
             del _lost[next(iter(_lost))]
 
 
+def unrecorded(what: tuple[object, ...], token: str | None, exc: BaseException) -> None:
+    """A claim's end (released, settled, a prune finished or abandoned) the catalog could not be
+    told: on a transient error it stays held there by nobody, so its token is kept
+    (``keep_token``) for this process's next claim of ``what``, the step's retry, which takes it
+    back instead of waiting out its lease. Any other error (the claim lost) keeps nothing."""
+    if token is not None and is_transient(exc):
+        keep_token(what, token)
+
+
 class Lease:
     """A claim's lease kept alive by a background thread (``catalog.heartbeat`` every fifth of
     the lease) for as long as its worker holds it: the one renewal of every claimed operation
@@ -204,16 +213,14 @@ class ClaimedCopy:
         """Record a verdict other than verified (``corrupt``, ``missing``) under the claim; a
         claim lost meanwhile is logged, not raised (the verdict is raised by the caller). When
         the catalog could not be told (a transient error), the claim stays held there by nobody:
-        its token is kept for this process's next claim of the replica (``keep_token``), the
-        step's retry, which takes it back instead of waiting out its lease."""
+        its token is kept for this process's next claim of the replica (``unrecorded``)."""
         self.settled = True
         try:
             self.cat.transition(self.replica.id, state, expected=COPYING, actor=self.actor,
                                 claim_token=self.token, reason=reason[:500])
         except CkptError as lost:
             log.warning("replica %s: could not record %s: %s", self.replica.id, state, lost)
-            if is_transient(lost):
-                keep_token(self.what_key, self.token)
+            unrecorded(self.what_key, self.token, lost)
 
     def __enter__(self) -> Self:
         self.lease.start()

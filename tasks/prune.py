@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core import events
-from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState, is_transient
+from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
 from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, PruneClaim, ReplicaInfo
 from db.rows import durability
 from tasks.base import delete_part, log, open_catalog, open_tier
-from tasks.claim import Lease, claim_token, keep_token, prune_key
+from tasks.claim import Lease, claim_token, prune_key, unrecorded
 from tasks.evidence import check_part
 from tasks.retry import pipeline_task
 
@@ -86,7 +86,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
                     cat.transition(rep.id, PRUNED, expected=PRUNING, claim_token=rep.claim_token, actor=actor,
                                    reason=f"{reason or 'pruned'}: {deleted} object(s) deleted")
                 except CkptError as exc:
-                    _unrecorded(cat, rep, exc)
+                    unrecorded(prune_key(cat, rep.id), rep.claim_token, exc)
                     raise
             finally:
                 lease.stop()
@@ -185,16 +185,7 @@ def abandon(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
         cat.transition(rep.id, to_state, expected=PRUNING, claim_token=rep.claim_token, actor=actor, reason=detail)
     except CkptError as exc:
         log.warning("replica %s: could not abandon the prune: %s", rep.id, exc)
-        _unrecorded(cat, rep, exc)
-
-
-def _unrecorded(cat: Catalog, rep: ReplicaInfo, exc: CkptError) -> None:
-    """A prune's end (finished or abandoned) the catalog could not be told (a transient error):
-    the prune stays ``pruning`` under a claim held by nobody, so its token is kept for this
-    process's next prune of the replica, the step's retry, which takes it back (through the whole
-    guard again) instead of waiting out the lease (``tasks.claim.keep_token``)."""
-    if is_transient(exc) and rep.claim_token is not None:
-        keep_token(prune_key(cat, rep.id), rep.claim_token)
+        unrecorded(prune_key(cat, rep.id), rep.claim_token, exc)  # its retry takes it back, guard and all
 
 
 prune_task = pipeline_task(prune_replica, name="prune")
