@@ -58,6 +58,7 @@ class Manifest:
     writer_stall_seconds: float | None = None
     created_at: str = ""  # ISO-8601 UTC
     version: int = MANIFEST_VERSION
+    attempt: str = ""  # the training attempt (one launch of the job) that wrote the part
 
     # --- identity ------------------------------------------------------------------
     @property
@@ -82,6 +83,8 @@ class Manifest:
             "algorithm": self.algorithm,
             "files": sorted((f.path, f.size, f.checksum) for f in self.files),
         }
+        if self.attempt:  # the unnamed attempt's digests stay what they were before attempts
+            body["attempt"] = self.attempt
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     # --- serialisation -------------------------------------------------------------
@@ -117,6 +120,7 @@ class Manifest:
                 writer_stall_seconds=d.get("writer_stall_seconds"),
                 created_at=str(d.get("created_at", "")),
                 version=int(d.get("version", MANIFEST_VERSION)),
+                attempt=str(d.get("attempt", "")),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpoint(f"unreadable manifest: {exc}", path="manifest.json") from exc

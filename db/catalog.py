@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
 
 from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
@@ -683,11 +683,21 @@ def forget_schema_checks() -> None:
     _schema_passed.clear()
 
 
+def _sqlite_foreign_keys_off(dbapi_conn: Any, _record: object) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA foreign_keys=OFF")
+    cur.close()
+
+
 def upgrade(url: str) -> str:
     """Apply Alembic migrations up to head on the catalog at ``url``; return the revision.
     Creates the SQLite file (and its folder) if needed. Safe to run again."""
     _schema_passed.pop(normalize_url(url), None)
     engine = make_engine(url)
+    if engine.dialect.name == "sqlite":
+        # a migration may recreate a table others reference (SQLite's ALTER is a copy): foreign
+        # keys are off while it runs (a PRAGMA outside the transaction) and checked before commit
+        event.listen(engine, "connect", _sqlite_foreign_keys_off)
     try:
         for attempt in range(6):
             try:
@@ -695,6 +705,8 @@ def upgrade(url: str) -> str:
                     if conn.dialect.name == "postgresql":  # two agents starting at once: one migrates, one waits
                         conn.exec_driver_sql("SELECT pg_advisory_xact_lock(72717983)")
                     upgrade_connection(conn)
+                    if conn.dialect.name == "sqlite" and conn.exec_driver_sql("PRAGMA foreign_key_check").first():
+                        raise SchemaOutdated("the catalog's upgrade left rows whose foreign keys point nowhere")
                     rev = current_revision(conn)
                     if rev is None:  # never after an upgrade to head; narrows the type
                         where = make_url(url).render_as_string(hide_password=True)

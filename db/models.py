@@ -89,7 +89,7 @@ class Run(Base):
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (
-        UniqueConstraint("run_id", "step"),  # queries 1, 7: a run's checkpoints by step
+        UniqueConstraint("run_id", "step", "attempt"),  # queries 1, 7: a run's checkpoints by step
         Index(None, "state", "verified_tiers"),  # query 6: under-replicated by tier mask
         Index(None, "state", "committed_at"),  # query 10: committed, never promoted
         # reconcile's archive backlog: the marked checkpoints (few) by tier mask (migration 0006)
@@ -120,6 +120,38 @@ class Checkpoint(Base):
     # only writer of kind and tags): which checkpoints the job itself marked a milestone or an
     # epoch end, so the archive backlog is an index read of the marked ones (migration 0006).
     milestone_marks: Mapped[int] = mapped_column(SmallInteger, server_default=text("0"))
+    # The training attempt (one launch of the job) whose parts make this checkpoint ('' for the
+    # unnamed attempt); an older attempt's checkpoint above the step a newer one resumed from is
+    # ``superseded_by`` that attempt: never offered for resume or restore again (migration 0009).
+    attempt: Mapped[str] = mapped_column(String(128), server_default=text("''"))
+    superseded_by: Mapped[str | None] = mapped_column(String(128))
+    superseded_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Attempt(Base):
+    """One launch of a run's training job, and the step it resumed from (None: from scratch)."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("run_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # order of first record
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    attempt: Mapped[str] = mapped_column(String(128))
+    resumed_from_step: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class TierRoot(Base):
+    """The identity marker recorded for a tier root (``node`` is '' for the shared tiers): a root
+    that does not show it is unavailable, never a verdict on the copies there."""
+
+    __tablename__ = "tier_roots"
+
+    tier: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    node: Mapped[str] = mapped_column(String(256), primary_key=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    identity: Mapped[str] = mapped_column(String(64))
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class CheckpointPart(Base):

@@ -116,11 +116,11 @@ _NEW_CHECKPOINT_PG = """
 WITH ck AS (
     INSERT INTO checkpoints (run_id, step, kind, state, format, parts, parts_registered, total_bytes, file_count,
                              metrics, tags, created_at, committed_at, writer_stall_seconds, verified_tiers,
-                             milestone_marks)
+                             milestone_marks, attempt)
     VALUES (%(run_id)s, %(step)s, %(kind)s, %(state)s, %(format)s, %(parts)s, %(parts_registered)s,
             %(total_bytes)s, %(file_count)s, %(metrics)s::json, %(tags)s::json, %(created_at)s, %(committed_at)s,
-            %(writer_stall_seconds)s, %(verified_tiers)s, %(milestone_marks)s)
-    ON CONFLICT (run_id, step) DO NOTHING
+            %(writer_stall_seconds)s, %(verified_tiers)s, %(milestone_marks)s, %(attempt)s)
+    ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (
     SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s
@@ -149,7 +149,7 @@ def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manif
                      actor: str) -> int | None:
     """A new checkpoint a statement per table (SQLite, where a statement is no round trip): its
     id, or None if (run, step) is recorded."""
-    cid = insert_new(conn, checkpoints, first, ["run_id", "step"], "id")
+    cid = insert_new(conn, checkpoints, first, ["run_id", "step", "attempt"], "id")
     if cid is not None:
         _add_part(conn, cid, m, digest=digest, now=now)
         _audit_register(conn, m, None, first["state"], now=now, actor=actor)
@@ -271,7 +271,7 @@ def _first_part_values(run_id: int, m: Manifest, now: datetime) -> dict:
                 tags=dict(m.tags), created_at=_parse_time(m.created_at) or now,
                 committed_at=now if state == CKPT_COMMITTED else None,
                 writer_stall_seconds=m.writer_stall_seconds, verified_tiers=0,
-                milestone_marks=milestone_marks(m.kind, m.tags))
+                milestone_marks=milestone_marks(m.kind, m.tags), attempt=m.attempt)
 
 
 def _part_values(cid: int, m: Manifest, digest: str, now: datetime) -> dict:
