@@ -2,7 +2,9 @@
 
 A checkpoint of run ``R`` at step ``S`` lives under ``<tier root>/R/step-<S>/`` with ``S`` zero-
 padded to at least 8 digits (``step-00001200``; steps of 100,000,000 and above simply have more
-digits, up to ``MAX_STEP``, the largest a catalog's BIGINT holds). A checkpoint written by N
+digits, up to ``MAX_STEP``, the largest a catalog's BIGINT holds). A checkpoint written by a named
+training attempt ``A`` (one launch of the job, see ``core.attempt``) lives under
+``step-<S>@<A>/``: two attempts that save the same step never share a folder on any tier. A checkpoint written by N
 nodes has N parts side by side in that folder, each with its own manifest, written last as the
 part's commit marker: ``manifest.json`` for a single part,
 ``manifest.part-<i:05d>-of-<n:05d>.json`` otherwise. Files being written are staged under hidden
@@ -24,10 +26,13 @@ STAGING_MARK = ".ckpt-staging-"
 MAX_STEP = 2**63 - 1  # a signed 64-bit integer: what every catalog backend stores
 MAX_PARTS = 99999  # five digits in a part's manifest name
 
-_STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
+MAX_ATTEMPT = 64  # characters of an attempt name
+ATTEMPT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_ATTEMPT = re.compile(f"^{ATTEMPT_PATTERN}$")
+_STEP_DIR = re.compile(f"^step-(?P<step>\\d{{8,}})(?:@(?P<attempt>{ATTEMPT_PATTERN}))?$")
 _MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 _MANIFEST_KEY = re.compile(
-    r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+    r"^(?P<run>[^/]+)/(?P<dir>step-[^/]+)/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
 
 def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
@@ -42,26 +47,43 @@ def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
         raise BadInput(f"part {part} is out of range: part of {parts} is 0..{parts - 1}")
 
 
-def checkpoint_dirname(step: int) -> str:
+def check_attempt(attempt: str) -> str:
+    """``attempt`` when it is a valid attempt name ('' is the unnamed attempt): up to
+    ``MAX_ATTEMPT`` letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit;
+    ``BadInput`` otherwise."""
+    if attempt and not _ATTEMPT.match(attempt):
+        raise BadInput(f"invalid attempt {attempt[:80]!r}: an attempt is 1..{MAX_ATTEMPT} of A-Z a-z 0-9 . _ - "
+                       "starting with a letter or digit")
+    return attempt
+
+
+def checkpoint_dirname(step: int, attempt: str = "") -> str:
     """Folder (or key prefix) of a checkpoint under ``<tier root>/<run>/``."""
-    return f"step-{step:0{STEP_DIGITS}d}"
+    name = f"step-{step:0{STEP_DIGITS}d}"
+    return f"{name}@{check_attempt(attempt)}" if attempt else name
 
 
-def parse_step_dirname(name: str) -> int | None:
-    """The step a checkpoint folder name stands for, or None when ``name`` is not exactly what
-    ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours). A step past
-    ``MAX_STEP`` is returned as it is: the folder is ours by its name, and whoever acts on it
-    refuses it with ``check_ref`` (reported, left alone) rather than overlooking it."""
+def parse_checkpoint_dirname(name: str) -> tuple[int, str] | None:
+    """``(step, attempt)`` a checkpoint folder name stands for, or None when ``name`` is not
+    exactly what ``checkpoint_dirname`` writes (``step-12`` or ``step-012345678`` are not ours).
+    A step past ``MAX_STEP`` is returned as it is: the folder is ours by its name, and whoever
+    acts on it refuses it with ``check_ref`` (reported, left alone) rather than overlooking it."""
     m = _STEP_DIR.match(name)
     if m is None:
         return None
-    step = int(m["step"])
-    return step if checkpoint_dirname(step) == name else None
+    step, attempt = int(m["step"]), m["attempt"] or ""
+    return (step, attempt) if checkpoint_dirname(step, attempt) == name else None
 
 
-def checkpoint_prefix(run: str, step: int) -> str:
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a checkpoint folder name (``parse_checkpoint_dirname``), whatever its attempt."""
+    parsed = parse_checkpoint_dirname(name)
+    return None if parsed is None else parsed[0]
+
+
+def checkpoint_prefix(run: str, step: int, attempt: str = "") -> str:
     """Key prefix of a checkpoint relative to the tier root (the run name is confined)."""
-    return f"{safe_run_name(run)}/{checkpoint_dirname(step)}"
+    return f"{safe_run_name(run)}/{checkpoint_dirname(step, attempt)}"
 
 
 def manifest_name(part: int = 0, parts: int = 1) -> str:
@@ -75,18 +97,19 @@ def is_manifest_name(name: str) -> bool:
     return _MANIFEST.match(name) is not None
 
 
-def part_key(run: str, step: int, part: int = 0, parts: int = 1) -> str:
+def part_key(run: str, step: int, part: int = 0, parts: int = 1, attempt: str = "") -> str:
     """Key of a part's manifest (its commit marker) relative to the tier root."""
-    return f"{checkpoint_prefix(run, step)}/{manifest_name(part, parts)}"
+    return f"{checkpoint_prefix(run, step, attempt)}/{manifest_name(part, parts)}"
 
 
-def parse_manifest_key(key: str) -> tuple[str, int, int, int] | None:
-    """``(run, step, part, parts)`` of a manifest key, or None when ``key`` is not one."""
+def parse_manifest_key(key: str) -> tuple[str, int, int, int, str] | None:
+    """``(run, step, part, parts, attempt)`` of a manifest key, or None when ``key`` is not one."""
     m = _MANIFEST_KEY.match(key)
-    if not m or parse_step_dirname(f"step-{m['step']}") is None:
+    parsed = parse_checkpoint_dirname(m["dir"]) if m else None
+    if not m or parsed is None:
         return None
     part, parts = (int(m["part"]), int(m["parts"])) if m["part"] else (0, 1)
-    return m["run"], int(m["step"]), part, parts
+    return m["run"], parsed[0], part, parts, parsed[1]
 
 
 def staging_name(name: str) -> str:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from core.errors import BadInput, CkptError, CorruptCheckpoint
-from core.layout import check_ref, is_manifest_name, manifest_name
+from core.layout import check_attempt, check_ref, is_manifest_name, manifest_name
 from core.paths import safe_relpath
 
 MANIFEST_VERSION = 1
@@ -132,6 +132,7 @@ class Manifest:
         if not self.run or "/" in self.run or self.run.startswith("."):
             raise BadInput(f"invalid run name {self.run!r}")
         check_ref(self.step, self.part, self.parts)
+        check_attempt(self.attempt)
         if self.parent is not None:
             check_ref(self.parent.step)
         if self.kind not in KINDS:

@@ -399,15 +399,15 @@ def _commits_other(store: TierStore, key: str, manifest: Manifest) -> bool:
     return other.digest() != manifest.digest()
 
 
-def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, int, int, int]]:
-    """(run, step, part, parts) of every committed part under the tier (or ``prefix``),
-    found by the manifests' names; sorted by run, step, part."""
+def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, int, int, int, str]]:
+    """(run, step, part, parts, attempt) of every committed part under the tier (or ``prefix``),
+    found by the manifests' names; sorted by key."""
     for info in store.list(prefix):
         found = parse_manifest_key(info.key)
         if found is not None:
             yield found
 
 
-def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1) -> Manifest:
-    """The committed manifest of (run, step, part) on ``store`` (``NotFound`` if none)."""
-    return read_manifest(store, checkpoint_prefix(run, step), part, parts)
+def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1, attempt: str = "") -> Manifest:
+    """The committed manifest of (run, step, part) of ``attempt`` on ``store`` (``NotFound`` if none)."""
+    return read_manifest(store, checkpoint_prefix(run, step, attempt), part, parts)

@@ -19,8 +19,10 @@ from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
 
 from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
+from core.layout import check_attempt
 from core.manifest import Manifest
 from db import (
+    attempts as _attempts,
     lineage as _lineage,
     queries as _q,
     register as _reg,
@@ -193,10 +195,21 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
             _reg.register_batch(conn, list(manifests), now=_now(conn), actor=actor)
         return len(manifests)
 
-    def get_checkpoint(self, run: str, step: int) -> CheckpointInfo:
-        """Raises ``NotFound``."""
+    def get_checkpoint(self, run: str, step: int, attempt: str | None = None) -> CheckpointInfo:
+        """The checkpoint at ``step`` written by ``attempt``; None: the one not superseded, else
+        the one recorded last (``checkpoint_row``). Raises ``NotFound``."""
         with self._tx(write=False) as conn:
-            return to_checkpoint(checkpoint_row(conn, run, step))
+            return to_checkpoint(checkpoint_row(conn, run, step, attempt=attempt))
+
+    def record_resume(self, run: str, attempt: str, step: int | None, *, actor: str) -> list[int]:
+        """Attempt ``attempt`` of ``run`` resumes from ``step`` (None: from scratch): the older
+        attempts' checkpoints above it are superseded (``db.attempts``). The run is created if it
+        is new. Returns the steps superseded by this call."""
+        check_attempt(attempt)
+        with self._tx() as conn:
+            now = _now(conn)
+            _reg.ensure_run(conn, run, now=now, actor=actor, parent=None, parent_relation="resumed_from", tags=None)
+            return _attempts.record_resume(conn, run_row(conn, run, lock=True), attempt, step, now=now, actor=actor)
 
     def get_checkpoint_by_id(self, checkpoint_id: int) -> CheckpointInfo:
         """Raises ``NotFound``."""

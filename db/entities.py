@@ -25,6 +25,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 # goes; restore, resume and ``latest`` no longer offer it; lineage keeps its edges).
 CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT = "partial", "committed", "rejected", "corrupt"
 CKPT_RETIRED = "retired"
+# An older attempt's checkpoint above the step a newer attempt resumed from: kept as history
+# (lineage, a restore that names its attempt), never offered for resume, ``latest``, drills or a
+# default restore, and retired by retention once the newer attempt has a durable checkpoint.
+CKPT_SUPERSEDED = "superseded"
 
 TIER_NAMES = {0: "nvme", 1: "pfs", 2: "object"}
 
@@ -60,6 +64,8 @@ class CheckpointInfo:
     writer_stall_seconds: float | None
     format: str
     tags: dict[str, str] = field(default_factory=dict)
+    attempt: str = ""  # the training attempt whose parts make it ('' the unnamed one)
+    superseded_by: str | None = None  # the attempt that resumed from below it (state 'superseded')
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class ReplicaInfo:
     claim_token: str | None
     updated_at: datetime
     checked_at: datetime | None = None  # last read back and matched (entering verified, or a scrub)
+    attempt: str = ""  # the checkpoint's attempt: with run and step, where its folder is
 
 
 @dataclass(frozen=True)

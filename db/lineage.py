@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import bindparam, delete, literal, select
+from sqlalchemy import and_, bindparam, delete, literal, select
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, LineageCycle
-from db.entities import LineageEdge
+from db.entities import CKPT_SUPERSEDED, LineageEdge
 from db.rows import checkpoints, insert_ignore, lineage, runs
 
 FOLLOWS = "follows"
@@ -70,7 +70,7 @@ def link_into_run(conn: Connection, *, run: Row, checkpoint_id: int, step: int, 
 
 
 def _neighbours():
-    same_run = checkpoints.c.run_id == bindparam("run_id")
+    same_run = and_(checkpoints.c.run_id == bindparam("run_id"), checkpoints.c.state != CKPT_SUPERSEDED)
     prev = (select(checkpoints.c.id).where(same_run, checkpoints.c.step < bindparam("step"))
             .order_by(checkpoints.c.step.desc()).limit(1).scalar_subquery())
     nxt = (select(checkpoints.c.id).where(same_run, checkpoints.c.step > bindparam("step"))
@@ -87,7 +87,8 @@ def origin_id(conn: Connection, run: Row) -> int | None:
         return None
     return conn.execute(
         select(checkpoints.c.id).join(runs, checkpoints.c.run_id == runs.c.id)
-        .where(runs.c.name == run.parent_run, checkpoints.c.step == run.parent_step)).scalar()
+        .where(runs.c.name == run.parent_run, checkpoints.c.step == run.parent_step)
+        .order_by((checkpoints.c.state == CKPT_SUPERSEDED).asc(), checkpoints.c.id.desc()).limit(1)).scalar()
 
 
 def walk(conn: Connection, checkpoint_id: int, *, up: bool, max_depth: int) -> list[LineageEdge]:

@@ -18,7 +18,8 @@ from core.errors import ConflictError
 from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.policy import milestone_marks
-from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CheckpointInfo
+from db.attempts import standing
+from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_SUPERSEDED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.rows import (
     add_audit,
@@ -87,11 +88,16 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     first = _first_part_values(run.id, m, now)
     new = _insert_new_pg if conn.dialect.name == "postgresql" else _insert_new_each
     cid = new(conn, run, first, m, digest=digest, now=now, actor=actor)
+    if cid is None and _unknown(conn, run.id, m):  # PostgreSQL's one statement holds back for the attempt rules
+        by = standing(conn, run, m.attempt, m.step, now=now, actor=actor)
+        if by is not None:  # a late part of an older attempt: history, never joined to the newer one's
+            first.update(state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now, committed_at=None)
+        cid = _insert_new_each(conn, run, first, m, digest=digest, now=now, actor=actor, ruled=True)
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
         _link_parent(conn, cid, m, now=now, new=True)
         return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
-    ck = checkpoint_row(conn, m.run, m.step, lock=True)
-    where = f"checkpoint {m.run}/{m.step}"
+    ck = checkpoint_row(conn, m.run, m.step, attempt=m.attempt, lock=True)
+    where = f"checkpoint {m.run}/{m.step}" + (f" of attempt {m.attempt}" if m.attempt else "")
     if ck.parts != m.parts:
         raise ConflictError(f"{where} has {ck.parts} part(s); this manifest says {m.parts}")
     recorded = conn.execute(select(parts.c.manifest_digest)
@@ -106,26 +112,37 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     return to_checkpoint(checkpoint_row_by_id(conn, ck.id))
 
 
-# A new checkpoint on PostgreSQL in one statement, whatever its file count: the checkpoint row
-# (nothing if the (run, step) exists: then nothing else is written either), its part, its files
+# A new checkpoint on PostgreSQL in one statement, whatever its file count: the attempt's row
+# (``db.attempts``: first heard of now, if new), the checkpoint row (nothing if the (run, step,
+# attempt) exists, or when another attempt holds the step or a newer attempt resumed from below
+# it: then nothing else is written either, and ``register_part`` applies the attempt rules), its part, its files
 # (arrays, so the text never changes and psycopg prepares it once per connection), its audit
 # row and its ``follows`` edge to the run's previous checkpoint. It returns the new id and the
 # run's previous and next checkpoints; the rare rest (a run's first checkpoint linked to its
 # origin, one registered out of order spliced in) is ``link_into_run``'s, as before.
 _NEW_CHECKPOINT_PG = """
-WITH ck AS (
+WITH me AS (
+    SELECT id FROM attempts WHERE run_id = %(run_id)s AND attempt = %(attempt)s
+), att AS (
+    INSERT INTO attempts (run_id, attempt, resumed_from_step, started_at)
+    VALUES (%(run_id)s, %(attempt)s, NULL, %(now)s) ON CONFLICT (run_id, attempt) DO NOTHING
+), ck AS (
     INSERT INTO checkpoints (run_id, step, kind, state, format, parts, parts_registered, total_bytes, file_count,
                              metrics, tags, created_at, committed_at, writer_stall_seconds, verified_tiers,
                              milestone_marks, attempt)
-    VALUES (%(run_id)s, %(step)s, %(kind)s, %(state)s, %(format)s, %(parts)s, %(parts_registered)s,
-            %(total_bytes)s, %(file_count)s, %(metrics)s::json, %(tags)s::json, %(created_at)s, %(committed_at)s,
-            %(writer_stall_seconds)s, %(verified_tiers)s, %(milestone_marks)s, %(attempt)s)
+    SELECT %(run_id)s, %(step)s, %(kind)s, %(state)s, %(format)s, %(parts)s, %(parts_registered)s,
+           %(total_bytes)s, %(file_count)s, %(metrics)s::json, %(tags)s::json, %(created_at)s, %(committed_at)s,
+           %(writer_stall_seconds)s, %(verified_tiers)s, %(milestone_marks)s, %(attempt)s
+    WHERE NOT EXISTS (SELECT 1 FROM checkpoints WHERE run_id = %(run_id)s AND step = %(step)s
+                      AND attempt <> %(attempt)s AND state NOT IN ('superseded', 'retired'))
+      AND NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND resumed_from_step < %(step)s
+                      AND id > COALESCE((SELECT id FROM me), 9223372036854775807))
     ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (
-    SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s
+    SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s AND state <> 'superseded'
             ORDER BY step DESC LIMIT 1) AS prev,
-           (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step > %(step)s
+           (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step > %(step)s AND state <> 'superseded'
             ORDER BY step LIMIT 1) AS nxt
 ), part AS (
     INSERT INTO checkpoint_parts (checkpoint_id, part, node, manifest_digest, bytes, file_count, registered_at)
@@ -145,15 +162,26 @@ SELECT ck.id, nb.prev, nb.nxt FROM ck, nb
 """
 
 
+def _unknown(conn: Connection, run_id: int, m: Manifest) -> bool:
+    return conn.execute(select(checkpoints.c.id).where(
+        checkpoints.c.run_id == run_id, checkpoints.c.step == m.step, checkpoints.c.attempt == m.attempt)).first() is None
+
+
 def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,
-                     actor: str) -> int | None:
+                     actor: str, ruled: bool = False) -> int | None:
     """A new checkpoint a statement per table (SQLite, where a statement is no round trip): its
-    id, or None if (run, step) is recorded."""
+    id, or None if (run, step, attempt) is recorded. ``ruled``: the attempt rules were applied
+    (``db.attempts.standing``) and ``first`` says their verdict."""
+    if not ruled and _unknown(conn, run.id, m):
+        by = standing(conn, run, m.attempt, m.step, now=now, actor=actor)
+        if by is not None:
+            first.update(state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now, committed_at=None)
     cid = insert_new(conn, checkpoints, first, ["run_id", "step", "attempt"], "id")
     if cid is not None:
         _add_part(conn, cid, m, digest=digest, now=now)
         _audit_register(conn, m, None, first["state"], now=now, actor=actor)
-        link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+        if first["state"] != CKPT_SUPERSEDED:  # a superseded one stays off the run's live chain
+            link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
     return cid
 
 
@@ -251,7 +279,8 @@ def _split_batch(conn: Connection, manifests: list[Manifest]) -> tuple[list[tupl
         run = run_row(conn, name, lock=True)
         steps = [m.step for m in ms]
         newest = conn.execute(select(func.max(checkpoints.c.step)).where(checkpoints.c.run_id == run.id)).scalar()
-        if len(set(steps)) == len(steps) and (newest is None or min(steps) > newest):
+        plain = all(not m.attempt for m in ms)  # a named attempt's rules are register_part's
+        if plain and len(set(steps)) == len(steps) and (newest is None or min(steps) > newest):
             fast += [(run, m) for m in sorted(ms, key=lambda m: m.step)]
         else:
             slow += ms

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
 from core.layout import check_ref
-from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
+from db.entities import CKPT_SUPERSEDED, AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
     AuditLog,
@@ -69,7 +69,7 @@ def checkpoint_select() -> Select:
 
 
 def replica_select() -> Select:
-    return select(replicas, checkpoints.c.step, runs.c.name.label("run_name")).select_from(
+    return select(replicas, checkpoints.c.step, checkpoints.c.attempt, runs.c.name.label("run_name")).select_from(
         replicas.join(checkpoints, replicas.c.checkpoint_id == checkpoints.c.id)
         .join(runs, checkpoints.c.run_id == runs.c.id))
 
@@ -84,13 +84,20 @@ def run_row(conn: Connection, name: str, *, lock: bool = False, with_clock: bool
     return row
 
 
-def checkpoint_row(conn: Connection, run: str, step: int, *, lock: bool = False) -> Row:
+def checkpoint_row(conn: Connection, run: str, step: int, *, attempt: str | None = None, lock: bool = False) -> Row:
+    """The checkpoint of ``run`` at ``step`` written by ``attempt``; ``attempt`` None: the one
+    not superseded (at most one per step), else the one recorded last."""
     check_ref(step)  # a step no catalog column holds is bad input, not a driver's OverflowError
     stmt = checkpoint_select().where(runs.c.name == run, checkpoints.c.step == step)
+    if attempt is not None:
+        stmt = stmt.where(checkpoints.c.attempt == attempt)
+    else:
+        stmt = stmt.order_by((checkpoints.c.state == CKPT_SUPERSEDED).asc(), checkpoints.c.id.desc()).limit(1)
     row = conn.execute(stmt.with_for_update(of=checkpoints) if lock else stmt).one_or_none()
     if row is None:
         run_row(conn, run)
-        raise NotFound(f"run {run!r} has no checkpoint at step {step}")
+        which = f" by attempt {attempt!r}" if attempt else ""
+        raise NotFound(f"run {run!r} has no checkpoint at step {step}{which}")
     return row
 
 
@@ -124,7 +131,8 @@ def to_checkpoint(row: Row | SimpleNamespace) -> CheckpointInfo:  # or the value
         parts=row.parts, parts_registered=row.parts_registered, total_bytes=row.total_bytes,
         file_count=row.file_count, metrics=dict(row.metrics or {}), created_at=row.created_at,
         committed_at=row.committed_at, writer_stall_seconds=row.writer_stall_seconds,
-        format=row.format, tags=dict(row.tags or {}),
+        format=row.format, tags=dict(row.tags or {}), attempt=getattr(row, "attempt", "") or "",
+        superseded_by=getattr(row, "superseded_by", None),
     )
 
 
@@ -134,7 +142,7 @@ def to_replica(row: Row) -> ReplicaInfo:
         tier=row.tier, part=row.part, node=row.node, url=row.url, state=row.state,
         bytes=row.bytes, verified_at=row.verified_at, copy_seconds=row.copy_seconds,
         etag=row.etag, version_id=row.version_id, claim_token=row.claim_token,
-        updated_at=row.updated_at, checked_at=row.checked_at,
+        updated_at=row.updated_at, checked_at=row.checked_at, attempt=getattr(row, "attempt", "") or "",
     )
 
 

@@ -44,12 +44,12 @@ def catalog(db_url):
 
 def manifest(run: str, step: int, *, part: int = 0, parts: int = 1, kind: str = "step", n_files: int = 2,
              size: int = 1000, salt: str = "", metrics: dict | None = None,
-             parent: tuple[str, int, str] | None = None, node: str = "node-0") -> Manifest:
+             parent: tuple[str, int, str] | None = None, node: str = "node-0", attempt: str = "") -> Manifest:
     files = tuple(FileEntry(f"shard-{part}-{i}.safetensors", size,
-                            f"{zlib.crc32(f'{run}/{step}/{part}/{i}/{salt}'.encode()):08x}")
+                            f"{zlib.crc32(f'{run}/{step}/{part}/{i}/{salt}{attempt}'.encode()):08x}")
                   for i in range(n_files))
     return Manifest(run=run, step=step, files=files, part=part, parts=parts, kind=kind, node=node,
-                    metrics=metrics or {}, parent=ParentRef(*parent) if parent else None)
+                    metrics=metrics or {}, parent=ParentRef(*parent) if parent else None, attempt=attempt)
 
 
 def checkpoint(cat: Catalog, run: str, step: int, **kw):

@@ -185,7 +185,8 @@ def test_checkpoints_registered_at_once_still_form_one_chain(catalog, db_url):
 def test_a_new_part_is_two_statements_on_postgresql(catalog):
     """The run's row (locked, with the catalog's clock), then one statement for the checkpoint,
     its part, files, audit row and edge (PostgreSQL; before: 7, the files one executemany).
-    SQLite (no round trips) keeps a statement per table."""
+    SQLite (no round trips) keeps a statement per table, and the attempt rules' reads
+    (``db.attempts.standing``: the attempt recorded, newer attempts, other attempts at the step)."""
     from sqlalchemy import event
 
     checkpoint(catalog, "r", 10)
@@ -197,7 +198,7 @@ def test_a_new_part_is_two_statements_on_postgresql(catalog):
     finally:
         event.remove(catalog.engine, "before_cursor_execute", listener)
     writes = [s for s in sent if not s.startswith("BEGIN")]
-    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 7), writes
+    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 12), writes
     assert [f.path for f in catalog.files(ck.id)] == [f"shard-0-{i}.safetensors" for i in range(3)]
     assert [(e.action, e.to_state, e.actor) for e in catalog.history("r", 20)] == [("register", CKPT_COMMITTED, "t")]
     assert [(e.parent_step, e.relation) for e in catalog.ancestors("r", 20, max_depth=1)] == [(10, "follows")]

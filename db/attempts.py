@@ -1,0 +1,102 @@
+"""Attempts: which launch of a run's training job a checkpoint belongs to (inside the caller's
+transaction).
+
+A checkpoint is the parts of one attempt: ``(run, step, attempt)`` is its key, so parts of two
+attempts are never combined. Attempts are ordered by when the catalog first heard of them (the
+``attempts`` row's id: a resume, or the first part registered). The rules:
+
+- When attempt B resumes from step S (``record_resume``), every checkpoint above S of an older
+  attempt is *superseded by B*: recorded, audited, never offered for resume, ``latest``, drills
+  or a default restore again, retired by retention once B has a durable checkpoint.
+- A part of an older attempt arriving late (a slow promotion, reconcile finding an old folder) at
+  a step above where a newer attempt resumed is recorded superseded at once (``standing``).
+- A new attempt may save any step above where it resumed again, whatever its bytes; a step an
+  older attempt holds that the new one did not resume from below is refused (``ConflictError``):
+  a run name reused by mistake never supersedes a whole history.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.engine import Connection, Row
+
+from core.errors import ConflictError
+from db.entities import CKPT_RETIRED, CKPT_SUPERSEDED
+from db.models import Attempt
+from db.rows import add_audit, checkpoints, insert_ignore
+
+attempts = Attempt.__table__
+
+FROM_SCRATCH = -1  # resumed_from_step of an attempt whose resume found no checkpoint
+
+
+def attempt_row(conn: Connection, run_id: int, attempt: str, *, now: datetime) -> Row:
+    """The attempt's row, recorded now (resumed from nowhere known) if the catalog had none."""
+    insert_ignore(conn, attempts, dict(run_id=run_id, attempt=attempt, resumed_from_step=None, started_at=now),
+                  ["run_id", "attempt"])
+    return conn.execute(select(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt == attempt)).one()
+
+
+def record_resume(conn: Connection, run: Row, attempt: str, step: int | None, *, now: datetime,
+                  actor: str) -> list[int]:
+    """Attempt ``attempt`` of ``run`` resumes from ``step`` (None: from scratch); supersede the
+    older attempts' checkpoints above it. Every rank of a launch calls this: the same call again
+    is a no-op, and a rank that resumed from lower keeps the lower step (more is superseded,
+    nothing combined). Returns the steps superseded now."""
+    row = attempt_row(conn, run.id, attempt, now=now)
+    resumed = FROM_SCRATCH if step is None else step
+    if row.resumed_from_step is None or resumed < row.resumed_from_step:
+        conn.execute(update(attempts).where(attempts.c.id == row.id).values(resumed_from_step=resumed))
+        add_audit(conn, at=now, actor=actor, subject=f"attempt:{run.name}/{attempt}", action="resume",
+                  reason="from scratch" if step is None else f"resumed from step {step}", run=run.name, step=step)
+    return _supersede_above(conn, run, attempt, row.id, resumed, now=now, actor=actor)
+
+
+def _supersede_above(conn: Connection, run: Row, attempt: str, attempt_id: int, step: int, *, now: datetime,
+                     actor: str) -> list[int]:
+    older = select(attempts.c.attempt).where(attempts.c.run_id == run.id, attempts.c.id < attempt_id)
+    known = select(attempts.c.attempt).where(attempts.c.run_id == run.id)
+    rows = conn.execute(select(checkpoints.c.id, checkpoints.c.step, checkpoints.c.state).where(
+        checkpoints.c.run_id == run.id, checkpoints.c.step > step, checkpoints.c.attempt != attempt,
+        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]),
+        or_(checkpoints.c.attempt.in_(older), checkpoints.c.attempt.not_in(known)))
+        .order_by(checkpoints.c.step)).all()
+    for r in rows:
+        supersede(conn, run, r.id, r.step, r.state, by=attempt, now=now, actor=actor)
+    return [r.step for r in rows]
+
+
+def supersede(conn: Connection, run: Row, checkpoint_id: int, step: int, state: str, *, by: str, now: datetime,
+              actor: str) -> None:
+    conn.execute(update(checkpoints).where(checkpoints.c.id == checkpoint_id).values(
+        state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now))
+    add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run.name}/{step}", action="supersede",
+              from_state=state, to_state=CKPT_SUPERSEDED, reason=f"superseded by attempt {by or '(unnamed)'}",
+              run=run.name, step=step)
+
+
+def standing(conn: Connection, run: Row, attempt: str, step: int, *, now: datetime, actor: str) -> str | None:
+    """Before a new checkpoint ``(run, step, attempt)`` is recorded: the newer attempt that
+    supersedes it at birth (a late part of an older attempt), or None when it is live. A live
+    checkpoint of an older attempt at the same step is superseded here when this attempt
+    resumed from below it (its resume call may have come before that checkpoint was recorded);
+    otherwise this is a ``ConflictError``: the step belongs to another attempt's history."""
+    me = attempt_row(conn, run.id, attempt, now=now)
+    newer = conn.execute(select(attempts.c.attempt).where(
+        attempts.c.run_id == run.id, attempts.c.id > me.id, attempts.c.resumed_from_step.is_not(None),
+        attempts.c.resumed_from_step < step).order_by(attempts.c.id).limit(1)).scalar()
+    if newer is not None:
+        return str(newer)
+    others = conn.execute(select(checkpoints.c.id, checkpoints.c.attempt, checkpoints.c.state).where(
+        checkpoints.c.run_id == run.id, checkpoints.c.step == step, checkpoints.c.attempt != attempt,
+        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]))).all()
+    for other in others:
+        if me.resumed_from_step is None or me.resumed_from_step >= step:
+            raise ConflictError(
+                f"step {step} of run {run.name!r} belongs to attempt {other.attempt or '(unnamed)'}, and attempt "
+                f"{attempt or '(unnamed)'} did not resume from below it: is the run name reused by mistake? "
+                f"Resume the run first (ckpt resume / ckpt.resume), or save under another run name")
+        supersede(conn, run, other.id, step, other.state, by=attempt, now=now, actor=actor)
+    return None
