@@ -172,7 +172,7 @@ def completed_payload(m: Manifest) -> dict[str, object]:
     """What the promote trigger templates read (run, step, part, parts, node are added by
     ``prefect_events.emit``) and what the UI's event feed shows."""
     return {"kind": m.kind, "format": m.format, "bytes": m.total_bytes, "files": len(m.files),
-            "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds}
+            "manifest": m.name, "writer_stall_seconds": m.writer_stall_seconds, "attempt": m.attempt}
 
 
 def undelivered(settings: Settings, run: str, step: int, part: int, url: str | None) -> str:
@@ -204,5 +204,5 @@ def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
     run, step and part give the same id, so a repeat collapses into one event). True when
     the server accepted it."""
     return prefect_events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
-                       payload=completed_payload(m), api_url=api_url, retries=EMIT_RETRIES,
+                       payload=completed_payload(m), extra_id=m.attempt, api_url=api_url, retries=EMIT_RETRIES,
                        backoff=EMIT_BACKOFF_SECONDS)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Self, overload
 from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
 from core import checksum
+from core.attempt import launch_attempt
 from core.errors import BadInput, ConflictError, StorageFull
 from core.formats import detect_format
 from core.layout import checkpoint_dirname, staging_name
@@ -107,7 +108,8 @@ class CheckpointStager:
                  fine_tuned_from: tuple[str, int] | None = None,
                  part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
                  background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 fsync: bool = True, announce: bool = True, measure_stall: bool = True):
+                 fsync: bool = True, announce: bool = True, measure_stall: bool = True,
+                 attempt: str | None = None):
         if resumed_from and fine_tuned_from:
             raise BadInput("give resumed_from or fine_tuned_from, not both")
         if not 0 <= part < parts:
@@ -116,6 +118,7 @@ class CheckpointStager:
         # the node names its Tier 0 folder too (embedded default: <data_dir>/tier0/<node>)
         self.settings = settings or load_settings(**({"node": node} if node else {}))
         self.part, self.parts = part, parts
+        self.attempt = launch_attempt(attempt)  # which launch of the job this is (core.attempt)
         self.node = node or self.settings.node
         self.root = tier0_root(self.settings)
         self.shard_bytes = shard_bytes
@@ -214,7 +217,7 @@ class CheckpointStager:
 
     # --- the commit -------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
-        return self.root / self.run / checkpoint_dirname(step)
+        return self.root / self.run / checkpoint_dirname(step, self.attempt)
 
     def _announce_low(self, reading: Reading, run: str, step: int) -> None:
         self._announcer.submit(("tier_low", reading, run, step, self.part, self.parts, self.node))
@@ -264,7 +267,7 @@ class CheckpointStager:
         """Commit the part's manifest inside ``folder``. ``files`` None: an adopted folder,
         described (hashed) and validated by its format here."""
         common: dict[str, Any] = dict(part=self.part, parts=self.parts, node=self.node, kind=kind, metrics=metrics,
-                                      parent=parent)
+                                      parent=parent, attempt=self.attempt)
         if files is None:
             manifest = build_manifest(folder, self.run, step, parallelism=self.settings.copy_parallelism,
                                       buffer_bytes=self.settings.io_buffer_bytes, **common)

@@ -33,7 +33,7 @@ class Committed:
 
 def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, milestone: bool = False,
                   epoch_end: bool = False, parent: tuple[str, int] | None = None, part: int = 0,
-                  parts: int = 1, announce: bool = True) -> Committed:
+                  parts: int = 1, announce: bool = True, attempt: str | None = None) -> Committed:
     """Commit ``folder`` as ``run`` step ``step`` (part ``part`` of ``parts``) on Tier 0 and,
     with ``announce``, emit ``ckpt.checkpoint.completed``. Raises ``BadInput`` /
     ``CorruptCheckpoint`` for a folder that fails its format, ``EventTooLarge`` (before sending)
@@ -41,7 +41,8 @@ def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, mile
     folder = Path(folder).expanduser().absolute()
     if not folder.is_dir():
         raise BadInput(f"{str(folder)!r} is not a folder")
-    stager = CheckpointStager(run, settings=settings, part=part, parts=parts, announce=False, measure_stall=False)
+    stager = CheckpointStager(run, settings=settings, part=part, parts=parts, announce=False, measure_stall=False,
+                              attempt=attempt)
     try:
         final = stager.checkpoint_dir(step)
         if folder == final:

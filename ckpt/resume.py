@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.attempt import launch_attempt
 from core.settings import Settings, load_settings
 from tasks.resume import FETCHED, IN_PLACE, PartResume, ResumePoint, Verify, resume
 
@@ -21,7 +22,12 @@ __all__ = ["FETCHED", "IN_PLACE", "PartResume", "ResumePoint", "resume_point"]
 
 
 def resume_point(run: str, *, part: int | None = None, parts: int | None = None, to: str | Path | None = None,
-                 verify: Verify = "size", settings: Settings | None = None) -> ResumePoint | None:
+                 verify: Verify = "size", settings: Settings | None = None,
+                 attempt: str | None = None) -> ResumePoint | None:
     """Where ``run`` resumes on this node (``part`` of ``parts``, or the whole checkpoint):
-    ``ResumePoint(run, step, path, parts, note)``, or None when the run has no checkpoint."""
-    return resume(settings or load_settings(), run, part=part, parts=parts, to=to, verify=verify)
+    ``ResumePoint(run, step, path, parts, note)``, or None when the run has no checkpoint.
+    The launch's attempt (``attempt``, else ``core.attempt.launch_attempt``) is recorded as
+    resuming from that step: the older attempts' checkpoints above it are superseded, and this
+    launch may save those steps again (pass the same ``attempt`` to the stager)."""
+    return resume(settings or load_settings(), run, part=part, parts=parts, to=to, verify=verify,
+                  attempt=launch_attempt(attempt))

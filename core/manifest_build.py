@@ -68,6 +68,7 @@ def build_manifest(
     tags: Mapping[str, str] | None = None,
     parent: ParentRef | None = None,
     writer_stall_seconds: float | None = None,
+    attempt: str = "",
     fmt: str | None = None,
     parallelism: int = 4,
     buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
@@ -96,7 +97,7 @@ def build_manifest(
         run=run, step=step, files=files, format=fmt, algorithm=checksum.ALGORITHM,
         part=part, parts=parts, node=node, kind=kind,
         metrics=dict(metrics or {}), tags=dict(tags or {}), parent=parent,
-        writer_stall_seconds=writer_stall_seconds, created_at=utcnow_iso(),
+        writer_stall_seconds=writer_stall_seconds, created_at=utcnow_iso(), attempt=attempt,
     )
     m.validate()
     return m

@@ -36,7 +36,7 @@ from core.policy import is_milestone
 from core.settings import MilestonePolicy, RetentionPolicy
 
 KEEP, DEMOTE, RETIRE = "keep", "demote", "retire"
-COMMITTED, RETIRED = "committed", "retired"
+COMMITTED, RETIRED, SUPERSEDED = "committed", "retired", "superseded"
 TIERS = (0, 1, 2)
 
 
@@ -68,8 +68,10 @@ class CheckpointFacts:
     tags: Mapping[str, str] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
     committed_at: datetime | None = None
-    state: str = COMMITTED  # committed | retired (a retirement recorded, its copies still going)
+    state: str = COMMITTED  # committed | retired (a retirement recorded, its copies still going) | superseded
     replicas: tuple[ReplicaFacts, ...] = ()
+    attempt: str = ""
+    superseded_by: str | None = None  # the attempt that resumed from below it (state superseded)
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     children: tuple[str, ...] = ()  # other runs descending from it that still have a checkpoint
@@ -111,6 +113,7 @@ class ReplicaDecision:
     bytes: int | None
     action: str  # keep | demote | retire
     reason: str
+    attempt: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class CheckpointDecision:
     step: int
     action: str  # keep | retire
     reason: str
+    attempt: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,8 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
 
 def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
               ) -> tuple[list[CheckpointDecision], list[ReplicaDecision]]:
-    live = [c for c in cks if c.state != RETIRED and c.replicas]
+    live = [c for c in cks if c.state not in (RETIRED, SUPERSEDED) and c.replicas]
+    durable_attempts = {c.attempt for c in live if c.durable}
     newest = max((c.step for c in live if c.verified), default=None)
     newest_durable = max((c.step for c in live if c.durable), default=None)
     by_tier = {t: _tier_keeps(live, t, rules, now) for t in TIERS}
@@ -153,8 +158,12 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
         if not c.replicas:
             continue
         if c.state == RETIRED:
-            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "retired"))
+            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "retired", c.attempt))
             r_out += [_decide(c, r, RETIRE, "retired") for r in c.replicas]
+            continue
+        if c.state == SUPERSEDED:
+            c_out.append(d := _superseded(c, durable_attempts, rules))
+            r_out += [_decide(c, r, d.action, d.reason) for r in c.replicas]
             continue
         holds = _holds(c, newest, newest_durable)
         parent = [f"parent of {r}" for r in c.children] if rules.keep_parents else []
@@ -167,10 +176,10 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
         tier_reasons = {t: by_tier[t].get(c.step, []) for t in TIERS if c.on(t)}
         why_kept = holds + parent + lock + [f"tier {t} {r}" for t, rs in tier_reasons.items() for r in rs]
         if not why_kept:
-            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "no tier keeps it"))
+            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "no tier keeps it", c.attempt))
             r_out += [_decide(c, r, RETIRE, "no tier keeps it") for r in c.replicas]
             continue
-        c_out.append(CheckpointDecision(c.run, c.step, KEEP, ", ".join(why_kept)))
+        c_out.append(CheckpointDecision(c.run, c.step, KEEP, ", ".join(why_kept), c.attempt))
         parent_tier = max((t for t in tier_reasons if c.complete(t)), default=max(tier_reasons))
         archive = rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones)
         staying = set(c.replicas)
@@ -194,6 +203,21 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
                 else:
                     r_out.append(_decide(c, r, KEEP, "last durable copy" if t else "not yet durable"))
     return c_out, r_out
+
+
+def _superseded(c: CheckpointFacts, durable_attempts: set[str], rules: Rules) -> CheckpointDecision:
+    """An older attempt's checkpoint above where a newer attempt resumed: history that nothing
+    resumes from. Retired once the newer attempt has a durable checkpoint (until then it is what
+    an operator could still go back to); a pin, an alias or a child run holds it as ever."""
+    by = c.superseded_by or ""
+    holds = (["pinned"] if c.pinned else []) + [f"alias {a}" for a in c.aliases]
+    holds += [f"parent of {r}" for r in c.children] if rules.keep_parents else []
+    if holds:
+        return CheckpointDecision(c.run, c.step, KEEP, ", ".join(holds), c.attempt)
+    if by not in durable_attempts:
+        return CheckpointDecision(c.run, c.step, KEEP, f"superseded by attempt {by or '(unnamed)'}, which has no "
+                                  "durable checkpoint yet", c.attempt)
+    return CheckpointDecision(c.run, c.step, RETIRE, f"superseded by attempt {by or '(unnamed)'}", c.attempt)
 
 
 def _holds(c: CheckpointFacts, newest: int | None, newest_durable: int | None) -> list[str]:
@@ -246,4 +270,4 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
 
 def _decide(c: CheckpointFacts, r: ReplicaFacts, action: str, reason: str) -> ReplicaDecision:
     return ReplicaDecision(run=c.run, step=c.step, tier=r.tier, part=r.part, replica_id=r.replica_id, node=r.node,
-                           url=r.url, bytes=r.bytes, action=action, reason=reason)
+                           url=r.url, bytes=r.bytes, action=action, reason=reason, attempt=c.attempt)

@@ -606,14 +606,15 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
             run_ids = [run_row(conn, run).id] if run is not None else None
             return _ret.facts(conn, run_ids=run_ids, node=node)
 
-    def retire(self, run: str, step: int, *, reason: str, actor: str, keep_parents: bool = True) -> bool:
+    def retire(self, run: str, step: int, *, reason: str, actor: str, keep_parents: bool = True,
+               attempt: str | None = None) -> bool:
         """Record the checkpoint ``retired`` (audited) before any of its bytes is deleted; True
         if recorded now, False if it was already. ``PruneRefused`` when a pin, an alias, being
         the run's newest verified or newer than its newest durable checkpoint, or (with
         ``keep_parents``) a child run forbids it, checked again under the checkpoint's lock."""
         with self._tx() as conn:
             return _ret.retire(conn, run, step, reason=reason, actor=actor, now=_now(conn),
-                               keep_parents=keep_parents)
+                               keep_parents=keep_parents, attempt=attempt)
 
     def retired_with_copies(self, *, limit: int = 1000) -> list[tuple[str, int]]:
         """(run, step) of retired checkpoints that still have a verified replica: retirements a
@@ -636,9 +637,9 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
                                  limit=limit)
 
     # --- reconcile: set-based reads and sweep cursors -------------------------------------
-    def promotion_status(self, pairs: Sequence[tuple[str, int]], *,
-                         older_than_seconds: float = 0) -> dict[tuple[str, int], PromotionStatus]:
-        """(run, step) -> ``PromotionStatus`` of each listed checkpoint the catalog knows (absent:
+    def promotion_status(self, pairs: Sequence[tuple[str, int, str]], *,
+                         older_than_seconds: float = 0) -> dict[tuple[str, int, str], PromotionStatus]:
+        """(run, step, attempt) -> ``PromotionStatus`` of each listed checkpoint the catalog knows (absent:
         unknown), in a few queries per 500 whatever the catalog holds. ``stale``: committed more
         than ``older_than_seconds`` ago (catalog clock) with a part not promoted (``unpromoted``)."""
         with self._tx(write=False) as conn:

@@ -224,23 +224,23 @@ def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, ru
 
 
 # --- reconcile: set-based reads -----------------------------------------------------------------
-def promotion_status(conn: Connection, pairs: Sequence[tuple[str, int]], *, now: datetime,
-                     older_than_seconds: float) -> dict[tuple[str, int], PromotionStatus]:
-    """(run, step) -> its ``PromotionStatus``, for checkpoints the catalog knows. Three queries
+def promotion_status(conn: Connection, pairs: Sequence[tuple[str, int, str]], *, now: datetime,
+                     older_than_seconds: float) -> dict[tuple[str, int, str], PromotionStatus]:
+    """(run, step, attempt) -> its ``PromotionStatus``, for checkpoints the catalog knows. Three queries
     per 500 checkpoints (checkpoints, their parts, their Tier 1 replicas), whatever the catalog
     holds: "stale" is ``unpromoted``'s rule, computed on these rows only."""
     wanted = set(pairs)
-    out: dict[tuple[str, int], PromotionStatus] = {}
+    out: dict[tuple[str, int, str], PromotionStatus] = {}
     ordered = sorted(wanted)
     cutoff = now - timedelta(seconds=older_than_seconds)
     for i in range(0, len(ordered), 500):
         chunk = ordered[i:i + 500]
-        names, steps = {r for r, _ in chunk}, {s for _, s in chunk}
+        names, steps = {r for r, _, _ in chunk}, {s for _, s, _ in chunk}
         rows = [r for r in conn.execute(
             select(checkpoints.c.id, runs.c.name, checkpoints.c.step, checkpoints.c.state, checkpoints.c.parts,
-                   checkpoints.c.committed_at)
+                   checkpoints.c.committed_at, checkpoints.c.attempt)
             .select_from(checkpoints.join(runs, runs.c.id == checkpoints.c.run_id))
-            .where(runs.c.name.in_(names), checkpoints.c.step.in_(steps))) if (r.name, r.step) in wanted]
+            .where(runs.c.name.in_(names), checkpoints.c.step.in_(steps))) if (r.name, r.step, r.attempt) in wanted]
         ids = [r.id for r in rows]
         registered: dict[int, set[int]] = defaultdict(set)
         of_ids = parts.c.checkpoint_id.in_(ids)
@@ -257,9 +257,9 @@ def promotion_status(conn: Connection, pairs: Sequence[tuple[str, int]], *, now:
         for r in rows:
             stale = (r.state == CKPT_COMMITTED and r.committed_at is not None and r.committed_at <= cutoff
                      and promoted[r.id] < r.parts)
-            out[(r.name, r.step)] = PromotionStatus(id=r.id, run=r.name, step=r.step, state=r.state, parts=r.parts,
-                                                    registered=frozenset(registered[r.id]), tier1=tier1[r.id],
-                                                    stale=stale)
+            out[(r.name, r.step, r.attempt)] = PromotionStatus(
+                id=r.id, run=r.name, step=r.step, state=r.state, parts=r.parts,
+                registered=frozenset(registered[r.id]), tier1=tier1[r.id], stale=stale)
     return out
 
 

@@ -164,7 +164,8 @@ SELECT ck.id, nb.prev, nb.nxt FROM ck, nb
 
 def _unknown(conn: Connection, run_id: int, m: Manifest) -> bool:
     return conn.execute(select(checkpoints.c.id).where(
-        checkpoints.c.run_id == run_id, checkpoints.c.step == m.step, checkpoints.c.attempt == m.attempt)).first() is None
+        checkpoints.c.run_id == run_id, checkpoints.c.step == m.step,
+        checkpoints.c.attempt == m.attempt)).first() is None
 
 
 def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manifest, *, digest: str, now: datetime,

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import IllegalTransition, PruneRefused
 from core.retention import CheckpointFacts, ReplicaFacts
-from db.entities import CKPT_COMMITTED, CKPT_RETIRED as RETIRED, VERIFIED
+from db.entities import CKPT_COMMITTED, CKPT_RETIRED as RETIRED, CKPT_SUPERSEDED, VERIFIED
 from db.queries import _filter_only, _masks, newest_verified_steps
 from db.rows import (
     add_audit,
@@ -57,9 +57,9 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
             .add_columns(checkpoints.c.kind, checkpoints.c.metrics, checkpoints.c.tags, checkpoints.c.parts,
                          checkpoints.c.created_at.label("ckpt_created_at"),
                          checkpoints.c.committed_at.label("ckpt_committed_at"),
-                         checkpoints.c.state.label("ckpt_state"))
+                         checkpoints.c.state.label("ckpt_state"), checkpoints.c.superseded_by)
             .where(checkpoints.c.run_id.in_(run_ids),
-                   _filter_only(conn, checkpoints.c.state).in_([CKPT_COMMITTED, RETIRED]),
+                   _filter_only(conn, checkpoints.c.state).in_([CKPT_COMMITTED, RETIRED, CKPT_SUPERSEDED]),
                    _filter_only(conn, replicas.c.state) == VERIFIED)
             .order_by(checkpoints.c.id, replicas.c.tier, replicas.c.part))
     rows = conn.execute(stmt).all()
@@ -84,7 +84,8 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
         out.append(CheckpointFacts(
             run=r0.run_name, step=r0.step, parts=r0.parts, kind=r0.kind, tags=dict(r0.tags or {}),
             metrics=dict(r0.metrics or {}), created_at=r0.ckpt_created_at, committed_at=r0.ckpt_committed_at,
-            state=r0.ckpt_state, pinned=cid in pinned, aliases=tuple(named[cid]), children=tuple(sorted(children[cid])),
+            state=r0.ckpt_state, attempt=r0.attempt, superseded_by=r0.superseded_by, pinned=cid in pinned,
+            aliases=tuple(named[cid]), children=tuple(sorted(children[cid])),
             replicas=tuple(ReplicaFacts(replica_id=r.id, tier=r.tier, part=r.part, node=r.node, url=r.url,
                                         bytes=r.bytes) for r in rs)))
     return out
@@ -105,26 +106,48 @@ def lineage_children(conn: Connection, checkpoint_ids: Sequence[int]) -> list[tu
 
 
 def retire(conn: Connection, run: str, step: int, *, reason: str, actor: str, now: datetime,
-           keep_parents: bool = True) -> bool:
+           keep_parents: bool = True, attempt: str | None = None) -> bool:
     """Record ``committed -> retired`` before any byte goes, after checking again, under the
     checkpoint's lock, what never lets a checkpoint be retired: a pin, an alias, being the
     newest verified checkpoint of its run, newer than its newest durable one or that one itself
     while a newer verified one is not durable, a child run
     (``keep_parents``). True if recorded now, False if it was retired already; ``PruneRefused``
     with the reason when the rows forbid it."""
-    ck = checkpoint_row(conn, run, step, lock=True)
+    ck = checkpoint_row(conn, run, step, attempt=attempt, lock=True)
     if ck.state == RETIRED:
         return False
-    if ck.state != CKPT_COMMITTED:
-        raise IllegalTransition(f"checkpoint {run}/{step} is {ck.state!r}: only a committed checkpoint is retired")
-    refused = _retire_refusal(conn, ck, keep_parents)
+    if ck.state not in (CKPT_COMMITTED, CKPT_SUPERSEDED):
+        raise IllegalTransition(f"checkpoint {run}/{step} is {ck.state!r}: only a committed or superseded "
+                                "checkpoint is retired")
+    refused = (_superseded_refusal if ck.state == CKPT_SUPERSEDED else _retire_refusal)(conn, ck, keep_parents)
     if refused:
         raise PruneRefused(f"checkpoint {run}/{step} not retired: {refused}")
-    conn.execute(update(checkpoints).where(checkpoints.c.id == ck.id, checkpoints.c.state == CKPT_COMMITTED)
+    conn.execute(update(checkpoints).where(checkpoints.c.id == ck.id, checkpoints.c.state == ck.state)
                  .values(state=RETIRED))
     add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{run}/{step}", action="retire",
-              from_state=CKPT_COMMITTED, to_state=RETIRED, reason=reason, run=run, step=step)
+              from_state=ck.state, to_state=RETIRED, reason=reason, run=run, step=step)
     return True
+
+
+def _superseded_refusal(conn: Connection, ck: Row, keep_parents: bool) -> str | None:
+    """What holds a superseded checkpoint: a pin, an alias, a child run, or a superseding attempt
+    with no durable checkpoint yet."""
+    if conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id == ck.id)).first():
+        return "pinned"
+    alias = conn.execute(select(aliases.c.name).where(aliases.c.checkpoint_id == ck.id)).scalar()
+    if alias is not None:
+        return f"alias {alias}"
+    durable = conn.execute(select(checkpoints.c.id).where(
+        checkpoints.c.run_id == ck.run_id, checkpoints.c.attempt == (ck.superseded_by or ""),
+        checkpoints.c.state == CKPT_COMMITTED,
+        checkpoints.c.verified_tiers.in_(_masks(lambda m: m & DURABLE_BITS))).limit(1)).first()
+    if durable is None:
+        return f"attempt {ck.superseded_by or '(unnamed)'} that superseded it has no durable checkpoint yet"
+    if keep_parents:
+        kids = lineage_children(conn, [ck.id])
+        if kids:
+            return f"parent of {kids[0][1]}"
+    return None
 
 
 def _retire_refusal(conn: Connection, ck: Row, keep_parents: bool) -> str | None:

@@ -42,6 +42,7 @@ PROMOTE_PARAMETERS = {
     "step": "{{ event.payload.step | default('') }}",
     "part": "{{ event.payload.part | default(0) }}",
     "parts": "{{ event.payload.parts | default(1) }}",
+    "attempt": "{{ event.payload.attempt | default('') }}",
 }
 ARCHIVE_PARAMETERS = {
     "run": "{{ event.payload.run | default('') }}",

@@ -99,8 +99,8 @@ class PartEvents:
         self._lock = threading.Lock()
         self._listener: LoopThread | None = None
         self._env: dict[str, str] = {}
-        self._known: set[tuple[str, int, int]] = set()  # parts submitted, or on Tier 0 when the agent started
-        self._pending: set[tuple[str, int, int]] = set()  # found by the last scan, not submitted yet
+        self._known: set[tuple[str, int, int, str]] = set()  # parts submitted, or on Tier 0 when the agent started
+        self._pending: set[tuple[str, int, int, str]] = set()  # found by the last scan, not submitted yet
         self._scans = 0
         self.done: list[Future] = []  # the last promotions' futures (tests; bounded)
 
@@ -151,7 +151,7 @@ class PartEvents:
             except Exception as exc:  # noqa: BLE001 - the next scan, or reconcile
                 log.warning("scan of Tier 0 failed: %s: %s", type(exc).__name__, exc)
 
-    def scan(self) -> list[tuple[str, int, int]]:
+    def scan(self) -> list[tuple[str, int, int, str]]:
         """List the committed parts on this node's Tier 0 (names only: no catalog, no server) and
         submit those that no event brought, once two scans in a row found them (the job commits a
         part a moment before it announces it: the event is the fast way in). The event stream is
@@ -163,7 +163,7 @@ class PartEvents:
         from tasks.base import open_tier  # deferred: start-up — storage backends
 
         with open_tier(self.settings, 0) as tier0:
-            found = {(run, step, part): parts for run, step, part, parts in find_committed(tier0)}
+            found = {(run, step, part, attempt): parts for run, step, part, parts, attempt in find_committed(tier0)}
         first, self._scans = self._scans == 0, self._scans + 1
         with self._lock:
             self._known &= found.keys()  # what left Tier 0 is forgotten: the set stays the size of the tier
@@ -172,15 +172,17 @@ class PartEvents:
             new = [key for key in found if key not in self._known]
             due = [key for key in new if key in self._pending]
             self._pending = {key for key in new if key not in self._pending}
-        for run, step, part in due:
+        for run, step, part, attempt in due:
             log.warning("%s step %s part %s: committed, no event came; promoting it", run, step, part)
-            self.submit({"run": run, "step": step, "part": part, "parts": found[(run, step, part)]})
+            self.submit({"run": run, "step": step, "part": part, "parts": found[(run, step, part, attempt)],
+                         "attempt": attempt})
         return due
 
     def submit(self, payload: Mapping[str, Any]) -> Future:
         """Queue the promotion of the part ``payload`` (a completed event's) names."""
         with suppress(Exception), self._lock:  # a malformed payload is promote's to reject
-            self._known.add((str(payload["run"]), int(payload["step"]), int(payload.get("part", 0))))
+            self._known.add((str(payload["run"]), int(payload["step"]), int(payload.get("part", 0)),
+                             str(payload.get("attempt") or "")))
         ctx = contextvars.copy_context()
         future = self._executor.submit(ctx.run, self.promote, dict(payload))
         self.done = [*self.done[-63:], future]
@@ -207,8 +209,8 @@ class PartEvents:
                       _what(payload), process.pid, code)
         return code
 
-    def request_followups(self, run: str, step: int, part: int, parts: int) -> None:
-        request_followups(self.node, run, step, part, parts)
+    def request_followups(self, run: str, step: int, part: int, parts: int, attempt: str = "") -> None:
+        request_followups(self.node, run, step, part, parts, attempt)
 
 
 def _what(payload: Mapping[str, Any]) -> str:
@@ -299,7 +301,7 @@ class EventBatch:
         return not self.events
 
 
-def request_followups(node: str, run: str, step: int, part: int, parts: int) -> None:
+def request_followups(node: str, run: str, step: int, part: int, parts: int, attempt: str = "") -> None:
     """Ask for the checkpoint's one promote run on ``node``'s deployment (its fast path starts
     it at once); the same request again is the same run (``followups_key``). Retried; when the
     server cannot be reached, reconcile's follow-ups backlog runs them."""
@@ -307,21 +309,21 @@ def request_followups(node: str, run: str, step: int, part: int, parts: int) -> 
 
     from flows.promote import followups_key  # deferred: start-up — Prefect, SQLAlchemy
 
-    params = {"run": run, "step": step, "part": part, "parts": parts, "node": node}
-    for attempt in range(REQUEST_ATTEMPTS):
+    params = {"run": run, "step": step, "part": part, "parts": parts, "node": node, "attempt": attempt}
+    for tried in range(REQUEST_ATTEMPTS):
         try:
             with get_client(sync_client=True) as client:
                 deployment = client.read_deployment_by_name(names.promote_deployment(node))
                 flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=params,
-                                                                  idempotency_key=followups_key(run, step))
+                                                                  idempotency_key=followups_key(run, step, attempt))
             log.info("checkpoint %s step %s complete on Tier 1: its promote run is %s", run, step, flow_run.id)
             return
         except Exception as exc:  # noqa: BLE001 - retried, then reconcile's follow-ups backlog
-            if attempt + 1 == REQUEST_ATTEMPTS:
+            if tried + 1 == REQUEST_ATTEMPTS:
                 log.error("checkpoint %s step %s complete on Tier 1, its promote run not created (%s: %s): "
                           "reconcile runs its follow-ups", run, step, type(exc).__name__, exc)
                 return
-            time.sleep(2 ** attempt)
+            time.sleep(2 ** tried)
 
 
 @contextmanager

@@ -28,21 +28,24 @@ class RegisterStep(Protocol):
     """``tasks.register.register_stored_part``: the part's manifest -> the catalog."""
 
     def __call__(self, settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-                 node: str | None = None, actor: str = "cli", source_tier: int = 0) -> Registered: ...
+                 node: str | None = None, actor: str = "cli", source_tier: int = 0,
+                 attempt: str = "") -> Registered: ...
 
 
 class VerifyStep(Protocol):
     """``tasks.verify.verify_replica``: the part's checksums and format on ``tier``, recorded."""
 
     def __call__(self, settings: Settings, run: str, step: int, part: int = 0, *,
-                 tier: int = 0, node: str | None = None, actor: str = "cli") -> HopResult: ...
+                 tier: int = 0, node: str | None = None, actor: str = "cli",
+                 attempt: str | None = None) -> HopResult: ...
 
 
 class MarkCompleteStep(Protocol):
     """``tasks.record.mark_complete``: true for the one caller that recorded the checkpoint
     complete on ``tier``."""
 
-    def __call__(self, settings: Settings, run: str, step: int, tier: int, *, actor: str = "cli") -> bool: ...
+    def __call__(self, settings: Settings, run: str, step: int, tier: int, *, actor: str = "cli",
+                 attempt: str | None = None) -> bool: ...
 
 
 class PlanRetentionStep(Protocol):
@@ -64,7 +67,7 @@ class Tier1HopStep(Protocol):
     """``tasks.hop.tier1_hop``: register, verify on Tier 0, copy to Tier 1, mark complete."""
 
     def __call__(self, settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-                 node: str | None = None, actor: str = "cli") -> Tier1Hop: ...
+                 node: str | None = None, actor: str = "cli", attempt: str = "") -> Tier1Hop: ...
 
 
 class Tier2HopStep(Protocol):

@@ -40,7 +40,7 @@ from flows.status import publish_run_status
 from tasks.base import HopResult
 from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done
-from tasks.register import checkpoint_args, reject_event
+from tasks.register import attempt_arg, checkpoint_args, reject_event
 from tasks.retention import PruneAction
 
 
@@ -68,13 +68,13 @@ class PromoteResult:
 
 def promote(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *, steps: Steps,
             node: str | None = None, actor: str = "cli",
-            on_durable: Callable[[PromoteResult], None] | None = None) -> PromoteResult:
+            on_durable: Callable[[PromoteResult], None] | None = None, attempt: str = "") -> PromoteResult:
     """The promotion of one part, composed from ``steps`` (plain functions or Prefect tasks).
     Once the checkpoint is complete on Tier 1, the caller that takes its follow-ups
     (``claim_followups``: whoever finds them not done and not held, not only the one that
     completed it) runs them (``follow_up``)."""
     node = node or settings.node
-    hop = steps.tier1_hop(settings, run, step, part, parts, node=node, actor=actor)
+    hop = steps.tier1_hop(settings, run, step, part, parts, node=node, actor=actor, attempt=attempt)
     result = PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
     if claim_followups(settings, hop.checkpoint_id):
         follow_up(settings, result, steps=steps, node=node, actor=actor, on_durable=on_durable)
@@ -101,7 +101,7 @@ def follow_up(settings: Settings, result: PromoteResult, *, steps: Steps, node: 
     followups_done(settings, result.checkpoint_id, actor=actor)
 
 
-FollowupsRequest = Callable[[str, int, int, int], None]
+FollowupsRequest = Callable[[str, int, int, int, str], None]
 
 
 def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
@@ -122,21 +122,23 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     try:
         run, step, part, parts = checkpoint_args(payload.get("run"), payload.get("step"), payload.get("part", 0),
                                                  payload.get("parts") or 1)
+        attempt = attempt_arg(payload.get("attempt"))
     except BadEvent as exc:
         reject_event(settings, f"promote {payload.get('run')!r} step {payload.get('step')!r}", exc, actor=actor)
         raise
     # the hop as a flow runs it inline (Settings.hop_task_run off): the registry's step and retry policy
     inline = task_steps(settings.model_copy(update={"hop_task_run": False}))
-    hop = inline.tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor)
+    hop = inline.tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor, attempt=attempt)
     if hop.durable:
-        request_followups(run, step, part, hop.parts)
+        request_followups(run, step, part, hop.parts, attempt)
     return PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
 
 
-def followups_key(run: str, step: int) -> str:
+def followups_key(run: str, step: int, attempt: str = "") -> str:
     """The idempotency key of a checkpoint's promote run asked for by ``promote_in_agent``: the
-    server creates one run per key and deployment, so a request repeated is the same run."""
-    return f"ckpt-followups/{run}/{step}"
+    server creates one run per key and deployment, so a request repeated is the same run (and
+    another attempt's checkpoint at the same step is another run)."""
+    return f"ckpt-followups/{run}/{step}" + (f"@{attempt}" if attempt else "")
 
 
 def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:
@@ -164,7 +166,7 @@ def run_name(params: dict[str, Any]) -> str:
 
 @flow(name="promote-checkpoint")  # named from its body (name_this_run), not with flow_run_name
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
-                       node: str | None = None) -> dict:
+                       node: str | None = None, attempt: str = "") -> dict:
     """Settings read once here; the steps run as Prefect tasks (the part's hop in this run's body
     with ``Settings.hop_task_run`` off: ``task_steps``); a table artifact per promotion,
     and, by the promotion that made the checkpoint durable, the run's status page
@@ -176,14 +178,16 @@ def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: in
     with a rejection audited in the catalog."""
     with artifact_batch():
         name_this_run(run_name({"run": run, "step": step, "part": part, "parts": parts}))
-        return _promote_checkpoint(run, step, part, parts, node)
+        return _promote_checkpoint(run, step, part, parts, node, attempt)
 
 
-def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int | str, node: str | None) -> dict:
+def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int | str, node: str | None,
+                        attempt: str = "") -> dict:
     settings = load_settings(**({"node": node} if node else {}))
     actor = current_actor("event")
     try:
         run, step, part, parts = checkpoint_args(run, step, part, parts)
+        attempt = attempt_arg(attempt)
     except BadEvent as exc:
         reject_event(settings, f"promote {run!r} step {step!r}", exc, actor=actor)
         raise
@@ -200,7 +204,7 @@ def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int |
             publish_run_status(str(settings.catalog_url), run)
 
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
-                         actor=actor, on_durable=durable)
+                         actor=actor, on_durable=durable, attempt=attempt)
         if not result.durable:
             show(result)
     return result.summary()

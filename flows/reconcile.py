@@ -44,7 +44,7 @@ from core.errors import CkptError, CopyInProgress, CorruptCheckpoint, NotFound, 
 from core.events import announcing
 from core.settings import Settings, load_settings
 from core.transfer import find_committed
-from db.entities import COPYING, PRUNING, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, task_steps
@@ -96,14 +96,14 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
             each(report, f"tier {tier} stages", lambda store=store, runs=runs, tier=tier: _swept_stages(
                 report, tier, sweep_dead_stages(cat, store, runs, node=settings.node, actor=actor)))
     kw = dict(actor=actor)
-    for run, step, part, parts in todo0:
+    for run, step, part, parts, att in todo0:
         attempt(report, report.promoted, f"{run}/{step} part {part}",
                  lambda: report.promotions.append(promotion_row(
                      promote(settings, run, step, part, parts, steps=steps, node=settings.node,
-                             on_durable=on_durable, **kw))))
-    for run, step, part, parts in todo1:
+                             on_durable=on_durable, attempt=att, **kw))))
+    for run, step, part, parts, att in todo1:
         attempt(report, report.adopted, f"{run}/{step} part {part}",
-                 lambda: _adopt(settings, run, step, part, parts, steps=steps, **kw))
+                 lambda: _adopt(settings, run, step, part, parts, steps=steps, attempt=att, **kw))
     for ck in followups_backlog(settings, report, grace_seconds=grace_seconds):
         attempt(report, report.followed_up, f"{ck.run}/{ck.step}",
                  lambda ck=ck: _follow_up(settings, ck, steps=steps, actor=actor, on_durable=on_durable))
@@ -199,11 +199,14 @@ def finish_retirements_into(report: ReconcileReport, settings: Settings, *, step
             report.failed.append(f"{item}: {action.outcome}: {action.detail}")
 
 
-def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str) -> None:
+def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, steps: Steps, actor: str,
+           attempt: str = "") -> None:
     """Register a part found only on Tier 1 from its manifest there, verify it in place."""
-    steps.register(settings, run, step, part, parts, actor=actor, source_tier=1)
-    steps.verify(settings, run, step, part, tier=1, actor=actor)
-    steps.mark_complete(settings, run, step, 1, actor=actor)
+    reg = steps.register(settings, run, step, part, parts, actor=actor, source_tier=1, attempt=attempt)
+    if reg.state == CKPT_SUPERSEDED:
+        return  # recorded as history; never completed on a tier for resume
+    steps.verify(settings, run, step, part, tier=1, actor=actor, attempt=attempt)
+    steps.mark_complete(settings, run, step, 1, actor=actor, attempt=attempt)
 
 
 @flow(name="reconcile", flow_run_name="reconcile/{node}")

@@ -55,56 +55,58 @@ def open_tier(settings: Settings, tier: int) -> Iterator[TierStore]:
         yield store
 
 
-def read_part_manifest(store: TierStore, run: str, step: int, part: int, parts: int) -> Manifest:
+def read_part_manifest(store: TierStore, run: str, step: int, part: int, parts: int, *, attempt: str = "") -> Manifest:
     """The committed manifest of a part on ``store``; ``NotFound`` when the part is not committed.
 
     The manifest must name the same run, step, part and parts as its key, so a manifest copied
     under another checkpoint's name cannot be registered as that checkpoint.
     """
-    manifest = read_manifest(store, checkpoint_prefix(run, step), part, parts)
-    got = (manifest.run, manifest.step, manifest.part, manifest.parts)
-    if got != (run, step, part, parts):
+    manifest = read_manifest(store, checkpoint_prefix(run, step, attempt), part, parts)
+    got = (manifest.run, manifest.step, manifest.part, manifest.parts, manifest.attempt)
+    if got != (run, step, part, parts, attempt):
         raise CorruptCheckpoint(
-            f"manifest at {store.url_for(part_key(run, step, part, parts))} describes {got}, "
-            f"expected {(run, step, part, parts)}",
+            f"manifest at {store.url_for(part_key(run, step, part, parts, attempt))} describes {got}, "
+            f"expected {(run, step, part, parts, attempt)}",
             path=manifest_name(part, parts),
         )
     return manifest
 
 
-def catalog_digest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> str:
+def catalog_digest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int, *,
+                   attempt: str = "") -> str:
     """The manifest digest of a part as the catalog registered it (the source of truth)."""
-    return catalog_manifest(cat, checkpoint_id, run, step, part, parts).digest()
+    return catalog_manifest(cat, checkpoint_id, run, step, part, parts, attempt=attempt).digest()
 
 
-def catalog_manifest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int) -> Manifest:
+def catalog_manifest(cat: Catalog, checkpoint_id: int, run: str, step: int, part: int, parts: int, *,
+                     attempt: str = "") -> Manifest:
     """A part's manifest as far as the catalog holds it: its files, sizes and checksums (no
     times, metrics or tags): enough to fetch and check the bytes while the tier's own manifest,
     the one to commit, is read (``copy_part``'s ``confirm``)."""
     files = cat.files(checkpoint_id, part)
     algorithm = files[0].algorithm if files else "crc32c"
     entries = tuple(FileEntry(path=f.path, size=f.size, checksum=f.checksum) for f in files)
-    return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts)
+    return Manifest(run=run, step=step, files=entries, algorithm=algorithm, part=part, parts=parts, attempt=attempt)
 
 
 def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, step: int,
-                        part: int, parts: int) -> Manifest:
+                        part: int, parts: int, *, attempt: str = "") -> Manifest:
     """The part's manifest on ``store``, proven to list exactly the files the catalog registered.
 
     A manifest that differs (edited, replaced) is ``CorruptCheckpoint``: bytes are always
     checked against what was registered, never against whatever a tier now claims.
     """
-    manifest = read_part_manifest(store, run, step, part, parts)
-    if manifest.digest() != catalog_digest(cat, checkpoint_id, run, step, part, parts):
+    manifest = read_part_manifest(store, run, step, part, parts, attempt=attempt)
+    if manifest.digest() != catalog_digest(cat, checkpoint_id, run, step, part, parts, attempt=attempt):
         raise CorruptCheckpoint(
-            f"manifest at {store.url_for(part_key(run, step, part, parts))} differs from the catalog",
+            f"manifest at {store.url_for(part_key(run, step, part, parts, attempt))} differs from the catalog",
             path=manifest_name(part, parts),
         )
     return manifest
 
 
 def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, parts: int, *,
-                reason: str, actor: str) -> int:
+                reason: str, actor: str, attempt: str = "") -> int:
     """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
     single-part checkpoint owns its folder; a part of several leaves the paths another part
     with a live copy on this tier still lists (``shared_paths``), takes the checkpoint-wide
@@ -113,12 +115,12 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
     with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained.
     It is never cut short for a stall (``core.progress.uninterrupted``): a worker taken over
     mid-delete that then woke would delete what the new holder published."""
-    prefix = checkpoint_prefix(run, step)
+    prefix = checkpoint_prefix(run, step, attempt)
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
     with uninterrupted():
         if parts == 1:
-            return store.delete(part_key(run, step, part, parts)) + store.delete_prefix(prefix)
-        ck = cat.get_checkpoint(run, step)
+            return store.delete(part_key(run, step, part, parts, attempt)) + store.delete_prefix(prefix)
+        ck = cat.get_checkpoint(run, step, attempt)
         paths = [f.path for f in cat.files(ck.id, part)]
         deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
                                     keep=shared_paths(cat, ck.id, part, store.tier))
@@ -132,10 +134,10 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
 
 
 def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,
-                  actor: str, keys: Iterable[str] | None = None) -> int:
+                  actor: str, keys: Iterable[str] | None = None, attempt: str = "") -> int:
     """``store.sweep_staging`` under the checkpoint's folder (only ``keys``' staging data when
     given), audited when anything went."""
-    swept = store.sweep_staging(checkpoint_prefix(run, step), older_than_s=older_than_s, keys=keys)
+    swept = store.sweep_staging(checkpoint_prefix(run, step, attempt), older_than_s=older_than_s, keys=keys)
     if swept:
         cat.record_deletion(f"staging:{run}/{step}@tier{store.tier}", f"{swept} staging object(s): {reason}",
                             actor=actor, run=run, step=step)

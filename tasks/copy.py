@@ -64,34 +64,34 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
     alone under the claim (swept now, not after a wall-clock wait); paths another part also
     lists may be that part's live copy (swept only once a lease old); other parts' files are
     never touched."""
-    run, step, prefix = ck.run, ck.step, checkpoint_prefix(ck.run, ck.step)
+    run, step, prefix = ck.run, ck.step, checkpoint_prefix(ck.run, ck.step, ck.attempt)
     if prior is not None and prior.state == CORRUPT:
-        delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+        delete_part(cat, dst, run, step, part, ck.parts, actor=actor, attempt=ck.attempt,
                     reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
     elif prior is not None and prior.state in (COPYING, MISSING):
         own = [f.path for f in manifest.files] + [manifest.name]
         shared = {f.path for f in cat.files(ck.id) if f.part != part}
         why = f"left by a copy that died (replica {prior.id} was {prior.state})"
-        sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
+        sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why, attempt=ck.attempt,
                       keys=[f"{prefix}/{p}" for p in own if p not in shared])
-        sweep_staging(cat, dst, run, step, older_than_s=lease_s, actor=actor, reason=why,
+        sweep_staging(cat, dst, run, step, older_than_s=lease_s, actor=actor, reason=why, attempt=ck.attempt,
                       keys=[f"{prefix}/{p}" for p in own if p in shared])
 
 
 def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tier: int, dst_tier: int,
-                  node: str, actor: str, check_source: bool = False) -> list[HopResult]:
+                  node: str, actor: str, check_source: bool = False, attempt: str | None = None) -> list[HopResult]:
     """The copy under the destination's claim; with ``check_source`` (Tier 0 -> 1 only) also
     the verify of the Tier 0 source, from the same read (``promote_part``)."""
     hop = f"tier {src_tier} -> tier {dst_tier}"
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
             open_tier(settings, dst_tier) as dst:
-        ck = cat.get_checkpoint(run, step)
-        prefix = checkpoint_prefix(run, step)
+        ck = cat.get_checkpoint(run, step, attempt)
+        prefix = checkpoint_prefix(run, step, ck.attempt)
         url = dst.url_for(prefix)
         source_side = _Tier0Source(cat, ck, src, part, node, actor, settings) if check_source else nullcontext()
         with source_side as source:
             manifest = source.manifest() if source is not None else \
-                registered_manifest(cat, src, ck.id, run, step, part, ck.parts)
+                registered_manifest(cat, src, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
             prior = part_replica(cat, ck.id, dst_tier, part, None)
             held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
                                          actor=actor, lease_s=settings.claim_lease_seconds,
@@ -117,7 +117,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                                                 buffer_bytes=settings.io_buffer_bytes,
                                                 priority=copy_priority(settings))
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
-                    _retract(cat, dst, run, step, part, exc.published, actor=actor,
+                    _retract(cat, dst, run, step, part, exc.published, actor=actor, attempt=ck.attempt,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
                     raise
                 if source is not None:  # Tier 0 first: its bytes are what the copy just proved
@@ -147,7 +147,7 @@ class _Tier0Source:
     def __init__(self, cat: Catalog, ck: CheckpointInfo, store: TierStore, part: int, node: str, actor: str,
                  settings: Settings):
         self.cat, self.ck, self.store, self.part, self.node, self.actor = cat, ck, store, part, node, actor
-        self.prefix = checkpoint_prefix(ck.run, ck.step)
+        self.prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
         self.url = store.url_for(self.prefix)
         self.lease_s, self._settings = settings.claim_lease_seconds, settings
         self.held: ClaimedCopy | None = None
@@ -206,7 +206,7 @@ class _Tier0Source:
         """The registered manifest; the part's format checked on Tier 0 (headers only)."""
         started = time.monotonic()
         m = registered_manifest(self.cat, self.store, self.ck.id, self.ck.run, self.ck.step, self.part,
-                                self.ck.parts)
+                                self.ck.parts, attempt=self.ck.attempt)
         formats.validate(m.format, {f.path: f.size for f in m.files},
                          lambda rel: self.store.open_read(f"{self.prefix}/{rel}"), complete=m.parts == 1)
         self.seconds += time.monotonic() - started
@@ -244,12 +244,12 @@ class _Tier0Source:
 
 
 def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, keys: list[str], *,
-             actor: str, reason: str) -> None:
+             actor: str, reason: str, attempt: str = "") -> None:
     """Delete the files a failed copy published (its part never committed), audited first;
     paths another live part of the checkpoint lists on this tier stay. A single-part
     checkpoint's folder left with nothing in it goes too (the copy created it)."""
-    ck = cat.get_checkpoint(run, step)
-    prefix = checkpoint_prefix(run, step)
+    ck = cat.get_checkpoint(run, step, attempt)
+    prefix = checkpoint_prefix(run, step, attempt)
     keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)} if keys else set()
     doomed = [k for k in keys if k not in keep]
     try:
@@ -267,14 +267,14 @@ def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, key
 
 
 def promote_part(settings: Settings, run: str, step: int, part: int = 0, *,
-                 node: str | None = None, actor: str = "cli") -> list[HopResult]:
+                 node: str | None = None, actor: str = "cli", attempt: str | None = None) -> list[HopResult]:
     """Tier 0 -> Tier 1 reading Tier 0 once: the copy is the Tier 0 verify (``verify tier 0``
     then ``tier 0 -> tier 1`` in the hop list, as the two steps report them). A source
     mismatch leaves nothing on Tier 1 and the Tier 0 replica ``corrupt``; a part already
     verified on Tier 1 gets the Tier 0 verify alone."""
     try:
         return _claimed_copy(settings, run, step, part, src_tier=0, dst_tier=1, node=node or settings.node,
-                             actor=actor, check_source=True)
+                             actor=actor, check_source=True, attempt=attempt)
     except SourceMismatch as exc:  # recorded: the caller hears what verify_replica raises
         raise CorruptCheckpoint(str(exc), path=exc.path) from None
 

@@ -93,7 +93,7 @@ def restore_drill(settings: Settings, *, run: str | None = None, scratch: str | 
 def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, scratch: Path,
                actor: str) -> tuple[bool, float, str | None]:
     """Restore from ``tier`` alone into ``scratch`` (removed after), check it; (ok, seconds, detail)."""
-    prefix = checkpoint_prefix(ck.run, ck.step)
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     started = time.monotonic()
     try:
         restore_checkpoint(settings, ck.run, scratch / prefix, step=ck.step, preference=(tier,),
@@ -101,7 +101,8 @@ def _drill_one(cat: Catalog, settings: Settings, ck: CheckpointInfo, tier: int, 
         seconds = time.monotonic() - started
         restored = LocalStore(scratch, 0, buffer_bytes=settings.io_buffer_bytes)
         for part in range(ck.parts):
-            manifest = registered_manifest(cat, restored, ck.id, ck.run, ck.step, part, ck.parts)
+            manifest = registered_manifest(cat, restored, ck.id, ck.run, ck.step, part, ck.parts,
+                                                   attempt=ck.attempt)
             transfer.verify_part(restored, prefix, manifest, parallelism=settings.copy_parallelism,
                                  buffer_bytes=settings.io_buffer_bytes, deep=True)
         return True, seconds, None

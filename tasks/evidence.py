@@ -31,19 +31,19 @@ class Finding:
 
 
 def check_part(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, step: int, part: int,
-               parts: int, *, read_back: bool = False) -> Finding | None:
+               parts: int, *, read_back: bool = False, attempt: str = "") -> Finding | None:
     """None when the part's manifest and files on ``store`` match the catalog; else what is
     wrong. With ``read_back`` every file's bytes are read back and checksummed on its tier
     (``verify_object``): a same-size bit flip that scrub has not reached yet is found too.
     Transient storage errors propagate (a copy that could not be checked is no evidence, but
     not a finding either)."""
     try:
-        registered_manifest(cat, store, checkpoint_id, run, step, part, parts)
+        registered_manifest(cat, store, checkpoint_id, run, step, part, parts, attempt=attempt)
     except NotFound:
-        return Finding(MISSING, f"manifest {part_key(run, step, part, parts)} vanished")
+        return Finding(MISSING, f"manifest {part_key(run, step, part, parts, attempt)} vanished")
     except CorruptCheckpoint as exc:
         return Finding(CORRUPT, f"manifest does not match the catalog: {exc}")
-    prefix = checkpoint_prefix(run, step)
+    prefix = checkpoint_prefix(run, step, attempt)
     present = {o.key: o for o in store.list(prefix)}
     for f in cat.files(checkpoint_id, part):
         key = f"{prefix}/{f.path}"

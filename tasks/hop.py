@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from core.settings import Settings
 from core.transfer import run_at
+from db.entities import CKPT_SUPERSEDED
 from tasks.base import HopResult, copy_priority
 from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
@@ -38,25 +39,29 @@ class Tier1Hop:
 
 
 def tier1_hop(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
-              node: str | None = None, actor: str = "cli") -> Tier1Hop:
+              node: str | None = None, actor: str = "cli", attempt: str = "") -> Tier1Hop:
     """Make one part durable on Tier 1; ``durable`` is true for exactly one caller per checkpoint.
 
     All of it (catalog, format check, copy) runs at the agent's copy priority (``copy_nice``,
     ``copy_io_class``): the training job on the node keeps its cores."""
     return run_at(copy_priority(settings), lambda: _tier1_hop(settings, run, step, part, parts, node=node,
-                                                              actor=actor))
+                                                              actor=actor, attempt=attempt))
 
 
 def _tier1_hop(settings: Settings, run: str, step: int, part: int, parts: int, *,
-               node: str | None, actor: str) -> Tier1Hop:
-    reg = register_stored_part(settings, run, step, part, parts, node=node, actor=actor)
+               node: str | None, actor: str, attempt: str) -> Tier1Hop:
+    reg = register_stored_part(settings, run, step, part, parts, node=node, actor=actor, attempt=attempt)
     result = Tier1Hop(reg.checkpoint_id, reg.parts)
+    if reg.state == CKPT_SUPERSEDED:  # a late part of an older attempt: its Tier 0 copy recorded for
+        # retention to retire, never copied on (a newer attempt resumed from below its step)
+        result.hops.append(verify_replica(settings, run, step, part, tier=0, node=node, actor=actor, attempt=attempt))
+        return result
     if reg.promoted:  # a repeated or concurrent event: this part is already on Tier 1
         result.hops.append(HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=part, files=reg.files,
                                      bytes=reg.bytes, seconds=0.0, skipped=True))
     else:
-        result.hops.extend(promote_part(settings, run, step, part, node=node, actor=actor))
-    result.durable = mark_complete(settings, run, step, 1, actor=actor)
+        result.hops.extend(promote_part(settings, run, step, part, node=node, actor=actor, attempt=attempt))
+    result.durable = mark_complete(settings, run, step, 1, actor=actor, attempt=attempt)
     return result
 
 

@@ -66,7 +66,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
                 raise PruneRefused(f"another worker owns the prune: {exc}") from exc
             raise
         rep = claim.replica
-        ck = cat.get_checkpoint(rep.run, rep.step)
+        ck = cat.get_checkpoint_by_id(rep.checkpoint_id)
         with open_tier(settings, rep.tier) as store:
             assert rep.claim_token is not None  # claim_prune hands the prune over under a token
             lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
@@ -101,7 +101,7 @@ def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
     """Manifest first, then the files; the claim is checked before each delete."""
     lease.check()
     try:
-        deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, ck.parts)))
+        deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, ck.parts, rep.attempt)))
     except BaseException:
         # nothing of ours went: the copy is returned only if it is provably still whole
         lease.stop()
@@ -109,7 +109,8 @@ def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
         raise
     lease.check()
     try:
-        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=_why(reason, claim),
+        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, attempt=rep.attempt,
+                                     reason=_why(reason, claim),
                                      actor=actor)
     except ObjectLocked:  # the manifest went, a file is locked: settled by what is left
         lease.stop()
@@ -129,8 +130,8 @@ def lock_refused(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: Replic
     A store without retention (every tier but an Object Lock bucket) costs no catalog query here."""
     if not store.retains:
         return None
-    keys = [part_key(rep.run, rep.step, rep.part, ck.parts)]
-    keys += [f"{checkpoint_prefix(rep.run, rep.step)}/{f.path}" for f in cat.files(ck.id, rep.part)]
+    keys = [part_key(rep.run, rep.step, rep.part, ck.parts, rep.attempt)]
+    keys += [f"{checkpoint_prefix(rep.run, rep.step, rep.attempt)}/{f.path}" for f in cat.files(ck.id, rep.part)]
     until = store.locked_until(keys)
     if until is None:
         return None
@@ -154,7 +155,8 @@ def justification_refused(settings: Settings, cat: Catalog, ck: CheckpointInfo, 
             continue
         try:
             with open_tier(settings, other.tier) as store:
-                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts, read_back=read_back)
+                finding = check_part(cat, store, ck.id, ck.run, ck.step, other.part, ck.parts, read_back=read_back,
+                                     attempt=ck.attempt)
         except CkptError as exc:
             log.warning("prune of replica %s: tier %s copy could not be checked: %s", rep.id, other.tier, exc)
             continue
@@ -176,7 +178,7 @@ def abandon(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo
     its tier, ``missing``/``corrupt`` when it provably is not; left ``pruning`` (its lease then
     lapses, and the next prune or reconcile takes it over) when that cannot be told."""
     try:
-        finding = check_part(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts)
+        finding = check_part(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts, attempt=ck.attempt)
     except Exception as exc:  # noqa: BLE001 - unknown counts as gone: never return a doubtful copy
         log.warning("replica %s: prune left pending, its copy could not be checked: %s", rep.id, exc)
         return

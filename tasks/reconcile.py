@@ -12,6 +12,7 @@ from typing import Any
 from core.errors import BadInput, CkptError, CopyInProgress
 from core.layout import check_ref, checkpoint_prefix, part_key
 from core.manifest_build import read_attempt_digest
+from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore
 from core.transfer import find_committed
@@ -20,6 +21,7 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_REJECTED,
     CKPT_RETIRED,
+    CKPT_SUPERSEDED,
     COPYING,
     CORRUPT,
     MISSING,
@@ -77,8 +79,8 @@ def attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> Non
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
-def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int]], report: ReconcileReport, *,
-          tier: int, grace_seconds: float, actor: str = "cli") -> list[tuple[str, int, int, int]]:
+def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int, str]], report: ReconcileReport, *,
+          tier: int, grace_seconds: float, actor: str = "cli") -> list[tuple[str, int, int, int, str]]:
     """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
     catalog's view of all of them in one set-based read (``promotion_status``), not queries per
     part; a part's manifest is read only for the few that look wanted (``_rejected``). A part
@@ -88,47 +90,52 @@ def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, 
     status = _promotion_status(cat, found, report, tier=tier, grace_seconds=grace_seconds)
     todo = []
     for p in found:
-        if p[:2] not in status:
+        if _key(p) not in status:
             continue  # its read failed: listed by ``_promotion_status``
         if each(report, f"tier {tier} {p[0]}/{p[1]} part {p[2]}",
-                 lambda p=p: _wanted(status[p[:2]], p, report, tier=tier)
+                 lambda p=p: _wanted(status[_key(p)], p, report, tier=tier)
                  and not _rejected(cat, store, p, report, tier=tier)):
             todo.append(p)
     return todo
 
 
-def _named_in_range(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], report: ReconcileReport, *,
+def _named_in_range(cat: Catalog, store: TierStore, found: tuple[str, int, int, int, str], report: ReconcileReport, *,
                     tier: int, actor: str) -> bool:
     """Whether the folder's step and part numbers are in range (``check_ref``); one that is not is
     listed, audited as a rejection once (not on every pass) and left alone."""
-    run, step, part, parts = found
+    run, step, part, parts, attempt = found
     try:
         check_ref(step, part, parts)
         return True
     except BadInput as exc:
-        what = f"tier {tier} {checkpoint_prefix(run, step)} part {part}"
+        what = f"tier {tier} {run}/step {step} part {part}"
         report.skipped.append(f"{what}: {exc}; folder left alone")
-        subject = f"folder:{store.url_for(checkpoint_prefix(run, step))}#part-{part}"
+        subject = f"folder:{store.url_for(safe_run_name(run))}/step-{step}@{attempt}#part-{part}"
         reason = f"{type(exc).__name__}: {exc}"
         each(report, what, lambda: cat.record_rejection_once(subject, reason, actor=actor, run=run))
         return False
 
 
-def _promotion_status(cat: Catalog, found: list[tuple[str, int, int, int]], report: ReconcileReport, *, tier: int,
-                      grace_seconds: float) -> dict[tuple[str, int], PromotionStatus | None]:
-    """(run, step) -> its status (None: unknown to the catalog) for every pair whose read worked."""
-    pairs = sorted({(p[0], p[1]) for p in found})
+def _promotion_status(cat: Catalog, found: list[tuple[str, int, int, int, str]], report: ReconcileReport, *, tier: int,
+                      grace_seconds: float) -> dict[tuple[str, int, str], PromotionStatus | None]:
+    """(run, step, attempt) -> its status (None: unknown to the catalog) for every checkpoint whose
+    read worked."""
+    pairs = sorted({_key(p) for p in found})
     try:
         got = cat.promotion_status(pairs, older_than_seconds=grace_seconds)
         return {pair: got.get(pair) for pair in pairs}
     except Exception as exc:  # noqa: BLE001 - one bad pair must not stop the pass: isolate it below
         log.warning("reconcile: promotion status of %d checkpoints failed (%s); reading them one by one",
                     len(pairs), exc)
-    out: dict[tuple[str, int], PromotionStatus | None] = {}
+    out: dict[tuple[str, int, str], PromotionStatus | None] = {}
     for pair in pairs:
         each(report, f"tier {tier} {pair[0]}/{pair[1]}", lambda pair=pair: out.__setitem__(
             pair, cat.promotion_status([pair], older_than_seconds=grace_seconds).get(pair)))
     return out
+
+
+def _key(found: tuple[str, int, int, int, str]) -> tuple[str, int, str]:
+    return found[0], found[1], found[4]
 
 
 def each(report: ReconcileReport, item: str, fn: Any) -> Any:
@@ -142,7 +149,7 @@ def each(report: ReconcileReport, item: str, fn: Any) -> Any:
 
 
 def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
-                   visited: list[str] | None = None) -> list[tuple[str, int, int, int]]:
+                   visited: list[str] | None = None) -> list[tuple[str, int, int, int, str]]:
     """Parts committed on Tier 1, run folder by run folder from where the last pass (of any
     node: one shared ``sweep_cursor``) stopped, until about ``limit`` parts are found (at least
     one run per pass); past the last run the next pass starts again at the first. A pass lists
@@ -152,7 +159,7 @@ def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
     runs = tier1.folders()
     i = cat.sweep_cursor(ADOPT_CURSOR)
     i = i if i < len(runs) else 0
-    found: list[tuple[str, int, int, int]] = []
+    found: list[tuple[str, int, int, int, str]] = []
     while i < len(runs) and len(found) < limit:
         found += find_committed(tier1, runs[i])
         if visited is not None:
@@ -162,13 +169,15 @@ def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
     return found
 
 
-def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int], report: ReconcileReport, *,
+def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int, str], report: ReconcileReport, *,
             tier: int) -> bool:
     """Whether a part committed on ``tier`` needs promoting (Tier 0) or adopting (Tier 1)."""
-    run, step, part, _parts = found
+    run, step, part, _parts, _attempt = found
     if ck is None:  # an unknown checkpoint or run: registering the part creates it
         return True
-    if ck.state in (CKPT_CORRUPT, CKPT_RETIRED):
+    if ck.state == CKPT_SUPERSEDED and part not in ck.registered:
+        return True  # a late part of an older attempt: recorded (superseded), never promoted
+    if ck.state in (CKPT_CORRUPT, CKPT_RETIRED, CKPT_SUPERSEDED):
         report.skipped.append(f"tier {tier} {run}/{step} part {part}: checkpoint is {ck.state}")
         return False
     if ck.state == CKPT_REJECTED:
@@ -185,12 +194,13 @@ def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int], report
     return state in (None, PENDING, COPYING) and ck.stale
 
 
-def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int], report: ReconcileReport, *,
+def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int, str], report: ReconcileReport, *,
               tier: int) -> bool:
     """Whether the part's manifest on ``store`` is one the catalog already refused (skipped,
     listed, not judged again); a re-saved part has another digest and is promoted afresh."""
-    run, step, part, parts = found
-    prior = cat.rejection(run, step, part, read_attempt_digest(store, checkpoint_prefix(run, step), part, parts))
+    run, step, part, parts, attempt = found
+    prefix = checkpoint_prefix(run, step, attempt)
+    prior = cat.rejection(run, step, part, read_attempt_digest(store, prefix, part, parts))
     if prior is not None:
         report.skipped.append(f"tier {tier} {run}/{step} part {part}: rejected: {prior.reason}")
     return prior is not None
@@ -237,9 +247,9 @@ def _mark_if_vanished(cat: Catalog, store: Any, copy: StoredCopy, report: Reconc
 def _vanished(store: Any, copy: StoredCopy) -> str | None:
     """What is gone of a part on ``store`` (None when its manifest and every file are there)."""
     rep = copy.replica
-    prefix = checkpoint_prefix(rep.run, rep.step)
+    prefix = checkpoint_prefix(rep.run, rep.step, rep.attempt)
     present = {o.key: o.size for o in store.list(prefix)}
-    if part_key(rep.run, rep.step, rep.part, copy.parts) not in present:
+    if part_key(rep.run, rep.step, rep.part, copy.parts, rep.attempt) not in present:
         return "manifest vanished"
     for f in copy.files:
         size = present.get(f"{prefix}/{f.path}")

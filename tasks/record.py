@@ -13,11 +13,12 @@ from tasks.base import open_catalog, open_tier, read_part_manifest
 from tasks.retry import pipeline_task
 
 
-def mark_complete(settings: Settings, run: str, step: int, tier: int, *, actor: str = "cli") -> bool:
+def mark_complete(settings: Settings, run: str, step: int, tier: int, *, actor: str = "cli",
+                  attempt: str | None = None) -> bool:
     """True exactly once per (checkpoint, tier): for the caller that first sees every part
     verified there. N part promotions thus start the checkpoint-level work once."""
     with open_catalog(settings.catalog_url) as cat:
-        ck = cat.get_checkpoint(run, step)
+        ck = cat.get_checkpoint(run, step, attempt)
         if ck.parts > 1 and tier == 1 and _all_parts_verified(cat, ck.id, ck.parts, tier):
             _check_parts_add_up(settings, cat, ck, tier, actor=actor)
         return cat.complete_on_tier(ck.id, tier, actor=actor)
@@ -32,8 +33,9 @@ def _check_parts_add_up(settings: Settings, cat: Catalog, ck: CheckpointInfo, ti
     together must form a whole HF/DCP checkpoint (``formats.check_union_complete``). One that
     does not is recorded ``corrupt`` (reconcile leaves it; its copies stay) and raised."""
     with open_tier(settings, tier) as store:
-        prefix = checkpoint_prefix(ck.run, ck.step)
-        manifests = [read_part_manifest(store, ck.run, ck.step, p, ck.parts) for p in range(ck.parts)]
+        prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
+        manifests = [read_part_manifest(store, ck.run, ck.step, p, ck.parts, attempt=ck.attempt)
+                     for p in range(ck.parts)]
         try:
             check_union_complete(manifests, lambda rel: store.open_read(f"{prefix}/{rel}"))
         except CorruptCheckpoint as exc:

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from core import events
 from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound, UnknownRun
-from core.layout import MAX_STEP, check_ref, checkpoint_prefix
+from core.layout import MAX_STEP, check_attempt, check_ref, checkpoint_prefix
 from core.manifest import Manifest
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
@@ -45,7 +45,7 @@ class Registered:
 
 def register_stored_part(settings: Settings, run: str, step: int, part: int = 0, parts: int = 1, *,
                          node: str | None = None, actor: str = "cli",
-                         source_tier: int = 0) -> Registered:
+                         source_tier: int = 0, attempt: str = "") -> Registered:
     """Read the part's manifest from ``source_tier`` (Tier 0; reconcile adopts parts found only
     on Tier 1) and register it; idempotent for the same manifest (its digest). A manifest whose
     digest differs from the one registered for the part is a ``ConflictError`` (refused, audited,
@@ -58,22 +58,23 @@ def register_stored_part(settings: Settings, run: str, step: int, part: int = 0,
         try:
             safe_run_name(run)
             check_ref(step, part, parts)
+            check_attempt(attempt)
             with open_tier(settings, source_tier) as store:
-                digest = read_attempt_digest(store, checkpoint_prefix(run, step), part, parts)
+                digest = read_attempt_digest(store, checkpoint_prefix(run, step, attempt), part, parts)
                 _refuse_if_rejected_before(cat, run, step, part, digest)
-                manifest = read_part_manifest(store, run, step, part, parts)
+                manifest = read_part_manifest(store, run, step, part, parts, attempt=attempt)
             _ensure_run(cat, manifest, actor=actor)
             info = cat.register_part(manifest, actor=actor)  # the content check: same digest or ConflictError
         except AlreadyRejected:
             raise
         except NotFound as exc:
-            done = _already_promoted(cat, run, step, part)
+            done = _already_promoted(cat, run, step, part, attempt)
             if done is not None:  # no manifest left: a late duplicate after Tier 0 was pruned
                 return done
             _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
         except (BadInput, ConflictError, CorruptCheckpoint) as exc:
             _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
-        done = _already_promoted(cat, run, step, part)
+        done = _already_promoted(cat, run, step, part, attempt)
         if done is not None:
             return done
     return Registered(checkpoint_id=info.id, run=run, step=step, part=part, parts=info.parts,
@@ -121,14 +122,14 @@ def _refuse(cat: Catalog, exc: Exception, digest: str | None, *, run: str, step:
     raise exc
 
 
-def _already_promoted(cat: Catalog, run: str, step: int, part: int) -> Registered | None:
+def _already_promoted(cat: Catalog, run: str, step: int, part: int, attempt: str) -> Registered | None:
     """The registration of a part already verified on Tier 1 (a repeated event), answered from
     the catalog. Called only once the part's manifest matched the registered digest, or when no
     manifest is left on the source (a late duplicate after Tier 0 was pruned): a different
     checkpoint saved under the same run and step is never answered "already promoted". A late
     event for a retired checkpoint is answered so too: nothing is copied back."""
     try:
-        ck = cat.get_checkpoint(run, step)
+        ck = cat.get_checkpoint(run, step, attempt)
     except NotFound:
         return None
     if ck.state != CKPT_RETIRED and not any(r.part == part and r.state == VERIFIED for r in cat.replicas(ck.id, 1)):
@@ -148,6 +149,15 @@ def checkpoint_args(run: Any, step: Any, part: Any = 0, parts: Any = 1) -> tuple
         raise BadEvent(f"malformed checkpoint reference run={run!r} step={step!r} part={part!r} "
                        f"parts={parts!r}: {exc}") from None
     return typed
+
+
+def attempt_arg(attempt: Any) -> str:
+    """The attempt an event or a flow parameter names ('' or absent: the unnamed attempt);
+    ``BadEvent`` for one that is not an attempt name."""
+    try:
+        return check_attempt("" if attempt is None else str(attempt))
+    except BadInput as exc:
+        raise BadEvent(f"malformed checkpoint reference: {exc}") from None
 
 
 def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = "cli") -> None:

@@ -39,7 +39,7 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.stage import RestoreStage, fetch_local_part, publish
 from db.catalog import Catalog
-from db.entities import CKPT_COMMITTED, CKPT_RETIRED, CheckpointInfo, ReplicaInfo
+from db.entities import CKPT_COMMITTED, CKPT_RETIRED, CKPT_SUPERSEDED, CheckpointInfo, ReplicaInfo
 from tasks.base import catalog_manifest, log, open_catalog, registered_manifest
 from tasks.replicas import DEFAULT_PREFERENCE, BadReplica, TierStores, classify_failure, mark_bad, verified_sources
 from tasks.retry import pipeline_task
@@ -94,7 +94,8 @@ class _PartFailed(Exception):
 
 def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *, step: int | None = None,
                        preference: Sequence[int] = DEFAULT_PREFERENCE, fallback: bool | None = None,
-                       progress: Progress = _no_progress, actor: str = "cli") -> RestoreReport:
+                       progress: Progress = _no_progress, actor: str = "cli",
+                       attempt: str | None = None) -> RestoreReport:
     """Restore ``run`` (newest, or ``step``) into ``dest``; see the module contract."""
     safe_run_name(run)
     target = Path(dest).expanduser().absolute()
@@ -106,7 +107,7 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
     first_step: int | None = None
     with open_catalog(settings.catalog_url) as cat, TierStores(settings) as stores:
         cat.get_run(run)
-        for ck in candidates(cat, run, step, fallback):
+        for ck in candidates(cat, run, step, fallback, attempt):
             first_step = ck.step if first_step is None else first_step
             try:
                 tiers = _restore_one(cat, stores, ck, target, preference, progress, actor, bad, notes)
@@ -132,14 +133,22 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
                    + (f" ({'; '.join(notes)})" if notes else ""))
 
 
-def candidates(cat: Catalog, run: str, step: int | None, fallback: bool) -> list[CheckpointInfo]:
+def candidates(cat: Catalog, run: str, step: int | None, fallback: bool,
+               attempt: str | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints to try, newest first: ``step`` (then older ones with ``fallback``),
-    or every committed checkpoint of the run."""
+    or every committed checkpoint of the run. A superseded checkpoint is offered only when its
+    step and ``attempt`` are named (and then alone)."""
     if step is not None:
-        named = cat.get_checkpoint(run, step)
+        named = cat.get_checkpoint(run, step, attempt)
         if named.state == CKPT_RETIRED:
             raise NotFound(f"{run}/step-{step} was retired by the retention policy: it is no longer offered "
                            "for restore (see `ckpt history`)")
+        if named.state == CKPT_SUPERSEDED:
+            if attempt is None:
+                raise NotFound(f"{run}/step-{step} of attempt {named.attempt or '(unnamed)'} was superseded by attempt "
+                               f"{named.superseded_by or '(unnamed)'}, which resumed from below it; it is no longer "
+                               f"offered (name it with --attempt {named.attempt} to restore it anyway)")
+            return [named]
         if not fallback:
             return [named]
     found = [c for c in cat.list_checkpoints(run) if c.state == CKPT_COMMITTED
@@ -200,9 +209,9 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
         label = f"step {ck.step} part {part} from tier {rep.tier}"
         progress(0, label)
         try:
-            prefix, report = checkpoint_prefix(ck.run, ck.step), (lambda done: progress(done, label))
+            prefix, report = checkpoint_prefix(ck.run, ck.step, ck.attempt), (lambda done: progress(done, label))
             if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
-                manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts)
+                manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow; the
@@ -210,7 +219,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 with ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
                     found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts)
                     transfer.copy_part(src, prefix, dst, dst_prefix,
-                              catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts),
+                              catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt),
                               parallelism=fetch_streams(settings, False),
                               progress=report, confirm=found.result)
             return rep.tier

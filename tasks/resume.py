@@ -182,8 +182,12 @@ def wide_files(files: Sequence[FileInfo], wanted: Sequence[int]) -> list[FileInf
 
 
 def resume(settings: Settings, run: str, *, part: int | None = None, parts: int | None = None,
-           to: str | Path | None = None, verify: Verify = "size", actor: str = "resume") -> ResumePoint | None:
-    """The resume point of ``run`` for this node; see the module contract."""
+           to: str | Path | None = None, verify: Verify = "size", actor: str = "resume",
+           attempt: str | None = None) -> ResumePoint | None:
+    """The resume point of ``run`` for this node; see the module contract. ``attempt``: the
+    launch that resumes (``core.attempt``), recorded with the step it resumes from, so that
+    older attempts' checkpoints above it are superseded (``Catalog.record_resume``); None for a
+    look that starts no training (nothing recorded)."""
     safe_run_name(run)
     if verify not in ("size", "full"):
         raise BadInput(f"verify must be 'size' or 'full', not {verify!r}")
@@ -200,6 +204,7 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
         try:
             cat.get_run(run)
         except UnknownRun:
+            _record(cat, run, attempt, None, actor)
             return None
 
         newest: int | None = None
@@ -219,10 +224,23 @@ def resume(settings: Settings, run: str, *, part: int | None = None, parts: int 
             log.info("resume %s from step %d at %s", run, ck.step, point.path)
             if target is None:
                 tidy_resume_folders(settings, run, step=ck.step)
+            _record(cat, run, attempt, ck.step, actor)
             return point
+        if newest is None:
+            _record(cat, run, attempt, None, actor)
     if newest is None:
         return None
     raise NotFound(f"{run}: no checkpoint has a good copy readable here ({'; '.join(notes)})")
+
+
+def _record(cat: Catalog, run: str, attempt: str | None, step: int | None, actor: str) -> None:
+    if attempt is None:
+        return
+    superseded = cat.record_resume(run, attempt, step, actor=actor)
+    if superseded:
+        log.warning("resume %s (attempt %s) from %s: older attempts' steps %s are superseded: they are never "
+                    "offered again", run, attempt or "(unnamed)", "scratch" if step is None else f"step {step}",
+                    ", ".join(map(str, superseded)))
 
 
 def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int],
@@ -305,7 +323,8 @@ def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
 # --- in place --------------------------------------------------------------------------------
 def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
     """Whether ``tier`` is a folder mounted here (its checkpoints can be read where they lie)."""
-    return stores.configured(tier) and stores.get(tier).local_path(checkpoint_prefix(ck.run, ck.step)) is not None
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
+    return stores.configured(tier) and stores.get(tier).local_path(prefix) is not None
 
 
 def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:
@@ -332,7 +351,7 @@ def _in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, w
         if not _good(cat, store, ck, src, files, verify, actor, notes):
             return None
     moved = 0
-    prefix = checkpoint_prefix(ck.run, ck.step)
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     for f in wide:
         if tier == 0:
             moved += _bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
@@ -351,10 +370,10 @@ def _good(cat: Catalog, store: TierStore, ck: CheckpointInfo, src: Source, files
     """Whether the part's copy on ``store`` still matches the registered manifest; marks it if not."""
     part = src.replica.part
     try:
-        registered_manifest(cat, store, ck.id, ck.run, ck.step, part, ck.parts)
+        registered_manifest(cat, store, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
         for f in files:
             if f.part == part:
-                check_file(store, f"{checkpoint_prefix(ck.run, ck.step)}/{f.path}", f, verify)
+                check_file(store, f"{checkpoint_prefix(ck.run, ck.step, ck.attempt)}/{f.path}", f, verify)
     except (CorruptCheckpoint, NotFound, FileNotFoundError, BadInput) as exc:
         _mark(cat, src.replica, exc, actor, notes)
         return False
@@ -370,7 +389,7 @@ def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo
     if src is None:
         return False
     try:
-        check_file(stores.get(1), f"{checkpoint_prefix(ck.run, ck.step)}/{f.path}", f, verify)
+        check_file(stores.get(1), f"{checkpoint_prefix(ck.run, ck.step, ck.attempt)}/{f.path}", f, verify)
     except (CorruptCheckpoint, NotFound) as exc:
         _mark(cat, src.replica, exc, actor, notes)
         return False
@@ -509,7 +528,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
         # against the catalog) is read while they stream: on S3 one round trip less before the
         # first byte. A source without its manifest fails the copy before anything is published.
         found = side.submit(registered_manifest, cat, src, ck.id, run, step, part, ck.parts)
-        manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts)
+        manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
         prior = part_replica(cat, ck.id, tier, part, None)
         held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
                                      lease_s=settings.claim_lease_seconds, stall_s=settings.copy_stall_seconds)
@@ -741,7 +760,7 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
         else:
             raise _NoGoodCopy(f"every copy of part {p} failed")
     store = stores.get(0)
-    prefix = checkpoint_prefix(ck.run, ck.step)
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     extra = sum(_bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes) for f in wide)
     if extra:
         done[0] = PartResume(done[0].part, done[0].tier, done[0].source, done[0].bytes_moved + extra, done[0].seconds)
@@ -815,7 +834,7 @@ def _parts_held(cat: Catalog, ck: CheckpointInfo, folder: Path) -> set[int]:
             manifest = Manifest.from_json(path.read_bytes())
         except (OSError, ValueError, CorruptCheckpoint, BadInput):
             continue
-        if manifest.digest() == catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts):
+        if manifest.digest() == catalog_digest(cat, ck.id, ck.run, ck.step, p, ck.parts, attempt=ck.attempt):
             held.add(p)
     return held
 
@@ -842,7 +861,7 @@ def _bring_file(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInf
         pass
     if stores.configured(1):  # the node resuming that part may be rehydrating it: read Tier 1 after it
         await_copy(cat, stores.settings, ck, f.part, 1)
-    prefix = checkpoint_prefix(ck.run, ck.step)
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     for src in _sources(cat, stores, ck, f.part):
         store = stores.get(src.tier)
         try:

@@ -57,6 +57,7 @@ class PruneAction:
     detail: str = ""
     action: str = DEMOTE
     reason: str = ""
+    attempt: str = ""
 
     def row(self) -> dict[str, Any]:
         return {"tier": self.tier, "run": self.run, "step": self.step, "part": self.part,
@@ -96,7 +97,7 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
         if d.tier not in tiers or (d.tier == 0 and node is not None and d.node not in (None, "", node)):
             continue
         action = PruneAction(tier=d.tier, replica_id=d.replica_id, run=d.run, step=d.step, part=d.part, node=d.node,
-                             url=d.url, bytes=d.bytes, action=d.action, reason=d.reason)
+                             url=d.url, bytes=d.bytes, action=d.action, reason=d.reason, attempt=d.attempt)
         if d.action == KEEP:
             if d.reason.startswith("locked until"):
                 until = d.reason.removeprefix("locked until ").split(",")[0]
@@ -129,7 +130,8 @@ def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFac
             for r in c.replicas:
                 if r.replica_id in going:
                     try:
-                        r = replace(r, locked_until=store.locked_until([part_key(c.run, c.step, r.part, c.parts)]))
+                        key = part_key(c.run, c.step, r.part, c.parts, c.attempt)
+                        r = replace(r, locked_until=store.locked_until([key]))
                     except CkptError as exc:  # not known: maybe locked, so kept this pass
                         log.warning("retention: Object Lock of %s/%s not known, kept: %s", c.run, c.step, exc)
                         unknown[r.replica_id] = f"{type(exc).__name__}: {exc}"
@@ -168,11 +170,11 @@ def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Calla
     demotes = sorted((a for a in plan if a.outcome == PLANNED and a.action == DEMOTE),
                      key=lambda a: (a.tier, a.run, a.step, a.part))
     done += [_prune(settings, a, prune, actor, reason="retention policy: demoted") for a in demotes]
-    retiring: dict[tuple[str, int], list[PruneAction]] = {}
+    retiring: dict[tuple[str, int, str], list[PruneAction]] = {}
     for a in plan:
         if a.outcome == PLANNED and a.action == RETIRE:
-            retiring.setdefault((a.run, a.step), []).append(a)
-    for (run, step), actions in sorted(retiring.items()):
+            retiring.setdefault((a.run, a.step, a.attempt), []).append(a)
+    for (run, step, _attempt), actions in sorted(retiring.items()):
         done += retire_checkpoint(settings, run, step, actions, prune=prune, actor=actor)
     return done
 
@@ -185,7 +187,7 @@ def retire_checkpoint(settings: Settings, run: str, step: int, actions: list[Pru
     try:
         with open_catalog(settings.catalog_url) as cat:
             cat.retire(run, step, reason=f"retention policy: {reason}", actor=actor,
-                       keep_parents=settings.retention_keep_parents)
+                       keep_parents=settings.retention_keep_parents, attempt=actions[0].attempt)
     except PruneRefused as exc:
         log.info("retention: %s/%s kept: %s", run, step, exc)
         return [replace(a, outcome=REFUSED, detail=str(exc)) for a in actions]

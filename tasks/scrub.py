@@ -122,8 +122,8 @@ def _reread(cat: Catalog, stores: TierStores, ck: CheckpointInfo, rep: ReplicaIn
     settings = stores.settings
     store = stores.get(rep.tier)
     try:
-        manifest = registered_manifest(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts)
-        transfer.verify_part(store, checkpoint_prefix(ck.run, ck.step), manifest,
+        manifest = registered_manifest(cat, store, ck.id, ck.run, ck.step, rep.part, ck.parts, attempt=ck.attempt)
+        transfer.verify_part(store, checkpoint_prefix(ck.run, ck.step, ck.attempt), manifest,
                              parallelism=settings.copy_parallelism, buffer_bytes=settings.io_buffer_bytes, deep=True)
         return manifest.total_bytes
     except Exception as exc:  # classified below; the rest propagates
@@ -203,7 +203,7 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     if _never_verified(own):
         return _left_to_promotion(ck, part, own)
     settings = stores.settings
-    prefix = checkpoint_prefix(ck.run, ck.step)
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     found = _good_source(cat, stores, ck, part, tier, replicas, actor)
     if found is None:
         return Repair(ck.run, ck.step, part, tier, None, False, "no other verified copy is readable here")
@@ -220,6 +220,7 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
         with held:
             bad = next((r.state for r in replicas if r.tier == tier and r.part == part), "absent")
             delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
+                        attempt=ck.attempt,
                         reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
             result = transfer.copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
                                         parallelism=settings.copy_parallelism,
@@ -246,7 +247,8 @@ def _good_source(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int
         if rep.tier == tier:
             continue
         try:
-            return rep, registered_manifest(cat, stores.get(rep.tier), ck.id, ck.run, ck.step, part, ck.parts)
+            return rep, registered_manifest(cat, stores.get(rep.tier), ck.id, ck.run, ck.step, part, ck.parts,
+                                            attempt=ck.attempt)
         except Exception as exc:  # classified below; the rest propagates
             state = classify_failure(exc)
             if state is None and not is_transient(exc):

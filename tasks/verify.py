@@ -30,12 +30,12 @@ from tasks.retry import pipeline_task
 
 
 def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
-                   tier: int = 0, node: str | None = None, actor: str = "cli") -> HopResult:
+                   tier: int = 0, node: str | None = None, actor: str = "cli", attempt: str | None = None) -> HopResult:
     """Recompute the part's checksums and check its format on ``tier``; record the verdict."""
     node = node or settings.node
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, tier) as store:
-        ck = cat.get_checkpoint(run, step)
-        prefix = checkpoint_prefix(run, step)
+        ck = cat.get_checkpoint(run, step, attempt)
+        prefix = checkpoint_prefix(run, step, ck.attempt)
         url = store.url_for(prefix)
         # claim before reading: a replica recorded verified from a read that a prune (or a
         # failed copy) overtook would list files that are gone
@@ -45,7 +45,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
         with held if held is not None else nullcontext():
             started = time.monotonic()
             try:
-                manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts)
+                manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
                 transfer.verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
                                      buffer_bytes=settings.io_buffer_bytes, deep=tier < 2,
                                      priority=copy_priority(settings))

@@ -23,6 +23,8 @@ def commit_cmd(
     parent: str = typer.Option(None, "--parent", help="RUN:STEP it was resumed from"),
     part: int = typer.Option(0, "--part", help="this node's part (multi-node checkpoints)"),
     parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
+    attempt: str = typer.Option(None, "--attempt", help="the job's attempt (default: CKPT_ATTEMPT, torchrun's or "
+                                "Slurm's ids, else the unnamed one)"),
     announce: bool = typer.Option(True, "--announce/--no-announce",
                                   help="emit ckpt.checkpoint.completed (--no-announce: commit only, e.g. "
                                        "to POST the event yourself)"),
@@ -36,7 +38,8 @@ def commit_cmd(
 
     settings = load_settings()
     done = commit_folder(directory, run, step, settings, milestone=milestone, epoch_end=epoch_end,
-                         parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce)
+                         parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce,
+                         attempt=attempt)
     m = done.saved.manifest
     typer.echo(f"committed {m.run} step {m.step} part {m.part}/{m.parts} ({m.format}, {m.kind}, "
                f"{len(m.files)} files) -> {done.saved.path / m.name}")

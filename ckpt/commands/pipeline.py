@@ -58,6 +58,7 @@ def promote_cmd(
     part: int = typer.Option(0, "--part", help="this node's part (0-based)"),
     parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
     node: str = typer.Option(None, "--node", help="node holding the part's Tier 0 (default: settings)"),
+    attempt: str = typer.Option("", "--attempt", help="the attempt that saved it (its folder's @ATTEMPT)"),
     here: bool = typer.Option(False, "--here", help="run the flow in this process"),
     wait: bool = typer.Option(False, "--wait", help="without --here: wait for the deployment's run to end"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
@@ -75,7 +76,8 @@ def promote_cmd(
         from flows.promote import promote  # deferred: start-up — Prefect, SQLAlchemy
 
         with _progress_bar(as_json):
-            result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node).summary()
+            result = promote(settings, run, step, part, parts, steps=plain_steps(), node=settings.node,
+                             attempt=attempt).summary()
         _print_promotion(result, as_json)
         return
     with prefect_api(settings):
@@ -83,10 +85,10 @@ def promote_cmd(
             from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
 
             with _progress_bar(as_json):
-                result = promote_checkpoint(run, step, part, parts, node=settings.node)
+                result = promote_checkpoint(run, step, part, parts, node=settings.node, attempt=attempt)
             _print_promotion(result, as_json)
             return
-        _run_deployment(run, step, part, parts, settings.node, wait=wait)
+        _run_deployment(run, step, part, parts, settings.node, wait=wait, attempt=attempt)
 
 
 @contextmanager
@@ -111,13 +113,13 @@ def _progress_bar(off: bool) -> Iterator[None]:
             yield
 
 
-def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool) -> None:
+def _run_deployment(run: str, step: int, part: int, parts: int, node: str, *, wait: bool, attempt: str = "") -> None:
     from prefect.deployments import run_deployment
 
     name = promote_deployment(node)
     # sync_compatible: called outside an event loop it returns the FlowRun, not a coroutine
-    fr = cast("FlowRun", run_deployment(name, parameters={"run": run, "step": step, "part": part, "parts": parts,
-                                                          "node": node},
+    params = {"run": run, "step": step, "part": part, "parts": parts, "node": node, "attempt": attempt}
+    fr = cast("FlowRun", run_deployment(name, parameters=params,
                                         timeout=None if wait else 0, as_subflow=False))
     typer.echo(f"flow run {fr.name} ({fr.id}) of {name}: {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state is not None and not fr.state.is_completed():

@@ -34,6 +34,8 @@ def restore_cmd(
     fallback: bool = typer.Option(None, "--fallback/--no-fallback",
                                   help="fall back to an older checkpoint when none of this one's copies is good "
                                        "(default: yes without --step, no with it)"),
+    attempt: str = typer.Option(None, "--attempt", help="with --step: the attempt that saved it (a superseded "
+                                "checkpoint is restored only when named so)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON (no progress bar)"),
 ) -> None:
     """Restore a checkpoint from the nearest tier holding a verified copy, checking every file."""
@@ -48,7 +50,8 @@ def restore_cmd(
     preference = tuple(tier) if tier else DEFAULT_PREFERENCE
     err = Console(stderr=True)
     if as_json:
-        report = restore_checkpoint(settings, run, to, step=step, preference=preference, fallback=fallback)
+        report = restore_checkpoint(settings, run, to, step=step, preference=preference, fallback=fallback,
+                                    attempt=attempt)
     else:
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn())
@@ -59,7 +62,7 @@ def restore_cmd(
                 bar.update(task, completed=done, total=total, description=label)
 
             report = restore_checkpoint(settings, run, to, step=step, preference=preference,
-                                        fallback=fallback, progress=progress)
+                                        fallback=fallback, progress=progress, attempt=attempt)
     if as_json:
         typer.echo(json.dumps({
             "run": report.run, "step": report.step, "dest": report.dest, "tiers": report.tiers,

@@ -21,16 +21,20 @@ def resume_cmd(
     to: Path = typer.Option(None, "--to", help="fetch into this folder (absent or empty) instead of Tier 0"),
     verify: str = typer.Option("size", "--verify", help="size (default) or full: read every byte back"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+    attempt: str = typer.Option(None, "--attempt", help="this launch's attempt (default: CKPT_ATTEMPT, "
+                                "torchrun's or Slurm's ids, else the unnamed one); recorded as resuming here"),
 ) -> None:
     """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it
-    from (printed alone on stdout; nothing there when the run has no checkpoint yet)."""
+    from (printed alone on stdout; nothing there when the run has no checkpoint yet). The launch's
+    attempt is recorded as resuming from it: older attempts' later checkpoints are superseded."""
+    from core.attempt import launch_attempt  # deferred: start-up
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from tasks.resume import resume  # deferred: start-up — SQLAlchemy, Alembic
 
     if verify not in ("size", "full"):
         raise BadInput(f"--verify must be size or full, not {verify!r}")
     point = resume(load_settings(), run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]
-                   actor="cli")
+                   actor="cli", attempt=launch_attempt(attempt))
     if point is None:  # stdout stays empty without --json: `DIR=$(ckpt resume RUN)` is then "" (a fresh start)
         if as_json:
             typer.echo(json.dumps({"run": run, "step": None}))

@@ -42,7 +42,7 @@ def test_copy_tier0_to_tier1_then_verify(tiers):
     for f in m.files:
         assert (dst / f.path).read_bytes() == (src / f.path).read_bytes()
     assert (dst / "manifest.json").read_bytes() == (src / "manifest.json").read_bytes()
-    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1)]
+    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1, "")]
     assert read_committed(t1, RUN, STEP) == m
     assert verify_part(t1, PREFIX, m).files == len(m.files)
     again = copy_part(t0, PREFIX, t1, PREFIX, m)  # the same promotion again: nothing copied
@@ -243,7 +243,7 @@ def test_copy_killed_with_sigkill_then_rerun(tiers):
     report = copy_part(t0, PREFIX, t1, PREFIX, m)
     assert report.skipped == len(published) and report.files == len(m.files) - len(published)
     verify_part(t1, PREFIX, m)
-    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1)]
+    assert list(find_committed(t1)) == [(RUN, STEP, 0, 1, "")]
     assert t1.sweep_staging(PREFIX, older_than_s=0) == 1  # the dead copy's staging file
     assert not any(is_staging(n) for n in os.listdir(dst))
 

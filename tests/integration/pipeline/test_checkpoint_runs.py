@@ -65,7 +65,7 @@ def test_parts_are_promoted_without_a_run_and_the_completing_part_asks_for_the_c
         for p in (0, 1, 1, 0):  # duplicates (a replayed subscription, a retried send): no new request
             promote_in_agent(settings, event(100, p), request_followups=lambda *a: asked.append(a))
 
-    assert asked == [(RUN, 100, order[1], 2)]
+    assert asked == [(RUN, 100, order[1], 2, "")]
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (0, 1): "verified",
                                                   (1, 0): "verified", (1, 1): "verified"}
     assert audits(settings, 100, "complete") == 1
@@ -83,10 +83,10 @@ def test_the_checkpoints_run_takes_the_follow_ups_once(settings):
             promote_in_agent(settings, event(step, p), request_followups=lambda *a: asked.append(a))
     assert [a[:2] for a in asked] == [(RUN, 100), (RUN, 200)]
 
-    for run, step, part, parts in asked:  # what the requested promote run does (flows.promote)
+    for run, step, part, parts, attempt in asked:  # what the requested promote run does (flows.promote)
         recorder = Recorder()
         with announcing(recorder):
-            result = promote(settings, run, step, part, parts, steps=plain_steps())
+            result = promote(settings, run, step, part, parts, steps=plain_steps(), attempt=attempt)
         assert result.durable and recorder.names().count("durable") == 1
         assert result.hops[0].skipped  # the part was already on Tier 1: nothing copied again
     again = promote(settings, RUN, 200, 1, 2, steps=plain_steps())  # the same run retried: nothing re-runs
@@ -139,7 +139,7 @@ def test_a_malformed_event_is_recorded_and_the_next_one_is_served(settings, capl
     with open_catalog(settings) as cat:
         reasons = [e.reason or "" for e in cat.audit_log(limit=1000) if e.action == "reject"]
     assert len(reasons) == 2 and all("malformed checkpoint reference" in r for r in reasons)
-    assert asked == [(RUN, 100, 0, 1)]
+    assert asked == [(RUN, 100, 0, 1, "")]
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
 
 
@@ -163,7 +163,7 @@ def test_a_corrupt_part_is_recorded_nothing_reaches_tier1_and_the_next_event_is_
     assert "corrupt" in recorder.names()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "CorruptCheckpoint" in errors[0] and "\n" not in errors[0]
-    assert asked == [(RUN, 200, 0, 1)]
+    assert asked == [(RUN, 200, 0, 1, "")]
     with pytest.raises(CorruptCheckpoint):  # the same event again: still refused, still nothing on Tier 1
         promote_in_agent(settings, event(100, parts=1), request_followups=lambda *a: asked.append(a))
     assert Path(settings.tier1_url, RUN).exists() and not ckpt_dir(settings.tier1_url, RUN, 100).exists()
@@ -183,7 +183,7 @@ def test_a_part_no_event_brought_is_found_on_tier0_and_promoted_once(settings):
     commit(settings, 300, parts=1)
     listener.submit(event(300, parts=1)).result(timeout=60)  # its event came
     assert listener.scan() == []  # seen once: its event may still be on its way
-    assert listener.scan() == [(RUN, 200, 0)]
+    assert listener.scan() == [(RUN, 200, 0, "")]
     listener.done[-1].result(timeout=60)
     assert listener.scan() == [] and listener.scan() == []  # once
     listener.stop()

@@ -111,7 +111,7 @@ def test_one_item_whose_catalog_read_fails_fails_only_itself(settings_factory, d
     real = Catalog.promotion_status
 
     def poisoned(self, pairs, **kw):
-        if ("run-b", 5) in pairs:
+        if ("run-b", 5, "") in pairs:
             raise OverflowError("Python int too large to convert to SQLite INTEGER")
         return real(self, pairs, **kw)
 

@@ -42,7 +42,7 @@ def test_find_committed_sees_nine_digit_steps(tmp_path):
 
     found = list(find_committed(LocalStore(tmp_path, tier=0)))
 
-    assert sorted(found) == [(RUN, 100, 0, 1), (RUN, BIG, 0, 1)]
+    assert sorted(found) == [(RUN, 100, 0, 1, ""), (RUN, BIG, 0, 1, "")]
 
 
 def test_reconcile_recovers_a_lost_event_of_a_nine_digit_step(settings_factory, db_url):

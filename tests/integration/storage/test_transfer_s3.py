@@ -36,7 +36,7 @@ def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
     copy_part(t0, PREFIX, t1, PREFIX, m)
     report = copy_part(t1, PREFIX, s3_store, PREFIX, m, parallelism=2)
     assert report.bytes == m.total_bytes
-    assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1)]
+    assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1, "")]
     verify_part(s3_store, PREFIX, m, deep=False)  # server-side CRC32C, no download
     restore = LocalStore(tmp_path / "restore", 0)
     copy_part(s3_store, PREFIX, restore, "ck", m)
