@@ -26,6 +26,7 @@ MAX_PARTS = 99999  # five digits in a part's manifest name
 
 _STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
 _MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+_STAGING = re.compile(r"^" + re.escape(STAGING_MARK) + r"(?P<pid>\d+)-[0-9a-f]{8}-.")
 _MANIFEST_KEY = re.compile(
     r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
@@ -96,3 +97,10 @@ def staging_name(name: str) -> str:
 
 def is_staging(name: str) -> bool:
     return name.startswith(STAGING_MARK)
+
+
+def staging_pid(name: str) -> int | None:
+    """The id of the process that made the staging name ``name`` (``staging_name``), or None
+    when ``name`` is not one."""
+    m = _STAGING.match(name)
+    return int(m["pid"]) if m else None
