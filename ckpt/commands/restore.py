@@ -127,8 +127,7 @@ def drill_cmd(
     resumed by one process per part at once, cold (no Tier 0 of their own), each part loaded
     with its format's loader and checked against the manifest; records the cluster RTO (first
     start to last part loaded), each node's time, bytes read per tier and the bound (the same
-    bytes read raw from the tier by the same processes, all at once). Exits non-zero when a drill
-    failed, and when nothing could be drilled."""
+    bytes read raw from the tier by the same processes, all at once)."""
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from tasks.drill import DRILL_TIERS, cluster_drill, require_drilled  # deferred: start-up — Prefect, SQLAlchemy
 
