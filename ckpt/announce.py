@@ -206,3 +206,18 @@ def emit_completed(m: Manifest, *, api_url: str | None) -> bool:
     return prefect_events.emit(events.COMPLETED, m.run, m.step, part=m.part, parts=m.parts, node=m.node,
                        payload=completed_payload(m), extra_id=m.attempt, api_url=api_url, retries=EMIT_RETRIES,
                        backoff=EMIT_BACKOFF_SECONDS)
+
+
+def to_prefect_api(settings: Settings) -> events.Announcer:
+    """The announcer of a training-side call that runs pipeline steps itself (``resume``): each
+    fact POSTed to ``prefect_api_url`` as the client posts its own events; nothing sent when no
+    API is configured (a warning in the log is then the operator's only alert)."""
+    url = prefect_api_url(settings)
+
+    def send(name: str, run: str, step: int, **kw: Any) -> bool:
+        if not url:
+            return False
+        return prefect_events.emit(name, run, step, api_url=url, retries=EMIT_RETRIES, backoff=EMIT_BACKOFF_SECONDS,
+                                   **kw)
+
+    return send

@@ -4,13 +4,14 @@ before its library writes) makes, so a save never dies half-written on a full di
 ``Tier0Space.ensure_room(run, step, needed)``:
 1. one ``statvfs`` of Tier 0 (less what this stager's background writes have still to put
    there); enough room: done. That is the whole cost on the job's hot path.
-2. short: this node's Tier 0 retention (``tasks.tier0_space.retain_tier0_here``, the guarded
-   prune: only copies already verified on a tier at least as durable go), again every
-   ``POLL_SECONDS`` while promotions make more copies droppable, for up to
-   ``settings.tier0_space_wait_seconds``;
-3. still short: ``StorageFull`` with the numbers (free, needed, checkpoints waiting to be
-   promoted), before a byte is written; the training loop decides (skip this save, save
-   smaller, stop).
+2. short: the staging folders of dead writers (a save killed midway) swept
+   (``tasks.tier0_space.sweep_dead_staging``), then this node's Tier 0 retention
+   (``tasks.tier0_space.retain_tier0_here``, the guarded prune: only copies already verified on
+   a tier at least as durable go), again every ``POLL_SECONDS`` while promotions make more
+   copies droppable, for up to ``settings.tier0_space_wait_seconds``;
+3. still short: ``StorageFull`` with the numbers (free, needed, and what holds the room: live
+   writers' staging folders, checkpoints waiting to be promoted), before a byte is written; the
+   training loop decides (skip this save, save smaller, stop).
 
 Whatever the outcome, the free space left after the save is compared with
 ``settings.tier_low_headroom_checkpoints`` checkpoints of this size; crossing below it logs a
@@ -30,7 +31,7 @@ from ckpt.integrations import same_filesystem
 from core.errors import StorageFull
 from core.settings import Settings
 from core.sizing import fmt_bytes
-from core.space import Reading, folder_bytes, free_bytes, headroom, state_size
+from core.space import Reading, folder_bytes, free_bytes, headroom, state_size, writer_stagings
 
 if TYPE_CHECKING:
     from ckpt.client import CheckpointStager
@@ -89,23 +90,36 @@ class Tier0Space:
         log.warning("Tier 0 at %s: %s free, %s/%d needs %s; running this node's Tier 0 retention",
                     self.root, fmt_bytes(max(free, 0)), run, step, fmt_bytes(needed))
         while True:
-            self._retain()
-            free = free_bytes(self.root) - pending
-            if free >= needed:
-                log.info("Tier 0 retention made room for %s/%d in %.1f s", run, step, time.monotonic() - t0)
-                return free
+            for free_some in (self._sweep, self._retain):
+                free_some()
+                free = free_bytes(self.root) - pending
+                if free >= needed:
+                    log.info("room for %s/%d made in %.1f s", run, step, time.monotonic() - t0)
+                    return free
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             time.sleep(min(POLL_SECONDS, left))
         count, waiting = self._waiting()
+        live = [st for st in writer_stagings(self.root) if not st.dead]
+        staging = (len(live), sum(st.bytes for st in live))
         tried = (f"retention of node {self.settings.node!r} freed {fmt_bytes(max(free - before, 0))} in "
                  f"{time.monotonic() - t0:.0f} s (tier0_space_wait_seconds={self.settings.tier0_space_wait_seconds:g})"
                  if retention_on else "Tier 0 retention is off (retention_tier0.enabled)")
         raise StorageFull(
             f"Tier 0 at {self.root} has {fmt_bytes(max(free, 0))} free, {run} step {step} needs {fmt_bytes(needed)}: "
-            f"{tried}; {_waiting_text(count, waiting)}; nothing of this save was written",
-            free=max(free, 0), needed=needed, waiting=None if count is None else (count, waiting))
+            f"{tried}; held: {staging[0]} staging folder(s) of live writers ({fmt_bytes(staging[1])}), "
+            f"{_waiting_text(count, waiting)}; nothing of this save was written",
+            free=max(free, 0), needed=needed, waiting=None if count is None else (count, waiting), staging=staging)
+
+    def _sweep(self) -> None:
+        """Remove the staging folders of dead writers (a save killed midway) on this Tier 0."""
+        from tasks import tier0_space  # deferred: start-up — Prefect, SQLAlchemy; the client imports this module
+
+        try:
+            tier0_space.sweep_dead_staging(self.settings, self.root, actor=f"stager:{self.settings.node}")
+        except Exception as exc:  # noqa: BLE001 - the numbers still tell what holds the room
+            log.warning("sweep of dead writers' staging failed: %s: %s", type(exc).__name__, exc)
 
     def _retain(self) -> None:
         from tasks import tier0_space  # deferred: start-up — Prefect, SQLAlchemy; the client imports this module

@@ -117,12 +117,13 @@ class StorageFull(PermanentError):
     stager before it writes a byte, would not have room for the checkpoint being saved even
     after this node's Tier 0 retention ran. Then ``free`` and ``needed`` (bytes) and
     ``waiting`` (checkpoints on this node's Tier 0 not yet promoted, whose copies retention
-    may not drop yet: ``(count, bytes)``) say why; None when not known."""
+    may not drop yet: ``(count, bytes)``) and ``staging`` (live writers' staging folders on it:
+    ``(count, bytes)``) say why; None when not known."""
 
     def __init__(self, message: str, *, free: int | None = None, needed: int | None = None,
-                 waiting: tuple[int, int] | None = None) -> None:
+                 waiting: tuple[int, int] | None = None, staging: tuple[int, int] | None = None) -> None:
         super().__init__(message)
-        self.free, self.needed, self.waiting = free, needed, waiting
+        self.free, self.needed, self.waiting, self.staging = free, needed, waiting, staging
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -29,6 +29,8 @@ CORRUPT = "ckpt.checkpoint.corrupt"
 REJECTED = "ckpt.checkpoint.rejected"
 RESTORED = "ckpt.checkpoint.restored"
 LATE = "ckpt.checkpoint.late"  # completed, not durable within the RPO (emitted by the RPO automation)
+REHYDRATE_FAILED = "ckpt.resume.rehydrate_failed"  # a resume could not rehydrate Tier 1 (full,
+# unreachable) and fetched into the node's own folder instead: the operator's alert
 TIER_LOW = "ckpt.tier.low"  # a tier's free space fell below a few checkpoints' worth (once per crossing)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by

@@ -31,6 +31,7 @@ ATTEMPT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _ATTEMPT = re.compile(f"^{ATTEMPT_PATTERN}$")
 _STEP_DIR = re.compile(f"^step-(?P<step>\\d{{8,}})(?:@(?P<attempt>{ATTEMPT_PATTERN}))?$")
 _MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+_STAGING = re.compile(r"^" + re.escape(STAGING_MARK) + r"(?P<pid>\d+)-[0-9a-f]{8}-.")
 _MANIFEST_KEY = re.compile(
     r"^(?P<run>[^/]+)/(?P<dir>step-[^/]+)/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 
@@ -119,3 +120,10 @@ def staging_name(name: str) -> str:
 
 def is_staging(name: str) -> bool:
     return name.startswith(STAGING_MARK)
+
+
+def staging_pid(name: str) -> int | None:
+    """The id of the process that made the staging name ``name`` (``staging_name``), or None
+    when ``name`` is not one."""
+    m = _STAGING.match(name)
+    return int(m["pid"]) if m else None

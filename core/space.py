@@ -4,6 +4,9 @@
   (the bytes an unprivileged writer may still use). This is all a save pays on its hot path.
 - ``state_size(obj)``: the bytes (and number) of the arrays in a state (a dict of tensors, nested dicts and
   lists as trainers hand them over), so a save knows its size before writing it.
+- ``writer_stagings(root)``: the staging folders of saves and fetches in the run folders of a
+  node's Tier 0 (``<root>/<run>/.ckpt-staging-<pid>-…``), each judged live or dead: a dead
+  writer's staging holds room nobody will free, so the room check and reconcile sweep it.
 - ``Headroom``: whether a tier's free space is below a few checkpoints' worth, reported once
   per crossing (a save that crosses the line says so; the saves after it, still below, do not;
   once space is back above, the next crossing is reported again). One per process and tier
@@ -15,9 +18,14 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from core.layout import is_staging, staging_pid
+
+STAGING_IDLE_S = 3600.0  # no write in a staging folder for this long: its writer is gone, whatever its pid
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -67,6 +75,73 @@ def folder_bytes(folder: str | os.PathLike[str]) -> int:
             st = os.lstat(os.path.join(dirpath, name))
             total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A staging folder on Tier 0: its writer's process id, its bytes, and whether that writer is
+    gone (``dead``)."""
+
+    path: Path
+    pid: int | None
+    bytes: int
+    dead: bool
+
+
+def writer_stagings(root: str | os.PathLike[str]) -> list[Staging]:
+    """The staging entries directly in the run folders under the Tier 0 ``root`` of this node.
+    One is dead when the process that named it (``staging_pid``) is gone on this node, or when
+    nothing in it was written for ``STAGING_IDLE_S`` (a pid since reused by another process);
+    a live writer's is never dead, however long its save takes, as long as it writes. Pids are
+    this node's: callers run on the node whose Tier 0 it is, in its writers' pid namespace.
+    Links are judged as entries, never followed; a run folder that is a link is skipped."""
+    found = []
+    cutoff = time.time() - STAGING_IDLE_S
+    for run in _subfolders(Path(root)):
+        for entry in _subfolders(run, staging=True):
+            try:
+                pid = staging_pid(entry.name)
+                touched = _newest_write(entry)
+                size = folder_bytes(entry) if entry.is_dir() and not entry.is_symlink() else entry.lstat().st_size
+            except FileNotFoundError:  # published or removed meanwhile
+                continue
+            dead = (pid is not None and not process_alive(pid)) or touched < cutoff
+            found.append(Staging(entry, pid, size, dead))
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this node (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _subfolders(folder: Path, *, staging: bool = False) -> list[Path]:
+    try:
+        with os.scandir(folder) as entries:
+            if staging:
+                return [Path(e.path) for e in entries if is_staging(e.name)]
+            return [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and not is_staging(e.name)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _newest_write(entry: Path) -> float:
+    """The newest modification time of ``entry`` and anything under it (links not followed)."""
+    newest = entry.lstat().st_mtime
+    if entry.is_dir() and not entry.is_symlink():
+        for dirpath, _dirs, names in os.walk(entry):
+            for name in names:
+                try:
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+                except FileNotFoundError:
+                    continue
+    return newest
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ For the run of the newest milestone (or ``run``), on Tier 1 and on Tier 2: the n
 checkpoint held whole there is resumed by one process per part at once, cold, each part loaded
 with its format's loader and checked (``tasks.drill.cluster_drill``); the cluster RTO, each
 node's time, bytes per tier and the bound are recorded in the catalog, published as a table
-artifact and on the run's status page. A failed drill fails the run after recording it.
+artifact and on the run's status page. A failed drill fails the run after recording it; so does
+a drill that found nothing to drill (no milestone, no tier holding one whole).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.settings import load_settings
 from flows.artifacts import artifact_key, publish_table
 from flows.common import current_actor
 from flows.status import publish_run_status
-from tasks.drill import DRILL_TIERS, cluster_drill_task
+from tasks.drill import DRILL_TIERS, cluster_drill_task, require_drilled
 
 
 @flow(name="restore-drill", flow_run_name="restore-drill", log_prints=True)
@@ -44,6 +45,7 @@ def drill_flow(run: str | None = None, scratch: str | None = None, nodes: int | 
               f"RTO {r['rto_seconds']} s, bound {r['bound_seconds']} s {r['detail']}")
     for s in skipped:
         print(s)
+    require_drilled(drills, skipped)
     failed = [d.result for d in drills if not d.result.ok]
     if failed:
         raise CorruptCheckpoint("restore drill failed: " + "; ".join(f"tier {r.tier}: {r.detail}" for r in failed))

@@ -62,6 +62,7 @@ from tasks.reconcile import (
     mark_missing,
     parts_todo,
     replica_item,
+    sweep_writer_staging,
 )
 from tasks.record import claim_followups
 from tasks.resume import sweep_dead_stages
@@ -95,6 +96,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
         for tier, store, runs in ((0, tier0, tier0.folders()), (1, tier1, visited)):
             each(report, f"tier {tier} stages", lambda store=store, runs=runs, tier=tier: _swept_stages(
                 report, tier, sweep_dead_stages(cat, store, runs, node=settings.node, actor=actor)))
+    sweep_writer_staging(settings, report, actor=actor)
     kw = dict(actor=actor)
     for run, step, part, parts, att in todo0:
         attempt(report, report.promoted, f"{run}/{step} part {part}",

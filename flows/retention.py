@@ -6,7 +6,8 @@ The plan is ``core.retention``'s: each replica demoted or retired with the rule 
 (``reason``). A dry run only plans. Applying demotes Tier 0 (of this node) first, then Tier 1,
 then Tier 2, then retires (recorded first, then every copy deleted, tier by tier);
 ``PruneRefused`` is a normal outcome (the catalog found a reason to keep the copy) and is
-reported on the plan, as is any other failure; the flow itself completes.
+reported on the plan, as is any other failure; the flow itself completes. A copy another run
+beside this one pruned first is ``done by another``, never a failure.
 """
 
 from __future__ import annotations

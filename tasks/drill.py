@@ -182,6 +182,14 @@ def cluster_drill(settings: Settings, *, run: str | None = None, nodes: int | No
     return done, skipped
 
 
+def require_drilled(drills: list[ClusterDrill], skipped: list[str]) -> None:
+    """``NotFound`` naming why, when ``cluster_drill`` drilled no tier: a drill from cron, CI or
+    the schedule that found nothing to drill has not shown that anything can be recovered, so
+    it must not end as a success."""
+    if not drills:
+        raise NotFound("restore drill: nothing was drilled (" + "; ".join(skipped or ["no tier to drill"]) + ")")
+
+
 def _run_nodes(settings: Settings, ck: CheckpointInfo, tier: int, where: Path,
                actor: str) -> tuple[list[Any], float, tuple[float | None, list[int]]]:
     """Start one process per part, wait until all are ready, start them at once; when each has

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core import events
-from core.errors import CkptError, ConfigError, ObjectLocked, PruneRefused, StaleState
+from core.errors import CkptError, ConfigError, IllegalTransition, ObjectLocked, PruneRefused, StaleState
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
 from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, PruneClaim, ReplicaInfo
@@ -47,12 +47,16 @@ class Pruned:
     part: int
     deleted: int  # objects deleted
     bytes: int | None
+    by_another: bool = False  # another worker had pruned it already: nothing done here
 
 
 def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", reason: str | None = None) -> Pruned:
     """Guarded delete of one replica; raises ``PruneRefused`` when the guard says no (or
-    another worker owns a live prune of it). A copy of a retired checkpoint needs no other copy to
-    justify it: its retirement was recorded first (pins, aliases and Object Lock still refuse)."""
+    another worker owns a live prune of it). A copy another worker has pruned already, found so
+    when the claim is refused, is that worker's outcome: returned ``by_another``, nothing done
+    (not an error: a retention run beside another is normal). A copy of a retired checkpoint
+    needs no other copy to justify it: its retirement was recorded first (pins, aliases and
+    Object Lock still refuse)."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
         if rep.tier == 0 and rep.node and rep.node != settings.node:
@@ -61,8 +65,13 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
             with claim_token(*prune_key(cat, replica_id)) as token:
                 claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
                                         lease_seconds=settings.claim_lease_seconds, token=token)
-        except StaleState as exc:
-            if cat.get_replica(replica_id).state == PRUNING:
+        except (StaleState, IllegalTransition) as exc:
+            now = cat.get_replica(replica_id)
+            if now.state == PRUNED:  # another worker's prune ended (it may have been live a moment ago)
+                log.info("replica %s: already pruned by another worker (%s)", replica_id, exc)
+                return Pruned(replica_id=now.id, run=now.run, step=now.step, tier=now.tier, part=now.part,
+                              deleted=0, bytes=now.bytes, by_another=True)
+            if now.state == PRUNING:
                 raise PruneRefused(f"another worker owns the prune: {exc}") from exc
             raise
         rep = claim.replica

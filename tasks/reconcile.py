@@ -14,7 +14,9 @@ from core.layout import check_ref, checkpoint_prefix, part_key
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
 from core.settings import Settings
+from core.sizing import fmt_bytes
 from core.storage.base import TierStore
+from core.storage.local import LocalStore
 from core.transfer import find_committed
 from db.catalog import Catalog
 from db.entities import (
@@ -33,6 +35,7 @@ from db.entities import (
     StoredCopy,
 )
 from tasks.base import log, open_catalog, open_tier
+from tasks.tier0_space import sweep_dead_staging
 
 ADOPT_CURSOR = "reconcile-adopt:tier1"
 
@@ -258,6 +261,19 @@ def _vanished(store: Any, copy: StoredCopy) -> str | None:
         if size != f.size:
             return f"{f.path} has {size} bytes, expected {f.size}"
     return None
+
+
+def sweep_writer_staging(settings: Settings, report: ReconcileReport, *, actor: str) -> None:
+    """Remove the staging folders a dead writer left in this node's Tier 0 run folders (a save
+    or fetch killed midway): without this, a save killed before its publish holds that room
+    until a person finds it. Live writers' are left alone (``core.space.writer_stagings``)."""
+    with open_tier(settings, 0) as tier0:
+        if not isinstance(tier0, LocalStore):
+            return
+        removed = each(report, "tier 0 staging", lambda: sweep_dead_staging(settings, tier0.root, actor=actor))
+    if removed:
+        report.recovered.append(f"tier 0: {len(removed)} staging folder(s) of dead writers "
+                                f"({fmt_bytes(sum(st.bytes for st in removed))}) removed")
 
 
 def archive_backlog(settings: Settings) -> list[tuple[str, int]]:

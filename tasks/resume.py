@@ -21,7 +21,9 @@ Contract of ``resume``:
   (DCP ``.metadata``, the HF index), from whichever part holds them.
 - A fetch from Tier 2 whose Tier 1 copy is gone first rehydrates Tier 1 as a claimed copy
   (``claimed_fetch``): of N nodes resuming at once one reads S3, the others
-  wait for its claim and read Tier 1.
+  wait for its claim and read Tier 1. A rehydration that fails for a storage reason (Tier 1
+  full or unreachable) is "not rehydrated": a warning and ``ckpt.resume.rehydrate_failed``, and
+  the part is fetched into this node's Tier 0 (or ``to``) as if Tier 1 were not configured.
 - It records nothing but replicas: resuming a run is not a new run.
 - A folder under ``<data_dir>/resume/<run>/`` (the fetch of a node whose part another node holds
   on Tier 0; no replica row) is scratch: once a resume of the run from step N succeeds, the
@@ -51,6 +53,8 @@ from core.errors import (
     CorruptCheckpoint,
     NotFound,
     PathEscape,
+    StorageFull,
+    StorageUnavailable,
     UnknownRun,
 )
 from core.formats import WIDE_FILES
@@ -435,10 +439,24 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
     except (CorruptCheckpoint, NotFound) as exc:
         _mark(cat, tier2.replica, exc, actor, notes)
         return 0
+    except (StorageFull, StorageUnavailable, OSError) as exc:  # Tier 1's trouble, not the copy's
+        _not_rehydrated(ck, part, exc, stores.settings.node, notes)
+        return 0
     if hop.skipped:
         return 0
     notes.append(f"step {ck.step} part {part}: Tier 1 rehydrated from Tier 2 ({hop.bytes} bytes)")
     return hop.bytes
+
+
+def _not_rehydrated(ck: CheckpointInfo, part: int, exc: BaseException, node: str, notes: list[str]) -> None:
+    """A rehydration that failed for a reason of Tier 1's (full, unreachable): the part is "not
+    rehydrated" (the claim released it, nothing published) and the resume goes on to fetch it
+    into this node's folder; the operator is told (a warning, ``ckpt.resume.rehydrate_failed``)."""
+    log.warning("resume %s/step-%d part %d: Tier 1 not rehydrated (%s: %s); fetching from Tier 2 into this "
+                "node's folder instead", ck.run, ck.step, part, type(exc).__name__, exc)
+    notes.append(f"step {ck.step} part {part}: Tier 1 not rehydrated ({exc})")
+    events.announce(events.REHYDRATE_FAILED, ck.run, ck.step, part=part, parts=ck.parts, node=node,
+                    extra_id="tier1", payload={"tier": 1, "error": f"{type(exc).__name__}: {exc}"[:500]})
 
 
 def await_copy(cat: Catalog, settings: Settings, ck: CheckpointInfo, part: int, tier: int) -> str | None:

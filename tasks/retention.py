@@ -21,16 +21,16 @@ from datetime import datetime
 from typing import Any
 
 from core import retention as rule
-from core.errors import CkptError, IllegalTransition, PruneRefused
+from core.errors import CkptError, PruneRefused
 from core.layout import part_key
 from core.policy import is_milestone  # noqa: F401 - the milestone rule, re-exported for callers
 from core.settings import RetentionPolicy, Settings
 from db.catalog import Catalog
-from db.entities import PRUNED as REPLICA_PRUNED
 from tasks.base import log, open_catalog, open_tier
 from tasks.retry import pipeline_task
 
 PLANNED, PRUNED, REFUSED, KEPT, ELSEWHERE, FAILED = "planned", "pruned", "refused", "kept", "elsewhere", "failed"
+DONE_BY_ANOTHER = "done by another"  # another worker reached this outcome first (a retention run beside this one)
 LOCKED = "locked"  # under the store's retention (S3 Object Lock) until a date: planned for after it
 DEMOTE, RETIRE, KEEP = rule.DEMOTE, rule.RETIRE, rule.KEEP
 # a Tier 2 copy whose Object Lock date could not be read may be locked: kept this pass, and its
@@ -53,7 +53,7 @@ class PruneAction:
     node: str | None
     url: str
     bytes: int | None
-    outcome: str = PLANNED  # planned | pruned | refused | kept | locked | elsewhere | failed
+    outcome: str = PLANNED  # planned | pruned | done by another | refused | kept | locked | elsewhere | failed
     detail: str = ""
     action: str = DEMOTE
     reason: str = ""
@@ -201,23 +201,16 @@ def retire_checkpoint(settings: Settings, run: str, step: int, actions: list[Pru
 def _prune(settings: Settings, action: PruneAction, prune: Callable[..., Any], actor: str, *,
            reason: str) -> PruneAction:
     try:
-        prune(settings, action.replica_id, actor=actor, reason=reason)
+        done = prune(settings, action.replica_id, actor=actor, reason=reason)
+        if done.by_another:  # a retention run beside this one got there first: the same end state
+            return replace(action, outcome=DONE_BY_ANOTHER, detail="pruned by another worker")
         return replace(action, outcome=PRUNED)
     except PruneRefused as exc:
         log.info("retention: %s/%s tier %s kept: %s", action.run, action.step, action.tier, exc)
         return replace(action, outcome=REFUSED, detail=str(exc))
-    except IllegalTransition as exc:  # another worker finished it meanwhile: the same end state
-        if _replica_state(settings, action.replica_id) == REPLICA_PRUNED:
-            return replace(action, outcome=PRUNED, detail="already pruned by another worker")
-        return replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}")
     except CkptError as exc:
         log.warning("retention: %s/%s tier %s not pruned: %s", action.run, action.step, action.tier, exc)
         return replace(action, outcome=FAILED, detail=f"{type(exc).__name__}: {exc}")
-
-
-def _replica_state(settings: Settings, replica_id: int) -> str:
-    with open_catalog(settings.catalog_url) as cat:
-        return cat.get_replica(replica_id).state
 
 
 def finish_retirements(settings: Settings, *, prune: Callable[..., Any], actor: str,

@@ -132,7 +132,7 @@ def drill_cmd(
     start to last part loaded), each node's time, bytes read per tier and the bound (the same
     bytes read raw from the tier by the same processes, all at once)."""
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
-    from tasks.drill import DRILL_TIERS, cluster_drill  # deferred: start-up — Prefect, SQLAlchemy
+    from tasks.drill import DRILL_TIERS, cluster_drill, require_drilled  # deferred: start-up — Prefect, SQLAlchemy
 
     tiers = tuple(tier) if tier else DRILL_TIERS
     if any(t not in DRILL_TIERS for t in tiers):
@@ -143,7 +143,9 @@ def drill_cmd(
     else:
         for s in skipped:
             typer.echo(s)
-        _print_drills([d.result for d in drills])
+        if drills:
+            _print_drills([d.result for d in drills])
+    require_drilled(drills, skipped)
     if not all(d.result.ok for d in drills):
         raise typer.Exit(1)
 

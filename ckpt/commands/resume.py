@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from core import events
 from core.errors import BadInput
 
 
@@ -27,14 +28,17 @@ def resume_cmd(
     """The newest checkpoint of RUN with a good copy of this node's part, and a local folder to load it
     from (printed alone on stdout; nothing there when the run has no checkpoint yet). The launch's
     attempt is recorded as resuming from it: older attempts' later checkpoints are superseded."""
+    from ckpt.announce import to_prefect_api  # deferred: start-up — the events' sink, only for this command
     from core.attempt import launch_attempt  # deferred: start-up
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from tasks.resume import resume  # deferred: start-up — SQLAlchemy, Alembic
 
     if verify not in ("size", "full"):
         raise BadInput(f"--verify must be size or full, not {verify!r}")
-    point = resume(load_settings(), run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]
-                   actor="cli", attempt=launch_attempt(attempt))
+    settings = load_settings()
+    with events.announcing(to_prefect_api(settings)):
+        point = resume(settings, run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]
+                       actor="cli", attempt=launch_attempt(attempt))
     if point is None:  # stdout stays empty without --json: `DIR=$(ckpt resume RUN)` is then "" (a fresh start)
         if as_json:
             typer.echo(json.dumps({"run": run, "step": None}))

@@ -122,3 +122,14 @@ def test_scrub_flow_fails_when_a_bad_copy_cannot_be_repaired(settings):
 
     assert state.is_failed()
     assert "could not be repaired" in state.message
+
+
+def test_drill_flow_fails_when_nothing_could_be_drilled(settings):
+    from prefect.states import State
+
+    from flows.drill import drill_flow
+
+    state: State = drill_flow(scratch="unused", return_state=True)  # no milestone in this catalog
+
+    assert state.is_failed()
+    assert "nothing was drilled" in state.message and "no committed milestone" in state.message

@@ -95,3 +95,24 @@ def test_cli_drill_then_drills_lists_the_history(settings, monkeypatch):
     assert all(r["seconds"] > 0 and r["MB/s"] > 0 for r in rows)
     table = CliRunner().invoke(app, ["drills"])
     assert "restoration drills" in table.output and RUN in table.output
+
+
+def test_cli_drill_that_drilled_nothing_fails(settings, monkeypatch):
+    """A drill run from cron or CI that found nothing to drill must not report success."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+    from core.errors import NotFound
+
+    save(settings, 100, milestone=False)  # no milestone: nothing for the default drill
+    for k, v in (("DATA_DIR", str(settings.data_dir)), ("CATALOG_URL", settings.catalog_url),
+                 ("NODE", settings.node), ("TIER2_URL", settings.tier2_url),
+                 ("S3_ENDPOINT_URL", settings.s3_endpoint_url)):
+        monkeypatch.setenv(f"CKPT_{k}", v)
+
+    ran = CliRunner().invoke(app, ["drill"])
+    assert ran.exit_code != 0 and isinstance(ran.exception, NotFound), ran.output
+    assert "nothing was drilled" in str(ran.exception) and "no committed milestone" in str(ran.exception)
+
+    ran = CliRunner().invoke(app, ["drill", "--run", RUN, "--tier", "2"])  # a run with no copy there
+    assert ran.exit_code != 0 and "held whole there" in str(ran.exception), ran.output

@@ -206,6 +206,54 @@ def test_two_overlapping_retention_runs_prune_once(two_steps, monkeypatch):
     assert moves == [("retention-a", "pruning", "pruned")]
 
 
+def test_a_prune_another_retention_run_finished_is_done_by_another_not_failed(two_steps, monkeypatch):
+    """Retention B tries step 100's Tier 0 copy while retention A is deleting it (B's claim is
+    refused: "already being pruned"), and A finishes before B looks at the row again: B reports
+    the copy ``done by another``, not a failure. The interleaving is held by events: A waits in
+    its first delete until B's claim was refused; B waits until A's run has returned."""
+    import threading
+
+    from db.catalog import Catalog
+    from flows.retention import run_retention
+    from tasks.prune import prune_replica
+    from tasks.retention import DONE_BY_ANOTHER, apply_retention, plan_retention
+
+    settings = two_steps
+    plan_b = plan_retention(settings, run=RUN)
+    b_refused, a_done, inner = threading.Event(), threading.Event(), {}
+    real_claim = Catalog.claim_prune
+
+    def claim_prune(self, replica_id, *, actor, **kw):
+        try:
+            return real_claim(self, replica_id, actor=actor, **kw)
+        except StaleState:
+            if actor == "retention-b":
+                b_refused.set()
+                assert a_done.wait(60)
+            raise
+
+    def retention_b():
+        inner["b"] = apply_retention(settings, plan_b, prune=prune_replica, actor="retention-b")
+
+    b = threading.Thread(target=retention_b)
+
+    def on_delete(key, n):
+        if n == 1:  # A owns the prune and deletes: B applies its plan now
+            b.start()
+            assert b_refused.wait(60)
+
+    monkeypatch.setattr(Catalog, "claim_prune", claim_prune)
+    _hook_tier0_deletes(monkeypatch, settings, on_delete)
+    outer = run_retention(settings, run=RUN, steps=plain_steps(), actor="retention-a")
+    a_done.set()
+    b.join(60)
+
+    assert [(a.step, a.outcome) for a in outer if a.tier == 0] == [(100, "pruned")]
+    assert [(a.step, a.outcome) for a in inner["b"] if a.tier == 0] == [(100, DONE_BY_ANOTHER)]
+    assert "pruned by another worker" in inner["b"][0].detail
+    assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
+
+
 def test_only_the_owner_settles_a_prune(two_steps):
     settings = two_steps
     rid = _replica(settings, 100, 0).id

@@ -337,7 +337,8 @@ def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory,
                                                                  monkeypatch):
     """The link-in of a rehydrated part fails at its second file (a full or read-only folder,
     say): the file already linked in is taken back, part 0's files stay as they were, nothing of
-    part 1 is left under its names, the claim is released; the next resume publishes it whole."""
+    part 1 is left under its names, the claim is released, and this resume goes on from Tier 2
+    into its own folder (Tier 1 not rehydrated); the next resume publishes it whole."""
     settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket)
     node1, folder, mine = tier1_lost_part1(settings)
     before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()}
@@ -353,9 +354,11 @@ def test_a_link_in_that_fails_midway_takes_back_what_it_linked(settings_factory,
     monkeypatch.setattr(os, "link", link)
     node7 = on_node(settings, "node-7")
 
-    with pytest.raises(Exception, match="No space left"):
-        resume(node7, RUN, part=1, parts=2)
+    first = resume(node7, RUN, part=1, parts=2)
 
+    assert first.path != str(folder) and [(p.tier, p.source) for p in first.parts] == [(2, "fetched")]
+    for rel in mine:
+        assert (Path(first.path) / rel).read_bytes() == (tier0_dir(node1, RUN, 100) / rel).read_bytes()
     assert len(calls) == 2 and calls[0] in mine  # one file was linked in before the failure
     assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in folder.iterdir()} == before
     assert not [p for p in folder.parent.rglob("*") if ".ckpt-staging-" in p.name]
@@ -446,3 +449,46 @@ def test_a_bad_object_fetched_in_ranges_publishes_nothing(settings_factory, db_u
     assert replica_states(settings, RUN, 100)[(2, 0)] == "corrupt"
     assert not (folder / "manifest.json").exists() and not (folder / "model-00001.bin").exists()
     assert not [p for p in folder.rglob("*") if ".ckpt-staging-" in p.name]
+
+
+@pytest.mark.parametrize("into", ["tier0", "folder"])
+def test_a_full_tier1_is_not_rehydrated_and_the_resume_fetches_from_tier2(settings_factory, db_url, s3_bucket,
+                                                                           s3_endpoint, tmp_path, into, caplog):
+    """The newest checkpoint's only copy is on Tier 2 and Tier 1 (a real small tmpfs) is full:
+    the rehydration fails for want of room, which is "not rehydrated", not the resume's end.
+    The node fetches into its own Tier 0 (or ``to``), the operator gets a warning and
+    ``ckpt.resume.rehydrate_failed``, and nothing partial is left on Tier 1."""
+    from core import events
+    from core.layout import is_staging
+    from tests.kit.pipeline import Recorder
+    from tests.kit.tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "lustre", "1m") as tier1:
+        settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                     tier1_url=str(tier1))
+        files = save_milestone(settings)
+        lose_tier1(settings)
+        shutil.rmtree(tier0_dir(settings, RUN, 100))  # a cold node, and the catalog knows it
+        with open_catalog(settings) as cat:
+            rep = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id, 0))
+            cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: node replaced")
+        filler = tier1 / "filler"
+        with filler.open("wb") as f:  # another job took Tier 1's room
+            f.write(os.urandom((1 << 20) - 64 * 1024))
+        dest = tmp_path / "mine" if into == "folder" else None
+        rec = Recorder()
+
+        with events.announcing(rec):
+            point = resume(settings, RUN, to=dest)
+
+        where = dest if dest is not None else tier0_dir(settings, RUN, 100)
+        assert point.step == 100 and point.path == str(where) and tree(where) == files
+        assert [(p.tier, p.source) for p in point.parts] == [(2, "fetched")]
+        assert rec.seen == [(events.REHYDRATE_FAILED, RUN, 100, 0, "tier1")] + \
+            ([(events.VERIFIED, RUN, 100, 0, "tier0")] if into == "tier0" else [])
+        assert any("not rehydrated" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+        states = replica_states(settings, RUN, 100)
+        assert states[(1, 0)] == "missing" and states[(2, 0)] == "verified"
+        assert (states.get((0, 0)) == "verified") == (into == "tier0")
+        assert not (tier1 / RUN / "step-00000100").exists()
+        assert not [p for p in (tier1 / RUN).iterdir() if is_staging(p.name)]

@@ -16,7 +16,7 @@ from db.catalog import Catalog
 from flows.common import plain_steps
 from flows.reconcile import reconcile_once
 from flows.retention import run_retention
-from tasks.retention import PRUNED, REFUSED, RETIRE, apply_retention, plan_retention
+from tasks.retention import DONE_BY_ANOTHER, PRUNED, REFUSED, RETIRE, apply_retention, plan_retention
 from tests.kit.catalog import manifest
 from tests.kit.checkpoints import expire_claims
 from tests.kit.restore import commit_folder, promote, scenario_settings, tier0_dir, tier1_dir
@@ -205,7 +205,8 @@ def test_a_retirement_killed_at_any_step_is_finished_by_reconcile(settings_facto
 # --- two retention workers at once ----------------------------------------------------------------
 def test_two_retention_workers_at_once_retire_each_checkpoint_once(settings_factory, db_url, monkeypatch):
     """Worker B applies its plan while worker A is deleting step 100's Tier 0 copy: B finds the
-    retirement recorded, leaves A's copy to A and takes the Tier 1 copy; A then finds it gone."""
+    retirement recorded, leaves A's copy to A and takes the Tier 1 copy; A then finds it gone:
+    done by another, not a failure and not A's prune."""
     settings = _settings(settings_factory, db_url)
     save(settings, 100, 200)
     keep1 = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1),
@@ -232,7 +233,7 @@ def test_two_retention_workers_at_once_retire_each_checkpoint_once(settings_fact
     monkeypatch.setattr(prune_mod, "open_tier", racing)
     outer = apply_retention(keep1, plan_retention(keep1, run=RUN), prune=plain_steps().prune, actor="retention-a")
 
-    assert {(a.tier, a.outcome) for a in outer} == {(0, PRUNED), (1, PRUNED)}
+    assert {(a.tier, a.outcome) for a in outer} == {(0, PRUNED), (1, DONE_BY_ANOTHER)}  # B took Tier 1
     assert {(a.tier, a.outcome) for a in inner["b"]} == {(0, REFUSED), (1, PRUNED)}
     assert held(settings, 0) == held(settings, 1) == {200}
     assert states(settings) == {100: "retired", 200: "committed"}

@@ -4,6 +4,8 @@ with the numbers, having written nothing. Tier 0 here is a real small tmpfs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -207,3 +209,84 @@ def test_the_wait_for_room_is_bounded_by_the_setting(settings_factory, tier0, mo
             pytest.raises(StorageFull, match="retention is off"):
         st.save(100, tensors(1) | {"extra": np.zeros(256 * 1024, dtype=np.float32)})
     assert len(passes) == 1  # a look, no wait: nothing would free it
+
+
+KILLED_MID_SAVE = """
+import os, signal
+from pathlib import Path
+
+import numpy as np
+import ckpt.client
+def killed(staging, final, manifest):  # every shard written, nothing published yet
+    os.kill(os.getpid(), signal.SIGKILL)
+ckpt.client.publish_folder = killed
+from core.settings import load_settings
+rng = np.random.default_rng(7)
+with ckpt.client.CheckpointStager(%r, settings=load_settings(), announce=False) as st:
+    st.save(%d, {f"layer{i}.weight": rng.standard_normal(64 * 1024, dtype=np.float32) for i in range(4)})
+"""
+
+
+def save_killed_midway(settings, step: int) -> Path:
+    """A save of 1 MiB in its own process, SIGKILLed once its shards are in the staging folder;
+    that folder, left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from core.layout import is_staging
+
+    env = {**os.environ, "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": settings.node,
+           "CKPT_CATALOG_URL": settings.catalog_url, "CKPT_TIER0_URL": settings.tier0_url}
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE % (RUN, step)], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = [p for p in (Path(settings.tier0_url) / RUN).iterdir() if is_staging(p.name)]
+    assert len(left) == 1 and sum(f.stat().st_size for f in left[0].rglob("*")) > MiB - 4096
+    return left[0]
+
+
+def test_a_save_killed_midway_does_not_hold_tier0_room_for_the_next_one(settings_factory, db_url, tier0):
+    """A writer SIGKILLed after its shards were staged leaves its staging folder; the next save's
+    room check sweeps it (its pid is gone on this node) and the save succeeds."""
+    tier0 = tier0("1536k")
+    settings = pipeline_settings(settings_factory, db_url, tier0_url=str(tier0), tier0_space_wait_seconds=0)
+    dead = save_killed_midway(settings, 100)
+
+    with CheckpointStager(RUN, settings=settings, announce=False) as st:
+        saved = st.save(200, tensors(2))
+
+    assert not dead.exists() and intact(saved.path)
+    assert sorted(p.name for p in (tier0 / RUN).iterdir()) == ["step-00000200"]
+
+
+def test_reconcile_sweeps_the_staging_of_a_killed_save(settings_factory, db_url):
+    from flows.common import plain_steps
+    from flows.reconcile import reconcile_once
+
+    settings = pipeline_settings(settings_factory, db_url)
+    dead = save_killed_midway(settings, 100)
+
+    report = reconcile_once(settings, steps=plain_steps())
+
+    assert not dead.exists() and report.failed == []
+    assert any("staging folder(s) of dead writers" in r for r in report.recovered), report.recovered
+
+
+def test_storage_full_says_what_holds_the_room(settings_factory, db_url, tier0):
+    """A live writer's staging folder (this process's) is never swept, and the error names it."""
+    from core.layout import staging_name
+
+    tier0 = tier0("1536k")
+    settings = pipeline_settings(settings_factory, db_url, tier0_url=str(tier0), tier0_space_wait_seconds=0)
+    live = tier0 / RUN / staging_name("step-00000100")
+    live.mkdir(parents=True)
+    (live / "model.safetensors").write_bytes(b"\0" * MiB)
+
+    with CheckpointStager(RUN, settings=settings, announce=False) as st, pytest.raises(StorageFull) as err:
+        st.save(200, tensors(2))
+
+    text = str(err.value)
+    assert "1 staging folder(s) of live writers (1.05 MB)" in text and "0 checkpoint(s)" in text, text
+    assert live.is_dir() and (live / "model.safetensors").stat().st_size == MiB
