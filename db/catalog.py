@@ -36,8 +36,10 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    COPYING,
     CORRUPT,
     MISSING,
+    PRUNING,
     VERIFIED,
     CheckpointInfo,
     Claim,
@@ -391,6 +393,17 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
         """Replicas stuck ``copying`` or ``pruning`` past their lease (by the catalog's clock)."""
         with self._tx(write=False) as conn:
             return [to_replica(r) for r in _state.expired_claims(conn, now=_now(conn))]
+
+    def live_claim_tokens(self, tokens: Collection[str]) -> set[str]:
+        """Those of ``tokens`` that still hold a claim: a replica ``copying`` or ``pruning`` under
+        it (a lapsed lease not yet taken over counts: its worker may take it back). A token none
+        holds belongs to a claim that is over; what it set aside (a tombstone) is garbage."""
+        if not tokens:
+            return set()
+        with self._tx(write=False) as conn:
+            return set(conn.execute(select(replicas_table.c.claim_token).where(
+                replicas_table.c.claim_token.in_(sorted(tokens)),
+                replicas_table.c.state.in_((COPYING, PRUNING)))).scalars())
 
     def expire_copy_claim(self, replica_id: int, *, actor: str) -> bool:
         """A ``copying`` replica past its lease -> ``missing`` (audited); False if not stuck."""

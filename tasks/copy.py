@@ -57,7 +57,7 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
 
 
 def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, manifest: Manifest,
-                prior: ReplicaInfo | None, *, src_tier: int, actor: str, lease_s: float) -> None:
+                prior: ReplicaInfo | None, *, held: ClaimedCopy, src_tier: int, actor: str) -> None:
     """Under the part's claim, before copying it to ``dst`` again: what an earlier copy left.
     Known-bad bytes (``corrupt``) are deleted, never resumed on. A copy of this part that died
     (``copying``/``missing``) left staging data that is garbage: this part's own files are ours
@@ -66,7 +66,7 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
     never touched."""
     run, step, prefix = ck.run, ck.step, checkpoint_prefix(ck.run, ck.step)
     if prior is not None and prior.state == CORRUPT:
-        delete_part(cat, dst, run, step, part, ck.parts, actor=actor,
+        delete_part(cat, dst, run, step, part, ck.parts, actor=actor, token=held.token, check=held.check,
                     reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
     elif prior is not None and prior.state in (COPYING, MISSING):
         own = [f.path for f in manifest.files] + [manifest.name]
@@ -74,7 +74,7 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
         why = f"left by a copy that died (replica {prior.id} was {prior.state})"
         sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why,
                       keys=[f"{prefix}/{p}" for p in own if p not in shared])
-        sweep_staging(cat, dst, run, step, older_than_s=lease_s, actor=actor, reason=why,
+        sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why,
                       keys=[f"{prefix}/{p}" for p in own if p in shared])
 
 
@@ -106,7 +106,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
                                      f"tier {dst_tier} (replica {rep.id}, {rep.state})")
             with held:
-                clear_prior(cat, dst, ck, part, manifest, prior, src_tier=src_tier, actor=actor, lease_s=held.lease_s)
+                clear_prior(cat, dst, ck, part, manifest, prior, held=held, src_tier=src_tier, actor=actor)
                 shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
                 if source is not None:
                     source.copying()
