@@ -60,12 +60,14 @@ from core.manifest import MAX_MANIFEST_BYTES
 class Tomb:
     """What one claim set aside to delete (``TierStore.bury``): ``keys``, where those objects are
     now; on a file system ``folder``, the tombstone that holds them (deleted as a whole), and
-    ``moved``, each (original key, key in the tombstone), for ``exhume``."""
+    ``moved``, each (original key, key in the tombstone), for ``exhume``; on a versioned object
+    store ``versions``, each (key, version id) listed, the only versions deleted."""
 
     token: str
     keys: tuple[str, ...] = ()
     folder: str | None = None
     moved: tuple[tuple[str, str], ...] = ()
+    versions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,12 @@ class TierStore(ABC):
         ``prefix``, in the order given: the manifest first) or, with None, everything under
         ``prefix`` (its manifests first). A missing object is skipped. This default (a store that
         cannot rename) only lists them, to be deleted in place by ``delete_tomb``."""
+        present = [o.key for o in self.list(prefix)]
         if paths is None:
-            keys = sorted((o.key for o in self.list(prefix)), key=lambda k: not is_manifest_name(k.rsplit("/", 1)[-1]))
+            keys = sorted(present, key=lambda k: not is_manifest_name(k.rsplit("/", 1)[-1]))
         else:
-            keys = [f"{prefix}/{p}" for p in paths]
+            listed = set(present)
+            keys = [k for k in (f"{prefix}/{p}" for p in paths) if k in listed]
         return Tomb(token, tuple(keys))
 
     def exhume(self, tomb: Tomb) -> int:
