@@ -10,7 +10,7 @@ announce facts with ``core.events.announce``; the flow that runs them decides wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -123,17 +123,26 @@ def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, 
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
     with uninterrupted():
         doomed = None if parts == 1 else part_paths(cat, run, step, part, parts, store.tier)
-        check()
-        tomb = store.bury(prefix, doomed, token=token)
-        try:
-            check()
-        except StaleState:
-            store.exhume(tomb)
-            raise
-        deleted = store.delete_tomb(tomb, check)
+        deleted = fenced_delete(store, prefix, doomed, token=token, check=check)
         if parts > 1:
             store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
         return deleted
+
+
+def fenced_delete(store: TierStore, prefix: str, paths: Sequence[str] | None, *, token: str,
+                  check: Callable[[], None]) -> int:
+    """Delete ``paths`` under ``prefix`` (None: all of it) as the claim ``token``: set aside
+    (``TierStore.bury``) while the claim holds, the claim checked again (lost: put back what
+    nobody took since, ``StaleState``), then only what was set aside deleted. The one way a claim
+    deletes published files; run it inside ``core.progress.uninterrupted``."""
+    check()
+    tomb = store.bury(prefix, paths, token=token)
+    try:
+        check()
+    except StaleState:
+        store.exhume(tomb)
+        raise
+    return store.delete_tomb(tomb, check)
 
 
 def part_paths(cat: Catalog, run: str, step: int, part: int, parts: int, tier: int) -> list[str]:

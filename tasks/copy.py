@@ -38,6 +38,7 @@ from tasks.base import (
     HopResult,
     copy_priority,
     delete_part,
+    fenced_delete,
     log,
     open_catalog,
     open_tier,
@@ -117,7 +118,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                                                 buffer_bytes=settings.io_buffer_bytes,
                                                 priority=copy_priority(settings))
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
-                    _retract(cat, dst, run, step, part, exc.published, actor=actor,
+                    _retract(cat, dst, run, step, part, exc.published, held=held, actor=actor,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
                     raise
                 if source is not None:  # Tier 0 first: its bytes are what the copy just proved
@@ -244,10 +245,11 @@ class _Tier0Source:
 
 
 def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, keys: list[str], *,
-             actor: str, reason: str) -> None:
-    """Delete the files a failed copy published (its part never committed), audited first;
-    paths another live part of the checkpoint lists on this tier stay. A single-part
-    checkpoint's folder left with nothing in it goes too (the copy created it)."""
+             held: ClaimedCopy, actor: str, reason: str) -> None:
+    """Delete the files a failed copy published (its part never committed), audited first and
+    fenced under its claim (``tasks.base.fenced_delete``); paths another live part of the
+    checkpoint lists on this tier stay. A single-part checkpoint's folder left with nothing in
+    it goes too (the copy created it)."""
     ck = cat.get_checkpoint(run, step)
     prefix = checkpoint_prefix(run, step)
     keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)} if keys else set()
@@ -257,8 +259,9 @@ def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, key
             cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
                                 f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
         with uninterrupted():  # never cut short for a stall: see tasks.base.delete_part
-            for key in doomed:
-                store.delete(key)
+            if doomed:
+                fenced_delete(store, prefix, [k[len(prefix) + 1:] for k in doomed], token=held.token,
+                              check=held.check)
             if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
                 store.delete_prefix(prefix)
     except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear
