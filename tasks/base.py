@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import ConfigError, CorruptCheckpoint, StaleState
+from core.errors import BadInput, ConfigError, CorruptCheckpoint, PathEscape, StaleState
 from core.formats import WIDE_FILES
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
@@ -158,10 +158,15 @@ def part_paths(cat: Catalog, run: str, step: int, part: int, parts: int, tier: i
 def sweep_tombs(cat: Catalog, store: TierStore, runs: Iterable[str], *, actor: str) -> int:
     """Remove the tombstones in ``runs``' folders whose claim is over (no replica holds its token
     any more: settled, or taken over), left by a worker that died or lost its claim mid-delete;
-    audited when anything went. Returns how many went."""
+    audited when anything went; a folder whose name is not a run's (``lost+found``) holds none.
+    Returns how many went."""
     removed = 0
     for run in runs:
-        swept = store.sweep_tombs(safe_run_name(run), cat.live_claim_tokens)
+        try:
+            folder = safe_run_name(run)
+        except (BadInput, PathEscape):
+            continue
+        swept = store.sweep_tombs(folder, cat.live_claim_tokens)
         if swept:
             cat.record_deletion(f"tombstones:{run}@tier{store.tier}", f"{swept} tombstone(s) of claims that are over",
                                 actor=actor, run=run)
