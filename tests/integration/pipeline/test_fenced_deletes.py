@@ -34,8 +34,11 @@ RUN = "run-a"
 
 @pytest.fixture
 def settings(settings_factory, db_url, s3_endpoint, s3_bucket):
-    """Milestones 100 and 200 verified on Tiers 0, 1 and 2."""
-    s = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=s3_endpoint)
+    """Milestones 100 and 200 verified on Tiers 0, 1 and 2. The lease is long (its renewal comes
+    a fifth of it later), so the stopped worker is never stopped inside a renewal's transaction:
+    its lease is made to lapse in the catalog instead (``expire_claims``)."""
+    s = pipeline_settings(settings_factory, db_url, tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=s3_endpoint,
+                          claim_lease_seconds=3600)
     for step in (100, 200):
         write_checkpoint(s.tier0_url, RUN, step, kind="milestone", shard_bytes=1024)
         promote(s, RUN, step, steps=plain_steps())
