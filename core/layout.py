@@ -8,7 +8,9 @@ training attempt ``A`` (one launch of the job, see ``core.attempt``) lives under
 nodes has N parts side by side in that folder, each with its own manifest, written last as the
 part's commit marker: ``manifest.json`` for a single part,
 ``manifest.part-<i:05d>-of-<n:05d>.json`` otherwise. Files being written are staged under hidden
-``.ckpt-staging-*`` names that no listing shows.
+``.ckpt-staging-*`` names that no listing shows; what a claim deletes on a file system is first
+moved into a hidden tombstone folder beside the checkpoint's, ``.ckpt-tomb-<claim token>-step-<S>``,
+which no listing shows either.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from core.paths import safe_run_name
 STEP_DIGITS = 8
 SINGLE_MANIFEST = "manifest.json"
 STAGING_MARK = ".ckpt-staging-"
+TOMB_MARK = ".ckpt-tomb-"
 MAX_STEP = 2**63 - 1  # a signed 64-bit integer: what every catalog backend stores
 MAX_PARTS = 99999  # five digits in a part's manifest name
 
@@ -127,3 +130,20 @@ def staging_pid(name: str) -> int | None:
     when ``name`` is not one."""
     m = _STAGING.match(name)
     return int(m["pid"]) if m else None
+def tomb_name(token: str, name: str) -> str:
+    """The hidden name beside ``name`` that the claim ``token`` moves what it deletes to."""
+    if not token or not token.isalnum():
+        raise BadInput(f"claim token {token!r}: a tombstone's token is letters and digits")
+    return f"{TOMB_MARK}{token}-{name}"
+
+
+def tomb_token(name: str) -> str | None:
+    """The claim token a tombstone's name carries (``tomb_name``), None when ``name`` is none."""
+    if not name.startswith(TOMB_MARK):
+        return None
+    token, sep, _rest = name[len(TOMB_MARK):].partition("-")
+    return token if sep and token.isalnum() else None
+
+
+def is_tomb(name: str) -> bool:
+    return name.startswith(TOMB_MARK)

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self
 
-from sqlalchemy import event, func, select
+from sqlalchemy import ColumnElement, event, func, select
 from sqlalchemy.engine import make_url
 
 from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
@@ -38,8 +38,10 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    COPYING,
     CORRUPT,
     MISSING,
+    PRUNING,
     VERIFIED,
     CheckpointInfo,
     Claim,
@@ -405,6 +407,17 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
         with self._tx(write=False) as conn:
             return [to_replica(r) for r in _state.expired_claims(conn, now=_now(conn))]
 
+    def live_claim_tokens(self, tokens: Collection[str]) -> set[str]:
+        """Those of ``tokens`` that still hold a claim: a replica ``copying`` or ``pruning`` under
+        it (a lapsed lease not yet taken over counts: its worker may take it back). A token none
+        holds belongs to a claim that is over; what it set aside (a tombstone) is garbage."""
+        if not tokens:
+            return set()
+        with self._tx(write=False) as conn:
+            return set(conn.execute(select(replicas_table.c.claim_token).where(
+                replicas_table.c.claim_token.in_(sorted(tokens)),
+                replicas_table.c.state.in_((COPYING, PRUNING)))).scalars())
+
     def expire_copy_claim(self, replica_id: int, *, actor: str) -> bool:
         """A ``copying`` replica past its lease -> ``missing`` (audited); False if not stuck."""
         with self._tx() as conn:
@@ -429,21 +442,23 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
 
     def claim_followups(self, checkpoint_id: int, tier: int = 1, *, lease_seconds: float) -> bool:
         """Take the work that follows the checkpoint's completion on ``tier`` (archive, durable
-        event, status page, retention) for ``lease_seconds``: True when it is recorded complete
-        there, its follow-ups are not recorded done and nobody holds a live lease on them (a
-        lapsed one is taken over). Whoever recorded the completion is not special: a retry, a
-        duplicate event or reconcile finishes what a killed caller left."""
+        event, status page, retention) for ``lease_seconds``: True when it is open
+        (``followups_open``), in one compare-and-set, so two callers never both take it.
+        Whoever recorded the completion is not special: a retry, a duplicate event or reconcile
+        finishes what a killed caller left."""
         with self._tx() as conn:
             now = _now(conn)
-            key = (completions.c.checkpoint_id == checkpoint_id) & (completions.c.tier == _state.check_tier(tier))
-            row = conn.execute(select(completions.c.followups_done_at, completions.c.followups_lease_until)
-                               .where(key).with_for_update()).first()
-            if row is None or row.followups_done_at is not None or (
-                    row.followups_lease_until is not None and row.followups_lease_until > now):
-                return False
-            conn.execute(completions.update().where(key).values(
-                followups_lease_until=now + timedelta(seconds=lease_seconds)))
-            return True
+            return conn.execute(completions.update().where(
+                _completion(checkpoint_id, tier), _followups_free(now)).values(
+                followups_lease_until=now + timedelta(seconds=lease_seconds))).rowcount == 1
+
+    def followups_open(self, checkpoint_id: int, tier: int = 1) -> bool:
+        """Whether the checkpoint is recorded complete on ``tier`` with its follow-ups not
+        recorded done and under no live lease (a lapsed one counts as free): what
+        ``claim_followups`` would take now."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(completions.c.checkpoint_id).where(
+                _completion(checkpoint_id, tier), _followups_free(_now(conn)))).first() is not None
 
     def followups_done(self, checkpoint_id: int, tier: int = 1, *, actor: str) -> None:
         """Record the follow-ups of the checkpoint's completion on ``tier`` done (idempotent)."""
@@ -468,9 +483,8 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
         with self._tx(write=False) as conn:
             now = _now(conn)
             due = select(completions.c.checkpoint_id).where(
-                completions.c.followups_done_at.is_(None), completions.c.tier == _state.check_tier(tier),
+                _followups_free(now), completions.c.tier == _state.check_tier(tier),
                 completions.c.completed_at <= now - timedelta(seconds=older_than_seconds),
-                (completions.c.followups_lease_until.is_(None)) | (completions.c.followups_lease_until <= now),
             ).order_by(completions.c.completed_at).limit(limit)
             ids = [r.checkpoint_id for r in conn.execute(due)]
             if not ids:
@@ -667,6 +681,17 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
             now = _now(conn)
             if not insert_ignore(conn, cursors, dict(name=name, position=position, updated_at=now), ["name"]):
                 conn.execute(cursors.update().where(cursors.c.name == name).values(position=position, updated_at=now))
+
+
+def _completion(checkpoint_id: int, tier: int) -> ColumnElement[bool]:
+    return (completions.c.checkpoint_id == checkpoint_id) & (completions.c.tier == _state.check_tier(tier))
+
+
+def _followups_free(now: datetime) -> ColumnElement[bool]:
+    """A completion's follow-ups not recorded done and under no live lease (a lapsed one is free)."""
+    lease = completions.c.followups_lease_until
+    return completions.c.followups_done_at.is_(None) & (lease.is_(None) | (lease <= now))
+
 
 @lru_cache(maxsize=1)
 def _head() -> str:

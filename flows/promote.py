@@ -39,7 +39,7 @@ from flows.retention import run_retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
 from tasks.prefect_events import emit
-from tasks.record import claim_followups, followups_done
+from tasks.record import claim_followups, followups_done, followups_open
 from tasks.register import attempt_arg, checkpoint_args, reject_event
 from tasks.retention import PruneAction
 
@@ -114,10 +114,12 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     the caller's announcer (the agent's: ``emit``), as in a promote run. The one caller per
     checkpoint that records it complete on Tier 1 (``Tier1Hop.durable``) then asks for the
     checkpoint's one promote run (``request_followups(run, step, part, parts)``), which finds this
-    part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. A crash
-    before that request leaves the follow-ups to reconcile's backlog, as a promote run killed
-    before them does. A malformed event is audited as a rejection in the catalog and raised
-    (``BadEvent``)."""
+    part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. Not only the
+    caller that recorded the completion asks: any part's promotion that finds the follow-ups open
+    (``followups_open``: not done, not held) asks again, so a part killed between the completion
+    and its request is finished by the next event of the checkpoint (a duplicate, a retry), not
+    only by reconcile's backlog; every request is the same run (``followups_key``). A malformed
+    event is audited as a rejection in the catalog and raised (``BadEvent``)."""
     actor = f"event agent:{settings.node} pid:{os.getpid()}"  # the role, then the process that did it
     try:
         run, step, part, parts = checkpoint_args(payload.get("run"), payload.get("step"), payload.get("part", 0),
@@ -129,7 +131,7 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     # the hop as a flow runs it inline (Settings.hop_task_run off): the registry's step and retry policy
     inline = task_steps(settings.model_copy(update={"hop_task_run": False}))
     hop = inline.tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor, attempt=attempt)
-    if hop.durable:
+    if followups_open(settings, hop.checkpoint_id):
         request_followups(run, step, part, hop.parts, attempt)
     return PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
 

@@ -13,7 +13,10 @@ Runs every few minutes on each node (and on demand). In order:
    (or no longer, after step 1) verified on Tier 1, are promoted;
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
    manifest, verified in place and recorded (a catalog restored from an older backup): a
-   bounded share of Tier 1 per pass, run folder by run folder, in rotation;
+   bounded share of Tier 1 per pass, run folder by run folder, in rotation; in the run folders
+   it looks at on Tiers 0 and 1, the stage folders of dead fetches and the tombstones of claims
+   that are over (a fenced delete whose worker died or lost its claim: ``tasks.base.delete_part``)
+   are removed;
    then checkpoints complete on Tier 1 whose follow-ups (archive, durable event, status page,
    retention) no promotion finished, because it was killed after recording the completion,
    get them (``flows.promote.follow_up``, under the follow-ups' lease);
@@ -50,7 +53,7 @@ from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, task_steps
 from flows.promote import PromoteResult, follow_up, promote
 from flows.status import publish_run_status
-from tasks.base import log, open_catalog, open_tier
+from tasks.base import log, open_catalog, open_tier, sweep_tombs
 from tasks.prefect_events import emit
 from tasks.reconcile import (
     ReconcileReport,
@@ -96,6 +99,8 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
         for tier, store, runs in ((0, tier0, tier0.folders()), (1, tier1, visited)):
             each(report, f"tier {tier} stages", lambda store=store, runs=runs, tier=tier: _swept_stages(
                 report, tier, sweep_dead_stages(cat, store, runs, node=settings.node, actor=actor)))
+            each(report, f"tier {tier} tombstones", lambda store=store, runs=runs, tier=tier: _swept_tombs(
+                report, tier, sweep_tombs(cat, store, runs, actor=actor)))
     sweep_writer_staging(settings, report, actor=actor)
     kw = dict(actor=actor)
     for run, step, part, parts, att in todo0:
@@ -120,6 +125,11 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
 def _swept_stages(report: ReconcileReport, tier: int, removed: int) -> None:
     if removed:
         report.recovered.append(f"tier {tier}: {removed} stage folder(s) a killed resume's fetch left, removed")
+
+
+def _swept_tombs(report: ReconcileReport, tier: int, removed: int) -> None:
+    if removed:
+        report.recovered.append(f"tier {tier}: {removed} tombstone(s) of claims that are over, removed")
 
 
 def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:

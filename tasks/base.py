@@ -10,16 +10,17 @@ announce facts with ``core.events.announce``; the flow that runs them decides wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from core.errors import BadInput, ConfigError, CorruptCheckpoint
+from core.errors import BadInput, ConfigError, CorruptCheckpoint, PathEscape, StaleState
 from core.formats import WIDE_FILES
 from core.layout import checkpoint_prefix, manifest_name, part_key
 from core.manifest import FileEntry, Manifest
 from core.manifest_build import read_manifest
+from core.paths import safe_run_name
 from core.progress import uninterrupted
 from core.settings import Settings
 from core.storage import open_store
@@ -106,31 +107,74 @@ def registered_manifest(cat: Catalog, store: TierStore, checkpoint_id: int, run:
 
 
 def delete_part(cat: Catalog, store: TierStore, run: str, step: int, part: int, parts: int, *,
-                reason: str, actor: str, attempt: str = "") -> int:
-    """Uncommit (manifest first), then delete a part's files; returns objects deleted. A
-    single-part checkpoint owns its folder; a part of several leaves the paths another part
-    with a live copy on this tier still lists (``shared_paths``), takes the checkpoint-wide
-    files of other parts a resume brought in beside it (``brought_in``), and removes the folder
-    once nothing is left in it. The deletion is audited
-    with ``reason`` before the first byte goes, so even a delete interrupted halfway is explained.
-    It is never cut short for a stall (``core.progress.uninterrupted``): a worker taken over
-    mid-delete that then woke would delete what the new holder published."""
+                reason: str, actor: str, token: str, check: Callable[[], None], attempt: str = "") -> int:
+    """Uncommit (manifest first), then delete a part's files under the claim ``token``, whose
+    ``check()`` raises ``StaleState`` once it is lost; returns objects deleted. The delete is
+    fenced (``TierStore.bury``): what goes is first set aside under the token (on a file system
+    moved into the claim's tombstone, a single-part checkpoint's folder in one rename), the claim
+    checked once more (lost: what was moved is put back where its name is still free, and
+    ``StaleState`` raised), then only that is deleted. So a worker stopped mid-delete and taken
+    over, which then wakes, deletes nothing the new holder published; a tombstone it leaves is
+    swept once its claim is over (``sweep_tombs``). A single-part checkpoint owns its folder; a
+    part of several leaves the paths another part with a live copy on this tier still lists
+    (``shared_paths``), takes the checkpoint-wide files of other parts a resume brought in beside
+    it (``brought_in``), and removes the folder once nothing is left in it. The deletion is
+    audited with ``reason`` before the first byte goes, so even a delete interrupted halfway is
+    explained. It is never cut short for a stall (``core.progress.uninterrupted``)."""
     prefix = checkpoint_prefix(run, step, attempt)
     cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}", reason, actor=actor, run=run, step=step)
     with uninterrupted():
-        if parts == 1:
-            return store.delete(part_key(run, step, part, parts, attempt)) + store.delete_prefix(prefix)
-        ck = cat.get_checkpoint(run, step, attempt)
-        paths = [f.path for f in cat.files(ck.id, part)]
-        deleted = store.delete_part(prefix, manifest_name(part, parts), paths,
-                                    keep=shared_paths(cat, ck.id, part, store.tier))
-        for path in brought_in(cat, ck.id, part, store.tier):  # not the part's own: a leftover is only logged
-            try:
-                deleted += int(store.delete(f"{prefix}/{path}"))
-            except (BadInput, OSError) as exc:  # e.g. a folder where the file goes: not ours to remove
-                log.warning("%s/%s part %d: left %s in place: %s", run, step, part, path, exc)
-        store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
+        doomed = None if parts == 1 else part_paths(cat, run, step, part, parts, store.tier, attempt=attempt)
+        deleted = fenced_delete(store, prefix, doomed, token=token, check=check)
+        if parts > 1:
+            store.remove_empty(prefix)  # the last part of the checkpoint in this folder: no empty folder left
         return deleted
+
+
+def fenced_delete(store: TierStore, prefix: str, paths: Sequence[str] | None, *, token: str,
+                  check: Callable[[], None]) -> int:
+    """Delete ``paths`` under ``prefix`` (None: all of it) as the claim ``token``: set aside
+    (``TierStore.bury``) while the claim holds, the claim checked again (lost: put back what
+    nobody took since, ``StaleState``), then only what was set aside deleted. The one way a claim
+    deletes published files; run it inside ``core.progress.uninterrupted``."""
+    check()
+    tomb = store.bury(prefix, paths, token=token)
+    try:
+        check()
+    except StaleState:
+        store.exhume(tomb)
+        raise
+    return store.delete_tomb(tomb, check)
+
+
+def part_paths(cat: Catalog, run: str, step: int, part: int, parts: int, tier: int, *,
+               attempt: str = "") -> list[str]:
+    """What deleting one part of several takes from its folder on ``tier``, the manifest first:
+    its own paths no other live part there lists, and the checkpoint-wide files of other parts a
+    resume brought in beside it."""
+    ck = cat.get_checkpoint(run, step, attempt)
+    keep = shared_paths(cat, ck.id, part, tier)
+    own = [f.path for f in cat.files(ck.id, part) if f.path not in keep]
+    return [manifest_name(part, parts), *own, *brought_in(cat, ck.id, part, tier)]
+
+
+def sweep_tombs(cat: Catalog, store: TierStore, runs: Iterable[str], *, actor: str) -> int:
+    """Remove the tombstones in ``runs``' folders whose claim is over (no replica holds its token
+    any more: settled, or taken over), left by a worker that died or lost its claim mid-delete;
+    audited when anything went; a folder whose name is not a run's (``lost+found``) holds none.
+    Returns how many went."""
+    removed = 0
+    for run in runs:
+        try:
+            folder = safe_run_name(run)
+        except (BadInput, PathEscape):
+            continue
+        swept = store.sweep_tombs(folder, cat.live_claim_tokens)
+        if swept:
+            cat.record_deletion(f"tombstones:{run}@tier{store.tier}", f"{swept} tombstone(s) of claims that are over",
+                                actor=actor, run=run)
+        removed += swept
+    return removed
 
 
 def sweep_staging(cat: Catalog, store: TierStore, run: str, step: int, *, older_than_s: float, reason: str,

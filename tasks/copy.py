@@ -38,6 +38,7 @@ from tasks.base import (
     HopResult,
     copy_priority,
     delete_part,
+    fenced_delete,
     log,
     open_catalog,
     open_tier,
@@ -57,7 +58,7 @@ def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *
 
 
 def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, manifest: Manifest,
-                prior: ReplicaInfo | None, *, src_tier: int, actor: str, lease_s: float) -> None:
+                prior: ReplicaInfo | None, *, held: ClaimedCopy, src_tier: int, actor: str) -> None:
     """Under the part's claim, before copying it to ``dst`` again: what an earlier copy left.
     Known-bad bytes (``corrupt``) are deleted, never resumed on. A copy of this part that died
     (``copying``/``missing``) left staging data that is garbage: this part's own files are ours
@@ -66,7 +67,8 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
     never touched."""
     run, step, prefix = ck.run, ck.step, checkpoint_prefix(ck.run, ck.step, ck.attempt)
     if prior is not None and prior.state == CORRUPT:
-        delete_part(cat, dst, run, step, part, ck.parts, actor=actor, attempt=ck.attempt,
+        delete_part(cat, dst, run, step, part, ck.parts, actor=actor, token=held.token, check=held.check,
+                    attempt=ck.attempt,
                     reason=f"replica {prior.id} is corrupt; recopying from tier {src_tier}")
     elif prior is not None and prior.state in (COPYING, MISSING):
         own = [f.path for f in manifest.files] + [manifest.name]
@@ -74,7 +76,7 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
         why = f"left by a copy that died (replica {prior.id} was {prior.state})"
         sweep_staging(cat, dst, run, step, older_than_s=0, actor=actor, reason=why, attempt=ck.attempt,
                       keys=[f"{prefix}/{p}" for p in own if p not in shared])
-        sweep_staging(cat, dst, run, step, older_than_s=lease_s, actor=actor, reason=why, attempt=ck.attempt,
+        sweep_staging(cat, dst, run, step, older_than_s=held.lease_s, actor=actor, reason=why, attempt=ck.attempt,
                       keys=[f"{prefix}/{p}" for p in own if p in shared])
 
 
@@ -106,7 +108,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
                                      f"tier {dst_tier} (replica {rep.id}, {rep.state})")
             with held:
-                clear_prior(cat, dst, ck, part, manifest, prior, src_tier=src_tier, actor=actor, lease_s=held.lease_s)
+                clear_prior(cat, dst, ck, part, manifest, prior, held=held, src_tier=src_tier, actor=actor)
                 shown = reporter(f"{run}/{step} part {part}: {hop}", manifest.total_bytes)
                 if source is not None:
                     source.copying()
@@ -117,7 +119,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                                                 buffer_bytes=settings.io_buffer_bytes,
                                                 priority=copy_priority(settings))
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
-                    _retract(cat, dst, run, step, part, exc.published, actor=actor, attempt=ck.attempt,
+                    _retract(cat, dst, run, step, part, exc.published, held=held, actor=actor, attempt=ck.attempt,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
                     raise
                 if source is not None:  # Tier 0 first: its bytes are what the copy just proved
@@ -244,10 +246,11 @@ class _Tier0Source:
 
 
 def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, keys: list[str], *,
-             actor: str, reason: str, attempt: str = "") -> None:
-    """Delete the files a failed copy published (its part never committed), audited first;
-    paths another live part of the checkpoint lists on this tier stay. A single-part
-    checkpoint's folder left with nothing in it goes too (the copy created it)."""
+             held: ClaimedCopy, actor: str, reason: str, attempt: str = "") -> None:
+    """Delete the files a failed copy published (its part never committed), audited first and
+    fenced under its claim (``tasks.base.fenced_delete``); paths another live part of the
+    checkpoint lists on this tier stay. A single-part checkpoint's folder left with nothing in
+    it goes too (the copy created it)."""
     ck = cat.get_checkpoint(run, step, attempt)
     prefix = checkpoint_prefix(run, step, attempt)
     keep = {f"{prefix}/{p}" for p in shared_paths(cat, ck.id, part, store.tier)} if keys else set()
@@ -257,8 +260,9 @@ def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, key
             cat.record_deletion(f"files:{run}/{step}/part-{part}@tier{store.tier}",
                                 f"{len(doomed)} uncommitted file(s): {reason}", actor=actor, run=run, step=step)
         with uninterrupted():  # never cut short for a stall: see tasks.base.delete_part
-            for key in doomed:
-                store.delete(key)
+            if doomed:
+                fenced_delete(store, prefix, [k[len(prefix) + 1:] for k in doomed], token=held.token,
+                              check=held.check)
             if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
                 store.delete_prefix(prefix)
     except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear

@@ -9,9 +9,12 @@ checked on their tiers (``tasks.evidence``); one that fails is marked ``missing`
 and does not count, and with none left the prune is abandoned and refused, nothing deleted.
 
 The part's manifest (its commit marker) is deleted first, so a half-deleted part never looks
-committed; then its files. Only the owner settles the prune: ``pruned`` when everything went,
-or abandoned, back to ``verified`` only while the part is provably still whole on its tier
-(``missing``/``corrupt`` when it provably is not; left ``pruning`` when that cannot be told).
+committed; then its files. The delete is fenced (``tasks.base.delete_part``): what goes is first
+moved to a tombstone named for this claim's token, so a worker stopped mid-delete, taken over,
+which then wakes, deletes only its own tombstone, never a copy published since. Only the owner
+settles the prune: ``pruned`` when everything went, or abandoned, back to ``verified`` only
+while the part is provably still whole on its tier (``missing``/``corrupt`` when it provably is
+not; left ``pruning`` when that cannot be told).
 A prune found ``pruning`` under a live lease belongs to another worker: refused, nothing done.
 One whose lease lapsed (its worker died) is taken over and goes through the whole guard again,
 rows and evidence, before anything is deleted (reconcile does this for every stuck prune).
@@ -107,24 +110,33 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
 
 def _delete(cat: Catalog, store: TierStore, ck: CheckpointInfo, rep: ReplicaInfo, lease: Lease, actor: str, *,
             reason: str | None, claim: PruneClaim) -> int:
-    """Manifest first, then the files; the claim is checked before each delete."""
-    lease.check()
+    """The part's files, fenced under the claim (``tasks.base.delete_part``: the manifest first;
+    on a file system everything is moved into the claim's tombstone before anything is
+    deleted). A failure that left the part committed (its manifest in place) abandons the prune:
+    nothing of ours went; a lost claim is not ours to settle."""
+    assert rep.claim_token is not None
     try:
-        deleted = int(store.delete(part_key(rep.run, rep.step, rep.part, ck.parts, rep.attempt)))
-    except BaseException:
-        # nothing of ours went: the copy is returned only if it is provably still whole
-        lease.stop()
-        abandon(cat, store, ck, rep, actor, why="prune abandoned: the manifest delete failed")
+        return delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, reason=_why(reason, claim),
+                           actor=actor, token=rep.claim_token, check=lease.check, attempt=rep.attempt)
+    except StaleState:
         raise
-    lease.check()
-    try:
-        return deleted + delete_part(cat, store, rep.run, rep.step, rep.part, ck.parts, attempt=rep.attempt,
-                                     reason=_why(reason, claim),
-                                     actor=actor)
     except ObjectLocked:  # the manifest went, a file is locked: settled by what is left
         lease.stop()
         abandon(cat, store, ck, rep, actor, why="prune abandoned: a file is under Object Lock")
         raise
+    except BaseException:
+        if _committed(store, part_key(rep.run, rep.step, rep.part, ck.parts)):
+            lease.stop()
+            abandon(cat, store, ck, rep, actor, why="prune abandoned: the part could not be uncommitted")
+        raise
+
+
+def _committed(store: TierStore, manifest_key: str) -> bool:
+    """Whether the part's manifest is still in place; False when that cannot be told."""
+    try:
+        return store.stat(manifest_key) is not None
+    except Exception:  # noqa: BLE001 - unknown: the prune stays pending, its lease lapses
+        return False
 
 
 def _why(reason: str | None, claim: PruneClaim) -> str:

@@ -51,6 +51,13 @@ def claim_followups(settings: Settings, checkpoint_id: int) -> bool:
         return cat.claim_followups(checkpoint_id, 1, lease_seconds=settings.claim_lease_seconds)
 
 
+def followups_open(settings: Settings, checkpoint_id: int) -> bool:
+    """Whether the checkpoint is complete on Tier 1 and its follow-ups are still to take (not
+    done, not held: ``Catalog.followups_open``), whoever recorded the completion."""
+    with open_catalog(settings.catalog_url) as cat:
+        return cat.followups_open(checkpoint_id, 1)
+
+
 def followups_done(settings: Settings, checkpoint_id: int, *, actor: str = "cli") -> None:
     with open_catalog(settings.catalog_url) as cat:
         cat.followups_done(checkpoint_id, 1, actor=actor)

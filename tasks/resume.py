@@ -558,7 +558,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             raise CopyInProgress(f"{run}/{step} part {part}: another worker is copying it to "
                                  f"tier {tier} (replica {rep.id}, {rep.state})")
         with held:
-            clear_prior(cat, dst, ck, part, manifest, prior, src_tier=src_tier, actor=actor, lease_s=held.lease_s)
+            clear_prior(cat, dst, ck, part, manifest, prior, held=held, src_tier=src_tier, actor=actor)
             _sweep_stages(cat, dst, ck, part, actor)
             stage_key = f"{run}/{staging_name(stage_label(step, part, ck.parts))}"
             stage = dst.write_path(stage_key)

@@ -219,8 +219,8 @@ def repair_replica(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: i
     try:
         with held:
             bad = next((r.state for r in replicas if r.tier == tier and r.part == part), "absent")
-            delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor,  # its manifest first
-                        attempt=ck.attempt,
+            delete_part(cat, dst, ck.run, ck.step, part, ck.parts, actor=actor, token=held.token,  # manifest first
+                        check=held.check, attempt=ck.attempt,
                         reason=f"scrub repair: replacing a {bad} copy from tier {src_rep.tier}")
             result = transfer.copy_part(stores.get(src_rep.tier), prefix, dst, prefix, manifest,
                                         parallelism=settings.copy_parallelism,

@@ -25,6 +25,14 @@ Contract for implementations (every operation idempotent):
   files, S3 multipart uploads) under ``prefix`` older than ``older_than_s``; ``keys``
   (tier-relative) limits it to those objects' staging data, so a retry of one part never
   touches another part's copy in flight; None: the whole prefix.
+- Deletes under a claim are fenced (``bury`` -> ``delete_tomb``): what the claim deletes is first
+  set aside under the claim's token, so a worker that wakes after its claim went can delete only
+  what it set aside, never what a newer holder published under the same names. A file system
+  moves it into a tombstone folder named for the token (``core.layout.tomb_name``; a whole
+  prefix in one atomic rename) and deletes only that folder; ``exhume`` puts back what a claim
+  found lost right after its move; ``sweep_tombs`` removes tombstones of claims that are over.
+  A store that cannot rename (S3) lists what it will delete and deletes it in place, with the
+  claim checked before each object (its semantics: ``core.storage.s3.store``).
 - ``locked_until(keys)`` is the latest date until which the store refuses to delete any of
   ``keys`` (S3 Object Lock), None where nothing is locked; a delete of a locked object raises
   ``ObjectLocked`` and leaves it whole.
@@ -35,7 +43,7 @@ Contract for implementations (every operation idempotent):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,7 +52,22 @@ from typing import BinaryIO, Self
 
 from core import checksum
 from core.errors import CorruptCheckpoint
+from core.layout import is_manifest_name
 from core.manifest import MAX_MANIFEST_BYTES
+
+
+@dataclass(frozen=True)
+class Tomb:
+    """What one claim set aside to delete (``TierStore.bury``): ``keys``, where those objects are
+    now; on a file system ``folder``, the tombstone that holds them (deleted as a whole), and
+    ``moved``, each (original key, key in the tombstone), for ``exhume``; on a versioned object
+    store ``versions``, each (key, version id) listed, the only versions deleted."""
+
+    token: str
+    keys: tuple[str, ...] = ()
+    folder: str | None = None
+    moved: tuple[tuple[str, str], ...] = ()
+    versions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,39 @@ class TierStore(ABC):
         the same checkpoint still lists). Returns the objects deleted."""
         deleted = int(self.delete(f"{prefix}/{manifest_name}"))
         return deleted + sum(self.delete(f"{prefix}/{p}") for p in paths if p not in keep)
+
+    def bury(self, prefix: str, paths: Sequence[str] | None, *, token: str) -> Tomb:
+        """Set aside under the claim ``token`` what a delete takes: each of ``paths`` (relative to
+        ``prefix``, in the order given: the manifest first) or, with None, everything under
+        ``prefix`` (its manifests first). A missing object is skipped. This default (a store that
+        cannot rename) only lists them, to be deleted in place by ``delete_tomb``."""
+        present = [o.key for o in self.list(prefix)]
+        if paths is None:
+            keys = sorted(present, key=lambda k: not is_manifest_name(k.rsplit("/", 1)[-1]))
+        else:
+            listed = set(present)
+            keys = [k for k in (f"{prefix}/{p}" for p in paths) if k in listed]
+        return Tomb(token, tuple(keys))
+
+    def exhume(self, tomb: Tomb) -> int:
+        """Put back what ``tomb`` moved where nothing took its name since (its claim was found
+        lost right after the move); returns how many. Nothing moved here: 0."""
+        return 0
+
+    def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
+        """Delete what ``bury`` set aside; returns the objects deleted. A tombstone folder is the
+        claim's alone and goes whole; objects left in place are deleted one by one, ``check()``
+        (the claim's, raising once it is lost) before each."""
+        deleted = 0
+        for key in tomb.keys:
+            check()
+            deleted += int(self.delete(key))
+        return deleted
+
+    def sweep_tombs(self, prefix: str, live: Callable[[Collection[str]], Collection[str]]) -> int:
+        """Remove the tombstones directly under ``prefix`` (a run's folder) whose claim is over:
+        ``live(tokens)`` names the tokens still held. Returns how many went; none here."""
+        return 0
 
     @property
     def retains(self) -> bool:

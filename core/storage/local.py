@@ -20,7 +20,7 @@ import os
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, BinaryIO
 from core import checksum
 from core.checksum import hash_stream
 from core.errors import BadInput, ConflictError, NotFound, PathEscape
-from core.layout import STAGING_MARK, is_staging, staging_name
+from core.layout import STAGING_MARK, is_staging, is_tomb, staging_name, tomb_name, tomb_token
 from core.paths import confine_local, safe_relpath
 from core.progress import moved
 from core.storage import direct
-from core.storage.base import ObjectInfo, TierStore
+from core.storage.base import ObjectInfo, TierStore, Tomb
 from core.storage.common import check_match, map_os_error
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
 from core.storage.writeback import writing
@@ -181,7 +181,7 @@ class LocalStore(TierStore):
         base = self.path(prefix) if prefix else root
         out: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)) and not is_tomb(d)]
             for name in filenames:
                 full = os.path.join(dirpath, name)
                 if is_staging(name) or os.path.islink(full):
@@ -376,16 +376,103 @@ class LocalStore(TierStore):
             return int(self.delete(prefix))
         if not base.exists():
             return 0
+        return self._remove_tree(base)
+
+    # --- fenced deletes: a claim's tombstone ------------------------------------------------
+    def bury(self, prefix: str, paths: Sequence[str] | None, *, token: str) -> Tomb:
+        """Move what the claim ``token`` deletes into its tombstone beside ``prefix``
+        (``.ckpt-tomb-<token>-<name>``): the whole folder in one rename (``paths`` None: the
+        part owns it), else each of ``paths`` (a file or a link; anything else is not an object
+        and stays), the manifest first as given. A tombstone of the same token found there is
+        this claim's own, left by its earlier try: deleted first. Links are moved, never
+        followed."""
+        base = self.write_path(prefix)
+        parent, _, name = prefix.rpartition("/")
+        tomb_key = f"{parent}/{tomb_name(token, name)}" if parent else tomb_name(token, name)
+        tomb = self.write_path(tomb_key)
+        self._remove_tree(tomb)
+        moved: list[tuple[str, str]] = []
+        if paths is None:
+            if self._move(base, tomb):
+                moved.append((prefix, tomb_key))
+        else:
+            for rel in paths:
+                src = self.write_path(f"{prefix}/{rel}")
+                if src.is_symlink() or src.is_file():
+                    (tomb / rel).parent.mkdir(parents=True, exist_ok=True)
+                    if self._move(src, tomb / rel):
+                        moved.append((f"{prefix}/{rel}", f"{tomb_key}/{rel}"))
+        if moved:
+            fsync_dir(base.parent)
+        return Tomb(token, tuple(t for _, t in moved), folder=tomb_key, moved=tuple(moved))
+
+    def exhume(self, tomb: Tomb) -> int:
+        """Move back what ``tomb`` took where its name is still free: a file by a link (which
+        never replaces a name a newer holder published), a folder by a rename (which refuses a
+        folder that is not empty)."""
+        back = 0
+        for original, buried in reversed(tomb.moved):
+            src, dst = self.write_path(buried), self.write_path(original)
+            try:
+                if src.is_dir() and not src.is_symlink():
+                    os.rename(src, dst)
+                else:
+                    os.link(src, dst, follow_symlinks=False)
+                    os.unlink(src)
+            except OSError:  # the name was taken again (or the source went): theirs stays
+                continue
+            fsync_dir(dst.parent)
+            back += 1
+        return back
+
+    def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
+        """Delete the tombstone folder: the claim's alone, so no ``check`` is needed, and a
+        worker that wakes after its claim went deletes only what it moved there itself."""
+        return 0 if tomb.folder is None else self._remove_tree(self.write_path(tomb.folder))
+
+    def sweep_tombs(self, prefix: str, live: Callable[[Collection[str]], Collection[str]]) -> int:
+        base = self.write_path(prefix)
+        if base.is_symlink() or not base.is_dir():
+            return 0
+        with os.scandir(base) as entries:
+            tombs = {e.name: token for e in entries if (token := tomb_token(e.name)) is not None}
+        held = set(live(set(tombs.values()))) if tombs else set()
+        gone = [name for name, token in tombs.items() if token not in held]
+        for name in gone:
+            self._remove_tree(base / name)
+        return len(gone)
+
+    @staticmethod
+    def _move(src: Path, dst: Path) -> bool:
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @staticmethod
+    def _remove_tree(path: Path) -> int:
+        """Remove ``path`` (a folder, a file or a link) and everything under it, never through a
+        link; what vanished meanwhile (another sweep of the same tombstone) is skipped. Returns
+        the files removed, staging files not counted."""
+        if path.is_symlink() or path.is_file():
+            with suppress(FileNotFoundError):
+                path.unlink()
+                return 0 if is_staging(path.name) else 1
+            return 0
         count = 0
-        for dirpath, dirnames, filenames in os.walk(base, topdown=False):  # never follows links
+        for dirpath, dirnames, filenames in os.walk(path, topdown=False):  # never follows links
             for name in filenames:
-                os.unlink(os.path.join(dirpath, name))
-                count += 0 if is_staging(name) else 1
+                with suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dirpath, name))
+                    count += 0 if is_staging(name) else 1
             for d in dirnames:
                 full = os.path.join(dirpath, d)
-                os.unlink(full) if os.path.islink(full) else os.rmdir(full)
-        os.rmdir(base)
-        fsync_dir(base.parent)
+                with suppress(FileNotFoundError):
+                    os.unlink(full) if os.path.islink(full) else os.rmdir(full)
+        with suppress(FileNotFoundError):
+            os.rmdir(path)
+            fsync_dir(path.parent)
         return count
 
     def remove_empty(self, prefix: str) -> bool:

@@ -68,3 +68,31 @@ def test_s3_server_clock_is_the_responses_date_and_this_machines_clock_without_o
     assert server_clock(said) == datetime(2010, 11, 10, 20, 48, 43, tzinfo=UTC)
     for silent in ({}, {"ResponseMetadata": {"HTTPHeaders": {"date": "not a date"}}}):
         assert abs((server_clock(silent) - datetime.now(UTC)).total_seconds()) < 60
+
+
+def test_a_folder_tier_moves_what_a_claim_deletes_into_its_tombstone(tmp_path):
+    """On a folder tier ``bury`` moves a part's folder into a hidden tombstone named for the claim
+    (one rename), so the names are free for a new holder at once; ``exhume`` puts back only what
+    nobody took since; ``sweep_tombs`` removes the tombstones of claims that are over."""
+    store = LocalStore(tmp_path / "tier", tier=1)
+    for k in ("r/step-00000001/manifest.json", "r/step-00000001/w.bin", "r/step-00000002/w.bin"):
+        put(store, k, k.encode())
+
+    tomb = store.bury("r/step-00000001", None, token="aaa1")
+    assert all_names(store) == ["r/step-00000002/w.bin"]  # set aside: never listed
+    assert (tmp_path / "tier" / "r" / ".ckpt-tomb-aaa1-step-00000001" / "w.bin").is_file()
+    assert store.exhume(tomb) == 1 and all_names(store) == [
+        "r/step-00000001/manifest.json", "r/step-00000001/w.bin", "r/step-00000002/w.bin"]
+
+    tomb = store.bury("r/step-00000001", ["manifest.json", "w.bin"], token="bbb2")
+    put(store, "r/step-00000001/w.bin", b"the next holder's")  # published meanwhile: not put back over
+    assert store.exhume(tomb) == 1
+    assert read(store, "r/step-00000001/w.bin") == b"the next holder's"
+    assert read(store, "r/step-00000001/manifest.json") == b"r/step-00000001/manifest.json"
+
+    store.bury("r/step-00000002", None, token="ccc3")  # its worker never deletes it
+    assert store.sweep_tombs("r", lambda tokens: {"ccc3"} & set(tokens)) == 1  # bbb2's is over
+    assert sorted(p.name for p in (tmp_path / "tier" / "r").iterdir()) == [".ckpt-tomb-ccc3-step-00000002",
+                                                                            "step-00000001"]
+    assert store.sweep_tombs("r", lambda tokens: set()) == 1
+    assert all_names(store) == ["r/step-00000001/manifest.json", "r/step-00000001/w.bin"]

@@ -18,6 +18,7 @@ import pytest
 from core.errors import ConflictError, CorruptCheckpoint, StorageFull
 from core.layout import checkpoint_prefix, is_staging
 from core.manifest_build import build_manifest
+from core.storage.local import LocalStore
 from core.transfer import copy_part, find_committed, read_committed, verify_part
 from tests.kit.checkpoints import ckpt_dir, flip_bit, write_checkpoint
 
@@ -71,6 +72,29 @@ def test_a_copy_whose_caller_lost_its_claim_after_the_last_file_commits_nothing(
     with pytest.raises(ConflictError, match="the claim was lost"):
         copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=1, progress=check)
     assert lost and not (t1.path(PREFIX) / "manifest.json").exists()
+
+
+def test_a_late_copy_never_replaces_what_a_newer_holder_published(tiers, tmp_path):
+    """A worker that lost its claim and wakes with another version of the part (re-saved: the
+    same names, other bytes) publishes nothing over the newer holder's copy: every publish is
+    no-overwrite (a file by a link, a fetch's stage by a rename that refuses a folder in use)."""
+    from tasks.resume import _publish_stage
+
+    t0, t1 = tiers
+    newer = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=MiB, seed=1)
+    copy_part(t0, PREFIX, t1, PREFIX, newer)
+    published = {f: (t1.path(PREFIX) / f).read_bytes() for f in all_files(t1.path(PREFIX))}
+    old_src = LocalStore(tmp_path / "old", 0)
+    late = write_checkpoint(old_src.root, RUN, STEP, shards=2, shard_bytes=MiB, seed=2)
+    assert [f.path for f in late.files] == [f.path for f in newer.files] and late != newer
+
+    with pytest.raises(ConflictError):
+        copy_part(old_src, PREFIX, t1, PREFIX, late)
+    with pytest.raises(ConflictError):  # a resume's fetch stage, published onto the folder
+        _publish_stage(ckpt_dir(old_src.root, RUN, STEP), t1.path(PREFIX), late)
+
+    assert {f: (t1.path(PREFIX) / f).read_bytes() for f in all_files(t1.path(PREFIX))} == published
+    assert verify_part(t1, PREFIX, newer).files == len(newer.files)
 
 
 def test_two_copies_at_once_give_one_set_of_files(tiers):

@@ -131,19 +131,22 @@ class ObjectLockMixin:
         full = self._k(key_or_prefix)
         found = [v for v in self._versions(full) if v["Key"] == full or (not exact and v["Key"].startswith(full + "/"))]
         for i in range(0, len(found), 1000):
-            batch = found[i:i + 1000]
-            with s3_errors(f"delete {self.root_url}/{key_or_prefix}"):
-                r = self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": v["Key"], "VersionId": v["VersionId"]} for v in batch], "Quiet": True})
-            errors = r.get("Errors") or []
-            locked = [e for e in errors if e.get("Code") == "AccessDenied"]
-            if locked:
-                key = self._rel(locked[0]["Key"])
-                raise ObjectLocked(f"{self.url_for(key)} is under S3 Object Lock (or this principal may not delete "
-                                   f"its versions): kept ({locked[0].get('Message', 'AccessDenied')})",
-                                   until=self.locked_until([key]))
-            if errors:
-                raise StorageUnavailable(f"S3 failed to delete {len(errors)} object versions under "
-                                         f"{key_or_prefix}: {errors[0]}")
+            self._delete_listed(found[i:i + 1000], key_or_prefix)
         return len({v["Key"] for v in found if v["data"]})
+
+    def _delete_listed(self, batch: list[dict], what: str) -> None:
+        """One DeleteObjects of ``batch`` (``{"Key": full key, "VersionId": ...}``, the version id
+        left out on an unversioned bucket). ``ObjectLocked`` for a version under retention."""
+        with s3_errors(f"delete {self.root_url}/{what}"):
+            r = self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{k: v[k] for k in ("Key", "VersionId") if k in v} for v in batch], "Quiet": True})
+        errors = r.get("Errors") or []
+        locked = [e for e in errors if e.get("Code") == "AccessDenied"]
+        if locked:
+            key = self._rel(locked[0]["Key"])
+            raise ObjectLocked(f"{self.url_for(key)} is under S3 Object Lock (or this principal may not delete "
+                               f"its versions): kept ({locked[0].get('Message', 'AccessDenied')})",
+                               until=self.locked_until([key]))
+        if errors:
+            raise StorageUnavailable(f"S3 failed to delete {len(errors)} objects under {what}: {errors[0]}")
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -55,8 +55,9 @@ from core.errors import (
     NotFound,
     StorageUnavailable,
 )
+from core.layout import is_manifest_name
 from core.paths import safe_relpath
-from core.storage.base import ObjectInfo, TierStore, hash_object
+from core.storage.base import ObjectInfo, TierStore, Tomb, hash_object
 from core.storage.s3.clients import shared_client
 from core.storage.s3.config import url_problem
 from core.storage.s3.errors import (
@@ -603,6 +604,33 @@ class S3Store(ObjectLockMixin, TierStore):
                     f"S3 failed to delete {len(r['Errors'])} objects under {prefix}: {r['Errors'][0]}"
                 )
         return len(keys)
+
+    def bury(self, prefix: str, paths: Sequence[str] | None, *, token: str) -> Tomb:
+        """S3 has no rename: nothing moves, what the claim deletes is listed now and only that is
+        deleted (``delete_tomb``). On a versioned bucket (Object Lock implies one) the listing is
+        of versions, and exactly those go: an object a newer holder uploads under the same key
+        afterwards is a new version, which a late worker cannot delete. On an unversioned bucket
+        a key is all there is: the claim is checked before each batch, and a worker stopped
+        between its check and its request may still delete an object uploaded under the same key
+        since; versioning closes that window."""
+        if not self._modes()[1]:
+            return super().bury(prefix, paths, token=token)
+        full = self._k(prefix)
+        wanted = None if paths is None else {self._k(f"{prefix}/{p}") for p in paths}
+        found = [v for v in self._versions(full) if (v["Key"] in wanted if wanted is not None
+                                                     else v["Key"] == full or v["Key"].startswith(full + "/"))]
+        found.sort(key=lambda v: not is_manifest_name(v["Key"].rsplit("/", 1)[-1]))  # uncommitted first
+        keys = tuple(dict.fromkeys(self._rel(v["Key"]) for v in found if v["data"]))
+        return Tomb(token, keys, versions=tuple((self._rel(v["Key"]), v["VersionId"]) for v in found))
+
+    def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
+        """Delete what ``bury`` listed, up to 1000 objects a request, ``check()`` before each."""
+        listed = ([{"Key": self._k(k), "VersionId": v} for k, v in tomb.versions] if tomb.versions
+                  else [{"Key": self._k(k)} for k in tomb.keys])
+        for i in range(0, len(listed), 1000):
+            check()
+            self._delete_listed(listed[i:i + 1000], f"tombstone of claim {tomb.token}")
+        return len(tomb.keys)
 
 
 def server_clock(response: dict[str, Any]) -> datetime:

@@ -1,13 +1,14 @@
 """One flow run per checkpoint (``Settings.promote_runs`` = ``checkpoint``): the node's agent
 promotes each part on its event with no run (``flows.promote.promote_in_agent``, run by
-``deployments.part_events.PartEvents``), and only the part that completes the checkpoint asks for
+``deployments.part_events.PartEvents``), and the part that completes the checkpoint asks for
 its one run, which takes the follow-ups.
 
-What a user checks: every part lands verified on Tier 1; the checkpoint's run is asked for once,
-by the completing part, whatever the order and however often an event repeats; the run asked for
-makes the checkpoint durable (retention included) as a promote run does; a malformed event and a
-corrupt part are recorded and the next event is still served; a crash between the completion and
-the request leaves the follow-ups to reconcile. Real catalog (SQLite and PostgreSQL), real tiers.
+What a user checks: every part lands verified on Tier 1; the checkpoint's run is asked for by the
+completing part, whatever the order (an event repeated while its follow-ups are open asks for the
+same run again); the run asked for makes the checkpoint durable (retention included) as a promote
+run does; a malformed event and a corrupt part are recorded and the next event is still served; a
+crash between the completion and the request leaves the follow-ups to the checkpoint's next event
+or reconcile. Real catalog (SQLite and PostgreSQL), real tiers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from core.events import announcing
 from core.settings import RetentionPolicy
 from deployments.part_events import PartEvents
 from flows.common import plain_steps
-from flows.promote import promote, promote_in_agent
+from flows.promote import followups_key, promote, promote_in_agent
 from flows.reconcile import reconcile_once
 from tests.kit.checkpoints import ckpt_dir, flip_bit, open_catalog, replica_states, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
@@ -62,10 +63,12 @@ def test_parts_are_promoted_without_a_run_and_the_completing_part_asks_for_the_c
         first = promote_in_agent(settings, event(100, order[0]), request_followups=lambda *a: asked.append(a))
         assert asked == [] and not first.durable  # one part on Tier 1: nothing to follow up yet
         promote_in_agent(settings, event(100, order[1]), request_followups=lambda *a: asked.append(a))
-        for p in (0, 1, 1, 0):  # duplicates (a replayed subscription, a retried send): no new request
-            promote_in_agent(settings, event(100, p), request_followups=lambda *a: asked.append(a))
+        for p in (0, 1, 1, 0):  # duplicates (a replayed subscription, a retried send) while the run is
+            promote_in_agent(settings, event(100, p), request_followups=lambda *a: asked.append(a))  # not done
 
-    assert asked == [(RUN, 100, order[1], 2, "")]
+    assert asked[0] == (RUN, 100, order[1], 2, "")  # by the completing part
+    # a duplicate that finds the follow-ups open asks again: the same run (one idempotency key)
+    assert {followups_key(a[0], a[1], a[4]) for a in asked} == {followups_key(RUN, 100)}
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (0, 1): "verified",
                                                   (1, 0): "verified", (1, 1): "verified"}
     assert audits(settings, 100, "complete") == 1
@@ -118,6 +121,34 @@ def test_a_crash_between_the_completion_and_the_request_leaves_the_follow_ups_to
 
     assert audits(settings, 100, "followups-done") == 1
     assert recorder.names().count("durable") == 1
+
+
+def test_a_duplicate_of_a_part_killed_after_the_completion_asks_for_the_checkpoints_run(settings):
+    """The completing part's process dies right after it recorded the completion (before it
+    asked for the run): the next event of any part of the checkpoint (a duplicate, a retry)
+    finds the completion recorded and its follow-ups not done, and asks for the run; once the
+    run took them, nothing asks again."""
+    commit(settings, 100)
+
+    class Killed(BaseException):
+        """The part's process dies right after ``mark_complete`` committed."""
+
+    def die(*_args):
+        raise Killed
+
+    promote_in_agent(settings, event(100, 0), request_followups=die)
+    with pytest.raises(Killed):
+        promote_in_agent(settings, event(100, 1), request_followups=die)
+    asked: list[tuple] = []
+    promote_in_agent(settings, event(100, 0), request_followups=lambda *a: asked.append(a))
+    assert asked == [(RUN, 100, 0, 2, "")]
+
+    recorder = Recorder()
+    with announcing(recorder):
+        result = promote(settings, *asked[0], steps=plain_steps())  # what the requested run does
+    assert result.durable and recorder.names().count("durable") == 1
+    promote_in_agent(settings, event(100, 1), request_followups=lambda *a: asked.append(a))
+    assert len(asked) == 1 and audits(settings, 100, "followups-done") == 1
 
 
 def test_a_malformed_event_is_recorded_and_the_next_one_is_served(settings, caplog):

@@ -55,8 +55,9 @@ def _lease_expiry(settings, replica_id):
 
 
 def _hook_tier0_deletes(monkeypatch, settings, on_delete):
-    """Wrap the Tier 0 store the prune step opens: ``on_delete(key, n)`` runs before the n-th
-    (from 1) delete of a key and may raise to fail it."""
+    """Wrap the Tier 0 store the prune step opens: ``on_delete(prefix, n)`` runs before the n-th
+    (from 1) fenced delete sets its objects aside (``TierStore.bury``, where a delete's first
+    byte goes) and may raise to fail it."""
     import tasks.prune as prune_mod
 
     real_open = prune_mod.open_tier
@@ -66,13 +67,13 @@ def _hook_tier0_deletes(monkeypatch, settings, on_delete):
     def hooked(s, tier):
         with real_open(s, tier) as store:
             if tier == 0:
-                real_delete = store.delete
+                real_bury = store.bury
 
-                def delete(key):
+                def bury(prefix, paths, *, token):
                     calls["n"] += 1
-                    on_delete(key, calls["n"])
-                    return real_delete(key)
-                store.delete = delete
+                    on_delete(prefix, calls["n"])
+                    return real_bury(prefix, paths, token=token)
+                store.bury = bury
             yield store
 
     monkeypatch.setattr(prune_mod, "open_tier", hooked)

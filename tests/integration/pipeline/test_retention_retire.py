@@ -125,8 +125,9 @@ def test_fifty_steps_leave_the_ten_newest_the_kept_milestones_and_the_parent_on_
 
 # --- a retirement killed at every step, finished by reconcile -------------------------------------
 def _hook_deletes(monkeypatch, kill_at: int, *, after: bool = False):
-    """Every store the prune opens: the ``kill_at``-th delete (from 1) kills the worker, before
-    it deletes anything or, with ``after``, once it has (before the prune records ``pruned``)."""
+    """Every store the prune opens: the ``kill_at``-th step (from 1) of its fenced deletes (the
+    move into the claim's tombstone, ``bury``, then the tombstone's delete) kills the worker,
+    before it does anything or, with ``after``, once it has (before the prune records ``pruned``)."""
     import tasks.prune as prune_mod
 
     real_open, calls = prune_mod.open_tier, {"n": 0}
@@ -134,16 +135,16 @@ def _hook_deletes(monkeypatch, kill_at: int, *, after: bool = False):
     @contextmanager
     def hooked(s, tier):
         with real_open(s, tier) as store:
-            for name in ("delete", "delete_prefix"):
+            for name in ("bury", "delete_tomb"):
                 real = getattr(store, name)
 
-                def deleting(key, _real=real):
+                def deleting(what, *args, _real=real, **kwargs):
                     calls["n"] += 1
                     if calls["n"] == kill_at and not after:
-                        raise Killed(f"killed at delete {kill_at}: {key}")
-                    out = _real(key)
+                        raise Killed(f"killed at delete {kill_at}: {what}")
+                    out = _real(what, *args, **kwargs)
                     if calls["n"] == kill_at:
-                        raise Killed(f"killed after delete {kill_at}: {key}")
+                        raise Killed(f"killed after delete {kill_at}: {what}")
                     return out
                 setattr(store, name, deleting)
             yield store
@@ -152,10 +153,12 @@ def _hook_deletes(monkeypatch, kill_at: int, *, after: bool = False):
     return calls
 
 
-# where the worker dies: after the record, before any prune began; at each of the 6 deletes (per
-# tier: the manifest, the manifest again with the files, the folder), before it; and after each
-# tier's last delete, before that copy is recorded ``pruned`` (Tier 1's: the retirement's last)
-KILLS = ["recorded"] + [f"delete-{n}" for n in range(1, 7)] + ["after-delete-3", "after-delete-6"]
+# where the worker dies: after the record, before any prune began; at each of the 4 delete steps
+# (per tier: the move into the claim's tombstone, the tombstone's delete), before it; after each
+# move (the tombstone left behind); and after each tier's last step, before that copy is recorded
+# ``pruned`` (Tier 1's: the retirement's last)
+KILLS = (["recorded"] + [f"delete-{n}" for n in range(1, 5)]
+         + ["after-delete-1", "after-delete-2", "after-delete-3", "after-delete-4"])
 
 
 @pytest.mark.parametrize("kill", KILLS)
@@ -182,8 +185,8 @@ def test_a_retirement_killed_at_any_step_is_finished_by_reconcile(settings_facto
         apply_retention(keep1, plan, prune=plain_steps().prune, actor="killed-worker")
     monkeypatch.undo()
     assert states(settings)[100] == "retired"
-    if kill == "after-delete-6":  # every byte gone, the last copy not yet recorded pruned
-        assert calls["n"] == 6
+    if kill == "after-delete-4":  # every byte gone, the last copy not yet recorded pruned
+        assert calls["n"] == 4
         assert not tier0_dir(settings, RUN, 100).exists() and not tier1_dir(settings, RUN, 100).exists()
         with Catalog(settings.catalog_url) as cat:
             ck = cat.get_checkpoint(RUN, 100)
@@ -195,6 +198,8 @@ def test_a_retirement_killed_at_any_step_is_finished_by_reconcile(settings_facto
     assert report.failed == []
     assert held(settings, 0) == held(settings, 1) == {200}
     assert not tier0_dir(settings, RUN, 100).exists() and not tier1_dir(settings, RUN, 100).exists()
+    for tier_dir in (tier0_dir, tier1_dir):  # no tombstone of the dead worker's claims is left
+        assert [p.name for p in tier_dir(settings, RUN, 100).parent.iterdir()] == [tier_dir(settings, RUN, 200).name]
     with Catalog(settings.catalog_url) as cat:
         ck = cat.get_checkpoint(RUN, 100)
         assert {r.state for r in cat.replicas(ck.id)} == {"pruned"}
@@ -220,14 +225,14 @@ def test_two_retention_workers_at_once_retire_each_checkpoint_once(settings_fact
     @contextmanager
     def racing(s, tier):
         with real_open(s, tier) as store:
-            real = store.delete
+            real = store.bury
 
-            def delete(key):
+            def bury(prefix, paths, *, token):
                 if "b" not in inner:  # A's first delete: B runs now
                     inner["b"] = None
                     inner["b"] = apply_retention(keep1, plan_b, prune=plain_steps().prune, actor="retention-b")
-                return real(key)
-            store.delete = delete
+                return real(prefix, paths, token=token)
+            store.bury = bury
             yield store
 
     monkeypatch.setattr(prune_mod, "open_tier", racing)

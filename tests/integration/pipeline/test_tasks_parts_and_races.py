@@ -320,7 +320,7 @@ def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
     assert (tier1 / "config.json").is_file()
 
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 1) as store:
-        delete_part(cat, store, RUN, 100, 0, 2, reason="test", actor="test")
+        delete_part(cat, store, RUN, 100, 0, 2, reason="test", actor="test", token="t0", check=lambda: None)
 
     assert (tier1 / "config.json").read_text() == '{"layers": 2}'  # part 1 still lists it
     assert not (tier1 / "model-p00-00000.safetensors").exists()  # part 0's own files went

@@ -179,6 +179,22 @@ def test_list_and_delete_prefix(store):
     assert all_names(store) == ["b/4"]
 
 
+@pytest.mark.parametrize("paths", [None, ["manifest.json", "w.bin", "gone.bin"]], ids=["whole", "paths"])
+def test_a_fenced_delete_takes_only_what_it_set_aside(store, paths):
+    """``bury`` then ``delete_tomb``: what was published under the prefix after the bury (a new
+    holder's copy) stays, whatever the backend; with ``paths``, other names stay too."""
+    for k in ("r/step-1/manifest.json", "r/step-1/w.bin", "r/step-1/other.bin"):
+        put(store, k, k.encode())
+    tomb = store.bury("r/step-1", paths, token="c0ffee")
+    put(store, "r/step-1/new.bin", b"published by the next holder")
+    deleted = store.delete_tomb(tomb, lambda: None)
+
+    left = {"r/step-1/new.bin"} | ({"r/step-1/other.bin"} if paths else set())
+    assert set(all_names(store)) == left and deleted == (2 if paths else 3)
+    assert read(store, "r/step-1/new.bin") == b"published by the next holder"
+    assert all(not is_staging(k.rsplit("/", 1)[-1]) and ".ckpt-tomb-" not in k for k in all_names(store))
+
+
 def test_folders_are_the_top_level_names_only(store):
     assert store.folders() == ()
     for k in ["a/1", "a/sub/2", "ab/3", "b/4", "top"]:
