@@ -2,6 +2,7 @@
 
 Registration is idempotent on the manifest's digest: the same part again is a no-op, a
 different manifest for a recorded (run, step, part) is a ``ConflictError``, never an overwrite.
+The parts of one checkpoint never share a relative path (``_refuse_shared_paths``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     recorded = conn.execute(select(parts.c.manifest_digest)
                             .where(parts.c.checkpoint_id == ck.id, parts.c.part == m.part)).scalar()
     if recorded is None:
+        _refuse_shared_paths(conn, ck.id, m)
         _add_part(conn, ck.id, m, digest=digest, now=now)
         _merge_part(conn, ck, m, now=now, actor=actor)
         _link_parent(conn, ck.id, m, now=now, new=False)
@@ -104,6 +106,27 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
         raise ConflictError(f"{where} part {m.part} is already registered with a different manifest "
                             f"(digest {recorded[:12]}, this one {digest[:12]}); refusing to overwrite it")
     return to_checkpoint(checkpoint_row_by_id(conn, ck.id))
+
+
+_PATHS_PER_QUERY = 500  # bound parameters per query: far below every backend's limit
+
+
+def _refuse_shared_paths(conn: Connection, cid: int, m: Manifest) -> None:
+    """``ConflictError`` when a file of part ``m.part`` has the relative path of a file another
+    registered part of the checkpoint lists. All parts sit side by side in one folder on Tier 1
+    and 2, and each part is copied, verified and deleted on its own: two parts naming one
+    path would overwrite each other there, or the prune of one would delete the other's file,
+    even where the bytes agree. The ranks of a job cannot see each other's file names, so this
+    is the first place that can tell."""
+    paths = [f.path for f in m.files]
+    for i in range(0, len(paths), _PATHS_PER_QUERY):
+        clash = conn.execute(select(files.c.part, files.c.path).where(
+            files.c.checkpoint_id == cid, files.c.part != m.part,
+            files.c.path.in_(paths[i:i + _PATHS_PER_QUERY])).order_by(files.c.path).limit(1)).first()
+        if clash is not None:
+            raise ConflictError(f"checkpoint {m.run}/{m.step} part {m.part} of {m.parts}: its file {clash.path!r} "
+                                f"is also a file of part {clash.part}; the parts of a checkpoint must write "
+                                f"different relative paths (e.g. under part-{m.part:05d}/)")
 
 
 # A new checkpoint on PostgreSQL in one statement, whatever its file count: the checkpoint row
