@@ -88,3 +88,24 @@ def test_lightning_checkpoints_commit_restore_and_resume(settings_factory, sqlit
     with Catalog(settings.catalog_url) as cat:
         edges = cat.ancestors("lit-run-2", 6)
     assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("lit-run", 4, "resumed_from")]
+
+
+def test_two_ranks_of_a_non_sharded_strategy_are_refused_before_training(settings_factory, sqlite_url, tmp_path,
+                                                                         monkeypatch):
+    """Two ranks (two nodes, each its own Tier 0 and ``ModelCheckpoint`` folder), each plugin
+    created as the part of its rank: both would commit ``epoch=0-step=N.ckpt``, so the second part
+    could never sit beside the first on Tier 1 and no step would ever be durable. The plugin
+    refuses the request at once, on the training side, before a step is trained or written."""
+    from ckpt.integrations.lightning import TieringCheckpointIO
+    from core.errors import BadInput
+
+    monkeypatch.setenv("PREFECT_API_URL", "")
+    settings = scenario_settings(settings_factory, sqlite_url)
+    for rank in (0, 1):
+        node = settings.model_copy(update={"node": f"node-{rank}",
+                                           "tier0_url": str(tmp_path / "tier0" / f"node-{rank}")})
+        with pytest.raises(BadInput, match=r"single-part checkpoints .* part=\d, parts=2"):
+            io = TieringCheckpointIO(run="lit-ddp", settings=node, part=rank, parts=2)
+            _trainer(tmp_path / f"out-{rank}", io, max_steps=2).fit(_module(), _loader())
+        assert not (tmp_path / f"out-{rank}").exists(), "nothing trained, nothing written"
+        assert not (tmp_path / "tier0" / f"node-{rank}" / "lit-ddp").exists()
