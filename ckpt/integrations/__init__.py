@@ -3,7 +3,8 @@
 - ``ckpt.integrations.hf.TieringCallback``: a ``transformers`` ``TrainerCallback``
   (``pip install ckpt-tiering[hf]``);
 - ``ckpt.integrations.lightning.TieringCheckpointIO``: a Lightning ``CheckpointIO`` plugin
-  (``pip install ckpt-tiering[lightning]``);
+  (``pip install ckpt-tiering[lightning]``), and for Lightning's sharded strategies
+  ``ckpt.integrations.lightning_sharded`` (``TieringFSDPStrategy``, ``TieringModelParallelStrategy``);
 - ``ckpt.integrations.dcp.async_save_and_commit``: ``torch.distributed.checkpoint.async_save``
   with the commit and the announcement after the write (``pip install ckpt-tiering[torch]``).
 
@@ -12,8 +13,9 @@ imported), so the base install needs none of them. What they share lives here.
 
 Parts: the HF callback and the Lightning plugin commit single-part checkpoints (the library
 writes one checkpoint from one process) and refuse ``part``/``parts`` at once
-(``single_part``); ``async_save_and_commit`` commits one part per node of a DCP checkpoint,
-whose file names are the ranks' own, so the parts never share a path.
+(``single_part``); ``async_save_and_commit`` and the Lightning sharded strategies commit one
+part per node of a DCP checkpoint, whose file names are the ranks' own, so the parts never
+share a path.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ when the plugin is created (every rank would otherwise commit the same file name
 its own, and no step could ever be whole on Tier 1). Sharded strategies (FSDP with
 ``state_dict_type="sharded"``, ``ModelParallelStrategy``'s distributed checkpoint, DeepSpeed)
 write a folder of per-rank files themselves and call no ``CheckpointIO`` (Lightning issue
-#20205), so this plugin sees none of their saves: commit each node's folder with
-``ckpt commit DIR --part NODE --parts NODES`` (docs/training.md, "Parts").
+#20205), so this plugin sees none of their saves: ``ckpt.integrations.lightning_sharded``
+commits those, one part per node.
 
 By hand: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
 with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the
@@ -69,7 +69,7 @@ class TieringCheckpointIO(TorchCheckpointIO):
                  milestone: Callable[[int], bool] | None = None, **stager_options: Any) -> None:
         single_part("TieringCheckpointIO", stager_options,
                     "Lightning calls a CheckpointIO on global rank 0 only, with the one file of a non-sharded "
-                    "strategy; sharded strategies call none")
+                    "strategy; sharded strategies call none: ckpt.integrations.lightning_sharded commits theirs")
         super().__init__()
         self.run = run
         self.origin = origin_of(resumed_from)
