@@ -54,8 +54,8 @@ def origin_of(resumed_from: tuple[str, int] | str | os.PathLike | None) -> tuple
 def single_part(integration: str, stager_options: dict[str, Any], writer: str) -> None:
     """``BadInput`` (one line) when ``stager_options`` ask for a part of a multi-part checkpoint:
     ``writer`` says why the library's checkpoint is one part. Every rank would commit the same
-    file names as a part of its own, and parts that share a path cannot sit side by side on
-    Tier 1 (the catalog refuses the second one), so the job is told before it trains."""
+    file names as a part of its own: other bytes at one path cannot sit side by side on Tier 1
+    (the catalog refuses the second part), so the job is told before it trains."""
     part, parts = stager_options.get("part", 0), stager_options.get("parts", 1)
     if (part, parts) != (0, 1):
         raise BadInput(f"{integration} commits single-part checkpoints ({writer}); "
