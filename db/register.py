@@ -114,7 +114,7 @@ _PATHS_PER_QUERY = 500  # bound parameters per query: far below every backend's 
 
 def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
     """``ConflictError`` when a file of part ``m.part`` has the relative path of a file another
-    registered part of the checkpoint lists with other bytes (size or checksum). All parts sit
+    registered part of the checkpoint lists with other bytes (size, checksum or its algorithm). All parts sit
     side by side in one folder on Tier 1 and 2: the second would be refused there, and the
     checkpoint could never be whole. The ranks of a job cannot see each other's file names, so
     this is the first place that can tell. The same bytes at one path in several parts (a
