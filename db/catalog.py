@@ -178,7 +178,8 @@ class Catalog(Pins, Audit, Drills, CatalogPart):
     def register_part(self, manifest: Manifest, *, actor: str) -> CheckpointInfo:
         """Record one part of a checkpoint (its files) from its manifest. Idempotent: the same
         manifest digest again returns the existing record; a different digest for the same
-        (run, step, part) raises ``ConflictError``. Unknown run: ``UnknownRun``. When the last
+        (run, step, part) raises ``ConflictError``, and so does a part that lists a relative path
+        another part of the checkpoint lists with other bytes. Unknown run: ``UnknownRun``. When the last
         part arrives the checkpoint becomes ``committed``. A manifest's ``parent`` adds a lineage
         edge; the previous checkpoint of the same run gets a ``follows`` edge automatically."""
         manifest.validate()

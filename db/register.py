@@ -2,6 +2,8 @@
 
 Registration is idempotent on the manifest's digest: the same part again is a no-op, a
 different manifest for a recorded (run, step, part) is a ``ConflictError``, never an overwrite.
+The parts of one checkpoint never hold different bytes at one relative path
+(``_refuse_colliding_paths``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     recorded = conn.execute(select(parts.c.manifest_digest)
                             .where(parts.c.checkpoint_id == ck.id, parts.c.part == m.part)).scalar()
     if recorded is None:
+        _refuse_colliding_paths(conn, ck.id, m)
         _add_part(conn, ck.id, m, digest=digest, now=now)
         _merge_part(conn, ck, m, now=now, actor=actor)
         _link_parent(conn, ck.id, m, now=now, new=False)
@@ -110,6 +113,31 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
         raise ConflictError(f"{where} part {m.part} is already registered with a different manifest "
                             f"(digest {recorded[:12]}, this one {digest[:12]}); refusing to overwrite it")
     return to_checkpoint(checkpoint_row_by_id(conn, ck.id))
+
+
+_PATHS_PER_QUERY = 500  # bound parameters per query: far below every backend's limit
+
+
+def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
+    """``ConflictError`` when a file of part ``m.part`` has the relative path of a file another
+    registered part of the checkpoint lists with other bytes (size, checksum or its algorithm). All parts sit
+    side by side in one folder on Tier 1 and 2: the second would be refused there, and the
+    checkpoint could never be whole. The ranks of a job cannot see each other's file names, so
+    this is the first place that can tell. The same bytes at one path in several parts (a
+    ``config.json`` every node writes) are one file there, kept while any part lists it
+    (``tasks.base.shared_paths``)."""
+    mine = {f.path: (f.size, f.checksum) for f in m.files}
+    paths = sorted(mine)
+    for i in range(0, len(paths), _PATHS_PER_QUERY):
+        rows = conn.execute(select(files.c.part, files.c.path, files.c.size, files.c.algorithm, files.c.checksum)
+                            .where(files.c.checkpoint_id == cid, files.c.part != m.part,
+                                   files.c.path.in_(paths[i:i + _PATHS_PER_QUERY]))
+                            .order_by(files.c.path, files.c.part))
+        for r in rows:
+            if (r.size, r.checksum) != mine[r.path] or r.algorithm != m.algorithm:
+                raise ConflictError(f"checkpoint {m.run}/{m.step} part {m.part} of {m.parts}: its file {r.path!r} "
+                                    f"is also a file of part {r.part}, with other bytes; the parts of a checkpoint "
+                                    f"must write different relative paths (e.g. under part-{m.part:05d}/)")
 
 
 # A new checkpoint on PostgreSQL in one statement, whatever its file count: the attempt's row

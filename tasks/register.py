@@ -3,8 +3,9 @@
 A run seen for the first time is created from the manifest (with its origin when the
 manifest's parent names a recorded checkpoint of another run): only a malformed run name is
 refused. Bad input never reaches the catalog as data: a malformed run name, a missing or malformed
-manifest, a path that escapes the checkpoint folder, an unknown format, or a manifest that
-differs from the one already registered for that part is audited as a rejection, announced
+manifest, a path that escapes the checkpoint folder, an unknown format, a manifest that
+differs from the one already registered for that part, or a part that lists a file another
+part of the checkpoint lists with other bytes is audited as a rejection, announced
 (``ckpt.checkpoint.rejected``) and raised as a permanent error, leaving every earlier
 checkpoint as it was. A refused part is recorded in the catalog's rejections against its
 manifest's digest, once: the same manifest again (a duplicate event, a reconcile pass) is

@@ -3,12 +3,19 @@
 - ``ckpt.integrations.hf.TieringCallback``: a ``transformers`` ``TrainerCallback``
   (``pip install ckpt-tiering[hf]``);
 - ``ckpt.integrations.lightning.TieringCheckpointIO``: a Lightning ``CheckpointIO`` plugin
-  (``pip install ckpt-tiering[lightning]``);
+  (``pip install ckpt-tiering[lightning]``), and for Lightning's sharded strategies
+  ``ckpt.integrations.lightning_sharded`` (``TieringFSDPStrategy``, ``TieringModelParallelStrategy``);
 - ``ckpt.integrations.dcp.async_save_and_commit``: ``torch.distributed.checkpoint.async_save``
   with the commit and the announcement after the write (``pip install ckpt-tiering[torch]``).
 
 Each module imports its library lazily (inside functions, or when the module itself is
 imported), so the base install needs none of them. What they share lives here.
+
+Parts: the HF callback and the Lightning plugin commit single-part checkpoints (the library
+writes one checkpoint from one process) and refuse ``part``/``parts`` at once
+(``single_part``); ``async_save_and_commit`` and the Lightning sharded strategies commit one
+part per node of a DCP checkpoint, whose file names are the ranks' own, so the parts never
+share a path.
 """
 
 from __future__ import annotations
@@ -42,6 +49,17 @@ def origin_of(resumed_from: tuple[str, int] | str | os.PathLike | None) -> tuple
         raise BadInput(f"{folder}: no manifest.json; give resumed_from=(run, step) instead")
     data = json.loads(manifests[0].read_text())
     return str(data["run"]), int(data["step"])
+
+
+def single_part(integration: str, stager_options: dict[str, Any], writer: str) -> None:
+    """``BadInput`` (one line) when ``stager_options`` ask for a part of a multi-part checkpoint:
+    ``writer`` says why the library's checkpoint is one part. Every rank would commit the same
+    file names as a part of its own: other bytes at one path cannot sit side by side on Tier 1
+    (the catalog refuses the second part), so the job is told before it trains."""
+    part, parts = stager_options.get("part", 0), stager_options.get("parts", 1)
+    if (part, parts) != (0, 1):
+        raise BadInput(f"{integration} commits single-part checkpoints ({writer}); "
+                       f"got part={part!r}, parts={parts!r}: create it without part/parts")
 
 
 def staging_dir(stager: CheckpointStager, step: int) -> Path:

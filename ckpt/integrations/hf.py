@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from ckpt.client import CheckpointStager
-from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, same_filesystem, staging_dir
+from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, same_filesystem, single_part, staging_dir
 from ckpt.space import state_needed
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class TieringCallback(TrainerCallback):
     def __init__(self, run: str, *, resumed_from: tuple[str, int] | str | os.PathLike | None = None,
                  milestone: Callable[[int], bool] | None = None, keep_trainer_copy: bool = False,
                  **stager_options: Any) -> None:
+        single_part("TieringCallback", stager_options, "the world's process zero commits the Trainer's folder")
         self.run = run
         self.origin = origin_of(resumed_from)
         self.milestone = milestone

@@ -23,6 +23,16 @@ run's newest good checkpoint on this node (read in place, else fetched), ``None`
 start) when the run has none yet. Into a new run: ``TieringCheckpointIO(run="lit-run-2",
 resumed_from=resume_path("lit-run"))``.
 
+One part: Lightning calls a ``CheckpointIO`` on global rank 0 only, with the one ``.ckpt`` of a
+strategy that does not shard its checkpoint (single device, DDP, FSDP or ``ModelParallelStrategy``
+with a full state dict), so every checkpoint is single-part and ``part``/``parts`` are refused
+when the plugin is created (every rank would otherwise commit the same file name as a part of
+its own, and no step could ever be whole on Tier 1). Sharded strategies (FSDP with
+``state_dict_type="sharded"``, ``ModelParallelStrategy``'s distributed checkpoint, DeepSpeed)
+write a folder of per-rank files themselves and call no ``CheckpointIO`` (Lightning issue
+#20205), so this plugin sees none of their saves: ``ckpt.integrations.lightning_sharded``
+commits FSDP's and ``ModelParallelStrategy``'s, one part per node (DeepSpeed's not yet).
+
 By hand: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
 with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the
 lineage. Needs ``pip install ckpt-tiering[lightning]``.
@@ -40,7 +50,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ckpt.client import CheckpointStager
-from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir
+from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, single_part, staging_dir
 from ckpt.space import state_needed
 from core.errors import CorruptCheckpoint
 
@@ -57,6 +67,9 @@ class TieringCheckpointIO(TorchCheckpointIO):
 
     def __init__(self, run: str, *, resumed_from: tuple[str, int] | str | os.PathLike | None = None,
                  milestone: Callable[[int], bool] | None = None, **stager_options: Any) -> None:
+        single_part("TieringCheckpointIO", stager_options,
+                    "Lightning calls a CheckpointIO on global rank 0 only, with the one file of a non-sharded "
+                    "strategy; sharded strategies call none: ckpt.integrations.lightning_sharded commits theirs")
         super().__init__()
         self.run = run
         self.origin = origin_of(resumed_from)

@@ -90,3 +90,17 @@ def test_trainer_checkpoints_commit_restore_and_resume(settings_factory, sqlite_
         assert (run2.parent_run, run2.parent_step, run2.parent_relation) == ("hf-run", 4, "resumed_from")
         edges = cat.ancestors("hf-run-2", 6)
     assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("hf-run", 4, "resumed_from")]
+
+
+def test_a_part_of_many_is_refused_before_training(settings_factory, sqlite_url, tmp_path, monkeypatch):
+    """The world's process zero commits the Trainer's whole folder: a callback created as part 1
+    of 2 would leave the checkpoint waiting for a part no process commits. It is refused at once."""
+    from ckpt.integrations.hf import TieringCallback
+    from core.errors import BadInput
+
+    monkeypatch.setenv("PREFECT_API_URL", "")
+    settings = scenario_settings(settings_factory, sqlite_url)
+    with pytest.raises(BadInput, match=r"single-part checkpoints .* part=1, parts=2"):
+        _trainer(tmp_path / "out", [TieringCallback(run="gpt-ranks", settings=settings, part=1, parts=2)],
+                 max_steps=2).train()
+    assert not (tmp_path / "out").exists() and not tier0_dir(settings, "gpt-ranks", 2).exists()

@@ -5,6 +5,8 @@ resumes from it and the resumed run's lineage points at it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.kit.require import require_module
@@ -88,3 +90,81 @@ def test_lightning_checkpoints_commit_restore_and_resume(settings_factory, sqlit
     with Catalog(settings.catalog_url) as cat:
         edges = cat.ancestors("lit-run-2", 6)
     assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("lit-run", 4, "resumed_from")]
+
+
+def test_two_ranks_of_a_non_sharded_strategy_are_refused_before_training(settings_factory, sqlite_url, tmp_path,
+                                                                         monkeypatch):
+    """Two ranks (two nodes, each its own Tier 0 and ``ModelCheckpoint`` folder), each plugin
+    created as the part of its rank: both would commit ``epoch=0-step=N.ckpt``, so the second part
+    could never sit beside the first on Tier 1 and no step would ever be durable. The plugin
+    refuses the request at once, on the training side, before a step is trained or written."""
+    from ckpt.integrations.lightning import TieringCheckpointIO
+    from core.errors import BadInput
+
+    monkeypatch.setenv("PREFECT_API_URL", "")
+    settings = scenario_settings(settings_factory, sqlite_url)
+    for rank in (0, 1):
+        node = settings.model_copy(update={"node": f"node-{rank}",
+                                           "tier0_url": str(tmp_path / "tier0" / f"node-{rank}")})
+        with pytest.raises(BadInput, match=r"single-part checkpoints .* part=\d, parts=2"):
+            io = TieringCheckpointIO(run="lit-ddp", settings=node, part=rank, parts=2)
+            _trainer(tmp_path / f"out-{rank}", io, max_steps=2).fit(_module(), _loader())
+        assert not (tmp_path / f"out-{rank}").exists(), "nothing trained, nothing written"
+        assert not (tmp_path / "tier0" / f"node-{rank}" / "lit-ddp").exists()
+
+
+def test_two_nodes_of_a_sharded_strategy_each_commit_their_part(settings_factory, sqlite_url, tmp_path):
+    """Two nodes (two processes, gloo) save distributed checkpoints with ``ModelParallelStrategy``
+    into one shared folder (``__0_0.distcp`` and ``__1_0.distcp``, ``.metadata`` and ``meta.pt``
+    from rank 0): each node commits the files of its own ranks as its part, so the parts never
+    share a path, and every part of both steps is verified on Tier 1. Both steps were saved into
+    ``last.ckpt``: step 4's write left step 2's committed bytes as they were."""
+    import subprocess
+    import sys
+
+    from ckpt.processes import free_port
+    from db.catalog import Catalog
+    from tests.kit.checkpoints import replica_states
+    from tests.kit.restore import on_node, tier1_dir
+
+    settings = scenario_settings(settings_factory, sqlite_url)
+    nodes = [on_node(settings, f"node-{rank}") for rank in (0, 1)]
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.kit.lightning_sharded_job", str(tmp_path / "out")],
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
+             "NODE_RANK": str(rank), "LOCAL_RANK": "0", "PREFECT_API_URL": "",
+             "CKPT_TEST_SETTINGS": node.model_dump_json()},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(nodes)]
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert all("committed [2, 4]" in o for o in outputs)
+
+    for step in (2, 4):
+        for rank, node in enumerate(nodes):
+            promote(node, "lit-sharded", step, rank, 2)
+        assert replica_states(settings, "lit-sharded", step) == {
+            (0, 0): "verified", (0, 1): "verified", (1, 0): "verified", (1, 1): "verified"}
+        with Catalog(settings.catalog_url) as cat:
+            ck = cat.get_checkpoint("lit-sharded", step)
+            assert ck.state == "committed" and cat.rejections("lit-sharded") == []
+            by_part = {p: sorted(f.path for f in cat.files(ck.id, p)) for p in (0, 1)}
+        assert by_part == {0: [".metadata", "__0_0.distcp", "meta.pt"], 1: ["__1_0.distcp"]}
+        on_tier1 = sorted(p.name for p in tier1_dir(settings, "lit-sharded", step).iterdir()
+                          if not p.name.startswith("manifest"))
+        assert on_tier1 == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+def test_a_sharded_strategy_that_would_save_one_file_or_a_chosen_part_is_refused():
+    """Sharding off, these strategies save one ``.ckpt`` from global rank 0 (``TieringCheckpointIO``'s
+    case); and a sharded checkpoint's part is its node's, never the caller's choice."""
+    from ckpt.integrations.lightning_sharded import TieringFSDPStrategy, TieringModelParallelStrategy
+    from core.errors import BadInput
+
+    with pytest.raises(BadInput, match="use TieringCheckpointIO"):
+        TieringFSDPStrategy(run="lit", state_dict_type="full")
+    with pytest.raises(BadInput, match="use TieringCheckpointIO"):
+        TieringModelParallelStrategy(run="lit", save_distributed_checkpoint=False)
+    with pytest.raises(BadInput, match="without part/parts"):
+        TieringModelParallelStrategy(run="lit", stager_options={"part": 1, "parts": 2})
+    assert TieringFSDPStrategy(run="lit").saved == []  # sharded by default

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.errors import BadInput
@@ -17,7 +18,7 @@ from core.events import announcing
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
-from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, replica_states, write_checkpoint
+from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, replica_states, same_bytes, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
 
 RUN = "run-a"
@@ -103,3 +104,40 @@ def test_a_conflicting_resave_is_rejected_once_and_the_accepted_checkpoint_stand
         assert (rej.step, rej.part) == (100, 0) and "ConflictError" in rej.reason
     finally:
         cat.close()
+
+
+def test_a_part_whose_files_are_another_parts_is_rejected_at_registration(settings, tmp_path):
+    """Two nodes commit their part of one checkpoint with the same file name (``model.safetensors``
+    each, as ``ckpt commit DIR --part i --parts 2`` on every node): the second part to register is
+    refused with a recorded reason naming the file, before a byte of it reaches Tier 1; the first
+    part's copy there stands."""
+    from safetensors.numpy import save_file
+
+    from ckpt.commit import commit_folder
+    from core.errors import ConflictError
+
+    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    for part, node in enumerate((settings, node1)):
+        job = tmp_path / f"job-{part}"
+        job.mkdir()
+        save_file({f"layer{part}.weight": np.full(1024, part, dtype=np.float32)}, str(job / "model.safetensors"))
+        commit_folder(job, RUN, 100, node, part=part, parts=2, announce=False)
+    promote(settings, RUN, 100, 0, 2, steps=plain_steps())
+    events = Recorder()
+
+    refused = r"'model\.safetensors' is also a file of part 0, with other bytes"
+    with pytest.raises(ConflictError, match=refused), announcing(events):
+        promote(node1, RUN, 100, 1, 2, steps=plain_steps())
+
+    cat = catalog(settings)
+    try:
+        (rej,) = cat.rejections(RUN)
+        assert (rej.step, rej.part, rej.node) == (100, 1, "node-1")
+        assert "different relative paths" in rej.reason
+    finally:
+        cat.close()
+    assert events.names() == ["rejected"]
+    assert checkpoint_state(settings, 100) == "rejected"
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}, "part 1 never copied"
+    on_tier1 = ckpt_dir(settings.tier1_url, RUN, 100) / "model.safetensors"
+    assert same_bytes(on_tier1, ckpt_dir(settings.tier0_url, RUN, 100) / "model.safetensors")
