@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -53,6 +54,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # "nan", "inf", "-inf": JSON has no token for them (as the catalog stores them)
     return value
 
 

@@ -133,3 +133,13 @@ def test_tables_fold_long_run_names_and_history_reads_who_acted(cli, catalog):
     doc = json.loads(cli("show", LONG_RUN, "10", "--json"))
     assert "reconcile/node-0 flow-run:0b8f6a52-2f7e-4c41-9d1c-1f1d9c4e9a10" in [h["actor"] for h in doc["history"]]
     assert "event agent:node-3 pid:4242" in [h["actor"] for h in doc["history"]]
+
+
+def test_a_diverged_checkpoint_shows_nan_and_inf(cli, catalog):
+    """``show`` prints a non-finite metric as ``nan``/``inf``; its ``--json`` stays JSON a strict
+    parser reads (no ``NaN`` token), the value as the string ``"nan"``/``"inf"``."""
+    checkpoint(catalog, "base", 10, metrics={"loss": float("nan"), "grad_norm": float("inf"), "lr": 0.5})
+    shown = cli("show", "base", "10", "--json")
+    doc = json.loads(shown, parse_constant=lambda token: pytest.fail(f"{token} is not JSON"))
+    assert doc["checkpoint"]["metrics"] == {"loss": "nan", "grad_norm": "inf", "lr": 0.5}
+    assert "metrics: grad_norm=inf, loss=nan, lr=0.5" in cli("show", "base", "10")
