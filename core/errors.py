@@ -84,6 +84,10 @@ class BadInput(PermanentError):
     """Malformed input: an event, an API call, a CLI argument."""
 
 
+class BadArgument(BadInput):
+    """A malformed command-line argument (the command line records it as a rejection)."""
+
+
 class BadEvent(BadInput):
     """A malformed or hostile checkpoint event."""
 

@@ -15,7 +15,7 @@ import os
 import re
 import uuid
 
-from core.errors import BadInput
+from core.errors import BadInput, quoted
 from core.paths import safe_run_name
 
 STEP_DIGITS = 8
@@ -24,6 +24,7 @@ STAGING_MARK = ".ckpt-staging-"
 MAX_STEP = 2**63 - 1  # a signed 64-bit integer: what every catalog backend stores
 MAX_PARTS = 99999  # five digits in a part's manifest name
 
+_NUMBER = re.compile(r"-?[0-9]+")  # ASCII digits: not what int() also takes
 _STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
 _MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
 _MANIFEST_KEY = re.compile(
@@ -40,6 +41,28 @@ def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
         raise BadInput(f"parts {parts} is out of range: a checkpoint has 1..{MAX_PARTS} parts")
     if not 0 <= part < parts:
         raise BadInput(f"part {part} is out of range: part of {parts} is 0..{parts - 1}")
+
+
+def parse_number(value: object, what: str = "step") -> int:
+    """A step, part or part count as it arrives from outside (an event's text, a CLI argument,
+    a JSON number): an ``int`` as it is, text only when it is ASCII digits (a leading ``-`` is
+    read, for ``check_ref`` to refuse as out of range). ``BadInput`` otherwise: ``int()`` alone
+    would take ``'1_00'``, ``'100\\n'`` or full-width digits as 100. The one parser for
+    every place a checkpoint reference arrives as text."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        if len(value) > 40:  # past any bound, and past what int() converts from text at all
+            raise BadInput(f"{what} {quoted(value)} is out of range")
+        return int(value)
+    raise BadInput(f"{what} {quoted(value)} is not a number: use ASCII digits only")
+
+
+def parse_ref(step: object, part: object = 0, parts: object = 1) -> tuple[int, int, int]:
+    """``(step, part, parts)`` parsed (``parse_number``) and in range (``check_ref``)."""
+    ref = parse_number(step), parse_number(part, "part"), parse_number(parts, "parts")
+    check_ref(*ref)
+    return ref
 
 
 def checkpoint_dirname(step: int) -> str:

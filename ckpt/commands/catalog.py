@@ -18,12 +18,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from ckpt.args import step_arg
 from ckpt.tables import actor_role, table as fold_table
-from core.errors import BadInput, NotFound
+from core.errors import BadArgument, NotFound, quoted
 from core.sizing import fmt_bytes
 from db.entities import TIER_NAMES, AuditEntry, LineageEdge, ReplicaInfo
 
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
+STEP = typer.Argument(..., parser=step_arg, help="checkpoint step")
 out = Console()
 
 
@@ -91,7 +93,7 @@ def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json
     out.print(table if ckpts else "no checkpoints recorded")
 
 
-def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def show_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """One checkpoint: its record, replicas, pins, aliases, parents and history (every state
     change with its actor and reason, oldest first)."""
     with _catalog() as cat:
@@ -171,7 +173,7 @@ def parse_since(text: str) -> datetime:
     try:
         t = datetime.fromisoformat(text)
     except ValueError:
-        raise BadInput(f"--since {text!r}: use 30m, 2h, 7d or an ISO-8601 time") from None
+        raise BadArgument(f"--since {quoted(text)}: use 30m, 2h, 7d or an ISO-8601 time") from None
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
@@ -192,7 +194,7 @@ def _replica_table(reps: Iterable[ReplicaInfo]) -> Table:
     return table
 
 
-def locate_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def locate_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """Where every replica of a checkpoint is, and in what state."""
     with _catalog() as cat:
         reps = cat.replicas(cat.get_checkpoint(run, step).id)
@@ -223,7 +225,7 @@ def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only cop
         out.print(f"  {_tiers([loc.tier])}  verified {_when(loc.verified_at)}  {', '.join(loc.urls)}")
 
 
-def lineage_cmd(run: str, step: int,
+def lineage_cmd(run: str, step: int = STEP,
                 descendants: bool = typer.Option(False, "--descendants", help="walk down instead of up"),
                 depth: int = typer.Option(1000, "--depth", help="how many edges deep"),
                 as_json: bool = JSON_OPT) -> None:
@@ -270,7 +272,7 @@ def lineage_tree(run: str, step: int, edges: Sequence[LineageEdge], *, descendan
     return root
 
 
-def pin_cmd(run: str, step: int, reason: str = typer.Option(None, "--reason", help="why it must be kept"),
+def pin_cmd(run: str, step: int = STEP, reason: str = typer.Option(None, "--reason", help="why it must be kept"),
             as_json: bool = JSON_OPT) -> None:
     """Keep a checkpoint on every tier, whatever retention says."""
     with _catalog() as cat:
@@ -278,7 +280,7 @@ def pin_cmd(run: str, step: int, reason: str = typer.Option(None, "--reason", he
     _done(run, step, True, as_json)
 
 
-def unpin_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def unpin_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """Let retention decide about this checkpoint again."""
     with _catalog() as cat:
         cat.unpin(run, step, actor="cli")

@@ -37,6 +37,17 @@ def test_an_event_naming_an_out_of_range_checkpoint_is_a_bad_event(step, part, p
     assert "out of range" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("text", ["100\n", " 100", "1_00", "\uff11\uff10\uff10", "\u0661\u0660\u0660", "+100", "1e2",
+                                  "100.0", "", "9" * 5000])
+def test_an_event_step_that_is_not_ascii_digits_is_a_bad_event(text):
+    """``int()`` takes all but the last three of these as 100 (full-width, Arabic-Indic digits);
+    a step, part or part count arriving as text is ASCII digits only."""
+    for ref in ((text, "0", "1"), ("100", text, "1"), ("100", "0", text)):
+        with pytest.raises(BadEvent) as err:
+            checkpoint_args(RUN, *ref)
+        assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
 def test_the_largest_step_is_accepted():
     assert checkpoint_args(RUN, str(MAX_STEP))[1] == MAX_STEP
 
