@@ -21,7 +21,7 @@ from rich.tree import Tree
 from ckpt.args import step_arg
 from ckpt.tables import actor_role, table as fold_table
 from core.errors import BadArgument, NotFound, quoted
-from core.sizing import fmt_bytes
+from core.sizing import fmt_bytes, fmt_metrics
 from db.entities import TIER_NAMES, AuditEntry, LineageEdge, ReplicaInfo
 
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
@@ -112,7 +112,7 @@ def show_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     out.print(f"created {_when(ck.created_at)}, committed {_when(ck.committed_at)}, writer stall "
               f"{'-' if ck.writer_stall_seconds is None else f'{ck.writer_stall_seconds:.3f} s'}")
     if ck.metrics:
-        out.print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(ck.metrics.items())))
+        out.print("metrics: " + fmt_metrics(ck.metrics))
     if pinned or names:
         out.print("kept by: " + ", ".join((["pin"] if pinned else []) + [f"alias {a}" for a in names]))
     for e in parents:
