@@ -149,10 +149,10 @@ class Manifest:
         if self.parent is not None:
             safe_run_name(self.parent.run)
             check_ref(self.parent.step)
-            _one_of(self.parent.relation, RELATIONS, "parent relation")
-        _one_of(self.kind, KINDS, "kind")
-        _one_of(self.format, FORMATS, "format")
-        _one_of(self.algorithm, tuple(CHECKSUMS), "checksum algorithm")
+            _one_of(self.parent.relation, RELATIONS, "invalid parent relation")
+        _one_of(self.kind, KINDS, "invalid kind")
+        _one_of(self.format, FORMATS, "unknown format")
+        _one_of(self.algorithm, tuple(CHECKSUMS), "unknown checksum algorithm")
         _text(self.node, MAX_NODE, "node")
         _text(self.attempt, MAX_ATTEMPT, "attempt")
         for name, value in self.metrics.items():
@@ -194,7 +194,7 @@ class Manifest:
 
 def _one_of(value: object, allowed: tuple[str, ...], what: str) -> None:
     if value not in allowed:
-        raise BadInput(f"invalid {what} {quoted(value)}; expected one of {allowed}")
+        raise BadInput(f"{what} {quoted(value)}; expected one of {allowed}")
 
 
 def _text(value: object, limit: int, what: str) -> None:
