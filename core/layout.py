@@ -25,10 +25,12 @@ MAX_STEP = 2**63 - 1  # a signed 64-bit integer: what every catalog backend stor
 MAX_PARTS = 99999  # five digits in a part's manifest name
 
 _NUMBER = re.compile(r"-?[0-9]+")  # ASCII digits: not what int() also takes
-_STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$")
-_MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+# re.ASCII: a name's digits are ASCII ones (``\d`` alone also matches full-width digits, which int() reads)
+_STEP_DIR = re.compile(r"^step-(?P<step>\d{8,})$", re.ASCII)
+_MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$", re.ASCII)
 _MANIFEST_KEY = re.compile(
-    r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+    r"^(?P<run>[^/]+)/step-(?P<step>\d{8,})/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$",
+    re.ASCII)
 
 
 def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
