@@ -130,7 +130,7 @@ class Manifest:
                 metrics={str(k): _number(v, f"metric {k!r}") for k, v in (d.get("metrics") or {}).items()},
                 tags={str(k): str(v) for k, v in (d.get("tags") or {}).items()},
                 parent=_parent(parent) if parent else None,
-                writer_stall_seconds=_stall(d.get("writer_stall_seconds")),
+                writer_stall_seconds=d.get("writer_stall_seconds"),  # checked by validate
                 created_at=str(d.get("created_at", "")),
                 version=int(d.get("version", MANIFEST_VERSION)),
                 attempt=str(d.get("attempt", "")),
@@ -178,9 +178,9 @@ class Manifest:
             _text(f.path, MAX_PATH, "file path")
             safe_relpath(f.path)
             if f.path in seen:
-                raise BadInput(f"duplicate file {f.path!r} in manifest")
+                raise BadInput(f"duplicate file {quoted(f.path)} in manifest")
             if is_manifest_name(f.path.rsplit("/", 1)[-1]) and "/" not in f.path:
-                raise BadInput(f"manifest lists a manifest file {f.path!r}")
+                raise BadInput(f"manifest lists a manifest file {quoted(f.path)}")
             if not isinstance(f.size, int) or isinstance(f.size, bool) or not 0 <= f.size <= MAX_BYTES:
                 raise BadInput(f"size {quoted(f.size)} of {quoted(f.path)} is out of range: a size is 0..{MAX_BYTES}")
             if not isinstance(f.checksum, str) or not digest.fullmatch(f.checksum):
@@ -218,14 +218,6 @@ def _number(value: object, what: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise BadInput(f"{what} is {quoted(value)}: a metric is a number")
     return float(value)
-
-
-def _stall(value: object) -> float | None:
-    if value is None:
-        return None
-    if not _seconds(value):
-        raise BadInput(f"writer_stall_seconds {quoted(value)} is not a finite number of seconds >= 0")
-    return float(value)  # type: ignore[arg-type]
 
 
 def _parent(value: object) -> ParentRef:
