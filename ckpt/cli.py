@@ -1,7 +1,8 @@
 """The ``ckpt`` command line. Each area registers its commands from ``ckpt/commands/``.
 
 Errors of this project print as one clear line (exit 2 for bad input, 1 otherwise); only
-unexpected exceptions show a traceback.
+unexpected exceptions show a traceback. A refused argument (``BadArgument``, see ``ckpt.args``)
+is also recorded in the catalog's audit as a rejection, as a malformed event is.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import ckpt.commands
-from core.errors import BadInput, CkptError, ConfigError
+from core.errors import BadArgument, BadInput, CkptError, ConfigError
 
 app = typer.Typer(name="ckpt", help="Keep training checkpoints safe across storage tiers.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -36,12 +37,29 @@ _register_commands()
 def main() -> None:
     try:
         app()
+    except BadArgument as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        _record(exc)
+        sys.exit(2)
     except (BadInput, ConfigError) as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(2)
     except CkptError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
+
+
+def _record(exc: BadArgument) -> None:
+    """Audit the refused command line (``cli:<its arguments>``); a catalog that cannot take the
+    record costs the record (a note on stderr), never the error the user is shown."""
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+    from tasks.register import reject_event  # deferred: start-up — SQLAlchemy, Prefect
+
+    try:
+        what = " ".join(sys.argv[1:]).encode("unicode_escape").decode()[:300]  # one line, every character seen
+        reject_event(load_settings(), what, exc, actor="cli", source="cli")
+    except CkptError as failure:
+        err.print(f"note: the rejection was not recorded: {escape(str(failure))}", soft_wrap=True)
 
 
 if __name__ == "__main__":

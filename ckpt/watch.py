@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MARKER = "COMMITTED"
 DEFAULT_MILESTONE_MARKER = "MILESTONE"
-_STEP_RE = re.compile(r"(\d+)$")
+_STEP_RE = re.compile(r"(\d+)$", re.ASCII)  # ASCII digits, as every step read from text
 _TEMP_PREFIXES = ("tmp", ".")  # HF's tmp-checkpoint-N, hidden staging folders
 
 

@@ -84,6 +84,10 @@ class BadInput(PermanentError):
     """Malformed input: an event, an API call, a CLI argument."""
 
 
+class BadArgument(BadInput):
+    """A malformed command-line argument (the command line records it as a rejection)."""
+
+
 class BadEvent(BadInput):
     """A malformed or hostile checkpoint event."""
 
@@ -95,6 +99,11 @@ class AlreadyRejected(BadInput):
 
 class EventTooLarge(BadEvent):
     """An event over the orchestrator's size limit: the server would answer 204 and drop it."""
+
+
+class ValueRefused(BadInput):
+    """The catalog refused a value it was given (out of its column's range, length or type):
+    the input is bad, and the same value would be refused on every retry."""
 
 
 class PathEscape(BadInput):
@@ -124,6 +133,13 @@ class StorageFull(PermanentError):
                  waiting: tuple[int, int] | None = None, staging: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.free, self.needed, self.waiting, self.staging = free, needed, waiting, staging
+
+
+def quoted(value: object, limit: int = 40) -> str:
+    """``repr(value)`` as an error quotes it: cut to ``limit`` characters, so that a message
+    about a hostile string (a 300-character name) stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -19,7 +19,7 @@ import os
 import re
 import uuid
 
-from core.errors import BadInput
+from core.errors import BadInput, quoted
 from core.paths import safe_run_name
 
 STEP_DIGITS = 8
@@ -31,12 +31,15 @@ MAX_PARTS = 99999  # five digits in a part's manifest name
 
 MAX_ATTEMPT = 64  # characters of an attempt name
 ATTEMPT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-_ATTEMPT = re.compile(f"^{ATTEMPT_PATTERN}$")
-_STEP_DIR = re.compile(f"^step-(?P<step>\\d{{8,}})(?:@(?P<attempt>{ATTEMPT_PATTERN}))?$")
-_MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
-_STAGING = re.compile(r"^" + re.escape(STAGING_MARK) + r"(?P<pid>\d+)-[0-9a-f]{8}-.")
+_ATTEMPT = re.compile(f"^{ATTEMPT_PATTERN}$", re.ASCII)
+_NUMBER = re.compile(r"-?[0-9]+")  # ASCII digits: not what int() also takes
+# re.ASCII: a name's digits are ASCII ones (``\d`` alone also matches full-width digits, which int() reads)
+_STEP_DIR = re.compile(f"^step-(?P<step>\\d{{8,}})(?:@(?P<attempt>{ATTEMPT_PATTERN}))?$", re.ASCII)
+_MANIFEST = re.compile(r"^manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$", re.ASCII)
+_STAGING = re.compile(r"^" + re.escape(STAGING_MARK) + r"(?P<pid>\d+)-[0-9a-f]{8}-.", re.ASCII)
 _MANIFEST_KEY = re.compile(
-    r"^(?P<run>[^/]+)/(?P<dir>step-[^/]+)/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$")
+    r"^(?P<run>[^/]+)/(?P<dir>step-[^/]+)/manifest(?:\.part-(?P<part>\d{5})-of-(?P<parts>\d{5}))?\.json$",
+    re.ASCII)
 
 
 def check_ref(step: int, part: int = 0, parts: int = 1) -> None:
@@ -59,6 +62,28 @@ def check_attempt(attempt: str) -> str:
         raise BadInput(f"invalid attempt {attempt[:80]!r}: an attempt is 1..{MAX_ATTEMPT} of A-Z a-z 0-9 . _ - "
                        "starting with a letter or digit")
     return attempt
+
+
+def parse_number(value: object, what: str = "step") -> int:
+    """A step, part or part count as it arrives from outside (an event's text, a CLI argument,
+    a JSON number): an ``int`` as it is, text only when it is ASCII digits (a leading ``-`` is
+    read, for ``check_ref`` to refuse as out of range). ``BadInput`` otherwise: ``int()`` alone
+    would take ``'1_00'``, ``'100\\n'`` or full-width digits as 100. The one parser for
+    every place a checkpoint reference arrives as text."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        if len(value) > 40:  # past any bound, and past what int() converts from text at all
+            raise BadInput(f"{what} {quoted(value)} is out of range")
+        return int(value)
+    raise BadInput(f"{what} {quoted(value)} is not a number: use ASCII digits only")
+
+
+def parse_ref(step: object, part: object = 0, parts: object = 1) -> tuple[int, int, int]:
+    """``(step, part, parts)`` parsed (``parse_number``) and in range (``check_ref``)."""
+    ref = parse_number(step), parse_number(part, "part"), parse_number(parts, "parts")
+    check_ref(*ref)
+    return ref
 
 
 def checkpoint_dirname(step: int, attempt: str = "") -> str:

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
-from core.errors import PathEscape
+from core.errors import PathEscape, quoted
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -14,7 +14,8 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 def safe_run_name(run: str) -> str:
     """A run name usable as one path segment on every tier; raises ``PathEscape`` otherwise."""
     if not isinstance(run, str) or not _RUN_RE.fullmatch(run) or ".." in run:
-        raise PathEscape(f"invalid run name {run!r}: use letters, digits, '.', '_' or '-'")
+        raise PathEscape(f"invalid run name {quoted(run)}: use letters, digits, '.', '_' or '-' "
+                         "(at most 128 characters)")
     return run
 
 

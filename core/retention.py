@@ -27,6 +27,7 @@ keeps and nothing holds is *retired*: recorded first, then every copy goes.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,7 +245,9 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
         keeps[c.step].append("keep_last")
     metric = policy.metric
     if policy.top_k and metric:
-        scored = [c for c in held if metric in c.metrics]
+        # a non-finite value (a diverged run's NaN, an overflow's inf) ranks nowhere: it never
+        # makes a checkpoint best, and never pushes a finite one out of the top k
+        scored = [c for c in held if math.isfinite(c.metrics.get(metric, math.nan))]
         scored.sort(key=lambda c: c.metrics[metric], reverse=policy.metric_mode == "max")
         for c in scored[: policy.top_k]:
             keeps[c.step].append(f"top_k {metric}")

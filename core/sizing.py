@@ -117,6 +117,12 @@ def measured(run: str, saves: list[tuple[datetime, float]]) -> RunFigure | None:
     return RunFigure(run, len(saves), median(stalls), median(gaps) if gaps else None, dmfu)
 
 
+def fmt_metrics(metrics: Mapping[str, float]) -> str:
+    """``grad_norm=inf, loss=nan, lr=0.0003``: by name, a non-finite value as ``nan``/``inf``/``-inf``
+    (a diverged run's checkpoint shows what it recorded)."""
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(metrics.items()))
+
+
 def fmt_bytes(n: float) -> str:
     """Decimal units with three significant figures: 980 GB, 1.23 TB, 50.0 MB."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):

@@ -7,6 +7,8 @@ comment next to it). Times are stored in UTC and always come back timezone-aware
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import ClassVar
 
@@ -64,6 +66,32 @@ class UTCDateTime(TypeDecorator):
         return value.astimezone(UTC)
 
 
+def encode_metrics(metrics: Mapping[str, float]) -> dict[str, float | str]:
+    """Metrics as the JSON column holds them: a non-finite value as the string ``"nan"``,
+    ``"inf"`` or ``"-inf"``, since JSON has no token for it (PostgreSQL's ``json`` refuses
+    Python's ``NaN``). A diverged run's checkpoint is still a checkpoint and must be recorded."""
+    return {k: v if math.isfinite(v) else repr(float(v)) for k, v in metrics.items()}
+
+
+def decode_metrics(stored: Mapping[str, float | str] | None) -> dict[str, float]:
+    """``encode_metrics`` undone: every metric a float again, the non-finite ones included."""
+    return {k: float(v) for k, v in (stored or {}).items()}
+
+
+class Metrics(TypeDecorator):
+    """A checkpoint's metrics in a JSON column, non-finite values included (``encode_metrics``):
+    the one place where they are encoded and decoded, whatever reads or writes the column."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        return None if value is None else encode_metrics(value)
+
+    def process_result_value(self, value, dialect):
+        return None if value is None else decode_metrics(value)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     __table__: ClassVar[Table]  # every model here maps one table (SQLAlchemy types it as any FromClause)
@@ -107,7 +135,7 @@ class Checkpoint(Base):
     parts_registered: Mapped[int] = mapped_column(Integer)
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     file_count: Mapped[int] = mapped_column(Integer)
-    metrics: Mapped[dict] = mapped_column(JSON)
+    metrics: Mapped[dict] = mapped_column(Metrics)
     tags: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

@@ -23,6 +23,7 @@ from core.policy import milestone_marks
 from db.attempts import standing
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_SUPERSEDED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
+from db.models import encode_metrics
 from db.rows import (
     add_audit,
     audit,
@@ -219,7 +220,7 @@ def _insert_new_pg(conn: Connection, run: Row, first: dict[str, Any], m: Manifes
     """``_NEW_CHECKPOINT_PG``: the new checkpoint's id, or None if (run, step) is recorded."""
     note = _register_audit(m, None, first["state"], now, actor)
     row = conn.exec_driver_sql(_NEW_CHECKPOINT_PG, dict(
-        first, metrics=json.dumps(first["metrics"]), tags=json.dumps(first["tags"]), part=m.part,
+        first, metrics=json.dumps(encode_metrics(first["metrics"])), tags=json.dumps(first["tags"]), part=m.part,
         node=m.node or None, digest=digest, now=now, algorithm=m.algorithm, paths=[f.path for f in m.files],
         sizes=[f.size for f in m.files], checksums=[f.checksum for f in m.files], actor=actor,
         subject=note["subject"], action=note["action"], reason=note["reason"], run=m.run)).one_or_none()
@@ -268,7 +269,9 @@ def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
     ids = list(conn.exec_driver_sql(
         "SELECT nextval(pg_get_serial_sequence('checkpoints', 'id')) FROM generate_series(1, %(n)s)",
         {"n": len(rows)}).scalars())
-    _bulk(conn, checkpoints, [dict(r, id=i) for r, i in zip(rows, ids, strict=True)])
+    # COPY bypasses the column's type: its metrics encoded here, as ``Metrics`` does for a statement
+    _bulk(conn, checkpoints,
+          [dict(r, id=i, metrics=encode_metrics(r["metrics"])) for r, i in zip(rows, ids, strict=True)])
     return ids
 
 

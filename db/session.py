@@ -7,7 +7,10 @@ on success, rolls back on any error, and maps database failures onto the project
   server gone, SQLite "database is locked", PostgreSQL lock timeout, serialization failure,
   deadlock) -> ``CatalogUnavailable`` (transient: a retry may succeed);
 - ``IntegrityError`` (a unique or foreign key the caller's request contradicts) -> ``ConflictError``
-  (permanent).
+  (permanent);
+- a value the database or its driver refuses (``DataError``: too long, out of range, not valid
+  JSON; an ``OverflowError`` from the driver; an error binding a value) -> ``ValueRefused``
+  (permanent bad input: a registration records it as a rejection instead of retrying forever).
 
 Because the whole method is one transaction, nothing is half-written after either.
 
@@ -39,9 +42,17 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DataError,
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    StatementError,
+)
 
-from core.errors import CatalogUnavailable, ConfigError, ConflictError
+from core.errors import CatalogUnavailable, ConfigError, ConflictError, ValueRefused
 from core.settings import redact_url
 
 DEFAULT_BUSY_TIMEOUT_S = 30.0
@@ -237,13 +248,21 @@ def transaction(engine: Engine, *, write: bool = True) -> Iterator[Connection]:
                             f"{_first_line(exc)}") from exc
     except (OperationalError, InterfaceError) as exc:
         raise CatalogUnavailable(f"catalog temporarily unavailable: {_first_line(exc)}") from exc
+    except DataError as exc:
+        raise ValueRefused(f"the catalog refused a value: {_first_line(exc)}") from exc
     except DBAPIError as exc:
         if exc.connection_invalidated:
             raise CatalogUnavailable(f"catalog connection lost: {_first_line(exc)}") from exc
         raise
+    except StatementError as exc:  # raised while a value was bound, before the database saw it
+        if isinstance(exc.orig, (ValueError, TypeError, OverflowError)):
+            raise ValueRefused(f"the catalog refused a value: {_first_line(exc)}") from exc
+        raise
+    except OverflowError as exc:  # the driver's own (sqlite3: an int past 64 bits), not wrapped
+        raise ValueRefused(f"the catalog refused a value: {exc}") from exc
 
 
-def _first_line(exc: DBAPIError) -> str:
+def _first_line(exc: StatementError) -> str:
     text = str(exc.orig) if exc.orig is not None else str(exc)
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 

@@ -54,6 +54,7 @@ from typing import Any
 from core import events, progress
 from core.errors import BadEvent
 from core.events import Announcer, announcing
+from core.layout import parse_number
 from core.settings import Settings
 from deployments import names
 from deployments.fast_path import LoopThread, process_context, watch_stall
@@ -181,8 +182,8 @@ class PartEvents:
     def submit(self, payload: Mapping[str, Any]) -> Future:
         """Queue the promotion of the part ``payload`` (a completed event's) names."""
         with suppress(Exception), self._lock:  # a malformed payload is promote's to reject
-            self._known.add((str(payload["run"]), int(payload["step"]), int(payload.get("part", 0)),
-                             str(payload.get("attempt") or "")))
+            self._known.add((str(payload["run"]), parse_number(payload["step"]),
+                             parse_number(payload.get("part", 0), "part"), str(payload.get("attempt") or "")))
         ctx = contextvars.copy_context()
         future = self._executor.submit(ctx.run, self.promote, dict(payload))
         self.done = [*self.done[-63:], future]

@@ -5,6 +5,7 @@ any artifact (``post_artifact``) posted from the current flow run, best effort, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,9 +26,16 @@ def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> Non
     def post() -> None:
         from prefect.artifacts import create_table_artifact
 
-        create_table_artifact(rows or [{"result": "nothing"}], key=key, description=description)
+        create_table_artifact([{k: _cell(v) for k, v in r.items()} for r in rows] or [{"result": "nothing"}],
+                              key=key, description=description)
 
     post_artifact(key, post)
+
+
+def _cell(value: Any) -> Any:
+    """A table cell as the UI shows it: a non-finite number as ``nan``/``inf``/``-inf`` (JSON has
+    no token for it; Prefect would blank it)."""
+    return repr(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def post_artifact(key: str, post: Callable[[], Any]) -> None:

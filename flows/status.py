@@ -48,6 +48,7 @@ class RunStatus:
     generated_at: datetime | None = None
     stalls_windowed: bool = False  # the figure covers the newest saves only (the run recorded more)
     drills: list[DrillResult] = field(default_factory=list)  # newest first
+    metrics: dict[str, float] = field(default_factory=dict)  # the newest checkpoint's (``newest_step``)
 
 
 def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
@@ -69,7 +70,8 @@ def gather(cat: Catalog, run: str, *, now: datetime | None = None) -> RunStatus:
     head = recent[-1].step if recent else None
     lineage = cat.ancestors(run, head, max_depth=500) if head is not None else []
     return RunStatus(run, newest, ttd, figure, head, lineage, cat.count_checkpoints(run), now,
-                     stalls_windowed=len(stalls) > STALL_WINDOW, drills=cat.drills(run, DRILLS))
+                     stalls_windowed=len(stalls) > STALL_WINDOW, drills=cat.drills(run, DRILLS),
+                     metrics=recent[-1].metrics if recent else {})
 
 
 def _when(t: datetime | None) -> str:
@@ -84,6 +86,8 @@ def status_markdown(s: RunStatus) -> str:
     out += ["## Newest verified checkpoint per tier", "", "| tier | step | verified at |", "|---|---:|---|"]
     out += [f"| {TIER_NAMES[n.tier]} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
             for n in s.newest]
+    if s.metrics:
+        out += ["", f"Metrics of the newest checkpoint (step {s.newest_step}): {sizing.fmt_metrics(s.metrics)}"]
     out += ["", "## Time to durable (commit → every part verified on Tier 1)", ""]
     if s.time_to_durable:
         secs = [t for _, t in s.time_to_durable]

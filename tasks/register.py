@@ -18,8 +18,17 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from core import events
-from core.errors import AlreadyRejected, BadEvent, BadInput, ConflictError, CorruptCheckpoint, NotFound, UnknownRun
-from core.layout import MAX_STEP, check_attempt, check_ref, checkpoint_prefix
+from core.errors import (
+    AlreadyRejected,
+    BadEvent,
+    BadInput,
+    ConflictError,
+    CorruptCheckpoint,
+    NotFound,
+    UnknownRun,
+    quoted,
+)
+from core.layout import MAX_STEP, check_attempt, check_ref, checkpoint_prefix, parse_ref
 from core.manifest import Manifest
 from core.manifest_build import read_attempt_digest
 from core.paths import safe_run_name
@@ -144,12 +153,10 @@ def checkpoint_args(run: Any, step: Any, part: Any = 0, parts: Any = 1) -> tuple
     """Typed (run, step, part, parts) from values as an event delivers them (trigger templates
     render strings); ``BadEvent`` saying what is wrong otherwise."""
     try:
-        typed = (safe_run_name(str(run)), int(str(step)), int(str(part)), int(str(parts)))
-        check_ref(*typed[1:])
-    except (ValueError, BadInput) as exc:
-        raise BadEvent(f"malformed checkpoint reference run={run!r} step={step!r} part={part!r} "
-                       f"parts={parts!r}: {exc}") from None
-    return typed
+        return (safe_run_name(str(run)), *parse_ref(step, part, parts))
+    except BadInput as exc:
+        raise BadEvent(f"malformed checkpoint reference run={quoted(run)} step={quoted(step)} part={quoted(part)} "
+                       f"parts={quoted(parts)}: {exc}") from None
 
 
 def attempt_arg(attempt: Any) -> str:
@@ -161,10 +168,11 @@ def attempt_arg(attempt: Any) -> str:
         raise BadEvent(f"malformed checkpoint reference: {exc}") from None
 
 
-def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = "cli") -> None:
-    """Audit a malformed request (``what`` names it) as a rejection in the catalog."""
+def reject_event(settings: Settings, what: str, exc: Exception, *, actor: str = "cli", source: str = "event") -> None:
+    """Audit a malformed request (``what`` names it; ``source``: ``event`` or ``cli``) as a
+    rejection in the catalog."""
     with open_catalog(settings.catalog_url) as cat:
-        _reject(cat, f"event:{what}", exc, actor=actor, run=None, step=None)
+        _reject(cat, f"{source}:{what}", exc, actor=actor, run=None, step=None)
 
 
 def _reject(cat: Catalog, subject: str, exc: Exception, *, actor: str, run: str | None, step: Any) -> None:

@@ -591,7 +591,7 @@ def _sweep_stages(cat: Catalog, dst: LocalStore, ck: CheckpointInfo, part: int, 
                           f"{len(dead)} stage folder(s) of part {part}: left by a resume's fetch that died ({label})")
 
 
-_STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>\d{5})$")
+_STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>\d{5})$", re.ASCII)
 
 
 def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -17,12 +18,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from ckpt.args import step_arg
 from ckpt.tables import actor_role, table as fold_table
-from core.errors import BadInput, NotFound
-from core.sizing import fmt_bytes
+from core.errors import BadArgument, NotFound, quoted
+from core.sizing import fmt_bytes, fmt_metrics
 from db.entities import TIER_NAMES, AuditEntry, LineageEdge, ReplicaInfo
 
 JSON_OPT = typer.Option(False, "--json", help="print JSON (stable field names) instead of a table")
+STEP = typer.Argument(..., parser=step_arg, help="checkpoint step")
 out = Console()
 
 
@@ -53,6 +56,8 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # "nan", "inf", "-inf": JSON has no token for them (as the catalog stores them)
     return value
 
 
@@ -88,7 +93,7 @@ def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json
     out.print(table if ckpts else "no checkpoints recorded")
 
 
-def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def show_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """One checkpoint: its record, replicas, pins, aliases, parents and history (every state
     change with its actor and reason, oldest first)."""
     with _catalog() as cat:
@@ -107,7 +112,7 @@ def show_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
     out.print(f"created {_when(ck.created_at)}, committed {_when(ck.committed_at)}, writer stall "
               f"{'-' if ck.writer_stall_seconds is None else f'{ck.writer_stall_seconds:.3f} s'}")
     if ck.metrics:
-        out.print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(ck.metrics.items())))
+        out.print("metrics: " + fmt_metrics(ck.metrics))
     if pinned or names:
         out.print("kept by: " + ", ".join((["pin"] if pinned else []) + [f"alias {a}" for a in names]))
     for e in parents:
@@ -168,7 +173,7 @@ def parse_since(text: str) -> datetime:
     try:
         t = datetime.fromisoformat(text)
     except ValueError:
-        raise BadInput(f"--since {text!r}: use 30m, 2h, 7d or an ISO-8601 time") from None
+        raise BadArgument(f"--since {quoted(text)}: use 30m, 2h, 7d or an ISO-8601 time") from None
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
@@ -189,7 +194,7 @@ def _replica_table(reps: Iterable[ReplicaInfo]) -> Table:
     return table
 
 
-def locate_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def locate_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """Where every replica of a checkpoint is, and in what state."""
     with _catalog() as cat:
         reps = cat.replicas(cat.get_checkpoint(run, step).id)
@@ -220,7 +225,7 @@ def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only cop
         out.print(f"  {_tiers([loc.tier])}  verified {_when(loc.verified_at)}  {', '.join(loc.urls)}")
 
 
-def lineage_cmd(run: str, step: int,
+def lineage_cmd(run: str, step: int = STEP,
                 descendants: bool = typer.Option(False, "--descendants", help="walk down instead of up"),
                 depth: int = typer.Option(1000, "--depth", help="how many edges deep"),
                 as_json: bool = JSON_OPT) -> None:
@@ -267,7 +272,7 @@ def lineage_tree(run: str, step: int, edges: Sequence[LineageEdge], *, descendan
     return root
 
 
-def pin_cmd(run: str, step: int, reason: str = typer.Option(None, "--reason", help="why it must be kept"),
+def pin_cmd(run: str, step: int = STEP, reason: str = typer.Option(None, "--reason", help="why it must be kept"),
             as_json: bool = JSON_OPT) -> None:
     """Keep a checkpoint on every tier, whatever retention says."""
     with _catalog() as cat:
@@ -275,7 +280,7 @@ def pin_cmd(run: str, step: int, reason: str = typer.Option(None, "--reason", he
     _done(run, step, True, as_json)
 
 
-def unpin_cmd(run: str, step: int, as_json: bool = JSON_OPT) -> None:
+def unpin_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     """Let retention decide about this checkpoint again."""
     with _catalog() as cat:
         cat.unpin(run, step, actor="cli")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from ckpt.args import checkpoint_ref, part_arg, parts_arg, step_arg
 from ckpt.commands.ops import _run_step
 
 
@@ -17,12 +18,12 @@ def register(app: typer.Typer) -> None:
 def commit_cmd(
     directory: Path = typer.Argument(..., help="the checkpoint folder the job wrote"),
     run: str = typer.Option(..., "--run", help="the run it belongs to"),
-    step: int = typer.Option(..., "--step", min=0, help="its training step"),
+    step: int = typer.Option(..., "--step", parser=step_arg, help="its training step"),
     milestone: bool = typer.Option(False, "--milestone", help="tag it a milestone (archived to Tier 2)"),
     epoch_end: bool = typer.Option(False, "--epoch-end", help="it closes an epoch"),
     parent: str = typer.Option(None, "--parent", help="RUN:STEP it was resumed from"),
-    part: int = typer.Option(0, "--part", help="this node's part (multi-node checkpoints)"),
-    parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
+    part: int = typer.Option(0, "--part", parser=part_arg, help="this node's part (multi-node checkpoints)"),
+    parts: int = typer.Option(1, "--parts", parser=parts_arg, help="how many parts the checkpoint has"),
     attempt: str = typer.Option(None, "--attempt", help="the job's attempt (default: CKPT_ATTEMPT, torchrun's or "
                                 "Slurm's ids, else the unnamed one)"),
     announce: bool = typer.Option(True, "--announce/--no-announce",
@@ -36,10 +37,11 @@ def commit_cmd(
     from ckpt.commit import commit_folder  # deferred: start-up — pydantic-settings (core.settings)
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
+    checkpoint_ref(step, part, parts)
+    origin = _run_step(parent) if parent else None
     settings = load_settings()
     done = commit_folder(directory, run, step, settings, milestone=milestone, epoch_end=epoch_end,
-                         parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce,
-                         attempt=attempt)
+                         parent=origin, part=part, parts=parts, announce=announce, attempt=attempt)
     m = done.saved.manifest
     typer.echo(f"committed {m.run} step {m.step} part {m.part}/{m.parts} ({m.format}, {m.kind}, "
                f"{len(m.files)} files) -> {done.saved.path / m.name}")

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
+from ckpt.args import part_arg, parts_arg, step_arg
 from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
 from core import sizing
-from core.errors import BadInput
+from core.errors import BadArgument, BadInput, quoted
 from core.paths import safe_run_name
 from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure, fmt_bytes, fmt_percent, fmt_seconds
 
@@ -68,9 +69,9 @@ def plan_cmd(
     orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis) and
     the cluster size that saturates it."""
     if params is not None and size is not None:
-        raise BadInput("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
+        raise BadArgument("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
     if params is None and size is None and nodes is None:
-        raise BadInput("give --params (e.g. 70B), --size (e.g. 980GB) or --nodes (e.g. 64)")
+        raise BadArgument("give --params (e.g. 70B), --size (e.g. 980GB) or --nodes (e.g. 64)")
     secs = sizing.parse_duration(interval)
     plans: list[sizing.Plan] = []
     volume = (sizing.parse_size(size) if size is not None
@@ -305,8 +306,8 @@ def watch_cmd(
     marker: str = typer.Option("COMMITTED", "--marker", help="file the job writes when a folder is complete"),
     interval: float = typer.Option(2.0, "--interval", help="seconds between scans"),
     once: bool = typer.Option(False, "--once", help="scan once and exit"),
-    part: int = typer.Option(0, "--part"),
-    parts: int = typer.Option(1, "--parts"),
+    part: int = typer.Option(0, "--part", parser=part_arg),
+    parts: int = typer.Option(1, "--parts", parser=parts_arg),
     milestone_every: int = typer.Option(None, "--milestone-every", min=1,
                                         help="tag every step that is a multiple of N a milestone (Tier 2)"),
     milestone_marker: str = typer.Option("MILESTONE", "--milestone-marker",
@@ -436,6 +437,6 @@ def run_register_cmd(
 
 def _run_step(text: str) -> tuple[str, int]:
     run, sep, step = text.rpartition(":")
-    if not sep or not step.isdigit():
-        raise BadInput(f"expected RUN:STEP, got {text!r}")
-    return safe_run_name(run), int(step)
+    if not sep:
+        raise BadArgument(f"expected RUN:STEP, got {quoted(text)}")
+    return safe_run_name(run), step_arg(step)

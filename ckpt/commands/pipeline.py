@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
+from ckpt.args import checkpoint_ref, part_arg, parts_arg, step_arg
 from ckpt.tables import table as fold_table
-from core.errors import BadInput, CkptError
-from core.layout import check_ref
+from core.errors import CkptError
 from core.progress import observe
 from deployments.names import promote_deployment
 
@@ -54,9 +54,9 @@ def prefect_configured(settings: Any) -> bool:
 
 def promote_cmd(
     run: str = typer.Option(..., "--run", help="training run"),
-    step: int = typer.Option(..., "--step", help="checkpoint step"),
-    part: int = typer.Option(0, "--part", help="this node's part (0-based)"),
-    parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
+    step: int = typer.Option(..., "--step", parser=step_arg, help="checkpoint step"),
+    part: int = typer.Option(0, "--part", parser=part_arg, help="this node's part (0-based)"),
+    parts: int = typer.Option(1, "--parts", parser=parts_arg, help="how many parts the checkpoint has"),
     node: str = typer.Option(None, "--node", help="node holding the part's Tier 0 (default: settings)"),
     attempt: str = typer.Option("", "--attempt", help="the attempt that saved it (its folder's @ATTEMPT)"),
     here: bool = typer.Option(False, "--here", help="run the flow in this process"),
@@ -66,10 +66,7 @@ def promote_cmd(
     """Promote a checkpoint part: verify on Tier 0, copy to Tier 1, then archive and prune."""
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
 
-    try:
-        check_ref(step, part, parts)
-    except BadInput as exc:
-        raise BadInput(f"invalid --step/--part/--parts: {exc}") from None
+    checkpoint_ref(step, part, parts)
     settings = load_settings(**({"node": node} if node else {}))
     if here and not prefect_configured(settings):
         from flows.common import plain_steps  # deferred: start-up — Prefect, SQLAlchemy

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from ckpt.args import step_arg
 from ckpt.tables import table as fold_table
 from core.errors import BadInput
 
@@ -29,7 +30,7 @@ def register(app: typer.Typer) -> None:
 def restore_cmd(
     run: str = typer.Argument(..., help="training run"),
     to: Path = typer.Option(..., "--to", help="destination folder (absent or empty); filled atomically"),
-    step: int = typer.Option(None, "--step", help="restore this step (default: the newest verified)"),
+    step: int = typer.Option(None, "--step", parser=step_arg, help="restore this step (default: the newest verified)"),
     tier: list[int] = typer.Option(None, "--tier", help="only these tiers, in this order (default 0 1 2)"),
     fallback: bool = typer.Option(None, "--fallback/--no-fallback",
                                   help="fall back to an older checkpoint when none of this one's copies is good "

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
+from ckpt.args import part_arg, parts_arg
 from core import events
-from core.errors import BadInput
+from core.errors import BadArgument, quoted
 
 
 def register(app: typer.Typer) -> None:
@@ -17,8 +18,8 @@ def register(app: typer.Typer) -> None:
 
 def resume_cmd(
     run: str = typer.Argument(..., help="training run"),
-    part: int = typer.Option(None, "--part", help="this node's part (default: every part)"),
-    parts: int = typer.Option(None, "--parts", help="how many parts the job has"),
+    part: int = typer.Option(None, "--part", parser=part_arg, help="this node's part (default: every part)"),
+    parts: int = typer.Option(None, "--parts", parser=parts_arg, help="how many parts the job has"),
     to: Path = typer.Option(None, "--to", help="fetch into this folder (absent or empty) instead of Tier 0"),
     verify: str = typer.Option("size", "--verify", help="size (default) or full: read every byte back"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
@@ -34,7 +35,7 @@ def resume_cmd(
     from tasks.resume import resume  # deferred: start-up — SQLAlchemy, Alembic
 
     if verify not in ("size", "full"):
-        raise BadInput(f"--verify must be size or full, not {verify!r}")
+        raise BadArgument(f"--verify must be size or full, not {quoted(verify)}")
     settings = load_settings()
     with events.announcing(to_prefect_api(settings)):
         point = resume(settings, run, part=part, parts=parts, to=to, verify=verify,  # type: ignore[arg-type]

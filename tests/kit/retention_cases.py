@@ -4,7 +4,8 @@ the expected plan, for the pure rule (unit test) and for the catalog (integratio
 A case: ``now``, ``policies`` (tier -> RetentionPolicy fields), ``milestones``, ``tier2_on``,
 ``keep_parents``, ``checkpoints`` (run, step, ``tiers`` holding every part, or ``replicas`` as
 [tier, part] pairs, and optional kind, tags, metrics, parts, age_days, pinned, aliases,
-children, state, locked_until of its Tier 2 copy) and ``expect``: ``"run/step"`` ->
+children, state, locked_until of its Tier 2 copy; a metric may be ``"nan"``, ``"inf"`` or
+``"-inf"``, as the catalog stores a non-finite one) and ``expect``: ``"run/step"`` ->
 ``"keep|retire: reason"`` and ``"run/step tier T[ part P]"`` -> ``"keep|demote|retire: reason"``,
 one line per decision of the plan (the whole plan, nothing left out).
 """
@@ -45,6 +46,10 @@ def replica_pairs(c: dict) -> list[tuple[int, int]]:
     return [(t, p) for t in c.get("tiers", []) for p in range(c.get("parts", 1))]
 
 
+def metrics_of(c: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in c.get("metrics", {}).items()}
+
+
 def lock_of(c: dict) -> datetime | None:
     return datetime.fromisoformat(c["locked_until"]) if c.get("locked_until") else None
 
@@ -58,7 +63,7 @@ def facts_of(case: dict) -> list[CheckpointFacts]:
                                   locked_until=lock_of(c) if t == 2 else None) for t, p in replica_pairs(c))
         out.append(CheckpointFacts(run=c["run"], step=c["step"], created_at=at, committed_at=at,
                                    parts=c.get("parts", 1), kind=c.get("kind", "step"), tags=c.get("tags", {}),
-                                   metrics=c.get("metrics", {}), state=c.get("state", "committed"), replicas=reps,
+                                   metrics=metrics_of(c), state=c.get("state", "committed"), replicas=reps,
                                    pinned=c.get("pinned", False), aliases=tuple(c.get("aliases", ())),
                                    children=tuple(c.get("children", ()))))
     return out

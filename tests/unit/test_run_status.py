@@ -43,6 +43,12 @@ def test_status_markdown_has_every_section():
     assert "`run-b` steps 300..500 (3) ← *resumed from* `run-a` steps 100..200 (2)" in md
 
 
+def test_status_markdown_shows_a_diverged_checkpoint_s_metrics_as_nan_and_inf():
+    diverged = {"loss": float("nan"), "grad_norm": float("inf"), "lr": 3e-4}
+    md = status_markdown(_status(newest_step=500, metrics=diverged))
+    assert "Metrics of the newest checkpoint (step 500): grad_norm=inf, loss=nan, lr=0.0003" in md
+
+
 def test_status_markdown_of_a_new_run():
     md = status_markdown(_status(newest=[TierNewest(t, None) for t in (0, 1, 2)], time_to_durable=[],
                                  figure=None, newest_step=None, lineage=[], checkpoints=0))

@@ -114,6 +114,7 @@ def test_a_bad_folder_is_skipped_and_the_watcher_goes_on(settings_factory, tmp_p
 def test_completion_and_step_rules(tmp_path):
     assert step_of("checkpoint-1200") == 1200 and step_of("global_step7") == 7 and step_of("step-00000042") == 42
     assert step_of("tmp-checkpoint-5") is None and step_of("logs") is None and step_of(".staging-3") is None
+    assert step_of("checkpoint-\uff11\uff10\uff10") is None  # full-width digits are no step
     half = tmp_path / "c"
     half.mkdir()
     (half / "model.safetensors.index.json").write_text('{"weight_map": {"a": "s1.safetensors"')

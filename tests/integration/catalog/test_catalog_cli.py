@@ -133,3 +133,35 @@ def test_tables_fold_long_run_names_and_history_reads_who_acted(cli, catalog):
     doc = json.loads(cli("show", LONG_RUN, "10", "--json"))
     assert "reconcile/node-0 flow-run:0b8f6a52-2f7e-4c41-9d1c-1f1d9c4e9a10" in [h["actor"] for h in doc["history"]]
     assert "event agent:node-3 pid:4242" in [h["actor"] for h in doc["history"]]
+
+
+def test_a_diverged_checkpoint_shows_nan_and_inf(cli, catalog):
+    """``show`` prints a non-finite metric as ``nan``/``inf``; its ``--json`` stays JSON a strict
+    parser reads (no ``NaN`` token), the value as the string ``"nan"``/``"inf"``."""
+    checkpoint(catalog, "base", 10, metrics={"loss": float("nan"), "grad_norm": float("inf"), "lr": 0.5})
+    shown = cli("show", "base", "10", "--json")
+    doc = json.loads(shown, parse_constant=lambda token: pytest.fail(f"{token} is not JSON"))
+    assert doc["checkpoint"]["metrics"] == {"loss": "nan", "grad_norm": "inf", "lr": 0.5}
+    assert "metrics: grad_norm=inf, loss=nan, lr=0.5" in cli("show", "base", "10")
+
+
+def test_a_bad_argument_is_one_line_and_a_recorded_rejection(cli, catalog, monkeypatch, capsys, tmp_path):
+    """A step that is not ASCII digits (``int()`` takes ``1_0``, ``10\\n`` and full-width digits
+    as 10), one out of range, a malformed RUN:STEP: exit 2, one line, and each is in the
+    catalog's audit as a rejection of the command line, as a malformed event is."""
+    _story(catalog)
+    bad = (["show", "base", "\uff11\uff10"], ["pin", "base", "1_0"], ["locate", "base", "10\n"],
+           ["promote", "--run", "base", "--step", "-1"], ["promote", "--run", "base", "--step", "10", "--part", "+0"],
+           ["commit", str(tmp_path), "--run", "base", "--step", "30", "--parent", "base:\uff11\uff10"],
+           ["restore", "base", "--to", str(tmp_path / "out"), "--step", "1e1"])
+    for argv in bad:
+        monkeypatch.setattr(sys, "argv", ["ckpt", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2, argv
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not catalog.is_pinned("base", 10)
+    rejected = [a for a in catalog.audit_log(limit=50) if a.action == "reject"]
+    assert sorted(a.subject for a in rejected) == sorted(
+        "cli:" + " ".join(argv).encode("unicode_escape").decode() for argv in bad)

@@ -6,7 +6,7 @@ import psycopg
 import pytest
 from sqlalchemy import insert
 
-from core.errors import CatalogUnavailable, ConflictError, NotFound, is_transient
+from core.errors import CatalogUnavailable, ConflictError, NotFound, ValueRefused, is_transient
 from db.catalog import Catalog
 from db.entities import CORRUPT, VERIFIED
 from db.models import Run
@@ -45,3 +45,16 @@ def test_failure_midway_leaves_nothing_half_written(catalog):
     assert catalog.list_checkpoints("r") == []
     assert catalog.history("r", 1) == []
     assert catalog.register_part(manifest("r", 1), actor="t").file_count == 2
+
+
+
+@pytest.mark.parametrize("values", [dict(step=2**63), dict(run="r" * 300)], ids=["bigint", "varchar"])
+def test_a_value_the_database_refuses_is_permanent_bad_input(catalog, values):
+    """An out-of-range number (OverflowError on SQLite, DataError on PostgreSQL) or a string past
+    its column (PostgreSQL; SQLite keeps it) is ``ValueRefused``: bad input, never retried."""
+    if catalog.engine.dialect.name == "sqlite" and "run" in values:
+        pytest.skip("SQLite does not bound text")
+    with pytest.raises(ValueRefused, match="the catalog refused a value") as err:
+        catalog.record_rejection("event:hostile", "a test", actor="test", **values)
+    assert not is_transient(err.value) and "\n" not in str(err.value)
+    assert not [a for a in catalog.audit_log(limit=10) if a.subject == "event:hostile"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -206,3 +207,24 @@ def test_a_new_part_is_two_statements_on_postgresql(catalog):
     with pytest.raises(ConflictError):
         catalog.register_part(manifest("r", 20, n_files=3, salt="other"), actor="t")
     assert len(catalog.files(ck.id)) == 3 and len(catalog.history("r", 20)) == 1
+
+
+def test_non_finite_metrics_are_recorded_and_read_back_as_floats(catalog):
+    """A diverged run's checkpoint (loss NaN) is recorded on every backend, whichever way it is
+    registered (one part, a merged second part, a batch), and reads back NaN and inf, not text."""
+    weird = {"loss": math.nan, "grad_norm": math.inf, "margin": -math.inf, "lr": 0.5}
+    catalog.ensure_run("r")
+    verified(catalog, catalog.register_part(manifest("r", 100, metrics=weird), actor="test").id, 1)
+    catalog.register_part(manifest("r", 200, part=0, parts=2, metrics={"loss": 0.25}), actor="test")
+    catalog.register_part(manifest("r", 200, part=1, parts=2, metrics={"acc": math.nan}), actor="test")
+    catalog.register_many([manifest("r", 300, metrics=weird), manifest("r", 400, metrics=weird)], actor="test")
+
+    def same(metrics: dict[str, float], expected: dict[str, float]) -> bool:
+        return metrics.keys() == expected.keys() and all(
+            isinstance(v, float) and (v == expected[k] or (math.isnan(v) and math.isnan(expected[k])))
+            for k, v in metrics.items())
+
+    for step in (100, 300, 400):
+        assert same(catalog.get_checkpoint("r", step).metrics, weird), step
+    assert same(catalog.get_checkpoint("r", 200).metrics, {"loss": 0.25, "acc": math.nan})
+    assert same({f.step: f.metrics for f in catalog.retention_facts()}[100], weird)  # what retention ranks

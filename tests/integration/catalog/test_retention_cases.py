@@ -21,6 +21,7 @@ from tests.kit.retention_cases import (
     case_files,
     load,
     lock_of,
+    metrics_of,
     now_of,
     parts_of,
     rendered,
@@ -35,7 +36,7 @@ def _fill(cat: Catalog, url: str, case: dict) -> None:
         cat.ensure_run(c["run"])
         for p in range(c.get("parts", 1)):
             m = replace(manifest(c["run"], c["step"], part=p, parts=c.get("parts", 1), kind=c.get("kind", "step"),
-                                 metrics=c.get("metrics")), tags=c.get("tags", {}))
+                                 metrics=metrics_of(c)), tags=c.get("tags", {}))
             ck = cat.register_part(m, actor="test")
         for t, p in replica_pairs(c):
             verified(cat, ck.id, t, p)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from core.errors import BadEvent, BadInput
-from core.layout import MAX_STEP, checkpoint_dirname
+from core.layout import MAX_STEP, checkpoint_dirname, is_manifest_name, parse_manifest_key, parse_step_dirname
 from core.manifest import Manifest
 from db.catalog import Catalog
 from flows.common import plain_steps
@@ -35,6 +35,24 @@ def test_an_event_naming_an_out_of_range_checkpoint_is_a_bad_event(step, part, p
     with pytest.raises(BadEvent) as err:
         checkpoint_args(RUN, str(step), str(part), str(parts))
     assert "out of range" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["100\n", " 100", "1_00", "\uff11\uff10\uff10", "\u0661\u0660\u0660", "+100", "1e2",
+                                  "100.0", "", "9" * 5000])
+def test_an_event_step_that_is_not_ascii_digits_is_a_bad_event(text):
+    """``int()`` takes all but the last three of these as 100 (full-width, Arabic-Indic digits);
+    a step, part or part count arriving as text is ASCII digits only."""
+    for ref in ((text, "0", "1"), ("100", text, "1"), ("100", "0", text)):
+        with pytest.raises(BadEvent) as err:
+            checkpoint_args(RUN, *ref)
+        assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def test_a_name_with_non_ascii_digits_is_no_checkpoint_name():
+    full = "\uff10\uff10\uff10\uff10\uff11"  # full-width 00001, which int() reads as 1
+    assert parse_step_dirname(f"step-000{full}") is None
+    assert not is_manifest_name(f"manifest.part-{full}-of-00002.json")
+    assert parse_manifest_key(f"{RUN}/step-00000100/manifest.part-00000-of-{full}.json") is None
 
 
 def test_the_largest_step_is_accepted():
