@@ -34,11 +34,17 @@ class FileEntry:
     checksum: str  # hex digest of ``Manifest.algorithm``
 
 
+ORIGIN_RELATIONS = ("resumed_from", "fine_tuned_from", "branched_from")
+
+
 @dataclass(frozen=True)
 class ParentRef:
+    """The checkpoint this one comes from. A stager created with an origin writes the run's
+    origin into every manifest, so the catalog learns it from any of them (``db.register``)."""
+
     run: str
     step: int
-    relation: str = "resumed_from"  # resumed_from | fine_tuned_from | branched_from
+    relation: str = "resumed_from"  # one of ORIGIN_RELATIONS
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class Manifest:
         check_ref(self.step, self.part, self.parts)
         if self.parent is not None:
             check_ref(self.parent.step)
+            if self.parent.relation not in ORIGIN_RELATIONS:
+                raise BadInput(f"invalid parent relation {self.parent.relation!r}; expected one of {ORIGIN_RELATIONS}")
         if self.kind not in KINDS:
             raise BadInput(f"invalid kind {self.kind!r}; expected one of {KINDS}")
         if self.format not in FORMATS:

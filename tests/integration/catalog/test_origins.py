@@ -1,0 +1,105 @@
+"""A run's origin travels in its checkpoints' manifests: the catalog rebuilt from manifests alone
+has the lineage, a run with an origin protects it from retirement before its first checkpoint,
+a retired origin is recorded loudly, an unknown one stays pending until its checkpoint is
+registered (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from ckpt.client import CheckpointStager
+from core.errors import PruneRefused
+from db.catalog import Catalog
+from tasks.register import register_stored_part
+from tests.kit.catalog import catalog_cli, checkpoint, manifest, verified
+from tests.kit.settings import catalog_settings
+
+BASE, CHILD = "base", "child"
+
+
+def _tensors(seed: int) -> dict[str, np.ndarray]:
+    return {"w": np.full(256, seed, dtype=np.float32)}
+
+
+def _job(settings, run: str, steps: tuple[int, ...], **origin) -> None:
+    """A training job that never reaches the catalog: the manifests on Tier 0 are all it leaves."""
+    with CheckpointStager(run, settings=settings, announce=False, shard_bytes=1 << 20, **origin) as st:
+        for step in steps:
+            st.save(step, _tensors(step))
+
+
+def _origin_edges(cat: Catalog, run: str, step: int) -> list[tuple[str, int, str, int, str]]:
+    return [(e.child_run, e.child_step, e.parent_run, e.parent_step, e.relation)
+            for e in cat.ancestors(run, step) if e.parent_run != e.child_run]
+
+
+@pytest.fixture
+def settings(settings_factory, db_url):
+    return catalog_settings(settings_factory, db_url)
+
+
+@pytest.mark.parametrize("parent_first", [True, False], ids=["parent-first", "parent-later"])
+def test_catalog_rebuilt_from_manifests_alone_has_the_lineage(settings, parent_first, monkeypatch, tmp_path, db_url):
+    """No announcer, no run registration: registering the parts found on Tier 0 (what promote and
+    reconcile do), in either order, gives the child's checkpoints their origin."""
+    _job(settings, BASE, (100, 200))
+    _job(settings, CHILD, (300, 600), resumed_from=(BASE, 200))
+    order = [(BASE, 100), (BASE, 200), (CHILD, 300), (CHILD, 600)]
+    for run, step in order if parent_first else order[2:] + order[:2]:
+        register_stored_part(settings, run, step, actor="test")
+    with Catalog(settings.catalog_url) as cat:
+        assert _origin_edges(cat, CHILD, 600) == [(CHILD, 300, BASE, 200, "resumed_from")]
+        assert (cat.get_run(CHILD).parent_run, cat.get_run(CHILD).parent_step) == (BASE, 200)
+        assert cat.rejections() == []
+    out = catalog_cli(monkeypatch, tmp_path, db_url)("lineage", CHILD, "600")
+    assert f"{BASE}/200" in out and "resumed_from" in out
+
+
+def test_register_many_from_manifests_links_origins_within_the_batch(catalog):
+    catalog.ensure_run(BASE)
+    catalog.ensure_run(CHILD)
+    child = [manifest(CHILD, s, parent=(BASE, 200, "fine_tuned_from")) for s in (300, 400)]
+    catalog.register_many([*child, manifest(BASE, 100), manifest(BASE, 200)], actor="import")
+    assert _origin_edges(catalog, CHILD, 400) == [(CHILD, 300, BASE, 200, "fine_tuned_from")]
+
+
+def test_unknown_origin_leaves_the_edge_pending_and_the_child_promotable(catalog):
+    catalog.ensure_run(CHILD)
+    info = catalog.register_part(manifest(CHILD, 300, parent=(BASE, 200, "resumed_from")), actor="t")
+    assert info.state == "committed"
+    assert catalog.get_run(CHILD).parent_run == BASE and _origin_edges(catalog, CHILD, 300) == []
+    checkpoint(catalog, BASE, 200)  # the parent's promotion finishes later
+    assert _origin_edges(catalog, CHILD, 300) == [(CHILD, 300, BASE, 200, "resumed_from")]
+
+
+def _retirable_base(cat: Catalog) -> None:
+    """base/100..300 durable; 200 neither the newest nor the newest durable: retirable."""
+    for step in (100, 200, 300):
+        ck = checkpoint(cat, BASE, step)
+        verified(cat, ck.id, 1)
+        verified(cat, ck.id, 2)
+
+
+def test_a_run_registered_with_its_origin_protects_it_before_its_first_checkpoint(catalog):
+    _retirable_base(catalog)
+    catalog.ensure_run(CHILD, parent=(BASE, 200))
+    assert {f.step: f.children for f in catalog.retention_facts(run=BASE)}[200] == (CHILD,)
+    with pytest.raises(PruneRefused, match=f"parent of {CHILD}"):
+        catalog.retire(BASE, 200, reason="no tier keeps it", actor="test")
+    assert catalog.retire(BASE, 100, reason="no tier keeps it", actor="test")
+
+
+def test_a_retired_origin_is_recorded_loudly_and_never_resumed_from(catalog, caplog):
+    _retirable_base(catalog)
+    assert catalog.retire(BASE, 200, reason="no tier keeps it", actor="test")
+    catalog.ensure_run(CHILD)
+    with caplog.at_level(logging.WARNING):
+        catalog.register_part(manifest(CHILD, 300, parent=(BASE, 200, "resumed_from")), actor="t")
+    assert "RETIRED" in caplog.text and f"{BASE}/200" in caplog.text
+    assert _origin_edges(catalog, CHILD, 300) == [(CHILD, 300, BASE, 200, "resumed_from")]  # history
+    assert [e.reason for e in catalog.audit_log(run=CHILD) if e.action == "origin-retired"] != []
+    offered = catalog.newest_verified(CHILD, follow_resumed=True)  # never a resume source: an older one is
+    assert (offered.run, offered.step) == (BASE, 100)
