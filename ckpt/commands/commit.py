@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ckpt.commands.ops import _run_step
+from ckpt.commands.ops import origin_options
 
 
 def register(app: typer.Typer) -> None:
@@ -20,15 +20,17 @@ def commit_cmd(
     step: int = typer.Option(..., "--step", min=0, help="its training step"),
     milestone: bool = typer.Option(False, "--milestone", help="tag it a milestone (archived to Tier 2)"),
     epoch_end: bool = typer.Option(False, "--epoch-end", help="it closes an epoch"),
-    parent: str = typer.Option(None, "--parent", help="RUN:STEP it was resumed from"),
+    resumed_from: str = typer.Option(None, "--resumed-from", "--parent", help="RUN/STEP the run resumed from"),
+    fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN/STEP the run fine-tunes"),
+    branched_from: str = typer.Option(None, "--branched-from", help="RUN/STEP the run branched from"),
     part: int = typer.Option(0, "--part", help="this node's part (multi-node checkpoints)"),
     parts: int = typer.Option(1, "--parts", help="how many parts the checkpoint has"),
     announce: bool = typer.Option(True, "--announce/--no-announce",
                                   help="emit ckpt.checkpoint.completed (--no-announce: commit only, e.g. "
                                        "to POST the event yourself)"),
 ) -> None:
-    """Check the folder's format, write its manifest (CRC32C), commit it under
-    <tier0>/<run>/step-XXXXXXXX/ and announce it. Exit 1 when the event did not arrive (the
+    """Check the folder's format, write its manifest (CRC32C, and the run's origin if given),
+    commit it under <tier0>/<run>/step-XXXXXXXX/ and announce it. Exit 1 when the event did not arrive (the
     checkpoint stays committed; reconcile promotes it)."""
     from ckpt.announce import prefect_api_url, undelivered  # deferred: start-up — pydantic-settings (core.settings)
     from ckpt.commit import commit_folder  # deferred: start-up — pydantic-settings (core.settings)
@@ -36,7 +38,8 @@ def commit_cmd(
 
     settings = load_settings()
     done = commit_folder(directory, run, step, settings, milestone=milestone, epoch_end=epoch_end,
-                         parent=_run_step(parent) if parent else None, part=part, parts=parts, announce=announce)
+                         origin=origin_options(resumed_from, fine_tuned_from, branched_from), part=part,
+                         parts=parts, announce=announce)
     m = done.saved.manifest
     typer.echo(f"committed {m.run} step {m.step} part {m.part}/{m.parts} ({m.format}, {m.kind}, "
                f"{len(m.files)} files) -> {done.saved.path / m.name}")
