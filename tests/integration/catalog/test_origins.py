@@ -6,6 +6,9 @@ registered (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -31,6 +34,33 @@ def _job(settings, run: str, steps: tuple[int, ...], **origin) -> None:
             st.save(step, _tensors(step))
 
 
+_KILLED_JOB = """
+import os, sys
+import numpy as np
+from ckpt.client import CheckpointStager
+st = CheckpointStager("child", resumed_from=("base", 200), shard_bytes=1 << 20)
+for step in (300, 600):
+    st.save(step, {"w": np.full(256, step, dtype=np.float32)})
+os._exit(0)  # killed right after save(): whatever the announcer had not done yet is lost
+"""
+
+
+def _child_job(settings, how: str) -> None:
+    """The child run's job, resumed from base/200, that leaves its origin to the manifests only."""
+    if how == "announce-off":
+        _job(settings, CHILD, (300, 600), resumed_from=(BASE, 200))
+    elif how == "catalog-unreachable":
+        away = settings.model_copy(update={"catalog_url": "postgresql://nobody@127.0.0.1:9/none"})
+        with CheckpointStager(CHILD, settings=away, resumed_from=(BASE, 200), shard_bytes=1 << 20) as st:
+            for step in (300, 600):
+                st.save(step, _tensors(step))
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "PREFECT_API_URL"))}
+        env.update(CKPT_DATA_DIR=str(settings.data_dir), CKPT_NODE=settings.node,
+                   CKPT_CATALOG_URL=settings.catalog_url)
+        subprocess.run([sys.executable, "-c", _KILLED_JOB], env=env, check=True, timeout=120)
+
+
 def _origin_edges(cat: Catalog, run: str, step: int) -> list[tuple[str, int, str, int, str]]:
     return [(e.child_run, e.child_step, e.parent_run, e.parent_step, e.relation)
             for e in cat.ancestors(run, step) if e.parent_run != e.child_run]
@@ -41,19 +71,28 @@ def settings(settings_factory, db_url):
     return catalog_settings(settings_factory, db_url)
 
 
-@pytest.mark.parametrize("parent_first", [True, False], ids=["parent-first", "parent-later"])
-def test_catalog_rebuilt_from_manifests_alone_has_the_lineage(settings, parent_first, monkeypatch, tmp_path, db_url):
-    """No announcer, no run registration: registering the parts found on Tier 0 (what promote and
-    reconcile do), in either order, gives the child's checkpoints their origin."""
-    _job(settings, BASE, (100, 200))
-    _job(settings, CHILD, (300, 600), resumed_from=(BASE, 200))
-    order = [(BASE, 100), (BASE, 200), (CHILD, 300), (CHILD, 600)]
-    for run, step in order if parent_first else order[2:] + order[:2]:
+@pytest.mark.parametrize(("how", "parent_first"), [("announce-off", True), ("announce-off", False),
+                                                   ("catalog-unreachable", False), ("killed-after-save", False)])
+def test_catalog_rebuilt_from_manifests_alone_has_the_lineage(settings, how, parent_first, monkeypatch, tmp_path,
+                                                              db_url):
+    """The child job never registers its origin: registering the parts found on Tier 0 (what
+    promote and reconcile do), in either order, gives the child's checkpoints their origin, and
+    retention keeps base/200 as the child's parent."""
+    _job(settings, BASE, (100, 200, 300))
+    _child_job(settings, how)
+    order = [(BASE, 100), (BASE, 200), (BASE, 300), (CHILD, 300), (CHILD, 600)]
+    for run, step in order if parent_first else order[3:] + order[:3]:
         register_stored_part(settings, run, step, actor="test")
     with Catalog(settings.catalog_url) as cat:
         assert _origin_edges(cat, CHILD, 600) == [(CHILD, 300, BASE, 200, "resumed_from")]
         assert (cat.get_run(CHILD).parent_run, cat.get_run(CHILD).parent_step) == (BASE, 200)
         assert cat.rejections() == []
+        for step in (100, 200, 300):  # base is durable: only the child keeps base/200
+            verified(cat, cat.get_checkpoint(BASE, step).id, 1)
+            verified(cat, cat.get_checkpoint(BASE, step).id, 2)
+        assert {f.step: f.children for f in cat.retention_facts(run=BASE)}[200] == (CHILD,)
+        with pytest.raises(PruneRefused, match=f"parent of {CHILD}"):
+            cat.retire(BASE, 200, reason="no tier keeps it", actor="test")
     out = catalog_cli(monkeypatch, tmp_path, db_url)("lineage", CHILD, "600")
     assert f"{BASE}/200" in out and "resumed_from" in out
 
