@@ -105,11 +105,12 @@ def test_register_many_from_manifests_links_origins_within_the_batch(catalog):
     assert _origin_edges(catalog, CHILD, 400) == [(CHILD, 300, BASE, 200, "fine_tuned_from")]
 
 
-def test_unknown_origin_leaves_the_edge_pending_and_the_child_promotable(catalog):
+def test_unknown_origin_leaves_the_edge_pending_and_the_child_promotable(catalog, monkeypatch, tmp_path, db_url):
     catalog.ensure_run(CHILD)
     info = catalog.register_part(manifest(CHILD, 300, parent=(BASE, 200, "resumed_from")), actor="t")
     assert info.state == "committed"
     assert catalog.get_run(CHILD).parent_run == BASE and _origin_edges(catalog, CHILD, 300) == []
+    assert "pending" in catalog_cli(monkeypatch, tmp_path, db_url)("lineage", CHILD, "300")
     checkpoint(catalog, BASE, 200)  # the parent's promotion finishes later
     assert _origin_edges(catalog, CHILD, 300) == [(CHILD, 300, BASE, 200, "resumed_from")]
 
