@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -143,3 +144,42 @@ def test_a_retired_origin_is_recorded_loudly_and_never_resumed_from(catalog, cap
     assert [e.reason for e in catalog.audit_log(run=CHILD) if e.action == "origin-retired"] != []
     offered = catalog.newest_verified(CHILD, follow_resumed=True)  # never a resume source: an older one is
     assert (offered.run, offered.step) == (BASE, 100)
+
+
+def test_an_origin_registered_at_the_same_moment_as_its_child_is_still_linked(catalog, db_url):
+    """PostgreSQL (SQLite serialises writers): base/200's registration is open, not committed,
+    when the child's first checkpoint registers. The child waits for it (it locks its origin's
+    run) and then links, instead of both missing the edge."""
+    if catalog.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite runs one writer at a time")
+    from sqlalchemy import text
+
+    from db import register as reg
+    from db.session import transaction
+
+    catalog.ensure_run(BASE)
+    catalog.ensure_run(CHILD, parent=(BASE, 200))
+    other = Catalog(db_url)
+    child_done = threading.Event()
+
+    def child() -> None:
+        other.register_part(manifest(CHILD, 300, parent=(BASE, 200, "resumed_from")), actor="child")
+        child_done.set()
+
+    worker = threading.Thread(target=child)
+    try:
+        with transaction(catalog.engine) as conn:
+            reg.register_part(conn, manifest(BASE, 200), digest=manifest(BASE, 200).digest(), now=None, actor="base")
+            worker.start()
+            with catalog.engine.connect() as probe:  # until the child waits on a lock (or is done: unfixed)
+                waiting = text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                               "AND datname = current_database()")
+                for _ in range(600):
+                    if child_done.is_set() or probe.execute(waiting).scalar():
+                        break
+                    child_done.wait(0.05)
+        worker.join(timeout=60)
+    finally:
+        other.close()
+    assert child_done.is_set()
+    assert _origin_edges(catalog, CHILD, 300) == [(CHILD, 300, BASE, 200, "resumed_from")]
