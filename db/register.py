@@ -198,7 +198,7 @@ WITH ck AS (
     SELECT ck.id, nb.prev, 'follows', %(now)s FROM ck, nb WHERE nb.prev IS NOT NULL
 ), waiting AS (
     INSERT INTO lineage (child_id, parent_id, relation, created_at)
-    SELECT f.id, ck.id, r.parent_relation, %(now)s
+    SELECT f.id, ck.id, COALESCE(r.parent_relation, 'resumed_from'), %(now)s
     FROM ck, runs r, LATERAL (SELECT c.id FROM checkpoints c WHERE c.run_id = r.id ORDER BY c.step, c.id LIMIT 1) f
     WHERE r.parent_run = %(run)s AND r.parent_step = %(step)s AND r.id <> %(run_id)s
 )
@@ -279,7 +279,8 @@ def _link_waiting():
     first = (select(checkpoints.c.id).where(checkpoints.c.run_id == child.c.id)
              .order_by(checkpoints.c.step, checkpoints.c.id).limit(1).correlate(child).scalar_subquery())
     linked = exists().where(lineage.c.child_id == first, lineage.c.parent_id == origin.c.id)
-    rows = (select(first, origin.c.id, child.c.parent_relation, bindparam("now"))
+    relation = func.coalesce(child.c.parent_relation, "resumed_from")  # as ``link_into_run`` reads it
+    rows = (select(first, origin.c.id, relation, bindparam("now"))
             .select_from(origin.join(origin_run, origin_run.c.id == origin.c.run_id)
                          .join(child, and_(child.c.parent_run == origin_run.c.name,
                                            child.c.parent_step == origin.c.step, child.c.id != origin_run.c.id)))
