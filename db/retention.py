@@ -3,7 +3,8 @@ the record of a retirement. The rule itself is not here: ``db/`` only fetches an
 
 Reads, per 500 runs: the runs' committed and retired checkpoints with their verified replicas
 (one query driven from ``(run_id, step)``), their pins, aliases and lineage children (one query
-each per 500 checkpoints; children: two, edges and the runs' recorded origins). Nothing is read per checkpoint.
+each per 500 checkpoints; two for children: the edges, and the origins recorded on run rows).
+Nothing is read per checkpoint.
 """
 
 from __future__ import annotations
