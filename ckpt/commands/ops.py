@@ -415,20 +415,20 @@ def run_register_cmd(
     project: str = typer.Option(None, "--project"),
     resumed_from: str = typer.Option(None, "--resumed-from", help="RUN/STEP this run resumes from"),
     fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN/STEP this run fine-tunes"),
+    branched_from: str = typer.Option(None, "--branched-from", help="RUN/STEP this run branched from"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Register a run (idempotent), with the checkpoint it started from."""
+    """Register a run (idempotent), with the checkpoint it started from (recorded pending when
+    the catalog does not know that checkpoint yet; it is protected from retirement either way)."""
+    from ckpt.client import run_origin  # deferred: start-up — pydantic-settings
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
-    if resumed_from and fine_tuned_from:
-        raise BadInput("give --resumed-from or --fine-tuned-from, not both")
-    origin = resumed_from or fine_tuned_from
-    parent = _run_step(origin) if origin else None
+    o = run_origin(**origin_options(resumed_from, fine_tuned_from, branched_from))
     cat = Catalog(load_settings().catalog_url)
     try:
-        info = cat.ensure_run(safe_run_name(run), project=project, parent=parent,
-                              parent_relation="resumed_from" if resumed_from else "fine_tuned_from", actor="cli")
+        info = cat.ensure_run(safe_run_name(run), project=project, parent=(o.run, o.step) if o else None,
+                              parent_relation=o.relation if o else "resumed_from", actor="cli")
     finally:
         cat.close()
     if as_json:

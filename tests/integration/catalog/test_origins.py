@@ -5,6 +5,7 @@ registered (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -183,3 +184,12 @@ def test_an_origin_registered_at_the_same_moment_as_its_child_is_still_linked(ca
         other.close()
     assert child_done.is_set()
     assert _origin_edges(catalog, CHILD, 300) == [(CHILD, 300, BASE, 200, "resumed_from")]
+
+
+def test_cli_run_register_records_a_pending_branched_origin_that_protects_it(catalog, monkeypatch, tmp_path, db_url):
+    cli = catalog_cli(monkeypatch, tmp_path, db_url)
+    assert json.loads(cli("run", "register", CHILD, "--branched-from", f"{BASE}/200", "--json"))["parent_relation"] \
+        == "branched_from"
+    _retirable_base(catalog)  # registered after the child: the origin was pending until now
+    with pytest.raises(PruneRefused, match=f"parent of {CHILD}"):
+        catalog.retire(BASE, 200, reason="no tier keeps it", actor="test")
