@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core import events
-from core.errors import EventTooLarge, NotFound, UnknownRun
+from core.errors import EventTooLarge
 from core.manifest import Manifest
 from core.settings import Settings
 from deployments.names import promote_deployment
@@ -30,25 +30,24 @@ EMIT_RETRIES, EMIT_BACKOFF_SECONDS = 3, 0.5  # a few seconds at most; reconcile 
 
 @dataclass
 class RunRegistration:
-    """The run as the catalog should know it, and how much of that is recorded so far."""
+    """The run as the catalog should know it, and whether it is recorded yet."""
 
     run: str
     project: str | None
     origin: tuple[str, int] | None
     relation: str
     registered: bool = False
-    origin_recorded: bool = False
 
     @property
     def done(self) -> bool:
-        return self.registered and (self.origin is None or self.origin_recorded)
+        return self.registered
 
 
 def register_run(settings: Settings, reg: RunRegistration) -> None:
-    """``ensure_run`` with the run's origin, as far as the catalog allows now. An origin the
-    catalog has not registered yet (its promotion still running) is left for a later attempt:
-    the run itself is registered at once, so its own checkpoints can be promoted. An
-    unreachable catalog leaves everything for later."""
+    """``ensure_run`` with the run's origin, so that the origin is protected from retirement
+    before the run's first checkpoint is promoted (an origin the catalog does not know yet is
+    recorded pending: ``db.register.ensure_run``). An unreachable catalog leaves it for a later
+    try; the manifests carry the origin anyway."""
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic; the client imports this module
 
     try:
@@ -56,19 +55,10 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
     except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
         log.warning("catalog not reachable to register run %s: %s", reg.run, exc)
         return
-    actor = f"client:{settings.node}"
     try:
-        if reg.origin is not None:
-            try:
-                cat.ensure_run(reg.run, project=reg.project, parent=reg.origin, parent_relation=reg.relation,
-                               actor=actor)
-                reg.registered = reg.origin_recorded = True
-                return
-            except (NotFound, UnknownRun) as exc:
-                log.info("origin of run %s not in the catalog yet (%s); recorded later", reg.run, exc)
-        if not reg.registered:
-            cat.ensure_run(reg.run, project=reg.project, actor=actor)
-            reg.registered = True
+        cat.ensure_run(reg.run, project=reg.project, parent=reg.origin, parent_relation=reg.relation,
+                       actor=f"client:{settings.node}")
+        reg.registered = True
     except Exception as exc:  # noqa: BLE001
         log.warning("registering run %s failed: %s", reg.run, exc)
     finally:
@@ -135,7 +125,7 @@ class Announcer:
     def close(self, timeout: float) -> None:
         if not self.enabled:
             return
-        self._q.put(("register",))  # a last try at a pending origin
+        self._q.put(("register",))  # a last try at a registration the catalog refused so far
         self._q.put(None)
         self._t.join(timeout)
         if self._t.is_alive():

@@ -18,6 +18,12 @@ Before a save of tensors writes (and before a trainer integration's library writ
 retention is asked for room and waited for, then ``StorageFull`` is raised with nothing
 written. Background writes still queued count as taken (whole, until they finish).
 
+A run's origin (``resumed_from=``, ``fine_tuned_from=`` or ``branched_from=``: the checkpoint
+it started from) is written into every manifest the stager commits, so the catalog learns it
+from whichever checkpoint it registers, even when the job never reached the catalog itself;
+the announcer also registers the run with it at once, so the origin is protected from
+retirement before the run's first checkpoint is promoted.
+
 Multi-node jobs: each node creates its stager with its ``part`` and ``parts`` (and its node
 label, default ``settings.node``); a part's files live under ``part-0000p/`` so that every
 part can sit in one checkpoint folder on Tier 1.
@@ -36,7 +42,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, overload
+from typing import TYPE_CHECKING, Any, Self, TypedDict, overload
 
 from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
@@ -45,7 +51,7 @@ from core.attempt import launch_attempt
 from core.errors import BadInput, ConflictError, StorageFull
 from core.formats import detect_format
 from core.layout import checkpoint_dirname, staging_name
-from core.manifest import FileEntry, Manifest, ParentRef, utcnow_iso
+from core.manifest import ORIGIN_RELATIONS, FileEntry, Manifest, ParentRef, utcnow_iso
 from core.manifest_build import build_manifest, write_manifest
 from core.paths import safe_run_name
 from core.policy import checkpoint_kind
@@ -106,12 +112,13 @@ class CheckpointStager:
     def __init__(self, run: str, *, settings: Settings | None = None,
                  resumed_from: tuple[str, int] | None = None,
                  fine_tuned_from: tuple[str, int] | None = None,
+                 branched_from: tuple[str, int] | None = None,
                  part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
                  background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  fsync: bool = True, announce: bool = True, measure_stall: bool = True,
                  attempt: str | None = None):
-        if resumed_from and fine_tuned_from:
-            raise BadInput("give resumed_from or fine_tuned_from, not both")
+        self.origin = run_origin(resumed_from=resumed_from, fine_tuned_from=fine_tuned_from,
+                                 branched_from=branched_from)
         if not 0 <= part < parts:
             raise BadInput(f"invalid part {part} of {parts}")
         self.run = safe_run_name(run)
@@ -125,9 +132,8 @@ class CheckpointStager:
         self.fsync = fsync
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
-        origin = resumed_from or fine_tuned_from
-        reg = RunRegistration(self.run, project, (origin[0], int(origin[1])) if origin else None,
-                              "resumed_from" if resumed_from else "fine_tuned_from")
+        o = self.origin
+        reg = RunRegistration(self.run, project, (o.run, o.step) if o else None, o.relation if o else "resumed_from")
         self._announcer = Announcer(self.settings, reg, enabled=announce)
         self._announcer.submit(("register",))
         self._writer = _Writer() if background else None
@@ -161,9 +167,9 @@ class CheckpointStager:
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise BadInput(f"step must be a non-negative int, got {step!r}")
-        # the run's origin (resumed_from/fine_tuned_from) is recorded on the run by the
-        # announcer; the catalog links the run's first checkpoint to it
-        parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else None
+        # every manifest carries the run's origin (an explicit ``parent`` names this save's own):
+        # the catalog learns it from whichever part it registers, announced or not
+        parent_ref = ParentRef(parent[0], int(parent[1]), "resumed_from") if parent else self.origin
         meta: dict[str, Any] = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
                     kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end,
                                          policy=self.settings.milestones))
@@ -281,6 +287,28 @@ class CheckpointStager:
         manifest.validate()
         write_manifest(folder, manifest)
         return manifest
+
+
+class OriginKeywords(TypedDict, total=False):
+    """The stager's origin keyword as a value (``ckpt watch``, ``ckpt commit``): at most one."""
+
+    resumed_from: tuple[str, int]
+    fine_tuned_from: tuple[str, int]
+    branched_from: tuple[str, int]
+
+
+def run_origin(**given: tuple[str, int] | None) -> ParentRef | None:
+    """The one origin among ``resumed_from``/``fine_tuned_from``/``branched_from`` (as keywords,
+    each ``(run, step)`` or None), as the manifests carry it; ``BadInput`` when several are given."""
+    named = [(relation, ref) for relation, ref in given.items() if ref]
+    if len(named) > 1:
+        raise BadInput(f"give one origin, not {' and '.join(r for r, _ in named)}")
+    if not named:
+        return None
+    relation, (run, step) = named[0]
+    if relation not in ORIGIN_RELATIONS:
+        raise BadInput(f"unknown origin relation {relation!r}; expected one of {ORIGIN_RELATIONS}")
+    return ParentRef(safe_run_name(run), int(step), relation)
 
 
 # --- publishing ------------------------------------------------------------------------------

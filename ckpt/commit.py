@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.announce import completed_payload, emit_completed, prefect_api_url
-from ckpt.client import CheckpointStager, SavedCheckpoint
+from ckpt.client import CheckpointStager, OriginKeywords, SavedCheckpoint
 from ckpt.space import ensure_room_for_folder
 from ckpt.watch import link_tree
 from core import events
@@ -32,21 +32,22 @@ class Committed:
 
 
 def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, milestone: bool = False,
-                  epoch_end: bool = False, parent: tuple[str, int] | None = None, part: int = 0,
+                  epoch_end: bool = False, origin: OriginKeywords | None = None, part: int = 0,
                   parts: int = 1, announce: bool = True, attempt: str | None = None) -> Committed:
     """Commit ``folder`` as ``run`` step ``step`` (part ``part`` of ``parts``) on Tier 0 and,
-    with ``announce``, emit ``ckpt.checkpoint.completed``. Raises ``BadInput`` /
+    with ``announce``, emit ``ckpt.checkpoint.completed``. ``origin``: the run's, as the
+    stager's keyword (``{"fine_tuned_from": (run, step)}``), written into the manifest. Raises ``BadInput`` /
     ``CorruptCheckpoint`` for a folder that fails its format, ``EventTooLarge`` (before sending)
     for an event the orchestrator would drop."""
     folder = Path(folder).expanduser().absolute()
     if not folder.is_dir():
         raise BadInput(f"{str(folder)!r} is not a folder")
     stager = CheckpointStager(run, settings=settings, part=part, parts=parts, announce=False, measure_stall=False,
-                              attempt=attempt)
+                              attempt=attempt, **(origin or {}))
     try:
         final = stager.checkpoint_dir(step)
         if folder == final:
-            saved = stager.save(step, folder, milestone=milestone, epoch_end=epoch_end, parent=parent)
+            saved = stager.save(step, folder, milestone=milestone, epoch_end=epoch_end)
         else:
             final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / staging_name(final.name)
@@ -54,7 +55,7 @@ def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, mile
             ensure_room_for_folder(stager, step, folder)
             try:
                 link_tree(folder, staging)
-                saved = stager.save(step, staging, milestone=milestone, epoch_end=epoch_end, parent=parent)
+                saved = stager.save(step, staging, milestone=milestone, epoch_end=epoch_end)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     finally:

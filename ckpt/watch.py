@@ -13,6 +13,9 @@ Milestones (archived to Tier 2) without any global setting: ``--milestone-every 
 step that is a multiple of N, and a folder holding the milestone marker file
 (``--milestone-marker``, default ``MILESTONE``) is tagged whatever its step.
 
+The run's origin (``--resumed-from``, ``--fine-tuned-from`` or ``--branched-from RUN/STEP``) is
+written into every manifest, so the catalog records the run's lineage from any of them.
+
 A complete folder is hard-linked (no bytes copied; a copy across file systems) into
 ``<tier0>/<run>/step-XXXXXXXX/`` and committed there with its manifest by the client, which
 announces it. The job's own folder is untouched, so its resume logic and rotation keep
@@ -31,7 +34,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.client import CheckpointStager, SavedCheckpoint
+from ckpt.client import CheckpointStager, OriginKeywords, SavedCheckpoint
 from ckpt.space import ensure_room_for_folder
 from core.errors import StorageFull
 from core.formats import DCP_METADATA, HF_INDEX, hf_index_shards
@@ -102,6 +105,7 @@ class Watcher:
     announce: bool = True
     milestone_every: int | None = None
     milestone_marker: str = DEFAULT_MILESTONE_MARKER
+    origin: OriginKeywords = field(default_factory=OriginKeywords)  # written into every manifest
     seen: set[int] = field(default_factory=set)
     _stager: CheckpointStager | None = field(default=None, repr=False)
 
@@ -109,7 +113,7 @@ class Watcher:
     def stager(self) -> CheckpointStager:
         if self._stager is None:
             self._stager = CheckpointStager(self.run, settings=self.settings, part=self.part, parts=self.parts,
-                                            announce=self.announce, measure_stall=False)
+                                            announce=self.announce, measure_stall=False, **self.origin)
         return self._stager
 
     def pending(self) -> list[tuple[int, Path, str]]:
@@ -167,11 +171,12 @@ class Watcher:
 def watch(root: Path, run: str, settings: Settings, *, marker: str = DEFAULT_MARKER, interval: float = 2.0,
           once: bool = False, part: int = 0, parts: int = 1,
           on_commit: Callable[[SavedCheckpoint], object] | None = None, milestone_every: int | None = None,
-          milestone_marker: str = DEFAULT_MILESTONE_MARKER) -> int:
+          milestone_marker: str = DEFAULT_MILESTONE_MARKER, origin: OriginKeywords | None = None) -> int:
     """Run the watcher until interrupted (or one pass with ``once``); returns how many
-    checkpoints it committed."""
+    checkpoints it committed. ``origin``: the run's, as the stager's keyword
+    (``{"resumed_from": (run, step)}``), written into every manifest."""
     w = Watcher(Path(root).absolute(), run, settings, marker=marker, part=part, parts=parts,
-                milestone_every=milestone_every, milestone_marker=milestone_marker)
+                milestone_every=milestone_every, milestone_marker=milestone_marker, origin=origin or OriginKeywords())
     count = 0
     try:
         while True:

@@ -27,7 +27,6 @@ MANIFEST_VERSION = 1
 KINDS = ("step", "epoch", "milestone")
 FORMATS = ("safetensors", "hf-sharded", "dcp", "folder")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-RELATIONS = ("resumed_from", "fine_tuned_from", "branched_from")
 # the hex digest of each checksum algorithm a manifest may name
 CHECKSUMS = {"crc32c": re.compile(r"[0-9a-f]{8}")}
 # the longest string the catalog's columns hold (db/models.py; a test keeps the two in step),
@@ -46,11 +45,17 @@ class FileEntry:
     checksum: str  # hex digest of ``Manifest.algorithm``
 
 
+ORIGIN_RELATIONS = ("resumed_from", "fine_tuned_from", "branched_from")
+
+
 @dataclass(frozen=True)
 class ParentRef:
+    """The checkpoint this one comes from. A stager created with an origin writes the run's
+    origin into every manifest, so the catalog learns it from any of them (``db.register``)."""
+
     run: str
     step: int
-    relation: str = "resumed_from"  # resumed_from | fine_tuned_from | branched_from
+    relation: str = "resumed_from"  # one of ORIGIN_RELATIONS
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ class Manifest:
         if self.parent is not None:
             safe_run_name(self.parent.run)
             check_ref(self.parent.step)
-            _one_of(self.parent.relation, RELATIONS, "invalid parent relation")
+            _one_of(self.parent.relation, ORIGIN_RELATIONS, "invalid parent relation")
         _one_of(self.kind, KINDS, "invalid kind")
         _one_of(self.format, FORMATS, "unknown format")
         _one_of(self.algorithm, tuple(CHECKSUMS), "unknown checksum algorithm")

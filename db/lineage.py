@@ -56,7 +56,7 @@ def link_into_run(conn: Connection, *, run: Row, checkpoint_id: int, step: int, 
     or, for the run's first checkpoint, the run's origin (``ensure_run(parent=...)``). A
     checkpoint registered out of order is spliced in: the next one now follows it."""
     prev, nxt = conn.execute(_NEIGHBOURS, dict(run_id=run.id, step=step)).one()
-    origin = origin_id(conn, run) if prev is None else None
+    origin = origin_id(conn, run, lock=True) if prev is None else None
     if prev is not None:
         add_edge(conn, checkpoint_id, prev, FOLLOWS, now=now, check_cycle=False)
     elif origin is not None:
@@ -81,10 +81,15 @@ def _neighbours():
 _NEIGHBOURS = _neighbours()  # (previous, next) checkpoint of a run around a step; one round trip
 
 
-def origin_id(conn: Connection, run: Row) -> int | None:
-    """The checkpoint a run started from, if it is recorded."""
+def origin_id(conn: Connection, run: Row, *, lock: bool = False) -> int | None:
+    """The checkpoint a run started from, if it is recorded. ``lock``: first lock the origin's
+    run row, as registering a checkpoint of that run does, so that the origin registered at the
+    same moment is either seen here or sees this checkpoint (``db.register._LINK_WAITING``)
+    and the pending edge is never missed by both (PostgreSQL; SQLite serialises writers)."""
     if run.parent_run is None:
         return None
+    if lock:
+        conn.execute(select(runs.c.id).where(runs.c.name == run.parent_run).with_for_update())
     return conn.execute(
         select(checkpoints.c.id).join(runs, checkpoints.c.run_id == runs.c.id)
         .where(runs.c.name == run.parent_run, checkpoints.c.step == run.parent_step)

@@ -98,6 +98,8 @@ def newest_verified(conn: Connection, run: str, *, tier: int | None, follow_resu
         if not follow_resumed or r.parent_relation != "resumed_from":
             return None
         name, max_step = r.parent_run, r.parent_step
+        if not conn.execute(select(runs.c.id).where(runs.c.name == name)).first():
+            return None  # a pending origin: its run is not in the catalog yet
     return None
 
 

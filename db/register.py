@@ -4,24 +4,35 @@ Registration is idempotent on the manifest's digest: the same part again is a no
 different manifest for a recorded (run, step, part) is a ``ConflictError``, never an overwrite.
 The parts of one checkpoint never hold different bytes at one relative path
 (``_refuse_colliding_paths``).
+
+A run's origin (the checkpoint it was resumed, fine-tuned or branched from) is kept on its run
+row, from ``ensure_run(parent=...)`` or from the first manifest registered whose ``parent`` is in
+another run; the run's first checkpoint gets the lineage edge to it. An origin the catalog does
+not know yet is *pending*: the run and its checkpoints are registered as ever, and the edge is
+added when the origin checkpoint is registered (``_LINK_WAITING``). A retired origin is recorded
+all the same (the edge is history; restore and resume only offer committed checkpoints), with a
+warning and an ``origin-retired`` audit row.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Table, func, select, update
+from sqlalchemy import Table, and_, bindparam, exists, func, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import ConflictError
+from core.layout import check_ref
 from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.policy import milestone_marks
 from db.attempts import standing
-from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_SUPERSEDED, CheckpointInfo
+from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_RETIRED, CKPT_SUPERSEDED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.models import encode_metrics
 from db.rows import (
@@ -40,21 +51,28 @@ from db.rows import (
     to_checkpoint,
 )
 
+log = logging.getLogger(__name__)
+
 _KIND_RANK = {"step": 0, "epoch": 1, "milestone": 2}
 
 
 def ensure_run(conn: Connection, name: str, *, now: datetime, actor: str, parent: tuple[str, int] | None,
                parent_relation: str, **fields: Any) -> Row:
+    """Create the run or return it; a run recorded without an origin learns ``parent`` (one
+    recorded already is kept). The origin need not be registered yet (it is then pending)."""
     safe_run_name(name)
     check_relation(parent_relation)
     if parent is not None:
-        checkpoint_row(conn, parent[0], parent[1])  # the origin must be recorded: NotFound otherwise
+        safe_run_name(parent[0])
+        check_ref(parent[1])
     values = dict(name=name, created_at=now, tags=fields.pop("tags") or {}, **fields)
     if parent is not None:
         values.update(parent_run=parent[0], parent_step=parent[1], parent_relation=parent_relation)
     if insert_ignore(conn, runs, values, ["name"]):
+        note = _origin_note(conn, f"run {name} is", parent, parent_relation, now=now, actor=actor,
+                            run=name) if parent else ""
         add_audit(conn, at=now, actor=actor, subject=f"run:{name}", action="create-run",
-                  reason=f"{parent_relation} {parent[0]}/{parent[1]}" if parent else None, run=name)
+                  reason=f"{parent_relation} {parent[0]}/{parent[1]}{note}" if parent else None, run=name)
         return run_row(conn, name)
     run = run_row(conn, name, lock=True)
     if parent is not None and run.parent_run is None:
@@ -65,15 +83,51 @@ def ensure_run(conn: Connection, name: str, *, now: datetime, actor: str, parent
 
 def _adopt_origin(conn: Connection, run: Row, parent: tuple[str, int], relation: str, *, now: datetime,
                   actor: str) -> None:
-    """A run recorded without an origin learns it later: store it and link its first checkpoint."""
+    """A run recorded without an origin learns it later: store it and link its first checkpoint
+    (when the origin is registered; else the edge waits for it)."""
     conn.execute(update(runs).where(runs.c.id == run.id).values(
         parent_run=parent[0], parent_step=parent[1], parent_relation=relation))
+    note = _origin_note(conn, f"run {run.name} is", parent, relation, now=now, actor=actor, run=run.name)
+    origin = _checkpoint_id(conn, *parent)
     first = conn.execute(select(checkpoints.c.id).where(checkpoints.c.run_id == run.id)
                          .order_by(checkpoints.c.step).limit(1)).scalar()
-    if first is not None:
-        add_edge(conn, first, checkpoint_row(conn, *parent).id, relation, now=now)
+    if first is not None and origin is not None:
+        add_edge(conn, first, origin, relation, now=now)
     add_audit(conn, at=now, actor=actor, subject=f"run:{run.name}", action="set-origin",
-              reason=f"{relation} {parent[0]}/{parent[1]}", run=run.name)
+              reason=f"{relation} {parent[0]}/{parent[1]}{note}", run=run.name)
+
+
+def _origin_note(conn: Connection, who: str, parent: tuple[str, int], relation: str, *, now: datetime,
+                 actor: str, run: str) -> str:
+    """What recording ``parent`` as where ``who`` comes from adds to its audit reason: a pending
+    origin is said so; a retired one is warned about and audited (``origin-retired``)."""
+    state = conn.execute(select(checkpoints.c.state).join(runs, runs.c.id == checkpoints.c.run_id)
+                         .where(runs.c.name == parent[0], checkpoints.c.step == parent[1])).scalar()
+    if state is None:
+        log.info("%s %s %s/%d, not in the catalog yet: linked when it is registered", who, relation, *parent)
+        return " (pending: not registered yet)"
+    if state == CKPT_RETIRED:
+        why = (f"{who} {relation} {parent[0]}/{parent[1]}, which is RETIRED: the edge is recorded as "
+               f"history; that checkpoint is no resume or restore source")
+        log.warning("%s", why)
+        add_audit(conn, at=now, actor=actor, subject=f"run:{run}", action="origin-retired", reason=why, run=run)
+        return " (retired)"
+    return ""
+
+
+def _checkpoint_id(conn: Connection, run: str, step: int) -> int | None:
+    return conn.execute(select(checkpoints.c.id).join(runs, runs.c.id == checkpoints.c.run_id)
+                        .where(runs.c.name == run, checkpoints.c.step == step)).scalar()
+
+
+def _learn_origin(conn: Connection, run: Row, m: Manifest, *, now: datetime, actor: str) -> Row:
+    """The run's row, with the manifest's parent as its origin if the run has none yet and the
+    parent is in another run: a catalog rebuilt from manifests alone gets every run's origin."""
+    p = m.parent
+    if p is None or p.run == m.run or run.parent_run is not None:
+        return run
+    _adopt_origin(conn, run, (p.run, p.step), p.relation, now=now, actor=actor)
+    return run_row(conn, m.run)
 
 
 def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime | None, actor: str) -> CheckpointInfo:
@@ -88,6 +142,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     run = run_row(conn, m.run, lock=True, with_clock=now is None)
     if now is None:
         now = run.catalog_now.astimezone(UTC)
+    run = _learn_origin(conn, run, m, now=now, actor=actor)
     first = _first_part_values(run.id, m, now)
     new = _insert_new_pg if conn.dialect.name == "postgresql" else _insert_new_each
     cid = new(conn, run, first, m, digest=digest, now=now, actor=actor)
@@ -97,7 +152,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
             first.update(state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now, committed_at=None)
         cid = _insert_new_each(conn, run, first, m, digest=digest, now=now, actor=actor, ruled=True)
     if cid is not None:  # the common case, a new checkpoint: no read-back needed
-        _link_parent(conn, cid, m, now=now, new=True)
+        _link_parent(conn, cid, m, run, now=now, actor=actor)
         return to_checkpoint(SimpleNamespace(**first, id=cid, run_name=m.run))
     ck = checkpoint_row(conn, m.run, m.step, attempt=m.attempt, lock=True)
     where = f"checkpoint {m.run}/{m.step}" + (f" of attempt {m.attempt}" if m.attempt else "")
@@ -109,7 +164,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
         _refuse_colliding_paths(conn, ck.id, m)
         _add_part(conn, ck.id, m, digest=digest, now=now)
         _merge_part(conn, ck, m, now=now, actor=actor)
-        _link_parent(conn, ck.id, m, now=now, new=False)
+        _link_parent(conn, ck.id, m, run, now=now, actor=actor)
     elif recorded != digest:
         raise ConflictError(f"{where} part {m.part} is already registered with a different manifest "
                             f"(digest {recorded[:12]}, this one {digest[:12]}); refusing to overwrite it")
@@ -146,7 +201,8 @@ def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
 # attempt) exists, or when another attempt holds the step or a newer attempt resumed from below
 # it: then nothing else is written either, and ``register_part`` applies the attempt rules), its part, its files
 # (arrays, so the text never changes and psycopg prepares it once per connection), its audit
-# row and its ``follows`` edge to the run's previous checkpoint. It returns the new id and the
+# row, its ``follows`` edge to the run's previous checkpoint and the edges of the runs that wait
+# for it as their origin (``_LINK_WAITING``: pending origins). It returns the new id and the
 # run's previous and next checkpoints; the rare rest (a run's first checkpoint linked to its
 # origin, one registered out of order spliced in) is ``link_into_run``'s, as before.
 _NEW_CHECKPOINT_PG = """
@@ -186,6 +242,11 @@ WITH me AS (
 ), edge AS (
     INSERT INTO lineage (child_id, parent_id, relation, created_at)
     SELECT ck.id, nb.prev, 'follows', %(now)s FROM ck, nb WHERE nb.prev IS NOT NULL
+), waiting AS (
+    INSERT INTO lineage (child_id, parent_id, relation, created_at)
+    SELECT f.id, ck.id, COALESCE(r.parent_relation, 'resumed_from'), %(now)s
+    FROM ck, runs r, LATERAL (SELECT c.id FROM checkpoints c WHERE c.run_id = r.id ORDER BY c.step, c.id LIMIT 1) f
+    WHERE r.parent_run = %(run)s AND r.parent_step = %(step)s AND r.id <> %(run_id)s
 )
 SELECT ck.id, nb.prev, nb.nxt FROM ck, nb
 """
@@ -212,6 +273,7 @@ def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manif
         _audit_register(conn, m, None, first["state"], now=now, actor=actor)
         if first["state"] != CKPT_SUPERSEDED:  # a superseded one stays off the run's live chain
             link_into_run(conn, run=run, checkpoint_id=cid, step=m.step, now=now)
+        link_waiting_runs(conn, [cid], now=now)
     return cid
 
 
@@ -237,7 +299,7 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
     (a backfill, an import) go in with one multi-row INSERT per table; anything else (a known
     (run, step), several parts of one checkpoint, a step older than the run's newest) goes
     through ``register_part`` one by one, so the rules are the same either way."""
-    fast, slow = _split_batch(conn, manifests)
+    fast, slow = _split_batch(conn, manifests, now=now, actor=actor)
     for m in slow:
         register_part(conn, m, digest=m.digest(), now=now, actor=actor)
     if not fast:
@@ -256,9 +318,36 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
         if parent is not None:
             edges.append(dict(child_id=cid, parent_id=parent, relation=relation, created_at=now))
         last[run.id] = cid
-        _link_parent(conn, cid, m, now=now, new=True)
+        _link_parent(conn, cid, m, run, now=now, actor=actor)
     if edges:
         _bulk(conn, lineage, edges)
+    link_waiting_runs(conn, ids, now=now)
+
+
+def link_waiting_runs(conn: Connection, checkpoint_ids: Sequence[int], *, now: datetime) -> None:
+    """Complete the pending origins that ``checkpoint_ids`` (new checkpoints) are: the first
+    checkpoint of each run recorded as resumed/fine-tuned/branched from one of them gets its
+    edge. No cycle check: a checkpoint registered just now has no ancestor but its own run's."""
+    for i in range(0, len(checkpoint_ids), _CHUNK):
+        conn.execute(_LINK_WAITING, {"ids": list(checkpoint_ids[i:i + _CHUNK]), "now": now})
+
+
+def _link_waiting():
+    origin, origin_run, child = checkpoints.alias("origin"), runs.alias("origin_run"), runs.alias("child_run")
+    first = (select(checkpoints.c.id).where(checkpoints.c.run_id == child.c.id)
+             .order_by(checkpoints.c.step, checkpoints.c.id).limit(1).correlate(child).scalar_subquery())
+    linked = exists().where(lineage.c.child_id == first, lineage.c.parent_id == origin.c.id)
+    relation = func.coalesce(child.c.parent_relation, "resumed_from")  # as ``link_into_run`` reads it
+    rows = (select(first, origin.c.id, relation, bindparam("now"))
+            .select_from(origin.join(origin_run, origin_run.c.id == origin.c.run_id)
+                         .join(child, and_(child.c.parent_run == origin_run.c.name,
+                                           child.c.parent_step == origin.c.step, child.c.id != origin_run.c.id)))
+            .where(origin.c.id.in_(bindparam("ids", expanding=True)), first.is_not(None), ~linked))
+    return lineage.insert().from_select(["child_id", "parent_id", "relation", "created_at"], rows)
+
+
+_LINK_WAITING = _link_waiting()  # (ids, now): the edges of the runs whose pending origin is one of ids
+_CHUNK = 500
 
 
 def _insert_checkpoints(conn: Connection, rows: list[dict]) -> list[int]:
@@ -300,8 +389,10 @@ def _copy_value(v):
     return v
 
 
-def _split_batch(conn: Connection, manifests: list[Manifest]) -> tuple[list[tuple[Row, Manifest]], list[Manifest]]:
-    """(fast: [(run, manifest)] in run/step order, slow: [manifest]) -- see ``register_batch``."""
+def _split_batch(conn: Connection, manifests: list[Manifest], *, now: datetime,
+                 actor: str) -> tuple[list[tuple[Row, Manifest]], list[Manifest]]:
+    """(fast: [(run, manifest)] in run/step order, slow: [manifest]) -- see ``register_batch``.
+    Each run learns its origin from its manifests here (``_learn_origin``)."""
     by_run: dict[str, list[Manifest]] = {}
     for m in manifests:
         by_run.setdefault(m.run, []).append(m)
@@ -309,6 +400,8 @@ def _split_batch(conn: Connection, manifests: list[Manifest]) -> tuple[list[tupl
     slow: list[Manifest] = []
     for name, ms in by_run.items():
         run = run_row(conn, name, lock=True)
+        for m in ms:
+            run = _learn_origin(conn, run, m, now=now, actor=actor)
         steps = [m.step for m in ms]
         newest = conn.execute(select(func.max(checkpoints.c.step)).where(checkpoints.c.run_id == run.id)).scalar()
         plain = all(not m.attempt for m in ms)  # a named attempt's rules are register_part's
@@ -351,11 +444,24 @@ def _add_part(conn: Connection, cid: int, m: Manifest, *, digest: str, now: date
         conn.execute(files.insert(), _file_values(cid, m))
 
 
-def _link_parent(conn: Connection, cid: int, m: Manifest, *, now: datetime, new: bool) -> None:
-    """The manifest's own parent edge (a new checkpoint has no descendants: no cycle check)."""
-    if m.parent is not None:
-        parent = checkpoint_row(conn, m.parent.run, m.parent.step)
-        add_edge(conn, cid, parent.id, m.parent.relation, now=now, check_cycle=not new)
+def _link_parent(conn: Connection, cid: int, m: Manifest, run: Row, *, now: datetime, actor: str) -> None:
+    """The manifest's own parent edge, unless that parent is the run's origin (the run's first
+    checkpoint carries that edge: ``link_into_run``, ``link_waiting_runs``). A parent the catalog
+    does not know is warned about and audited, and the part is registered without the edge: a
+    good checkpoint is never held back for its history."""
+    p = m.parent
+    if p is None or (p.run, p.step) == (run.parent_run, run.parent_step):
+        return
+    who = f"checkpoint {m.run}/{m.step} is"
+    pid = _checkpoint_id(conn, p.run, p.step)
+    if pid is None:
+        why = f"{who} {p.relation} {p.run}/{p.step}, which is not in the catalog: registered without that edge"
+        log.warning("%s", why)
+        add_audit(conn, at=now, actor=actor, subject=f"checkpoint:{m.run}/{m.step}", action="parent-unknown",
+                  reason=why, run=m.run, step=m.step)
+        return
+    _origin_note(conn, who, (p.run, p.step), p.relation, now=now, actor=actor, run=m.run)
+    add_edge(conn, cid, pid, p.relation, now=now)
 
 
 def _register_audit(m: Manifest, from_state: str | None, to_state: str, now: datetime, actor: str) -> dict:

@@ -3,7 +3,8 @@ the record of a retirement. The rule itself is not here: ``db/`` only fetches an
 
 Reads, per 500 runs: the runs' committed and retired checkpoints with their verified replicas
 (one query driven from ``(run_id, step)``), their pins, aliases and lineage children (one query
-each per 500 checkpoints). Nothing is read per checkpoint.
+each per 500 checkpoints; two for children: the edges, and the origins recorded on run rows).
+Nothing is read per checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import IllegalTransition, PruneRefused
@@ -92,8 +93,11 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
 
 
 def lineage_children(conn: Connection, checkpoint_ids: Sequence[int]) -> list[tuple[int, str]]:
-    """(parent checkpoint id, child run name) for each edge into ``checkpoint_ids`` from a
-    checkpoint of another run, where that run still has a checkpoint that is not retired."""
+    """(parent checkpoint id, child run name) for each other run that comes from one of
+    ``checkpoint_ids`` and is live: through a lineage edge from one of its checkpoints, or as
+    the origin recorded on its run row (``runs.parent_run/parent_step``: a run registered with
+    its origin protects it before its first checkpoint, and while that edge is pending). A run
+    is live while it has no checkpoint yet or one that is not retired."""
     child, parent = checkpoints.alias("child"), checkpoints.alias("parent")
     live = (select(checkpoints.c.id).where(checkpoints.c.run_id == child.c.run_id,
                                            checkpoints.c.state != RETIRED).exists())
@@ -102,7 +106,19 @@ def lineage_children(conn: Connection, checkpoint_ids: Sequence[int]) -> list[tu
                          .join(parent, parent.c.id == lineage.c.parent_id)
                          .join(runs, runs.c.id == child.c.run_id))
             .where(lineage.c.parent_id.in_(checkpoint_ids), child.c.run_id != parent.c.run_id, live))
-    return [(cid, name) for cid, name in conn.execute(stmt)]
+    found = {(cid, name) for cid, name in conn.execute(stmt)}
+    origin_run, child_run = runs.alias("origin_run"), runs.alias("child_run")
+    any_ckpt = select(checkpoints.c.id).where(checkpoints.c.run_id == child_run.c.id).exists()
+    live_ckpt = select(checkpoints.c.id).where(checkpoints.c.run_id == child_run.c.id,
+                                               checkpoints.c.state != RETIRED).exists()
+    by_row = (select(parent.c.id, child_run.c.name)
+              .select_from(parent.join(origin_run, origin_run.c.id == parent.c.run_id)
+                           .join(child_run, and_(child_run.c.parent_run == origin_run.c.name,
+                                                 child_run.c.parent_step == parent.c.step,
+                                                 child_run.c.id != origin_run.c.id)))
+              .where(parent.c.id.in_(checkpoint_ids), or_(~any_ckpt, live_ckpt)))
+    found |= {(cid, name) for cid, name in conn.execute(by_row)}
+    return sorted(found)
 
 
 def retire(conn: Connection, run: str, step: int, *, reason: str, actor: str, now: datetime,

@@ -1,8 +1,8 @@
 """register: record a part that is committed on Tier 0 in the catalog, from its manifest.
 
-A run seen for the first time is created from the manifest (with its origin when the
-manifest's parent names a recorded checkpoint of another run): only a malformed run name is
-refused. Bad input never reaches the catalog as data: a malformed run name, a missing or malformed
+A run seen for the first time is created from the manifest (its origin, the manifest's parent
+in another run, recorded pending if the catalog does not know it yet): only a malformed run
+name is refused. Bad input never reaches the catalog as data: a malformed run name, a missing or malformed
 manifest, a path that escapes the checkpoint folder, an unknown format, a manifest that
 differs from the one already registered for that part, or a part that lists a file another
 part of the checkpoint lists with other bytes is audited as a rejection, announced
@@ -24,6 +24,7 @@ from core.errors import (
     BadInput,
     ConflictError,
     CorruptCheckpoint,
+    LineageCycle,
     NotFound,
     UnknownRun,
     quoted,
@@ -82,7 +83,7 @@ def register_stored_part(settings: Settings, run: str, step: int, part: int = 0,
             if done is not None:  # no manifest left: a late duplicate after Tier 0 was pruned
                 return done
             _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
-        except (BadInput, ConflictError, CorruptCheckpoint) as exc:
+        except (BadInput, ConflictError, CorruptCheckpoint, LineageCycle) as exc:
             _refuse(cat, exc, digest, run=run, step=step, part=part, parts=parts, node=node, actor=actor)
         done = _already_promoted(cat, run, step, part, attempt)
         if done is not None:
@@ -94,22 +95,12 @@ def register_stored_part(settings: Settings, run: str, step: int, part: int = 0,
 
 def _ensure_run(cat: Catalog, manifest: Manifest, *, actor: str) -> None:
     """A run seen for the first time is created (audited ``create-run``): any documented way
-    of announcing a checkpoint works without registering the run first. The manifest's parent
-    in another run becomes the run's origin when that checkpoint is recorded; an origin not
-    recorded yet is left out (the manifest's own parent edge still names it)."""
+    of announcing a checkpoint works without registering the run first. Its origin comes from
+    the manifest (``Catalog.register_part``)."""
     try:
         cat.get_run(manifest.run)
-        return
     except UnknownRun:
-        pass
-    p = manifest.parent
-    if p is not None and p.run != manifest.run:
-        try:
-            cat.ensure_run(manifest.run, parent=(p.run, p.step), parent_relation=p.relation, actor=actor)
-            return
-        except NotFound:
-            pass
-    cat.ensure_run(manifest.run, actor=actor)
+        cat.ensure_run(manifest.run, actor=actor)
 
 
 def _refuse_if_rejected_before(cat: Catalog, run: str, step: int, part: int, digest: str) -> None:

@@ -229,17 +229,24 @@ def lineage_cmd(run: str, step: int = STEP,
                 descendants: bool = typer.Option(False, "--descendants", help="walk down instead of up"),
                 depth: int = typer.Option(1000, "--depth", help="how many edges deep"),
                 as_json: bool = JSON_OPT) -> None:
-    """Where a checkpoint came from (or, with --descendants, what came from it), as a tree."""
+    """Where a checkpoint came from (or, with --descendants, what came from it), as a tree. A
+    run's origin the catalog does not know yet is shown pending."""
     with _catalog() as cat:
         cat.get_checkpoint(run, step)
         walk = cat.descendants if descendants else cat.ancestors
         edges = walk(run, step, max_depth=depth)
         states = cat.checkpoint_states([(run, step)] + [(e.child_run, e.child_step) for e in edges]
                                        + [(e.parent_run, e.parent_step) for e in edges])
+        info = cat.get_run(run)
     if as_json:
         _emit_json(edges)
         return
-    out.print(lineage_tree(run, step, edges, descendants=descendants, states=states))
+    tree = lineage_tree(run, step, edges, descendants=descendants, states=states)
+    origin = (info.parent_run, info.parent_step)
+    if not descendants and info.parent_run and origin not in {(e.parent_run, e.parent_step) for e in edges}:
+        tree.add(f"{origin[0]}/{origin[1]} [dim]({info.parent_relation})[/dim] [yellow](pending: not in the "
+                 f"catalog yet)[/yellow]")
+    out.print(tree)
 
 
 def lineage_tree(run: str, step: int, edges: Sequence[LineageEdge], *, descendants: bool,

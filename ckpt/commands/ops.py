@@ -20,7 +20,7 @@ from core.paths import safe_run_name
 from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure, fmt_bytes, fmt_percent, fmt_seconds
 
 if TYPE_CHECKING:
-    from ckpt.client import SavedCheckpoint
+    from ckpt.client import OriginKeywords, SavedCheckpoint
 
 _D = TypeVar("_D")
 
@@ -312,10 +312,14 @@ def watch_cmd(
                                         help="tag every step that is a multiple of N a milestone (Tier 2)"),
     milestone_marker: str = typer.Option("MILESTONE", "--milestone-marker",
                                          help="a folder holding this file is tagged a milestone"),
+    resumed_from: str = typer.Option(None, "--resumed-from", help="RUN/STEP this run resumed from"),
+    fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN/STEP this run fine-tunes"),
+    branched_from: str = typer.Option(None, "--branched-from", help="RUN/STEP this run branched from"),
 ) -> None:
     """Commit and announce each complete checkpoint folder (DCP .metadata, HF index with all
     shards, or a marker file) once, for jobs that cannot use the client. Milestones: every N
-    steps (--milestone-every) or folders holding the milestone marker file."""
+    steps (--milestone-every) or folders holding the milestone marker file. The run's origin
+    (--resumed-from, --fine-tuned-from or --branched-from) goes into every manifest."""
     import logging
 
     from ckpt.watch import watch  # deferred: start-up — pydantic-settings (core.settings)
@@ -324,12 +328,13 @@ def watch_cmd(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     settings = load_settings()
     safe_run_name(run)
+    origin = origin_options(resumed_from, fine_tuned_from, branched_from)
 
     def show(saved: SavedCheckpoint) -> None:
         typer.echo(f"committed {saved.run} step {saved.step} ({saved.manifest.kind}) -> {saved.path}")
 
     n = watch(directory, run, settings, marker=marker, interval=interval, once=once, part=part, parts=parts,
-              on_commit=show, milestone_every=milestone_every, milestone_marker=milestone_marker)
+              on_commit=show, milestone_every=milestone_every, milestone_marker=milestone_marker, origin=origin)
     typer.echo(f"{n} checkpoint(s) committed")
 
 
@@ -409,22 +414,22 @@ def _interrupt(*_: object) -> None:
 def run_register_cmd(
     run: str = typer.Argument(..., help="run name"),
     project: str = typer.Option(None, "--project"),
-    resumed_from: str = typer.Option(None, "--resumed-from", help="RUN:STEP this run resumes from"),
-    fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN:STEP this run fine-tunes"),
+    resumed_from: str = typer.Option(None, "--resumed-from", help="RUN/STEP this run resumes from"),
+    fine_tuned_from: str = typer.Option(None, "--fine-tuned-from", help="RUN/STEP this run fine-tunes"),
+    branched_from: str = typer.Option(None, "--branched-from", help="RUN/STEP this run branched from"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Register a run (idempotent), with the checkpoint it started from."""
+    """Register a run (idempotent), with the checkpoint it started from (recorded pending when
+    the catalog does not know that checkpoint yet; it is protected from retirement either way)."""
+    from ckpt.client import run_origin  # deferred: start-up — pydantic-settings
     from core.settings import load_settings  # deferred: start-up — pydantic-settings
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
-    if resumed_from and fine_tuned_from:
-        raise BadInput("give --resumed-from or --fine-tuned-from, not both")
-    origin = resumed_from or fine_tuned_from
-    parent = _run_step(origin) if origin else None
+    o = run_origin(**origin_options(resumed_from, fine_tuned_from, branched_from))
     cat = Catalog(load_settings().catalog_url)
     try:
-        info = cat.ensure_run(safe_run_name(run), project=project, parent=parent,
-                              parent_relation="resumed_from" if resumed_from else "fine_tuned_from", actor="cli")
+        info = cat.ensure_run(safe_run_name(run), project=project, parent=(o.run, o.step) if o else None,
+                              parent_relation=o.relation if o else "resumed_from", actor="cli")
     finally:
         cat.close()
     if as_json:
@@ -436,7 +441,24 @@ def run_register_cmd(
 
 
 def _run_step(text: str) -> tuple[str, int]:
-    run, sep, step = text.rpartition(":")
+    """``RUN/STEP`` (or ``RUN:STEP``: neither character is allowed in a run name)."""
+    run, sep, step = text.replace(":", "/").rpartition("/")
     if not sep:
-        raise BadArgument(f"expected RUN:STEP, got {quoted(text)}")
+        raise BadArgument(f"expected RUN/STEP, got {quoted(text)}")
     return safe_run_name(run), step_arg(step)
+
+
+def origin_options(resumed_from: str | None, fine_tuned_from: str | None,
+                   branched_from: str | None) -> OriginKeywords:
+    """The stager's origin keyword from ``--resumed-from`` / ``--fine-tuned-from`` /
+    ``--branched-from RUN/STEP`` (at most one), for ``ckpt watch`` and ``ckpt commit``."""
+    given: OriginKeywords = {}
+    if resumed_from:
+        given["resumed_from"] = _run_step(resumed_from)
+    if fine_tuned_from:
+        given["fine_tuned_from"] = _run_step(fine_tuned_from)
+    if branched_from:
+        given["branched_from"] = _run_step(branched_from)
+    if len(given) > 1:
+        raise BadArgument("give one of --resumed-from, --fine-tuned-from, --branched-from")
+    return given

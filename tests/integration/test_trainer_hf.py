@@ -77,7 +77,8 @@ def test_trainer_checkpoints_commit_restore_and_resume(settings_factory, sqlite_
         def on_step_end(self, args, state, control, **kwargs):
             seen.append(state.global_step)
 
-    cb2 = TieringCallback(run="hf-run-2", settings=settings, resumed_from=restored)
+    # announce=False: the resumed job never reaches the catalog; its manifests carry the origin
+    cb2 = TieringCallback(run="hf-run-2", settings=settings, resumed_from=restored, announce=False)
     assert cb2.origin == ("hf-run", 4)
     trainer2 = _trainer(tmp_path / "out2", [cb2, FirstStep()], max_steps=6)
     trainer2.train(resume_from_checkpoint=str(restored))

@@ -163,13 +163,18 @@ def test_background_stall_is_shorter_than_a_foreground_save(settings_factory):
     assert min(bg) < min(fg), (bg, fg)
 
 
-def test_explicit_parent_goes_into_the_manifest(settings_factory):
+def test_the_run_origin_goes_into_every_manifest(settings_factory):
+    """The origin travels with each checkpoint: a catalog rebuilt from the manifests has it,
+    whether or not the job ever reached the catalog (announce=False here)."""
     s = settings_factory()
     with _stager(s, resumed_from=("run-0", 40)) as st:
-        first = st.save(41, _tensors(n=1))  # the run's origin is the catalog's business, not the manifest's
-        other = st.save(43, _tensors(n=1), parent=("run-x", 7))
-    assert first.manifest.parent is None
+        first = st.save(41, _tensors(n=1))
+        second = st.save(42, _tensors(n=1))
+        other = st.save(43, _tensors(n=1), parent=("run-x", 7))  # an explicit parent of this save
+    assert first.manifest.parent == second.manifest.parent == ParentRef("run-0", 40, "resumed_from")
     assert other.manifest.parent == ParentRef("run-x", 7, "resumed_from")
+    with _stager(s, branched_from=("run-0", 41)) as st:
+        assert st.save(50, _tensors(n=1)).manifest.parent == ParentRef("run-0", 41, "branched_from")
     with pytest.raises(BadInput):
         CheckpointStager("r", settings=s, resumed_from=("a", 1), fine_tuned_from=("b", 2), announce=False)
 

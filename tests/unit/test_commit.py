@@ -96,6 +96,16 @@ def test_an_event_that_does_not_arrive_fails_the_command_but_keeps_the_commit(en
     assert _manifest_doc(env, "r", 1)["step"] == 1
 
 
+@pytest.mark.parametrize(("option", "relation"), [("--resumed-from", "resumed_from"),
+                                                 ("--fine-tuned-from", "fine_tuned_from"),
+                                                 ("--branched-from", "branched_from")])
+def test_commit_records_the_origin_with_its_relation(env, tmp_path, option, relation):
+    job = _job_folder(tmp_path / "job" / "checkpoint-3")
+    _cli("commit", str(job), "--run", "ft-run", "--step", "3", option, "base/7", "--no-announce")
+    m = Manifest.from_json(json.dumps(_manifest_doc(env, "ft-run", 3)))
+    assert (m.parent.run, m.parent.step, m.parent.relation) == ("base", 7, relation)
+
+
 @pytest.mark.parametrize("args", [["--run", "../etc", "--step", "1"], ["--run", "r", "--step", "1", "--parent", "x"]])
 def test_bad_input_is_refused_in_one_line(env, tmp_path, args):
     from ckpt.cli import main

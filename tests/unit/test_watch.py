@@ -177,3 +177,21 @@ def test_watched_milestones_come_from_every_n_or_the_marker_file(settings_factor
     m = Manifest.from_json((plain.data_dir / "tier0" / "node-0" / "run-w" / "step-00000150" / "manifest.json")
                            .read_bytes())
     assert m.kind == "step"
+
+
+def test_cli_watch_records_the_run_origin_in_every_manifest(settings_factory, tmp_path):
+    settings_factory()  # clears CKPT_* and chdirs into tmp_path
+    job = tmp_path / "job"
+    for step in (300, 400):
+        _hf_folder(job / f"checkpoint-{step}", shards=1)
+    env = dict(os.environ, CKPT_DATA_DIR=str(tmp_path / "data"), CKPT_NODE="node-0",
+               CKPT_CATALOG_URL=f"sqlite:///{tmp_path}/none/c.db")
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run([sys.executable, "-m", "ckpt.cli", "watch", str(job), "--run", "run-w", "--once",
+                          "--fine-tuned-from", "base/200"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for step in (300, 400):
+        m = Manifest.from_json((tmp_path / "data" / "tier0" / "node-0" / "run-w" / f"step-{step:08d}"
+                                / "manifest.json").read_bytes())
+        assert (m.parent.run, m.parent.step, m.parent.relation) == ("base", 200, "fine_tuned_from")

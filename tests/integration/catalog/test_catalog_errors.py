@@ -6,7 +6,7 @@ import psycopg
 import pytest
 from sqlalchemy import insert
 
-from core.errors import CatalogUnavailable, ConflictError, NotFound, ValueRefused, is_transient
+from core.errors import CatalogUnavailable, ConflictError, LineageCycle, ValueRefused, is_transient
 from db.catalog import Catalog
 from db.entities import CORRUPT, VERIFIED
 from db.models import Run
@@ -39,8 +39,8 @@ def test_integrity_error_is_a_clear_permanent_conflict(catalog):
 
 def test_failure_midway_leaves_nothing_half_written(catalog):
     catalog.ensure_run("r")
-    bad = manifest("r", 1, parent=("no-such-run", 5, "resumed_from"))
-    with pytest.raises(NotFound):
+    bad = manifest("r", 1, parent=("r", 1, "resumed_from"))  # its own parent: refused after the inserts
+    with pytest.raises(LineageCycle):
         catalog.register_part(bad, actor="t")
     assert catalog.list_checkpoints("r") == []
     assert catalog.history("r", 1) == []

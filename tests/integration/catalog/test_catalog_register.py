@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from core.errors import BadInput, ConflictError, LineageCycle, NotFound, PathEscape, UnknownRun
+from core.errors import BadInput, ConflictError, LineageCycle, PathEscape, UnknownRun
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CKPT_CORRUPT, CKPT_PARTIAL
 from tests.kit.catalog import checkpoint, manifest, verified
@@ -27,8 +27,10 @@ def test_unknown_run_and_hostile_run_names_are_refused(catalog):
         catalog.get_run("ghost")
     with pytest.raises(PathEscape):
         catalog.ensure_run("../etc")
-    with pytest.raises(NotFound):
-        catalog.ensure_run("child", parent=("ghost", 5))
+    with pytest.raises(PathEscape):
+        catalog.ensure_run("child", parent=("../etc", 5))
+    # an origin not registered yet is recorded, pending: its edge comes when it is registered
+    assert catalog.ensure_run("child", parent=("ghost", 5)).parent_run == "ghost"
 
 
 def test_same_manifest_twice_returns_the_same_checkpoint(catalog):
@@ -185,9 +187,10 @@ def test_checkpoints_registered_at_once_still_form_one_chain(catalog, db_url):
 
 def test_a_new_part_is_two_statements_on_postgresql(catalog):
     """The run's row (locked, with the catalog's clock), then one statement for the checkpoint,
-    its part, files, audit row and edge (PostgreSQL; before: 7, the files one executemany).
-    SQLite (no round trips) keeps a statement per table, and the attempt rules' reads
-    (``db.attempts.standing``: the attempt recorded, newer attempts, other attempts at the step)."""
+    its part, files, audit row, edge and the edges of runs waiting for it as their origin
+    (PostgreSQL; before: 7, the files one executemany). SQLite (no round trips) keeps a
+    statement per table, and the attempt rules' reads (``db.attempts.standing``: the attempt
+    recorded, newer attempts, other attempts at the step)."""
     from sqlalchemy import event
 
     checkpoint(catalog, "r", 10)
@@ -199,7 +202,7 @@ def test_a_new_part_is_two_statements_on_postgresql(catalog):
     finally:
         event.remove(catalog.engine, "before_cursor_execute", listener)
     writes = [s for s in sent if not s.startswith("BEGIN")]
-    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 12), writes
+    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 13), writes
     assert [f.path for f in catalog.files(ck.id)] == [f"shard-0-{i}.safetensors" for i in range(3)]
     assert [(e.action, e.to_state, e.actor) for e in catalog.history("r", 20)] == [("register", CKPT_COMMITTED, "t")]
     assert [(e.parent_step, e.relation) for e in catalog.ancestors("r", 20, max_depth=1)] == [(10, "follows")]

@@ -49,18 +49,21 @@ def test_run_is_registered_with_its_origin(settings_factory, db_url):
 
 def test_origin_not_yet_in_the_catalog_is_recorded_later(settings_factory, db_url):
     """Resuming from a checkpoint whose promotion is still running: the run is registered at
-    once (its checkpoints can be promoted), the origin as soon as the catalog has it."""
+    once with its origin, pending (it protects the origin already; its checkpoints can be
+    promoted); the edge comes as soon as the catalog has the origin."""
     s, base = _base(settings_factory, db_url, 20)
     cat = Catalog(db_url)
     try:
         child = _stager(s, "child2", fine_tuned_from=("base", 20))
-        child.save(21, _tensors(2))
+        saved = child.save(21, _tensors(2))
         child._announcer._q.join()
-        assert cat.get_run("child2").parent_run is None
-        cat.register_part(base.manifest, actor="test")
-        child.save(22, _tensors(3))
-        child.close()
         run = cat.get_run("child2")
         assert (run.parent_run, run.parent_step, run.parent_relation) == ("base", 20, "fine_tuned_from")
+        cat.register_part(saved.manifest, actor="test")
+        assert cat.ancestors("child2", 21) == []  # pending
+        cat.register_part(base.manifest, actor="test")
+        child.close()
+        edges = cat.ancestors("child2", 21)
+        assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("base", 20, "fine_tuned_from")]
     finally:
         cat.close()
