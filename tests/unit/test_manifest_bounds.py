@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from core.errors import BadInput
-from core.manifest import MAX_ATTEMPT, MAX_NODE, MAX_PATH, FileEntry, Manifest, ParentRef
+from core.layout import MAX_ATTEMPT
+from core.manifest import MAX_NODE, MAX_PATH, FileEntry, Manifest, ParentRef
 from db.models import Checkpoint, CheckpointFile, CheckpointPart, Run
 
 GOOD = Manifest(run="run-a", step=100, files=(FileEntry("a.bin", 10, "0a0b0c0d"), FileEntry("b.bin", 5, "01020304")),
