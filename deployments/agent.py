@@ -186,6 +186,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
+
     os.environ.update(agent_environment(settings))
     if settings.prefect_reuse:
         share_verified_contexts()  # before the fork: the warm processes inherit it
@@ -194,6 +196,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     if settings.fast_path:
         # before any thread: warm processes share the agent's imported pages
         start_fork_server(prebuild=settings.prefect_reuse)
+    for state in init_tiers(settings, actor=f"agent:{settings.node}"):  # after the fork server: no catalog
+        log.info("%s", state.line())  # connection of this process is inherited by a warm one
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:
