@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from core import events
@@ -83,7 +84,8 @@ def alert(settings: Settings, exc: TierUnavailable) -> None:
     """Log and announce an unavailable tier (labelled ``ckpt.tier`` and ``ckpt.node``)."""
     node = root_node(exc.tier, settings.node)
     log.warning("%s", exc)
-    events.announce(events.TIER_UNAVAILABLE, "", 0, node=settings.node, extra_id=f"tier{exc.tier}:{node}",
+    hour = datetime.now(UTC).strftime("%Y%m%dT%H")  # one event per tier and hour, not one ever (ids dedupe)
+    events.announce(events.TIER_UNAVAILABLE, "", 0, node=settings.node, extra_id=f"tier{exc.tier}:{node}:{hour}",
                     payload={"tier": exc.tier, "url": exc.url, "reason": exc.reason},
                     labels={"tier": exc.tier}, resource_id=events.tier_resource_id(exc.tier, node))
 
@@ -137,6 +139,8 @@ def init_tier(settings: Settings, tier: int, *, actor: str, replace: bool = Fals
             identity.prove(store, recorded.identity)
             return RootState(tier, node, shown, PROVEN, recorded.identity)
         found = identity.read_marker(store)
+        if found is not None and found.tier != tier:  # another tier's root configured here: never adopted
+            raise TierUnavailable(tier, shown, f"its root holds the identity marker of tier {found.tier}")
         marked = found is None
         if found is None:
             found = identity.write_marker(store)

@@ -77,6 +77,8 @@ def test_tier1_mount_missing_on_a_node_gives_no_verdict_and_all_proceeds_once_ba
         reconcile_once(settings, steps=plain_steps(), actor="test")
     with pytest.raises(StorageUnavailable):  # another node resumes from Tier 1: not here
         resume(on_node(settings, "node-1"), RUN)
+    here = resume(settings, RUN)  # this node's own Tier 0 copy of a durable step needs no Tier 1
+    assert (here.step, here.parts[0].tier, here.parts[0].source) == (100, 0, "in place")
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
     assert list(Path(settings.tier1_url).iterdir()) == []
 
