@@ -30,6 +30,16 @@ class StorageUnavailable(TransientError):
     """A tier is temporarily unavailable (I/O timeout, S3 5xx, throttling)."""
 
 
+class TierUnavailable(StorageUnavailable):
+    """A tier root that does not prove it is the one the catalog recorded: missing, showing no
+    identity marker, or another one (``core.storage.identity``). Never a verdict on any copy
+    there. ``tier``, ``url`` (display form) and ``reason`` say which and why."""
+
+    def __init__(self, tier: int, url: str, reason: str) -> None:
+        super().__init__(f"tier {tier} at {url} is unavailable: {reason}; nothing was judged or written there")
+        self.tier, self.url, self.reason = tier, url, reason
+
+
 class CopyInProgress(TransientError):
     """Another worker holds a live claim on this replica; retry later and it will be done."""
 

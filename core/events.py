@@ -32,6 +32,7 @@ LATE = "ckpt.checkpoint.late"  # completed, not durable within the RPO (emitted 
 REHYDRATE_FAILED = "ckpt.resume.rehydrate_failed"  # a resume could not rehydrate Tier 1 (full,
 # unreachable) and fetched into the node's own folder instead: the operator's alert
 TIER_LOW = "ckpt.tier.low"  # a tier's free space fell below a few checkpoints' worth (once per crossing)
+TIER_UNAVAILABLE = "ckpt.tier.unavailable"  # a tier root failed its identity proof (tasks.tier_roots)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
 # default) after answering 204, so an event that big must never leave: ``build_event`` refuses
@@ -47,10 +48,18 @@ def event_id(name: str, run: str, step: int, part: int = 0, extra: str = "") -> 
     return uuid.uuid5(_NS, f"{name}|{run}|{step}|{part}|{extra}")
 
 
-def resource(run: str, step: int, part: int = 0, parts: int = 1, node: str = "", **labels: Any) -> dict[str, str]:
+def tier_resource_id(tier: int, node: str = "") -> str:
+    """The resource of a tier root's events (``ckpt.tier.<tier>``, ``.<node>`` for Tier 0)."""
+    return f"ckpt.tier.{tier}" + (f".{node}" if node else "")
+
+
+def resource(run: str, step: int, part: int = 0, parts: int = 1, node: str = "", resource_id: str = "",
+             **labels: Any) -> dict[str, str]:
+    """The event's resource: the checkpoint's, or ``resource_id`` for a fact about something
+    else (a tier root: ``tier_resource_id``)."""
     res = {
-        "prefect.resource.id": f"ckpt.checkpoint.{run}.{step}",
-        "prefect.resource.name": f"{run}/step-{step}",
+        "prefect.resource.id": resource_id or f"ckpt.checkpoint.{run}.{step}",
+        "prefect.resource.name": resource_id or f"{run}/step-{step}",
         "ckpt.run": run,
         "ckpt.step": str(step),
         "ckpt.part": str(part),
@@ -71,7 +80,7 @@ def event_payload(run: str, step: int, part: int, parts: int, node: str,
 
 def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
                 payload: dict[str, Any] | None = None, extra_id: str = "",
-                labels: dict[str, Any] | None = None) -> dict[str, Any]:
+                labels: dict[str, Any] | None = None, resource_id: str = "") -> dict[str, Any]:
     """The event as JSON, exactly what ``POST {PREFECT_API_URL}/events`` takes (a list of these):
     a job without Prefect installed can announce a checkpoint with one HTTP call. Raises
     ``EventTooLarge`` for an event the server would silently drop (``check_size``)."""
@@ -81,7 +90,7 @@ def build_event(name: str, run: str, step: int, *, part: int = 0, parts: int = 1
         "id": str(event_id(name, run, step, part, extra_id)),
         "occurred": datetime.now(UTC).isoformat(),
         "event": name,
-        "resource": resource(run, step, part, parts, node, **(labels or {})),
+        "resource": resource(run, step, part, parts, node, resource_id, **(labels or {})),
         "related": [],
         "payload": event_payload(run, step, part, parts, node, payload),
     })

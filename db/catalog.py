@@ -87,6 +87,7 @@ from db.session import (
     release_engine,
     transaction,
 )
+from db.tier_roots import TierRoots
 
 if TYPE_CHECKING:
     from core.retention import CheckpointFacts
@@ -95,7 +96,7 @@ if TYPE_CHECKING:
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
-class Catalog(Pins, Audit, Drills, CatalogPart):
+class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
     # --- lifecycle -------------------------------------------------------------------
     def __init__(self, url: str, *, check_schema: bool = True,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):

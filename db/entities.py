@@ -220,3 +220,14 @@ class StoredCopy:
     replica: ReplicaInfo
     parts: int
     files: tuple[FileInfo, ...]
+
+
+@dataclass(frozen=True)
+class TierRootInfo:
+    """The identity marker recorded for a tier root (``node`` '' for the shared Tiers 1 and 2)."""
+
+    tier: int
+    node: str
+    url: str
+    identity: str
+    recorded_at: datetime

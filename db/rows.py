@@ -31,6 +31,7 @@ from db.models import (
     Run,
     SweepCursor,
     TierCompletion,
+    TierRoot,
 )
 
 runs = Run.__table__
@@ -46,6 +47,7 @@ audit = AuditLog.__table__
 drills = Drill.__table__
 rejections = Rejection.__table__
 cursors = SweepCursor.__table__
+tier_roots = TierRoot.__table__
 
 ALL_TIERS = (0, 1, 2)
 

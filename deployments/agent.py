@@ -46,6 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from core import events
+from core.errors import CkptError
 from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
@@ -186,6 +187,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
+
     os.environ.update(agent_environment(settings))
     if settings.prefect_reuse:
         share_verified_contexts()  # before the fork: the warm processes inherit it
@@ -194,6 +197,11 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     if settings.fast_path:
         # before any thread: warm processes share the agent's imported pages
         start_fork_server(prebuild=settings.prefect_reuse)
+    try:  # after the fork server: no catalog connection of this process is inherited by a warm one
+        for state in init_tiers(settings, actor=f"agent:{settings.node}"):
+            log.info("%s", state.line())
+    except CkptError as exc:  # an old schema, a catalog down: the steps say so again, and are retried
+        log.warning("tier roots not set up: %s", exc)
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:

@@ -28,6 +28,7 @@ from core.storage.base import TierStore
 from core.transfer import WorkerPriority
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, PRUNED, ReplicaInfo
+from tasks.tier_roots import prove_tier
 
 log = logging.getLogger("ckpt.pipeline")
 
@@ -42,11 +43,20 @@ def open_catalog(url: str) -> Iterator[Catalog]:
 
 
 def tier_store(settings: Settings, tier: int) -> TierStore:
-    """The store of ``tier`` as configured; Tier 2 unset is a ``ConfigError``."""
+    """The store of ``tier`` as configured, its root proven to be the one the catalog recorded
+    (``tasks.tier_roots.prove_tier``: else ``TierUnavailable``, and nothing is judged, written
+    or pruned on the strength of that tier). The one door through which the pipeline opens a
+    tier; Tier 2 unset is a ``ConfigError``."""
     url = settings.tier_url(tier)
     if not url:
         raise ConfigError(f"tier {tier} is not configured (set CKPT_TIER{tier}_URL)")
-    return open_store(url, tier, settings)
+    store = open_store(url, tier, settings)
+    try:
+        prove_tier(settings, store)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 @contextmanager

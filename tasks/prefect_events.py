@@ -46,9 +46,11 @@ def auth_headers(auth_string: str | None = None) -> dict[str, str]:
 
 def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
          payload: dict[str, Any] | None = None, extra_id: str = "", retries: int = 3,
-         backoff: float = 0.5, api_url: str | None = None, labels: dict[str, Any] | None = None) -> bool:
+         backoff: float = 0.5, api_url: str | None = None, labels: dict[str, Any] | None = None,
+         resource_id: str = "") -> bool:
     """Emit a Prefect event with a deterministic id. ``labels`` become extra resource labels
-    ``ckpt.<key>`` (triggers match labels, never the payload). Returns False when the event
+    ``ckpt.<key>`` (triggers match labels, never the payload); ``resource_id`` names a resource
+    other than the checkpoint (``core.events.tier_resource_id``). Returns False when the event
     could not be delivered (the reconcile flow catches what events miss); raises only
     ``EventTooLarge``, before anything is sent: an event the server would drop is refused loudly.
 
@@ -57,7 +59,7 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
     Prefect's ``emit_event`` queues it to the configured server, linked to the current flow run.
     """
     body = build_event(name, run, step, part=part, parts=parts, node=node, payload=payload, extra_id=extra_id,
-                       labels=labels)
+                       labels=labels, resource_id=resource_id)
     for attempt in range(retries):
         try:
             if api_url:
@@ -67,7 +69,7 @@ def emit(name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node:
 
             ev = emit_event(
                 event=name,
-                resource=resource(run, step, part, parts, node, **(labels or {})),
+                resource=resource(run, step, part, parts, node, resource_id, **(labels or {})),
                 payload=event_payload(run, step, part, parts, node, payload),
                 id=event_id(name, run, step, part, extra_id),
             )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from core.settings import Settings
+from core.storage import open_store
 from core.storage.base import TierStore
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
@@ -40,6 +42,18 @@ class TierStores:
         if tier not in self._open:
             self._open[tier] = tier_store(self.settings, tier)
         return self._open[tier]
+
+    def local_path(self, tier: int, key: str) -> Path | None:
+        """Where ``key`` of ``tier`` lies on a folder of this machine (None when the tier is not
+        one), from its URL alone: a path is no verdict, so the tier is not proven (opened) for
+        it, and a tier that is unavailable never stops a resume that reads another."""
+        if tier in self._open:
+            return self._open[tier].local_path(key)
+        url = self.settings.tier_url(tier)
+        if not url:
+            return None
+        with open_store(url, tier, self.settings) as store:  # nothing read: the URL's shape
+            return store.local_path(key)
 
     def close(self) -> None:
         """Release what the stores hold (S3 transfer threads); they reopen on the next ``get``."""

@@ -279,7 +279,7 @@ def _outside_managed_folders(stores: TierStores, run: str, target: Path) -> None
     checkpoint copied there would look committed to that tier) or this node's resume folders
     (tidied by the next resume)."""
     managed = [(f"tier {t}", root.parent) for t in (0, 1, 2) if stores.configured(t)
-               and (root := stores.get(t).local_path(run)) is not None]
+               and (root := stores.local_path(t, run)) is not None]
     managed.append(("this node's resume folders", resume_root(stores.settings, run).parent))
     where = target.resolve()
     for name, folder in managed:
@@ -328,7 +328,7 @@ def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
 def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
     """Whether ``tier`` is a folder mounted here (its checkpoints can be read where they lie)."""
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
-    return stores.configured(tier) and stores.get(tier).local_path(prefix) is not None
+    return stores.configured(tier) and stores.local_path(tier, prefix) is not None
 
 
 def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:

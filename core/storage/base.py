@@ -36,6 +36,9 @@ Contract for implementations (every operation idempotent):
 - ``locked_until(keys)`` is the latest date until which the store refuses to delete any of
   ``keys`` (S3 Object Lock), None where nothing is locked; a delete of a locked object raises
   ``ObjectLocked`` and leaves it whole.
+- ``root_exists`` says whether the root is there (a folder, a bucket); no store ever creates
+  its root or the root's parents (folders under it are fine), so a tier that is not mounted
+  is never silently replaced by an empty folder (``core.storage.identity`` proves the rest).
 - Transient backend failures raise ``StorageUnavailable``; ENOSPC/quota raises ``StorageFull``;
   a missing key raises ``NotFound``.
 """
@@ -115,6 +118,10 @@ class TierStore(ABC):
     def read_small(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
         """A small object (a manifest): at most ``limit`` bytes, else ``CorruptCheckpoint``."""
         return read_limited(self, key, limit)
+
+    def root_exists(self) -> bool:
+        """Whether the tier's root is there (a folder, a bucket); a store never creates it."""
+        return True
 
     def local_path(self, key: str) -> Path | None:
         """The path of ``key`` on a local folder (reads may then copy in the kernel), or None

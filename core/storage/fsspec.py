@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
-from core.errors import BadInput, ConflictError, NotFound
+from core.errors import BadInput, ConflictError, NotFound, StorageUnavailable
 from core.layout import STAGING_MARK, is_staging, staging_name
 from core.paths import safe_relpath
 from core.settings import display_url
@@ -89,7 +89,12 @@ class FsspecStore(TierStore):
         if got != (size, checksum_hex):
             raise ConflictError(f"{self.url_for(key)} already exists with different bytes; refusing to overwrite")
 
+    def root_exists(self) -> bool:
+        return bool(self.fs.isdir(self.root))
+
     def _staged_write(self, key: str, reader: BinaryIO, size: int, checksum_hex: str) -> None:
+        if not self.root_exists():  # a store never creates its root (the tier may not be mounted)
+            raise StorageUnavailable(f"tier root {self.root_url} does not exist; a store never creates it")
         path = self._p(key)
         parent, name = path.rsplit("/", 1)
         staging = f"{parent}/{staging_name(name)}"

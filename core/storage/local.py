@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
-from core.errors import BadInput, ConflictError, NotFound, PathEscape
+from core.errors import BadInput, ConflictError, NotFound, PathEscape, StorageUnavailable
 from core.layout import STAGING_MARK, is_staging, is_tomb, staging_name, tomb_name, tomb_token
 from core.paths import confine_local, safe_relpath
 from core.progress import moved
@@ -105,8 +105,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _mkdirs(path: Path) -> list[Path]:
-    """Create ``path`` and missing parents; return the folders whose entries changed."""
+def _mkdirs(root: Path, path: Path) -> list[Path]:
+    """Create ``path`` and its missing parents up to ``root``, which must exist (a store never
+    creates its tier root: a root that is not there is a tier not mounted, ``StorageUnavailable``);
+    return the folders whose entries changed."""
+    if not root.is_dir():
+        raise StorageUnavailable(f"tier root {root} does not exist (not mounted?); a store never creates it")
     missing = []
     p = path
     while not p.is_dir() and p != p.parent:
@@ -140,6 +144,9 @@ class LocalStore(TierStore):
 
     def local_path(self, key: str) -> Path | None:
         return self.path(key)
+
+    def root_exists(self) -> bool:
+        return self.root.is_dir()
 
     def write_path(self, key: str) -> Path:
         """The local path of ``key`` for a write or a delete: under the (resolved) root with no
@@ -258,14 +265,14 @@ class LocalStore(TierStore):
     def _staging(self, target: Path, key: str) -> Iterator[tuple[Path, int]]:
         """A new staging file beside ``target`` (path, write fd); removed unless published,
         OS errors mapped (ENOSPC -> StorageFull)."""
-        self._changed(_mkdirs(target.parent))
+        self._changed(_mkdirs(self.root, target.parent))
         staging = target.parent / staging_name(target.name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             try:
                 fd = os.open(staging, flags, 0o644)
             except FileNotFoundError:  # an emptied folder removed (``remove_empty``) since _mkdirs: again
-                self._changed(_mkdirs(target.parent))
+                self._changed(_mkdirs(self.root, target.parent))
                 fd = os.open(staging, flags, 0o644)
             try:
                 yield staging, fd

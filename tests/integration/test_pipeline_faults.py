@@ -289,21 +289,21 @@ def test_a_copy_that_hangs_while_deleting_a_corrupt_copy_keeps_its_claim(setting
         rep = next(r for r in cat.replicas(cat.get_checkpoint(RUN, 100).id) if r.tier == 1)
         cat.transition(rep.id, "corrupt", expected="verified", actor="test", reason="test: found rotten")
     leases: list[Lease] = []
-    original_start, original_delete = Lease.start, LocalStore.delete_prefix
+    original_start, original_delete = Lease.start, LocalStore.delete_tomb
     hung, released = threading.Event(), threading.Event()
 
     def start(self):
         leases.append(self)
         return original_start(self)
 
-    def delete_prefix(self, prefix):  # the corrupt copy's folder: the storage stops answering
+    def delete_tomb(self, tomb, check):  # the corrupt copy, set aside: the storage stops answering
         if self.tier == 1 and not hung.is_set():
             hung.set()
             assert released.wait(60)
-        return original_delete(self, prefix)
+        return original_delete(self, tomb, check)
 
     monkeypatch.setattr(Lease, "start", start)
-    monkeypatch.setattr(LocalStore, "delete_prefix", delete_prefix)
+    monkeypatch.setattr(LocalStore, "delete_tomb", delete_tomb)
     worker = threading.Thread(target=promote, args=(settings, RUN, 100), kwargs={"steps": plain_steps()})
     worker.start()
     try:

@@ -176,6 +176,7 @@ def test_an_aborted_multipart_upload_is_a_transient_destination_error(proxy, via
     the source is healthy, the destination lost its staging data, and a retry succeeds."""
     moto = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     data = os.urandom(11 * MiB)
+    (tmp_path / "tier1").mkdir(exist_ok=True)  # a store never creates its root
     src = LocalStore(tmp_path / "tier1", 1)
     manifest = one_file_manifest(data)
     src.put_verified(f"{PREFIX}/shard.bin", io.BytesIO(data), len(data), manifest.files[0].checksum)
@@ -219,6 +220,7 @@ def test_sweeping_one_parts_staging_spares_the_uploads_of_other_keys(direct, tmp
     assert [u["Key"] for u in left] == [direct._k(theirs)]
     assert direct.sweep_staging(PREFIX, older_than_s=60, keys=[mine]) == 0  # idempotent
 
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     local = LocalStore(tmp_path / "t1", 1)  # the same contract on a local tier
     d = local.path(PREFIX)
     d.mkdir(parents=True)

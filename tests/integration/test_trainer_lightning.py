@@ -6,6 +6,7 @@ resumes from it and the resumed run's lineage points at it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,7 @@ def test_two_nodes_of_a_sharded_strategy_each_commit_their_part(settings_factory
         env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
              "NODE_RANK": str(rank), "LOCAL_RANK": "0", "PREFECT_API_URL": "",
              "CKPT_TEST_SETTINGS": node.model_dump_json()},
+        cwd=str(Path(__file__).resolve().parents[2]),  # the repository: ``-m tests.kit...`` is found from here
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(nodes)]
     outputs = [p.communicate(timeout=100)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]

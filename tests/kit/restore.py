@@ -62,8 +62,12 @@ def promote(settings, run: str, step: int, part: int = 0, parts: int = 1):
 
 
 def on_node(settings, node: str):
-    """The same settings as seen from another node (its own Tier 0 folder)."""
-    return settings.model_copy(update={"node": node, "tier0_url": str(Path(settings.data_dir) / "tier0" / node)})
+    """The same settings as seen from another node (its own Tier 0 folder, set up as the node's
+    agent would)."""
+    from tests.kit.settings import set_up_roots
+
+    other = settings.model_copy(update={"node": node, "tier0_url": str(Path(settings.data_dir) / "tier0" / node)})
+    return set_up_roots(other, tiers=(0,))
 
 
 def prune(settings, run: str, step: int, tier: int) -> None:

@@ -41,8 +41,28 @@ def catalog_settings(settings_factory, db_url: str, *, runs: tuple[str, ...] = (
         overrides.setdefault("s3_endpoint_url", s3_endpoint)
     settings = settings_factory(catalog_url=db_url, **overrides)
     upgrade(settings.catalog_url)
+    set_up_roots(settings)
     if runs:
         with Catalog(settings.catalog_url) as cat:
             for run in runs:
                 cat.ensure_run(run, actor="test")
+    return settings
+
+
+def set_up_roots(settings, tiers: tuple[int, ...] = (0, 1, 2)):
+    """What an agent start does where the tiers are mounted: each local tier root folder made
+    (stores never create one) and every configured root marked and recorded in the catalog."""
+    import fsspec
+
+    from tasks.tier_roots import UNAVAILABLE, init_tiers
+
+    for tier in tiers:
+        url = settings.tier_url(tier)
+        if url and ("://" not in url or url.startswith("file://")):
+            Path(url.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+        elif url and not url.startswith("s3://"):  # an fsspec file system (memory://): its folder
+            fs, root = fsspec.core.url_to_fs(url)
+            fs.makedirs(root, exist_ok=True)
+    states = init_tiers(settings, actor="test", tiers=tiers)
+    assert not [s for s in states if s.state == UNAVAILABLE], [s.line() for s in states]
     return settings

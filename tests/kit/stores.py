@@ -13,6 +13,8 @@ from core.storage.local import LocalStore
 
 @pytest.fixture
 def tiers(tmp_path):
+    for name in ("t0", "t1"):
+        (tmp_path / name).mkdir()  # a store never creates its root
     return LocalStore(tmp_path / "t0", 0), LocalStore(tmp_path / "t1", 1)
 
 

@@ -106,6 +106,7 @@ def test_a_direct_copy_leaves_no_copy_in_the_page_cache(tmp_path, direct_io):
     (Buffered, the same copy leaves the file cached: the measure is a real one.)"""
     size = 8 * 1024 * 1024 + 123  # an unaligned tail: the one part written through the cache
     data = write(tmp_path / "src", size)
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     store = LocalStore(tmp_path / "t1", 1, buffer_bytes=1 << 20, direct_io=direct_io)
     with open(tmp_path / "src", "rb", buffering=0) as fh:
         store.put_verified("ck/f", fh, size, checksum.hash_bytes(data))
@@ -121,6 +122,7 @@ def test_a_direct_copy_leaves_no_copy_in_the_page_cache(tmp_path, direct_io):
 
 def test_a_bad_source_is_caught_on_the_way_and_nothing_is_published(tmp_path):
     data = write(tmp_path / "src", 5 * BUF + 7)
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     store = LocalStore(tmp_path / "t1", 1, buffer_bytes=BUF, direct_io=True)
     wrong = checksum.hash_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the manifest's view: one bit off
     with open(tmp_path / "src", "rb", buffering=0) as fh, pytest.raises(CorruptCheckpoint, match="source"):
@@ -130,6 +132,7 @@ def test_a_bad_source_is_caught_on_the_way_and_nothing_is_published(tmp_path):
 
 def test_a_tier1_that_refuses_o_direct_gets_the_same_copy_buffered(tmp_path, refused):
     data = write(tmp_path / "src", 3 * BUF + 5)
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     store = LocalStore(tmp_path / "t1", 1, buffer_bytes=BUF, direct_io=True)
     with open(tmp_path / "src", "rb", buffering=0) as fh:
         store.put_verified("ck/f", fh, len(data), checksum.hash_bytes(data))
@@ -178,6 +181,7 @@ def test_the_setting_makes_tier1_direct_and_leaves_tier0_buffered(tmp_path):
 
 def test_a_small_write_from_memory_is_unchanged(tmp_path):
     """A non-file source (the manifest, an S3 body) is streamed as before; its read-back is direct."""
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     store = LocalStore(tmp_path / "t1", 1, direct_io=True)
     store.write_small_atomic("ck/manifest.json", b'{"a": 1}')
     assert (tmp_path / "t1" / "ck" / "manifest.json").read_bytes() == b'{"a": 1}'

@@ -49,6 +49,7 @@ def test_hashing_and_kernel_copies_beat_the_heartbeat(long_idle, tmp_path):
 def test_an_object_the_store_proves_without_a_read_is_progress_too(long_idle, tmp_path):
     """A shallow verify (S3 compares its own checksum: no byte read here) beats once per object,
     so a part of many objects is not taken for stalled."""
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     store = LocalStore(tmp_path / "t1", 1)
     m = write_checkpoint(store.root, "r", 1, shards=2, shard_bytes=1024)
     proved = []

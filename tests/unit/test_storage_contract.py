@@ -40,6 +40,7 @@ def test_s3_part_size_stays_within_the_part_limit():
 def test_deleting_a_symlinked_file_removes_the_link_not_its_target(tmp_path):
     """A checkpoint file that is a link to another checkpoint's file: pruning the first must
     leave the second intact (another checkpoint's copy, possibly its last)."""
+    (tmp_path / "tier").mkdir()  # a store never creates its root
     store = LocalStore(tmp_path / "tier", tier=0)
     put(store, "r/step-00000001/w.bin", b"the only copy")
     (tmp_path / "tier" / "r" / "step-00000002").mkdir()
@@ -96,3 +97,18 @@ def test_a_folder_tier_moves_what_a_claim_deletes_into_its_tombstone(tmp_path):
                                                                             "step-00000001"]
     assert store.sweep_tombs("r", lambda tokens: set()) == 1
     assert all_names(store) == ["r/step-00000001/manifest.json", "r/step-00000001/w.bin"]
+
+
+def test_a_store_never_creates_its_root(tmp_path):
+    """A tier root that is not there (a mount missing) stays absent: writes are unavailable."""
+    from core.errors import StorageUnavailable
+    from core.storage.fsspec import FsspecStore
+
+    local = LocalStore(tmp_path / "lustre" / "ckpt", 1)
+    memory = FsspecStore(f"memory://absent-{os.getpid()}/ckpt", 1)
+    for store in (local, memory):
+        assert not store.root_exists()
+        with pytest.raises(StorageUnavailable, match="does not exist"):
+            store.write_small_atomic("run/step-1/manifest.json", b"{}")
+        assert not store.root_exists()
+    assert not (tmp_path / "lustre").exists()

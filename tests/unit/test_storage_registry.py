@@ -37,6 +37,7 @@ def test_a_registered_scheme_is_opened_by_its_backend(toy, settings_factory):
     settings = settings_factory(io_buffer_bytes=65536)
     assert "toy" in schemes()
     store = open_store("toy://bucket", 2, settings)
+    store.root.mkdir(parents=True)  # the bucket is made: a store never creates its root
     assert isinstance(store, LocalStore) and store.tier == 2 and store.buffer_bytes == 65536
     assert toy == [("toy://bucket", 2, settings)]
     data = b"a part"
@@ -75,6 +76,7 @@ def test_a_protocol_registered_with_fsspec_opens_the_fallback():
     fsspec.register_implementation("ckptscratch", Scratch, clobber=True)
     store = open_store("ckptscratch://t1/root", 1)
     assert isinstance(store, FsspecStore)
+    store.fs.makedirs(store.root, exist_ok=True)  # a store never creates its root
     data = b"bytes"
     store.put_verified("run/step-1/part", io.BytesIO(data), len(data), checksum.hash_bytes(data))
     assert store.read_small("run/step-1/part") == data

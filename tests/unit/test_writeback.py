@@ -86,6 +86,7 @@ def test_the_call_reaches_the_kernel(tmp_path):
 def test_a_streamed_copy_starts_writeback_as_it_writes_and_lands_whole(spans, tmp_path, store):
     data = os.urandom(3 * MiB + 5)
     if store == "tier":
+        (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
         dst = LocalStore(tmp_path / "t1", 1)
         dst.put_verified("obj", io.BytesIO(data), len(data), checksum.hash_bytes(data))
         got = (tmp_path / "t1" / "obj").read_bytes()
@@ -102,6 +103,7 @@ def test_a_streamed_copy_starts_writeback_as_it_writes_and_lands_whole(spans, tm
 def test_switched_off_it_hands_nothing_over(spans, tmp_path, monkeypatch):
     monkeypatch.setattr(writeback, "ENABLED", False)
     data = os.urandom(3 * MiB)
+    (tmp_path / "t1").mkdir(exist_ok=True)  # a store never creates its root
     LocalStore(tmp_path / "t1", 1).put_verified("obj", io.BytesIO(data), len(data), checksum.hash_bytes(data))
     assert (tmp_path / "t1" / "obj").read_bytes() == data
     assert spans == []

@@ -310,6 +310,15 @@ class S3Store(ObjectLockMixin, TierStore):
             raise CorruptCheckpoint(f"{what}: the range came back with {got} bytes", path=key)
         return value
 
+    def root_exists(self) -> bool:
+        """Whether the bucket is there (HeadBucket); the prefix needs no folder."""
+        try:
+            with s3_errors(f"head bucket of {self.root_url}"):
+                self.client.head_bucket(Bucket=self.bucket)
+        except NotFound:  # 404: HeadBucket answers without a body, so no NoSuchBucket code
+            return False
+        return True
+
     def _head(self, key: str) -> dict | None:
         try:
             with s3_errors(self.url_for(key), CHECKSUM_MODE):

@@ -8,7 +8,6 @@ import json
 import pickle
 import re
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +20,7 @@ from flows.promote import promote
 from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, write_checkpoint
 from tests.kit.pipeline import pipeline_settings
 from tests.kit.require import require_module
+from tests.kit.restore import on_node
 
 RUN = "run-a"
 
@@ -119,7 +119,7 @@ def test_identical_metadata_copies_in_several_parts_are_fine():
 def test_a_two_node_checkpoint_missing_an_indexed_shard_never_becomes_durable(settings_factory, db_url):
     """Each part verifies alone; the index names a shard that neither node wrote."""
     settings = pipeline_settings(settings_factory, db_url)
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     write_checkpoint(settings.tier0_url, RUN, 100, part=0, parts=2, node="node-0")
     write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1", shards=1)  # one shard short
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from flows.promote import promote
 from flows.reconcile import reconcile_once
 from tests.kit.checkpoints import ckpt_dir, open_catalog as catalog, replica_states, same_bytes, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
+from tests.kit.restore import on_node
 
 RUN = "run-a"
 
@@ -46,7 +46,7 @@ def checkpoint_state(settings, step: int) -> str:
 
 
 def test_a_malformed_part_is_rejected_once_and_a_resave_is_judged_afresh(settings):
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     write_checkpoint(settings.tier0_url, RUN, 100, part=0, parts=2, node="node-0")
     write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1")
     promote(settings, RUN, 100, 0, 2, steps=plain_steps())
@@ -116,7 +116,7 @@ def test_a_part_whose_files_are_another_parts_is_rejected_at_registration(settin
     from ckpt.commit import commit_folder
     from core.errors import ConflictError
 
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     for part, node in enumerate((settings, node1)):
         job = tmp_path / f"job-{part}"
         job.mkdir()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from core.storage.identity import MARKER_KEY
 from tasks.resume import resume
 from tests.kit.checkpoints import open_catalog, replica_states
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
@@ -166,7 +167,7 @@ def test_tier1_copy_removed_between_choice_and_read_falls_to_tier2(settings_fact
     removed = []
 
     def vanishing(self, key):
-        if not removed:  # Tier 1 was chosen; now, before its first byte is read, the copy goes
+        if not removed and key != MARKER_KEY:  # Tier 1 was chosen; before its first byte is read, the copy goes
             removed.append(key)
             self.fs.rm(self._p(key.rsplit("/", 1)[0].split("/optim")[0]), recursive=True)
         return real_open(self, key)
@@ -199,7 +200,9 @@ resume(load_settings(), %r)
 
 
 def kill_mid_fetch(settings, s3_endpoint: str, *, lease_s: float) -> None:
-    """A resume on node-9, in its own process, killed once the fetch has written one file."""
+    """A resume on node-9 (its Tier 0 set up as its agent would), in its own process, killed
+    once the fetch has written one file."""
+    on_node(settings, "node-9")
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": "node-9", "CKPT_CATALOG_URL": settings.catalog_url,
            "CKPT_TIER2_URL": settings.tier2_url, "CKPT_S3_ENDPOINT_URL": s3_endpoint,

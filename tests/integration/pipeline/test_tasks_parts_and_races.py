@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from flows.promote import promote
 from flows.reconcile import reconcile_once
 from tests.kit.checkpoints import ckpt_dir, open_catalog, published_files, replica_states, write_checkpoint
 from tests.kit.pipeline import Recorder, pipeline_settings
+from tests.kit.restore import on_node
 
 RUN = "run-a"
 
@@ -35,7 +35,7 @@ def tier0_replica_id(settings, run, step, part=0):
 
 # --- several parts ------------------------------------------------------------------------
 def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     write_checkpoint(settings.tier0_url, RUN, 100, part=0, parts=2, node="node-0")
     write_checkpoint(node1.tier0_url, RUN, 100, part=1, parts=2, node="node-1")
     events = Recorder()
@@ -70,7 +70,7 @@ def test_two_node_checkpoint_is_durable_once_when_its_last_part_lands(settings):
 
 
 def test_pruning_one_part_on_tier0_deletes_only_that_node_s_files(settings):
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     for step in (100, 200):
         write_checkpoint(settings.tier0_url, RUN, step, part=0, parts=2, node="node-0")
         write_checkpoint(node1.tier0_url, RUN, step, part=1, parts=2, node="node-1")
@@ -134,8 +134,8 @@ def test_a_folder_still_being_written_is_not_removed(tmp_path):
 
     real = local._mkdirs
 
-    def raced(path):  # the folder is made, then a prune removes it before the staging file opens
-        out = real(path)
+    def raced(root, path):  # the folder is made, then a prune removes it before the staging file opens
+        out = real(root, path)
         if not getattr(raced, "done", False):
             raced.done = True
             store.remove_empty("ck2")
@@ -281,7 +281,7 @@ def test_each_node_s_reconcile_prunes_its_own_tier0_under_retention(settings):
     """Retention after a promotion runs on the node that completed the checkpoint; the other
     node's NVMe copies are pruned by that node's own reconcile, never the newest one."""
     settings = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1)})
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     for step in (100, 200, 300):
         write_checkpoint(settings.tier0_url, RUN, step, part=0, parts=2, node="node-0")
         write_checkpoint(node1.tier0_url, RUN, step, part=1, parts=2, node="node-1")
@@ -307,7 +307,7 @@ def test_deleting_one_part_leaves_a_file_another_live_part_also_lists(settings):
     from core.manifest_build import build_manifest, write_manifest
     from tasks.base import delete_part, open_catalog, open_tier
 
-    node1 = settings.model_copy(update={"node": "node-1", "tier0_url": str(Path(settings.tier0_url).parent / "node-1")})
+    node1 = on_node(settings, "node-1")
     for part, s in ((0, settings), (1, node1)):
         write_checkpoint(s.tier0_url, RUN, 100, part=part, parts=2, node=s.node)
         folder = ckpt_dir(s.tier0_url, RUN, 100)

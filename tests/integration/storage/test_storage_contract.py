@@ -51,9 +51,11 @@ def s3_store(request):
                         pytest.param("s3-validating-versioned", marks=VALIDATING)])
 def store(request, tmp_path):
     if request.param.startswith("local"):
+        (tmp_path / "tier").mkdir()  # a store never creates its root
         yield LocalStore(tmp_path / "tier", tier=1, direct_io=request.param == "local-direct-io")
     elif request.param == "memory":
         s = FsspecStore(f"memory://t-{uuid.uuid4().hex[:8]}/root", tier=1)
+        s.fs.makedirs(s.root, exist_ok=True)
         yield s
         if s.fs.exists(s.root):
             s.fs.rm(s.root, recursive=True)
@@ -243,6 +245,7 @@ def test_sweep_staging_removes_what_a_killed_upload_left(s3_store, tmp_path):
     assert s3_store.sweep_staging("r", older_than_s=0) == 1
     left = s3_store.client.list_multipart_uploads(Bucket=s3_store.bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == [s3_store._k("other/big")]
+    (tmp_path / "t").mkdir()  # a store never creates its root
     local = LocalStore(tmp_path / "t", 1)
     put(local, "r/s/a", b"a")
     local.path("r/s/.ckpt-staging-1-abc-b").write_bytes(b"partial")

@@ -38,6 +38,7 @@ def test_tier1_to_s3_and_restore_back(tiers, s3_store, tmp_path):
     assert report.bytes == m.total_bytes
     assert list(find_committed(s3_store)) == [(RUN, STEP, 0, 1, "")]
     verify_part(s3_store, PREFIX, m, deep=False)  # server-side CRC32C, no download
+    (tmp_path / "restore").mkdir()  # a store never creates its root
     restore = LocalStore(tmp_path / "restore", 0)
     copy_part(s3_store, PREFIX, restore, "ck", m)
     for f in m.files:
@@ -125,6 +126,7 @@ def test_the_client_pool_holds_every_request_a_parallel_transfer_makes(s3_endpoi
         m = write_checkpoint(t0.root, RUN, STEP, shards=24, shard_bytes=256 * 1024)
         caplog.set_level("WARNING", logger="urllib3.connectionpool")
         copy_part(t0, PREFIX, store, PREFIX, m, parallelism=settings.copy_parallelism)
+        (tmp_path / "back").mkdir()  # a store never creates its root
         copy_part(store, PREFIX, LocalStore(tmp_path / "back", 0), "ck", m, parallelism=settings.copy_parallelism)
     finally:
         store.close()
@@ -145,6 +147,7 @@ def test_ranged_read_of_an_object_of_the_wrong_size_or_bytes_is_corrupt(s3_endpo
     if stored == len(expected):
         data = data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]  # same size, one bit flipped
     store.client.put_object(Bucket=s3_bucket, Key="ranged/obj", Body=data)
+    (tmp_path / "t0").mkdir()  # a store never creates its root
     dst = LocalStore(tmp_path / "t0", 0)
     try:
         with pytest.raises(CorruptCheckpoint):
@@ -216,6 +219,7 @@ def fetch_ranged_whole(store: S3Store, data: bytes, tmp_path) -> None:
     from core import checksum
 
     store.client.put_object(Bucket=store.bucket, Key=store._k("obj"), Body=data)
+    (tmp_path / "t0").mkdir()  # a store never creates its root
     dst = LocalStore(tmp_path / "t0", 0)
     try:
         dst.put_written("obj", lambda fd: store.read_ranges_into("obj", fd, len(data)), len(data),
