@@ -145,7 +145,7 @@ def test_a_duplicate_of_a_part_killed_after_the_completion_asks_for_the_checkpoi
 
     recorder = Recorder()
     with announcing(recorder):
-        result = promote(settings, *asked[0][:4], steps=plain_steps(), attempt=asked[0][4])  # what the requested run does
+        result = promote(settings, *asked[0][:4], steps=plain_steps(), attempt=asked[0][4])  # the asked run
     assert result.durable and recorder.names().count("durable") == 1
     promote_in_agent(settings, event(100, 1), request_followups=lambda *a: asked.append(a))
     assert len(asked) == 1 and audits(settings, 100, "followups-done") == 1
