@@ -112,6 +112,8 @@ def one_round(server: Server, work: Path, changes: dict[str, str], parts: int, m
     upgrade(catalog)
     node = f"cpu-{tag}"
     env = stack_env(work / f"data-{tag}", api_url=api, s3_url=None, catalog_url=catalog)
+    for root in (work / f"t0-{tag}", work / f"t1-{tag}"):  # the mounts (a store never creates a root)
+        root.mkdir(parents=True, exist_ok=True)
     env.update(CKPT_TIER0_URL=str(work / f"t0-{tag}"), CKPT_TIER1_URL=str(work / f"t1-{tag}"),
                CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_REUSE="true")
     env.update(changes)

@@ -395,6 +395,7 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
                          retention_tier0=RetentionPolicy(enabled=False),
                          retention_tier1=RetentionPolicy(enabled=False))
     upgrade(base.catalog_url)
+    (work / "tier1").mkdir(parents=True, exist_ok=True)  # the mount point (a store never creates a root)
     with Catalog(base.catalog_url) as cat:
         cat.ensure_run(RUN, actor="bench")
     prefix = checkpoint_prefix(RUN, STEP)
@@ -615,7 +616,8 @@ def run_bench(args, work: Path, n: int, nbytes: int, nodes, shaped, bucket: str,
         if name not in s3_reads:
             continue
         gets, got_bytes = s3_reads[name]  # each object's GETs and the bytes they sent over its size: 1.0 is once
-        reads = {k.rsplit("/", 1)[-1]: b / sizes[k.rsplit("/", 1)[-1]] for k, b in got_bytes.items()}
+        reads = {k.rsplit("/", 1)[-1]: b / sizes[k.rsplit("/", 1)[-1]] for k, b in got_bytes.items()
+                 if k.rsplit("/", 1)[-1] in sizes}  # the checkpoint's objects (not the tier's identity marker)
         again = sorted(f"{k} (x{v:.2f})" for k, v in reads.items() if v > 1.0)
         print(f"S3 during {what}: {len(gets)} objects, {sum(gets.values())} GETs (a large object's are "
               f"ranged); bytes sent per object / its size: min "

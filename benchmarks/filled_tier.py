@@ -13,6 +13,7 @@ catalog's back. Only listings are served; nothing here can be read or written.
 
 from __future__ import annotations
 
+import io
 from typing import Any, ClassVar
 
 from fsspec import AbstractFileSystem, register_implementation
@@ -30,6 +31,7 @@ class FilledTier(AbstractFileSystem):
     steps = 100
     files = 8
     vanished: ClassVar[set[tuple[str, int]]] = set()
+    blobs: ClassVar[dict[str, bytes]] = {}  # the few real files: each root's identity marker (and its staging)
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
@@ -69,6 +71,41 @@ class FilledTier(AbstractFileSystem):
         if not detail:
             return [name for name, _, _ in entries]
         return [{"name": name, "type": kind, "size": size} for name, kind, size in entries]
+
+
+    # --- the real files beside the synthetic tree: a tier root's identity marker ---------------
+    def isdir(self, path: str) -> bool:
+        return self._strip_protocol(path) in ("t0", "t1") or super().isdir(path)
+
+    def info(self, path: str, **kw: Any) -> dict[str, Any]:
+        key = self._strip_protocol(path)
+        if key in self.blobs:
+            return {"name": key, "type": "file", "size": len(self.blobs[key])}
+        return super().info(path, **kw)
+
+    def _open(self, path: str, mode: str = "rb", **_: Any) -> Any:
+        key = self._strip_protocol(path)
+        if "r" in mode:
+            if key not in self.blobs:
+                raise FileNotFoundError(path)
+            return io.BytesIO(self.blobs[key])
+        blobs = self.blobs
+
+        class Blob(io.BytesIO):
+            def close(self) -> None:
+                blobs[key] = self.getvalue()
+                super().close()
+
+        return Blob()
+
+    def mv(self, path1: str, path2: str, **_: Any) -> None:
+        self.blobs[self._strip_protocol(path2)] = self.blobs.pop(self._strip_protocol(path1))
+
+    def rm(self, path: Any, recursive: bool = False, **_: Any) -> None:
+        self.blobs.pop(self._strip_protocol(path), None)
+
+    def rm_file(self, path: str) -> None:
+        self.rm(path)
 
 
 register_implementation("ckptbench", FilledTier, clobber=True)

@@ -70,6 +70,7 @@ class HopBench:
 
     def fresh(self, **settings: object) -> None:
         shutil.rmtree(self.t1_root, ignore_errors=True)
+        self.t1_root.mkdir(parents=True)  # the mount point, empty (a store never creates it)
         self._n += 1
         url = f"sqlite:///{self.work / f'catalog-{self._n}.db'}"
         self.settings = self.settings.model_copy(update={"catalog_url": url, **settings})

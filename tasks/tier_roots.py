@@ -61,13 +61,15 @@ def forget_records() -> None:
 
 def prove_tier(settings: Settings, store: TierStore) -> None:
     """Return when ``store``'s root shows the identity the catalog recorded for it; else
-    ``TierUnavailable``, logged and announced (``ckpt.tier.unavailable``)."""
+    ``TierUnavailable``, logged and announced (``ckpt.tier.unavailable``). A root the catalog
+    records nothing for yet is adopted on first use (``init_tier``), as an agent's start would."""
     try:
         recorded = _recorded(settings, store.tier)
-        if recorded is None:
-            raise TierUnavailable(store.tier, store.root_url,
-                                  "the catalog records no identity for it yet: run `ckpt tiers init` on a node "
-                                  "where it is mounted (agents and `ckpt db upgrade` do it where they can)")
+        if recorded is None:  # first use: marked and recorded here, as an agent's start does (an
+            # existing root only: a missing one stays unavailable, and a recorded one is proven)
+            recorded = init_tier(settings, store.tier, actor=f"first use on {settings.node}").identity
+            if recorded is None:
+                raise TierUnavailable(store.tier, store.root_url, "the catalog records no identity for it")
         try:
             identity.prove(store, recorded)
         except TierUnavailable:

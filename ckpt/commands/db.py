@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
         configured tier roots that have no recorded identity yet (``ckpt tiers init``)."""
         from core.settings import load_settings  # deferred: start-up — pydantic-settings
         from db.catalog import upgrade  # deferred: start-up — SQLAlchemy, Alembic
-        from tasks.tier_roots import init_tiers
+        from tasks.tier_roots import init_tiers  # deferred: start-up — storage backends
 
         settings = load_settings(**({"catalog_url": url} if url else {}))
         rev = upgrade(settings.catalog_url)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from core.errors import BadArgument
+
 
 def register(app: typer.Typer) -> None:
     tiers_app = typer.Typer(help="Tier roots and their identity markers.", no_args_is_help=True)
@@ -12,7 +14,9 @@ def register(app: typer.Typer) -> None:
     def init_cmd(replace: bool = typer.Option(
             False, "--replace",
             help="record the marker the root shows now (writing one if none) in place of the recorded one: "
-                 "only when the storage behind a tier was replaced on purpose")) -> None:
+                 "only when the storage behind a tier was replaced on purpose"),
+            tier: list[int] = typer.Option(None, "--tier", help="only this tier (repeat for more; "
+                                           "default 0 1 2), e.g. --tier 0 on a replaced node")) -> None:
         """Mark this node's tier roots (Tier 0 here, Tiers 1 and 2) and record them; idempotent.
 
         A root must exist (it is never created). A recorded root that shows another marker, or
@@ -21,7 +25,10 @@ def register(app: typer.Typer) -> None:
         from core.settings import load_settings  # deferred: start-up — pydantic-settings
         from tasks.tier_roots import UNAVAILABLE, init_tiers  # deferred: start-up — SQLAlchemy
 
-        states = init_tiers(load_settings(), actor="cli", replace=replace)
+        tiers = tuple(tier) if tier else (0, 1, 2)
+        if not set(tiers) <= {0, 1, 2}:
+            raise BadArgument(f"--tier must be 0, 1 or 2, not {list(tiers)}")
+        states = init_tiers(load_settings(), actor="cli", replace=replace, tiers=tiers)
         for state in states:
             typer.echo(state.line())
         if any(s.state == UNAVAILABLE for s in states):

@@ -338,10 +338,10 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
 
     monkeypatch.setattr(S3Store, "__init__", functools.partialmethod(S3Store.__init__, max_attempts=1))
     proxy = FaultProxy(s3_endpoint)
-    proxy.fail = -1
     try:
         settings = env_settings(tier2_url=f"s3://{s3_bucket}/vault", s3_endpoint_url=proxy.url,
-                                task_retries=2, task_retry_delay_seconds=0.1)
+                                task_retries=2, task_retry_delay_seconds=0.1)  # roots marked while S3 answers
+        proxy.fail = -1
         write_checkpoint(settings.tier0_url, RUN, 100, kind="milestone")
 
         state = promote_checkpoint(RUN, 100, return_state=True)

@@ -170,7 +170,7 @@ def test_an_unreachable_tier_is_not_a_reason_to_restore_older_state(settings, tm
     flip_bit(tier1_dir(settings, run, 200) / "config.json", 0)
     down = settings.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{free_port()}"})
 
-    with pytest.raises(StorageUnavailable, match="not falling back"):
+    with pytest.raises(StorageUnavailable, match=r"not falling back|unreachable"):  # never an older checkpoint
         restore_checkpoint(down, run, tmp_path / "r")
 
     assert not (tmp_path / "r").exists()

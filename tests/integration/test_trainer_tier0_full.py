@@ -28,7 +28,10 @@ def small_tier0(settings_factory, sqlite_url, tmp_path, monkeypatch):
 
 
 def written(root) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    """The files under the Tier 0 root but its identity marker (``core.storage.identity``)."""
+    from core.storage.identity import MARKER_KEY
+
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MARKER_KEY)
 
 
 def test_hf_trainer_raises_storage_full_before_it_saves(small_tier0):

@@ -75,6 +75,7 @@ def test_a_folder_tier_moves_what_a_claim_deletes_into_its_tombstone(tmp_path):
     """On a folder tier ``bury`` moves a part's folder into a hidden tombstone named for the claim
     (one rename), so the names are free for a new holder at once; ``exhume`` puts back only what
     nobody took since; ``sweep_tombs`` removes the tombstones of claims that are over."""
+    (tmp_path / "tier").mkdir()  # a store never creates its root
     store = LocalStore(tmp_path / "tier", tier=1)
     for k in ("r/step-00000001/manifest.json", "r/step-00000001/w.bin", "r/step-00000002/w.bin"):
         put(store, k, k.encode())

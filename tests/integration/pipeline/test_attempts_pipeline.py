@@ -23,6 +23,7 @@ from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
 from tasks.restore import restore_checkpoint
+from tasks.tier_roots import init_tier
 from tests.kit.restore import on_node, scenario_settings
 
 RUN = "llm"
@@ -55,7 +56,10 @@ def _first_attempt(nodes) -> None:
                 st.save(step, _tensors(step, rank, seed=1))
                 if rank == 0 or step <= 20:
                     _promote(settings, step, rank, "A")
-    shutil.rmtree(Path(nodes[1].tier0_url.removeprefix("file://")))  # node-1 replaced: its Tier 0 is gone
+    tier0 = Path(nodes[1].tier0_url.removeprefix("file://"))
+    shutil.rmtree(tier0)  # node-1 replaced: a new, empty NVMe, which shows no identity marker yet
+    tier0.mkdir()
+    init_tier(nodes[1], 0, actor="operator", replace=True)  # `ckpt tiers init --tier 0 --replace` on it
 
 
 def test_both_ranks_resume_and_resave_with_other_bytes(nodes):
