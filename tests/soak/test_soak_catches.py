@@ -3,7 +3,9 @@
 error in an operation with no fault planned (and no progress); with a prune that skips the
 evidence check (``tasks.prune.justification_refused`` saying yes unread), a Tier 1 copy rotted
 behind the catalog's back justifies deleting the last good copy, and the soak's invariant
-names the lost checkpoint. The same scripted sequence passes on the real pipeline."""
+names the lost checkpoint; with the attempt rules off (a resume supersedes nothing, no part is
+superseded at birth), a relaunch past a lost step leaves the older attempt's checkpoint offered.
+The same scripted sequences pass on the real pipeline."""
 
 from __future__ import annotations
 
@@ -231,3 +233,68 @@ def test_a_restore_that_fails_past_a_verified_copy_fails_the_soak(db_url, s3_end
             m.restore("node-1", 0, False, S3Plan(), NO_SKEW)
     finally:
         m.teardown()
+
+
+# --- attempts: a relaunch supersedes what it did not resume from -------------------------------
+def _restart_past_a_lost_step(m: Soak) -> None:
+    """Steps 100, 200 and 300 are promoted on node-0; every copy of 300 is destroyed; the job
+    relaunches (attempt a1): both nodes resume from 200, so 300 of the unnamed attempt is
+    superseded, and a1 saves 300 again with other bytes and promotes it."""
+    for _ in range(3):
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+    for loc in ("t0:node-0", "t1"):
+        m.damage(loc, m.committed(loc).index(300), "delete")
+    m.nothing_is_lost()
+    m.restart()
+    m.nothing_is_lost()
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> Soak:
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    return m
+
+
+def test_the_soak_passes_a_real_relaunch(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _restart_past_a_lost_step(m)
+        assert m.attempt == "a1" and m.live[300] == "a1" and (300, "") in m.superseded
+        cat = m_catalog(m)
+        try:
+            assert cat.get_checkpoint("run-a", 300).attempt == "a1"
+            assert cat.get_checkpoint("run-a", 300, "").state == "superseded"
+        finally:
+            cat.close()
+        m.restore("node-1", 0, True, S3Plan(), NO_SKEW)  # the newest: a1's 300, with a1's bytes
+        m.check_pass()
+        m.nothing_is_lost()
+    finally:
+        m.teardown()
+
+
+def test_a_relaunch_that_supersedes_nothing_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                            monkeypatch):
+    """With the attempt rules off (a resume supersedes nothing, a part is never superseded at
+    birth), the older attempt's step 300 stays offered beside the relaunch's own."""
+    import db.attempts
+    import db.register
+
+    def supersede_nothing(conn, run, attempt, step, *, now, actor):
+        db.attempts.attempt_row(conn, run.id, attempt, now=now)
+        return []
+
+    monkeypatch.setattr(db.register, "standing", lambda *args, **kwargs: None)
+    monkeypatch.setattr(db.attempts, "record_resume", supersede_nothing)
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=r"step 300 of attempt \(unnamed\) is 'committed' \(offered "
+                                                 r"again\)|offered step 300 of attempt \(unnamed\)|mixing two"):
+            _restart_past_a_lost_step(m)
+    finally:
+        m.teardown()
+
