@@ -298,3 +298,25 @@ def test_a_relaunch_that_supersedes_nothing_fails_the_soak(db_url, s3_endpoint, 
     finally:
         m.teardown()
 
+
+def test_a_relaunched_attempts_archive_restores_from_tier2(db_url, s3_endpoint, proxy, settings_factory,
+                                                           monkeypatch):
+    """Found by the soak: a named attempt's milestone whose nearer copies are gone restores from
+    its Tier 2 archive (the restore reads the attempt's own manifest there, and never marks a copy
+    it read under another name missing)."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.restart()
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 200@a1, a milestone: archived
+        m.nothing_is_lost()
+        assert m.live[200] == "a1" and "t2" in m.good_now(200)
+        for loc in ("t0:node-0", "t1"):
+            m.damage(loc, m.committed(loc).index(200), "delete")
+        m.nothing_is_lost()
+        before = STATS["restores_when_only_tier2_was_good"]
+        m.restore("node-1", 0, False, S3Plan(), NO_SKEW)  # aimed at 200, which only Tier 2 holds
+        m.nothing_is_lost()
+        assert STATS["restores_when_only_tier2_was_good"] == before + 1
+    finally:
+        m.teardown()
