@@ -320,3 +320,30 @@ def test_a_relaunched_attempts_archive_restores_from_tier2(db_url, s3_endpoint, 
         assert STATS["restores_when_only_tier2_was_good"] == before + 1
     finally:
         m.teardown()
+
+
+def test_a_step_saved_again_restores_the_live_attempt_past_a_late_retired_one(db_url, s3_endpoint, proxy,
+                                                                           settings_factory, monkeypatch):
+    """Found by the soak (seed 3344277743): a save of the unnamed attempt that no event announced,
+    found by reconcile after the relaunch saved its step again, is recorded superseded, then
+    retired; a restore of that step must still find the relaunch's live checkpoint, not the
+    retired one registered after it."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 100
+        m.restart("node-1", unannounced=1)  # 200 on node-1, never announced; a1 resumes from 100
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 200@a1: durable
+        m.reconcile("node-1", Plan(), S3Plan(), NO_SKEW)  # finds 200 of the unnamed attempt: superseded
+        m.retention("node-1", Plan(), S3Plan(), NO_SKEW)  # retires it: a1 has a durable checkpoint
+        m.nothing_is_lost()
+        before = STATS["restores_bytes_match"]
+        m.restore("node-1", 2, False, S3Plan(), NO_SKEW)  # aimed at 200
+        assert STATS["restores_bytes_match"] == before + 1
+        cat = m_catalog(m)
+        try:
+            assert cat.get_checkpoint("run-a", 200, "").state == "retired"
+            assert cat.get_checkpoint("run-a", 200).attempt == "a1"
+        finally:
+            cat.close()
+    finally:
+        m.teardown()
