@@ -4,8 +4,10 @@ error in an operation with no fault planned (and no progress); with a prune that
 evidence check (``tasks.prune.justification_refused`` saying yes unread), a Tier 1 copy rotted
 behind the catalog's back justifies deleting the last good copy, and the soak's invariant
 names the lost checkpoint; with the attempt rules off (a resume supersedes nothing, no part is
-superseded at birth), a relaunch past a lost step leaves the older attempt's checkpoint offered.
-The same scripted sequences pass on the real pipeline."""
+superseded at birth), a relaunch past a lost step leaves the older attempt's checkpoint offered;
+with registration dropping a manifest's origin, or reconcile sweeping no staging, a killed
+child run's origin or a killed save's staging is reported. The same scripted sequences pass on
+the real pipeline."""
 
 from __future__ import annotations
 
@@ -345,5 +347,52 @@ def test_a_step_saved_again_restores_the_live_attempt_past_a_late_retired_one(db
             assert cat.get_checkpoint("run-a", 200).attempt == "a1"
         finally:
             cat.close()
+    finally:
+        m.teardown()
+
+
+# --- a run's origin, a dead writer's staging --------------------------------------------------
+def _origin_and_staging(m: Soak) -> None:
+    """Step 100 is promoted; a second run fine-tuned from it saves on node-1 and dies before its
+    registration; a save on node-0 is killed mid-write; reconcile runs on both nodes."""
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.child_save_lost("node-1", 0, "fine_tuned_from", False)
+    m.killed_mid_save("node-0")
+    for node in ("node-0", "node-1"):
+        m.reconcile(node, Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def test_the_soak_passes_a_real_origin_and_staging_sweep(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _origin_and_staging(m)
+        cat = m_catalog(m)
+        try:
+            edges = cat.ancestors("child-0", 100, max_depth=1)
+        finally:
+            cat.close()
+        assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("run-a", 100, "fine_tuned_from")]
+        assert not any(m.dead_staging.values())
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("broken", ["origin ignored", "no staging sweep"])
+def test_a_lost_origin_or_a_staging_left_fails_the_soak(broken, db_url, s3_endpoint, proxy, settings_factory,
+                                                        monkeypatch):
+    import db.register
+    import flows.reconcile
+
+    if broken == "origin ignored":  # registration drops the origin a manifest declares
+        monkeypatch.setattr(db.register, "_learn_origin", lambda conn, run, m, **kwargs: run)
+        expected = r"run child-0 declared fine_tuned_from run-a/100; the catalog records None None/None"
+    else:
+        monkeypatch.setattr(flows.reconcile, "sweep_writer_staging", lambda *args, **kwargs: None)
+        expected = r"reconcile\(node-0\) left a dead writer's staging on Tier 0"
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=expected):
+            _origin_and_staging(m)
     finally:
         m.teardown()
