@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, LineageCycle
 from db.entities import CKPT_SUPERSEDED, LineageEdge
-from db.rows import checkpoints, insert_ignore, lineage, runs
+from db.rows import checkpoints, insert_ignore, lineage, live_first, runs
 
 FOLLOWS = "follows"
 RELATIONS = frozenset({FOLLOWS, "resumed_from", "fine_tuned_from", "branched_from"})
@@ -93,7 +93,7 @@ def origin_id(conn: Connection, run: Row, *, lock: bool = False) -> int | None:
     return conn.execute(
         select(checkpoints.c.id).join(runs, checkpoints.c.run_id == runs.c.id)
         .where(runs.c.name == run.parent_run, checkpoints.c.step == run.parent_step)
-        .order_by((checkpoints.c.state == CKPT_SUPERSEDED).asc(), checkpoints.c.id.desc()).limit(1)).scalar()
+        .order_by(*live_first()).limit(1)).scalar()
 
 
 def walk(conn: Connection, checkpoint_id: int, *, up: bool, max_depth: int) -> list[LineageEdge]:

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
 from core.layout import check_ref
-from db.entities import CKPT_SUPERSEDED, AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
+from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
     AuditLog,
@@ -86,15 +86,23 @@ def run_row(conn: Connection, name: str, *, lock: bool = False, with_clock: bool
     return row
 
 
+def live_first() -> tuple[Any, ...]:
+    """The order that puts first, among a step's checkpoints, the one a step names without an
+    attempt: one never superseded (at most one per step), else the one recorded last. Told by
+    ``superseded_at``, which a superseded checkpoint keeps once it is retired: a late part of an
+    older attempt, superseded then retired, never stands for the step a newer attempt saved."""
+    return checkpoints.c.superseded_at.is_not(None).asc(), checkpoints.c.id.desc()
+
+
 def checkpoint_row(conn: Connection, run: str, step: int, *, attempt: str | None = None, lock: bool = False) -> Row:
     """The checkpoint of ``run`` at ``step`` written by ``attempt``; ``attempt`` None: the one
-    not superseded (at most one per step), else the one recorded last."""
+    never superseded (``live_first``)."""
     check_ref(step)  # a step no catalog column holds is bad input, not a driver's OverflowError
     stmt = checkpoint_select().where(runs.c.name == run, checkpoints.c.step == step)
     if attempt is not None:
         stmt = stmt.where(checkpoints.c.attempt == attempt)
     else:
-        stmt = stmt.order_by((checkpoints.c.state == CKPT_SUPERSEDED).asc(), checkpoints.c.id.desc()).limit(1)
+        stmt = stmt.order_by(*live_first()).limit(1)
     row = conn.execute(stmt.with_for_update(of=checkpoints) if lock else stmt).one_or_none()
     if row is None:
         run_row(conn, run)

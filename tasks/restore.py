@@ -217,7 +217,8 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
             else:  # object storage: one stream per object, as many as the S3 settings allow; the
                 # tier's manifest is read (one round trip, ~0.1 s on S3) while the files stream
                 with ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
-                    found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts)
+                    found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts,
+                                        attempt=ck.attempt)
                     transfer.copy_part(src, prefix, dst, dst_prefix,
                               catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt),
                               parallelism=fetch_streams(settings, False),

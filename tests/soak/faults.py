@@ -1,9 +1,10 @@
 """Fault injection for the soak: the catalog and tier stores the pipeline steps open are wrapped
 so that the N-th call of an operation can kill the worker (a ``BaseException`` no ``except
 Exception`` catches; every later call of that worker raises too, as after SIGKILL, so its
-cleanup cannot run) or start an outage (a transient ``CatalogUnavailable`` /
-``StorageUnavailable`` from that call on, until the operation ends). A plan may aim at one
-tier's store (``tier=2``: the S3 upload, read-back or delete).
+cleanup cannot run), start an outage (a transient ``CatalogUnavailable`` /
+``StorageUnavailable`` from that call on, until the operation ends) or pause the worker (its
+``hold`` runs there, with injection off: others take its work over; then it goes on). A plan may
+aim at one tier's store (``tier=2``: the S3 upload, read-back or delete).
 
 The injection points are ``tasks.base.Catalog`` (what ``open_catalog`` constructs) and
 ``tier_store`` wherever a step module imported it; nothing in product code changes.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +32,15 @@ class Killed(BaseException):
 # store methods that read or change bytes, and catalog methods that read or commit state: a
 # fault before or after each one covers every gap between a storage operation and its commit
 STORE_CALLS = {"open_read", "stat", "list", "read_small", "verify_object", "put_verified", "write_small_atomic",
-               "flush", "delete", "delete_prefix", "delete_part", "sweep_staging", "local_path"}
+               "flush", "delete", "delete_prefix", "delete_part", "sweep_staging", "local_path",
+               "bury", "exhume", "delete_tomb"}  # a claim's fenced delete: set aside, put back, then deleted
 CATALOG_SKIP = {"close", "engine", "url", "check_schema"}
 
 
 @dataclass
 class Plan:
-    """What to do to one operation: ``kind`` in {'', 'kill', 'catalog_outage', 'storage_outage'};
+    """What to do to one operation: ``kind`` in {'', 'kill', 'catalog_outage', 'storage_outage',
+    'pause'};
     fire at the ``at``-th (0-based) wrapped call that matches ``target`` ('store', 'catalog' or
     '' for any) and ``method`` (a method name, or '' for any), ``after`` the call instead of
     before it. A targeted store method (``put_verified``, ``delete``...) puts the fault exactly
@@ -67,6 +71,7 @@ class Injector:
     fired: str = ""
     counts: Counter = field(default_factory=Counter)
     enabled: bool = False
+    hold: Callable[[], None] | None = None  # what happens while a paused worker stands still
 
     def start(self, plan: Plan) -> None:
         self.plan, self.calls, self.fired = plan, 0, ""
@@ -111,6 +116,14 @@ class Injector:
         label += "@tier2" if what == "store" and tier == 2 else ""
         self.fired = label
         self.counts[label] += 1
+        if kind == "pause":
+            self.enabled = False  # what runs meanwhile is other workers, not this one
+            try:
+                if self.hold is not None:
+                    self.hold()
+            finally:
+                self.enabled = True
+            return
         if kind == "kill":
             self.dead = True
             raise Killed(label)
@@ -128,6 +141,10 @@ class _Proxy:
         object.__setattr__(self, "_what", what)
         object.__setattr__(self, "_methods", methods)
         object.__setattr__(self, "_tier", tier)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() sees the wrapped store, as the product checks it
+        return type(self._inner)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)

@@ -18,6 +18,19 @@ denied), a worker clock minutes or hours off (a writer's days), leases that laps
 update, never a wall-clock wait) and external deletes, bit flips and truncations on every tier
 behind the catalog's back.
 
+Relaunches and other runs (issues 38 and 39): ``restart`` kills the job (its last saves on a node
+maybe never announced) and relaunches it under a new attempt on both nodes, each calling
+``resume_point(RUN, attempt=new)``; the model moves the older attempts' checkpoints above the
+lower resume point from ``saved`` (live: "nothing is lost" holds for them) to ``superseded``, and
+training saves those steps again, in ``step-<S>@<attempt>/``, with other bytes. ``promote_again``
+also replays a superseded attempt's part late. ``child_save_lost`` starts another run resumed,
+fine-tuned or branched from a checkpoint of RUN (or from a step RUN has not saved: pending) whose
+job dies before its registration reached the catalog (only reconcile finds it). Saves carry a
+loss drawn from finite values, NaN and ±inf (Tier 2 keeps the top 1 by it). ``killed_mid_save``
+leaves a dead writer's ``.ckpt-staging-<pid>-…`` folder on Tier 0. ``paused_past_lease`` stops a
+worker inside its Tier 1 copy or its prune's fenced delete (``faults.Plan(kind='pause')``): its
+lease lapses, reconcile on its node takes the work over, then the worker goes on.
+
 After every step the invariants are checked against the bytes in the tier folders, not the
 catalog: every checkpoint that reached ``verified`` and that retention has not expired keeps at
 least one committed copy whose bytes are the ones saved, unless the test itself destroyed
@@ -30,7 +43,15 @@ the bytes); no Tier 2 copy is pruned before its age on the catalog's clock, and 
 retention or a reconcile on a worker whose clock runs minutes fast takes over no live claim.
 ``check_pass`` lets leases lapse, runs reconcile and scrub on both nodes without faults and
 then requires every replica the catalog calls ``verified`` on Tier 1 or 2 to match on its tier,
-and no claim (``copying``/``pruning``) left behind.
+and no claim (``copying``/``pruning``) left behind. For attempts and origins: a checkpoint's
+registered files are those its own attempt saved (a checkpoint never mixes two attempts; the
+soak's checkpoints are one part each); a superseded checkpoint is never offered (resume,
+``newest_verified``, a restore without an attempt return the live bytes), stays ``superseded``
+and is retired only once the attempt that superseded it has a durable checkpoint; the loss a
+manifest carried is the catalog's, and a non-finite one is never "best"; every origin a job
+declared is the run's recorded origin once its save is registered, and its edge is in the
+catalog once the origin is too (after a check pass every such save is registered); a clean
+reconcile on a node leaves no dead writer's staging there.
 
 Errors are results only where a fault was: an operation in which no injected fault fired and
 no S3 error was answered fails the run if it raises, or if its pass reports an item failed
@@ -69,6 +90,8 @@ errors with no fault (to the violations file) instead of failing on the first.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
 import shutil
@@ -89,8 +112,16 @@ import flows.retention  # noqa: F401
 import tasks.restore
 import tasks.scrub  # noqa: F401
 from core.errors import CkptError
-from core.layout import checkpoint_dirname, checkpoint_prefix, is_staging, part_key
-from tests.kit.checkpoints import expire_claims, flip_bit, truncate, write_checkpoint
+from core.layout import (
+    STAGING_MARK,
+    checkpoint_dirname,
+    checkpoint_prefix,
+    is_staging,
+    parse_checkpoint_dirname,
+    part_key,
+)
+from core.manifest import ParentRef
+from tests.kit.checkpoints import commit_manifest, expire_claims, flip_bit, truncate
 
 RUN = "run-a"
 NODES = ("node-0", "node-1")
@@ -99,7 +130,12 @@ T2_PREFIX = "ckpt"  # Tier 2 is s3://<bucket of the example>/ckpt
 NEIGHBOUR_KEY = "neighbour/precious.bin"  # in the same bucket, outside the tier root: never touched
 RETIRED = "retired"  # the catalog state of a checkpoint retention retired: its copies may go
 MILESTONE_EVERY = 200  # every second save is a milestone, archived to Tier 2
-ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict", "s3", "skew")
+ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict", "s3", "skew",
+              "restart", "origin", "staging", "pause")
+CHILD = "child"  # child runs: ``child-<n>``, each resumed, fine-tuned or branched from a checkpoint of RUN
+RELATIONS = ("resumed_from", "fine_tuned_from", "branched_from")
+# a save's loss: finite, or one that never makes it "best" (Tier 2 keeps the top 1 by loss)
+LOSSES = (0.25, 0.5, 1.5, math.nan, math.inf, -math.inf)
 FAULTS = tuple(f for f in os.environ.get("CKPT_SOAK_FAULTS", ",".join(ALL_FAULTS)).split(",") if f)
 EXAMPLES = int(os.environ.get("CKPT_SOAK_EXAMPLES", "4"))
 # PostgreSQL and LocalStack run the first 3 of the default 4 examples in ``make test`` (what each
@@ -128,13 +164,13 @@ CLOCK = Clock()
 # where a fault lands: a store call (the gap between a storage operation and its catalog
 # commit: copy publishes with put_verified/write_small_atomic, verify reads, prune deletes) or a
 # catalog call (the commit itself, a claim, an audit row)
-_PRUNE_STORE = ("delete", "delete_part", "list", "stat", "open_read", "read_small")
+_PRUNE_STORE = ("bury", "delete_tomb", "delete", "delete_part", "list", "stat", "open_read", "read_small")
 # retention: its facts, the retirement recorded before any delete, then each copy's claimed prune
 _PRUNE_CATALOG = ("claim_prune", "transition", "record_deletion", "retention_facts", "retire", "replicas")
 _COPY_STORE = ("put_verified", "write_small_atomic", "open_read", "read_small", "verify_object", "list", "stat")
 _COPY_CATALOG = ("register_part", "claim_copy", "transition", "complete_on_tier", "files", "get_checkpoint")
 TARGETS = {  # operation -> (store methods, catalog methods) it calls, so a planned fault mostly fires
-    "promote": ((*_COPY_STORE, "delete", "delete_part"), (*_COPY_CATALOG, "claim_prune", "record_deletion")),
+    "promote": ((*_COPY_STORE, "bury", "delete", "delete_part"), (*_COPY_CATALOG, "claim_prune", "record_deletion")),
     "retention": (_PRUNE_STORE, _PRUNE_CATALOG),
     "reconcile": (_COPY_STORE + _PRUNE_STORE, _COPY_CATALOG + _PRUNE_CATALOG + ("expired_claims",
                                                                                 "expire_copy_claim",
@@ -201,10 +237,19 @@ _DAMAGE = [h for h in ("delete", "flip", "truncate") if h in FAULTS]
 # subsets that disable most rules), which with one rule per operation spent the budget on
 # check_pass/lapse alone and never restored a saved checkpoint. Here the simplest choice is a
 # fault-free save_and_promote, and every example draws from the whole mix.
+LOSS = st.sampled_from(LOSSES)
+_ON = {kind: kind in FAULTS for kind in ALL_FAULTS}
 OPS: dict[str, tuple[int, dict[str, st.SearchStrategy]]] = {
-    "save_and_promote": (8, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
-    "save_and_promote_twice": (2, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
-    "save_event_lost": (2, {"node": NODE, "skew": SKEW}),
+    "save_and_promote": (8, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW, "loss": LOSS}),
+    "save_and_promote_twice": (2, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW, "loss": LOSS}),
+    "save_event_lost": (2, {"node": NODE, "skew": SKEW, "loss": LOSS}),
+    "restart": (2 if _ON["restart"] else 0, {"node": NODE, "unannounced": st.sampled_from([0, 1, 1, 2])}),
+    "child_save_lost": (2 if _ON["origin"] else 0, {"node": NODE, "pick": PICK, "relation": st.sampled_from(RELATIONS),
+                                                    "pending": st.sampled_from([False, False, True])}),
+    "killed_mid_save": (1 if _ON["staging"] else 0, {"node": NODE}),
+    "paused_past_lease": (2 if _ON["pause"] else 0, {"node": NODE, "which": st.sampled_from(["promote", "bury",
+                                                                                            "delete_tomb"]),
+                                                     "after": st.booleans()}),
     "promote_again": (2, {"node": NODE, "pick": PICK, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
     "conflicting_resave": (2 if "conflict" in FAULTS else 0, {"node": NODE, "pick": PICK,
                                                               "variant": st.integers(1, 3)}),
@@ -232,6 +277,32 @@ def _sha(p: Path) -> str:
     if key not in _SHAS:
         _SHAS[key] = hashlib.sha256(p.read_bytes()).hexdigest()
     return _SHAS[key]
+
+
+def _dead_pid() -> int:
+    """A process id no process has: Linux hands out ids below ``pid_max``."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 4_194_304  # the largest pid_max Linux allows
+
+
+def write_part(folder: Path, run: str, step: int, *, node: str, seed: int, attempt: str = "",
+               loss: float | None = None, parent: ParentRef | None = None):
+    """A one-shard Hugging Face safetensors checkpoint committed in ``folder`` with its manifest
+    (for the unnamed attempt the bytes of ``tests.kit.checkpoints.write_checkpoint(shards=1,
+    shard_bytes=1024)``), carrying what a stager writes: its attempt, its loss, the run's origin."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed * 1_000_003 + step * 101)
+    shard, tensor = "model-00001-of-00001.safetensors", "layer0.0.weight"
+    save_file({tensor: rng.standard_normal(256, dtype=np.float32)}, str(folder / shard))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 1024}, "weight_map": {tensor: shard}}))
+    return commit_manifest(folder, run, step, node=node, kind="step", fmt="hf-sharded", attempt=attempt,
+                           metrics=None if loss is None else {"loss": loss}, parent=parent)
 
 
 class Soak(RuleBasedStateMachine):
@@ -268,10 +339,12 @@ class Soak(RuleBasedStateMachine):
         self.epoch = 0  # bumped whenever Tier 2 may have changed: the listing below is cached per epoch
         self._t2: tuple[int, dict[str, tuple[int, str]]] = (-1, {})
         # Tier 2 keeps archives for an hour (no milestone rule): every example is younger than
-        # that on the catalog's clock, so any Tier 2 prune is one made early (a skewed clock)
+        # that on the catalog's clock, so any Tier 2 prune is one made early (a skewed clock); its
+        # top-1 by loss changes nothing kept, but names the best, never a non-finite loss
         common = dict(data_dir=data, catalog_url=url, task_retries=0, copy_parallelism=1,
                       retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2},
-                      retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False},
+                      retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False, "top_k": 1,
+                                       "metric": "loss"},
                       milestones={"every_steps": MILESTONE_EVERY},
                       tier2_url=f"s3://{self.bucket}/{T2_PREFIX}", s3_endpoint_url=self.s3_proxy_url)
         self.settings = {n: load_settings(node=n, tier1_direct_io=d, **common) for n, d in zip(NODES, direct_io,
@@ -301,6 +374,21 @@ class Soak(RuleBasedStateMachine):
         self.seen_pruned: set[int] = set()  # replica ids already counted as pruned
         self.verified_on: set[tuple[int, int]] = set()  # (step, tier 1 or 2) seen verified with the saved bytes
         self.retired: set[int] = set()  # steps the catalog calls retired
+        # attempts (``restart``): the launch saving now, and per step the attempt whose bytes are live;
+        # an older attempt's checkpoints above where a newer one resumed move to ``superseded``
+        self.attempt = ""  # the first launch is the unnamed attempt, as a job that names none
+        self.attempts: list[str] = [""]
+        self.live: dict[int, str] = {}  # step -> its live attempt (every step in ``saved``)
+        self.superseded: dict[tuple[int, str], dict[frozenset, dict[str, str]]] = {}  # (step, attempt) -> versions
+        self.superseded_by: dict[tuple[int, str], str] = {}
+        self.durable_attempts: set[str] = set()  # attempts seen with a checkpoint verified on Tier 1 or 2
+        self.losses: dict[frozenset, float] = {}  # a saved version -> the loss its manifest carries
+        self.children: dict[str, tuple[int, str]] = {}  # child run -> (RUN's step it came from, relation)
+        self.retired_early: set[tuple[int, str]] = set()  # superseded checkpoints retention had retired before
+        self.dead_staging: dict[str, set[Path]] = {n: set() for n in NODES}  # a killed save's leftovers per node
+        self.counted: set[tuple] = set()  # figures counted once
+        # steps whose superseded checkpoint the test damaged: an error names a step, not its attempt
+        self.damaged_history: set[int] = set()
         self.trace: list[str] = []
         STATS["examples"] += 1
         STATS["examples_tier1_direct_io:" + "/".join("direct" if d else "buffered" for d in direct_io)] += 1
@@ -316,8 +404,9 @@ class Soak(RuleBasedStateMachine):
         out[NEIGHBOUR_KEY] = self.t2_objects().get(NEIGHBOUR_KEY, (0, "GONE"))[1]
         return out
 
-    def folder(self, loc: str, step: int) -> Path:
-        return self.roots[loc] / RUN / checkpoint_dirname(step)
+    def folder(self, loc: str, step: int, attempt: str | None = None) -> Path:
+        """Where ``step``'s checkpoint of ``attempt`` (default: its live one) is at ``loc``."""
+        return self.roots[loc] / RUN / checkpoint_dirname(step, self.live.get(step, "") if attempt is None else attempt)
 
     def t2_objects(self) -> dict[str, tuple[int, str]]:
         """Every object in the example's bucket: key -> (size, ETag), listed straight from moto
@@ -330,8 +419,10 @@ class Soak(RuleBasedStateMachine):
             self._t2 = (self.epoch, objs)
         return self._t2[1]
 
-    def t2_key(self, step: int, rel: str = "") -> str:
-        return f"{T2_PREFIX}/{checkpoint_prefix(RUN, step)}/{rel}" if rel else f"{T2_PREFIX}/{part_key(RUN, step)}"
+    def t2_key(self, step: int, rel: str = "", attempt: str | None = None) -> str:
+        att = self.live.get(step, "") if attempt is None else attempt
+        return (f"{T2_PREFIX}/{checkpoint_prefix(RUN, step, att)}/{rel}" if rel
+                else f"{T2_PREFIX}/{part_key(RUN, step, attempt=att)}")
 
     def committed(self, loc: str) -> list[int]:
         if loc == "t2":
@@ -339,25 +430,31 @@ class Soak(RuleBasedStateMachine):
             return sorted(s for s in self.saved if self.t2_key(s) in objs)
         return sorted(s for s in self.saved if (self.folder(loc, s) / "manifest.json").is_file())
 
-    def matches(self, loc: str, step: int, version: dict[str, str]) -> bool:
+    def matches(self, loc: str, step: int, version: dict[str, str], attempt: str | None = None) -> bool:
         if loc == "t2":
             objs = self.t2_objects()
-            return self.t2_key(step) in objs and all(
-                objs.get(self.t2_key(step, rel), (0, ""))[1] == self.md5.get(sha) for rel, sha in version.items())
-        d = self.folder(loc, step)
+            return self.t2_key(step, attempt=attempt) in objs and all(
+                objs.get(self.t2_key(step, rel, attempt), (0, ""))[1] == self.md5.get(sha)
+                for rel, sha in version.items())
+        d = self.folder(loc, step, attempt)
         if not (d / "manifest.json").is_file():
             return False
         return all((d / rel).is_file() and _sha(d / rel) == sha for rel, sha in version.items())
 
     def canonical(self, cat, step: int) -> dict[str, str] | None:
-        from core.errors import NotFound
-        try:
-            ck = cat.get_checkpoint(RUN, step)
-        except NotFound:
+        """The saved version the catalog registered for ``step``'s live checkpoint (its live
+        attempt's), None while it has none. Every part of a checkpoint has its attempt: files
+        another attempt saved under this checkpoint are a checkpoint mixing two attempts."""
+        ck = self._checkpoint(cat, step)
+        if ck is None:
             return None
         key = frozenset((f.path, f.checksum) for f in cat.files(ck.id))
         version = self.saved.get(step, {}).get(key)
         if version is None and key:
+            other = [att for (s, att), versions in self.superseded.items() if s == step and key in versions]
+            if other:
+                self.violate(f"step {step} of attempt {ck.attempt or '(unnamed)'} holds the files attempt "
+                             f"{other[0] or '(unnamed)'} saved: a checkpoint mixing two attempts")
             self.violate(f"catalog registered bytes for step {step} that no node saved")
         return version
 
@@ -377,7 +474,7 @@ class Soak(RuleBasedStateMachine):
             if version is None:
                 return set()
             try:
-                reps = cat.replicas(cat.get_checkpoint(RUN, step).id)
+                reps = cat.replicas(cat.get_checkpoint(RUN, step, self.live.get(step, "")).id)
             except NotFound:
                 return set()
             return {_loc(r) for r in reps if r.state == "verified" and _loc(r) in {"t1", "t2", f"t0:{node}"}
@@ -409,7 +506,9 @@ class Soak(RuleBasedStateMachine):
         raise AssertionError(msg)
 
     def operate(self, name: str, plan: Plan, fn, *, lapse_after_kill: bool = True, s3: S3Plan | None = None,
-                skew: timedelta = timedelta(0)) -> None:
+                skew: timedelta = timedelta(0)) -> bool:
+        """Run ``fn`` as operation ``name`` under ``plan``, ``s3`` and ``skew``, judge what it raised
+        or reported; whether it ran clean (no fault fired, nothing raised or reported failed)."""
         s3 = s3 or S3Plan()
         STATS[f"op:{name.split('(')[0]}"] += 1
         self.trace.append(f"{name}{plan.label()}{s3.label()}{_skew_label(skew)}")
@@ -469,6 +568,7 @@ class Soak(RuleBasedStateMachine):
         STATS["reported_failures"] += len(failures)
         for failure in failures if not (fired or s3_failed) else []:
             self._judge_error(name, failure, faulted=False)
+        return not (fired or s3_failed or raised or failures)
 
     def _judge_error(self, name: str, exc: BaseException, *, faulted: bool) -> None:
         """An operation's error is a result only where this operation met a fault (an injected
@@ -507,11 +607,14 @@ class Soak(RuleBasedStateMachine):
             elsewhere = {loc for step in steps for loc in self.good_now(step)} - {"t1", "t2", f"t0:{node}"}
             if elsewhere or not any(self.good_now(step) for step in steps):
                 return "repair_source_on_another_node"
-        if steps and steps <= self.damaged:
+        if steps and steps <= self.damaged | self.damaged_history:
             return "about_a_step_the_test_damaged"
         return ""
 
-    def _save(self, node: str, step: int, variant: int, skew: timedelta = timedelta(0)) -> None:
+    def _save(self, node: str, step: int, variant: int, skew: timedelta = timedelta(0), loss: float = 0.5) -> None:
+        """``node`` saves ``step``: a new step in the current attempt, an earlier one again in its own
+        (a rolled-back job rewrites its folder)."""
+        attempt = self.live.setdefault(step, self.attempt)
         loc = f"t0:{node}"
         before = self.good_now(step)
         if self.folder(loc, step).exists():  # a re-save (a rolled-back job) rewrites its folder
@@ -520,8 +623,9 @@ class Soak(RuleBasedStateMachine):
         if before and before <= {loc}:
             self.excused.add(step)  # the re-save overwrote the only good copy itself
         CLOCK.offset = skew  # the writer's clock stamps its manifest
-        try:
-            m = write_checkpoint(self.roots[loc], RUN, step, shards=1, shard_bytes=1024, node=node, seed=variant)
+        try:  # another attempt's training is not bit-identical: other bytes
+            m = write_part(self.folder(loc, step), RUN, step, node=node, attempt=attempt, loss=loss,
+                           seed=variant + 10 * self.attempts.index(attempt))
         finally:
             CLOCK.offset = timedelta(0)
         d = self.folder(loc, step)
@@ -529,16 +633,22 @@ class Soak(RuleBasedStateMachine):
         self.md5.update({version[f.path]: hashlib.md5((d / f.path).read_bytes()).hexdigest() for f in m.files})
         if skew:
             STATS["saves_by_a_skewed_writer"] += 1
-        self.saved.setdefault(step, {})[frozenset((f.path, f.checksum) for f in m.files)] = version
+        key = frozenset((f.path, f.checksum) for f in m.files)
+        self.saved.setdefault(step, {})[key] = version
+        self.losses[frozenset(version.items())] = loss
         STATS["saves"] += 1
-        self.trace.append(f"save({node},{step},v{variant}){_skew_label(skew)}")
+        STATS["saves_with_a_non_finite_loss"] += not math.isfinite(loss)
+        at = f"@{attempt}" if attempt else ""
+        self.trace.append(f"save({node},{step}{at},v{variant},loss={loss}){_skew_label(skew)}")
 
     def _promote(self, node: str, step: int, plan: Plan, label: str = "promote", s3: S3Plan | None = None,
-                 skew: timedelta = timedelta(0)) -> None:
+                 skew: timedelta = timedelta(0), attempt: str | None = None) -> None:
         from flows.common import plain_steps
         from flows.promote import promote
-        self.operate(f"{label}({node},{step})", plan, s3=s3, skew=skew,
-                     fn=lambda: promote(self.settings[node], RUN, step, steps=plain_steps(), node=node, actor="soak"))
+        att = self.live.get(step, "") if attempt is None else attempt
+        self.operate(f"{label}({node},{step}{'@' + att if att else ''})", plan, s3=s3, skew=skew,
+                     fn=lambda: promote(self.settings[node], RUN, step, steps=plain_steps(), node=node, actor="soak",
+                                        attempt=att))
 
     # --- the one rule: an operation drawn with a weight ---------------------------------------
     @rule(data=st.data())
@@ -549,29 +659,37 @@ class Soak(RuleBasedStateMachine):
         getattr(self, op)(**kwargs)
 
     # --- operations: training and events -----------------------------------------------------
-    def save_and_promote(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
+    def save_and_promote(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta, loss: float = 0.5) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0, skew)
+        self._save(node, step, 0, skew, loss)
         self._promote(node, step, plan, s3=s3, skew=skew)
 
-    def save_and_promote_twice(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
+    def save_and_promote_twice(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta, loss: float = 0.5) -> None:
         """An event delivered twice (the first maybe faulted): the second must settle it."""
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0, skew)
+        self._save(node, step, 0, skew, loss)
         self._promote(node, step, plan, s3=s3, skew=skew)
         self._promote(node, step, Plan(), label="promote_duplicate")
 
-    def save_event_lost(self, node: str, skew: timedelta) -> None:
+    def save_event_lost(self, node: str, skew: timedelta, loss: float = 0.5) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
-        self._save(node, step, 0, skew)
+        self._save(node, step, 0, skew, loss)
         STATS["events_lost"] += 1
 
     def promote_again(self, node: str, pick: int, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
-        """A duplicate (or late) event for a step this node holds."""
-        have = self.committed(f"t0:{node}")
+        """A duplicate (or late) event for a checkpoint this node holds: a live one, or a part of an
+        older attempt that a newer one superseded (recorded superseded, never copied on)."""
+        loc = f"t0:{node}"
+        have = [(s, self.live[s]) for s in self.committed(loc)]
+        have += [(s, att) for (s, att) in sorted(self.superseded)
+                 if (self.folder(loc, s, att) / "manifest.json").is_file()]
         if not have:
             return
-        self._promote(node, have[pick % len(have)], plan, label="promote_duplicate", s3=s3, skew=skew)
+        step, attempt = have[pick % len(have)]
+        late = attempt != self.live.get(step)
+        STATS["late_parts_of_a_superseded_attempt"] += late
+        self._promote(node, step, plan, label="promote_late" if late else "promote_duplicate", s3=s3, skew=skew,
+                      attempt=attempt)
 
     def conflicting_resave(self, node: str, pick: int, variant: int) -> None:
         """A rolled-back job or another node writes an earlier step again with other bytes."""
@@ -584,6 +702,141 @@ class Soak(RuleBasedStateMachine):
         self.damaged.add(step)
         self._promote(node, step, Plan(), label="promote_conflicting")
 
+    # --- operations: relaunches, other runs, killed and stopped workers -------------------------
+    def restart(self, node: str = "node-0", unannounced: int = 0) -> None:
+        """The job dies, its last ``unannounced`` saves on ``node`` written but never announced
+        (killed before the event left), and restarts under a new attempt on both nodes: each node resumes
+        (``resume_point(RUN, attempt=new)``), which records the attempt as resumed from there (the
+        lower of the two steps holds); the older attempts' checkpoints above it are superseded: in
+        the model they leave ``saved`` for ``superseded`` (never offered again, retired only once the
+        new attempt has a durable checkpoint), and training saves those steps again with other bytes.
+        Skipped while the catalog has not heard of the running attempt: a part of a launch the
+        catalog first hears of after a newer launch resumed counts as the newer one (``db.attempts``
+        orders attempts by their first record), which a real relaunch after a registered save never meets."""
+        from ckpt.resume import resume_point
+        from db.catalog import Catalog
+        cat = Catalog(self.settings["node-0"].catalog_url)
+        try:
+            if self.attempt == "" and not any(ck.attempt == "" for ck in cat.list_checkpoints(RUN)):
+                return
+        finally:
+            cat.close()
+        for _ in range(unannounced):
+            self.save_event_lost(node, timedelta(0))
+        new = f"a{len(self.attempts)}"
+        points: list = []
+        for node in NODES:
+            self.operate(f"resume({node},@{new})", Plan(), fn=lambda node=node: points.append(
+                resume_point(RUN, settings=self.settings[node], attempt=new)))
+        if not points:
+            return  # no node resumed: the launch died before it recorded anything
+        for point in points:
+            named = parse_checkpoint_dirname(Path(point.path).name) if point else None
+            self._offered(point.step if point else None, named[1] if named else None, "resume")
+        floor = min((p.step for p in points if p is not None), default=None)
+        self.attempts.append(new)
+        self.attempt = new
+        moved = [step for step in sorted(self.live) if floor is None or step > floor]
+        cat = Catalog(self.settings["node-0"].catalog_url)
+        try:
+            self.retired_early |= {(ck.step, ck.attempt) for ck in cat.list_checkpoints(RUN)
+                                   if ck.state == RETIRED and ck.step in moved}
+        finally:
+            cat.close()
+        for step in moved:
+            self._supersede(step, by=new)
+        self.next_step = (floor or 0) + 100
+        STATS["fault:restart"] += 1
+        STATS["steps_superseded"] += len(moved)
+        self.trace.append(f"restart(@{new} from {floor}, superseded {moved})")
+
+    def _supersede(self, step: int, *, by: str) -> None:
+        """The model's side of a resume below ``step``: its live checkpoint becomes history."""
+        attempt = self.live.pop(step)
+        if step in self.damaged:
+            self.damaged_history.add(step)
+        self.superseded[(step, attempt)] = self.saved.pop(step)
+        self.superseded_by[(step, attempt)] = by
+        for steps in (self.ever_verified, self.excused, self.pinned, self.retired, self.damaged, self.t1_damaged,
+                      self.t2_damaged):
+            steps.discard(step)
+        self.verified_on -= {(step, 1), (step, 2)}
+        self.test_removed = {k for k in self.test_removed if k[0] != step}
+
+    def _offered(self, step: int | None, attempt: str | None, by: str) -> None:
+        """What resume, newest_verified or a restore without an attempt offered (``attempt``: the
+        checkpoint's, where the answer names it) is never a checkpoint the model knows superseded."""
+        if step is None:
+            return
+        gone = [att for (s, att) in self.superseded if s == step and (att == attempt or step not in self.live)]
+        if gone:
+            self.violate(f"{by} offered step {step} of attempt {gone[0] or '(unnamed)'}, which attempt "
+                         f"{self.superseded_by[(step, gone[0])]} superseded")
+
+    def child_save_lost(self, node: str, pick: int, relation: str, pending: bool) -> None:
+        """A second run starts from a checkpoint of RUN (resumed, fine-tuned or branched from it;
+        ``pending``: one RUN has not saved yet) and its job is killed before its registration
+        reached the catalog (no event, no promotion): only reconcile finds its save, and the origin
+        its manifest declares must end up in the catalog as the run's first edge."""
+        name = f"{CHILD}-{len(self.children)}"
+        steps = sorted(self.saved)
+        origin = self.next_step if pending or not steps else steps[pick % len(steps)]
+        write_part(self.roots[f"t0:{node}"] / name / checkpoint_dirname(100), name, 100, node=node, seed=7,
+                   loss=0.5, parent=ParentRef(RUN, origin, relation))
+        self.children[name] = (origin, relation)
+        STATS["fault:origin_declared_save_lost"] += 1
+        STATS["origins_pending_at_save"] += origin not in self.saved
+        self.trace.append(f"child_save_lost({node},{name} {relation} {origin})")
+
+    def killed_mid_save(self, node: str) -> None:
+        """A save killed mid-write leaves its staging folder on Tier 0 (named with the writer's
+        process id, which is gone): reconcile on that node must sweep it, and nothing else changes."""
+        stage = self.roots[f"t0:{node}"] / RUN / (f"{STAGING_MARK}{_dead_pid()}-{os.urandom(4).hex()}-"
+                                                   f"{checkpoint_dirname(self.next_step, self.attempt)}")
+        stage.mkdir(parents=True)
+        (stage / "model-00001-of-00001.safetensors").write_bytes(os.urandom(1024))
+        self.dead_staging[node].add(stage)
+        STATS["fault:dead_writer_staging"] += 1
+        self.trace.append(f"killed_mid_save({node},{stage.name[:40]})")
+
+    def _swept(self, node: str) -> None:
+        """After a reconcile on ``node`` that met no fault: no dead writer's staging is left there."""
+        left = sorted(p.name for p in self.dead_staging[node] if p.exists())
+        if left:
+            self.violate(f"reconcile({node}) left a dead writer's staging on Tier 0: {left}")
+        STATS["dead_writer_staging_swept"] += len(self.dead_staging[node])
+        self.dead_staging[node] = set()
+
+    def paused_past_lease(self, node: str, which: str, after: bool) -> None:
+        """A worker stops (a long pause, a frozen container) past its lease inside its work, at a
+        Tier 1 copy of a promotion or a delete of a retention; meanwhile its lease lapses and
+        reconcile on its node takes the work over and finishes it (publishes the copy, makes the
+        prune); then the worker goes on. Its late copies and deletes must leave what the other
+        holder published: the invariants read the bytes afterwards."""
+        from flows.common import plain_steps
+        from flows.reconcile import reconcile_once
+
+        def hold() -> None:
+            n = expire_claims(self.settings["node-0"])
+            self.trace.append(f"[paused: {n} lease(s) lapse, reconcile({node}) takes over]")
+            try:
+                reconcile_once(self.settings[node], steps=plain_steps(), actor="soak-takeover")
+            except CkptError as exc:
+                self.trace.append(f"[takeover: {type(exc).__name__}: {exc}]")
+            STATS["takeovers_while_a_worker_was_paused"] += 1
+
+        INJECTOR.hold = hold
+        if which == "promote":
+            step, self.next_step = self.next_step, self.next_step + 100
+            self._save(node, step, 0)
+            plan = Plan(kind="pause", target="store", method="put_verified", tier=1, after=after)
+            self._promote(node, step, plan, label="promote_paused")
+        else:  # a prune's fenced delete: setting its copy aside (``bury``), or deleting what it set aside
+            from flows.retention import run_retention
+            plan = Plan(kind="pause", target="store", method=which, after=after)
+            self.operate(f"retention_paused({node})", plan,
+                         fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+
     # --- operations: scheduled flows --------------------------------------------------------------
     def retention(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
@@ -592,7 +845,7 @@ class Soak(RuleBasedStateMachine):
                      fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
 
     def retention_killed_then_again(self, node: str, plan: Plan, skew: timedelta) -> None:
-        """A retention run dies at a store delete (before or after it); its lease is
+        """A retention run dies at a prune's fenced delete (before or after ``bury``); its lease is
         left live, so a second retention (on a worker clock ``skew`` off) and a reconcile on the
         same node (on a clock at least 6 minutes fast: past the lease by the worker's reckoning)
         must not touch the claimed replica; then the lease lapses and reconcile takes the prune
@@ -600,8 +853,8 @@ class Soak(RuleBasedStateMachine):
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
         from flows.retention import run_retention
-        # always a kill at the prune's first store delete (before or after it), whatever else drew
-        plan = Plan(kind="kill", target="store", method="delete", at=0, after=plan.after)
+        # always a kill at the prune's fenced delete (``bury``: before or after it), whatever else drew
+        plan = Plan(kind="kill", target="store", method="bury", at=0, after=plan.after)
         before = self._replicas_in("pruning")  # claims an earlier, lapsed operation left
         self.operate(f"retention_killed({node})", plan, lapse_after_kill=False,
                      fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
@@ -638,8 +891,9 @@ class Soak(RuleBasedStateMachine):
     def reconcile(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
         from flows.reconcile import reconcile_once
-        self.operate(f"reconcile({node})", plan, s3=s3, skew=skew,
-                     fn=lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
+        if self.operate(f"reconcile({node})", plan, s3=s3, skew=skew,
+                        fn=lambda: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak")):
+            self._swept(node)
 
     def scrub(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from tasks.scrub import scrub
@@ -686,13 +940,14 @@ class Soak(RuleBasedStateMachine):
         STATS["restores_aimed_at_a_tier2_only_copy"] += only_t2
         dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.tmp)) / "out"
         outcome: list[str] = []
+        have = self.verified_good(node, step)  # before: a failing restore marks what it could not read
         self.operate(f"restore({node},{step or 'newest'})", Plan(), s3=s3, skew=skew,
-                     fn=lambda: self._restore_into(node, dest, step, outcome))
+                     fn=lambda: self._restore_into(node, dest, step, outcome, have))
         shutil.rmtree(dest.parent, ignore_errors=True)
         if only_t2 and outcome == ["ok"]:
             STATS["restores_when_only_tier2_was_good"] += 1
 
-    def _restore_into(self, node: str, dest: Path, step: int | None, outcome: list[str]) -> None:
+    def _restore_into(self, node: str, dest: Path, step: int | None, outcome: list[str], have: set[str]) -> None:
         from db.catalog import Catalog
         from tasks.restore import restore_checkpoint
         try:
@@ -701,7 +956,6 @@ class Soak(RuleBasedStateMachine):
             outcome.append(type(exc).__name__)
             STATS[f"restore_error:{type(exc).__name__}"] += 1
             self.trace[-1] += f"[{type(exc).__name__}: {exc}]"
-            have = self.verified_good(node, step)
             if have - ({"t2"} if S3_FAULTS.failed else set()):  # an S3 error excuses only Tier 2
                 self.violate(f"restore({node},{step or 'newest'}) failed ({type(exc).__name__}: {exc}) although "
                              f"the catalog holds a verified copy with the saved bytes at {sorted(have)}")
@@ -788,8 +1042,9 @@ class Soak(RuleBasedStateMachine):
         from tasks.scrub import scrub
         self.lapse()
         for node in NODES:
-            self.operate(f"reconcile({node})", Plan(),
-                         lambda node=node: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak"))
+            if self.operate(f"reconcile({node})", Plan(),
+                            lambda node=node: reconcile_once(self.settings[node], steps=plain_steps(), actor="soak")):
+                self._swept(node)
         for node in NODES:
             self.operate(f"scrub({node})", Plan(),
                          lambda node=node: scrub(self.settings[node], fraction=1.0, actor="soak", grace_seconds=0.0))
@@ -797,22 +1052,48 @@ class Soak(RuleBasedStateMachine):
         cat = Catalog(self.settings["node-0"].catalog_url)
         try:
             for ck in cat.list_checkpoints(RUN):
-                version = self.canonical(cat, ck.step)
+                version = self._version_of(cat, ck)
                 for rep in cat.replicas(ck.id):
                     loc = _loc(rep)
                     if rep.state in ("copying", "pruning", "verifying"):
                         self.violate(f"step {ck.step} tier {rep.tier} ({loc}) still {rep.state} after lapse + "
                                      "reconcile on every node")
                     bad = rep.state == "verified" and loc in LOCS and (
-                        version is None or not self.matches(loc, ck.step, version))
+                        version is None or not self.matches(loc, ck.step, version, ck.attempt))
                     if bad and rep.tier >= 1:
                         self.violate(f"step {ck.step}: the catalog calls {loc} verified after reconcile and "
                                      "scrub, but its bytes do not match")
                     if bad:  # Tier 0 is scratch: scrub does not read it; every use reads it back
                         STATS["check_pass_t0_rot_left_for_its_next_use"] += 1
                     STATS["check_pass_replicas"] += 1
+            for name in self.children:
+                if self._child(cat, name) is None:
+                    self.violate(f"reconcile on every node did not find the save of run {name} (killed before "
+                                 "its registration reached the catalog)")
+            self._best_is_finite(cat)
         finally:
             cat.close()
+
+    def _version_of(self, cat, ck) -> dict[str, str] | None:
+        """The saved version a catalog checkpoint of RUN holds (live or superseded), None if none."""
+        key = frozenset((f.path, f.checksum) for f in cat.files(ck.id))
+        if self.live.get(ck.step) == ck.attempt:
+            return self.saved.get(ck.step, {}).get(key)
+        return self.superseded.get((ck.step, ck.attempt), {}).get(key)
+
+    def _best_is_finite(self, cat) -> None:
+        """Tier 2 keeps the top 1 by loss: the rule never names a checkpoint with a non-finite loss
+        best (a NaN sorts anywhere, an infinity first or last)."""
+        from core import retention
+        from tasks.retention import retention_rules
+        decided = retention.plan(cat.retention_facts(run=RUN), retention_rules(self.settings["node-0"]), cat.clock())
+        for d in decided.replicas:
+            if "top_k" in d.reason:
+                ck = cat.get_checkpoint(RUN, d.step, d.attempt)
+                STATS["top_k_kept"] += 1
+                if not math.isfinite(ck.metrics.get("loss", math.nan)):
+                    self.violate(f"step {d.step}: Tier 2 keeps it as the best by loss ({d.reason}), but its loss "
+                                 f"is {ck.metrics.get('loss')}")
 
     # --- invariants --------------------------------------------------------------------------
     @invariant()
@@ -865,6 +1146,9 @@ class Soak(RuleBasedStateMachine):
                         if r.tier >= 1 and (step, r.tier) not in self.verified_on:
                             self.verified_on.add((step, r.tier))  # verified there with the saved bytes
                             STATS[f"checkpoints_verified_tier{r.tier}"] += 1
+                if any(r.tier >= 1 and r.state == "verified" for r in reps):
+                    self.durable_attempts.add(ck.attempt)
+                self._loss_kept(ck, version)
                 if any(r.state == "verified" for r in reps):
                     if step not in self.ever_verified:
                         STATS["checkpoints_verified"] += 1
@@ -876,7 +1160,7 @@ class Soak(RuleBasedStateMachine):
                 if good:
                     self.excused.discard(step)
                 elif ck.state == RETIRED and step in self.ever_verified:
-                    if not self.retired_first(cat, step):
+                    if not self.retired_first(cat, step, {r.id for r in reps}):
                         STATS["checkpoints_lost"] += 1
                         self.violate(f"step {step} is retired, but its copies went before the retirement was "
                                      "recorded")
@@ -901,6 +1185,10 @@ class Soak(RuleBasedStateMachine):
             for step in retired_now & (self.pinned | ({newest_ever} - self.damaged)):
                 self.violate(f"step {step} was retired although it is "
                              f"{'pinned' if step in self.pinned else 'the newest that reached verified'}")
+            self._superseded_stay_history(cat)
+            nv = cat.newest_verified(RUN)
+            self._offered(nv.step if nv else None, nv.attempt if nv else None, "newest_verified")
+            self._origins(cat)
             self._audited_deletes(cat)
         finally:
             cat.close()
@@ -908,21 +1196,79 @@ class Soak(RuleBasedStateMachine):
         if self._outside() != self.outside_digest:
             self.violate("a file outside the tier roots changed")
 
-    @staticmethod
-    def _checkpoint(cat, step: int):
+    def _checkpoint(self, cat, step: int, attempt: str | None = None):
+        """``step``'s checkpoint of ``attempt`` (default: its live one) in the catalog, or None."""
         from core.errors import NotFound
         try:
-            return cat.get_checkpoint(RUN, step)
+            return cat.get_checkpoint(RUN, step, self.live.get(step, "") if attempt is None else attempt)
         except NotFound:
             return None
 
+    def _loss_kept(self, ck, version: dict[str, str]) -> None:
+        """The catalog keeps the loss the manifest carried, a non-finite one included."""
+        saved = self.losses.get(frozenset(version.items()))
+        got = ck.metrics.get("loss")
+        if saved is not None and not (got == saved or (got is not None and math.isnan(got) and math.isnan(saved))):
+            self.violate(f"step {ck.step}: saved with loss {saved}, the catalog holds {got}")
+
+    def _superseded_stay_history(self, cat) -> None:
+        """An older attempt's checkpoint above where a newer one resumed is recorded superseded
+        (or was retired before), never live again, and retired only once the attempt that
+        superseded it has a durable checkpoint."""
+        for (step, attempt), by in self.superseded_by.items():
+            ck = self._checkpoint(cat, step, attempt)
+            if ck is None:
+                continue  # a save the catalog never heard of (a late find is recorded superseded)
+            name = f"step {step} of attempt {attempt or '(unnamed)'}"
+            if ck.state not in ("superseded", RETIRED):
+                self.violate(f"{name} is {ck.state!r} (offered again), although attempt {by} resumed from below it")
+            elif ck.state == RETIRED and by not in self.durable_attempts and (step, attempt) not in self.retired_early:
+                self.violate(f"{name} was retired before attempt {by}, which superseded it, had a durable checkpoint")
+            elif ck.state == RETIRED and ("retired", step, attempt) not in self.counted:
+                self.counted.add(("retired", step, attempt))
+                STATS["superseded_retired"] += 1
+
+    def _child(self, cat, name: str):
+        from core.errors import NotFound
+        try:
+            return cat.get_checkpoint(name, 100)
+        except NotFound:
+            return None
+
+    def _origins(self, cat) -> None:
+        """Every origin a job declared in its manifest is in the catalog once its save is: the
+        run's recorded origin, and, once the origin checkpoint is registered, the edge to it."""
+        from core.errors import NotFound
+        for name, (origin, relation) in self.children.items():
+            if self._child(cat, name) is None:
+                continue
+            run = cat.get_run(name)
+            if (run.parent_run, run.parent_step, run.parent_relation) != (RUN, origin, relation):
+                self.violate(f"run {name} declared {relation} {RUN}/{origin}; the catalog records "
+                             f"{run.parent_relation} {run.parent_run}/{run.parent_step}")
+            try:
+                cat.get_checkpoint(RUN, origin)
+            except NotFound:
+                continue  # pending: the edge is added when the origin is registered
+            if not any((e.parent_run, e.parent_step, e.relation) == (RUN, origin, relation)
+                       for e in cat.ancestors(name, 100, max_depth=1)):
+                self.violate(f"run {name} declared {relation} {RUN}/{origin}, both are registered, and the "
+                             "catalog has no such edge")
+            if ("edge", name) not in self.counted:
+                self.counted.add(("edge", name))
+                STATS["origin_edges_recorded"] += 1
+
     @staticmethod
-    def retired_first(cat, step: int) -> bool:
+    def retired_first(cat, step: int, replicas: set[int] | None = None) -> bool:
         """Whether ``step`` disappeared only by a retirement the catalog recorded first: its
         ``retire`` audit row comes before the prune that began deleting its last verified copy
         (replayed from its audit trail; a copy demoted earlier, while another verified copy
-        protected it, is no part of its retirement)."""
-        trail = cat.history(RUN, step)
+        protected it, is no part of its retirement). The trail is the step's, every attempt's:
+        a superseded checkpoint's retirement is no retirement of the live one, and ``replicas``
+        (the live checkpoint's, where the catalog still has it) keeps only its copies' rows."""
+        trail = [e for e in cat.history(RUN, step) if not (e.reason or "").startswith("superseded by")
+                 and (replicas is None or not e.subject.startswith("replica:")
+                      or int(e.subject.partition(":")[2]) in replicas)]
         retire = min((e.id for e in trail if e.action == "retire" or e.to_state == RETIRED), default=None)
         if retire is None:
             return False
@@ -936,29 +1282,32 @@ class Soak(RuleBasedStateMachine):
                     return False
         return True
 
-    def _listing(self, loc: str, step: int) -> frozenset[str]:
+    def _listing(self, loc: str, step: int, attempt: str) -> frozenset[str]:
         if loc == "t2":
-            prefix = f"{T2_PREFIX}/{checkpoint_prefix(RUN, step)}/"
+            prefix = f"{T2_PREFIX}/{checkpoint_prefix(RUN, step, attempt)}/"
             return frozenset(k[len(prefix):] for k in self.t2_objects() if k.startswith(prefix))
-        d = self.folder(loc, step)
+        d = self.folder(loc, step, attempt)
         if not d.is_dir():
             return frozenset()
         return frozenset(p.name for p in d.iterdir() if p.is_file() and not is_staging(p.name))
 
     def _audited_deletes(self, cat) -> None:
         """Every file that vanished since the last check, unless the test removed it, has a new
-        audit row of its step: a ``delete`` row or a transition to ``pruning``/``pruned``."""
+        audit row of its step: a ``delete`` row or a transition to ``pruning``/``pruned``; the
+        folders of live checkpoints and of superseded ones alike."""
         rows = [e for e in cat.audit_log(run=RUN, limit=5000) if e.id > self.audit_seen]
         self.audit_seen = max([e.id for e in rows], default=self.audit_seen)
         explained = {e.step for e in rows if e.action == "delete" or e.to_state in ("pruning", "pruned")}
-        for step in self.saved:
+        for step, attempt in [*self.live.items(), *self.superseded]:
             for loc in LOCS:
-                now = self._listing(loc, step)
-                was = self.files.get((step, loc), frozenset())
-                self.files[(step, loc)] = now
+                now = self._listing(loc, step, attempt)
+                was = self.files.get((step, attempt, loc), frozenset())
+                self.files[(step, attempt, loc)] = now
                 gone = was - now
-                if not gone or (step, loc) in self.test_removed:
-                    self.test_removed.discard((step, loc))
+                live = self.live.get(step) == attempt
+                if not gone or (live and (step, loc) in self.test_removed):
+                    if live:
+                        self.test_removed.discard((step, loc))
                     continue
                 STATS["product_deletes"] += 1
                 if step not in explained:
@@ -992,7 +1341,7 @@ def _reported_failures(result) -> list[ReportedFailure]:
 def _steps_named(text: str) -> set[int]:
     """The steps of this run an operation's name or error names: ``(node,100)``, ``run-a/100``,
     ``step-00000100``."""
-    found = re.findall(rf"{RUN}/(\d+)|step-(\d+)|\(node-\d,(\d+)\)", text)
+    found = re.findall(rf"{RUN}/(\d+)|step-(\d+)|\(node-\d,(\d+)(?:@[\w.-]+)?\)", text)
     return {int(next(g for g in groups if g)) for groups in found}
 
 
@@ -1051,6 +1400,8 @@ FIRED = {  # fault kind -> the prefixes of the counters that say it fired
     "storage_outage": ("fault_kind:storage_outage",), "delete": ("fault:external_delete_",),
     "flip": ("fault:external_flip_",), "truncate": ("fault:external_truncate_",),
     "conflict": ("fault:conflicting_resave",), "s3": ("fault_kind:s3_",), "skew": ("fault_kind:clock_skew",),
+    "restart": ("fault:restart",), "origin": ("fault:origin_declared_save_lost",),
+    "staging": ("fault:dead_writer_staging",), "pause": ("fault_kind:pause",),
 }
 
 

@@ -3,7 +3,11 @@
 error in an operation with no fault planned (and no progress); with a prune that skips the
 evidence check (``tasks.prune.justification_refused`` saying yes unread), a Tier 1 copy rotted
 behind the catalog's back justifies deleting the last good copy, and the soak's invariant
-names the lost checkpoint. The same scripted sequence passes on the real pipeline."""
+names the lost checkpoint; with the attempt rules off (a resume supersedes nothing, no part is
+superseded at birth), a relaunch past a lost step leaves the older attempt's checkpoint offered;
+with registration dropping a manifest's origin, or reconcile sweeping no staging, a killed
+child run's origin or a killed save's staging is reported. The same scripted sequences pass on
+the real pipeline."""
 
 from __future__ import annotations
 
@@ -229,5 +233,166 @@ def test_a_restore_that_fails_past_a_verified_copy_fails_the_soak(db_url, s3_end
         with pytest.raises(AssertionError, match=r"restore\(node-1,100\) failed \(NotFound: restore is broken\) "
                                                  r"although the catalog holds a verified copy"):
             m.restore("node-1", 0, False, S3Plan(), NO_SKEW)
+    finally:
+        m.teardown()
+
+
+# --- attempts: a relaunch supersedes what it did not resume from -------------------------------
+def _restart_past_a_lost_step(m: Soak) -> None:
+    """Steps 100, 200 and 300 are promoted on node-0; every copy of 300 is destroyed; the job
+    relaunches (attempt a1): both nodes resume from 200, so 300 of the unnamed attempt is
+    superseded, and a1 saves 300 again with other bytes and promotes it."""
+    for _ in range(3):
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+    for loc in ("t0:node-0", "t1"):
+        m.damage(loc, m.committed(loc).index(300), "delete")
+    m.nothing_is_lost()
+    m.restart()
+    m.nothing_is_lost()
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> Soak:
+    prepare(db_url, s3_endpoint, proxy.url, settings_factory, monkeypatch)
+    m = Soak()
+    m.setup()
+    return m
+
+
+def test_the_soak_passes_a_real_relaunch(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _restart_past_a_lost_step(m)
+        assert m.attempt == "a1" and m.live[300] == "a1" and (300, "") in m.superseded
+        cat = m_catalog(m)
+        try:
+            assert cat.get_checkpoint("run-a", 300).attempt == "a1"
+            assert cat.get_checkpoint("run-a", 300, "").state == "superseded"
+        finally:
+            cat.close()
+        m.restore("node-1", 0, True, S3Plan(), NO_SKEW)  # the newest: a1's 300, with a1's bytes
+        m.check_pass()
+        m.nothing_is_lost()
+    finally:
+        m.teardown()
+
+
+def test_a_relaunch_that_supersedes_nothing_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                            monkeypatch):
+    """With the attempt rules off (a resume supersedes nothing, a part is never superseded at
+    birth), the older attempt's step 300 stays offered beside the relaunch's own."""
+    import db.attempts
+    import db.register
+
+    def supersede_nothing(conn, run, attempt, step, *, now, actor):
+        db.attempts.attempt_row(conn, run.id, attempt, now=now)
+        return []
+
+    monkeypatch.setattr(db.register, "standing", lambda *args, **kwargs: None)
+    monkeypatch.setattr(db.attempts, "record_resume", supersede_nothing)
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=r"step 300 of attempt \(unnamed\) is 'committed' \(offered "
+                                                 r"again\)|offered step 300 of attempt \(unnamed\)|mixing two"):
+            _restart_past_a_lost_step(m)
+    finally:
+        m.teardown()
+
+
+def test_a_relaunched_attempts_archive_restores_from_tier2(db_url, s3_endpoint, proxy, settings_factory,
+                                                           monkeypatch):
+    """Found by the soak: a named attempt's milestone whose nearer copies are gone restores from
+    its Tier 2 archive (the restore reads the attempt's own manifest there, and never marks a copy
+    it read under another name missing)."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.restart()
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 200@a1, a milestone: archived
+        m.nothing_is_lost()
+        assert m.live[200] == "a1" and "t2" in m.good_now(200)
+        for loc in ("t0:node-0", "t1"):
+            m.damage(loc, m.committed(loc).index(200), "delete")
+        m.nothing_is_lost()
+        before = STATS["restores_when_only_tier2_was_good"]
+        m.restore("node-1", 0, False, S3Plan(), NO_SKEW)  # aimed at 200, which only Tier 2 holds
+        m.nothing_is_lost()
+        assert STATS["restores_when_only_tier2_was_good"] == before + 1
+    finally:
+        m.teardown()
+
+
+def test_a_step_saved_again_restores_the_live_attempt_past_a_late_retired_one(db_url, s3_endpoint, proxy,
+                                                                           settings_factory, monkeypatch):
+    """Found by the soak (seed 3344277743): a save of the unnamed attempt that no event announced,
+    found by reconcile after the relaunch saved its step again, is recorded superseded, then
+    retired; a restore of that step must still find the relaunch's live checkpoint, not the
+    retired one registered after it."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 100
+        m.restart("node-1", unannounced=1)  # 200 on node-1, never announced; a1 resumes from 100
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)  # 200@a1: durable
+        m.reconcile("node-1", Plan(), S3Plan(), NO_SKEW)  # finds 200 of the unnamed attempt: superseded
+        m.retention("node-1", Plan(), S3Plan(), NO_SKEW)  # retires it: a1 has a durable checkpoint
+        m.nothing_is_lost()
+        before = STATS["restores_bytes_match"]
+        m.restore("node-1", 2, False, S3Plan(), NO_SKEW)  # aimed at 200
+        assert STATS["restores_bytes_match"] == before + 1
+        cat = m_catalog(m)
+        try:
+            assert cat.get_checkpoint("run-a", 200, "").state == "retired"
+            assert cat.get_checkpoint("run-a", 200).attempt == "a1"
+        finally:
+            cat.close()
+    finally:
+        m.teardown()
+
+
+# --- a run's origin, a dead writer's staging --------------------------------------------------
+def _origin_and_staging(m: Soak) -> None:
+    """Step 100 is promoted; a second run fine-tuned from it saves on node-1 and dies before its
+    registration; a save on node-0 is killed mid-write; reconcile runs on both nodes."""
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.child_save_lost("node-1", 0, "fine_tuned_from", False)
+    m.killed_mid_save("node-0")
+    for node in ("node-0", "node-1"):
+        m.reconcile(node, Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def test_the_soak_passes_a_real_origin_and_staging_sweep(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _origin_and_staging(m)
+        cat = m_catalog(m)
+        try:
+            edges = cat.ancestors("child-0", 100, max_depth=1)
+        finally:
+            cat.close()
+        assert [(e.parent_run, e.parent_step, e.relation) for e in edges] == [("run-a", 100, "fine_tuned_from")]
+        assert not any(m.dead_staging.values())
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("broken", ["origin ignored", "no staging sweep"])
+def test_a_lost_origin_or_a_staging_left_fails_the_soak(broken, db_url, s3_endpoint, proxy, settings_factory,
+                                                        monkeypatch):
+    import db.register
+    import flows.reconcile
+
+    if broken == "origin ignored":  # registration drops the origin a manifest declares
+        monkeypatch.setattr(db.register, "_learn_origin", lambda conn, run, m, **kwargs: run)
+        expected = r"run child-0 declared fine_tuned_from run-a/100; the catalog records None None/None"
+    else:
+        monkeypatch.setattr(flows.reconcile, "sweep_writer_staging", lambda *args, **kwargs: None)
+        expected = r"reconcile\(node-0\) left a dead writer's staging on Tier 0"
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=expected):
+            _origin_and_staging(m)
     finally:
         m.teardown()
