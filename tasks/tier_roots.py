@@ -74,9 +74,11 @@ def prove_tier(settings: Settings, store: TierStore) -> None:
             identity.prove(store, recorded)
         except TierUnavailable:
             fresh = _recorded(settings, store.tier, fresh=True)  # replaced meanwhile (`ckpt tiers init --replace`)?
-            if fresh is None or fresh == recorded:
+            if fresh == recorded:
                 raise
-            identity.prove(store, fresh)
+            if fresh is None:  # the record this process remembered is gone (a catalog made anew): first use
+                fresh = init_tier(settings, store.tier, actor=f"first use on {settings.node}").identity
+            identity.prove(store, fresh or "")
     except TierUnavailable as exc:
         alert(settings, exc)
         raise
