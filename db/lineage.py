@@ -14,7 +14,7 @@ from sqlalchemy import and_, bindparam, delete, literal, select
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, LineageCycle
-from db.entities import CKPT_SUPERSEDED, LineageEdge
+from db.entities import LineageEdge
 from db.rows import checkpoints, insert_ignore, lineage, live_first, runs
 
 FOLLOWS = "follows"
@@ -70,7 +70,8 @@ def link_into_run(conn: Connection, *, run: Row, checkpoint_id: int, step: int, 
 
 
 def _neighbours():
-    same_run = and_(checkpoints.c.run_id == bindparam("run_id"), checkpoints.c.state != CKPT_SUPERSEDED)
+    # off the live chain: a superseded checkpoint, retired since or not (``superseded_at`` stays)
+    same_run = and_(checkpoints.c.run_id == bindparam("run_id"), checkpoints.c.superseded_at.is_(None))
     prev = (select(checkpoints.c.id).where(same_run, checkpoints.c.step < bindparam("step"))
             .order_by(checkpoints.c.step.desc()).limit(1).scalar_subquery())
     nxt = (select(checkpoints.c.id).where(same_run, checkpoints.c.step > bindparam("step"))

@@ -225,9 +225,9 @@ WITH me AS (
     ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (
-    SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s AND state <> 'superseded'
+    SELECT (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step < %(step)s AND superseded_at IS NULL
             ORDER BY step DESC LIMIT 1) AS prev,
-           (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step > %(step)s AND state <> 'superseded'
+           (SELECT id FROM checkpoints WHERE run_id = %(run_id)s AND step > %(step)s AND superseded_at IS NULL
             ORDER BY step LIMIT 1) AS nxt
 ), part AS (
     INSERT INTO checkpoint_parts (checkpoint_id, part, node, manifest_digest, bytes, file_count, registered_at)

@@ -98,3 +98,18 @@ def test_the_unnamed_attempt_keeps_its_rules(catalog):
     _save(catalog, 5, 0, "")
     with pytest.raises(ConflictError, match="different manifest"):
         _save(catalog, 5, 0, "", salt="x")
+
+
+def test_the_new_attempts_chain_skips_superseded_checkpoints_retired_since(catalog):
+    """B's next checkpoint follows B's own newest, never an older attempt's step above where B
+    resumed, superseded and then retired (its row keeps ``superseded_at``)."""
+    _first_attempt(catalog)
+    catalog.record_resume(RUN, "B", 20, actor="rank0")
+    _save(catalog, 25, 0, "B")
+    _durable(catalog, _save(catalog, 25, 1, "B"))
+    for step in (25, 30, 35):
+        verified(catalog, catalog.get_checkpoint(RUN, step, "A").id, 0, 0)
+        assert catalog.retire(RUN, step, attempt="A", reason="superseded by attempt B", actor="test")
+    _save(catalog, 40, 0, "B")
+    assert [(e.parent_step, e.relation) for e in catalog.ancestors(RUN, 40, max_depth=1)] == [(25, "follows")]
+    assert [(e.parent_step, e.relation) for e in catalog.ancestors(RUN, 25, max_depth=1)] == [(20, "follows")]
