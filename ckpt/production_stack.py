@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ckpt.processes import LOOPBACK, Started, free_port, spawn, stop_process, wait_http
 from core.errors import ConfigError
+from core.space import process_alive
 
 if TYPE_CHECKING:
     import redis
@@ -89,16 +90,6 @@ class RedisDb:
                            socket_connect_timeout=5)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def claim_redis_db(url: str, owner: int | None = None) -> RedisDb:
     """The Redis database this stack uses. ``redis://host:port/N`` asks for N; without a number
     the first of 1-15 that no live process holds. The claim is a key naming the owner's pid;
@@ -121,7 +112,7 @@ def claim_redis_db(url: str, owner: int | None = None) -> RedisDb:
             held = int(r.get(REDIS_OWNER_KEY) or 0)
             if held == owner:
                 return db
-            if held <= 0 or not _pid_alive(held):
+            if held <= 0 or not process_alive(held):
                 r.flushdb()
                 r.set(REDIS_OWNER_KEY, owner)
                 return db

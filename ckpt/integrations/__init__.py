@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,3 +144,14 @@ def _log_failure(fut: Future[Any]) -> None:
 
     if not fut.cancelled() and fut.exception() is not None:
         logging.getLogger(__name__).error("checkpoint commit failed: %s", fut.exception())
+
+
+def submit_staged(owner: Any, step: int, staging: Path, t0: float) -> None:
+    """Hand ``staging`` (``staging_dir``) to ``owner.commits`` as ``step``: the stall since ``t0``
+    recorded in ``owner.stalls``, the step in ``owner._committed``, the future in ``owner.saved``;
+    a milestone when ``owner.milestone(step)`` says so. The one commit of the Lightning plugins."""
+    stall = time.perf_counter() - t0
+    owner.stalls[step] = stall
+    owner._committed.add(step)
+    owner.saved.append(owner.commits.submit(step, staging, stall_seconds=stall,
+                                            milestone=bool(owner.milestone and owner.milestone(step))))

@@ -50,7 +50,7 @@ from typing import Any
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ckpt.client import CheckpointStager
-from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, single_part, staging_dir
+from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, single_part, staging_dir, submit_staged
 from ckpt.space import state_needed
 from core.errors import CorruptCheckpoint
 
@@ -100,11 +100,7 @@ class TieringCheckpointIO(TorchCheckpointIO):
         if not link_or_copy(target, staging / target.name):
             log.warning("TieringCheckpointIO: %s is not on Tier 0's file system; the checkpoint was copied",
                         target)
-        stall = time.perf_counter() - t0
-        self.stalls[step] = stall
-        self._committed.add(step)
-        self.saved.append(self.commits.submit(step, staging, stall_seconds=stall,
-                                              milestone=bool(self.milestone and self.milestone(step))))
+        submit_staged(self, step, staging, t0)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every checkpoint saved so far is committed on Tier 0 (and announced)."""

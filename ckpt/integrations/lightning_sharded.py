@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ckpt.client import CheckpointStager
-from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir
+from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir, submit_staged
 from ckpt.space import state_needed
 from core.errors import BadInput, StorageFull
 
@@ -79,11 +79,7 @@ class ShardedCommits:
         mine = {r for r, n in enumerate(self._node_of or []) if n == strategy.node_rank}
         for f in self._files(folder, mine):
             link_or_copy(f, staging / f.name)
-        stall = time.perf_counter() - t0
-        self.stalls[step] = stall
-        self._committed.add(step)
-        self.saved.append(self.commits.submit(step, staging, stall_seconds=stall,
-                                              milestone=bool(self.milestone and self.milestone(step))))
+        submit_staged(self, step, staging, t0)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every checkpoint this node saved so far is committed on Tier 0 (and announced)."""
