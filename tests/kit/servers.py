@@ -209,13 +209,14 @@ def _drop_orphaned_prefect_databases(server: str) -> None:
     """Databases ``ckpt_prefect_<pid>_*`` of test sessions that died without cleaning up."""
     import psycopg
 
-    from ckpt.production_stack import _pid_alive, drop_database
+    from ckpt.production_stack import drop_database
+    from core.space import process_alive
 
     with psycopg.connect(_pg_admin_dsn(), autocommit=True) as conn:
         names = [r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'ckpt_prefect_%'")]
     for name in names:
         pid = name.split("_")[2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             drop_database(server, name)
 
 
