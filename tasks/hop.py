@@ -89,6 +89,7 @@ def tier1_hop_rows(settings: Settings, run: str, step: int, checkpoint_id: int) 
     over, claims it again); each retry's reason is a line of that node's agent log."""
     with open_catalog(settings.catalog_url) as cat:
         replicas = cat.replicas(checkpoint_id, tier=1)
+        nodes = {r.part: r.node for r in cat.replicas(checkpoint_id, tier=0)}  # where each was promoted from
         claims = Counter(e.subject for e in cat.history(run, step) if e.to_state == COPYING)
     rows = []
     for rep in sorted(replicas, key=lambda r: r.part):
@@ -96,5 +97,6 @@ def tier1_hop_rows(settings: Settings, run: str, step: int, checkpoint_id: int) 
                         seconds=rep.copy_seconds or 0.0)
         row = hop.row()
         del row["files"], row["skipped"]
-        rows.append({**row, "node": rep.node or "", "state": rep.state, "attempts": claims[f"replica:{rep.id}"]})
+        rows.append({**row, "node": nodes.get(rep.part) or "", "state": rep.state,
+                     "attempts": claims[f"replica:{rep.id}"]})
     return rows
