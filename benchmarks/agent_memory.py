@@ -114,11 +114,9 @@ def part_child(conn) -> None:
 
 def tree(pid: int) -> list[int]:
     """``pid`` and every live process under it (the fork server, the resource tracker, the part)."""
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        children = []
-    return [pid, *(p for c in children for p in tree(c))]
+    from benchmarks.burst import descendants  # deferred: start-up — in the measured process
+
+    return [pid, *descendants(pid)]
 
 
 def probe(mods: list[str], warm: bool, env: dict[str, str]) -> dict:

@@ -214,15 +214,21 @@ CPU_ROLES = ("server", "agents", "database")
 PSS_ROLES = ("agent", "fork server", "part process", "resource tracker")
 
 
+def children(pid: int) -> list[int]:
+    """The live children of ``pid``, whichever of its threads started them (the agent starts its
+    fork server from a worker thread, and /proc lists a child under the thread that forked it)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """The live processes under ``pid`` (its fork server, part processes, flow runs)."""
-    out: list[int] = []
-    try:
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            out += [int(child), *descendants(int(child))]
-    except OSError:
-        pass
-    return out
+    return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
 def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
@@ -245,11 +251,7 @@ def role_pss(pid: int) -> dict[str, float]:
             return 0.0
 
     out = {"agent": pss(pid)}
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        children = []
-    for child in children:
+    for child in children(pid):
         try:
             cmd = Path(f"/proc/{child}/cmdline").read_text()
         except OSError:
@@ -301,8 +303,8 @@ def proc_rss(pid: int) -> float:
         for line in lines:
             if line.startswith(key):
                 total += int(line.split()[1]) * 1024
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            total += proc_rss(int(child))
+        for child in children(pid):
+            total += proc_rss(child)
     except OSError:
         pass
     return total
