@@ -336,7 +336,9 @@ def byte_copy_cpu(settings, manifest, prefix: str, scratch: str, rounds: int = 3
     for r in range(rounds):
         c0 = cpu_seconds()
         verify_part(t0, prefix, manifest)
-        t1 = open_store(str(Path(scratch) / f"tier1-{r}"), 1, settings)
+        root = Path(scratch) / f"tier1-{r}"
+        root.mkdir(parents=True, exist_ok=True)  # the scratch "mount": a store never creates its root
+        t1 = open_store(str(root), 1, settings)
         copy_part(t0, prefix, t1, prefix, manifest)
         if settings.tier2_url:
             t2 = open_store(settings.tier2_url.rstrip("/") + f"-bytecopy-{r}", 2, settings)

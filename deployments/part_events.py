@@ -57,6 +57,7 @@ from deployments.processes import (
     run_child,
     run_part_process,
     start_checkpoint_run,
+    start_fork_server,
     what,
 )
 
@@ -136,6 +137,8 @@ class PartEvents:
 
         # what a forked promotion must see: Prefect's settings in force here, over the environment
         self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
+        if self.fork:
+            start_fork_server()
         self._listener = LoopThread(self._listen, name="ckpt-part-events")
         self._listener.start()
         try:

@@ -52,6 +52,16 @@ def process_context() -> Any:
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server now, at the agent's start: its imports are then paid at rest, not
+    by the first part of the next checkpoint burst (a fresh interpreter importing Prefect and the
+    pipeline: seconds of CPU)."""
+    from multiprocessing import forkserver
+
+    process_context()  # the preload first
+    forkserver.ensure_running()
+
+
 def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
                 clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S) -> str | None:
     """Wait until ``process`` (a ``multiprocessing`` process: only its sentinel is waited on, so
