@@ -123,14 +123,21 @@ def agent_context(env: Mapping[str, str], beat: Any, log_level: str) -> Iterator
     its own at import time, with the environment of its start), with no flow-run heartbeats: the
     agent watches its child itself (``run_child``), a self-hosted server acts on heartbeats only
     through a "zombie" automation this stack does not create, and the engine joins the
-    heartbeat thread, which sleeps in 1 s steps, at the end of every run."""
+    heartbeat thread, which sleeps in 1 s steps, at the end of every run; and no check of the
+    server's API version per client (two round trips per run: the agent checked it as it
+    registered its deployments, and its children talk to the same server)."""
     from prefect.context import SettingsContext, get_settings_context
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings as PrefectSettings
+    from prefect.settings import (
+        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        Settings as PrefectSettings,
+    )
 
     progress.share(beat)
     os.environ.update(env)
     agent_logging(log_level)
-    settings = PrefectSettings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    settings = PrefectSettings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                                           PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False})
     with SettingsContext(profile=get_settings_context().profile, settings=settings):
         yield
 
@@ -223,8 +230,21 @@ def start_checkpoint_run(node: str, run: str, step: int, part: int, parts: int, 
     if flow_run.state is None or flow_run.state.message != mine:
         return flow_run  # asked before: its creator runs it
     log.info("checkpoint %s step %s complete on Tier 1: its promote run is %s", run, step, flow_run.id)
-    run_flow(promote_checkpoint, flow_run=flow_run, return_type="state")
+    run_flow(lean_flow(promote_checkpoint), flow_run=flow_run, return_type="state")
     return flow_run
+
+
+def lean_flow(flow: Any) -> Any:
+    """``flow`` with its result not persisted (a promotion's outcome is in the catalog; its summary
+    is the run's return value and artifact) and a result storage named, so that the engine does
+    not ask the server for its default result storage at each run (``persist_result=False``
+    alone still asks): Prefect's local result folder, never written."""
+    from pathlib import Path
+
+    from prefect.settings import get_current_settings
+
+    folder = Path(get_current_settings().results.local_storage_path)
+    return flow.with_options(persist_result=False, result_storage=folder)
 
 
 class EventBatch:
