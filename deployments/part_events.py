@@ -52,6 +52,7 @@ from core.layout import parse_number
 from core.settings import Settings
 from deployments.processes import (
     FOLLOWUPS,
+    crash_checkpoint_run,
     promote_part,
     run_checkpoint_process,
     run_child,
@@ -242,10 +243,18 @@ class PartEvents:
         if not self.fork:
             start_checkpoint_run(self.node, run, step, part, parts, attempt)
             return
+        self._runs.submit(contextvars.copy_context().run, self._checkpoint_run, run, step, part, parts, attempt)
+
+    def _checkpoint_run(self, run: str, step: int, part: int, parts: int, attempt: str) -> int | None:
+        """The checkpoint's run in a child, watched; a child that ended before its run did
+        (killed, out of memory) leaves the run ``Crashed`` (``crash_checkpoint_run``)."""
         params = {"run": run, "step": step, "part": part, "parts": parts, "attempt": attempt}
-        self._runs.submit(contextvars.copy_context().run, run_child, run_checkpoint_process,
-                          (self.settings, params, self._env), stall_s=self.settings.copy_stall_seconds,
-                          what=f"promote run of {run!r} step {step}")
+        code = run_child(run_checkpoint_process, (self.settings, params, self._env),
+                         stall_s=self.settings.copy_stall_seconds, what=f"promote run of {run!r} step {step}")
+        if code not in (0, 1):
+            crash_checkpoint_run(self.node, run, step, attempt, f"its process exited with code {code} before the "
+                                 "run finished (killed when it stalled, or out of memory); reconcile finishes it")
+        return code
 
 
 @contextmanager

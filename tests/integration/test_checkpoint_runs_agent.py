@@ -123,3 +123,23 @@ def test_a_malformed_event_is_recorded_and_the_next_checkpoint_still_promoted(ag
     assert len(rejected) == 1 and "malformed checkpoint reference" in (rejected[0].reason or "")
     assert _runs(agents, 2) == []  # the malformed event is no run
     assert "rejected event: malformed checkpoint reference" in agents.logs()
+
+
+def test_a_checkpoint_run_whose_process_died_is_recorded_crashed(agents):
+    """What the agent does when a checkpoint run's process ends before the run (killed when it
+    stalled, out of memory): the run is ``Crashed`` with the reason, not left running for ever."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Pending
+
+    from deployments.processes import crash_checkpoint_run
+    from flows.promote import followups_key
+
+    with temporary_settings(updates={PREFECT_API_URL: agents.api_url}), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(names.promote_deployment(NODE))
+        flow_run = client.create_flow_run_from_deployment(
+            deployment.id, parameters={"run": RUN, "step": 9, "node": NODE}, state=Pending(),
+            idempotency_key=followups_key(RUN, 9))
+        crash_checkpoint_run(NODE, RUN, 9, "", "its process exited with code -9")
+        state = client.read_flow_run(flow_run.id).state
+    assert state is not None and state.is_crashed() and state.message == "its process exited with code -9"
