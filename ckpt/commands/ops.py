@@ -365,11 +365,14 @@ def up_cmd(
     (after 1 s, 2 s, 4 s, ... at most 60 s), the servers staying up. API auth is on unless
     ``--no-auth``: loopback is shared by every user of a login node."""
     import os
-    import shlex
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack, stack_auth_string  # deferred: start-up — SQLAlchemy, pydantic-settings
+    from ckpt.local_stack import (  # deferred: start-up — SQLAlchemy, pydantic-settings
+        LocalStack,
+        exports_text,
+        stack_auth_string,
+    )
 
     if not production and (pg_url or redis_url or api_workers > 1):
         raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
@@ -390,9 +393,8 @@ def up_cmd(
         if prod is not None:
             typer.echo(f"Prefect on   {prod.describe()}")
         typer.echo("API auth     " + ("on: the UI asks for PREFECT_API_AUTH_STRING below" if secret else "off"))
-        typer.echo("for the training job and the CLI, in another shell:")
-        for k, v in stack.exports().items():
-            typer.echo(f"  export {k}={shlex.quote(v)}")
+        for line in exports_text(stack.exports()):
+            typer.echo(line)
         typer.echo("Ctrl-C stops the stack")
         try:
             while stack.servers_alive():
