@@ -36,6 +36,8 @@ from ckpt.commands.catalog import lineage_tree
 from ckpt.local_stack import LocalStack
 from core.errors import NotFound
 from core.settings import load_settings
+from core.sizing import fmt_bytes
+from core.space import folder_bytes
 from db.catalog import Catalog
 
 if TYPE_CHECKING:
@@ -203,6 +205,18 @@ def lineage(saved: list[Saved]) -> Tree:
     return lineage_tree(root.run, root.step, edges, descendants=True)
 
 
+def closing_lines(data_dir: Path, disk_bytes: int, *, kept_running: bool) -> list[str]:
+    """The demo's last words: how to keep the UI up (after a run that did not), and the disk it
+    leaves behind and where, with what removes it (the next demo wipes it too)."""
+    keep = ("to keep the Prefect UI up after the summary: make demo ARGS=--keep-running "
+            "(python -m ckpt.demo --keep-running); Ctrl-C then stops it")
+    disk = (f"left on disk: {fmt_bytes(disk_bytes)} under {data_dir.absolute()}/ (tiers, catalog, logs); "
+            f"the next demo wipes it, or: rm -rf {data_dir}")
+    lines = [] if kept_running else [keep]
+    lines.append(disk)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(1)
             except KeyboardInterrupt:
                 console.print("stopping ...")
+    for line in closing_lines(args.dir, folder_bytes(args.dir), kept_running=args.keep_running):
+        console.print(line, highlight=False, soft_wrap=True)
     return 0 if ok else 1
 
 
