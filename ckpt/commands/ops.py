@@ -286,9 +286,9 @@ def agent_cmd(
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
-    """Serve the deployments on this node until interrupted: promote (event-triggered),
-    reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
-    the restore drill (cron)."""
+    """Serve the deployments on this node until interrupted: promote (on each checkpoint's
+    event), reconcile (at an interval), and unless --node-only archive (on its event),
+    retention, scrub and the restore drill (cron)."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
 
@@ -349,8 +349,8 @@ def up_cmd(
                               help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else the one "
                                    "kept in --dir, made on first use) that every API call must carry; printed as "
                                    "PREFECT_API_AUTH_STRING"),
-    production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
-                                    "(--no-services) and services processes on PostgreSQL + Redis; "
+    production: bool = typer.Option(False, "--production", help="Prefect's production shape: the API server "
+                                    "and its services in processes of their own, on PostgreSQL + Redis; "
                                     "catalog on PostgreSQL"),
     pg_url: str = typer.Option(None, "--pg-url", help="PostgreSQL server for --production (databases "
                                "'prefect' and 'ckpt_catalog' are created there) "
@@ -363,7 +363,7 @@ def up_cmd(
     Redis, services in their own process), moto's S3 server with its bucket, and the agents;
     runs until Ctrl-C, then stops everything cleanly. An agent that exits is started again
     (after 1 s, 2 s, 4 s, ... at most 60 s), the servers staying up. API auth is on unless
-    ``--no-auth``: loopback is shared by every user of a login node."""
+    --no-auth: loopback is shared by every user of a login node."""
     import os
     import signal
     import time
