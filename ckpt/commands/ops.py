@@ -14,6 +14,7 @@ import typer
 
 from ckpt.args import part_arg, parts_arg, step_arg
 from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+from ckpt.tables import table as fit_table
 from core import sizing
 from core.errors import BadArgument, BadInput, quoted
 from core.paths import safe_run_name
@@ -204,14 +205,13 @@ def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> 
 
 def _print_recovery(recovery: list[dict]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
     failures = "failures" in recovery[0]
-    t = Table(title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part")
-    cols = ["bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node"]
-    for col in cols + (["lost per failure", "overhead"] if failures else []):
-        t.add_column(col, justify="right")
+    cols = ("bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node",
+            *(("lost per failure", "overhead") if failures else ()))
+    t = fit_table(*cols, title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part",
+                  right=cols)
     for rec in recovery:
         for r in rec["tiers"]:
             cells = [fmt_bytes(rec["bandwidth_bytes_per_s"]) + "/s", str(r["tier"]), fmt_seconds(r["node_seconds"]),
@@ -251,12 +251,10 @@ def _measured_runs() -> list[RunFigure]:
 
 def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
-    t = Table(title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B")
-    for col in ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU"):
-        t.add_column(col, justify="right")
+    cols = ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU")
+    t = fit_table(*cols, title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B", right=cols)
     for p in plans:
         t.add_row(fmt_bytes(p.checkpoint_bytes), fmt_seconds(p.interval_seconds),
                   fmt_bytes(p.bandwidth_bytes_per_s) + "/s", fmt_seconds(p.save_seconds),
@@ -267,9 +265,8 @@ def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
                   f"{fmt_seconds(p.save_seconds)}) = {p.delta_mfu * 100:.3f} %", highlight=False)
     if not figures:
         return
-    m = Table(title="Measured per run (writer stall from the catalog)")
-    for col in ("run", "checkpoints", "median stall", "median interval", "ΔMFU"):
-        m.add_column(col, justify="right")
+    cols = ("run", "checkpoints", "median stall", "median interval", "ΔMFU")
+    m = fit_table(*cols, title="Measured per run (writer stall from the catalog)", right=cols[1:])
     for f in figures:
         m.add_row(f.run, str(f.checkpoints), fmt_seconds(f.median_stall_seconds),
                   fmt_seconds(f.median_interval_seconds) if f.median_interval_seconds else "-",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from ckpt.args import step_arg
-from ckpt.tables import table as fold_table
+from ckpt.tables import table as fit_table
 from core.errors import BadInput
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _print_drills(results: list[DrillResult]) -> None:
 
     from tasks.drill import cluster_row  # deferred: start-up — Prefect, SQLAlchemy
 
-    table = fold_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
+    table = fit_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
                        title="restoration drills (RTO: first start to last part loaded)",
                        right=("step", "tier", "nodes", "RTO s", "bound s", "MB/s"))
     for r in results:
