@@ -9,9 +9,9 @@ checkpoint has reached its tiers (Tier 1 for all, Tier 2 for milestones), prints
 everything got where it should. Data and logs live under ``./.demo/`` (wiped at the start).
 
 Sized for a 2-core machine: each agent runs at most ``--limit`` (2) flow runs at once (every
-flow run is a Python process; ten at once on 2 cores made each one 5x slower and the time to
-durable 60-90 s instead of 4-28 s), and the agents skip the durable-triggered archive run
-(the promote flow that completes a milestone archives it inline).
+flow run is a Python process; more at once on 2 cores slow each other down and make the time
+to durable longer, not shorter), and the agents skip the durable-triggered archive run (the
+promote flow that completes a milestone archives it inline).
 
     python -m ckpt.demo [--keep-running] [--checkpoints 12] [--mb 64] [--interval 2.5]
 """

@@ -5,7 +5,7 @@ Tier 0); without it the node's promote deployment runs it (``--wait`` waits for 
 ``retention`` and ``reconcile`` run in this process. In-process work runs as a Prefect flow
 run (recorded, with events and artifacts) when a Prefect API is configured, and as the same
 steps called as plain functions when none is (Prefect would otherwise start a temporary
-server, ~30 s). Heavy imports happen inside the commands, never at import time.
+server, slow to start). Heavy imports happen inside the commands, never at import time.
 """
 
 from __future__ import annotations
