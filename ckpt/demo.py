@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from ckpt.client import CheckpointStager, SavedCheckpoint
 from ckpt.commands.catalog import lineage_tree
 from ckpt.local_stack import LocalStack
+from ckpt.tables import FitTable, table as fit_table
 from core.errors import NotFound
 from core.settings import load_settings
 from core.sizing import fmt_bytes
@@ -179,13 +179,12 @@ def wait_for_tiers(saved: list[Saved], *, tier2: bool, timeout: float,
 
 
 # --- the report ----------------------------------------------------------------------------------
-def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> Table:
+def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> FitTable:
     mark = {"verified": "[green]✓[/green]", "-": "[dim]-[/dim]"}  # else the state(s), e.g. pruned
-    t = Table(title="Checkpoints (✓ verified; pruned: removed by retention while a verified copy is kept "
-                    "elsewhere; per part when the parts differ)",
-              title_justify="left")
-    for col in ("run", "step", "kind", "MB", "tier 0", "tier 1", "tier 2", "durable in", "stall", "ok"):
-        t.add_column(col, justify="left" if col in ("run", "kind") else "right")
+    cols = ("run", "step", "kind", "MB", "tier 0", "tier 1", "tier 2", "durable in", "stall", "ok")
+    t = fit_table(*cols, title="Checkpoints (✓ verified; pruned: removed by retention while a verified copy is "
+                  "kept elsewhere; per part when the parts differ)",
+                  right=tuple(c for c in cols if c not in ("run", "kind")))
     for r in saved:
         s = got[(r.run, r.step)]
         ttd = f"{s.durable_at - r.committed_at:.1f} s" if s.durable_at else "-"
