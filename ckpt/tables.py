@@ -27,10 +27,10 @@ ELLIPSIS = "…"
 class FitTable:
     """A table whose column widths are chosen at print time for the console's width: every
     column as wide as its longest cell while the row fits; else the widest column gives room a
-    character at a time, in four rounds: each column down to its longest word (cells wrap
-    between words), a path column to ``PROSE`` at least; a column of longer words (an id) down
-    to ``NARROWEST``, its words shortened in the middle; a path column down to ``NARROWEST``
-    (paths break after a ``/``); then any column."""
+    character at a time, in rounds: each column down to its longest word (cells wrap between
+    words), a path column to ``PROSE`` at least; a path column down to its longest word too; a
+    column of longer words (an id) down to ``NARROWEST``, its words shortened in the middle; a
+    path column down to ``NARROWEST`` (paths break after a ``/``); then any column."""
 
     columns: tuple[str, ...]
     title: str | None = None
@@ -90,6 +90,7 @@ def fit_widths(columns: list[list[str]], room: int, path: list[bool]) -> list[in
     widths = [max(_longest_line(c) for c in cells) for cells in columns]
     words = [max(_longest_word(c, path=p) for c in cells) for cells, p in zip(columns, path, strict=True)]
     floors = ([max(w, min(width, PROSE)) if p else w for w, width, p in zip(words, widths, path, strict=True)],
+              words,
               [w if p else min(w, NARROWEST) for w, p in zip(words, path, strict=True)],
               [min(w, NARROWEST) for w in words],
               [1] * len(columns))

@@ -180,7 +180,8 @@ def _print_drills(results: list[DrillResult]) -> None:
     for r in results:
         row = cluster_row(r)
         bound = row["bound_seconds"]
-        table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]), str(row["nodes"]),
+        at = row["at"][:19].replace("T", " ")  # date and time wrap apart
+        table.add_row(at, row["run"], str(row["step"]), str(row["tier"]), str(row["nodes"]),
                       "[green]ok[/green]" if row["ok"] else "[red]FAILED[/red]", f"{row['seconds']:.2f}",
                       "-" if bound is None else f"{bound:.2f}", f"{row['MB/s']:.0f}", row["detail"])
     Console().print(table if results else "no drills recorded yet")
