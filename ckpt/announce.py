@@ -150,7 +150,9 @@ def warn_if_unserved(api_url: str, node: str) -> None:
     if node_served(api_url, node) is False:
         log.warning("NO AGENT SERVES NODE %r: checkpoints saved here are committed on Tier 0 but never "
                     "promoted (no deployment %s at %s). Set CKPT_NODE to a node an agent serves (`ckpt up` "
-                    "prints it) or start `ckpt agent --node %s` on this machine.", node,
+                    "prints each node's) or start `ckpt agent --node %s --node-only` on this machine "
+                    "(--node-only: the cluster's agent already serves archive, retention, scrub and drill; "
+                    "leave it out only where no agent serves the cluster).", node,
                     _deployment(node), api_url, node)
 
 
