@@ -287,8 +287,8 @@ def agent_cmd(
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
     """Serve the deployments on this node until interrupted: promote (event-triggered),
-    reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
-    the restore drill (cron)."""
+    and unless --node-only archive (event-triggered), retention, scrub and the restore drill (cron);
+    reconcile runs in this process every reconcile_interval_seconds (a flow run only when it acted)."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
 
