@@ -245,7 +245,8 @@ def reconcile(node: str | None = None) -> dict:
                                 actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds,
                                 on_durable=lambda result: publish_run_status(
-                                    str(settings.catalog_url), result.run, rpo_seconds=settings.rpo_seconds))
+                                    str(settings.catalog_url), result.run, rpo_seconds=settings.rpo_seconds,
+                                    durable_steps=(result.step,)))
         publish_report(settings, report)
     return {k: list(v) for k, v in vars(report).items()}
 
@@ -256,21 +257,22 @@ def reconcile_pass(settings: Settings) -> ReconcileReport:
     event feed as a flow's are. Only a pass that acted (``ReconcileReport.acted``) then leaves its
     flow run, ``reconcile/<node>`` (``reconciled``). Its actor in the audit is
     ``reconcile/<node>``."""
-    durable: set[str] = set()
+    durable: set[tuple[str, int]] = set()
     with announcing(emit):
         report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
                                 grace_seconds=settings.reconcile_interval_seconds,
-                                on_durable=lambda result: durable.add(result.run))
+                                on_durable=lambda result: durable.add((result.run, result.step)))
     if report.acted():
         reconciled(settings.node, json.dumps(vars(report)), sorted(durable), return_state=True)
     return report
 
 
 @flow(name="reconcile", flow_run_name="reconcile/{node}")
-def reconciled(node: str, report: str, durable_runs: list[str]) -> Any:
+def reconciled(node: str, report: str, durable: list[tuple[str, int]]) -> Any:
     """The flow run of an agent's pass that acted, made after the pass (``reconcile_pass``): its
-    report as artifacts, the status page of each training run it made durable republished (a
-    failed promote run of theirs then reads repaired by ``reconcile/<node>``), the pass's report
+    report as artifacts, the status page of each training run it made ``durable`` (run, step)
+    republished (a failed promote run of those checkpoints then reads repaired by
+    ``reconcile/<node>`` there, and carries a note in its own Artifacts tab), the pass's report
     (``ReconcileReport`` as JSON: a flow's parameters are plain values) as its result. Failed,
     with the items in its message, when an item failed: red on the Runs page, as a failed
     promotion is."""
@@ -280,8 +282,9 @@ def reconciled(node: str, report: str, durable_runs: list[str]) -> Any:
     done = ReconcileReport(**json.loads(report))
     with artifact_batch():
         publish_report(settings, done)
-        for run in durable_runs:
-            publish_run_status(str(settings.catalog_url), run, rpo_seconds=settings.rpo_seconds)
+        for run in sorted({r for r, _ in durable}):
+            publish_run_status(str(settings.catalog_url), run, rpo_seconds=settings.rpo_seconds,
+                               durable_steps={step for r, step in durable if r == run})
     if done.failed:
         return Failed(message=f"{len(done.failed)} item(s) failed: " + "; ".join(done.failed[:5]))
     return {k: list(v) for k, v in vars(done).items()}

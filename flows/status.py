@@ -17,6 +17,7 @@ without Prefect); ``publish_run_status`` publishes it from inside a flow run.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from statistics import median
@@ -274,19 +275,54 @@ def failed_promotions(run: str, limit: int = FAILURES) -> list[FailedRun] | None
             for r in runs if (m := named.fullmatch(r.name))]
 
 
-def publish_run_status(catalog_url: str, run: str, *, rpo_seconds: float | None = None) -> None:
+def publish_run_status(catalog_url: str, run: str, *, rpo_seconds: float | None = None,
+                       durable_steps: Collection[int] = ()) -> None:
     """Publish (a new version of) the run's status artifact from the current flow run (with the
     open ``artifact_batch``, at its end); nothing outside a flow run. Key: ``run-<name>`` made a
-    valid artifact key. Best effort, like every artifact."""
+    valid artifact key. ``durable_steps``: the checkpoints the current run just made durable; each
+    failed promote run of theirs gets a note in its own Artifacts tab (``mark_repaired``). Best
+    effort, like every artifact."""
     def post() -> None:
         from prefect.artifacts import create_markdown_artifact
 
         failed = failed_promotions(run)
         cat = Catalog(catalog_url)
         try:
-            md = status_markdown(gather(cat, run, now=datetime.now(UTC), rpo_seconds=rpo_seconds, failed=failed))
+            page = gather(cat, run, now=datetime.now(UTC), rpo_seconds=rpo_seconds, failed=failed)
         finally:
             cat.close()
-        create_markdown_artifact(md, key=artifact_key("run", run), description=f"status of run {run}")
+        create_markdown_artifact(status_markdown(page), key=artifact_key("run", run),
+                                 description=f"status of run {run}")
+        mark_repaired(run, [f for f in page.failures or [] if f.run.step in durable_steps])
 
     post_artifact(artifact_key("run", run), post)
+
+
+def repaired_markdown(run: str, f: Failure, by_run: str) -> str:
+    """The note a repaired failed promote run carries (plain function of its values)."""
+    return (f"# Repaired\n\nThis promote run failed at {_when(f.run.at)} UTC. Checkpoint `{run}` step "
+            f"{f.run.step} was repaired since: every part verified on Tier 1, recorded by `{f.repaired_by}` at "
+            f"{_when(f.repaired_at)} UTC, in flow run `{by_run}`.\n\nThe run's status: artifact "
+            f"`{artifact_key('run', run)}`.\n")
+
+
+def mark_repaired(run: str, repaired: list[Failure]) -> None:
+    """A markdown artifact ``repaired-<run>-<step>`` in each failed promote run whose checkpoint
+    the current flow run made durable: Prefect keeps a run's final state (it stays red), so the
+    note on the run itself says it was repaired, by which run and when (Prefect's public API: an
+    artifact created for another flow run by its id)."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    by_run = ctx.flow_run.name if ctx is not None and ctx.flow_run is not None else "?"
+    with get_client(sync_client=True) as client:
+        for f in repaired:
+            if f.repaired_by and f.run.flow_run_id:
+                client.create_artifact(ArtifactCreate(
+                    key=artifact_key("repaired", run, f.run.step), type="markdown",
+                    data=repaired_markdown(run, f, by_run), description=f"repaired: {run} step {f.run.step}",
+                    flow_run_id=UUID(f.run.flow_run_id)))

@@ -365,7 +365,8 @@ def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
 def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_status_page(env_settings):
     """A promote run that failed (its event came before the part was on Tier 0) stays red, and
     the run's status page, republished by the reconcile pass that then promoted the part, lists it
-    as failed and repaired by ``reconcile/<node>``, with when; the checkpoint reads durable."""
+    as failed and repaired by ``reconcile/<node>``, with when; the checkpoint reads durable; the
+    failed run's own Artifacts tab holds a note saying it was repaired, by which run."""
     from prefect.artifacts import Artifact
 
     from flows.artifacts import artifact_key
@@ -386,6 +387,11 @@ def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_stat
     row = next(line for line in text.splitlines() if f"`promote/{run}/step-10`" in line)
     assert f"failed, repaired by `reconcile/{node}` at " in row, text
     assert "**Late past the RPO** (" in text and "): none" in text
+    # and the failed run itself, still red, says so in its Artifacts tab
+    note = Artifact.get(artifact_key("repaired", run, 10))
+    assert note is not None and note.flow_run_id == state.state_details.flow_run_id
+    assert f"recorded by `reconcile/{node}`" in str(note.data) and f"in flow run `reconcile/{node}`" in str(note.data)
+    assert flow_run_of(state).state_type.value == "FAILED"
 
 
 def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_settings, s3_endpoint, s3_bucket,
