@@ -317,6 +317,8 @@ def mark_repaired(run: str, repaired: list[Failure]) -> None:
     from prefect.client.schemas.actions import ArtifactCreate
     from prefect.context import FlowRunContext
 
+    if not repaired:
+        return
     ctx = FlowRunContext.get()
     by_run = ctx.flow_run.name if ctx is not None and ctx.flow_run is not None else "?"
     with get_client(sync_client=True) as client:
