@@ -172,7 +172,7 @@ def undelivered(settings: Settings, run: str, step: int, part: int, url: str | N
     nothing is lost (the part stays committed on Tier 0; reconcile finds it)."""
     where = f"to {url}" if url else "(no Prefect API configured: CKPT_PREFECT_API_URL / PREFECT_API_URL)"
     return (f"emit failed: ckpt.checkpoint.completed for {run} step {step} part {part} not delivered {where}; "
-            f"the checkpoint stays committed on Tier 0 and the scheduled reconcile of node {settings.node} "
+            f"the checkpoint stays committed on Tier 0 and the reconcile of node {settings.node} "
             f"promotes it within its interval ({settings.reconcile_interval_seconds} s)")
 
 

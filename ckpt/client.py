@@ -5,7 +5,7 @@ on Tier 0 (CRC32C computed over the bytes as they are written), writes the manif
 renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
 that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
 background thread (retried; a failure is logged, never raised into training, and the
-scheduled reconcile flow promotes what an event missed); Tier 1 and Tier 2 are the promote
+node agent's reconcile promotes what an event missed); Tier 1 and Tier 2 are the promote
 flow's business.
 
 The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and

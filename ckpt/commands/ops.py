@@ -284,8 +284,9 @@ def agent_cmd(
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
     """Serve the deployments on this node until interrupted: promote (on each checkpoint's
-    event), reconcile (at an interval), and unless --node-only archive (on its event),
-    retention, scrub and the restore drill (cron)."""
+    event), and unless --node-only archive (on its event), retention, scrub and the restore
+    drill (cron); reconcile runs in this process every reconcile_interval_seconds and leaves
+    a flow run only when it acted."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, cast
 
 import typer
@@ -189,6 +189,9 @@ def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
 def reconcile_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    every: bool = typer.Option(False, "--every", help="run until interrupted, a pass every reconcile_interval_seconds "
+                               "(a node with a Prefect worker instead of `ckpt agent`); a pass leaves a flow run only "
+                               "when it acted"),
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones,
     prune this node's Tier 0 by retention."""
@@ -197,6 +200,14 @@ def reconcile_cmd(
     from flows.reconcile import reconcile, reconcile_once  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings(**({"node": node} if node else {}))
+    if every:
+        import threading
+
+        from deployments.reconcile_loop import reconcile_every  # deferred: start-up — Prefect, SQLAlchemy
+
+        with prefect_api(settings), suppress(KeyboardInterrupt):
+            reconcile_every(settings, threading.Event())
+        return
     if prefect_configured(settings):
         with prefect_api(settings):
             report = reconcile(node=settings.node)
