@@ -24,17 +24,17 @@ raises ``StorageFull`` together (a vote), before a byte is written, so no rank w
 collectives for one that stopped. The same strategies with a full state dict write one ``.ckpt``
 from global rank 0 through the ``CheckpointIO``: ``TieringCheckpointIO`` commits those.
 
-Resuming, one line once the Trainer is built (it tells the strategy its node and the number of
-nodes): ``trainer.fit(model, ckpt_path=strategy.resume_path())``, on every rank. Each node gets
-the run's newest checkpoint whose parts all have a good copy (one attempt's), whole, in a folder
-it can read (``ckpt.resume.resume_point`` with every part: DCP spreads the entries every rank
-holds alike, the optimizer's hyper-parameters and step counters, over the ranks' files, so a
-rank reads other ranks' files too, and Lightning's ``meta.pt`` is rank 0's); ``None`` (a fresh
-start) when the run has none yet. The launch's attempt (the stager's ``attempt``, else the
-launcher's) is recorded as resuming from that step, so the steps it saves again supersede the
-older attempt's. Lightning loads every rank from global rank 0's path; such a folder is often
-on rank 0's node alone (its Tier 0, a fetch), so the strategy loads each rank from the path its
-own ``resume_path`` gave, once the ranks agree on the step.
+Resuming, one line: ``trainer.fit(model, ckpt_path=strategy.resume_path())``, on every rank.
+Each node gets the run's newest checkpoint whose parts all have a good copy (one attempt's),
+whole, in a folder it can read (``ckpt.resume.resume_point`` with every part: DCP spreads the
+entries every rank holds alike, the optimizer's hyper-parameters and step counters, over the
+ranks' files, so a rank reads other ranks' files too, and Lightning's ``meta.pt`` is rank 0's;
+however many nodes wrote it, since DCP reshards on load); ``None`` (a fresh start) when the run
+has none yet. The launch's attempt (the stager's ``attempt``, else the launcher's) is recorded
+as resuming from that step, so the steps it saves again supersede the older attempt's. Lightning
+loads every rank from global rank 0's path; such a folder is often on rank 0's node alone (its
+Tier 0, a fetch), so the strategy loads each rank from the path its own ``resume_path`` gave,
+once the ranks agree on the step.
 """
 
 from __future__ import annotations
@@ -99,16 +99,11 @@ class ShardedCommits:
         """The folder to give ``Trainer.fit(ckpt_path=...)`` on this rank: the whole of the run's
         newest checkpoint whose parts all have a good copy, readable on this node
         (``ckpt.resume.resume_point``; ``to``, ``verify`` go to it; the settings and the attempt
-        are the stager's), or None when the run has no checkpoint yet. Call it once the Trainer
-        that uses this strategy is built: before, the strategy knows neither its node nor the
-        number of nodes."""
+        are the stager's), or None when the run has no checkpoint yet."""
         from ckpt.resume import resume_point  # deferred: start-up — SQLAlchemy, Alembic (tasks.resume)
 
-        strategy: Any = self
-        if strategy.cluster_environment is None:
-            raise BadInput(f"{type(self).__name__}.resume_path: create the Trainer with this strategy first "
-                           "(it tells the strategy its node and the number of nodes)")
-        point = resume_point(self.run, parts=strategy.num_nodes, settings=self.stager_options.get("settings"),
+        # every part, however many nodes wrote it: DCP reshards on load, so a relaunch on fewer nodes resumes too
+        point = resume_point(self.run, settings=self.stager_options.get("settings"),
                              attempt=self.stager_options.get("attempt"), **resume_options)
         if point is None:
             return None

@@ -35,20 +35,28 @@ def _launch(nodes, out: Path, attempt: str, max_steps: int, kill_at: int | None 
     args = [str(out), attempt, str(max_steps), *([str(kill_at)] if kill_at is not None else [])]
     done = run_nodes(JOB, args, nodes)
     expected = -9 if kill_at is not None else 0  # SIGKILL
-    assert [rc for rc, _ in done] == [expected, expected], done[0][1][-3000:] + done[1][1][-3000:]
+    assert [rc for rc, _ in done] == [expected] * len(nodes), "".join(o[-3000:] for _, o in done)
     return [o for _, o in done]
 
 
-def _promote(nodes, step: int, attempt: str, *, ranks=(0, 1)) -> None:
+def _promote(nodes, step: int, attempt: str, *, ranks: tuple[int, ...] | None = None) -> None:
+    """Each node of ``ranks`` (default: all) promotes its part of ``step`` of a ``len(nodes)``-node job."""
     from flows.common import plain_steps
     from flows.promote import promote
 
-    for rank in ranks:
-        promote(nodes[rank], RUN, step, rank, 2, steps=plain_steps(), actor="test", attempt=attempt)
+    for rank in range(len(nodes)) if ranks is None else ranks:
+        promote(nodes[rank], RUN, step, rank, len(nodes), steps=plain_steps(), actor="test", attempt=attempt)
 
 
 def _manifest_attempts(folder: str) -> set[str]:
     return {json.loads(m.read_text())["attempt"] for m in Path(folder).glob("manifest*.json")}
+
+
+def _resumed_as_saved(out: Path, attempt: str, saved_by: str, step: int) -> bool:
+    """Whether ``attempt`` resumed at ``step`` with the model ``saved_by`` saved there."""
+    resumed, saved = torch.load(out / f"resumed-{attempt}.pt"), torch.load(out / f"saved-{saved_by}-{step}.pt")
+    return (resumed["step"] == step and resumed["state"].keys() == saved.keys()
+            and all(torch.equal(resumed["state"][k], saved[k]) for k in saved))
 
 
 def test_two_ranks_killed_wiped_and_resumed_through_lightning(settings_factory, db_url, tmp_path):
@@ -75,11 +83,7 @@ def test_two_ranks_killed_wiped_and_resumed_through_lightning(settings_factory, 
 
     outputs = _launch(nodes, out, "B", max_steps=8)
     assert all("committed [6, 8]" in o for o in outputs)
-    resumed = torch.load(out / "resumed-B.pt")
-    assert resumed["step"] == 4, "both ranks resumed from step 4, the newest whose parts are all good"
-    saved = torch.load(out / "saved-A-4.pt")
-    assert resumed["state"].keys() == saved.keys()
-    assert all(torch.equal(resumed["state"][k], saved[k]) for k in saved), "the model A saved at step 4"
+    assert _resumed_as_saved(out, "B", "A", 4), "step 4, the newest whose parts are all good, as A saved it"
     again_a, again_b = torch.load(out / "saved-A-6.pt"), torch.load(out / "saved-B-6.pt")
     assert not all(torch.equal(again_a[k], again_b[k]) for k in again_a), "the re-training gave other bytes"
 
@@ -100,3 +104,26 @@ def test_two_ranks_killed_wiped_and_resumed_through_lightning(settings_factory, 
     assert skipped == []
     [drill] = drills
     assert (drill.result.step, drill.result.ok, drill.result.nodes) == (8, True, 2)
+
+
+def test_a_relaunch_on_fewer_nodes_resumes_the_checkpoint_of_more(settings_factory, sqlite_url, tmp_path):
+    """Node-1 is gone for good and the job is relaunched on node-0 alone: its ``resume_path``
+    brings the whole two-part checkpoint (DCP reshards it on load), and the one rank trains on
+    from it and saves its one-part checkpoints."""
+    from db.catalog import Catalog
+
+    settings = scenario_settings(settings_factory, sqlite_url)
+    nodes = [on_node(settings, f"node-{rank}") for rank in (0, 1)]
+    out = tmp_path / "out"
+    out.mkdir()
+    _launch(nodes, out, "A", max_steps=4)
+    for step in (2, 4):
+        _promote(nodes, step, "A")
+
+    outputs = _launch(nodes[:1], out, "B", max_steps=6)
+    assert "committed [6]" in outputs[0]
+    assert _resumed_as_saved(out, "B", "A", 4)
+    _promote(nodes[:1], 6, "B")
+    with Catalog(settings.catalog_url) as cat:
+        ck = cat.get_checkpoint(RUN, 6)
+        assert (ck.attempt, ck.parts, ck.state) == ("B", 1, "committed")

@@ -1,12 +1,12 @@
-"""One node of the two-node Lightning job that is killed and resumed, run as
+"""One node of the Lightning job (a rank per node) that is killed and resumed, run as
 ``python -m tests.kit.lightning_sharded_resume_job OUT ATTEMPT MAX_STEPS [KILL_AT]`` with the
 node's environment (``tests.kit.lightning.run_nodes``). The module of
 ``tests.kit.lightning_sharded_job`` starts from the same weights on every launch, trains on data
 drawn afresh by every process (a re-training never gives the same bytes) under
 ``TieringModelParallelStrategy`` of run ``lit-resume`` as attempt ATTEMPT, and resumes from
 ``strategy.resume_path()``; ``ModelCheckpoint`` saves every 2 steps, every launch into the one
-folder ``OUT/checkpoints/last.ckpt``. Global rank 0 writes the
-full model state it saves (``OUT/saved-<attempt>-<step>.pt``) and the one it resumed with
+folder ``OUT/checkpoints/last.ckpt``; the job has as many nodes as were started (``WORLD_SIZE``).
+Global rank 0 writes the full model state it saves (``OUT/saved-<attempt>-<step>.pt``) and the one it resumed with
 (``OUT/resumed-<attempt>.pt``, with the step). With KILL_AT, every rank kills itself (SIGKILL)
 at the start of that step, once its node's commits are on Tier 0."""
 
@@ -58,9 +58,10 @@ def main(out: str, attempt: str, max_steps: int, kill_at: int | None) -> None:
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
     settings = Settings.model_validate_json(os.environ["CKPT_TEST_SETTINGS"])
+    nodes = int(os.environ["WORLD_SIZE"])
     strategy = TieringModelParallelStrategy(run=RUN, stager_options={"settings": settings, "attempt": attempt},
-                                            data_parallel_size=2, tensor_parallel_size=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=max_steps,
+                                            data_parallel_size=nodes, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=nodes, strategy=strategy, max_steps=max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         callbacks=[ModelCheckpoint(dirpath=Path(out) / "checkpoints", every_n_train_steps=2,
                                                    save_top_k=0, save_last=True),
