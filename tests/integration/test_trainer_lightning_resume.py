@@ -29,12 +29,16 @@ JOB = "tests.kit.lightning_sharded_resume_job"
 pytestmark = pytest.mark.timeout(240)
 
 
-def _launch(nodes, out: Path, attempt: str, max_steps: int, kill_at: int | None = None) -> list[str]:
+def _launch(nodes, out: Path, attempt: str, max_steps: int, kill_at: int | None = None, *,
+            expected: int | None = None, node_env: dict[int, dict[str, str]] | None = None) -> list[str]:
+    """The job's nodes as ``attempt``; each must end with ``expected`` (default: 0, or SIGKILL's
+    -9 with ``kill_at``). Their outputs."""
     from tests.kit.lightning import run_nodes
 
     args = [str(out), attempt, str(max_steps), *([str(kill_at)] if kill_at is not None else [])]
-    done = run_nodes(JOB, args, nodes)
-    expected = -9 if kill_at is not None else 0  # SIGKILL
+    done = run_nodes(JOB, args, nodes, node_env=node_env)
+    if expected is None:
+        expected = -9 if kill_at is not None else 0
     assert [rc for rc, _ in done] == [expected] * len(nodes), "".join(o[-3000:] for _, o in done)
     return [o for _, o in done]
 
@@ -107,9 +111,11 @@ def test_two_ranks_killed_wiped_and_resumed_through_lightning(settings_factory, 
 
 
 def test_a_relaunch_on_fewer_nodes_resumes_the_checkpoint_of_more(settings_factory, sqlite_url, tmp_path):
-    """Node-1 is gone for good and the job is relaunched on node-0 alone: its ``resume_path``
-    brings the whole two-part checkpoint (DCP reshards it on load), and the one rank trains on
-    from it and saves its one-part checkpoints."""
+    """A relaunch whose nodes were not all given ``resume_path`` (node-1 a folder of its own) is
+    stopped on both ranks before they load anything. Then node-1 is gone for good and the job
+    is relaunched on node-0 alone: its ``resume_path`` brings the whole two-part checkpoint (DCP
+    reshards it on load), and the one rank trains on from it and saves its one-part checkpoints."""
+    from core.layout import checkpoint_dirname
     from db.catalog import Catalog
 
     settings = scenario_settings(settings_factory, sqlite_url)
@@ -119,6 +125,12 @@ def test_a_relaunch_on_fewer_nodes_resumes_the_checkpoint_of_more(settings_facto
     _launch(nodes, out, "A", max_steps=4)
     for step in (2, 4):
         _promote(nodes, step, "A")
+
+    own = {1: {"CKPT_TEST_CKPT_PATH": str(Path(settings.tier1_url) / RUN / checkpoint_dirname(2, "A"))}}
+    outputs = _launch(nodes, out, "X", max_steps=6, expected=1, node_env=own)
+    assert all("the ranks resume from different checkpoints (step 4, another path, by global rank)" in o
+               for o in outputs)
+    assert not (out / "resumed-X.pt").exists(), "no rank trained"
 
     outputs = _launch(nodes[:1], out, "B", max_steps=6)
     assert "committed [6]" in outputs[0]

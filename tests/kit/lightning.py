@@ -26,10 +26,11 @@ def tiny_module():
     return Tiny()
 
 
-def run_nodes(module: str, args: list[str], nodes: list, *, timeout: float = 100) -> list[tuple[int, str]]:
+def run_nodes(module: str, args: list[str], nodes: list, *, timeout: float = 100,
+              node_env: dict[int, dict[str, str]] | None = None) -> list[tuple[int, str]]:
     """``python -m module *args`` once per node of ``nodes`` (their settings), each the node rank of
-    its index in a job of that many nodes of one rank (gloo on loopback), as torchrun starts them;
-    waits for all. Each node's (return code, output)."""
+    its index in a job of that many nodes of one rank (gloo on loopback), as torchrun starts them,
+    with ``node_env[rank]`` on top; waits for all. Each node's (return code, output)."""
     import os
     import subprocess
     import sys
@@ -42,7 +43,7 @@ def run_nodes(module: str, args: list[str], nodes: list, *, timeout: float = 100
         [sys.executable, "-m", module, *args],
         env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(len(nodes)),
              "NODE_RANK": str(rank), "LOCAL_RANK": "0", "PREFECT_API_URL": "",
-             "CKPT_TEST_SETTINGS": node.model_dump_json()},
+             "CKPT_TEST_SETTINGS": node.model_dump_json(), **(node_env or {}).get(rank, {})},
         cwd=str(Path(__file__).resolve().parents[2]),  # the repository: ``-m tests.kit...`` is found from here
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(nodes)]
     try:

@@ -8,7 +8,8 @@ drawn afresh by every process (a re-training never gives the same bytes) under
 folder ``OUT/checkpoints/last.ckpt``; the job has as many nodes as were started (``WORLD_SIZE``).
 Global rank 0 writes the full model state it saves (``OUT/saved-<attempt>-<step>.pt``) and the one it resumed with
 (``OUT/resumed-<attempt>.pt``, with the step). With KILL_AT, every rank kills itself (SIGKILL)
-at the start of that step, once its node's commits are on Tier 0."""
+at the start of that step, once its node's commits are on Tier 0. A node given
+``CKPT_TEST_CKPT_PATH`` passes that path to ``fit`` instead (a path of its own)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def main(out: str, attempt: str, max_steps: int, kill_at: int | None) -> None:
                         callbacks=[ModelCheckpoint(dirpath=Path(out) / "checkpoints", every_n_train_steps=2,
                                                    save_top_k=0, save_last=True),
                                    Record(Path(out), attempt, kill_at)])
-    ckpt_path = strategy.resume_path()
+    ckpt_path = os.environ.get("CKPT_TEST_CKPT_PATH") or strategy.resume_path()
     print("resume", ckpt_path, flush=True)
     torch.manual_seed(0)  # the same initial weights on every rank and every launch
     trainer.fit(Sharded(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
