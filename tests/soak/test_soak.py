@@ -630,13 +630,16 @@ class Soak(RuleBasedStateMachine):
         """Why a fault-free operation may raise ``exc`` (a short reason), or '' when it may not:
         the refusal of a conflicting re-save; an error about steps the test itself damaged
         (rotted, cut short, deleted or re-saved with other bytes); a repair that needs the copy
-        only another node's Tier 0 holds."""
-        from core.errors import AlreadyRejected, ConflictError
+        only another node's Tier 0 holds, or a resume whose only copies are there (the relaunched
+        node is refused, loudly, rather than started from scratch)."""
+        from core.errors import AlreadyRejected, ConflictError, NotFound
         if name.startswith("promote_conflicting") and isinstance(exc, (ConflictError, AlreadyRejected)):
             return "conflicting_resave_refused"
         steps = _steps_named(f"{name} {exc}")
-        if isinstance(exc, ReportedFailure) and exc.repair and "readable here" in str(exc):
-            node = name.partition("(")[2].rstrip(")")
+        needs_a_copy = (isinstance(exc, ReportedFailure) and exc.repair) or (
+            name.startswith("resume(") and isinstance(exc, NotFound))  # a relaunch before any promotion
+        if needs_a_copy and "readable here" in str(exc):
+            node = name.partition("(")[2].rstrip(")").split(",")[0]
             good = {loc for step in steps for loc in self.good_any_attempt(step)}
             if good - {"t1", "t2", f"t0:{node}"} or not good:
                 return "repair_source_on_another_node"
