@@ -70,6 +70,11 @@ class RetentionPolicy(BaseModel):
             raise ValueError(f"must be a finite size of at least 1 byte, got {v!r}")
         return int(size)
 
+    @property
+    def lets_go(self) -> bool:
+        """Whether retention may let anything go on this tier: on, or off under a budget."""
+        return self.enabled or self.max_bytes is not None
+
 
 class MilestonePolicy(BaseModel):
     """Which checkpoints are milestones (archived to Tier 2): every K steps, epoch ends, tagged."""
