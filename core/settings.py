@@ -47,7 +47,8 @@ class RetentionPolicy(BaseModel):
         default=None, ge=1,
         description="the most this tier holds ('2TB', '500GiB' or bytes; on Tier 0 per node): what its policy "
                     "keeps only as 'retention off' goes oldest first beyond it; what a rule keeps never goes for "
-                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget")
+                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget. Set with the rest of the "
+                    "tier's policy: a policy given in part replaces the default one (Tier 2: ENABLED=false too)")
 
     @field_validator("max_bytes", mode="before")
     @classmethod

@@ -84,7 +84,11 @@ def test_the_oldest_copies_kept_only_as_retention_off_go_until_the_tier_fits(set
     assert run_retention(tight, steps=plain_steps()) == []  # and the next pass has nothing to do
 
 
-def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(settings):
+def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(settings, monkeypatch):
+    import flows.retention
+
+    shown: list[tuple[str, str]] = []
+    monkeypatch.setattr(flows.retention, "publish_table", lambda key, _rows, text: shown.append((key, text)))
     size = copy_bytes(settings)
     tight = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1),
                                         "retention_tier1": RetentionPolicy(keep_last=3, max_bytes=size)})
@@ -106,6 +110,7 @@ def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(se
                                                     "held_by": None}
     assert alert["payload"]["held_by"] == {"keep_last": 3 * size, "newest verified": size}
     assert alert["labels"] == {"tier": 1} and alert["resource_id"] == "ckpt.tier.1"
+    assert shown == [("retention-result-all", "retention applied to all runs; over budget: tier 1")]  # the UI's
 
 
 def test_the_dry_run_names_the_rules_that_hold_the_excess(settings, monkeypatch):
