@@ -208,7 +208,7 @@ def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Calla
     done = [a for a in plan if a.outcome != PLANNED]
     demotes = sorted((a for a in plan if a.outcome == PLANNED and a.action == DEMOTE),
                      key=lambda a: (a.tier, a.run, a.step, a.part))
-    done += [_prune(settings, a, prune, actor, reason="retention policy: demoted") for a in demotes]
+    done += [_prune(settings, a, prune, actor, reason=f"retention policy: demoted, {a.reason}") for a in demotes]
     retiring: dict[tuple[str, int, str], list[PruneAction]] = {}
     for a in plan:
         if a.outcome == PLANNED and a.action == RETIRE:
