@@ -183,25 +183,31 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
     wanted = {g: stored_bytes(ds) for g, ds in _kept(out, limits).items()}
     # oldest first: the writer's stamp of each live checkpoint (a superseded or retired one is
     # never kept as "retention off", so the live one of its step is the only candidate)
-    born = {(c.run, c.step): c.created_at for cs in by_run.values() for c in cs
-            if c.state not in (RETIRED, SUPERSEDED)}
+    live = {(c.run, c.step): c for cs in by_run.values() for c in cs if c.state not in (RETIRED, SUPERSEDED)}
     evicted: dict[int, dict[tuple[str, int], str]] = defaultdict(dict)
     tried: set[tuple[int, str, int]] = set()
     while True:
-        # a copy that lost its "retention off" may stay for the promise (the last durable copy):
-        # it frees nothing, so the next round takes the next oldest; each round tries new ones
+        # a copy that stays for the promise (the last durable copy) frees nothing: it loses its
+        # "retention off" (its plan line names what really keeps it) and the next oldest is taken
+        # too; the plan made again decides, and where it freed less than counted, the next round
+        # takes more (each round new ones)
         added = False
+        reasons = {(d.run, d.step): d.reason for d in out.checkpoints if d.action == KEEP}
+        copies: dict[tuple[str, int], list[ReplicaDecision]] = defaultdict(list)
+        for d in out.replicas:
+            copies[(d.run, d.step)].append(d)
         for (t, node), kept in _kept(out, limits).items():
             total, limit = stored_bytes(kept), limits[t]
-            candidates = sorted({(born[(d.run, d.step)], d.run, d.step) for d in kept
+            candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
                                  if d.reason == "retention off" and (t, d.run, d.step) not in tried})
             for _, run, step in candidates:
                 if total <= limit:
                     break
                 tried.add((t, run, step))
                 evicted[t][(run, step)] = f"over budget ({wanted[(t, node)]} of {limit} bytes)"
-                total -= stored_bytes(d for d in kept if (d.run, d.step) == (run, step))
                 added = True
+                if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
+                    total -= stored_bytes(d for d in kept if (d.run, d.step) == (run, step))
         if not added:
             break
         out = _plan_all(by_run, rules, now, evicted)
@@ -219,6 +225,19 @@ def _plan_all(by_run: Mapping[str, Sequence[CheckpointFacts]], rules: Rules, now
         cks += c_out
         reps += r_out
     return Plan(checkpoints=tuple(cks), replicas=tuple(sorted(reps, key=lambda d: (d.run, d.step, d.tier, d.part))))
+
+
+def _frees(c: CheckpointFacts, tier: int, why_kept: str, copies: Sequence[ReplicaDecision], rules: Rules) -> bool:
+    """Whether ``c``'s copies on ``tier``, no longer kept there as ``retention off``, would go by
+    the plan of ``copies`` (its decisions): the checkpoint retired (nothing else keeps it), or each
+    copy demoted (its part kept on another tier at least as durable; not a milestone's archive,
+    which stays while another tier keeps the checkpoint)."""
+    if set(why_kept.split(", ")) <= {f"tier {tier} retention off"}:
+        return True
+    if tier == 2 and rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+        return False
+    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and durability(d.tier) >= durability(tier)}
+    return {r.part for r in c.replicas if r.tier == tier} <= backed
 
 
 def _kept(p: Plan, limits: Mapping[int, int]) -> dict[tuple[int, str | None], list[ReplicaDecision]]:

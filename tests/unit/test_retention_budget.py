@@ -70,3 +70,29 @@ def test_a_budget_takes_only_what_no_rule_keeps(path):
         kept = [d for d in tight.replicas if d.action == KEEP and d.tier == b.tier]
         assert all(d.reason != "retention off" for d in kept)  # over a budget, nothing stays only for that
         assert b.over == (b.kept_bytes > 1)
+
+
+def test_tier0s_budget_is_each_nodes_own():
+    """Tier 0 is each node's NVMe: a node over its budget loses its oldest copies; a node within
+    it keeps its own, older or not."""
+    from datetime import UTC, datetime, timedelta
+
+    from core.retention import CheckpointFacts
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+
+    def ck(run: str, step: int, node: str, age: float) -> CheckpointFacts:
+        at = now - timedelta(days=age)
+        reps = (ReplicaFacts(replica_id=step * 10, tier=0, part=0, node=node, bytes=100),
+                ReplicaFacts(replica_id=step * 10 + 1, tier=1, part=0, bytes=100))
+        return CheckpointFacts(run=run, step=step, created_at=at, committed_at=at, replicas=reps)
+
+    facts = [ck("a", 1, "n0", 9), ck("a", 2, "n0", 8), ck("a", 3, "n0", 1), ck("b", 1, "n1", 10), ck("b", 2, "n1", 2)]
+    rules = Rules(policies={0: RetentionPolicy(enabled=False, max_bytes=250), 1: RetentionPolicy(enabled=False)})
+    decided = plan(facts, rules, now)
+
+    tier0 = {(d.run, d.step): (d.action, d.reason) for d in decided.replicas if d.tier == 0}
+    assert tier0 == {("a", 1): ("demote", "over budget (300 of 250 bytes)"), ("a", 2): ("keep", "retention off"),
+                     ("a", 3): ("keep", "newest verified, retention off"), ("b", 1): ("keep", "retention off"),
+                     ("b", 2): ("keep", "newest verified, retention off")}
+    assert [(b.node, b.kept_bytes, b.over) for b in decided.budgets] == [("n0", 200, False), ("n1", 200, False)]
