@@ -113,7 +113,7 @@ def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(se
     assert shown == [("retention-result-all", "retention applied to all runs; over budget: tier 1")]  # the UI's
 
 
-def test_the_dry_run_names_the_rules_that_hold_the_excess(settings, monkeypatch):
+def test_the_dry_run_explains_what_goes_for_the_budget_and_what_holds_the_excess(settings, monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckpt.cli import app
@@ -122,13 +122,28 @@ def test_the_dry_run_names_the_rules_that_hold_the_excess(settings, monkeypatch)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     env = {"CKPT_DATA_DIR": str(settings.data_dir), "CKPT_NODE": settings.node,
            "CKPT_CATALOG_URL": settings.catalog_url, "CKPT_TIER0_URL": settings.tier0_url,
-           "CKPT_TIER1_URL": settings.tier1_url, "CKPT_RETENTION_TIER0__ENABLED": "false",
-           "CKPT_RETENTION_TIER1__KEEP_LAST": "4", "CKPT_RETENTION_TIER1__MAX_BYTES": f"{size / 1000}KB"}
-    with temporary_settings(updates={PREFECT_API_URL: None}):
-        rows = json.loads(CliRunner().invoke(app, ["retention", "--dry-run", "--json"], env=env).stdout)
-        table = CliRunner().invoke(app, ["retention", "--dry-run"], env=env).stdout
-    held = f"held by keep_last ({4 * size} bytes), last durable copy ({size} bytes), newest verified ({size} bytes)"
+           "CKPT_TIER1_URL": settings.tier1_url, "CKPT_RETENTION_TIER0__KEEP_LAST": "1", "COLUMNS": "200"}
+    off = {**env, "CKPT_RETENTION_TIER1__ENABLED": "false", "CKPT_RETENTION_TIER1__MAX_BYTES": str(3 * size)}
+    rules = {**env, "CKPT_RETENTION_TIER1__KEEP_LAST": "4", "CKPT_RETENTION_TIER1__MAX_BYTES": f"{size / 1000}KB"}
+
+    def dry_run(env: dict[str, str], *args: str) -> str:
+        with temporary_settings(updates={PREFECT_API_URL: None}):
+            out = CliRunner().invoke(app, ["retention", "--dry-run", *args], env=env)
+        assert out.exit_code == 0, out.output
+        return out.stdout
+
+    over = f"over budget ({5 * size} of {3 * size} bytes)"
+    explained = {(r["tier"], r["step"]): (r["action"], r["reason"])
+                 for r in json.loads(dry_run(off, "--explain", "--json"))}
+    assert explained == {(0, s): ("retire", over) for s in (10, 20)} | {(1, s): ("retire", over) for s in (10, 20)} | {
+        (0, 30): ("demote", "not kept on tier 0"), (1, 30): ("keep", "retention off"),
+        (1, 40): ("keep", "retention off"), (0, 40): ("demote", "not kept on tier 0"),
+        (0, 50): ("keep", "newest verified, keep_last"), (1, 50): ("keep", "newest verified, retention off")}
+    assert over in dry_run(off, "--explain")
+
+    rows = json.loads(dry_run(rules, "--json"))
+    held = f"held by keep_last ({4 * size} bytes), newest verified ({size} bytes)"
     assert [(r["tier"], r["reason"], r["detail"]) for r in rows if r["action"] == OVER_BUDGET] == [
-        (1, held, f"{5 * size} of {size} bytes kept; nothing a rule keeps goes for the budget")]
-    assert "over budget" in table and "held by keep_last" in table
-    assert all(replica_states(settings, RUN, s)[(1, 0)] == "verified" for s in STEPS)  # a dry run
+        (1, held, f"{4 * size} of {size} bytes kept; nothing a rule keeps goes for the budget")]
+    assert "held by keep_last" in dry_run(rules)
+    assert all(replica_states(settings, RUN, s)[(1, 0)] == "verified" for s in STEPS)  # dry runs
