@@ -5,7 +5,7 @@ on Tier 0 (CRC32C computed over the bytes as they are written), writes the manif
 renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
 that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
 background thread (retried; a failure is logged, never raised into training, and the
-scheduled reconcile flow promotes what an event missed); Tier 1 and Tier 2 are the promote
+node agent's reconcile promotes what an event missed); Tier 1 and Tier 2 are the promote
 flow's business.
 
 The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and
@@ -162,7 +162,7 @@ class CheckpointStager:
         ``stall_seconds``: for an adopted folder, the stall the caller measured itself (a trainer
         integration, whose library's own save came before this call, or an async save committed
         from another thread); by default the time this call took."""
-        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, a large share of the client's import
 
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -235,7 +235,7 @@ class CheckpointStager:
 
     def _commit(self, folder: Path | None, arrays: Mapping[str, tuple[np.ndarray, str]] | None, t0: float | None,
                 *, step: int, stall: float | None = None, **meta: Any) -> SavedCheckpoint:
-        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, a large share of the client's import
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,7 @@ def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5
     ``headers``, by default ``auth_headers()``: a server with API auth on answers 401 without them."""
     import httpx
 
-    # plain http has no certificate to check: no CA bundle parsed per call (~20 ms of CPU each);
+    # plain http has no certificate to check: no CA bundle parsed per call (CPU each time);
     # no redirect is followed, so nothing reaches https unverified
     r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout,
                    headers=auth_headers() if headers is None else headers,

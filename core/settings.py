@@ -119,7 +119,7 @@ class Settings(BaseSettings):
                                                   description="the manifests' checksum (CRC32C, as S3 checks it)")
     copy_parallelism: int = Field(default=4, ge=1, le=64, description="files copied at once per part")
     io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024,
-                                 description="buffer per stream (1-4 MiB is fastest here)")
+                                 description="buffer per stream (the default is the fastest measured)")
     copy_nice: int = Field(default=10, ge=0, le=19, description="niceness the agent's copy and verify worker "
                            "threads take on (0: the agent's own), so a training job on the node keeps its cores")
     copy_io_class: Literal["idle", "best-effort", "unchanged"] = Field(
@@ -128,7 +128,7 @@ class Settings(BaseSettings):
         "mq-deadline only the class)")
     tier1_direct_io: bool = Field(
         default=False, description="Tier 1's bulk writes and reads (a promotion's copy into it and its read-back, "
-        "verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): under half the CPU per byte here, no page "
+        "verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): less CPU per byte, no page "
         "cache filled on the node, and the read-back reads what the storage holds, at the cost of that read; "
         "buffered where the file system refuses it")
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,

@@ -66,10 +66,10 @@ def _filter_only(conn: Connection, col: ColumnElement) -> ColumnElement:
     SQLite takes an equality on any indexed column as selective. ``replicas.state = 'verified'``
     matches nearly every row, yet with ``ix_replicas_state_checked_at_id`` (migration 0003) the
     planner drove one run's prune candidates from it and walked every verified replica of the
-    catalog (1M checkpoints: p95 389 ms on Tier 0, 1,058 ms on Tier 1, instead of a few ms
-    through the run's checkpoints). PostgreSQL plans from its statistics, and the expression
-    would cost it them (an expression's selectivity is a guess, 0.5 %, so it drove the plan
-    from a scan of every replica): there the column stays as it is."""
+    catalog instead of the run's checkpoints (docs/benchmarks.md has the cost at a million
+    checkpoints). PostgreSQL plans from its statistics, and the expression would cost it them
+    (an expression's selectivity is a guess, 0.5 %, so it drove the plan from a scan of every
+    replica): there the column stays as it is."""
     if conn.dialect.name != "sqlite":
         return col
     return col + (0 if col.type.python_type is int else "")
@@ -109,7 +109,7 @@ def newest_verified_steps(conn: Connection, run_ids: Sequence[int] | None) -> di
     For given runs: each run's checkpoints walked newest first on ``(run_id, step)`` until the
     first complete one, a few index entries per run. (A ``GROUP BY run_id`` with ``run_id IN``
     planned, on SQLite without statistics, from the ``(state, verified_tiers)`` index: every
-    complete checkpoint of the catalog, 15 s per reconcile pass at 1M checkpoints.)"""
+    complete checkpoint of the catalog, on every reconcile pass.)"""
     if run_ids is None:
         return dict(conn.execute(
             select(checkpoints.c.run_id, func.max(checkpoints.c.step))

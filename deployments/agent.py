@@ -6,8 +6,10 @@ What one agent serves:
   where its bytes are); with ``Settings.promote_runs`` = ``checkpoint`` it has no trigger: the
   agent promotes each part on its event itself, and the part that completes a checkpoint starts
   the checkpoint's one run of this deployment (deployments/part_events.py);
-  ``reconcile/<node>`` every ``reconcile_interval_seconds`` (the safety
-  net for events that never arrived or triggers that never fired).
+  and, as plain code in this process rather than a deployment, reconcile every
+  ``reconcile_interval_seconds`` (the safety net for events that never arrived or triggers that
+  never fired; deployments/reconcile_loop.py), which leaves a ``reconcile/<node>`` flow run only
+  when a pass acted.
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
@@ -52,6 +54,7 @@ from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.fast_path import csrf_off_env, fast_path, run_in_warm_process, start_fork_server
 from deployments.part_events import part_events
+from deployments.reconcile_loop import reconciling
 from deployments.tls import share_verified_contexts
 
 log = logging.getLogger("ckpt.agent")
@@ -101,7 +104,6 @@ def node_deployments(settings: Settings) -> list[Any]:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
-    from flows.reconcile import reconcile  # deferred: start-up — Prefect, SQLAlchemy
 
     node = settings.node
     return [
@@ -110,11 +112,6 @@ def node_deployments(settings: Settings) -> list[Any]:
             enforce_parameter_schema=False,
             entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
             description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
-        ),
-        reconcile.to_deployment(
-            name=node, interval=timedelta(seconds=settings.reconcile_interval_seconds),
-            parameters={"node": node}, entrypoint_type=EntrypointType.MODULE_PATH,
-            tags=["ckpt", f"node:{node}"], description=f"Finish what events missed on {node}.",
         ),
     ]
 
@@ -207,7 +204,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
-        with part_events(settings) if settings.promote_runs == "checkpoint" else nullcontext():
+        with part_events(settings) if settings.promote_runs == "checkpoint" else nullcontext(), \
+                reconciling(settings):
             if settings.fast_path:
                 with fast_path(settings.node, spare=settings.warm_spare, stall_s=settings.copy_stall_seconds):
                     serve_runner(deployments, limit=limit, warm=settings.runner_warm)

@@ -215,7 +215,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow; the
-                # tier's manifest is read (one round trip, ~0.1 s on S3) while the files stream
+                # tier's manifest is read (one round trip on S3) while the files stream
                 with ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
                     found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts,
                                         attempt=ck.attempt)

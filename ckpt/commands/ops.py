@@ -14,6 +14,7 @@ import typer
 
 from ckpt.args import part_arg, parts_arg, step_arg
 from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+from ckpt.tables import table as fit_table
 from core import sizing
 from core.errors import BadArgument, BadInput, quoted
 from core.paths import safe_run_name
@@ -204,14 +205,13 @@ def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> 
 
 def _print_recovery(recovery: list[dict]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
     failures = "failures" in recovery[0]
-    t = Table(title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part")
-    cols = ["bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node"]
-    for col in cols + (["lost per failure", "overhead"] if failures else []):
-        t.add_column(col, justify="right")
+    cols = ("bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node",
+            *(("lost per failure", "overhead") if failures else ()))
+    t = fit_table(*cols, title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part",
+                  right=cols)
     for rec in recovery:
         for r in rec["tiers"]:
             cells = [fmt_bytes(rec["bandwidth_bytes_per_s"]) + "/s", str(r["tier"]), fmt_seconds(r["node_seconds"]),
@@ -251,12 +251,10 @@ def _measured_runs() -> list[RunFigure]:
 
 def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
-    t = Table(title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B")
-    for col in ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU"):
-        t.add_column(col, justify="right")
+    cols = ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU")
+    t = fit_table(*cols, title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B", right=cols)
     for p in plans:
         t.add_row(fmt_bytes(p.checkpoint_bytes), fmt_seconds(p.interval_seconds),
                   fmt_bytes(p.bandwidth_bytes_per_s) + "/s", fmt_seconds(p.save_seconds),
@@ -267,9 +265,8 @@ def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
                   f"{fmt_seconds(p.save_seconds)}) = {p.delta_mfu * 100:.3f} %", highlight=False)
     if not figures:
         return
-    m = Table(title="Measured per run (writer stall from the catalog)")
-    for col in ("run", "checkpoints", "median stall", "median interval", "ΔMFU"):
-        m.add_column(col, justify="right")
+    cols = ("run", "checkpoints", "median stall", "median interval", "ΔMFU")
+    m = fit_table(*cols, title="Measured per run (writer stall from the catalog)", right=cols[1:])
     for f in figures:
         m.add_row(f.run, str(f.checkpoints), fmt_seconds(f.median_stall_seconds),
                   fmt_seconds(f.median_interval_seconds) if f.median_interval_seconds else "-",
@@ -286,9 +283,10 @@ def agent_cmd(
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
-    """Serve the deployments on this node until interrupted: promote (event-triggered),
-    reconcile (interval), and unless --node-only archive (event-triggered), retention, scrub and
-    the restore drill (cron)."""
+    """Serve the deployments on this node until interrupted: promote (on each checkpoint's
+    event), and unless --node-only archive (on its event), retention, scrub and the restore
+    drill (cron); reconcile runs in this process every reconcile_interval_seconds and leaves
+    a flow run only when it acted."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
 
@@ -349,8 +347,8 @@ def up_cmd(
                               help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else the one "
                                    "kept in --dir, made on first use) that every API call must carry; printed as "
                                    "PREFECT_API_AUTH_STRING"),
-    production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
-                                    "(--no-services) and services processes on PostgreSQL + Redis; "
+    production: bool = typer.Option(False, "--production", help="Prefect's production shape: the API server "
+                                    "and its services in processes of their own, on PostgreSQL + Redis; "
                                     "catalog on PostgreSQL"),
     pg_url: str = typer.Option(None, "--pg-url", help="PostgreSQL server for --production (databases "
                                "'prefect' and 'ckpt_catalog' are created there) "
@@ -363,13 +361,16 @@ def up_cmd(
     Redis, services in their own process), moto's S3 server with its bucket, and the agents;
     runs until Ctrl-C, then stops everything cleanly. An agent that exits is started again
     (after 1 s, 2 s, 4 s, ... at most 60 s), the servers staying up. API auth is on unless
-    ``--no-auth``: loopback is shared by every user of a login node."""
+    --no-auth: loopback is shared by every user of a login node."""
     import os
-    import shlex
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack, stack_auth_string  # deferred: start-up — SQLAlchemy, pydantic-settings
+    from ckpt.local_stack import (  # deferred: start-up — SQLAlchemy, pydantic-settings
+        LocalStack,
+        exports_text,
+        stack_auth_string,
+    )
 
     if not production and (pg_url or redis_url or api_workers > 1):
         raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
@@ -390,9 +391,8 @@ def up_cmd(
         if prod is not None:
             typer.echo(f"Prefect on   {prod.describe()}")
         typer.echo("API auth     " + ("on: the UI asks for PREFECT_API_AUTH_STRING below" if secret else "off"))
-        typer.echo("for the training job and the CLI, in another shell:")
-        for k, v in stack.exports().items():
-            typer.echo(f"  export {k}={shlex.quote(v)}")
+        for line in exports_text(stack.exports()):
+            typer.echo(line)
         typer.echo("Ctrl-C stops the stack")
         try:
             while stack.servers_alive():

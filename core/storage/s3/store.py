@@ -118,11 +118,11 @@ _validates_lock = threading.Lock()
 
 
 # What one read of a GET's body asks for. 256 KiB (as boto3's own download reads), not
-# ``buffer_bytes`` (1-4 MiB, best for file-to-file copies): each read of a body allocates a
+# ``buffer_bytes`` (a few MiB, best for file-to-file copies): each read of a body allocates a
 # buffer of that size and copies it into ``bytes`` (the likely cost: fresh pages and cache
-# misses at 4 MiB). 16 nodes fetching 16 x 32 MiB at once on one shared core, two runs one after
-# the other: 3.83 CPU s per GB and 2.39 s with 4 MiB reads, 1.82 and 1.93 s with 256 KiB
-# (benchmarks/cluster_restore.py --part-mib 32); one process with cores to spare: no loss.
+# misses at 4 MiB). Many nodes fetching at once on a shared core spend more CPU per byte with
+# 4 MiB reads (benchmarks/cluster_restore.py --part-mib 32); one process with cores to spare
+# loses nothing.
 READ_CHUNK_BYTES = 256 * 1024
 
 
