@@ -33,6 +33,7 @@ REHYDRATE_FAILED = "ckpt.resume.rehydrate_failed"  # a resume could not rehydrat
 # unreachable) and fetched into the node's own folder instead: the operator's alert
 TIER_LOW = "ckpt.tier.low"  # a tier's free space fell below a few checkpoints' worth (once per crossing)
 TIER_UNAVAILABLE = "ckpt.tier.unavailable"  # a tier root failed its identity proof (tasks.tier_roots)
+TIER_OVER_BUDGET = "ckpt.tier.over_budget"  # what a tier's rules keep exceeds its max_bytes (tasks.retention)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
 # default) after answering 204, so an event that big must never leave: ``build_event`` refuses

@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from core.errors import ConfigError
+from core.errors import BadInput, ConfigError
 
 
 class RetentionPolicy(BaseModel):
@@ -43,6 +43,38 @@ class RetentionPolicy(BaseModel):
                                                description="best top_k: the lowest (min) or the highest (max)")
     max_age_days: float | None = Field(default=None, gt=0, description="keep checkpoints younger than this")
     enabled: bool = Field(default=True, description="off: this tier keeps everything it holds")
+    max_bytes: int | None = Field(
+        default=None, ge=1,
+        description="the most this tier holds ('2TB', '500GiB' or bytes; on Tier 0 per node): what its policy "
+                    "keeps only as 'retention off' goes oldest first beyond it; what a rule keeps never goes for "
+                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget. Set with the rest of the "
+                    "tier's policy: a policy given in part replaces the default one (Tier 2: ENABLED=false too)")
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _human_size(cls, v: object) -> object:
+        """'2TB' (decimal), '500GiB' (binary) or a plain number of bytes; blank is unset. A
+        non-finite or fractional-byte figure is refused, never rounded to a budget of nothing."""
+        import math
+
+        from core.sizing import parse_size  # deferred: start-up — only a budget given as text needs it
+
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        if isinstance(v, bool):
+            raise ValueError(f"a size in bytes, not {v!r}")
+        try:
+            size = parse_size(v) if isinstance(v, str) else float(v)  # type: ignore[arg-type]
+        except (BadInput, TypeError, ValueError) as exc:
+            raise ValueError(str(exc) if isinstance(exc, BadInput) else f"a size in bytes, not {v!r}") from None
+        if not math.isfinite(size) or size < 1:
+            raise ValueError(f"must be a finite size of at least 1 byte, got {v!r}")
+        return int(size)
+
+    @property
+    def lets_go(self) -> bool:
+        """Whether retention may let anything go on this tier: on, or off under a budget."""
+        return self.enabled or self.max_bytes is not None
 
 
 class MilestonePolicy(BaseModel):

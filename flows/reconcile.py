@@ -194,7 +194,7 @@ def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) 
 
 def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
     """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
-    if not settings.retention(0).enabled:
+    if not settings.retention(0).lets_go:
         return
     plan = steps.plan_retention(settings, tiers=(0,), node=settings.node)
     for action in apply_retention(settings, plan, prune=steps.prune, actor=actor):

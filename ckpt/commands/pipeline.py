@@ -170,7 +170,8 @@ def retention_cmd(
 
 
 def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
-    """The plan as a table: each copy, what the rule decided and why, and what became of it."""
+    """The plan as a table: each copy, what the rule decided and why, and what became of it; a
+    tier over its budget as a line of its own (``the tier``: over budget, the rules holding it)."""
     from rich.console import Console
 
     out = out or Console()
@@ -179,8 +180,8 @@ def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
         return
     table = fit_table("tier", "checkpoint", "action", "reason", "outcome", title=title)
     for r in rows:
-        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") + (
-            f" on {r['node']}" if r["tier"] == 0 and r["node"] else "")
+        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") if r["run"] else "the tier"
+        what += f" on {r['node']}" if r["tier"] == 0 and r["node"] else ""
         outcome = r["outcome"] + (f": {r['detail']}" if r["detail"] and r["detail"] != r["reason"] else "")
         table.add_row(str(r["tier"]), what, r["action"], r["reason"], outcome)
     out.print(table)

@@ -357,7 +357,7 @@ class Soak(RuleBasedStateMachine):
         # that on the catalog's clock, so any Tier 2 prune is one made early (a skewed clock); its
         # top-1 by loss changes nothing kept, but names the best, never a non-finite loss
         common = dict(data_dir=data, catalog_url=url, task_retries=0, copy_parallelism=1,
-                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2},
+                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2, "max_bytes": "1KB"},
                       retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False, "top_k": 1,
                                        "metric": "loss"},
                       milestones={"every_steps": MILESTONE_EVERY},
@@ -1422,6 +1422,9 @@ class Soak(RuleBasedStateMachine):
         rows = [e for e in cat.audit_log(run=RUN, limit=5000) if e.id > self.audit_seen]
         self.audit_seen = max([e.id for e in rows], default=self.audit_seen)
         explained = {e.step for e in rows if e.action == "delete" or e.to_state in ("pruning", "pruned")}
+        for e in rows:  # every tier has rules: Tier 1's budget only alerts, never takes what they keep
+            if "over budget" in (e.reason or ""):
+                self.violate(f"step {e.step}: a copy a rule keeps went for Tier 1's budget: {e.reason}")
         for step, attempt in [*self.live.items(), *self.superseded]:
             for loc in LOCS:
                 now = self._listing(loc, step, attempt)
