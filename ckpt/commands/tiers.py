@@ -1,14 +1,46 @@
-"""``ckpt tiers init``: mark each configured tier root and record its identity in the catalog."""
+"""``ckpt tiers``: what every tier holds and costs (the storage matrix); ``ckpt tiers init``:
+mark each configured tier root and record its identity in the catalog."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import typer
 
 from core.errors import BadArgument
+from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
+from core.tier_figures import WINDOW_SECONDS, Spread
+
+if TYPE_CHECKING:
+    from tasks.tier_matrix import TierRow
 
 
 def register(app: typer.Typer) -> None:
-    tiers_app = typer.Typer(help="Tier roots and their identity markers.", no_args_is_help=True)
+    tiers_app = typer.Typer(help="What every tier holds and costs; tier roots and their identity markers.")
+
+    @tiers_app.callback(invoke_without_command=True)
+    def matrix_cmd(ctx: typer.Context,
+                   run: str = typer.Option(None, "--run", help="only this run's checkpoints and hops"),
+                   as_json: bool = typer.Option(False, "--json", help="one JSON object: the window and a row per tier")
+                   ) -> None:
+        """The storage matrix from this cluster's records, one row per tier: its URL, whether its
+        root proves its identity now, checkpoints and bytes held (logical, stored, dedup ratio),
+        budget and use, write and read bandwidth and first-byte latency of the last day's hops
+        (median and p95), and the monthly cost at the tier's price per GB-month. A tier whose
+        mount is missing is shown unavailable; its figures are the catalog's."""
+        if ctx.invoked_subcommand is not None:
+            return
+        from core.settings import load_settings  # deferred: start-up — pydantic-settings
+        from tasks.tier_matrix import tier_matrix  # deferred: start-up — SQLAlchemy, the stores
+
+        rows = tier_matrix(load_settings(), run=run)
+        if as_json:
+            typer.echo(json.dumps({"run": run, "window_seconds": WINDOW_SECONDS,
+                                   "tiers": [r.as_json() for r in rows]}, indent=1))
+            return
+        print_matrix(rows, title="Tiers" + (f" of run {run}" if run else "") + ": what each holds and costs")
 
     @tiers_app.command("init")
     def init_cmd(replace: bool = typer.Option(
@@ -35,3 +67,41 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1)
 
     app.add_typer(tiers_app, name="tiers")
+
+
+HELD = ("tier", "URL", "identity", "checkpoints", "logical", "stored", "dedup", "budget (use)", "$/GB-month",
+        "$/month")
+MEASURED = ("tier", "write median / p95", "read median / p95", "first byte median / p95")
+
+
+def print_matrix(rows: list[TierRow], *, title: str) -> None:
+    """The matrix as two tables (``ckpt.tables``), what each tier holds and costs, then what its
+    hops measured, so that each reads whole on a terminal of common width; '—' where nothing was
+    measured or set. Spreads read ``median / p95 (hops)``."""
+    from rich.console import Console  # deferred: start-up — rich, only to print
+
+    from ckpt.tables import table  # deferred: start-up — rich, only to print
+
+    def per_s(v: float) -> str:
+        return fmt_bytes(v) + "/s"
+
+    def latency(v: float) -> str:  # a first byte takes milliseconds on a healthy tier
+        return f"{v * 1000:.3g} ms" if v < 1 else fmt_seconds(v)
+
+    held = table(*HELD, title=title, right=HELD[3:])
+    measured = table(*MEASURED, title="Measured over the last day's hops", right=MEASURED[1:])
+    for r in rows:
+        identity = r.identity + (f": {r.detail}" if r.detail else "")
+        budget = f"{fmt_bytes(r.budget_bytes)} ({fmt_percent(r.budget_used or 0.0)})" if r.budget_bytes else "—"
+        held.add_row(str(r.tier), r.url or "—", identity, str(r.checkpoints), fmt_bytes(r.logical_bytes),
+                     fmt_bytes(r.stored_bytes), f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—",
+                     budget, f"{r.price_gb_month:g}", f"{r.monthly_cost:,.2f}")
+        measured.add_row(str(r.tier), _spread(r.write, per_s), _spread(r.read, per_s),
+                         _spread(r.first_byte, latency))
+    con = Console()
+    con.print(held)
+    con.print(measured)
+
+
+def _spread(s: Spread | None, fmt: Callable[[float], str]) -> str:
+    return "—" if s is None else f"{fmt(s.median)} / {fmt(s.p95)} ({s.count})"
