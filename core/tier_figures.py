@@ -12,9 +12,11 @@ Costs are decimal GB-months (1 GB = 1e9 bytes, as storage is priced) at the tier
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
+
+from core.sizing import fmt_bytes, fmt_seconds
 
 GB = 1e9
 WINDOW_SECONDS = 86_400.0  # the hops the figures cover: the last day
@@ -61,3 +63,17 @@ def monthly_cost(stored_bytes: int, price_per_gb_month: float) -> float:
 def budget_used(stored_bytes: int, budget_bytes: int | None) -> float | None:
     """The share of the tier's byte budget in use (above 1.0: over budget); None without one."""
     return stored_bytes / budget_bytes if budget_bytes else None
+
+
+def fmt_bandwidth(bytes_per_s: float) -> str:
+    return fmt_bytes(bytes_per_s) + "/s"
+
+
+def fmt_latency(seconds: float) -> str:
+    """Milliseconds below a second (a first byte on a healthy tier), else seconds."""
+    return f"{seconds * 1000:.3g} ms" if seconds < 1 else fmt_seconds(seconds)
+
+
+def fmt_spread(s: Spread | None, fmt: Callable[[float], str]) -> str:
+    """``median / p95 (hops)``; '—' where no hop measured it."""
+    return "—" if s is None else f"{fmt(s.median)} / {fmt(s.p95)} ({s.count})"

@@ -4,14 +4,13 @@ mark each configured tier root and record its identity in the catalog."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import typer
 
 from core.errors import BadArgument
-from core.sizing import fmt_bytes, fmt_percent, fmt_seconds
-from core.tier_figures import WINDOW_SECONDS, Spread
+from core.sizing import fmt_bytes, fmt_percent
+from core.tier_figures import WINDOW_SECONDS, fmt_bandwidth, fmt_latency, fmt_spread
 
 if TYPE_CHECKING:
     from tasks.tier_matrix import TierRow
@@ -82,12 +81,6 @@ def print_matrix(rows: list[TierRow], *, title: str) -> None:
 
     from ckpt.tables import table  # deferred: start-up — rich, only to print
 
-    def per_s(v: float) -> str:
-        return fmt_bytes(v) + "/s"
-
-    def latency(v: float) -> str:  # a first byte takes milliseconds on a healthy tier
-        return f"{v * 1000:.3g} ms" if v < 1 else fmt_seconds(v)
-
     held = table(*HELD, title=title, right=HELD[3:])
     measured = table(*MEASURED, title="Measured over the last day's hops", right=MEASURED[1:])
     for r in rows:
@@ -96,12 +89,8 @@ def print_matrix(rows: list[TierRow], *, title: str) -> None:
         held.add_row(str(r.tier), r.url or "—", identity, str(r.checkpoints), fmt_bytes(r.logical_bytes),
                      fmt_bytes(r.stored_bytes), f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—",
                      budget, f"{r.price_gb_month:g}", f"{r.monthly_cost:,.2f}")
-        measured.add_row(str(r.tier), _spread(r.write, per_s), _spread(r.read, per_s),
-                         _spread(r.first_byte, latency))
+        measured.add_row(str(r.tier), fmt_spread(r.write, fmt_bandwidth), fmt_spread(r.read, fmt_bandwidth),
+                         fmt_spread(r.first_byte, fmt_latency))
     con = Console()
     con.print(held)
     con.print(measured)
-
-
-def _spread(s: Spread | None, fmt: Callable[[float], str]) -> str:
-    return "—" if s is None else f"{fmt(s.median)} / {fmt(s.p95)} ({s.count})"

@@ -12,21 +12,11 @@ from sqlalchemy import update
 
 from db.catalog import Catalog
 from db.clock import host_now
-from db.entities import COPYING, VERIFIED
 from db.models import Replica
-from tests.kit.catalog import catalog_cli, checkpoint
+from tests.kit.catalog import catalog_cli, checkpoint, timed_hop
 
 GB = 10**9
 RUN = "base"
-
-
-def hop(cat: Catalog, checkpoint_id: int, tier: int, *, seconds: float | None, first_byte: float | None = None,
-        bytes: int = 5 * GB):
-    """A copy into ``tier`` recorded as the pipeline records it: claimed, then verified with the
-    hop's duration and first-byte latency."""
-    claim = cat.claim_copy(checkpoint_id, tier, 0, f"file:///tier{tier}/{checkpoint_id}", node=None, actor="test")
-    return cat.transition(claim.replica.id, VERIFIED, expected=COPYING, claim_token=claim.replica.claim_token,
-                          actor="test", bytes=bytes, copy_seconds=seconds, first_byte_seconds=first_byte)
 
 
 def story(cat: Catalog) -> None:
@@ -36,15 +26,15 @@ def story(cat: Catalog) -> None:
     GB/s, which the last day's figures leave out but the holdings count."""
     size = 5 * GB // 2  # two files a checkpoint
     old = checkpoint(cat, RUN, 5, size=size)
-    long_ago = hop(cat, old.id, 1, seconds=0.1, first_byte=0.001)
+    long_ago = timed_hop(cat, old.id, 1, seconds=0.1, first_byte=0.001)
     with cat.engine.begin() as conn:
         conn.execute(update(Replica.__table__).where(Replica.__table__.c.id == long_ago.id)
                      .values(verified_at=host_now() - timedelta(days=2)))
     a, b = checkpoint(cat, RUN, 10, size=size), checkpoint(cat, RUN, 20, size=size)
-    hop(cat, a.id, 1, seconds=2.0, first_byte=0.01)
-    hop(cat, b.id, 1, seconds=5.0, first_byte=0.05)
-    hop(cat, b.id, 2, seconds=50.0, first_byte=0.2)
-    hop(cat, b.id, 0, seconds=None)
+    timed_hop(cat, a.id, 1, seconds=2.0, first_byte=0.01)
+    timed_hop(cat, b.id, 1, seconds=5.0, first_byte=0.05)
+    timed_hop(cat, b.id, 2, seconds=50.0, first_byte=0.2)
+    timed_hop(cat, b.id, 0, seconds=None)
     cat.record_drill(RUN, 20, 1, ok=True, seconds=4.0, bytes=5 * GB, actor="test")
     cat.record_drill(RUN, 20, 1, ok=False, seconds=0.1, bytes=5 * GB, actor="test")  # a failed one: no figure
 
@@ -95,7 +85,7 @@ def test_matrix_table_shows_each_column(cli, catalog, monkeypatch):
 def test_per_run_matrix_counts_that_run_alone(cli, catalog):
     story(catalog)
     checkpoint(catalog, "other", 1)
-    hop(catalog, checkpoint(catalog, "other", 2).id, 1, seconds=0.001, bytes=GB)
+    timed_hop(catalog, checkpoint(catalog, "other", 2).id, 1, seconds=0.001, bytes=GB)
     rows = {r["tier"]: r for r in json.loads(cli("tiers", "--run", RUN, "--json"))["tiers"]}
     assert rows[1]["checkpoints"] == 3 and rows[1]["write_bytes_per_s"]["count"] == 2
     everyone = {r["tier"]: r for r in json.loads(cli("tiers", "--json"))["tiers"]}
