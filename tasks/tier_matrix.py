@@ -108,3 +108,16 @@ def tier_matrix(settings: Settings, *, run: str | None = None, prove: bool = Tru
     identities = {tier: identity_now(settings, tier) for tier in TIERS} if prove else None
     with open_catalog(settings.catalog_url) as cat:
         return tier_rows(settings, cat, run=run, identities=identities)
+
+
+def measured_bandwidths(settings: Settings) -> dict[tuple[int, str], Spread]:
+    """(tier, 'write' | 'read') -> the spread of the last day's hops, where any measured it
+    (``ckpt plan``'s bandwidths)."""
+    with open_catalog(settings.catalog_url) as cat:
+        timings = cat.hop_timings(WINDOW_SECONDS)
+    out = {}
+    for tier in TIERS:
+        for direction in ("write", "read"):
+            if (found := bandwidths(_hops(timings, tier, direction))) is not None:
+                out[tier, direction] = found
+    return out
