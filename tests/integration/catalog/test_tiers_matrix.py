@@ -113,3 +113,21 @@ def test_a_price_must_be_finite_and_not_negative(catalog, db_url, monkeypatch, t
     catalog_cli(monkeypatch, tmp_path, db_url, TIER2_PRICE_GB_MONTH=price)
     with pytest.raises(ConfigError, match="tier2_price_gb_month"):
         CliRunner().invoke(app, ["tiers"], catch_exceptions=False)
+
+
+def test_a_tier_budget_shows_its_use(catalog, db_url, settings_factory):
+    """A retention policy with a byte budget (``max_bytes``, where the settings have one) gives
+    the row its budget and the share in use; without one, neither."""
+    from core.settings import RetentionPolicy
+    from tasks.tier_matrix import tier_rows
+
+    class Budgeted(RetentionPolicy):
+        max_bytes: int | None = None
+
+    story(catalog)
+    settings = settings_factory(catalog_url=db_url)
+    budgeted = settings.model_copy(update={"retention_tier1": Budgeted(keep_last=10, max_bytes=20 * GB)})
+    rows = {r.tier: r for r in tier_rows(budgeted, catalog)}
+    assert (rows[1].budget_bytes, rows[1].budget_used) == (20 * GB, pytest.approx(0.75))
+    assert rows[0].budget_bytes is None and rows[0].budget_used is None
+    assert {r.tier: r.budget_bytes for r in tier_rows(settings, catalog)} == {0: None, 1: None, 2: None}
