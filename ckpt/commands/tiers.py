@@ -17,14 +17,16 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    tiers_app = typer.Typer(help="What every tier holds and costs; tier roots and their identity markers.")
+    tiers_app = typer.Typer()  # its help: the matrix's docstring
 
     @tiers_app.callback(invoke_without_command=True)
     def matrix_cmd(ctx: typer.Context,
                    run: str = typer.Option(None, "--run", help="only this run's checkpoints and hops"),
                    as_json: bool = typer.Option(False, "--json", help="one JSON object: the window and a row per tier")
                    ) -> None:
-        """The storage matrix from this cluster's records, one row per tier: its URL, whether its
+        """What every tier holds and costs (and, with init, mark the tier roots).
+
+        The storage matrix from this cluster's records, one row per tier: its URL, whether its
         root proves its identity now, checkpoints and bytes held (logical, stored, dedup ratio),
         budget and use, write and read bandwidth and first-byte latency of the last day's hops
         (median and p95), and the monthly cost at the tier's price per GB-month. A tier whose

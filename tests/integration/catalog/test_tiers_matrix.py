@@ -131,3 +131,9 @@ def test_a_tier_budget_shows_its_use(catalog, db_url, settings_factory):
     assert (rows[1].budget_bytes, rows[1].budget_used) == (20 * GB, pytest.approx(0.75))
     assert rows[0].budget_bytes is None and rows[0].budget_used is None
     assert {r.tier: r.budget_bytes for r in tier_rows(settings, catalog)} == {0: None, 1: None, 2: None}
+
+
+def test_tiers_init_still_marks_and_records_the_roots(cli):
+    out = cli("tiers", "init")
+    assert "tier 0 (node node-0) at" in out and "tier 1 at" in out and "tier 2: not configured" in out
+    assert "proven (shows the recorded identity)" in cli("tiers", "init")  # idempotent
