@@ -61,8 +61,8 @@ def budget_of(settings: Settings, tier: int) -> int | None:
 
 def tier_rows(settings: Settings, cat: Catalog, *, run: str | None = None,
               identities: dict[int, tuple[str, str]] | None = None) -> list[TierRow]:
-    """One ``TierRow`` per tier (an unconfigured one too: its copies may outlive its setting); ``identities``:
-    tier -> (state, detail) as proven (default: not checked)."""
+    """One ``TierRow`` per tier (an unconfigured one too: its copies may outlive its setting);
+    ``identities``: tier -> (state, detail) as proven (default: not checked)."""
     held = {h.tier: h for h in cat.tier_holdings(run)}
     timings = cat.hop_timings(WINDOW_SECONDS, run)
     rows = []
@@ -90,7 +90,8 @@ def _hops(timings: list[HopTiming], tier: int, direction: str) -> list[tuple[int
 
 def identity_now(settings: Settings, tier: int) -> tuple[str, str]:
     """(state, detail) of ``tier``'s root now: proven, unavailable (a missing mount, a foreign
-    root, an unreachable store) or not configured."""
+    root, an unreachable store) or not configured. As every step that opens a tier, it adopts a
+    root the catalog records nothing for yet (first use, ``prove_tier``)."""
     if not settings.tier_url(tier):
         return NOT_CONFIGURED, ""
     try:
@@ -102,10 +103,10 @@ def identity_now(settings: Settings, tier: int) -> tuple[str, str]:
         return UNAVAILABLE, str(exc)
 
 
-def tier_matrix(settings: Settings, *, run: str | None = None, prove: bool = True) -> list[TierRow]:
-    """The storage matrix of this cluster (of ``run`` alone when given); ``prove``: each tier's
-    identity proven now (``identity_now``)."""
-    identities = {tier: identity_now(settings, tier) for tier in TIERS} if prove else None
+def tier_matrix(settings: Settings, *, run: str | None = None) -> list[TierRow]:
+    """The storage matrix of this cluster (of ``run`` alone when given), each tier's identity
+    proven now (``identity_now``)."""
+    identities = {tier: identity_now(settings, tier) for tier in TIERS}
     with open_catalog(settings.catalog_url) as cat:
         return tier_rows(settings, cat, run=run, identities=identities)
 
