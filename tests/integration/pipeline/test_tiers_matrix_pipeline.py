@@ -19,13 +19,18 @@ from tests.kit.restore import commit_folder, promote, scenario_settings
 RUN = "run-a"
 
 
-@pytest.fixture
-def settings(settings_factory, db_url, monkeypatch):
-    s = scenario_settings(settings_factory, db_url)
-    for name in ("catalog_url", "data_dir", "node", "tier0_url", "tier1_url"):  # the CLI reads what the test set
-        monkeypatch.setenv(f"CKPT_{name.upper()}", str(getattr(s, name)))
+def for_the_cli(s, monkeypatch):
+    """``s`` as the CLI reads it (the environment)."""
+    for name in ("catalog_url", "data_dir", "node", "tier0_url", "tier1_url", "tier2_url", "s3_endpoint_url"):
+        if getattr(s, name):
+            monkeypatch.setenv(f"CKPT_{name.upper()}", str(getattr(s, name)))
     monkeypatch.setenv("COLUMNS", "200")
     return s
+
+
+@pytest.fixture
+def settings(settings_factory, db_url, monkeypatch):
+    return for_the_cli(scenario_settings(settings_factory, db_url), monkeypatch)
 
 
 def tiers_json() -> dict[int, dict]:
@@ -70,3 +75,17 @@ def test_a_tier1_mount_gone_is_a_row_marked_unavailable(settings):
         root.rmdir()
         aside.rename(root)
     assert tiers_json()[1]["identity"] == "proven"  # mounted again
+
+
+def test_a_milestone_s_archive_is_timed_and_priced_on_tier2(settings_factory, db_url, s3_endpoint, s3_bucket,
+                                                             monkeypatch):
+    settings = for_the_cli(scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint,
+                                             s3_bucket=s3_bucket), monkeypatch)
+    monkeypatch.setenv("CKPT_TIER2_PRICE_GB_MONTH", "1000")
+    commit_folder(settings, RUN, 100, {"model.bin": os.urandom(2_000_000)}, milestone=True)
+    promote(settings, RUN, 100)
+    t2 = tiers_json()[2]
+    assert t2["identity"] == "proven" and t2["url"] == f"s3://{s3_bucket}/ckpt"
+    assert (t2["checkpoints"], t2["stored_bytes"]) == (1, 2_000_000)
+    assert t2["write_bytes_per_s"]["count"] == 1 and t2["first_byte_seconds"]["count"] == 1
+    assert t2["monthly_cost"] == pytest.approx(2_000_000 / 1e9 * 1000)
