@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps({"run": run, "window_seconds": WINDOW_SECONDS,
                                    "tiers": [r.as_json() for r in rows]}, indent=1))
             return
-        print_matrix(rows, title="Tiers" + (f" of run {run}" if run else "") + ": what each holds and costs")
+        print_matrix(rows, title="Tiers" + (f" of run {run}" if run else "") + ": their roots now")
 
     @tiers_app.command("init")
     def init_cmd(replace: bool = typer.Option(
@@ -70,29 +70,31 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tiers_app, name="tiers")
 
 
-HELD = ("tier", "URL", "identity", "checkpoints", "logical", "stored", "dedup", "budget (use)", "$/GB-month",
-        "$/month")
-MEASURED = ("tier", "write median / p95", "read median / p95", "first byte median / p95")
+ROOTS = ("tier", "url", "identity", "detail")
+HELD = ("tier", "checkpoints", "logical", "stored", "dedup", "budget (use)", "$/GB-month", "$/month")
+MEASURED = ("tier", "write", "read", "first byte")
 
 
 def print_matrix(rows: list[TierRow], *, title: str) -> None:
-    """The matrix as two tables (``ckpt.tables``), what each tier holds and costs, then what its
-    hops measured, so that each reads whole on a terminal of common width; '—' where nothing was
-    measured or set. Spreads read ``median / p95 (hops)``."""
+    """The matrix as three tables (``ckpt.tables``), each read whole on an 80-column terminal:
+    the roots and their identity now, what each tier holds and costs, what its hops measured
+    (``median / p95 (hops)``); '—' where nothing was measured or set."""
     from rich.console import Console  # deferred: start-up — rich, only to print
 
     from ckpt.tables import table  # deferred: start-up — rich, only to print
 
-    held = table(*HELD, title=title, right=HELD[3:])
-    measured = table(*MEASURED, title="Measured over the last day's hops", right=MEASURED[1:])
+    roots = table(*ROOTS, title=title)
+    held = table(*HELD, title="What each holds and costs", right=HELD[1:])
+    measured = table(*MEASURED, title="Measured over the last day's hops: median / p95 (hops)",
+                     right=MEASURED[1:])
     for r in rows:
-        identity = r.identity + (f": {r.detail}" if r.detail else "")
+        roots.add_row(str(r.tier), r.url or "—", r.identity, r.detail or "")
         budget = f"{fmt_bytes(r.budget_bytes)} ({fmt_percent(r.budget_used or 0.0)})" if r.budget_bytes else "—"
-        held.add_row(str(r.tier), r.url or "—", identity, str(r.checkpoints), fmt_bytes(r.logical_bytes),
-                     fmt_bytes(r.stored_bytes), f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—",
-                     budget, f"{r.price_gb_month:g}", f"{r.monthly_cost:,.2f}")
+        held.add_row(str(r.tier), str(r.checkpoints), fmt_bytes(r.logical_bytes), fmt_bytes(r.stored_bytes),
+                     f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—", budget, f"{r.price_gb_month:g}",
+                     f"{r.monthly_cost:,.2f}")
         measured.add_row(str(r.tier), fmt_spread(r.write, fmt_bandwidth), fmt_spread(r.read, fmt_bandwidth),
                          fmt_spread(r.first_byte, fmt_latency))
     con = Console()
-    con.print(held)
-    con.print(measured)
+    for t in (roots, held, measured):
+        con.print(t)

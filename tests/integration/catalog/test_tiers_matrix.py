@@ -75,7 +75,7 @@ def test_matrix_rows_hold_the_catalog_s_numbers(cli, catalog):
 
 def test_matrix_table_shows_each_column(cli, catalog, monkeypatch):
     story(catalog)
-    monkeypatch.setenv("COLUMNS", "160")  # each table read whole, as on a terminal of common width
+    monkeypatch.setenv("COLUMNS", "80")  # each table read whole on a terminal of common width
     table = cli("tiers")
     for shown in ("15.0 GB", "1.75 GB/s / 1.00 GB/s (2)", "30 ms / 50 ms (2)", "1.25 GB/s / 1.25 GB/s (1)",
                   "37.50", "1.00×", "not configured", "2.5 "):
@@ -99,8 +99,9 @@ def test_a_missing_mount_is_shown_unavailable_not_an_error(catalog, db_url, monk
     assert rows[1]["identity"] == "unavailable" and rows[1]["detail"]
     assert rows[1]["checkpoints"] == 3  # the catalog's figures stand without the mount
     assert not (tmp_path / "lustre-not-mounted").exists()  # nothing created there
-    monkeypatch.setenv("COLUMNS", "200")
-    assert "unavailable: its root does not exist" in cli("tiers")
+    monkeypatch.setenv("COLUMNS", "80")
+    shown = cli("tiers")
+    assert "unavailable" in shown and "its root does not exist" in shown
 
 
 @pytest.mark.parametrize("price", ["-1", "nan", "inf"])
