@@ -73,7 +73,7 @@ def plan_cmd(
     failure, the total overhead and the interval that minimises it. With --nodes, the
     orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis) and
     the cluster size that saturates it. A bandwidth not given is the one this cluster measured
-    (the last day's hops in the catalog, as ``ckpt tiers`` shows them) where it has one, else
+    (the last day's hops in the catalog, as ckpt tiers shows them) where it has one, else
     the model's default; the output says which."""
     if params is not None and size is not None:
         raise BadArgument("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
