@@ -175,6 +175,17 @@ class Settings(BaseSettings):
         description="a checkpoint another run resumed, fine-tuned or branched from keeps a verified copy on a "
                     "durable tier while that run has any checkpoint")
 
+    tier0_price_gb_month: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 0 costs (ckpt tiers, the status page): node NVMe is already paid "
+                    "for with the node, so 0")
+    tier1_price_gb_month: float = Field(
+        default=0.14, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 1 costs: about a managed parallel file system's list price")
+    tier2_price_gb_month: float = Field(
+        default=0.023, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 2 costs: S3 Standard's list price (first 50 TB, us-east-1)")
+
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5, description="how often each agent's reconcile pass runs")
     reconcile_check_limit: int = Field(
@@ -297,6 +308,9 @@ class Settings(BaseSettings):
 
     def tier_url(self, tier: int) -> str | None:
         return {0: self.tier0_url, 1: self.tier1_url, 2: self.tier2_url}[tier]
+
+    def price_gb_month(self, tier: int) -> float:
+        return {0: self.tier0_price_gb_month, 1: self.tier1_price_gb_month, 2: self.tier2_price_gb_month}[tier]
 
     def retention(self, tier: int) -> RetentionPolicy:
         return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]

@@ -87,6 +87,7 @@ from db.session import (
     release_engine,
     transaction,
 )
+from db.storage import Storage
 from db.tier_roots import TierRoots
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ if TYPE_CHECKING:
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
-class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
+class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
     # --- lifecycle -------------------------------------------------------------------
     def __init__(self, url: str, *, check_schema: bool = True,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
@@ -362,13 +363,15 @@ class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
     def transition(self, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None = None,
                    actor: str, reason: str | None = None, claim_token: str | None = None,
                    bytes: int | None = None, copy_seconds: float | None = None,
+                   first_byte_seconds: float | None = None,
                    etag: str | None = None, version_id: str | None = None,
                    seen_updated_at: datetime | None = None) -> ReplicaInfo:
         """Move a replica: illegal moves raise ``IllegalTransition``; a state not in ``expected``
         (or a foreign ``claim_token``, or a row changed since the caller read it at
         ``seen_updated_at``: a compare-and-set on what it saw) raises ``StaleState``. Entering
         ``verified`` stamps ``verified_at``. One transaction; audited."""
-        given = dict(bytes=bytes, copy_seconds=copy_seconds, etag=etag, version_id=version_id)
+        given = dict(bytes=bytes, copy_seconds=copy_seconds, first_byte_seconds=first_byte_seconds, etag=etag,
+                     version_id=version_id)
         values = {k: v for k, v in given.items() if v is not None}
         with self._tx() as conn:
             row = _state.transition(conn, replica_id, to_state, expected=expected, claim_token=claim_token,

@@ -203,8 +203,7 @@ def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int |
             # posted while retention runs (which keeps the newest checkpoints the page shows); the
             # run's status page (key run-<name>) changes when a checkpoint does, not with each part
             show(result)
-            publish_run_status(str(settings.catalog_url), run, rpo_seconds=settings.rpo_seconds,
-                               durable_steps=(result.step,))
+            publish_run_status(settings, run, durable_steps=(result.step,))
 
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
                          actor=actor, on_durable=durable, attempt=attempt)

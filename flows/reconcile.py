@@ -245,8 +245,7 @@ def reconcile(node: str | None = None) -> dict:
                                 actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds,
                                 on_durable=lambda result: publish_run_status(
-                                    str(settings.catalog_url), result.run, rpo_seconds=settings.rpo_seconds,
-                                    durable_steps=(result.step,)))
+                                    settings, result.run, durable_steps=(result.step,)))
         publish_report(settings, report)
     return {k: list(v) for k, v in vars(report).items()}
 
@@ -283,8 +282,7 @@ def reconciled(node: str, report: str, durable: list[tuple[str, int]]) -> Any:
     with artifact_batch():
         publish_report(settings, done)
         for run in sorted({r for r, _ in durable}):
-            publish_run_status(str(settings.catalog_url), run, rpo_seconds=settings.rpo_seconds,
-                               durable_steps={step for r, step in durable if r == run})
+            publish_run_status(settings, run, durable_steps={step for r, step in durable if r == run})
     if done.failed:
         return Failed(message=f"{len(done.failed)} item(s) failed: " + "; ".join(done.failed[:5]))
     return {k: list(v) for k, v in vars(done).items()}

@@ -7,7 +7,9 @@ repaired them since (which run, when), and each tier's bytes; then the newest ve
 each tier, how long checkpoints take to become durable (commit -> every part verified on
 Tier 1), the run's measured ΔMFU (the sizing model with its own writer stalls and save interval
 from the catalog, over its newest ``STALL_WINDOW`` saves), the lineage chain of its newest
-checkpoint, and its newest recovery drills (cluster RTO, nodes, bound). What it reads does not grow with the run.
+checkpoint, its newest recovery drills (cluster RTO, nodes, bound), and what each tier holds of
+it, what its hops measured over the last day and what its copies cost a month
+(``tasks.tier_matrix``, as ``ckpt tiers --run`` shows it). What it reads does not grow with the run.
 
 ``gather`` reads the catalog (and takes the failed promote runs, which only the orchestrator
 knows: ``failed_promotions``); ``status_markdown`` is a plain function of what it read (tested
@@ -23,9 +25,12 @@ from datetime import UTC, datetime
 from statistics import median
 
 from core import sizing
+from core.settings import Settings
+from core.tier_figures import fmt_bandwidth, fmt_latency, fmt_spread
 from db.catalog import Catalog
 from db.entities import AuditEntry, DrillResult, LineageEdge
 from flows.artifacts import artifact_key, post_artifact
+from tasks.tier_matrix import TierRow, tier_rows
 
 TIERS = (0, 1, 2)
 TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
@@ -85,16 +90,18 @@ class RunStatus:
     late: list[tuple[int, datetime]] = field(default_factory=list)  # (step, committed at), oldest first
     tier_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)  # tier -> (checkpoints, bytes) verified
     failures: list[Failure] | None = None  # newest first; None: the orchestrator could not be asked
+    storage: list[TierRow] = field(default_factory=list)  # per tier: held, measured, cost (this run's)
 
 
 def gather(cat: Catalog, run: str, *, now: datetime | None = None, rpo_seconds: float | None = None,
-           failed: list[FailedRun] | None = None) -> RunStatus:
+           failed: list[FailedRun] | None = None, settings: Settings | None = None) -> RunStatus:
     """Everything the page shows, read from the catalog in a bounded number of queries, each
     reading a bounded number of rows, however many checkpoints the run holds (it runs each time
     a checkpoint becomes durable): the count, the newest ``RECENT`` checkpoints, their time to
     durable in one query, and the stall figure over the newest ``STALL_WINDOW`` saves; the
 checkpoints late past ``rpo_seconds`` (at most ``LATE``), each tier's verified bytes (one
-grouped read) and, for each of the ``failed`` promote runs given, its checkpoint's audit trail."""
+grouped read) and, for each of the ``failed`` promote runs given, its checkpoint's audit trail;
+with ``settings``, the run's storage per tier (its URLs, budgets and prices are the settings')."""
     newest = []
     for tier in TIERS:
         c = cat.newest_verified(run, tier=tier)
@@ -118,7 +125,8 @@ grouped read) and, for each of the ``failed`` promote runs given, its checkpoint
                      rpo_seconds=rpo_seconds,
                      late=[(c.step, t) for c in late if (t := c.committed_at or c.created_at) is not None],
                      tier_bytes={u.tier: (u.checkpoints, u.bytes) for u in cat.usage(run)},
-                     failures=None if failed is None else [repair_of(f, cat.history(run, f.step)) for f in failed])
+                     failures=None if failed is None else [repair_of(f, cat.history(run, f.step)) for f in failed],
+                     storage=tier_rows(settings, cat, run=run) if settings is not None else [])
 
 
 def repair_of(failed: FailedRun, history: list[AuditEntry]) -> Failure:
@@ -170,7 +178,24 @@ def status_markdown(s: RunStatus) -> str:
     out += [lineage_line(s.run, s.newest_step, s.lineage)]
     out += ["", "## Recovery drills (RTO: first start → last part loaded)", ""]
     out += drill_lines(s.drills)
+    if s.storage:
+        out += ["", "## Storage per tier (this run's copies; hops over the last day)", ""]
+        out += storage_lines(s.storage)
     return "\n".join(out) + "\n"
+
+
+def storage_lines(rows: list[TierRow]) -> list[str]:
+    """The run's storage matrix: what each tier holds of it, its hops' figures (median / p95
+    (hops)), and what its copies there cost a month."""
+    out = ["| tier | checkpoints | logical | stored | dedup | write | read | first byte | $/month |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        dedup = f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—"
+        out.append(f"| {TIER_NAMES[r.tier]} | {r.checkpoints} | {sizing.fmt_bytes(r.logical_bytes)} | "
+                   f"{sizing.fmt_bytes(r.stored_bytes)} | {dedup} | {fmt_spread(r.write, fmt_bandwidth)} | "
+                   f"{fmt_spread(r.read, fmt_bandwidth)} | {fmt_spread(r.first_byte, fmt_latency)} | "
+                   f"{r.monthly_cost:,.2f} |")
+    return out
 
 
 def at_a_glance(s: RunStatus) -> list[str]:
@@ -275,20 +300,21 @@ def failed_promotions(run: str, limit: int = FAILURES) -> list[FailedRun] | None
             for r in runs if (m := named.fullmatch(r.name))]
 
 
-def publish_run_status(catalog_url: str, run: str, *, rpo_seconds: float | None = None,
-                       durable_steps: Collection[int] = ()) -> None:
+def publish_run_status(settings: Settings, run: str, *, durable_steps: Collection[int] = ()) -> None:
     """Publish (a new version of) the run's status artifact from the current flow run (with the
     open ``artifact_batch``, at its end); nothing outside a flow run. Key: ``run-<name>`` made a
-    valid artifact key. ``durable_steps``: the checkpoints the current run just made durable; each
-    failed promote run of theirs gets a note in its own Artifacts tab (``mark_repaired``). Best
-    effort, like every artifact."""
+    valid artifact key. ``settings``: the catalog, the RPO, and each tier's URL, budget and price.
+    ``durable_steps``: the checkpoints the current run just made durable; each failed promote run
+    of theirs gets a note in its own Artifacts tab (``mark_repaired``). Best effort, like every
+    artifact."""
     def post() -> None:
         from prefect.artifacts import create_markdown_artifact
 
         failed = failed_promotions(run)
-        cat = Catalog(catalog_url)
+        cat = Catalog(settings.catalog_url)
         try:
-            page = gather(cat, run, now=datetime.now(UTC), rpo_seconds=rpo_seconds, failed=failed)
+            page = gather(cat, run, now=datetime.now(UTC), rpo_seconds=settings.rpo_seconds, failed=failed,
+                          settings=settings)
         finally:
             cat.close()
         create_markdown_artifact(status_markdown(page), key=artifact_key("run", run),

@@ -247,3 +247,34 @@ def test_gather_finds_the_durable_newest_the_late_the_repaired_and_the_bytes(cat
     assert (repaired.repaired_by, open_.repaired_by) == ("reconcile/node-0", None)
     md = status_markdown(page)
     assert "failed, repaired by `reconcile/node-0` at" in md and "**failed, not repaired**" in md
+
+
+def test_status_page_shows_the_run_s_storage_per_tier(catalog, db_url, settings_factory):
+    """The page's storage section: what each tier holds of this run (another run's copies and
+    hops left out), its hops' bandwidth and first-byte latency, and the monthly cost at the
+    configured price; the page reads the same few statements with it, however large the run."""
+    from flows import status
+    from tests.kit.catalog import checkpoint, timed_hop
+
+    gb = 10**9
+    a, b = checkpoint(catalog, "run-s", 10, size=gb), checkpoint(catalog, "run-s", 20, size=gb)
+    timed_hop(catalog, a.id, 1, seconds=2.0, first_byte=0.01, bytes=2 * gb)
+    timed_hop(catalog, b.id, 1, seconds=1.0, first_byte=0.05, bytes=2 * gb)
+    timed_hop(catalog, checkpoint(catalog, "other", 10, size=gb).id, 1, seconds=0.01, bytes=2 * gb)
+    settings = settings_factory(catalog_url=db_url, tier1_price_gb_month=2.0)
+
+    page = status.gather(catalog, "run-s", settings=settings)
+    md = status_markdown(page)
+    assert "## Storage per tier" in md
+    assert ("| Tier 1 (shared FS) | 2 | 4.00 GB | 4.00 GB | 1.00× | 1.50 GB/s / 1.00 GB/s (2) | — | "
+            "30 ms / 50 ms (2) | 8.00 |") in md, md
+    assert "| Tier 0 (node NVMe) | 0 | 0 B | 0 B | — | — | — | — | 0.00 |" in md
+    assert "## Storage per tier" not in status_markdown(status.gather(catalog, "run-s"))  # no settings: no prices
+
+    _filled_run(catalog, "large", 300)
+
+    def storage_statements(run: str) -> int:
+        return (_statements(catalog, lambda: status.gather(catalog, run, settings=settings))
+                - _statements(catalog, lambda: status.gather(catalog, run)))
+
+    assert storage_statements("run-s") == storage_statements("large") <= 12  # a fixed few, per tier at most
