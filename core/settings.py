@@ -47,8 +47,14 @@ class RetentionPolicy(BaseModel):
         default=None, ge=1,
         description="the most this tier holds ('2TB', '500GiB' or bytes; on Tier 0 per node): what its policy "
                     "keeps only as 'retention off' goes oldest first beyond it; what a rule keeps never goes for "
-                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget. Set with the rest of the "
-                    "tier's policy: a policy given in part replaces the default one (Tier 2: ENABLED=false too)")
+                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget")
+
+    @field_validator("keep_last", "top_k", "metric", "max_age_days", mode="before")
+    @classmethod
+    def _none_unsets(cls, v: object) -> object:
+        """'none' or blank (from the environment or ckpt.toml, which have no null) unsets a rule
+        the tier's default policy has, e.g. ``CKPT_RETENTION_TIER1__KEEP_LAST=none``."""
+        return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
 
     @field_validator("max_bytes", mode="before")
     @classmethod
@@ -274,6 +280,7 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if Path(toml_path).is_file():
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        sources.append(_TierPolicyDefaults(settings_cls))
         return tuple(sources)
 
     @field_validator("tier0_url", "tier1_url", "catalog_url", mode="before")
@@ -314,6 +321,22 @@ class Settings(BaseSettings):
 
     def retention(self, tier: int) -> RetentionPolicy:
         return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]
+
+
+class _TierPolicyDefaults(PydanticBaseSettingsSource):
+    """The lowest source: each tier's default retention policy as fields, so that a policy given
+    in part (``CKPT_RETENTION_TIER2__MAX_BYTES=50TB`` alone, a ``[retention_tier1]`` table with
+    one key, a dict of some fields) changes those fields of the tier's default and keeps the rest
+    (Tier 2's "retention off", Tier 1's ``keep_last``); a ``RetentionPolicy`` given whole replaces
+    it whole."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # every value comes from __call__
+
+    def __call__(self) -> dict[str, Any]:
+        fields = self.settings_cls.model_fields
+        return {name: fields[name].default.model_dump() for name in ("retention_tier0", "retention_tier1",
+                                                                      "retention_tier2")}
 
 
 def redact_url(url: str) -> str:

@@ -358,8 +358,8 @@ class Soak(RuleBasedStateMachine):
         # top-1 by loss changes nothing kept, but names the best, never a non-finite loss
         common = dict(data_dir=data, catalog_url=url, task_retries=0, copy_parallelism=1,
                       retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2, "max_bytes": "1KB"},
-                      retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False, "top_k": 1,
-                                       "metric": "loss"},
+                      retention_tier2={"enabled": True, "max_age_days": 1 / 24, "keep_milestones": False,
+                                       "top_k": 1, "metric": "loss"},
                       milestones={"every_steps": MILESTONE_EVERY},
                       tier2_url=f"s3://{self.bucket}/{T2_PREFIX}", s3_endpoint_url=self.s3_proxy_url)
         self.settings = {n: load_settings(node=n, tier1_direct_io=d, **common) for n, d in zip(NODES, direct_io,

@@ -96,3 +96,20 @@ def test_tier0s_budget_is_each_nodes_own():
                      ("a", 3): ("keep", "newest verified, retention off"), ("b", 1): ("keep", "retention off"),
                      ("b", 2): ("keep", "newest verified, retention off")}
     assert [(b.node, b.kept_bytes, b.over) for b in decided.budgets] == [("n0", 200, False), ("n1", 200, False)]
+
+
+def test_a_budget_set_alone_keeps_the_rest_of_the_tiers_default_policy(monkeypatch, tmp_path):
+    """``CKPT_RETENTION_TIER2__MAX_BYTES`` alone must not turn Tier 2's retention on with no keep
+    rule (which would let most of the archive go), nor a Tier 1 budget drop its ``keep_last``;
+    ``none`` unsets a rule of the default, and a policy given whole still replaces it whole."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPT_RETENTION_TIER2__MAX_BYTES", "50TB")
+    monkeypatch.setenv("CKPT_RETENTION_TIER1__MAX_BYTES", "2TB")
+    settings = load_settings(data_dir=tmp_path)
+    tier2, tier1 = settings.retention(2), settings.retention(1)
+    assert (tier2.enabled, tier2.max_bytes, tier2.keep_last) == (False, 50 * 10**12, None)
+    assert (tier1.enabled, tier1.max_bytes, tier1.keep_last) == (True, 2 * 10**12, 10)
+    monkeypatch.setenv("CKPT_RETENTION_TIER1__KEEP_LAST", "none")
+    assert load_settings(data_dir=tmp_path).retention(1).keep_last is None
+    whole = load_settings(data_dir=tmp_path, retention_tier2=RetentionPolicy(top_k=1, metric="loss"))
+    assert (whole.retention(2).enabled, whole.retention(2).max_bytes) == (True, None)
