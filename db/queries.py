@@ -20,6 +20,7 @@ from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
 from db.entities import (
     CKPT_COMMITTED,
     COPYING,
+    CORRUPT,
     PRUNED,
     PRUNING,
     VERIFIED,
@@ -204,6 +205,20 @@ def usage(conn: Connection, run_id: int | None) -> list[TierUsage]:
     if run_id is not None:
         stmt = stmt.where(checkpoints.c.run_id == run_id)
     return [TierUsage(run=n, tier=t, checkpoints=c, bytes=int(b)) for n, t, c, b in conn.execute(stmt)]
+
+
+def stored_bytes(conn: Connection, tier: int, *, shared: bool) -> int:
+    """The data bytes ``tier`` holds: every file of a replica that has bytes there (copying,
+    verified, pruning, corrupt); with ``shared`` each content (size, CRC32C: the content
+    store's key) once, however many checkpoints link it."""
+    held = (select(files.c.size, files.c.checksum)
+            .select_from(files.join(replicas, and_(replicas.c.checkpoint_id == files.c.checkpoint_id,
+                                                   replicas.c.part == files.c.part)))
+            .where(replicas.c.tier == tier, replicas.c.state.in_([COPYING, VERIFIED, PRUNING, CORRUPT])))
+    if shared:
+        held = held.distinct()
+    rows = held.subquery()
+    return int(conn.execute(select(func.coalesce(func.sum(rows.c.size), 0))).scalar_one())
 
 
 def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, run_id: int | None,
