@@ -1,0 +1,148 @@
+"""Benchmark: a fine-tune saving a frozen base and a small adapter, every checkpoint a milestone
+(promoted to Tier 1 and archived to Tier 2 through the real pipeline), beside the plain path in
+the same run: the same checkpoints with every byte changed at each save, which nothing can share,
+so each is copied and uploaded whole, as before content was shared.
+
+Printed: the bytes each tier holds for the fine-tune (Tier 1: each inode once, as the file system
+counts it; Tier 2: the objects under the run), the bound ``base + N x adapter``, the median time to
+durable per checkpoint after the first (the promote call, archive included) of both runs, and
+whether every checkpoint restores to the bytes it saved. The last line is the result:
+
+    dedup: N checkpoints, tier 1 X GiB, tier 2 Y GiB, bound Z GiB (xR), durable per checkpoint A s vs plain B s
+
+R is the larger tier's bytes over the bound. Full size by hand; CI runs only ``--smoke``.
+
+    .venv/bin/python benchmarks/dedup.py [--base-mib 256] [--adapter-mib 4] [--checkpoints 20]
+    .venv/bin/python benchmarks/dedup.py --smoke [--s3-endpoint URL]    # 1 MiB base, 4 checkpoints
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import bench_parser, load_line, parse, s3_bucket
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import RetentionPolicy, load_settings
+from db.catalog import Catalog, upgrade
+from flows.common import plain_steps
+from flows.promote import promote
+from tasks.restore import restore_checkpoint
+
+FINE_TUNE, PLAIN = "finetune", "plain"
+SMOKE = {"base_mib": 1.0, "adapter_mib": 1 / 16, "checkpoints": 4}
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, rounds=1, s3_endpoint=True)
+    ap.add_argument("--base-mib", type=float, default=256.0, help="the frozen base, saved unchanged every time")
+    ap.add_argument("--adapter-mib", type=float, default=4.0, help="the adapter, new bytes at every save")
+    ap.add_argument("--checkpoints", type=int, default=20)
+    ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    args = parse(ap, SMOKE)
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-dedup-", dir=args.dir) as tmp, \
+            s3_bucket(args.s3_endpoint, Path(tmp) / "moto.log") as (endpoint, bucket):
+        bench(args, Path(tmp), endpoint, bucket)
+
+
+def save(settings, run: str, step: int, files: dict[str, bytes]) -> None:
+    """Commit a milestone on Tier 0: the files, then the manifest built from them."""
+    folder = Path(settings.tier0_url) / checkpoint_prefix(run, step)
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    write_manifest(folder, build_manifest(folder, run, step, kind="milestone", node=settings.node))
+
+
+def durable_times(settings, run: str, checkpoints: int,
+                  files: Callable[[int], dict[str, bytes]]) -> tuple[list[float], int]:
+    """Save and promote ``checkpoints`` milestones of ``run``; each promote call's seconds
+    (the checkpoint durable on Tier 2 when it returns) and the bytes saved."""
+    times, saved = [], 0
+    for i in range(checkpoints):
+        step = (i + 1) * 100
+        content = files(i)
+        saved += sum(map(len, content.values()))
+        save(settings, run, step, content)
+        t0 = time.perf_counter()
+        result = promote(settings, run, step, steps=plain_steps(), actor="bench")
+        times.append(time.perf_counter() - t0)
+        assert result.durable, f"{run}/{step} did not become durable"
+    return times, saved
+
+
+def tier1_bytes(root: Path, run: str) -> int:
+    """What the run's checkpoint folders hold on Tier 1's file system: each inode once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in (root / run).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def tier2_bytes(endpoint: str, bucket: str, prefix: str) -> int:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    return sum(o["Size"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+               for o in page.get("Contents", []))
+
+
+def restored_bytes(settings, run: str, checkpoints: int, work: Path) -> int:
+    """Restore every checkpoint of ``run`` (nearest tier) and count the bytes that came back."""
+    total = 0
+    for i in range(checkpoints):
+        dest = work / "restored"
+        restore_checkpoint(settings, run, dest, step=(i + 1) * 100, fallback=False, actor="bench")
+        total += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file() and p.name != "manifest.json")
+        shutil.rmtree(dest)
+    return total
+
+
+def bench(args, work: Path, endpoint: str, bucket: str) -> None:
+    settings = load_settings(data_dir=work / "data", node="bench-node", tier2_url=f"s3://{bucket}/ckpt",
+                             s3_endpoint_url=endpoint, retention_tier0=RetentionPolicy(keep_last=1),
+                             retention_tier1=RetentionPolicy(enabled=False),
+                             retention_tier2=RetentionPolicy(enabled=False))
+    upgrade(settings.catalog_url)
+    with Catalog(settings.catalog_url) as cat:
+        for run in (FINE_TUNE, PLAIN):
+            cat.ensure_run(run, actor="bench")
+    n, base_bytes, adapter_bytes = args.checkpoints, int(args.base_mib * MiB), int(args.adapter_mib * MiB)
+    load = os.getloadavg()[0]
+    base = os.urandom(base_bytes)
+
+    ft, saved = durable_times(settings, FINE_TUNE, n,
+                              lambda i: {"base.bin": base, "adapter.bin": os.urandom(adapter_bytes)})
+    plain, _ = durable_times(settings, PLAIN, n,
+                             lambda i: {"base.bin": os.urandom(base_bytes), "adapter.bin": os.urandom(adapter_bytes)})
+
+    t1 = tier1_bytes(Path(settings.tier1_url), FINE_TUNE)
+    t2 = tier2_bytes(endpoint, bucket, f"ckpt/{FINE_TUNE}/")
+    bound = base_bytes + n * adapter_bytes
+    back = restored_bytes(settings, FINE_TUNE, n, work)
+    a, b = statistics.median(ft[1:] or ft), statistics.median(plain[1:] or plain)
+    print(f"fine-tune durable per checkpoint (s): {' '.join(f'{t:.2f}' for t in ft)}")
+    print(f"plain durable per checkpoint (s):     {' '.join(f'{t:.2f}' for t in plain)}")
+    print(f"bytes saved {saved}, bytes restored {back}: {'equal' if back == saved else 'DIFFERENT'}")
+    print(f"targets: bytes per tier <= 1.1 x bound, durable after the first <= 0.2 x plain -> "
+          f"{max(t1, t2) / bound:.2f} x, {a / b:.2f} x")
+    print(load_line(load))
+    print(f"dedup: {n} checkpoints, tier 1 {t1 / GiB:.3f} GiB, tier 2 {t2 / GiB:.3f} GiB, "
+          f"bound {bound / GiB:.3f} GiB (x{max(t1, t2) / bound:.2f}), "
+          f"durable per checkpoint {a:.2f} s vs plain {b:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
