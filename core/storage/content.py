@@ -30,7 +30,7 @@ from core.layout import staging_name
 from core.progress import moved
 
 CONTENT_DIR = ".ckpt-content"
-SHARED_TIERS = frozenset({1})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
+SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
 
 
 class ContentStore:
