@@ -3,10 +3,12 @@
 the same run: the same checkpoints with every byte changed at each save, which nothing can share,
 so each is copied and uploaded whole, as before content was shared.
 
-Printed: the bytes each tier holds for the fine-tune (Tier 1: each inode once, as the file system
-counts it; Tier 2: the objects under the run), the bound ``base + N x adapter``, the median time to
-durable per checkpoint after the first (the promote call, archive included) of both runs, and
-whether every checkpoint restores to the bytes it saved. The last line is the result:
+Each run has a site of its own (catalog, tiers, Tier 2 prefix). Printed: the bytes each tier
+holds for the fine-tune (Tier 1: each inode under its root once, as the file system counts it;
+Tier 2: every object under its prefix, shared contents and pointers included), the bound
+``base + N x adapter``, the median time to durable per checkpoint after the first (the promote
+call, archive included) of both runs, and whether every checkpoint restores to the bytes it
+saved. The last line is the result:
 
     dedup: N checkpoints, tier 1 X GiB, tier 2 Y GiB, bound Z GiB (xR), durable per checkpoint A s vs plain B s
 
@@ -38,7 +40,7 @@ from flows.common import plain_steps
 from flows.promote import promote
 from tasks.restore import restore_checkpoint
 
-FINE_TUNE, PLAIN = "finetune", "plain"
+FINE_TUNE, PLAIN = "finetune", "plain"  # each a run, and a site of its own
 SMOKE = {"base_mib": 1.0, "adapter_mib": 1 / 16, "checkpoints": 4}
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -81,10 +83,10 @@ def durable_times(settings, run: str, checkpoints: int,
     return times, saved
 
 
-def tier1_bytes(root: Path, run: str) -> int:
-    """What the run's checkpoint folders hold on Tier 1's file system: each inode once."""
+def tier1_bytes(root: Path) -> int:
+    """What the Tier 1 root holds on its file system (content store included): each inode once."""
     seen: dict[tuple[int, int], int] = {}
-    for path in (root / run).rglob("*"):
+    for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
             st = path.stat()
             seen[(st.st_dev, st.st_ino)] = st.st_size
@@ -110,31 +112,39 @@ def restored_bytes(settings, run: str, checkpoints: int, work: Path) -> int:
     return total
 
 
-def bench(args, work: Path, endpoint: str, bucket: str) -> None:
-    settings = load_settings(data_dir=work / "data", node="bench-node", tier2_url=f"s3://{bucket}/ckpt",
+def site(work: Path, name: str, endpoint: str, bucket: str):
+    """Settings of a site of its own (catalog, tiers, Tier 2 prefix), with the run registered:
+    what each tier holds is then the run's alone, content stores included."""
+    settings = load_settings(data_dir=work / name, node="bench-node", tier2_url=f"s3://{bucket}/{name}",
                              s3_endpoint_url=endpoint, retention_tier0=RetentionPolicy(keep_last=1),
                              retention_tier1=RetentionPolicy(enabled=False),
                              retention_tier2=RetentionPolicy(enabled=False))
     upgrade(settings.catalog_url)
     with Catalog(settings.catalog_url) as cat:
-        for run in (FINE_TUNE, PLAIN):
-            cat.ensure_run(run, actor="bench")
+        cat.ensure_run(name, actor="bench")
+    return settings
+
+
+def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     n, base_bytes, adapter_bytes = args.checkpoints, int(args.base_mib * MiB), int(args.adapter_mib * MiB)
+    ours, theirs = site(work, FINE_TUNE, endpoint, bucket), site(work, PLAIN, endpoint, bucket)
     load = os.getloadavg()[0]
     base = os.urandom(base_bytes)
 
-    ft, saved = durable_times(settings, FINE_TUNE, n,
+    ft, saved = durable_times(ours, FINE_TUNE, n,
                               lambda i: {"base.bin": base, "adapter.bin": os.urandom(adapter_bytes)})
-    plain, _ = durable_times(settings, PLAIN, n,
+    plain, _ = durable_times(theirs, PLAIN, n,
                              lambda i: {"base.bin": os.urandom(base_bytes), "adapter.bin": os.urandom(adapter_bytes)})
 
-    t1 = tier1_bytes(Path(settings.tier1_url), FINE_TUNE)
-    t2 = tier2_bytes(endpoint, bucket, f"ckpt/{FINE_TUNE}/")
+    t1 = tier1_bytes(Path(ours.tier1_url))
+    t2 = tier2_bytes(endpoint, bucket, f"{FINE_TUNE}/")
     bound = base_bytes + n * adapter_bytes
-    back = restored_bytes(settings, FINE_TUNE, n, work)
+    back = restored_bytes(ours, FINE_TUNE, n, work)
     a, b = statistics.median(ft[1:] or ft), statistics.median(plain[1:] or plain)
     print(f"fine-tune durable per checkpoint (s): {' '.join(f'{t:.2f}' for t in ft)}")
     print(f"plain durable per checkpoint (s):     {' '.join(f'{t:.2f}' for t in plain)}")
+    print(f"plain run holds: tier 1 {tier1_bytes(Path(theirs.tier1_url)) / GiB:.3f} GiB, "
+          f"tier 2 {tier2_bytes(endpoint, bucket, f'{PLAIN}/') / GiB:.3f} GiB")
     print(f"bytes saved {saved}, bytes restored {back}: {'equal' if back == saved else 'DIFFERENT'}")
     print(f"targets: bytes per tier <= 1.1 x bound, durable after the first <= 0.2 x plain -> "
           f"{max(t1, t2) / bound:.2f} x, {a / b:.2f} x")
