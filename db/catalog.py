@@ -650,6 +650,12 @@ class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
         with self._tx(write=False) as conn:
             return _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS)
 
+    def referenced_contents(self, tier: int) -> set[tuple[int, str]]:
+        """(size, CRC32C) of every content a replica on ``tier`` may reference (pending,
+        copying, verified, pruning, corrupt): what a sweep of shared contents must keep."""
+        with self._tx(write=False) as conn:
+            return _q.referenced_contents(conn, tier)
+
     def unpromoted(self, *, older_than_seconds: float = 0, run: str | None = None,
                    limit: int | None = None) -> list[CheckpointInfo]:
         """(10) Committed checkpoints without a verified (or live copying) Tier 1 replica.

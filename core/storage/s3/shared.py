@@ -15,20 +15,24 @@ requests a shared object costs (the candidate's hash, the pointer) weigh more th
 
 Object Lock: the content is locked at upload and its retention is extended to each new
 pointer's, so it is held until the latest lock date of any checkpoint that references it.
-Deleting a checkpoint deletes its pointers; contents stay (a sweep of the contents no kept
-checkpoint references is not there yet).
+Deleting a checkpoint deletes its pointers; ``sweep_contents`` then deletes the contents no
+replica references, in two passes: the first takes the content's recorded hash away (so no new
+copy points to it) and leaves a mark; a later pass, at least ``grace_s`` after the mark, asks
+the catalog again and deletes the content only if still nothing references it. A copy claims
+its replica before it reads a recorded hash, so a copy that read it before it went is in the
+catalog by then; a content that is referenced again keeps its bytes (no longer shared).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from core import checksum as crc
-from core.errors import ConflictError, NotFound
+from core.errors import ConflictError, NotFound, ObjectLocked
 from core.progress import moved
 from core.storage.base import ObjectInfo
 from core.storage.content import CONTENT_DIR
@@ -37,6 +41,7 @@ from core.storage.s3.lock import LOCK_MODES
 
 POINTER_META = "ckpt-content"  # x-amz-meta-ckpt-content: the content key a pointer names
 HASH_SUFFIX = ".sha256"
+MARK_SUFFIX = ".unreferenced"  # left by a sweep that found no reference; its age is the grace
 
 
 def _crc32c(body: bytes) -> dict[str, str]:
@@ -96,6 +101,8 @@ class SharedContentMixin:
         def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None: ...
         def _same_or_conflict(self, key: str, size: int, checksum: str) -> None: ...
         def read_small(self, key: str, limit: int = ...) -> bytes: ...
+        def delete(self, key: str) -> bool: ...
+        def _rel(self, full: str) -> str: ...
 
     def shares(self, size: int) -> bool:
         return size >= self.ranged_threshold
@@ -181,3 +188,64 @@ class SharedContentMixin:
                           checksum=(crc.s3_to_hex(target.get("ChecksumCRC32C", ""))
                                     if target.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None),
                           etag=target.get("ETag"), version_id=head.get("VersionId"))
+
+    def sweep_contents(self, referenced: Callable[[], Collection[tuple[int, str]]], *, grace_s: float,
+                       deleted: Callable[[str, int], None] | None = None) -> int:
+        """Delete the contents no replica references (``referenced()``: (size, CRC32C) of every
+        content the catalog's replicas on this tier may reference), in two passes ``grace_s``
+        apart (module doc); ``deleted(key, size)`` hears of each before it goes. A content
+        under Object Lock stays. Returns how many went."""
+        from core.storage.s3.store import server_clock  # deferred: cycle — the store is built on this mixin
+
+        found: dict[str, dict[str, Any]] = {}
+        now = datetime.now(UTC)
+        base = self._k(CONTENT_DIR) + "/"
+        with s3_errors(f"list {self.url_for(CONTENT_DIR)}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                now = server_clock(page)
+                for o in page.get("Contents", []):
+                    key = self._rel(o["Key"])
+                    name, suffix = (key[:-len(sfx)], sfx) if (sfx := _suffix(key)) else (key, "")
+                    found.setdefault(name, {})[suffix] = o
+        live = set(referenced())
+        gone = 0
+        for name, parts in sorted(found.items()):
+            held = _identity(name)
+            mark = parts.get(MARK_SUFFIX)
+            if "" not in parts or held is None:  # a hash or mark left alone: nothing to keep it for
+                for sfx in parts:
+                    self.delete(name + sfx)
+                continue
+            if held in live:
+                if mark is not None:
+                    self.delete(name + MARK_SUFFIX)  # referenced again: kept (its hash is gone: unshared)
+                continue
+            if mark is None:
+                self.delete(name + HASH_SUFFIX)  # no new copy points to it from now on
+                self._put_small(name + MARK_SUFFIX, b"")
+                continue
+            if now - mark["LastModified"] < timedelta(seconds=grace_s) or held in set(referenced()):
+                continue
+            if deleted is not None:
+                deleted(name, held[0])
+            try:
+                self.delete(name)
+            except ObjectLocked:  # held for a milestone still: a later sweep takes it
+                continue
+            self.delete(name + MARK_SUFFIX)
+            gone += 1
+        return gone
+
+    def _put_small(self, key: str, body: bytes) -> None:
+        with s3_errors(self.url_for(key), SEND_CRC32C):
+            self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **_crc32c(body))
+
+
+def _suffix(key: str) -> str:
+    return next((sfx for sfx in (HASH_SUFFIX, MARK_SUFFIX) if key.endswith(sfx)), "")
+
+
+def _identity(key: str) -> tuple[int, str] | None:
+    """(size, CRC32C) a content key names (``content_key``), None for any other name."""
+    checksum, _, size = key.rsplit("/", 1)[-1].partition("-")
+    return (int(size), checksum) if size.isdigit() and len(checksum) == 8 else None

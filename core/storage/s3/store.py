@@ -470,9 +470,13 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
         a shared size, ``core.storage.s3.shared``) and verify; the module doc says how."""
         if self.lock_days:
             self.require_object_lock()
-        if self.stat(key) is not None:
-            self._same_or_conflict(key, size, checksum)
-            return ObjectInfo(key=key, size=size, checksum=checksum)
+        head = self._head(key)
+        if head is not None:
+            content = self.pointed(head)
+            if content is None or self._head(content) is not None:
+                self._same_or_conflict(key, size, checksum)
+                return ObjectInfo(key=key, size=size, checksum=checksum)
+            self.delete(key)  # a pointer to a content swept since (its copy lost its claim): replaced
         fd = local_fd(reader) if self.shared_content and self.shares(size) else None
         try:
             if fd is None or not self.put_shared(key, fd, getattr(reader, "note_copied", None), size, checksum):

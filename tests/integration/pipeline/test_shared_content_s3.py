@@ -31,9 +31,9 @@ BASE = os.urandom(1 << 20)
 SMALL = 64 << 10  # files this large are shared (the store's ranged threshold, lowered)
 
 
-def _settings(settings_factory, db_url, s3_endpoint, s3_bucket):
+def _settings(settings_factory, db_url, s3_endpoint, s3_bucket, **kw):
     return scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
-                             s3_ranged_threshold=SMALL, s3_range_bytes=SMALL)
+                             s3_ranged_threshold=SMALL, s3_range_bytes=SMALL, **kw)
 
 
 def save(settings, step: int) -> bytes:
@@ -147,3 +147,32 @@ def test_a_pointer_is_listed_and_read_as_its_content(s3_endpoint, tmp_path):
     assert (tmp_path / "fetched").read_bytes() == BASE
     writer.close()
     reader.close()
+
+
+def test_retired_milestones_free_the_contents_no_kept_one_references(settings_factory, db_url, s3_endpoint,
+                                                                     s3_bucket, tmp_path):
+    from core.settings import RetentionPolicy
+    from flows.common import plain_steps
+    from flows.retention import run_retention
+    from tasks.contents import sweep_shared_contents
+
+    last = RetentionPolicy(keep_last=1, keep_milestones=False)
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket, retention_tier0=last,
+                         retention_tier1=last, retention_tier2=last)
+    adapters = {step: save(settings, step) for step in (100, 200, 300)}  # retention runs after each one
+    run_retention(settings, run=RUN, steps=plain_steps(), actor="test")
+    assert not [k for k in objects(settings) if "step-00000100" in k or "step-00000200" in k]
+    assert len([k for k, size in objects(settings).items() if size == SMALL]) == 3  # pointers went, contents stay
+
+    assert sweep_shared_contents(settings, actor="test") == 0  # first pass: marked, nothing deleted yet
+    kept = objects(settings)
+    assert sweep_shared_contents(settings.model_copy(update={"claim_lease_seconds": 0}), actor="test") == 2
+
+    held = objects(settings)
+    assert sorted(size for size in held.values() if size >= SMALL) == [SMALL, len(BASE)]  # step 300's alone
+    assert set(held) < set(kept)
+    assert restored(settings, 300, tmp_path) == {"base.bin": BASE, "adapter.bin": adapters[300]}
+    with Catalog(settings.catalog_url) as cat:
+        assert cat.stored_bytes(2) == len(BASE) + SMALL
+    save(settings, 400)  # the base is still shared after the sweep
+    assert [size for size in objects(settings).values() if size == len(BASE)] == [len(BASE)]
