@@ -118,3 +118,35 @@ def test_a_rotten_shared_file_is_reported_in_every_checkpoint_and_written_once_t
     for step in (100, 200, 300):
         assert (tier1_dir(settings, RUN, step) / "base.bin").read_bytes() == BASE
     assert scrub(settings, fraction=1.0).bad == []
+
+
+def test_a_stagers_frozen_tensors_get_shards_of_their_own_that_tier1_holds_once(settings_factory, db_url):
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+    from tests.kit.pipeline import pipeline_settings
+
+    settings = pipeline_settings(settings_factory, db_url, runs=(RUN,))
+    rng = np.random.default_rng(0)
+    base = {f"base.{i}": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(3)}
+
+    def tensors() -> dict:  # the adapter between the base's layers, as a model's state names them
+        out = dict(base)
+        out["base.1.lora"] = rng.standard_normal(4 << 10, dtype=np.float32)
+        return dict(sorted(out.items()))
+
+    def shards(step: int) -> dict[str, tuple[int, str]]:
+        return {f.path: (f.size, f.checksum) for f in saved[step].manifest.files if f.path.endswith(".safetensors")}
+
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20, frozen=base) as stager:
+        saved = {step: stager.save(step, tensors()) for step in (100, 200)}
+    for step in (100, 200):
+        assert promote(settings, RUN, step).durable
+
+    same = set(shards(100).items()) & set(shards(200).items())
+    assert len(same) == 1  # the base's shard, byte for byte
+    (path, _), = same
+    assert (tier1_dir(settings, RUN, 100) / path).stat().st_ino == (tier1_dir(settings, RUN, 200) / path).stat().st_ino
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20) as mixed:
+        saved = {step: mixed.save(step, tensors()) for step in (300, 400)}
+    assert not set(shards(300).items()) & set(shards(400).items())  # one shard with the adapter in it
