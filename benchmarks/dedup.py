@@ -12,7 +12,10 @@ saved. The last line is the result:
 
     dedup: N checkpoints, tier 1 X GiB, tier 2 Y GiB, bound Z GiB (xR), durable per checkpoint A s vs plain B s
 
-R is the larger tier's bytes over the bound. Full size by hand; CI runs only ``--smoke``.
+R is the larger tier's bytes over the bound. Before it, the pretraining case (every byte new):
+one file of the base's size copied to Tier 1 and uploaded to Tier 2 by the stores with content
+sharing and without it, ``--rounds`` rounds with the order rotated, medians and ratios.
+Full size by hand; CI runs only ``--smoke``.
 
     .venv/bin/python benchmarks/dedup.py [--base-mib 256] [--adapter-mib 4] [--checkpoints 20]
     .venv/bin/python benchmarks/dedup.py --smoke [--s3-endpoint URL]    # 1 MiB base, 4 checkpoints
@@ -31,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import bench_parser, load_line, parse, s3_bucket
+from benchmarks.common import bench_parser, load_line, parse, ratio, run_rounds, s3_bucket, table
+from core import checksum
 from core.layout import checkpoint_prefix
 from core.manifest_build import build_manifest, write_manifest
 from core.settings import RetentionPolicy, load_settings
@@ -46,7 +50,7 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, rounds=1, s3_endpoint=True)
+    ap = bench_parser(__doc__, rounds=3, s3_endpoint=True)
     ap.add_argument("--base-mib", type=float, default=256.0, help="the frozen base, saved unchanged every time")
     ap.add_argument("--adapter-mib", type=float, default=4.0, help="the adapter, new bytes at every save")
     ap.add_argument("--checkpoints", type=int, default=20)
@@ -112,6 +116,47 @@ def restored_bytes(settings, run: str, checkpoints: int, work: Path) -> int:
     return total
 
 
+def pretraining(args, work: Path, endpoint: str, bucket: str, size: int) -> tuple[float, float]:
+    """The stores with and without sharing, each given a file of new bytes (written before each
+    timed call, untimed): the ratios shared / plain of the median copy to Tier 1 and upload to
+    Tier 2 (every file big enough to share)."""
+    from core.storage.local import LocalStore
+    from core.storage.s3 import S3Store
+
+    root = work / "pretraining"
+    source = root / "source.bin"
+    for name in ("plain", "shared"):
+        (root / name).mkdir(parents=True)
+    s3 = {"endpoint_url": endpoint, "range_bytes": min(size, 8 * MiB), "ranged_threshold": size}
+    stores = {"tier 1, plain": LocalStore(root / "plain", 1),
+              "tier 1, shared": LocalStore(root / "shared", 1, shared_content=True),
+              "tier 2, plain": S3Store(f"s3://{bucket}/pretraining-plain", 2, **s3),
+              "tier 2, shared": S3Store(f"s3://{bucket}/pretraining-shared", 2, shared_content=True, **s3)}
+    calls = iter(range(1 << 30))
+    crc = [""]
+
+    def new_bytes(_name: str) -> None:
+        data = os.urandom(size)
+        source.write_bytes(data)
+        crc[0] = checksum.hash_bytes(data)
+
+    def put(store: LocalStore | S3Store) -> Callable[[], object]:
+        def one() -> object:
+            with open(source, "rb", buffering=0) as fh:
+                return store.put_verified(f"file-{next(calls)}.bin", fh, size, crc[0])
+        return one
+
+    for tier in (1, 2):
+        names = [f"tier {tier}, plain", f"tier {tier}, shared"]
+        wall, _ = run_rounds({n: put(stores[n]) for n in names}, args.rounds, before=new_bytes)
+        table(f"pretraining, tier {tier}: one file of {size / MiB:g} MiB, every byte new", wall, names[0], nbytes=size)
+        if tier == 1:
+            r1 = ratio(wall, names[1], names[0])
+    for store in stores.values():
+        store.close()
+    return r1, ratio(wall, names[1], names[0])
+
+
 def site(work: Path, name: str, endpoint: str, bucket: str):
     """Settings of a site of its own (catalog, tiers, Tier 2 prefix), with the run registered:
     what each tier holds is then the run's alone, content stores included."""
@@ -136,6 +181,7 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     plain, _ = durable_times(theirs, PLAIN, n,
                              lambda i: {"base.bin": os.urandom(base_bytes), "adapter.bin": os.urandom(adapter_bytes)})
 
+    pre1, pre2 = pretraining(args, work, endpoint, bucket, base_bytes)
     t1 = tier1_bytes(Path(ours.tier1_url))
     t2 = tier2_bytes(endpoint, bucket, f"{FINE_TUNE}/")
     bound = base_bytes + n * adapter_bytes
@@ -148,6 +194,8 @@ def bench(args, work: Path, endpoint: str, bucket: str) -> None:
     print(f"bytes saved {saved}, bytes restored {back}: {'equal' if back == saved else 'DIFFERENT'}")
     print(f"targets: bytes per tier <= 1.1 x bound, durable after the first <= 0.2 x plain -> "
           f"{max(t1, t2) / bound:.2f} x, {a / b:.2f} x")
+    print(f"pretraining (every byte new): sharing costs x{pre1:.3f} on tier 1, x{pre2:.3f} on tier 2 "
+          "of the stores without it (target: <= 1.02)")
     print(load_line(load))
     print(f"dedup: {n} checkpoints, tier 1 {t1 / GiB:.3f} GiB, tier 2 {t2 / GiB:.3f} GiB, "
           f"bound {bound / GiB:.3f} GiB (x{max(t1, t2) / bound:.2f}), "
