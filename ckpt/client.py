@@ -38,7 +38,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -116,7 +116,7 @@ class CheckpointStager:
                  part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
                  background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  fsync: bool = True, announce: bool = True, measure_stall: bool = True,
-                 attempt: str | None = None):
+                 attempt: str | None = None, frozen: Collection[str] = ()):
         self.origin = run_origin(resumed_from=resumed_from, fine_tuned_from=fine_tuned_from,
                                  branched_from=branched_from)
         if not 0 <= part < parts:
@@ -129,6 +129,9 @@ class CheckpointStager:
         self.node = node or self.settings.node
         self.root = tier0_root(self.settings)
         self.shard_bytes = shard_bytes
+        # tensors the run does not train (a fine-tune's base): shards of their own, so the same
+        # bytes give the same files and the shared tiers hold them once (core.storage.content)
+        self.frozen = frozenset(frozen)
         self.fsync = fsync
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
@@ -250,7 +253,8 @@ class CheckpointStager:
             staging = final.parent / staging_name(final.name)
             try:
                 written = stw.write_sharded(staging, arrays, shard_bytes=self.shard_bytes, prefix=prefix,
-                                            buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync)
+                                            buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync,
+                                            apart=self.frozen)
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)

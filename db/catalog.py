@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
 from core.layout import check_attempt
 from core.manifest import Manifest
+from core.storage.content import SHARED_TIERS
 from db import (
     attempts as _attempts,
     lineage as _lineage,
@@ -645,6 +646,18 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         """(9) Verified bytes and checkpoint counts per run per tier."""
         with self._tx(write=False) as conn:
             return _q.usage(conn, run_row(conn, run).id if run is not None else None)
+
+    def stored_bytes(self, tier: int) -> int:
+        """The data bytes ``tier`` holds, each content once on a tier that shares content
+        (``core.storage.content.SHARED_TIERS``): what a tier's budget and ``ckpt tiers`` count."""
+        with self._tx(write=False) as conn:
+            return _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS)
+
+    def referenced_contents(self, tier: int) -> set[tuple[int, str]]:
+        """(size, CRC32C) of every content a replica on ``tier`` may reference (pending,
+        copying, verified, pruning, corrupt): what a sweep of shared contents must keep."""
+        with self._tx(write=False) as conn:
+            return _q.referenced_contents(conn, tier)
 
     def unpromoted(self, *, older_than_seconds: float = 0, run: str | None = None,
                    limit: int | None = None) -> list[CheckpointInfo]:

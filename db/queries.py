@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
 from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
 from db.entities import (
     CKPT_COMMITTED,
     COPYING,
+    CORRUPT,
+    PENDING,
     PRUNED,
     PRUNING,
     VERIFIED,
@@ -204,6 +206,32 @@ def usage(conn: Connection, run_id: int | None) -> list[TierUsage]:
     if run_id is not None:
         stmt = stmt.where(checkpoints.c.run_id == run_id)
     return [TierUsage(run=n, tier=t, checkpoints=c, bytes=int(b)) for n, t, c, b in conn.execute(stmt)]
+
+
+def _contents(tier: int, states: Sequence[str]) -> Select:
+    """(size, checksum) of every file of ``tier``'s replicas in ``states``."""
+    return (select(files.c.size, files.c.checksum)
+            .select_from(files.join(replicas, and_(replicas.c.checkpoint_id == files.c.checkpoint_id,
+                                                   replicas.c.part == files.c.part)))
+            .where(replicas.c.tier == tier, replicas.c.state.in_(states)))
+
+
+def stored_bytes(conn: Connection, tier: int, *, shared: bool) -> int:
+    """The data bytes ``tier`` holds: every file of a replica that has bytes there (copying,
+    verified, pruning, corrupt); with ``shared`` each content (size, CRC32C: the content
+    store's key) once, however many checkpoints link it."""
+    held = _contents(tier, [COPYING, VERIFIED, PRUNING, CORRUPT])
+    if shared:
+        held = held.distinct()
+    rows = held.subquery()
+    return int(conn.execute(select(func.coalesce(func.sum(rows.c.size), 0))).scalar_one())
+
+
+def referenced_contents(conn: Connection, tier: int) -> set[tuple[int, str]]:
+    """(size, checksum) of every file a replica on ``tier`` may reference: one to be copied or
+    being copied, verified, being pruned, or corrupt (not yet deleted)."""
+    stmt = _contents(tier, [PENDING, COPYING, VERIFIED, PRUNING, CORRUPT]).distinct()
+    return {(int(size), checksum) for size, checksum in conn.execute(stmt)}
 
 
 def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, run_id: int | None,

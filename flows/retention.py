@@ -1,8 +1,9 @@
 """enforce_retention: plan what each tier's policy lets go, show the plan, apply it through
 the guarded prune. Runs on a schedule and after every checkpoint that became durable. The
-scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``). A tier
-whose rules keep more than its byte budget is a line of the plan, named in the artifact's
-description (``over budget: tier 1``), and announced as ``ckpt.tier.over_budget`` when applied.
+scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``) and
+deletes the shared Tier 2 contents no replica references (``tasks.contents``). A tier whose rules
+keep more than its byte budget is a line of the plan, named in the artifact's description
+(``over budget: tier 1``), and announced as ``ckpt.tier.over_budget`` when applied.
 
 The plan is ``core.retention``'s: each replica demoted or retired with the rule that decided it
 (``reason``). A dry run only plans. Applying demotes Tier 0 (of this node) first, then Tier 1,
@@ -21,6 +22,7 @@ from core.settings import Settings, load_settings
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, task_steps
 from tasks.audit import expire_audit_task
+from tasks.contents import sweep_shared_contents_task
 from tasks.prefect_events import emit
 from tasks.retention import OVER_BUDGET, PruneAction, apply_retention
 
@@ -72,4 +74,5 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
                             actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         expire_audit_task(settings, actor=current_actor("retention"))
+        sweep_shared_contents_task(settings, actor=current_actor("retention"))  # and frees Tier 2's contents
     return [a.row() for a in actions]
