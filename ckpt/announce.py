@@ -150,7 +150,9 @@ def warn_if_unserved(api_url: str, node: str) -> None:
     if node_served(api_url, node) is False:
         log.warning("NO AGENT SERVES NODE %r: checkpoints saved here are committed on Tier 0 but never "
                     "promoted (no deployment %s at %s). Set CKPT_NODE to a node an agent serves (`ckpt up` "
-                    "prints it) or start `ckpt agent --node %s` on this machine.", node,
+                    "prints each node's) or start `ckpt agent --node %s --node-only` on this machine "
+                    "(--node-only: the cluster's agent already serves archive, retention, scrub and drill; "
+                    "leave it out only where no agent serves the cluster).", node,
                     _deployment(node), api_url, node)
 
 
@@ -170,7 +172,7 @@ def undelivered(settings: Settings, run: str, step: int, part: int, url: str | N
     nothing is lost (the part stays committed on Tier 0; reconcile finds it)."""
     where = f"to {url}" if url else "(no Prefect API configured: CKPT_PREFECT_API_URL / PREFECT_API_URL)"
     return (f"emit failed: ckpt.checkpoint.completed for {run} step {step} part {part} not delivered {where}; "
-            f"the checkpoint stays committed on Tier 0 and the scheduled reconcile of node {settings.node} "
+            f"the checkpoint stays committed on Tier 0 and the reconcile of node {settings.node} "
             f"promotes it within its interval ({settings.reconcile_interval_seconds} s)")
 
 

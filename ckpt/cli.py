@@ -18,8 +18,12 @@ from rich.markup import escape
 import ckpt.commands
 from core.errors import BadArgument, BadInput, CkptError, ConfigError
 
+# click's own help formatter (rich_markup_mode=None), not typer's rich panels: it reflows each
+# paragraph to the terminal and breaks lines between words, where the panels at 80 columns cut
+# a long option or variable name short with an ellipsis and keep a docstring's line breaks
 app = typer.Typer(name="ckpt", help="Keep training checkpoints safe across storage tiers.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  rich_markup_mode=None)
 err = Console(stderr=True)
 
 

@@ -5,7 +5,7 @@ on Tier 0 (CRC32C computed over the bytes as they are written), writes the manif
 renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
 that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
 background thread (retried; a failure is logged, never raised into training, and the
-scheduled reconcile flow promotes what an event missed); Tier 1 and Tier 2 are the promote
+node agent's reconcile promotes what an event missed); Tier 1 and Tier 2 are the promote
 flow's business.
 
 The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and
@@ -38,7 +38,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -116,7 +116,7 @@ class CheckpointStager:
                  part: int = 0, parts: int = 1, node: str | None = None, project: str | None = None,
                  background: bool = False, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  fsync: bool = True, announce: bool = True, measure_stall: bool = True,
-                 attempt: str | None = None):
+                 attempt: str | None = None, frozen: Collection[str] = ()):
         self.origin = run_origin(resumed_from=resumed_from, fine_tuned_from=fine_tuned_from,
                                  branched_from=branched_from)
         if not 0 <= part < parts:
@@ -129,6 +129,9 @@ class CheckpointStager:
         self.node = node or self.settings.node
         self.root = tier0_root(self.settings)
         self.shard_bytes = shard_bytes
+        # tensors the run does not train (a fine-tune's base): shards of their own, so the same
+        # bytes give the same files and the shared tiers hold them once (core.storage.content)
+        self.frozen = frozenset(frozen)
         self.fsync = fsync
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
@@ -162,7 +165,7 @@ class CheckpointStager:
         ``stall_seconds``: for an adopted folder, the stall the caller measured itself (a trainer
         integration, whose library's own save came before this call, or an async save committed
         from another thread); by default the time this call took."""
-        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, a large share of the client's import
 
         t0 = time.perf_counter()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -235,7 +238,7 @@ class CheckpointStager:
 
     def _commit(self, folder: Path | None, arrays: Mapping[str, tuple[np.ndarray, str]] | None, t0: float | None,
                 *, step: int, stall: float | None = None, **meta: Any) -> SavedCheckpoint:
-        from core import safetensors_writer as stw  # deferred: start-up — numpy, ~0.1 s of the client's import
+        from core import safetensors_writer as stw  # deferred: start-up — numpy, a large share of the client's import
 
         final = self.checkpoint_dir(step)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -250,7 +253,8 @@ class CheckpointStager:
             staging = final.parent / staging_name(final.name)
             try:
                 written = stw.write_sharded(staging, arrays, shard_bytes=self.shard_bytes, prefix=prefix,
-                                            buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync)
+                                            buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync,
+                                            apart=self.frozen)
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)

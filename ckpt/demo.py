@@ -9,9 +9,9 @@ checkpoint has reached its tiers (Tier 1 for all, Tier 2 for milestones), prints
 everything got where it should. Data and logs live under ``./.demo/`` (wiped at the start).
 
 Sized for a 2-core machine: each agent runs at most ``--limit`` (2) flow runs at once (every
-flow run is a Python process; ten at once on 2 cores made each one 5x slower and the time to
-durable 60-90 s instead of 4-28 s), and the agents skip the durable-triggered archive run
-(the promote flow that completes a milestone archives it inline).
+flow run is a Python process; more at once on 2 cores slow each other down and make the time
+to durable longer, not shorter), and the agents skip the durable-triggered archive run (the
+promote flow that completes a milestone archives it inline).
 
     python -m ckpt.demo [--keep-running] [--checkpoints 12] [--mb 64] [--interval 2.5]
 """
@@ -29,13 +29,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from ckpt.client import CheckpointStager, SavedCheckpoint
 from ckpt.commands.catalog import lineage_tree
 from ckpt.local_stack import LocalStack
+from ckpt.tables import FitTable, table as fit_table
 from core.errors import NotFound
 from core.settings import load_settings
+from core.sizing import fmt_bytes
+from core.space import folder_bytes
 from db.catalog import Catalog
 
 if TYPE_CHECKING:
@@ -177,13 +179,12 @@ def wait_for_tiers(saved: list[Saved], *, tier2: bool, timeout: float,
 
 
 # --- the report ----------------------------------------------------------------------------------
-def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> Table:
+def summary_table(saved: list[Saved], got: dict[tuple[str, int], Status]) -> FitTable:
     mark = {"verified": "[green]✓[/green]", "-": "[dim]-[/dim]"}  # else the state(s), e.g. pruned
-    t = Table(title="Checkpoints (✓ verified; pruned: removed by retention while a verified copy is kept "
-                    "elsewhere; per part when the parts differ)",
-              title_justify="left")
-    for col in ("run", "step", "kind", "MB", "tier 0", "tier 1", "tier 2", "durable in", "stall", "ok"):
-        t.add_column(col, justify="left" if col in ("run", "kind") else "right")
+    cols = ("run", "step", "kind", "MB", "tier 0", "tier 1", "tier 2", "durable in", "stall", "ok")
+    t = fit_table(*cols, title="Checkpoints (✓ verified; pruned: removed by retention while a verified copy is "
+                  "kept elsewhere; per part when the parts differ)",
+                  right=tuple(c for c in cols if c not in ("run", "kind")))
     for r in saved:
         s = got[(r.run, r.step)]
         ttd = f"{s.durable_at - r.committed_at:.1f} s" if s.durable_at else "-"
@@ -201,6 +202,18 @@ def lineage(saved: list[Saved]) -> Tree:
     finally:
         cat.close()
     return lineage_tree(root.run, root.step, edges, descendants=True)
+
+
+def closing_lines(data_dir: Path, disk_bytes: int, *, kept_running: bool) -> list[str]:
+    """The demo's last words: how to keep the UI up (after a run that did not), and the disk it
+    leaves behind and where, with what removes it (the next demo wipes it too)."""
+    keep = ("to keep the Prefect UI up after the summary: make demo ARGS=--keep-running "
+            "(python -m ckpt.demo --keep-running); Ctrl-C then stops it")
+    disk = (f"left on disk: {fmt_bytes(disk_bytes)} under {data_dir.absolute()}/ (tiers, catalog, logs); "
+            f"the next demo wipes it, or: rm -rf {data_dir}")
+    lines = [] if kept_running else [keep]
+    lines.append(disk)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(1)
             except KeyboardInterrupt:
                 console.print("stopping ...")
+    for line in closing_lines(args.dir, folder_bytes(args.dir), kept_running=args.keep_running):
+        console.print(line, highlight=False, soft_wrap=True)
     return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import time
@@ -207,6 +208,24 @@ def job_exports(env: dict[str, str], *, node: str, catalog_url: str) -> dict[str
     return dict(sorted(out.items()))
 
 
+def exports_text(per_node: dict[str, dict[str, str]]) -> list[str]:
+    """The lines ``ckpt up`` prints for the jobs: what every node's shell shares, once, then what
+    each node's shell adds (its ``CKPT_NODE``), so that the job of every node, not only the
+    first, is told the label its agent serves."""
+    envs = list(per_node.values())
+    shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)}
+    lines = ["for the training job and the CLI, in another shell"
+             + (" on every node:" if len(per_node) > 1 else ":")]
+    lines += [f"  export {k}={shlex.quote(v)}" for k, v in shared.items()]
+    for node, env in per_node.items():
+        own = [f"export {k}={shlex.quote(v)}" for k, v in env.items() if k not in shared]
+        if own and len(per_node) > 1:
+            lines.append(f"  on {node}: " + "; ".join(own))
+        else:
+            lines += [f"  {line}" for line in own]
+    return lines
+
+
 AGENT_FIRST_WAIT_S = 1.0  # a dead agent is started again after 1 s, then 2, 4, ... (doubling)
 AGENT_LONGEST_WAIT_S = 60.0
 AGENT_STEADY_S = 60.0  # an agent that ran this long before it exited starts its backoff afresh
@@ -244,9 +263,10 @@ class LocalStack(Started):
     agents: list[subprocess.Popen] = field(default_factory=list)
     restarts: list[AgentRestarts] = field(default_factory=list)
 
-    def exports(self) -> dict[str, str]:
-        """``job_exports`` for the first node (the one whose agent also serves the cluster)."""
-        return job_exports(self.env, node=self.nodes[0], catalog_url=str(load_settings().catalog_url))
+    def exports(self) -> dict[str, dict[str, str]]:
+        """``job_exports`` of every node, by node (the first one's agent also serves the cluster)."""
+        catalog_url = str(load_settings().catalog_url)
+        return {node: job_exports(self.env, node=node, catalog_url=catalog_url) for node in self.nodes}
 
     def alive(self) -> bool:
         """Every process of the stack (servers, agents) still runs."""

@@ -84,7 +84,7 @@ class Tier0Space:
     # --- short of room -----------------------------------------------------------------------
     def _make_room(self, run: str, step: int, needed: int, pending: int, free: int) -> int:
         t0 = time.monotonic()
-        retention_on = self.settings.retention(0).enabled
+        retention_on = self.settings.retention(0).lets_go
         deadline = t0 + (self.settings.tier0_space_wait_seconds if retention_on else 0)  # off: nothing to wait for
         before = free
         log.warning("Tier 0 at %s: %s free, %s/%d needs %s; running this node's Tier 0 retention",

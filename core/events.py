@@ -33,6 +33,7 @@ REHYDRATE_FAILED = "ckpt.resume.rehydrate_failed"  # a resume could not rehydrat
 # unreachable) and fetched into the node's own folder instead: the operator's alert
 TIER_LOW = "ckpt.tier.low"  # a tier's free space fell below a few checkpoints' worth (once per crossing)
 TIER_UNAVAILABLE = "ckpt.tier.unavailable"  # a tier root failed its identity proof (tasks.tier_roots)
+TIER_OVER_BUDGET = "ckpt.tier.over_budget"  # what a tier's rules keep exceeds its max_bytes (tasks.retention)
 
 # Prefect's server drops an event over PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES (1.5 MB by
 # default) after answering 204, so an event that big must never leave: ``build_event`` refuses
@@ -135,7 +136,7 @@ def post_events(api_url: str, batch: list[dict[str, Any]], *, timeout: float = 5
     ``headers``, by default ``auth_headers()``: a server with API auth on answers 401 without them."""
     import httpx
 
-    # plain http has no certificate to check: no CA bundle parsed per call (~20 ms of CPU each);
+    # plain http has no certificate to check: no CA bundle parsed per call (CPU each time);
     # no redirect is followed, so nothing reaches https unverified
     r = httpx.post(api_url.rstrip("/") + "/events", json=batch, timeout=timeout,
                    headers=auth_headers() if headers is None else headers,

@@ -162,8 +162,8 @@ def _scan_value(text: str, idx: int, limit: int, what: str, rel: str) -> tuple[A
 
 def _iter_header(text: str, rel: str) -> Iterator[tuple[str, Any]]:
     """(key, value) pairs of the header's top-level JSON object, parsed one entry at a time:
-    the whole header is never materialized as Python objects (json.loads of an 86 MB header
-    with 680,000 entries peaked at ~610 MB; see ``check_safetensors_header``)."""
+    the whole header is never materialized as Python objects (json.loads of a large header
+    takes several times its size in memory; see ``check_safetensors_header``)."""
     idx = _skip_ws(text, 0)
     if text[idx:idx + 1] != "{":
         raise _bad(rel, "safetensors header is not a JSON object")
@@ -205,8 +205,8 @@ def check_safetensors_header(header: bytes | bytearray, data_size: int, rel: str
     without gap or overlap and end exactly at ``data_size``. Returns the tensor count.
 
     Memory is bounded by the header's size, not by its entry count: entries are parsed one at
-    a time (``_iter_header``) and only each span is kept, packed in one int. An ~86 MB header
-    of 680,000 tensors peaks at ~2x the header (its bytes and its text) instead of ~7x.
+    a time (``_iter_header``) and only each span is kept, packed in one int: the peak is the
+    header's bytes and its text.
     """
     try:
         text = header.decode("utf-8")

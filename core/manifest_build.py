@@ -122,7 +122,7 @@ def read_attempt_digest(store: TierStore, prefix: str, part: int = 0, parts: int
 def read_manifest(store: TierStore, prefix: str, part: int = 0, parts: int = 1) -> Manifest:
     """The committed manifest of a part under ``prefix`` (``NotFound`` if not committed)."""
     key = f"{prefix}/{manifest_name(part, parts)}" if prefix else manifest_name(part, parts)
-    try:  # one request, no stat first: on S3 each is a round trip to the first byte (~0.1 s)
+    try:  # one request, no stat first: on S3 each is a round trip to the first byte
         return Manifest.from_json(store.read_small(key))
     except NotFound:
         raise NotFound(f"no manifest at {store.url_for(key)}") from None

@@ -23,6 +23,14 @@ What each tier keeps (the README's table says the same):
 A copy no rule keeps on its tier is *demoted* when another copy of its part, on another tier
 at least as durable, stays (else it is kept as the ``last durable copy``). A checkpoint no tier
 keeps and nothing holds is *retired*: recorded first, then every copy goes.
+
+A tier's byte budget (``max_bytes``; Tier 0's per node) counts what the tier holds
+(``stored_bytes``). Over it, the copies its policy keeps only as ``retention off`` (no rule, no
+hold, no milestone: what a tier with retention off keeps besides) lose that reason, oldest first,
+until what stays fits: each then goes as any copy no rule keeps (demoted under the same promise,
+or retired), with the reason ``over budget (N of M bytes)``. What a rule keeps never goes for
+the budget: the plan's ``budgets`` say what each budgeted tier keeps against its budget and,
+over it, the rules that keep the excess.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from core.policy import is_milestone
@@ -127,9 +135,40 @@ class CheckpointDecision:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """One budgeted tier (Tier 0: one node's) after the plan: ``kept_bytes`` against ``max_bytes``;
+    ``wanted_bytes``: what it would keep without the budget (the N of ``over budget (N of M
+    bytes)``); over budget, ``held_by``: each rule that keeps the excess with the bytes it keeps
+    there (a copy kept by two rules counts for both)."""
+
+    tier: int
+    node: str | None
+    max_bytes: int
+    kept_bytes: int
+    wanted_bytes: int
+    held_by: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def over(self) -> bool:
+        return self.kept_bytes > self.max_bytes
+
+
+@dataclass(frozen=True)
 class Plan:
     checkpoints: tuple[CheckpointDecision, ...]
     replicas: tuple[ReplicaDecision, ...]
+    budgets: tuple[Budget, ...] = ()
+
+
+def stored_bytes(copies: Iterable[ReplicaFacts | ReplicaDecision]) -> int:
+    """The bytes these copies take where they are stored, each distinct stored copy counted once:
+    the one place that says what a tier holds (a store that shares files between checkpoints
+    changes what is distinct here, and nowhere else)."""
+    distinct = {(c.tier, c.url or c.replica_id): c.bytes or 0 for c in copies}
+    return sum(distinct.values())
+
+
+Evictions = Mapping[int, Mapping[tuple[str, int], str]]  # tier -> (run, step) -> the budget's reason
 
 
 def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
@@ -137,22 +176,102 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
     by_run: dict[str, list[CheckpointFacts]] = defaultdict(list)
     for c in facts:
         by_run[c.run].append(c)
+    out = _plan_all(by_run, rules, now, {})
+    limits = {t: p.max_bytes for t, p in rules.policies.items() if p.max_bytes is not None}
+    if not limits:
+        return out
+    wanted = {g: stored_bytes(ds) for g, ds in _kept(out, limits).items()}
+    # oldest first: the writer's stamp of each live checkpoint (a superseded or retired one is
+    # never kept as "retention off", so the live one of its step is the only candidate)
+    live = {(c.run, c.step): c for cs in by_run.values() for c in cs if c.state not in (RETIRED, SUPERSEDED)}
+    evicted: dict[int, dict[tuple[str, int], str]] = defaultdict(dict)
+    tried: set[tuple[int, str, int]] = set()
+    while True:
+        # a copy that stays for the promise (the last durable copy) frees nothing: it loses its
+        # "retention off" (its plan line names what really keeps it) and the next oldest is taken
+        # too; the plan made again decides, and where it freed less than counted, the next round
+        # takes more (each round new ones)
+        added = False
+        reasons = {(d.run, d.step): d.reason for d in out.checkpoints if d.action == KEEP}
+        copies: dict[tuple[str, int], list[ReplicaDecision]] = defaultdict(list)
+        for d in out.replicas:
+            copies[(d.run, d.step)].append(d)
+        for (t, node), kept in _kept(out, limits).items():
+            total, limit = stored_bytes(kept), limits[t]
+            candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
+                                 if d.reason == "retention off" and (t, d.run, d.step) not in tried})
+            for _, run, step in candidates:
+                if total <= limit:
+                    break
+                tried.add((t, run, step))
+                evicted[t][(run, step)] = f"over budget ({wanted[(t, node)]} of {limit} bytes)"
+                added = True
+                if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
+                    total -= stored_bytes(d for d in kept if (d.run, d.step) == (run, step))
+        if not added:
+            break
+        out = _plan_all(by_run, rules, now, evicted)
+    final = sorted(_kept(out, limits).items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+    budgets = tuple(_budget(t, node, limits[t], kept, wanted[(t, node)]) for (t, node), kept in final)
+    return replace(out, budgets=budgets)
+
+
+def _plan_all(by_run: Mapping[str, Sequence[CheckpointFacts]], rules: Rules, now: datetime,
+              evicted: Evictions) -> Plan:
     cks: list[CheckpointDecision] = []
     reps: list[ReplicaDecision] = []
     for run in sorted(by_run):
-        c_out, r_out = _plan_run(sorted(by_run[run], key=lambda c: c.step), rules, now)
+        c_out, r_out = _plan_run(sorted(by_run[run], key=lambda c: c.step), rules, now, evicted)
         cks += c_out
         reps += r_out
     return Plan(checkpoints=tuple(cks), replicas=tuple(sorted(reps, key=lambda d: (d.run, d.step, d.tier, d.part))))
 
 
-def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
+def _frees(c: CheckpointFacts, tier: int, why_kept: str, copies: Sequence[ReplicaDecision], rules: Rules) -> bool:
+    """Whether ``c``'s copies on ``tier``, no longer kept there as ``retention off``, would go by
+    the plan of ``copies`` (its decisions): the checkpoint retired (nothing else keeps it), or each
+    copy demoted (its part kept on another tier at least as durable; not a milestone's archive,
+    which stays while another tier keeps the checkpoint)."""
+    if set(why_kept.split(", ")) <= {f"tier {tier} retention off"}:
+        return True
+    if tier == 2 and rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+        return False
+    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and durability(d.tier) >= durability(tier)}
+    return {r.part for r in c.replicas if r.tier == tier} <= backed
+
+
+def _kept(p: Plan, limits: Mapping[int, int]) -> dict[tuple[int, str | None], list[ReplicaDecision]]:
+    """The copies ``p`` keeps on each budgeted tier, by what one budget covers: the tier, and on
+    Tier 0 the node (each node's NVMe is its own)."""
+    out: dict[tuple[int, str | None], list[ReplicaDecision]] = defaultdict(list)
+    for d in p.replicas:
+        if d.action == KEEP and d.tier in limits:
+            out[(d.tier, d.node if d.tier == 0 else None)].append(d)
+    return out
+
+
+def _budget(tier: int, node: str | None, limit: int, kept: Sequence[ReplicaDecision], wanted: int) -> Budget:
+    """``tier``'s budget after the plan; over it, the bytes each rule keeps there."""
+    total = stored_bytes(kept)
+    held: dict[str, list[ReplicaDecision]] = defaultdict(list)
+    if total > limit:
+        for d in kept:
+            for reason in d.reason.split(", "):
+                if reason == "retention off":  # over budget, nothing stays for that reason alone
+                    continue
+                held["locked until" if reason.startswith("locked until") else reason].append(d)
+    by_rule = sorted(((r, stored_bytes(ds)) for r, ds in held.items()), key=lambda rb: (-rb[1], rb[0]))
+    return Budget(tier=tier, node=node, max_bytes=limit, kept_bytes=total, wanted_bytes=wanted,
+                  held_by=tuple(by_rule))
+
+
+def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime, evicted: Evictions
               ) -> tuple[list[CheckpointDecision], list[ReplicaDecision]]:
     live = [c for c in cks if c.state not in (RETIRED, SUPERSEDED) and c.replicas]
     durable_attempts = {c.attempt for c in live if c.durable}
     newest = max((c.step for c in live if c.verified), default=None)
     newest_durable = max((c.step for c in live if c.durable), default=None)
-    by_tier = {t: _tier_keeps(live, t, rules, now) for t in TIERS}
+    by_tier = {t: _tier_keeps(live, t, rules, now, evicted.get(t, {})) for t in TIERS}
     c_out: list[CheckpointDecision] = []
     r_out: list[ReplicaDecision] = []
     for c in cks:
@@ -176,9 +295,11 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
         lock = [f"locked until {locks[-1].isoformat()}"] if locks else []
         tier_reasons = {t: by_tier[t].get(c.step, []) for t in TIERS if c.on(t)}
         why_kept = holds + parent + lock + [f"tier {t} {r}" for t, rs in tier_reasons.items() for r in rs]
+        over = [evicted[t][(c.run, c.step)] for t in TIERS if (c.run, c.step) in evicted.get(t, {})]
         if not why_kept:
-            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, "no tier keeps it", c.attempt))
-            r_out += [_decide(c, r, RETIRE, "no tier keeps it") for r in c.replicas]
+            gone = over[0] if over else "no tier keeps it"
+            c_out.append(CheckpointDecision(c.run, c.step, RETIRE, gone, c.attempt))
+            r_out += [_decide(c, r, RETIRE, gone) for r in c.replicas]
             continue
         c_out.append(CheckpointDecision(c.run, c.step, KEEP, ", ".join(why_kept), c.attempt))
         parent_tier = max((t for t in tier_reasons if c.complete(t)), default=max(tier_reasons))
@@ -200,7 +321,8 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime
                 elif any(o is not r and o.part == r.part and o.tier != t and durability(o.tier) >= durability(t)
                          for o in staying):
                     staying.discard(r)
-                    r_out.append(_decide(c, r, DEMOTE, f"not kept on tier {t}"))
+                    why = evicted.get(t, {}).get((c.run, c.step), f"not kept on tier {t}")
+                    r_out.append(_decide(c, r, DEMOTE, why))
                 else:
                     r_out.append(_decide(c, r, KEEP, "last durable copy" if t else "not yet durable"))
     return c_out, r_out
@@ -232,15 +354,39 @@ def _holds(c: CheckpointFacts, newest: int | None, newest_durable: int | None) -
     return out
 
 
-def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: datetime) -> dict[int, list[str]]:
-    """step -> the rules of ``tier``'s policy that keep it there (empty: none)."""
+def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: datetime,
+                evicted: Mapping[tuple[str, int], str]) -> dict[int, list[str]]:
+    """step -> the rules of ``tier``'s policy that keep it there (empty: none); ``evicted``: the
+    checkpoints the tier's budget no longer keeps as ``retention off``."""
     policy = rules.policies.get(tier) or RetentionPolicy(enabled=False)
     held = sorted((c for c in live if c.on(tier)), key=lambda c: c.step, reverse=True)
     keeps: dict[int, list[str]] = {c.step: [] for c in held}
     if not policy.enabled:
         for c in held:
-            keeps[c.step].append("retention off")
-        return keeps
+            if (c.run, c.step) not in evicted:
+                keeps[c.step].append("retention off")
+        if policy.max_bytes is None:
+            return keeps
+        # under a budget, what is not yet durable and a kept milestone are named: such a copy is
+        # kept by a rule, never only as "retention off", so the budget never takes it
+    else:
+        _policy_keeps(held, policy, now, keeps)
+    for c in held:
+        if tier == 0 and not c.durable:
+            keeps[c.step].append("not yet durable")
+        elif tier == 1 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+            # Tier 1 holds a milestone until Tier 2 has it (the archive reads Tier 1), or for good
+            # as the archive; Tier 0 is scratch: its copy goes once the checkpoint is durable
+            if rules.tier2_on and not c.complete(2):
+                keeps[c.step].append("milestone not yet archived")
+            elif not rules.tier2_on:
+                keeps[c.step].append("milestone")
+    return keeps
+
+
+def _policy_keeps(held: Sequence[CheckpointFacts], policy: RetentionPolicy, now: datetime,
+                  keeps: dict[int, list[str]]) -> None:
+    """Add to ``keeps`` what the policy's own rules keep of ``held`` (newest first)."""
     for c in held[: policy.keep_last or 0]:
         keeps[c.step].append("keep_last")
     metric = policy.metric
@@ -258,17 +404,6 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
         for c in held:
             if c.created_at >= cutoff or (c.committed_at is not None and c.committed_at >= cutoff):
                 keeps[c.step].append("max_age")
-    for c in held:
-        if tier == 0 and not c.durable:
-            keeps[c.step].append("not yet durable")
-        elif tier == 1 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
-            # Tier 1 holds a milestone until Tier 2 has it (the archive reads Tier 1), or for good
-            # as the archive; Tier 0 is scratch: its copy goes once the checkpoint is durable
-            if rules.tier2_on and not c.complete(2):
-                keeps[c.step].append("milestone not yet archived")
-            elif not rules.tier2_on:
-                keeps[c.step].append("milestone")
-    return keeps
 
 
 def _decide(c: CheckpointFacts, r: ReplicaFacts, action: str, reason: str) -> ReplicaDecision:

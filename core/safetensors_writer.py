@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +77,17 @@ def snapshot(tensors: Mapping[str, object],
     return out
 
 
-def plan_shards(arrays: Mapping[str, tuple[np.ndarray, str]], shard_bytes: int) -> list[list[str]]:
-    """Tensor names grouped into shards of at most ``shard_bytes`` (a bigger tensor: alone)."""
+def plan_shards(arrays: Mapping[str, tuple[np.ndarray, str]], shard_bytes: int,
+                apart: Collection[str] = ()) -> list[list[str]]:
+    """Tensor names grouped into shards of at most ``shard_bytes`` (a bigger tensor: alone).
+    The names in ``apart`` (tensors that do not change between saves, a fine-tune's frozen
+    base) come first, in shards of their own: the same tensors give the same files, which the
+    shared tiers then hold once."""
+    if apart:
+        kept = [n for n in arrays if n in apart]
+        first = plan_shards({n: arrays[n] for n in kept}, shard_bytes) if kept else []
+        rest = {n: arrays[n] for n in arrays if n not in apart}
+        return first + (plan_shards(rest, shard_bytes) if rest else [])
     shards: list[list[str]] = [[]]
     used = 0
     for name in arrays:  # insertion order: deterministic file contents for the same input
@@ -151,10 +160,11 @@ def fsync_all(paths: list[str], threads: int = 8) -> None:
 
 def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarray, str]], *,
                   shard_bytes: int, prefix: str = "", buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
-                  fsync: bool = True) -> list[WrittenFile]:
+                  fsync: bool = True, apart: Collection[str] = ()) -> list[WrittenFile]:
     """Hugging Face sharded layout under ``folder/prefix``: ``model-0000i-of-0000n.safetensors``
-    plus ``model.safetensors.index.json`` (its ``weight_map`` names every shard)."""
-    groups = plan_shards(arrays, shard_bytes)
+    plus ``model.safetensors.index.json`` (its ``weight_map`` names every shard); the tensors
+    in ``apart`` in shards of their own (``plan_shards``)."""
+    groups = plan_shards(arrays, shard_bytes, apart)
     base = os.path.join(folder, prefix) if prefix else os.fspath(folder)
     os.makedirs(base, exist_ok=True)
     written, weight_map, total, paths = [], {}, 0, []

@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from core.errors import ConfigError
+from core.errors import BadInput, ConfigError
 
 
 class RetentionPolicy(BaseModel):
@@ -43,6 +43,44 @@ class RetentionPolicy(BaseModel):
                                                description="best top_k: the lowest (min) or the highest (max)")
     max_age_days: float | None = Field(default=None, gt=0, description="keep checkpoints younger than this")
     enabled: bool = Field(default=True, description="off: this tier keeps everything it holds")
+    max_bytes: int | None = Field(
+        default=None, ge=1,
+        description="the most this tier holds ('2TB', '500GiB' or bytes; on Tier 0 per node): what its policy "
+                    "keeps only as 'retention off' goes oldest first beyond it; what a rule keeps never goes for "
+                    "it, and a tier whose rules keep more raises ckpt.tier.over_budget")
+
+    @field_validator("keep_last", "top_k", "metric", "max_age_days", mode="before")
+    @classmethod
+    def _none_unsets(cls, v: object) -> object:
+        """'none' or blank (from the environment or ckpt.toml, which have no null) unsets a rule
+        the tier's default policy has, e.g. ``CKPT_RETENTION_TIER1__KEEP_LAST=none``."""
+        return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _human_size(cls, v: object) -> object:
+        """'2TB' (decimal), '500GiB' (binary) or a plain number of bytes; blank is unset. A
+        non-finite or fractional-byte figure is refused, never rounded to a budget of nothing."""
+        import math
+
+        from core.sizing import parse_size  # deferred: start-up — only a budget given as text needs it
+
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        if isinstance(v, bool):
+            raise ValueError(f"a size in bytes, not {v!r}")
+        try:
+            size = parse_size(v) if isinstance(v, str) else float(v)  # type: ignore[arg-type]
+        except (BadInput, TypeError, ValueError) as exc:
+            raise ValueError(str(exc) if isinstance(exc, BadInput) else f"a size in bytes, not {v!r}") from None
+        if not math.isfinite(size) or size < 1:
+            raise ValueError(f"must be a finite size of at least 1 byte, got {v!r}")
+        return int(size)
+
+    @property
+    def lets_go(self) -> bool:
+        """Whether retention may let anything go on this tier: on, or off under a budget."""
+        return self.enabled or self.max_bytes is not None
 
 
 class MilestonePolicy(BaseModel):
@@ -87,7 +125,7 @@ class Settings(BaseSettings):
                                                   description="the manifests' checksum (CRC32C, as S3 checks it)")
     copy_parallelism: int = Field(default=4, ge=1, le=64, description="files copied at once per part")
     io_buffer_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024,
-                                 description="buffer per stream (1-4 MiB is fastest here)")
+                                 description="buffer per stream (the default is the fastest measured)")
     copy_nice: int = Field(default=10, ge=0, le=19, description="niceness the agent's copy and verify worker "
                            "threads take on (0: the agent's own), so a training job on the node keeps its cores")
     copy_io_class: Literal["idle", "best-effort", "unchanged"] = Field(
@@ -96,7 +134,7 @@ class Settings(BaseSettings):
         "mq-deadline only the class)")
     tier1_direct_io: bool = Field(
         default=False, description="Tier 1's bulk writes and reads (a promotion's copy into it and its read-back, "
-        "verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): under half the CPU per byte here, no page "
+        "verifies and scrubs of Tier 1) bypass the page cache (O_DIRECT): less CPU per byte, no page "
         "cache filled on the node, and the read-back reads what the storage holds, at the cost of that read; "
         "buffered where the file system refuses it")
     s3_multipart_threshold: int = Field(default=64 * 1024 * 1024, ge=5 * 1024 * 1024,
@@ -128,6 +166,17 @@ class Settings(BaseSettings):
         default=True,
         description="a checkpoint another run resumed, fine-tuned or branched from keeps a verified copy on a "
                     "durable tier while that run has any checkpoint")
+
+    tier0_price_gb_month: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 0 costs (ckpt tiers, the status page): node NVMe is already paid "
+                    "for with the node, so 0")
+    tier1_price_gb_month: float = Field(
+        default=0.14, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 1 costs: about a managed parallel file system's list price")
+    tier2_price_gb_month: float = Field(
+        default=0.023, ge=0, allow_inf_nan=False,
+        description="what a GB-month on Tier 2 costs: S3 Standard's list price (first 50 TB, us-east-1)")
 
     prefect_api_url: str | None = Field(default=None, description="Prefect API; else Prefect's own setting")
     reconcile_interval_seconds: int = Field(default=60, ge=5, description="how often each agent's reconcile pass runs")
@@ -191,6 +240,7 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if Path(toml_path).is_file():
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        sources.append(_TierPolicyDefaults(settings_cls))
         return tuple(sources)
 
     @field_validator("tier0_url", "tier1_url", "catalog_url", mode="before")
@@ -226,8 +276,27 @@ class Settings(BaseSettings):
     def tier_url(self, tier: int) -> str | None:
         return {0: self.tier0_url, 1: self.tier1_url, 2: self.tier2_url}[tier]
 
+    def price_gb_month(self, tier: int) -> float:
+        return {0: self.tier0_price_gb_month, 1: self.tier1_price_gb_month, 2: self.tier2_price_gb_month}[tier]
+
     def retention(self, tier: int) -> RetentionPolicy:
         return {0: self.retention_tier0, 1: self.retention_tier1, 2: self.retention_tier2}[tier]
+
+
+class _TierPolicyDefaults(PydanticBaseSettingsSource):
+    """The lowest source: each tier's default retention policy as fields, so that a policy given
+    in part (``CKPT_RETENTION_TIER2__MAX_BYTES=50TB`` alone, a ``[retention_tier1]`` table with
+    one key, a dict of some fields) changes those fields of the tier's default and keeps the rest
+    (Tier 2's "retention off", Tier 1's ``keep_last``); a ``RetentionPolicy`` given whole replaces
+    it whole."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # every value comes from __call__
+
+    def __call__(self) -> dict[str, Any]:
+        fields = self.settings_cls.model_fields
+        return {name: fields[name].default.model_dump() for name in ("retention_tier0", "retention_tier1",
+                                                                      "retention_tier2")}
 
 
 def redact_url(url: str) -> str:

@@ -60,6 +60,7 @@ class TransferReport:
     bytes: int  # bytes copied now
     seconds: float
     skipped: int  # files already published and matching (a resumed or repeated copy)
+    first_byte_seconds: float | None = None  # from the start to the first byte read from the source (None: none read)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,17 @@ def _key(prefix: str, rel: str) -> str:
 
 
 class _Counter:
-    """Cumulative bytes across threads, reported to ``progress``."""
+    """Cumulative bytes across threads, reported to ``progress``; and when the first byte was
+    read from the source (``first_at``, monotonic), the hop's first-byte latency: a file found
+    already at the destination is counted (``read=False``) but moved no byte."""
 
     def __init__(self, progress: Progress | None):
         self.progress, self.done, self._lock = progress, 0, threading.Lock()
+        self.first_at: float | None = None
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, read: bool = True) -> None:
+        if read and n and self.first_at is None:  # a race between two first reads keeps either: both are first
+            self.first_at = time.monotonic()
         if self.progress is None:
             return
         with self._lock:
@@ -332,7 +338,7 @@ def copy_part(
         if _already_there(dst_store, key, entry):
             if check_source and (bad := source_bad(entry)) is not None:
                 raise SourceMismatch(str(bad), path=entry.path)
-            counter.add(entry.size)
+            counter.add(entry.size, read=False)
             return -1
         try:
             if _ranged(src_store, dst_store, entry.size):
@@ -372,7 +378,8 @@ def copy_part(
         counter.add(0)  # the caller's last word first (a claim lost while the last file was written: no commit)
         dst_store.write_small_atomic(manifest_key, marker)
     copied = [r for r in results if r >= 0]
-    return TransferReport(len(copied), sum(copied), time.monotonic() - t0, len(results) - len(copied))
+    first = counter.first_at - t0 if counter.first_at is not None else None
+    return TransferReport(len(copied), sum(copied), time.monotonic() - t0, len(results) - len(copied), first)
 
 
 def _ranged(src: TierStore, dst: TierStore, size: int) -> bool:

@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
 from core.layout import check_attempt
 from core.manifest import Manifest
+from core.storage.content import SHARED_TIERS
 from db import (
     attempts as _attempts,
     lineage as _lineage,
@@ -87,6 +88,7 @@ from db.session import (
     release_engine,
     transaction,
 )
+from db.storage import Storage
 from db.tier_roots import TierRoots
 
 if TYPE_CHECKING:
@@ -96,7 +98,7 @@ if TYPE_CHECKING:
 CHECKPOINT_STATES = (CKPT_PARTIAL, CKPT_COMMITTED, CKPT_REJECTED, CKPT_CORRUPT)
 
 
-class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
+class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
     # --- lifecycle -------------------------------------------------------------------
     def __init__(self, url: str, *, check_schema: bool = True,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
@@ -362,13 +364,15 @@ class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
     def transition(self, replica_id: int, to_state: str, *, expected: str | Sequence[str] | None = None,
                    actor: str, reason: str | None = None, claim_token: str | None = None,
                    bytes: int | None = None, copy_seconds: float | None = None,
+                   first_byte_seconds: float | None = None,
                    etag: str | None = None, version_id: str | None = None,
                    seen_updated_at: datetime | None = None) -> ReplicaInfo:
         """Move a replica: illegal moves raise ``IllegalTransition``; a state not in ``expected``
         (or a foreign ``claim_token``, or a row changed since the caller read it at
         ``seen_updated_at``: a compare-and-set on what it saw) raises ``StaleState``. Entering
         ``verified`` stamps ``verified_at``. One transaction; audited."""
-        given = dict(bytes=bytes, copy_seconds=copy_seconds, etag=etag, version_id=version_id)
+        given = dict(bytes=bytes, copy_seconds=copy_seconds, first_byte_seconds=first_byte_seconds, etag=etag,
+                     version_id=version_id)
         values = {k: v for k, v in given.items() if v is not None}
         with self._tx() as conn:
             row = _state.transition(conn, replica_id, to_state, expected=expected, claim_token=claim_token,
@@ -642,6 +646,18 @@ class Catalog(Pins, Audit, Drills, TierRoots, CatalogPart):
         """(9) Verified bytes and checkpoint counts per run per tier."""
         with self._tx(write=False) as conn:
             return _q.usage(conn, run_row(conn, run).id if run is not None else None)
+
+    def stored_bytes(self, tier: int) -> int:
+        """The data bytes ``tier`` holds, each content once on a tier that shares content
+        (``core.storage.content.SHARED_TIERS``): what a tier's budget and ``ckpt tiers`` count."""
+        with self._tx(write=False) as conn:
+            return _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS)
+
+    def referenced_contents(self, tier: int) -> set[tuple[int, str]]:
+        """(size, CRC32C) of every content a replica on ``tier`` may reference (pending,
+        copying, verified, pruning, corrupt): what a sweep of shared contents must keep."""
+        with self._tx(write=False) as conn:
+            return _q.referenced_contents(conn, tier)
 
     def unpromoted(self, *, older_than_seconds: float = 0, run: str | None = None,
                    limit: int | None = None) -> list[CheckpointInfo]:

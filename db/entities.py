@@ -167,6 +167,30 @@ class TierUsage:
 
 
 @dataclass(frozen=True)
+class TierHolding:
+    """What one tier holds: checkpoints with a verified copy there, their bytes as the manifests
+    count them (``logical_bytes``) and as the tier stores them (``stored_bytes``, ``db.storage``)."""
+
+    tier: int
+    checkpoints: int
+    logical_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class HopTiming:
+    """One timed transfer the catalog recorded: a copy into ``tier`` (``write``: the hop's copy
+    and read-back) or a restore drill from it (``read``)."""
+
+    tier: int
+    direction: str  # 'write' | 'read'
+    bytes: int
+    seconds: float
+    first_byte_seconds: float | None
+    at: datetime
+
+
+@dataclass(frozen=True)
 class DrillResult:
     id: int
     run: str

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
-# Alembic (with Mako and what they import: ~7 MB of an agent's memory) is imported only to migrate:
+# Alembic (with Mako and what they import: memory in every agent) is imported only to migrate:
 # the schema check every process makes (Catalog.check_schema) reads the scripts' revisions as
 # text and the version table with one query. An agent, its fork server and its part processes
 # each held those pages for a check that needs neither.

@@ -217,6 +217,7 @@ class Replica(Base):
         UniqueConstraint("checkpoint_id", "tier", "part"),  # queries 2, 3, 6, 7: a checkpoint's copies
         Index(None, "tier", "state", "id"),  # queries 7, 9; reconcile's vanished-copy sweep pages by id
         Index(None, "state", "checked_at", "id"),  # scrub: verified replicas, least recently read first
+        Index(None, "tier", "verified_at"),  # ckpt tiers: the hops into a tier over the last day (0010)
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -229,6 +230,8 @@ class Replica(Base):
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     copy_seconds: Mapped[float | None] = mapped_column(Float)
+    # the hop's wait from its start to the first byte read from its source (migration 0010)
+    first_byte_seconds: Mapped[float | None] = mapped_column(Float)
     etag: Mapped[str | None] = mapped_column(String(256))
     version_id: Mapped[str | None] = mapped_column(String(256))
     claim_token: Mapped[str | None] = mapped_column(String(64))

@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
 from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
 from db.entities import (
     CKPT_COMMITTED,
     COPYING,
+    CORRUPT,
+    PENDING,
     PRUNED,
     PRUNING,
     VERIFIED,
@@ -66,10 +68,10 @@ def _filter_only(conn: Connection, col: ColumnElement) -> ColumnElement:
     SQLite takes an equality on any indexed column as selective. ``replicas.state = 'verified'``
     matches nearly every row, yet with ``ix_replicas_state_checked_at_id`` (migration 0003) the
     planner drove one run's prune candidates from it and walked every verified replica of the
-    catalog (1M checkpoints: p95 389 ms on Tier 0, 1,058 ms on Tier 1, instead of a few ms
-    through the run's checkpoints). PostgreSQL plans from its statistics, and the expression
-    would cost it them (an expression's selectivity is a guess, 0.5 %, so it drove the plan
-    from a scan of every replica): there the column stays as it is."""
+    catalog instead of the run's checkpoints (docs/benchmarks.md has the cost at a million
+    checkpoints). PostgreSQL plans from its statistics, and the expression would cost it them
+    (an expression's selectivity is a guess, 0.5 %, so it drove the plan from a scan of every
+    replica): there the column stays as it is."""
     if conn.dialect.name != "sqlite":
         return col
     return col + (0 if col.type.python_type is int else "")
@@ -109,7 +111,7 @@ def newest_verified_steps(conn: Connection, run_ids: Sequence[int] | None) -> di
     For given runs: each run's checkpoints walked newest first on ``(run_id, step)`` until the
     first complete one, a few index entries per run. (A ``GROUP BY run_id`` with ``run_id IN``
     planned, on SQLite without statistics, from the ``(state, verified_tiers)`` index: every
-    complete checkpoint of the catalog, 15 s per reconcile pass at 1M checkpoints.)"""
+    complete checkpoint of the catalog, on every reconcile pass.)"""
     if run_ids is None:
         return dict(conn.execute(
             select(checkpoints.c.run_id, func.max(checkpoints.c.step))
@@ -204,6 +206,32 @@ def usage(conn: Connection, run_id: int | None) -> list[TierUsage]:
     if run_id is not None:
         stmt = stmt.where(checkpoints.c.run_id == run_id)
     return [TierUsage(run=n, tier=t, checkpoints=c, bytes=int(b)) for n, t, c, b in conn.execute(stmt)]
+
+
+def _contents(tier: int, states: Sequence[str]) -> Select:
+    """(size, checksum) of every file of ``tier``'s replicas in ``states``."""
+    return (select(files.c.size, files.c.checksum)
+            .select_from(files.join(replicas, and_(replicas.c.checkpoint_id == files.c.checkpoint_id,
+                                                   replicas.c.part == files.c.part)))
+            .where(replicas.c.tier == tier, replicas.c.state.in_(states)))
+
+
+def stored_bytes(conn: Connection, tier: int, *, shared: bool) -> int:
+    """The data bytes ``tier`` holds: every file of a replica that has bytes there (copying,
+    verified, pruning, corrupt); with ``shared`` each content (size, CRC32C: the content
+    store's key) once, however many checkpoints link it."""
+    held = _contents(tier, [COPYING, VERIFIED, PRUNING, CORRUPT])
+    if shared:
+        held = held.distinct()
+    rows = held.subquery()
+    return int(conn.execute(select(func.coalesce(func.sum(rows.c.size), 0))).scalar_one())
+
+
+def referenced_contents(conn: Connection, tier: int) -> set[tuple[int, str]]:
+    """(size, checksum) of every file a replica on ``tier`` may reference: one to be copied or
+    being copied, verified, being pruned, or corrupt (not yet deleted)."""
+    stmt = _contents(tier, [PENDING, COPYING, VERIFIED, PRUNING, CORRUPT]).distinct()
+    return {(int(size), checksum) for size, checksum in conn.execute(stmt)}
 
 
 def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, run_id: int | None,

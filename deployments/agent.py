@@ -5,8 +5,10 @@ What one agent serves:
   part of its node on its ``ckpt.checkpoint.completed`` event itself (the Tier 0 -> Tier 1 copy
   runs where the bytes are), and the part that completes a checkpoint starts the checkpoint's one
   run of this deployment (deployments/part_events.py); ``ckpt promote`` asks for one by hand;
-  ``reconcile/<node>`` every ``reconcile_interval_seconds`` (the safety
-  net for events that never arrived or triggers that never fired).
+  and, as plain code in this process rather than a deployment, reconcile every
+  ``reconcile_interval_seconds`` (the safety net for events that never arrived;
+  deployments/reconcile_loop.py), which leaves a ``reconcile/<node>`` flow run only when a pass
+  acted.
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
@@ -47,6 +49,7 @@ from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.part_events import part_events
+from deployments.reconcile_loop import reconciling
 
 log = logging.getLogger("ckpt.agent")
 
@@ -68,7 +71,6 @@ def node_deployments(settings: Settings) -> list[Any]:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
-    from flows.reconcile import reconcile  # deferred: start-up — Prefect, SQLAlchemy
 
     node = settings.node
     return [
@@ -76,11 +78,6 @@ def node_deployments(settings: Settings) -> list[Any]:
             name=node, enforce_parameter_schema=False,
             entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
             description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
-        ),
-        reconcile.to_deployment(
-            name=node, interval=timedelta(seconds=settings.reconcile_interval_seconds),
-            parameters={"node": node}, entrypoint_type=EntrypointType.MODULE_PATH,
-            tags=["ckpt", f"node:{node}"], description=f"Finish what events missed on {node}.",
         ),
     ]
 
@@ -167,7 +164,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
-        with part_events(settings):
+        with part_events(settings), reconciling(settings):
             try:
                 serve(*deployments, limit=limit, print_starting_message=True)
             except (KeyboardInterrupt, TerminationSignal) as exc:

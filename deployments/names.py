@@ -11,7 +11,7 @@ from __future__ import annotations
 PROMOTE_FLOW = "promote-checkpoint"
 ARCHIVE_FLOW = "archive-checkpoint"
 RETENTION_FLOW = "enforce-retention"
-RECONCILE_FLOW = "reconcile"
+RECONCILE_FLOW = "reconcile"  # no deployment: the agent runs it (deployments/reconcile_loop.py)
 SCRUB_FLOW = "scrub"
 DRILL_FLOW = "restore-drill"
 
@@ -28,12 +28,6 @@ ARCHIVE_DEPLOYMENT = ARCHIVE_FLOW + "/" + CLUSTER
 RETENTION_DEPLOYMENT = RETENTION_FLOW + "/" + CLUSTER
 SCRUB_DEPLOYMENT = SCRUB_FLOW + "/" + CLUSTER  # on Settings.scrub_cron
 DRILL_DEPLOYMENT = DRILL_FLOW + "/" + CLUSTER  # on Settings.drill_cron
-RECONCILE_DEPLOYMENT = RECONCILE_FLOW + "/{node}"  # reconcile sweeps this node's Tier 0
-
-
-def reconcile_deployment(node: str) -> str:
-    return RECONCILE_DEPLOYMENT.format(node=node)
-
 
 # Trigger template of the archive deployment: the event's payload, passed through raw (the
 # flow validates). Every key has a default: Prefect silently drops a triggered run whose

@@ -103,6 +103,14 @@ def plain_steps() -> Steps:
     return Steps(**{name: task.fn for name, task in step_tasks().items()})
 
 
+def inline_steps(settings: Settings) -> Steps:
+    """Every step inline in the caller, under the configured retry policy (``tasks.retry.retrying``):
+    no task run, and no flow run needed around them (reconcile's pass in the agent)."""
+    return Steps(**{name: retrying(task.fn, name=task.name, retries=settings.task_retries,
+                                   base_delay=settings.task_retry_delay_seconds)
+                    for name, task in step_tasks().items()})
+
+
 PART_HOPS = ("tier1_hop", "tier2_hop")  # the steps that run once per part of a checkpoint
 
 

@@ -39,7 +39,7 @@ def drill_flow(run: str | None = None, scratch: str | None = None, nodes: int | 
     publish_table(artifact_key("restore-drill"), flat + [{"tier": None, "ok": None, "detail": s} for s in skipped],
                   title)
     if drilled is not None:
-        publish_run_status(settings.catalog_url, drilled.run)
+        publish_run_status(settings, drilled.run)
     for r in rows:
         print(f"tier {r['tier']} step {r['step']}, {r['nodes']} node(s): {'ok' if r['ok'] else 'FAILED'}, "
               f"RTO {r['rto_seconds']} s, bound {r['bound_seconds']} s {r['detail']}")

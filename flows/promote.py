@@ -207,7 +207,7 @@ def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int |
             archived = hop_rows(result.archive.hops) if result.archive else []
             publish_table(artifact_key("promote", run, step, part), parts + archived,
                           f"promotion of {run} step {step}: its {result.parts} part(s)")
-            publish_run_status(str(settings.catalog_url), run)
+            publish_run_status(settings, run, durable_steps=(result.step,))
 
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,
                          actor=actor, on_durable=durable, attempt=attempt)

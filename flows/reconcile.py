@@ -1,6 +1,10 @@
 """reconcile: make the catalog agree with what the tiers hold, and finish what events missed.
 
-Runs every few minutes on each node (and on demand). In order:
+Runs every ``reconcile_interval_seconds`` on each node, inside its agent as plain code
+(``reconcile_pass``; deployments/reconcile_loop.py), and on demand (``ckpt reconcile``: the
+``reconcile`` flow). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
+(``ReconcileReport.acted``): the usual pass finds nothing, and one run per node a minute would
+bury the promotions on the Runs page (and cost the orchestrator a run per node a minute). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
    or verify) is re-checked against its files, as a verify does: ``verified`` when they read
    back whole, else ``missing`` (or ``corrupt``) so promotion acts again; one ``pruning`` past its lease is
@@ -37,6 +41,7 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +55,7 @@ from core.transfer import find_committed
 from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
-from flows.common import Steps, current_actor, task_steps
+from flows.common import Steps, current_actor, inline_steps, task_steps
 from flows.promote import PromoteResult, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier, sweep_tombs
@@ -189,7 +194,7 @@ def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) 
 
 def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps, actor: str) -> None:
     """Apply Tier 0 retention to the replicas on this node's NVMe (step 5)."""
-    if not settings.retention(0).enabled:
+    if not settings.retention(0).lets_go:
         return
     plan = steps.plan_retention(settings, tiers=(0,), node=settings.node)
     for action in apply_retention(settings, plan, prune=steps.prune, actor=actor):
@@ -221,17 +226,63 @@ def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, st
     steps.mark_complete(settings, run, step, 1, actor=actor, attempt=attempt)
 
 
+def publish_report(settings: Settings, report: ReconcileReport) -> None:
+    """The pass's report as its run's artifacts: every item (``reconcile-<node>``) and the
+    promotions as a promote run shows them (``reconcile-promotions-<node>``)."""
+    publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+    if report.promotions:  # in the UI, a checkpoint reconcile promoted reads as a promotion
+        publish_table(artifact_key("reconcile-promotions", settings.node), report.promotions,
+                      f"checkpoints reconcile promoted on {settings.node} (no event-driven run had)")
+
+
 @flow(name="reconcile", flow_run_name="reconcile/{node}")
 def reconcile(node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks; the report is an artifact."""
+    """On demand (``ckpt reconcile``): settings read once here; the steps run as Prefect tasks;
+    the report is an artifact."""
     settings = load_settings(**({"node": node} if node else {}))
     with artifact_batch(), announcing(emit):
         report = reconcile_once(settings, steps=task_steps(settings),
                                 actor=current_actor(f"reconcile/{settings.node}"),
                                 grace_seconds=settings.reconcile_interval_seconds,
-                                on_durable=lambda result: publish_run_status(str(settings.catalog_url), result.run))
-        publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
-        if report.promotions:  # in the UI, a checkpoint reconcile promoted reads as a promotion
-            publish_table(artifact_key("reconcile-promotions", settings.node), report.promotions,
-                          f"checkpoints reconcile promoted on {settings.node} (no event-driven run had)")
+                                on_durable=lambda result: publish_run_status(
+                                    settings, result.run, durable_steps=(result.step,)))
+        publish_report(settings, report)
     return {k: list(v) for k, v in vars(report).items()}
+
+
+def reconcile_pass(settings: Settings) -> ReconcileReport:
+    """One pass as a node's agent runs it: plain code in the caller, no flow run, no task runs,
+    each step under the task retry policy (``inline_steps``), the facts it announces sent to the
+    event feed as a flow's are. Only a pass that acted (``ReconcileReport.acted``) then leaves its
+    flow run, ``reconcile/<node>`` (``reconciled``). Its actor in the audit is
+    ``reconcile/<node>``."""
+    durable: set[tuple[str, int]] = set()
+    with announcing(emit):
+        report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
+                                grace_seconds=settings.reconcile_interval_seconds,
+                                on_durable=lambda result: durable.add((result.run, result.step)))
+    if report.acted():
+        reconciled(settings.node, json.dumps(vars(report)), sorted(durable), return_state=True)
+    return report
+
+
+@flow(name="reconcile", flow_run_name="reconcile/{node}")
+def reconciled(node: str, report: str, durable: list[tuple[str, int]]) -> Any:
+    """The flow run of an agent's pass that acted, made after the pass (``reconcile_pass``): its
+    report as artifacts, the status page of each training run it made ``durable`` (run, step)
+    republished (a failed promote run of those checkpoints then reads repaired by
+    ``reconcile/<node>`` there, and carries a note in its own Artifacts tab), the pass's report
+    (``ReconcileReport`` as JSON: a flow's parameters are plain values) as its result. Failed,
+    with the items in its message, when an item failed: red on the Runs page, as a failed
+    promotion is."""
+    from prefect.states import Failed
+
+    settings = load_settings(node=node)
+    done = ReconcileReport(**json.loads(report))
+    with artifact_batch():
+        publish_report(settings, done)
+        for run in sorted({r for r, _ in durable}):
+            publish_run_status(settings, run, durable_steps={step for r, step in durable if r == run})
+    if done.failed:
+        return Failed(message=f"{len(done.failed)} item(s) failed: " + "; ".join(done.failed[:5]))
+    return {k: list(v) for k, v in vars(done).items()}

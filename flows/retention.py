@@ -1,6 +1,9 @@
 """enforce_retention: plan what each tier's policy lets go, show the plan, apply it through
 the guarded prune. Runs on a schedule and after every checkpoint that became durable. The
-scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``).
+scheduled run (all runs, not a dry run) also expires old audit entries (``tasks.audit``) and
+deletes the shared Tier 2 contents no replica references (``tasks.contents``). A tier whose rules
+keep more than its byte budget is a line of the plan, named in the artifact's description
+(``over budget: tier 1``), and announced as ``ckpt.tier.over_budget`` when applied.
 
 The plan is ``core.retention``'s: each replica demoted or retired with the rule that decided it
 (``reason``). A dry run only plans. Applying demotes Tier 0 (of this node) first, then Tier 1,
@@ -19,8 +22,9 @@ from core.settings import Settings, load_settings
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, task_steps
 from tasks.audit import expire_audit_task
+from tasks.contents import sweep_shared_contents_task
 from tasks.prefect_events import emit
-from tasks.retention import PruneAction, apply_retention
+from tasks.retention import OVER_BUDGET, PruneAction, apply_retention
 
 
 def run_retention(settings: Settings, *, run: str | None = None, dry_run: bool = False, steps: Steps,
@@ -31,11 +35,13 @@ def run_retention(settings: Settings, *, run: str | None = None, dry_run: bool =
     copy and what keeps it). A run's retention after each durable checkpoint that found nothing
     to do publishes nothing (the scheduled, catalog-wide run always does)."""
     plan = steps.plan_retention(settings, run=run, explain=explain)
+    over = [f"tier {a.tier}" + (f" on {a.node}" if a.node else "") for a in plan if a.action == OVER_BUDGET]
     scope = run or "all runs"
+    alert = f"; over budget: {', '.join(over)}" if over else ""
 
     def show_plan(why: str) -> None:
         publish_table(artifact_key("retention-plan", run or "all"), [a.row() for a in plan],
-                      f"retention plan for {scope}{why}")
+                      f"retention plan for {scope}{why}{alert}")
 
     if dry_run:
         show_plan(" (dry run)")
@@ -47,7 +53,7 @@ def run_retention(settings: Settings, *, run: str | None = None, dry_run: bool =
         raise
     if done or run is None:
         publish_table(artifact_key("retention-result", run or "all"), [a.row() for a in done],
-                      f"retention applied to {scope}")
+                      f"retention applied to {scope}{alert}")
     return done
 
 
@@ -68,4 +74,5 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
                             actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         expire_audit_task(settings, actor=current_actor("retention"))
+        sweep_shared_contents_task(settings, actor=current_actor("retention"))  # and frees Tier 2's contents
     return [a.row() for a in actions]

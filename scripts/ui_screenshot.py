@@ -21,9 +21,11 @@ pages:
 
 What is checked is what a user looks for (``check_pages``): the promote runs of each saved
 step, completed, and the hostile event's run, failed, in red, in the flow runs list; the
-promote run's task runs; the newest verified step on the status artifact. A page that does not
-show its text in time (a spinner, an error page, a UI that calls a wrong API) fails the script
-with the text it did show; nothing blank is saved. Chromium is driven over the DevTools protocol
+promote run's task runs, and in its Artifacts tab the run's status page; on the status
+artifact, its at-a-glance answers (the newest durable checkpoint, the RPO line, the failed
+promote runs, the bytes per tier) and the newest verified step. A page that does not show its
+text in time (a spinner, an error page, a UI that calls a wrong API) fails the script with the
+text it did show; nothing blank is saved. Chromium is driven over the DevTools protocol
 (scripts/ui_browser.py). Needs Chromium (Debian: ``apt-get install chromium``) and the
 project's venv; ``make test`` runs it in tests/integration/test_ui_chromium.py (with
 ``CI=true`` a missing Chromium fails that test).
@@ -267,9 +269,19 @@ def check_pages(browser: Browser, base: str, *, run: str, hostile: str, ids: dic
     browser.open(f"{base}/runs/flow-run/{ids['promote_run_id']}?tab=TaskRuns")
     for task in ("tier0-to-tier1", "Completed"):
         browser.wait_text(task)
+    # one click from the run: its Artifacts tab holds the training run's status page (stable key)
+    browser.open(f"{base}/runs/flow-run/{ids['promote_run_id']}?tab=Artifacts")
+    browser.wait_text(artifact_key("run", run))
     browser.open(f"{base}/artifacts/artifact/{ids['artifact_id']}")
-    for text in ("Newest verified checkpoint", run, "200"):
+    # the answers a platform engineer looks for first: the newest durable checkpoint (200, the
+    # newest saved), nothing late past the RPO, no failed promote run of this run (the hostile
+    # event's is another run's), each tier's bytes
+    for text in ("At a glance", "Newest durable checkpoint", "step 200", "Late past the RPO", "Failed promote runs",
+                 "Bytes per tier", "Tier 2 (object store)", "Newest verified checkpoint", run):
         browser.wait_text(text)
+    for text in ("none yet", "not repaired", "not known"):
+        if text in browser.text():
+            raise BrowserError(f"the status page of {run} shows {text!r}: {browser.text()[:2000]}")
 
 
 def shoot(browser: Browser, page: Page, out: Path) -> int:

@@ -201,11 +201,14 @@ class ClaimedCopy:
         return report
 
     # --- settling ------------------------------------------------------------------------
-    def verified(self, *, reason: str, bytes: int | None = None, seconds: float | None = None) -> ReplicaInfo:
-        """``copying -> verified``: only after the bytes were read back and matched."""
+    def verified(self, *, reason: str, bytes: int | None = None, seconds: float | None = None,
+                 first_byte_seconds: float | None = None) -> ReplicaInfo:
+        """``copying -> verified``: only after the bytes were read back and matched; ``seconds``
+        and ``first_byte_seconds`` time the hop that made the copy."""
         self.check()
         rep = self.cat.transition(self.replica.id, VERIFIED, expected=COPYING, actor=self.actor,
-                                  claim_token=self.token, bytes=bytes, copy_seconds=seconds, reason=reason)
+                                  claim_token=self.token, bytes=bytes, copy_seconds=seconds,
+                                  first_byte_seconds=first_byte_seconds, reason=reason)
         self.settled = True
         return rep
 

@@ -125,6 +125,7 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 if source is not None:  # Tier 0 first: its bytes are what the copy just proved
                     source.matched(report.seconds)
                 held.verified(bytes=report.bytes, seconds=report.seconds,
+                              first_byte_seconds=report.first_byte_seconds,
                               reason=f"copied from tier {src_tier} and read back")
             watch_headroom(settings, dst, dst_tier, prefix, ck, part=part, node=node)
     event = events.PROMOTED if dst_tier == 1 else events.VERIFIED

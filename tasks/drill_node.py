@@ -182,7 +182,7 @@ def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams:
 def warm_up(settings: Settings, run: str) -> None:
     """What a trainer has done before it resumes: imported its loaders and the client,
     connected to the catalog once and built its S3 client (botocore parses its service model:
-    0.2 s of CPU idle, over 1 s on a loaded machine; the process's stores share the client),
+    CPU time, more on a loaded machine; the process's stores share the client),
     so that the drill times the resume, not the interpreter."""
     import tasks.copy  # deferred: start-up (warm_up is a node's import step)
     import tasks.restore  # deferred: start-up (warm_up is a node's import step)

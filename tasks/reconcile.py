@@ -55,6 +55,13 @@ class ReconcileReport:
     # what a promotion's own run shows, for each one this pass made: run, step, part, tiers
     promotions: list[dict[str, Any]] = field(default_factory=list)
 
+    def acted(self) -> bool:
+        """Whether the pass changed or found wrong anything a person would look for: a copy
+        promoted, adopted, archived, pruned, retired, marked missing, a claim recovered, or an item
+        that failed. ``skipped`` alone (taken by another caller, a bad checkpoint left alone) is not:
+        it repeats on every pass."""
+        return any(items for k, items in vars(self).items() if k not in ("skipped", "promotions"))
+
     def rows(self) -> list[dict[str, str]]:
         return [{"action": k, "item": item} for k, items in vars(self).items() if k != "promotions"
                 for item in items]

@@ -12,8 +12,10 @@ Contract of ``restore_checkpoint``:
   proven good are kept, so the next copy fetches only the rest); when no copy of the
   checkpoint is good, the previous checkpoint is (only when no step was named, unless
   ``fallback=True``). Every such
-  step is said in ``RestoreReport.notes``. A transient failure of every copy of a part raises
-  (retry later) instead of falling back to older state.
+  step is said in ``RestoreReport.notes``. A copy that cannot be reached (a transient error,
+  or a tier whose root does not prove its identity: a mount that is gone) is no verdict: the
+  next copy is tried. A transient failure of every copy of a part raises (retry later) instead
+  of falling back to older state.
 - ``dest`` must be absent or an empty folder. The checkpoint is assembled in a hidden sibling
   folder and renamed into place in one step, so ``dest`` is either untouched or complete;
   the staging folder is removed whatever happens.
@@ -205,17 +207,17 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
         raise _PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
     transient = False
     for rep in sources:
-        src = stores.get(rep.tier)
         label = f"step {ck.step} part {part} from tier {rep.tier}"
         progress(0, label)
-        try:
+        try:  # a tier whose root is unproven (``TierUnavailable``) is unreachable: the next copy is tried
+            src = stores.get(rep.tier)
             prefix, report = checkpoint_prefix(ck.run, ck.step, ck.attempt), (lambda done: progress(done, label))
             if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
                 manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)
             else:  # object storage: one stream per object, as many as the S3 settings allow; the
-                # tier's manifest is read (one round trip, ~0.1 s on S3) while the files stream
+                # tier's manifest is read (one round trip on S3) while the files stream
                 with ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
                     found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts,
                                         attempt=ck.attempt)

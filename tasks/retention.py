@@ -11,16 +11,20 @@ which the next retention or reconcile finishes (``finish_retirements``).
 
 Tier 0 replicas of other nodes are listed but left to their node. A plan of only some tiers
 (a node's own Tier 0) never records a retirement: what it would retire there it demotes.
+
+A tier over its byte budget once the plan is applied (what its rules keep exceeds it) is a line
+of its own in a plan of every run (``OVER_BUDGET``: what it keeps, which rules hold the excess);
+applying that plan announces it as ``ckpt.tier.over_budget``, once an hour per tier (and node).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from core import retention as rule
+from core import events, retention as rule
 from core.errors import CkptError, PruneRefused
 from core.layout import part_key
 from core.policy import is_milestone  # noqa: F401 - the milestone rule, re-exported for callers
@@ -38,6 +42,7 @@ DEMOTE, RETIRE, KEEP = rule.DEMOTE, rule.RETIRE, rule.KEEP
 UNKNOWN_LOCK = "lock date unknown"
 DEFERRED = "retirement deferred: a tier 2 copy's lock date is unknown"
 UNKNOWN_LOCK_REASONS = (UNKNOWN_LOCK, DEFERRED)
+OVER_BUDGET = "over budget"  # the action of a tier's line: its rules keep more than its max_bytes
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class PruneAction:
     action: str = DEMOTE
     reason: str = ""
     attempt: str = ""
+    budget: rule.Budget | None = None  # an OVER_BUDGET line's figures
 
     def row(self) -> dict[str, Any]:
         return {"tier": self.tier, "run": self.run, "step": self.step, "part": self.part,
@@ -82,10 +88,12 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     This is the call a node makes to free its own Tier 0:
     ``plan_retention(settings, tiers=(0,), node=settings.node)`` then ``apply_retention``."""
     whole = set(rule.TIERS) <= set(tiers)
+    rules = retention_rules(settings)
+    # a budget is the whole tier's: its bytes and its oldest copies are counted over every run
+    budgeted = any(rules.policies[t].max_bytes is not None for t in tiers)
     with open_catalog(settings.catalog_url) as cat:
-        facts = cat.retention_facts(run=run, node=node if not {1, 2} & set(tiers) else None)
+        facts = cat.retention_facts(run=None if budgeted else run, node=node if not {1, 2} & set(tiers) else None)
         now = now or cat.clock()
-        rules = retention_rules(settings)
         decided = rule.plan(facts, rules, now)
         unknown: dict[int, str] = {}
         if 2 in tiers and settings.tier2_url:
@@ -95,6 +103,8 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     out: list[PruneAction] = []
     for d in decided.replicas:
         if d.tier not in tiers or (d.tier == 0 and node is not None and d.node not in (None, "", node)):
+            continue
+        if run is not None and d.run != run:
             continue
         action = PruneAction(tier=d.tier, replica_id=d.replica_id, run=d.run, step=d.step, part=d.part, node=d.node,
                              url=d.url, bytes=d.bytes, action=d.action, reason=d.reason, attempt=d.attempt)
@@ -110,7 +120,35 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
         if d.tier == 0 and d.node and d.node != settings.node:
             action = replace(action, outcome=ELSEWHERE, detail=f"on node {d.node}; {action.action}d there")
         out.append(action)
+    if run is None:
+        out += [_over_budget(b) for b in decided.budgets
+                if b.over and b.tier in tiers and (node is None or b.node in (None, node))]
     return out
+
+
+def _over_budget(b: rule.Budget) -> PruneAction:
+    """A tier's line: it keeps more than its budget, and the rules that hold the excess."""
+    held = ", ".join(f"{r} ({n} bytes)" for r, n in b.held_by)
+    return PruneAction(tier=b.tier, replica_id=0, run="", step=0, part=0, node=b.node, url="", bytes=b.kept_bytes,
+                       outcome=KEPT, detail=f"{b.kept_bytes} of {b.max_bytes} bytes kept; nothing a rule keeps "
+                       "goes for the budget", action=OVER_BUDGET, reason=f"held by {held}", budget=b)
+
+
+def announce_over_budget(settings: Settings, plan: Sequence[PruneAction]) -> None:
+    """Log and announce (``ckpt.tier.over_budget``, labelled ``ckpt.tier``, on the tier's
+    resource) each tier the plan leaves over its budget: once an hour, not once a pass (ids dedupe)."""
+    hour = datetime.now(UTC).strftime("%Y%m%dT%H")
+    for a in plan:
+        if a.budget is None:
+            continue
+        b = a.budget
+        log.warning("retention: tier %s%s keeps %s bytes, over its budget of %s: %s", b.tier,
+                    f" on {b.node}" if b.node else "", b.kept_bytes, b.max_bytes, a.reason)
+        events.announce(events.TIER_OVER_BUDGET, "", 0, node=settings.node, extra_id=f"tier{b.tier}:{b.node}:{hour}",
+                        payload={"tier": b.tier, "tier_node": b.node or "", "max_bytes": b.max_bytes,
+                                 "kept_bytes": b.kept_bytes, "wanted_bytes": b.wanted_bytes,
+                                 "held_by": dict(b.held_by)},
+                        labels={"tier": b.tier}, resource_id=events.tier_resource_id(b.tier, b.node or ""))
 
 
 def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFacts],
@@ -166,10 +204,11 @@ def apply_retention(settings: Settings, plan: list[PruneAction], *, prune: Calla
     """Demote every ``planned`` demotion through ``prune`` (the plain step or its task), Tier 0
     first; then each retirement: recorded in the catalog, then its copies pruned tier by tier.
     A refusal or failure is recorded on the action and the others still run."""
+    announce_over_budget(settings, plan)
     done = [a for a in plan if a.outcome != PLANNED]
     demotes = sorted((a for a in plan if a.outcome == PLANNED and a.action == DEMOTE),
                      key=lambda a: (a.tier, a.run, a.step, a.part))
-    done += [_prune(settings, a, prune, actor, reason="retention policy: demoted") for a in demotes]
+    done += [_prune(settings, a, prune, actor, reason=f"retention policy: demoted, {a.reason}") for a in demotes]
     retiring: dict[tuple[str, int, str], list[PruneAction]] = {}
     for a in plan:
         if a.outcome == PLANNED and a.action == RETIRE:

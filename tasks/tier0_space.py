@@ -26,7 +26,7 @@ WAITING_LIMIT = 200  # unpromoted checkpoints looked at; a node with more is far
 
 def retain_tier0_here(settings: Settings, *, actor: str) -> list[PruneAction]:
     """Tier 0 retention of ``settings.node``, applied now; each action with its outcome."""
-    if not settings.retention(0).enabled:
+    if not settings.retention(0).lets_go:
         return []
     plan = plan_retention(settings, tiers=(0,), node=settings.node)
     return apply_retention(settings, plan, prune=prune_replica, actor=actor)

@@ -15,11 +15,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.tree import Tree
 
 from ckpt.args import step_arg
-from ckpt.tables import actor_role, table as fold_table
+from ckpt.tables import FitTable, actor_role, table as fit_table
 from core.errors import BadArgument, NotFound, quoted
 from core.sizing import fmt_bytes, fmt_metrics
 from db.entities import TIER_NAMES, AuditEntry, LineageEdge, ReplicaInfo
@@ -85,7 +84,7 @@ def ls_cmd(run: str = typer.Option(None, "--run", help="only this run"), as_json
     if as_json:
         _emit_json([dict(_plain(c), verified_tiers=list(tiers.get((c.run, c.step), ()))) for c in ckpts])
         return
-    table = fold_table("run", "step", "kind", "state", "parts", "size", "verified on", "committed",
+    table = fit_table("run", "step", "kind", "state", "parts", "size", "verified on", "committed",
                        right=("step", "parts", "size"))
     for c in ckpts:
         table.add_row(c.run, str(c.step), c.kind, c.state, f"{c.parts_registered}/{c.parts}", _size(c.total_bytes),
@@ -177,8 +176,8 @@ def parse_since(text: str) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-def _audit_table(entries: Iterable[AuditEntry], *, title: str) -> Table:
-    table = fold_table("at", "actor", "subject", "action", "change", "reason", title=title)
+def _audit_table(entries: Iterable[AuditEntry], *, title: str) -> FitTable:
+    table = fit_table("at", "actor", "subject", "action", "change", "reason", title=title)
     for e in entries:
         change = f"{e.from_state or ''} -> {e.to_state}" if e.from_state else (e.to_state or "")
         table.add_row(_when(e.at), actor_role(e.actor), e.subject, e.action, change, e.reason or "",
@@ -186,8 +185,8 @@ def _audit_table(entries: Iterable[AuditEntry], *, title: str) -> Table:
     return table
 
 
-def _replica_table(reps: Iterable[ReplicaInfo]) -> Table:
-    table = fold_table("tier", "part", "state", "url", "verified", "bytes", "node", right=("part", "bytes"))
+def _replica_table(reps: Iterable[ReplicaInfo]) -> FitTable:
+    table = fit_table("tier", "part", "state", "url", "verified", "bytes", "node", right=("part", "bytes"))
     for r in reps:
         table.add_row(_tiers([r.tier]), str(r.part), r.state, r.url, _when(r.verified_at), _size(r.bytes),
                       r.node or "-")

@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     @db_app.command("upgrade")
     def upgrade_cmd(url: str = typer.Option(None, "--url", help="catalog URL (default: settings)")) -> None:
         """Apply the catalog's migrations up to the newest schema, then mark and record the
-        configured tier roots that have no recorded identity yet (``ckpt tiers init``)."""
+        configured tier roots that have no recorded identity yet (as ckpt tiers init does)."""
         from core.settings import load_settings  # deferred: start-up — pydantic-settings
         from db.catalog import upgrade  # deferred: start-up — SQLAlchemy, Alembic
         from tasks.tier_roots import init_tiers  # deferred: start-up — storage backends

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -14,10 +15,12 @@ import typer
 
 from ckpt.args import part_arg, parts_arg, step_arg
 from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
+from ckpt.tables import table as fit_table
 from core import sizing
 from core.errors import BadArgument, BadInput, quoted
 from core.paths import safe_run_name
 from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure, fmt_bytes, fmt_percent, fmt_seconds
+from core.tier_figures import Spread
 
 if TYPE_CHECKING:
     from ckpt.client import OriginKeywords, SavedCheckpoint
@@ -40,7 +43,8 @@ def plan_cmd(
     params: str | None = typer.Option(None, "--params", help="model parameters, e.g. 70B (checkpoint = 14 bytes each)"),
     size: str | None = typer.Option(None, "--size", help="checkpoint size instead of --params, e.g. 980GB"),
     interval: str = typer.Option("30m", "--interval", help="time between checkpoints, e.g. 30m"),
-    bandwidth: list[str] = typer.Option(["2GB/s"], "--bandwidth", help="write bandwidth; repeat to compare"),
+    bandwidth: list[str] = typer.Option([], "--bandwidth", help="write bandwidth; repeat to compare [the median "
+                                        "of the last day's hops into Tier 1 in the catalog, else 2GB/s]"),
     runs: bool = typer.Option(True, "--runs/--no-runs", help="also show each run's measured ΔMFU from the catalog"),
     nodes: int | None = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
                               "checkpoint burst of this many nodes on one Prefect server"),
@@ -54,7 +58,8 @@ def plan_cmd(
                              "add the work lost per failure, the total overhead and the best interval"),
     tier0_read: str | None = typer.Option(None, "--tier0-read", help="a node's NVMe read bandwidth [7GB/s]"),
     tier1_read: str | None = typer.Option(None, "--tier1-read", help="the shared file system's aggregate read "
-                                   "bandwidth [the --bandwidth of each row]"),
+                                   "bandwidth [the median of the last day's restore drills from Tier 1 in the "
+                                   "catalog, else the --bandwidth of each row]"),
     s3_streams: int = typer.Option(16, "--s3-streams", min=1, help="parallel S3 GET connections per node"),
     s3_stream: str | None = typer.Option(None, "--s3-stream", help="one S3 connection's bandwidth [90MB/s]"),
     node_link: str | None = typer.Option(None, "--node-link", help="a node's network link [12.5GB/s, 100 Gb/s]"),
@@ -65,7 +70,9 @@ def plan_cmd(
     time per tier (one node, and every node of --nodes at once); with --mtbf the work lost per
     failure, the total overhead and the interval that minimises it. With --nodes, the
     orchestration load of a cluster that size on one Prefect server (PostgreSQL + Redis) and
-    the cluster size that saturates it."""
+    the cluster size that saturates it. A bandwidth not given is the one this cluster measured
+    (the last day's hops in the catalog, as ckpt tiers shows them) where it has one, else
+    the model's default; the output says which."""
     if params is not None and size is not None:
         raise BadArgument("give one of --params (e.g. 70B) or --size (e.g. 980GB), not both")
     if params is None and size is None and nodes is None:
@@ -74,10 +81,24 @@ def plan_cmd(
     plans: list[sizing.Plan] = []
     volume = (sizing.parse_size(size) if size is not None
               else sizing.BYTES_PER_PARAM * sizing.parse_params(params) if params is not None else None)
+    sources: list[BandwidthSource] = []
+    tier1_measured: float | None = None
     if volume is not None:
-        plans = [sizing.Plan(volume, secs, sizing.parse_bandwidth(b)) for b in bandwidth]
+        measured = _measured_bandwidths() if not bandwidth or tier1_read is None else {}
+        writes = [sizing.parse_bandwidth(b) for b in bandwidth]
+        if not writes:
+            write = measured.get((1, "write"))
+            writes = [write.median if write is not None else DEFAULT_WRITE]
+            sources.append(_source("write", write, DEFAULT_WRITE, "hops into Tier 1"))
+        plans = [sizing.Plan(volume, secs, b) for b in writes]
+        if tier1_read is None and (read := measured.get((1, "read"))) is not None:
+            sources.append(_source("Tier 1 read", read, None, "restore drills from Tier 1"))
+            tier1_measured = read.median
+        elif tier1_read is None:
+            sources.append(BandwidthSource("Tier 1 read", None, "default", 0, "the write bandwidth of each row (no "
+                                           "restore drill from Tier 1 recorded over the last day)"))
     load = _load(nodes, secs, burst_report, poll_seconds, server_cores) if nodes is not None else None
-    model = _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link)
+    model = _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link, tier1_measured)
     failures_every = sizing.parse_duration(mtbf, "MTBF") if mtbf is not None else None
     recovery = [_recovery(p, nodes or 1, model, failures_every) for p in plans]
     figures = _measured_runs() if runs and plans else []
@@ -85,7 +106,8 @@ def plan_cmd(
         out: dict = {"model": [{"checkpoint_bytes": p.checkpoint_bytes, "interval_seconds": p.interval_seconds,
                                 "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "save_seconds": p.save_seconds,
                                 "delta_mfu": p.delta_mfu} for p in plans],
-                     "runs": [f.__dict__ for f in figures], "recovery": recovery}
+                     "runs": [f.__dict__ for f in figures], "recovery": recovery,
+                     "bandwidths": [s.__dict__ for s in sources]}
         if load is not None:
             out["orchestration"] = {"nodes": load.nodes, "interval_seconds": load.interval_seconds,
                                     "flow_runs_per_burst": load.flow_runs_per_burst,
@@ -99,11 +121,55 @@ def plan_cmd(
                                     "rest": load.rest.__dict__ if load.rest is not None else None}
         typer.echo(json.dumps(out, indent=1))
         return
+    for src in sources:
+        typer.echo(src.line())
     if plans:
         _print_plan(plans, figures)
         _print_recovery(recovery)
     if load is not None:
         _print_load(load)
+
+
+DEFAULT_WRITE = 2e9  # the model's write bandwidth where neither --bandwidth nor a measured hop gives one
+
+
+@dataclass(frozen=True)
+class BandwidthSource:
+    """Where a bandwidth of the plan came from: ``measured`` (the median of ``hops`` over the
+    last day), or the model's ``default``."""
+
+    what: str
+    bytes_per_s: float | None  # None: a default that is another figure (``detail``)
+    source: str  # 'measured' | 'default'
+    hops: int
+    detail: str
+
+    def line(self) -> str:
+        shown = f"{fmt_bytes(self.bytes_per_s)}/s, " if self.bytes_per_s is not None else ""
+        said = "measured" if self.source == "measured" else "the model's default"
+        return f"{self.what} bandwidth: {shown}{said}: {self.detail}"
+
+
+def _source(what: str, spread: Spread | None, default: float | None, hops: str) -> BandwidthSource:
+    if spread is not None:
+        return BandwidthSource(what, spread.median, "measured", spread.count,
+                               f"the median of {spread.count} {hops} over the last day (p95 {fmt_bytes(spread.p95)}/s)")
+    assert default is not None
+    return BandwidthSource(what, default, "default", 0, f"no {hops} recorded over the last day")
+
+
+def _measured_bandwidths() -> dict[tuple[int, str], Spread]:
+    """The last day's bandwidths per tier from the catalog; an unreachable catalog gives none
+    (with a note: the model stands on its defaults)."""
+    from core.settings import load_settings  # deferred: start-up — pydantic-settings
+
+    try:
+        from tasks.tier_matrix import measured_bandwidths  # deferred: start-up — SQLAlchemy, the stores
+
+        return measured_bandwidths(load_settings())
+    except Exception as exc:  # noqa: BLE001 - the model's defaults stand without the catalog
+        typer.echo(f"(no measured bandwidths: catalog not readable: {type(exc).__name__}: {exc})", err=True)
+        return {}
 
 
 def _finite(x: float | None) -> float | None:
@@ -163,11 +229,11 @@ def _print_load(load: OrchestrationLoad) -> None:
 
 
 def _recovery_model(tier0_read: str | None, tier1_read: str | None, s3_streams: int, s3_stream: str | None,
-                    node_link: str | None) -> RecoveryModel:
+                    node_link: str | None, tier1_measured: float | None = None) -> RecoveryModel:
     def bw(text: str | None, default: _D) -> float | _D:
         return sizing.parse_bandwidth(text) if text is not None else default
 
-    return sizing.RecoveryModel(bw(tier0_read, sizing.NVME_READ), bw(tier1_read, None),
+    return sizing.RecoveryModel(bw(tier0_read, sizing.NVME_READ), bw(tier1_read, tier1_measured),
                                 bw(s3_stream, sizing.S3_STREAM), s3_streams, bw(node_link, sizing.NODE_LINK))
 
 
@@ -199,14 +265,13 @@ def _recovery(p: Plan, nodes: int, model: RecoveryModel, mtbf: float | None) -> 
 
 def _print_recovery(recovery: list[dict]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
     failures = "failures" in recovery[0]
-    t = Table(title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part")
-    cols = ["bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node"]
-    for col in cols + (["lost per failure", "overhead"] if failures else []):
-        t.add_column(col, justify="right")
+    cols = ("bandwidth", "tier", "RTO one node", "RTO cluster", "whole ckpt per node",
+            *(("lost per failure", "overhead") if failures else ()))
+    t = fit_table(*cols, title=f"Recovery: RTO per tier, {recovery[0]['nodes']} node(s) each fetching its part",
+                  right=cols)
     for rec in recovery:
         for r in rec["tiers"]:
             cells = [fmt_bytes(rec["bandwidth_bytes_per_s"]) + "/s", str(r["tier"]), fmt_seconds(r["node_seconds"]),
@@ -246,12 +311,10 @@ def _measured_runs() -> list[RunFigure]:
 
 def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     con = Console()
-    t = Table(title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B")
-    for col in ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU"):
-        t.add_column(col, justify="right")
+    cols = ("checkpoint", "interval", "bandwidth", "T_save", "ΔMFU")
+    t = fit_table(*cols, title="Sizing model: ΔMFU = T_save / (T_interval + T_save), T_save = V / B", right=cols)
     for p in plans:
         t.add_row(fmt_bytes(p.checkpoint_bytes), fmt_seconds(p.interval_seconds),
                   fmt_bytes(p.bandwidth_bytes_per_s) + "/s", fmt_seconds(p.save_seconds),
@@ -262,9 +325,8 @@ def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
                   f"{fmt_seconds(p.save_seconds)}) = {p.delta_mfu * 100:.3f} %", highlight=False)
     if not figures:
         return
-    m = Table(title="Measured per run (writer stall from the catalog)")
-    for col in ("run", "checkpoints", "median stall", "median interval", "ΔMFU"):
-        m.add_column(col, justify="right")
+    cols = ("run", "checkpoints", "median stall", "median interval", "ΔMFU")
+    m = fit_table(*cols, title="Measured per run (writer stall from the catalog)", right=cols[1:])
     for f in figures:
         m.add_row(f.run, str(f.checkpoints), fmt_seconds(f.median_stall_seconds),
                   fmt_seconds(f.median_interval_seconds) if f.median_interval_seconds else "-",
@@ -282,8 +344,10 @@ def agent_cmd(
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
     """Promote this node's checkpoint parts on their events (one promote run per checkpoint) and
-    serve the deployments on this node until interrupted: promote, reconcile (interval), and
-    unless --node-only archive (event-triggered), retention, scrub and the restore drill (cron)."""
+    serve the deployments on this node until interrupted: promote (started by the agent), and
+    unless --node-only archive (on its event), retention, scrub and the restore drill (cron);
+    reconcile runs in this process every reconcile_interval_seconds and leaves a flow run only
+    when it acted."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import serve_agent  # deferred: start-up — pydantic-settings; Prefect
     from deployments.processes import agent_logging  # deferred: start-up — the agent alone needs it
@@ -345,8 +409,8 @@ def up_cmd(
                               help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else the one "
                                    "kept in --dir, made on first use) that every API call must carry; printed as "
                                    "PREFECT_API_AUTH_STRING"),
-    production: bool = typer.Option(False, "--production", help="Prefect's production shape: API server "
-                                    "(--no-services) and services processes on PostgreSQL + Redis; "
+    production: bool = typer.Option(False, "--production", help="Prefect's production shape: the API server "
+                                    "and its services in processes of their own, on PostgreSQL + Redis; "
                                     "catalog on PostgreSQL"),
     pg_url: str = typer.Option(None, "--pg-url", help="PostgreSQL server for --production (databases "
                                "'prefect' and 'ckpt_catalog' are created there) "
@@ -359,13 +423,16 @@ def up_cmd(
     Redis, services in their own process), moto's S3 server with its bucket, and the agents;
     runs until Ctrl-C, then stops everything cleanly. An agent that exits is started again
     (after 1 s, 2 s, 4 s, ... at most 60 s), the servers staying up. API auth is on unless
-    ``--no-auth``: loopback is shared by every user of a login node."""
+    --no-auth: loopback is shared by every user of a login node."""
     import os
-    import shlex
     import signal
     import time
 
-    from ckpt.local_stack import LocalStack, stack_auth_string  # deferred: start-up — SQLAlchemy, pydantic-settings
+    from ckpt.local_stack import (  # deferred: start-up — SQLAlchemy, pydantic-settings
+        LocalStack,
+        exports_text,
+        stack_auth_string,
+    )
 
     if not production and (pg_url or redis_url or api_workers > 1):
         raise BadInput("--pg-url, --redis-url and --api-workers go with --production")
@@ -386,9 +453,8 @@ def up_cmd(
         if prod is not None:
             typer.echo(f"Prefect on   {prod.describe()}")
         typer.echo("API auth     " + ("on: the UI asks for PREFECT_API_AUTH_STRING below" if secret else "off"))
-        typer.echo("for the training job and the CLI, in another shell:")
-        for k, v in stack.exports().items():
-            typer.echo(f"  export {k}={shlex.quote(v)}")
+        for line in exports_text(stack.exports()):
+            typer.echo(line)
         typer.echo("Ctrl-C stops the stack")
         try:
             while stack.servers_alive():

@@ -5,20 +5,20 @@ Tier 0); without it the node's promote deployment runs it (``--wait`` waits for 
 ``retention`` and ``reconcile`` run in this process. In-process work runs as a Prefect flow
 run (recorded, with events and artifacts) when a Prefect API is configured, and as the same
 steps called as plain functions when none is (Prefect would otherwise start a temporary
-server, ~30 s). Heavy imports happen inside the commands, never at import time.
+server, slow to start). Heavy imports happen inside the commands, never at import time.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
 from ckpt.args import checkpoint_ref, part_arg, parts_arg, step_arg
-from ckpt.tables import table as fold_table
+from ckpt.tables import table as fit_table
 from core.errors import CkptError
 from core.progress import observe
 from deployments.names import promote_deployment
@@ -130,7 +130,7 @@ def _print_promotion(result: dict, as_json: bool) -> None:
     from rich.console import Console
 
     hops = result["hops"] + ((result.get("archive") or {}).get("hops") or [])
-    table = fold_table("hop", "files", "bytes", "seconds", "MB/s", "skipped",
+    table = fit_table("hop", "files", "bytes", "seconds", "MB/s", "skipped",
                        title=f"{result['run']} step {result['step']} part {result['part'] + 1}/{result['parts']}",
                        right=("files", "bytes", "seconds", "MB/s"))
     for h in hops:
@@ -170,17 +170,18 @@ def retention_cmd(
 
 
 def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
-    """The plan as a table: each copy, what the rule decided and why, and what became of it."""
+    """The plan as a table: each copy, what the rule decided and why, and what became of it; a
+    tier over its budget as a line of its own (``the tier``: over budget, the rules holding it)."""
     from rich.console import Console
 
     out = out or Console()
     if not rows:
         out.print(f"{title}: nothing to demote or retire")
         return
-    table = fold_table("tier", "checkpoint", "action", "reason", "outcome", title=title)
+    table = fit_table("tier", "checkpoint", "action", "reason", "outcome", title=title)
     for r in rows:
-        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") + (
-            f" on {r['node']}" if r["tier"] == 0 and r["node"] else "")
+        what = f"{r['run']}/{r['step']}" + (f" part {r['part']}" if r["part"] else "") if r["run"] else "the tier"
+        what += f" on {r['node']}" if r["tier"] == 0 and r["node"] else ""
         outcome = r["outcome"] + (f": {r['detail']}" if r["detail"] and r["detail"] != r["reason"] else "")
         table.add_row(str(r["tier"]), what, r["action"], r["reason"], outcome)
     out.print(table)
@@ -189,6 +190,9 @@ def _print_retention(rows: list[dict], *, out: Any = None, title: str) -> None:
 def reconcile_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    every: bool = typer.Option(False, "--every", help="run until interrupted, a pass every reconcile_interval_seconds "
+                               "(a node with a Prefect worker instead of `ckpt agent`); a pass leaves a flow run only "
+                               "when it acted"),
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones,
     prune this node's Tier 0 by retention."""
@@ -197,6 +201,14 @@ def reconcile_cmd(
     from flows.reconcile import reconcile, reconcile_once  # deferred: start-up — Prefect, SQLAlchemy
 
     settings = load_settings(**({"node": node} if node else {}))
+    if every:
+        import threading
+
+        from deployments.reconcile_loop import reconcile_every  # deferred: start-up — Prefect, SQLAlchemy
+
+        with prefect_api(settings), suppress(KeyboardInterrupt):
+            reconcile_every(settings, threading.Event())
+        return
     if prefect_configured(settings):
         with prefect_api(settings):
             report = reconcile(node=settings.node)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from ckpt.args import step_arg
-from ckpt.tables import table as fold_table
+from ckpt.tables import table as fit_table
 from core.errors import BadInput
 
 if TYPE_CHECKING:
@@ -174,13 +174,14 @@ def _print_drills(results: list[DrillResult]) -> None:
 
     from tasks.drill import cluster_row  # deferred: start-up — Prefect, SQLAlchemy
 
-    table = fold_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
+    table = fit_table("at", "run", "step", "tier", "nodes", "ok", "RTO s", "bound s", "MB/s", "detail",
                        title="restoration drills (RTO: first start to last part loaded)",
                        right=("step", "tier", "nodes", "RTO s", "bound s", "MB/s"))
     for r in results:
         row = cluster_row(r)
         bound = row["bound_seconds"]
-        table.add_row(row["at"][:19], row["run"], str(row["step"]), str(row["tier"]), str(row["nodes"]),
+        at = row["at"][:19].replace("T", " ")  # date and time wrap apart
+        table.add_row(at, row["run"], str(row["step"]), str(row["tier"]), str(row["nodes"]),
                       "[green]ok[/green]" if row["ok"] else "[red]FAILED[/red]", f"{row['seconds']:.2f}",
                       "-" if bound is None else f"{bound:.2f}", f"{row['MB/s']:.0f}", row["detail"])
     Console().print(table if results else "no drills recorded yet")

@@ -31,7 +31,8 @@ its own, and no step could ever be whole on Tier 1). Sharded strategies (FSDP wi
 ``state_dict_type="sharded"``, ``ModelParallelStrategy``'s distributed checkpoint, DeepSpeed)
 write a folder of per-rank files themselves and call no ``CheckpointIO`` (Lightning issue
 #20205), so this plugin sees none of their saves: ``ckpt.integrations.lightning_sharded``
-commits FSDP's and ``ModelParallelStrategy``'s, one part per node (DeepSpeed's not yet).
+commits FSDP's and ``ModelParallelStrategy``'s, one part per node (DeepSpeed's not yet), and
+resumes them (``strategy.resume_path()``).
 
 By hand: ``ckpt restore RUN --step N --to DIR``, then ``trainer.fit(model, ckpt_path=DIR/<file>.ckpt)``
 with ``TieringCheckpointIO(run="lit-run-2", resumed_from=DIR)`` (or ``(run, step)``) for the

@@ -23,6 +23,18 @@ Before the write, every node's Tier 0 must have room for the checkpoint: otherwi
 raises ``StorageFull`` together (a vote), before a byte is written, so no rank waits in DCP's
 collectives for one that stopped. The same strategies with a full state dict write one ``.ckpt``
 from global rank 0 through the ``CheckpointIO``: ``TieringCheckpointIO`` commits those.
+
+Resuming, one line: ``trainer.fit(model, ckpt_path=strategy.resume_path())``, on every rank.
+Each node gets the run's newest checkpoint whose parts all have a good copy (one attempt's),
+whole, in a folder it can read (``ckpt.resume.resume_point`` with every part: DCP spreads the
+entries every rank holds alike, the optimizer's hyper-parameters and step counters, over the
+ranks' files, so a rank reads other ranks' files too, and Lightning's ``meta.pt`` is rank 0's;
+however many nodes wrote it, since DCP reshards on load); ``None`` (a fresh start) when the run
+has none yet. The launch's attempt (the stager's ``attempt``, else the launcher's) is recorded
+as resuming from that step, so the steps it saves again supersede the older attempt's. Lightning
+loads every rank from global rank 0's path; such a folder is often on rank 0's node alone (its
+Tier 0, a fetch), so the strategy loads each rank from the path its own ``resume_path`` gave,
+once the ranks agree on the step.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from ckpt.client import CheckpointStager
 from ckpt.integrations import BackgroundCommits, link_or_copy, origin_of, staging_dir, submit_staged
 from ckpt.space import state_needed
-from core.errors import BadInput, StorageFull
+from core.errors import BadInput, ConflictError, StorageFull
 
 _RANK_FILE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")  # torch DCP's FileSystemWriter, one per rank and thread
 
@@ -61,6 +73,8 @@ class ShardedCommits:
         self.stalls: dict[int, float] = {}
         self._committed: set[int] = set()
         self._node_of: list[int] | None = None  # global rank -> node rank
+        self._resumed: dict[str, int] = {}  # folder resume_path gave this rank -> its step
+        self._own_path = False  # while loading a resume_path folder: each rank keeps its own path
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         t0 = time.perf_counter()
@@ -80,6 +94,47 @@ class ShardedCommits:
         for f in self._files(folder, mine):
             link_or_copy(f, staging / f.name)
         submit_staged(self, step, staging, t0)
+
+    def resume_path(self, **resume_options: Any) -> str | None:
+        """The folder to give ``Trainer.fit(ckpt_path=...)`` on this rank: the whole of the run's
+        newest checkpoint whose parts all have a good copy, readable on this node
+        (``ckpt.resume.resume_point``; ``to``, ``verify`` go to it; the settings and the attempt
+        are the stager's), or None when the run has no checkpoint yet."""
+        from ckpt.resume import resume_point  # deferred: start-up — SQLAlchemy, Alembic (tasks.resume)
+
+        # every part, however many nodes wrote it: DCP reshards on load, so a relaunch on fewer nodes resumes too
+        point = resume_point(self.run, settings=self.stager_options.get("settings"),
+                             attempt=self.stager_options.get("attempt"), **resume_options)
+        if point is None:
+            return None
+        self._resumed[point.path] = point.step
+        return point.path
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; of a ``resume_path`` folder, from each rank's own path once every
+        rank's was given by ``resume_path`` for the same step (``ConflictError`` on every rank
+        otherwise: the nodes would load different checkpoints into one model)."""
+        strategy: Any = self
+        mine = self._resumed.get(str(checkpoint_path), -1)
+        steps = strategy.all_gather(torch.tensor([mine], device=strategy.root_device)).flatten().tolist()
+        if set(steps) == {-1}:  # a path of the user's own: Lightning loads every rank from rank 0's
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        if len(set(steps)) != 1:
+            given = ", ".join("another path" if s < 0 else f"step {s}" for s in steps)
+            raise ConflictError(f"{self.run}: the ranks resume from different checkpoints ({given}, by global "
+                                "rank); give every rank strategy.resume_path()")
+        self._own_path = True
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        finally:
+            self._own_path = False
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """The strategy's broadcast, except while a ``resume_path`` folder loads: each rank keeps
+        its own path (the load's one broadcast), since rank 0's folder may be on its node alone."""
+        if self._own_path:
+            return obj
+        return super().broadcast(obj, src)  # type: ignore[misc]
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every checkpoint this node saved so far is committed on Tier 0 (and announced)."""

@@ -7,7 +7,7 @@ with bytes nobody reads again. On a training node that CPU and that memory are t
 With ``O_DIRECT`` on the destination the device moves the bytes from and back into one
 page-aligned buffer (DMA): the CPU copies each byte once (out of the source's page cache, where
 the save left it) and computes the CRC32C. benchmarks/training_interference.py measures both
-ways in one run (1 GiB: 0.45-0.65 CPU s against 1.28-1.41 buffered).
+ways in one run.
 
 It also makes the read-back stronger: a buffered read-back after fsync is answered from the
 page cache (it proves what the kernel holds); a direct one reads what the device stored (on a

@@ -34,6 +34,7 @@ from core.progress import moved
 from core.storage import direct
 from core.storage.base import ObjectInfo, TierStore, Tomb
 from core.storage.common import check_match, map_os_error
+from core.storage.content import CONTENT_DIR, SHARED_TIERS, ContentStore
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
 from core.storage.writeback import writing
 
@@ -127,7 +128,7 @@ class LocalStore(TierStore):
     """A tier rooted at a local folder. ``root`` may be a path or a ``file://`` URL."""
 
     def __init__(self, root: str | os.PathLike, tier: int, *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
-                 direct_io: bool = False):
+                 direct_io: bool = False, shared_content: bool = False):
         root = str(root)
         root = root.removeprefix("file://")
         self.root = Path(root).expanduser().absolute()
@@ -137,6 +138,8 @@ class LocalStore(TierStore):
         self.direct_io = direct_io  # bulk reads and writes bypass the page cache (core.storage.direct)
         self._unsynced: set[Path] = set()  # folders with published entries not yet fsynced
         self._lock = threading.Lock()
+        # each content's bytes once, checkpoint files linked to them (core.storage.content)
+        self.content = ContentStore(self.root, buffer_bytes) if shared_content else None
 
     def path(self, key: str) -> Path:
         """The local path of ``key`` for reading, confined under the root (symlinks resolved)."""
@@ -188,7 +191,8 @@ class LocalStore(TierStore):
         base = self.path(prefix) if prefix else root
         out: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)) and not is_tomb(d)]
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)) and not is_tomb(d)
+                           and d != CONTENT_DIR]
             for name in filenames:
                 full = os.path.join(dirpath, name)
                 if is_staging(name) or os.path.islink(full):
@@ -203,7 +207,8 @@ class LocalStore(TierStore):
     def folders(self) -> tuple[str, ...]:
         try:
             with os.scandir(self.root.resolve()) as entries:
-                names = [e.name for e in entries if e.is_dir(follow_symlinks=False) and not is_staging(e.name)]
+                names = [e.name for e in entries if e.is_dir(follow_symlinks=False) and not is_staging(e.name)
+                         and e.name != CONTENT_DIR]
         except FileNotFoundError:
             return ()
         return tuple(sorted(names))
@@ -294,10 +299,18 @@ class LocalStore(TierStore):
         reader they are streamed and checked on the way in. A reader may offer
         ``note_copied(n)`` to hear of bytes it did not read itself.
 
+        With a content store (``shared_content``) bytes the tier already holds are linked, not
+        written: a stored candidate of the same size and CRC32C is compared byte for byte with
+        the local source, and that comparison is the read-back of the linked bytes; a file
+        written is then remembered as the content (``core.storage.content``).
+
         Postcondition on return: the bytes under ``key`` were fsynced, read back from this
         tier and match (size, checksum); the name itself is durable after ``flush`` (which the
         next ``write_small_atomic`` does first). Already there with the same bytes: no-op.
         """
+        return self._put(key, reader, size, checksum, shared=self.content is not None)
+
+    def _put(self, key: str, reader: BinaryIO, size: int, checksum: str, *, shared: bool) -> ObjectInfo:
         target = self.write_path(key)
         if target.is_symlink():
             raise PathEscape(f"{self.url_for(key)} is a symlink; refusing to write through it")
@@ -305,6 +318,8 @@ class LocalStore(TierStore):
             self._same_or_conflict(target, key, size, checksum)
             return ObjectInfo(key=key, size=size, checksum=checksum)
         src_fd = local_fd(reader)
+        if shared and src_fd is not None and self._link_stored(target, key, src_fd, reader, size, checksum):
+            return ObjectInfo(key=key, size=size, checksum=checksum)
         with self._staging(target, key) as (staging, fd):
             got: tuple[int, str] | None = None
             if src_fd is not None and self.direct_io:  # the source through its page cache, written directly
@@ -316,8 +331,32 @@ class LocalStore(TierStore):
                 check_match(key, size, checksum, *got, "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")
-            self._publish(staging, target, key, size, checksum)
+            published = self._publish(staging, target, key, size, checksum)
+        if shared and published:
+            self._remember(target, size, checksum)
         return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def _link_stored(self, target: Path, key: str, src_fd: int, reader: BinaryIO, size: int, checksum: str) -> bool:
+        """Publish ``target`` as a link to the stored content when its bytes equal the source's."""
+        assert self.content is not None
+        self._changed(_mkdirs(self.root, target.parent))
+        staging = target.parent / staging_name(target.name)
+        try:
+            if not self.content.link_same(src_fd, size, checksum, staging, getattr(reader, "note_copied", None)):
+                return False
+        except OSError as exc:
+            raise map_os_error(exc, self.url_for(key)) from exc
+        self._publish(staging, target, key, size, checksum)
+        return True
+
+    def _remember(self, target: Path, size: int, checksum: str) -> None:
+        assert self.content is not None
+        try:
+            changed = self.content.remember(target, size, checksum)
+        except OSError as exc:
+            raise map_os_error(exc, str(target)) from exc
+        if changed is not None:
+            self._changed([changed])
 
     def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int, checksum: str) -> ObjectInfo:
         """``put_verified`` for a writer that fills a file itself (parallel ranged reads
@@ -333,7 +372,9 @@ class LocalStore(TierStore):
             check_match(key, size, checksum, *write(fd), "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")
-            self._publish(staging, target, key, size, checksum)
+            published = self._publish(staging, target, key, size, checksum)
+        if self.content is not None and published:
+            self._remember(target, size, checksum)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
     def write_small_atomic(self, key: str, data: bytes) -> ObjectInfo:
@@ -346,8 +387,8 @@ class LocalStore(TierStore):
         parent = self.write_path(key).parent
         if parent.is_dir():
             self._changed([parent, *(Path(d) for d, _, _ in os.walk(parent))])
-        self.flush()
-        info = self.put_verified(key, io.BytesIO(data), len(data), checksum.hash_bytes(data))
+        self.flush()  # a marker is never shared: its name commits one checkpoint alone
+        info = self._put(key, io.BytesIO(data), len(data), checksum.hash_bytes(data), shared=False)
         self.flush()
         return info
 
@@ -434,8 +475,12 @@ class LocalStore(TierStore):
 
     def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
         """Delete the tombstone folder: the claim's alone, so no ``check`` is needed, and a
-        worker that wakes after its claim went deletes only what it moved there itself."""
-        return 0 if tomb.folder is None else self._remove_tree(self.write_path(tomb.folder))
+        worker that wakes after its claim went deletes only what it moved there itself. Stored
+        content no checkpoint links any more goes with it."""
+        gone = 0 if tomb.folder is None else self._remove_tree(self.write_path(tomb.folder))
+        if gone and self.content is not None:
+            self.content.sweep()
+        return gone
 
     def sweep_tombs(self, prefix: str, live: Callable[[Collection[str]], Collection[str]]) -> int:
         base = self.write_path(prefix)
@@ -447,6 +492,8 @@ class LocalStore(TierStore):
         gone = [name for name, token in tombs.items() if token not in held]
         for name in gone:
             self._remove_tree(base / name)
+        if gone and self.content is not None:
+            self.content.sweep()
         return len(gone)
 
     @staticmethod
@@ -539,7 +586,8 @@ class LocalStore(TierStore):
 
 def open_local(url: str, tier: int, settings: Settings | None) -> LocalStore:
     return LocalStore(url, tier, buffer_bytes=io_buffer(settings),
-                      direct_io=settings is not None and tier == 1 and settings.tier1_direct_io)
+                      direct_io=settings is not None and tier == 1 and settings.tier1_direct_io,
+                      shared_content=tier in SHARED_TIERS)
 
 
 register(Backend(name="local", schemes=(PLAIN_PATH,), factory=open_local))

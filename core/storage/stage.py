@@ -8,15 +8,14 @@ Contract:
   matched the manifest; a mismatch removes it and raises ``CorruptCheckpoint``. So a file
   already there when another copy is tried is good and is not fetched again.
 - From a local tier (``fetch_local_part``) each file is copied inside the kernel
-  (``copy_file_range``) and the copy is then hashed: measured here at about a third of the
-  CPU of streaming it through Python (read, checksum, write), and it checks the bytes that
-  landed rather than the bytes that were sent. Other tiers (S3) stream through
+  (``copy_file_range``) and the copy is then hashed: less CPU than streaming it through
+  Python (read, checksum, write), and it checks the bytes that landed rather than the bytes
+  that were sent. Other tiers (S3) stream through
   ``core.transfer.copy_part`` into ``RestoreStage.put_verified``.
 - Durability: each file is handed, once it matched, to a pool of fsync threads, so its
-  writeback overlaps the copy of the next files (an fsync inside the copy threads stalls them:
-  measured here 1 GiB in 64 files, copy threads fsyncing 2.6 s, fsync all at the end 1.1 s,
-  overlapped 0.66 s, ``cp -r && sync`` 0.82 s). ``publish`` waits for them, fsyncs every file
-  and folder once more (cheap when clean; it covers files from an earlier copy attempt),
+  writeback overlaps the copy of the next files (an fsync inside the copy threads stalls them;
+  one fsync of everything at the end leaves the disk idle during the copy). ``publish`` waits
+  for them, fsyncs every file and folder once more (cheap when clean; it covers files from an earlier copy attempt),
   renames, fsyncs the parent. No read-back of what was just written: it would come from the
   page cache and prove nothing more than the checksum did.
 """

@@ -2,10 +2,10 @@
 
 A fetch or a copy writes into the page cache and fsyncs each file once it matched. The page
 cache holds the bytes until that fsync, so the disk idles while they arrive and then has the
-whole file to write at once: a cluster resume (16 nodes, 64 MiB each, here) spent ~1-2 s after
-its last byte arrived waiting for 1 GiB of writeback. ``start_writeback`` asks the kernel to
-start writing a range now (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it queues the
-pages' I/O and returns without waiting), so by the fsync most of the file is already on disk.
+whole file to write at once: a cluster resume spent a good part of its time after its last
+byte arrived waiting for the writeback. ``start_writeback`` asks the kernel to start writing a
+range now (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it queues the pages' I/O and
+returns without waiting), so by the fsync most of the file is already on disk.
 
 It changes nothing about durability: the fsync still follows and is still what makes a file
 durable and reports a write error (``sync_file_range`` with WRITE alone neither waits for the
@@ -27,9 +27,7 @@ from typing import Any
 
 # How much a writer lets accumulate before it starts the writeback of it: small enough that
 # the disk starts early and works steadily, large enough that the calls cost nothing (one
-# syscall per MiB). benchmarks/writeback.py, 512 MiB written at 400 MB/s then fsynced, 5 rounds
-# (load 0.6-0.8): the fsync took 0.66 s every 1 MiB and 0.66 s every 4 MiB (best 0.41 / 0.57 s),
-# against 0.94 s (best 0.88 s) without early writeback; write + fsync x0.87 / x0.88.
+# syscall per MiB). benchmarks/writeback.py measures it against no early writeback.
 WRITEBACK_BYTES = 1024 * 1024
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages in the range, do not wait
 

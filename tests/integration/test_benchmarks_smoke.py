@@ -253,3 +253,11 @@ def test_resume_catalog():
     assert_rows(out, "resume, 4 parts", ["resume, 16 parts", "every part's rows, 16 parts"])
     assert re.search(r"^sqlite: resume catalog: 16 parts, \d+\.\d ms per node \(x\d+\.\d\d of 4 parts\), "
                      r"every part's rows \d+\.\d ms$", out, re.MULTILINE), out[-1500:]
+
+
+def test_dedup(s3_endpoint):
+    out = run_benchmark("dedup", "--s3-endpoint", s3_endpoint)
+    assert re.search(r"^bytes saved (\d+), bytes restored \1: equal$", out, re.MULTILINE), out[-1500:]
+    assert re.fullmatch(r"dedup: 4 checkpoints, tier 1 \d+\.\d{3} GiB, tier 2 \d+\.\d{3} GiB, bound \d+\.\d{3} GiB "
+                        r"\(x\d+\.\d\d\), durable per checkpoint \d+\.\d\d s vs plain \d+\.\d\d s",
+                        out.strip().splitlines()[-1]), out[-500:]

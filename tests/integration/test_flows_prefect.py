@@ -308,6 +308,72 @@ def test_reconcile_publishes_what_it_promoted_as_an_artifact(env_settings, s3_en
     assert all(r["files"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def reconcile_runs(node: str) -> list:
+    """The flow runs ``reconcile/<node>`` the server holds."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["reconcile"])),
+                                     flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"reconcile/{node}"])))
+
+
+def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
+    """The agent's pass (``reconcile_pass``) that finds nothing leaves no flow run on the server;
+    one that promotes leaves one, ``reconcile/<node>``, completed, holding the promotions table."""
+    from prefect.artifacts import Artifact
+
+    from flows.artifacts import artifact_key
+    from flows.reconcile import reconcile_pass
+
+    node = f"node-{uuid.uuid4().hex[:8]}"  # the server is the session's: this test's runs only
+    settings = env_settings(node=node)
+    assert not reconcile_pass(settings).acted()
+    assert not reconcile_pass(settings).acted()
+    assert reconcile_runs(node) == []
+
+    write_checkpoint(settings.tier0_url, RUN, 10, shard_bytes=64 << 10, node=node)  # its event lost
+    assert reconcile_pass(settings).promoted == [f"{RUN}/10 part 0"]
+    (fr,) = reconcile_runs(node)
+    assert fr.state_type.value == "COMPLETED", fr.state
+    table = Artifact.get(artifact_key("reconcile-promotions", node))
+    assert table is not None and table.flow_run_id == fr.id
+    assert not reconcile_pass(settings).acted()  # done: the next pass again leaves nothing
+    assert len(reconcile_runs(node)) == 1
+
+
+def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_status_page(env_settings):
+    """A promote run that failed (its event came before the part was on Tier 0) stays red, and
+    the run's status page, republished by the reconcile pass that then promoted the part, lists it
+    as failed and repaired by ``reconcile/<node>``, with when; the checkpoint reads durable; the
+    failed run's own Artifacts tab holds a note saying it was repaired, by which run."""
+    from prefect.artifacts import Artifact
+
+    from flows.artifacts import artifact_key
+    from flows.promote import promote_checkpoint
+    from flows.reconcile import reconcile_pass
+
+    run, node = f"run-{uuid.uuid4().hex[:8]}", f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node, runs=(run,))
+    state = promote_checkpoint(run=run, step=10, node=node, return_state=True)
+    assert state.is_failed()
+    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
+    assert reconcile_pass(settings).promoted == [f"{run}/10 part 0"]
+    (fr,) = reconcile_runs(node)
+    page = Artifact.get(artifact_key("run", run))
+    assert page is not None and page.flow_run_id == fr.id  # republished by the pass's run
+    text = str(page.data)
+    assert "(every part verified on Tier 1): step **10**" in text
+    row = next(line for line in text.splitlines() if f"`promote/{run}/step-10`" in line)
+    assert f"failed, repaired by `reconcile/{node}` at " in row, text
+    assert "**Late past the RPO** (" in text and "): none" in text
+    # and the failed run itself, still red, says so in its Artifacts tab
+    note = Artifact.get(artifact_key("repaired", run, 10))
+    assert note is not None and note.flow_run_id == state.state_details.flow_run_id
+    assert f"recorded by `reconcile/{node}`" in str(note.data) and f"in flow run `reconcile/{node}`" in str(note.data)
+    assert flow_run_of(state).state_type.value == "FAILED"
+
+
 def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_settings, s3_endpoint, s3_bucket,
                                                                            monkeypatch, prefect_server):
     import functools

@@ -5,9 +5,6 @@ resumes from it and the resumed run's lineage points at it."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from tests.kit.require import require_module
@@ -120,27 +117,16 @@ def test_two_nodes_of_a_sharded_strategy_each_commit_their_part(settings_factory
     from rank 0): each node commits the files of its own ranks as its part, so the parts never
     share a path, and every part of both steps is verified on Tier 1. Both steps were saved into
     ``last.ckpt``: step 4's write left step 2's committed bytes as they were."""
-    import subprocess
-    import sys
-
-    from ckpt.processes import free_port
     from db.catalog import Catalog
     from tests.kit.checkpoints import replica_states
+    from tests.kit.lightning import run_nodes
     from tests.kit.restore import on_node, tier1_dir
 
     settings = scenario_settings(settings_factory, sqlite_url)
     nodes = [on_node(settings, f"node-{rank}") for rank in (0, 1)]
-    port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.kit.lightning_sharded_job", str(tmp_path / "out")],
-        env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-             "NODE_RANK": str(rank), "LOCAL_RANK": "0", "PREFECT_API_URL": "",
-             "CKPT_TEST_SETTINGS": node.model_dump_json()},
-        cwd=str(Path(__file__).resolve().parents[2]),  # the repository: ``-m tests.kit...`` is found from here
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(nodes)]
-    outputs = [p.communicate(timeout=100)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert all("committed [2, 4]" in o for o in outputs)
+    done = run_nodes("tests.kit.lightning_sharded_job", [str(tmp_path / "out")], nodes)
+    assert [rc for rc, _ in done] == [0, 0], done[0][1][-3000:] + done[1][1][-3000:]
+    assert all("committed [2, 4]" in out for _, out in done)
 
     for step in (2, 4):
         for rank, node in enumerate(nodes):

@@ -7,7 +7,10 @@ A case: ``now``, ``policies`` (tier -> RetentionPolicy fields), ``milestones``, 
 children, state, locked_until of its Tier 2 copy; a metric may be ``"nan"``, ``"inf"`` or
 ``"-inf"``, as the catalog stores a non-finite one) and ``expect``: ``"run/step"`` ->
 ``"keep|retire: reason"`` and ``"run/step tier T[ part P]"`` -> ``"keep|demote|retire: reason"``,
-one line per decision of the plan (the whole plan, nothing left out).
+one line per decision of the plan (the whole plan, nothing left out), and for each tier with a
+budget (``max_bytes`` in its policy) ``"tier T budget"`` -> ``"within|over: K of M bytes kept"``
+(over it: ``, held by RULE BYTES, ...``). Every copy is ``COPY_BYTES`` long, as the catalog kit
+records one (``tests.kit.catalog.verified``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from core.retention import CheckpointFacts, Plan, ReplicaFacts, Rules
 from core.settings import MilestonePolicy, RetentionPolicy
 
+COPY_BYTES = 2000
 CASES = Path(__file__).resolve().parents[1] / "unit" / "retention_cases"
 
 
@@ -59,7 +63,7 @@ def facts_of(case: dict) -> list[CheckpointFacts]:
     out = []
     for i, c in enumerate(case["checkpoints"]):
         at = now - timedelta(days=c.get("age_days", 30))
-        reps = tuple(ReplicaFacts(replica_id=i * 10 + t * 3 + p, tier=t, part=p,
+        reps = tuple(ReplicaFacts(replica_id=i * 10 + t * 3 + p, tier=t, part=p, bytes=COPY_BYTES,
                                   locked_until=lock_of(c) if t == 2 else None) for t, p in replica_pairs(c))
         out.append(CheckpointFacts(run=c["run"], step=c["step"], created_at=at, committed_at=at,
                                    parts=c.get("parts", 1), kind=c.get("kind", "step"), tags=c.get("tags", {}),
@@ -75,6 +79,10 @@ def rendered(plan: Plan, parts: dict[tuple[str, int], int]) -> dict[str, str]:
     for d in plan.replicas:
         key = f"{d.run}/{d.step} tier {d.tier}" + (f" part {d.part}" if parts[(d.run, d.step)] > 1 else "")
         out[key] = f"{d.action}: {d.reason}"
+    for b in plan.budgets:
+        held = "".join(f", held by {r} {n}" if i == 0 else f", {r} {n}" for i, (r, n) in enumerate(b.held_by))
+        where = f"tier {b.tier} budget" + (f" on {b.node}" if b.node else "")
+        out[where] = f"{'over' if b.over else 'within'}: {b.kept_bytes} of {b.max_bytes} bytes kept{held}"
     return out
 
 

@@ -23,11 +23,23 @@ def s3_key(settings, run: str, step: int, rel: str) -> tuple[str, str]:
     return bucket, f"{prefix}/{checkpoint_prefix(run, step)}/{rel}"
 
 
-def corrupt_s3_object(settings, run: str, step: int, rel: str) -> None:
-    """Replace a Tier 2 object with the same size but one bit flipped (no checksum sent, as a
-    faulty or foreign writer would)."""
-    client = s3_client(settings)
+def stored_key(settings, run: str, step: int, rel: str) -> tuple[str, str]:
+    """(bucket, key) of the object that holds a checkpoint file's bytes on Tier 2: the shared
+    content its key points to (``core.storage.s3.shared``), else the file's own key."""
+    from core.storage.s3.shared import POINTER_META
+
     bucket, key = s3_key(settings, run, step, rel)
+    content = s3_client(settings).head_object(Bucket=bucket, Key=key).get("Metadata", {}).get(POINTER_META)
+    if content is None:
+        return bucket, key
+    return bucket, f"{settings.tier2_url[len('s3://'):].partition('/')[2]}/{content}"
+
+
+def corrupt_s3_object(settings, run: str, step: int, rel: str) -> None:
+    """Replace the Tier 2 object that holds a checkpoint file's bytes (``stored_key``) with the
+    same size but one bit flipped (no checksum sent, as a faulty or foreign writer would)."""
+    client = s3_client(settings)
+    bucket, key = stored_key(settings, run, step, rel)
     data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))

@@ -2,9 +2,11 @@
 so that the N-th call of an operation can kill the worker (a ``BaseException`` no ``except
 Exception`` catches; every later call of that worker raises too, as after SIGKILL, so its
 cleanup cannot run), start an outage (a transient ``CatalogUnavailable`` /
-``StorageUnavailable`` from that call on, until the operation ends) or pause the worker (its
-``hold`` runs there, with injection off: others take its work over; then it goes on). A plan may
-aim at one tier's store (``tier=2``: the S3 upload, read-back or delete).
+``StorageUnavailable`` from that call on, until the operation ends), fill Tier 1 (``StorageFull``
+from every Tier 1 write from that call on, until the operation ends: reads and deletes still
+work, as on a full disk) or pause the worker (its ``hold`` runs there, with injection off:
+others take its work over; then it goes on). A plan may aim at one tier's store (``tier=2``: the
+S3 upload, read-back or delete).
 
 The injection points are ``tasks.base.Catalog`` (what ``open_catalog`` constructs) and
 ``tier_store`` wherever a step module imported it; nothing in product code changes.
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.errors import CatalogUnavailable, StorageUnavailable
+from core.errors import CatalogUnavailable, StorageFull, StorageUnavailable
 
 
 class Killed(BaseException):
@@ -35,12 +37,13 @@ STORE_CALLS = {"open_read", "stat", "list", "read_small", "verify_object", "put_
                "flush", "delete", "delete_prefix", "delete_part", "sweep_staging", "local_path",
                "bury", "exhume", "delete_tomb"}  # a claim's fenced delete: set aside, put back, then deleted
 CATALOG_SKIP = {"close", "engine", "url", "check_schema"}
+TIER1_WRITES = {"put_verified", "write_small_atomic"}  # what a full Tier 1 refuses (``tier1_full``)
 
 
 @dataclass
 class Plan:
     """What to do to one operation: ``kind`` in {'', 'kill', 'catalog_outage', 'storage_outage',
-    'pause'};
+    'tier1_full', 'pause'};
     fire at the ``at``-th (0-based) wrapped call that matches ``target`` ('store', 'catalog' or
     '' for any) and ``method`` (a method name, or '' for any), ``after`` the call instead of
     before it. A targeted store method (``put_verified``, ``delete``...) puts the fault exactly
@@ -68,6 +71,7 @@ class Injector:
     dead: bool = False
     catalog_down: bool = False
     storage_down: bool = False
+    tier1_full: bool = False
     fired: str = ""
     counts: Counter = field(default_factory=Counter)
     enabled: bool = False
@@ -75,12 +79,12 @@ class Injector:
 
     def start(self, plan: Plan) -> None:
         self.plan, self.calls, self.fired = plan, 0, ""
-        self.dead = self.catalog_down = self.storage_down = False
+        self.dead = self.catalog_down = self.storage_down = self.tier1_full = False
         self.enabled = True
 
     def stop(self) -> str:
         self.enabled = False
-        self.dead = self.catalog_down = self.storage_down = False
+        self.dead = self.catalog_down = self.storage_down = self.tier1_full = False
         return self.fired
 
     def around(self, what: str, fn: Any, args: tuple, kwargs: dict, name: str = "", tier: int | None = None) -> Any:
@@ -92,6 +96,8 @@ class Injector:
             raise CatalogUnavailable("injected catalog outage")
         if what == "store" and self.storage_down:
             raise StorageUnavailable("injected storage outage")
+        if what == "store" and self.tier1_full and tier == 1 and name in TIER1_WRITES:
+            raise StorageFull("injected: no space left on Tier 1")
         p = self.plan
         matches = ((not p.target or p.target == what) and (not p.method or p.method == name)
                    and (p.tier is None or p.tier == tier))
@@ -127,6 +133,9 @@ class Injector:
         if kind == "kill":
             self.dead = True
             raise Killed(label)
+        if kind == "tier1_full":
+            self.tier1_full = True
+            raise StorageFull("injected: no space left on Tier 1")
         if kind == "catalog_outage":
             self.catalog_down = True
             raise CatalogUnavailable("injected catalog outage")

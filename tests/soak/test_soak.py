@@ -30,6 +30,13 @@ loss drawn from finite values, NaN and ±inf (Tier 2 keeps the top 1 by it). ``k
 leaves a dead writer's ``.ckpt-staging-<pid>-…`` folder on Tier 0. ``paused_past_lease`` stops a
 worker inside its Tier 1 copy or its prune's fenced delete (``faults.Plan(kind='pause')``): its
 lease lapses, reconcile on its node takes the work over, then the worker goes on.
+``save_while_tier1_is_full`` promotes a save into a full Tier 1 (``faults.Plan(kind='tier1_full')``:
+every Tier 1 write raises ``StorageFull`` from a chosen one on): the Tier 0 copy is never judged
+for it. ``tier_root_unmounted`` replaces Tier 1's or a node's Tier 0 root by an empty folder (a
+mount that is gone) while saves, promotions, reconcile, scrub, retention, restores and a relaunch
+run, then brings it back: no copy on it that was verified with the saved bytes is marked missing
+or corrupt or pruned while its identity is unproven, nothing is written onto the stand-in, and the
+invariants read the bytes where the storage really is.
 
 After every step the invariants are checked against the bytes in the tier folders, not the
 catalog: every checkpoint that reached ``verified`` and that retention has not expired keeps at
@@ -102,7 +109,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from faults import Clock, Injector, Killed, Plan, S3Faults, S3Plan, install
+from faults import TIER1_WRITES, Clock, Injector, Killed, Plan, S3Faults, S3Plan, install
 from hypothesis import HealthCheck, Phase, settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -111,7 +118,7 @@ import flows.reconcile
 import flows.retention  # noqa: F401
 import tasks.restore
 import tasks.scrub  # noqa: F401
-from core.errors import CkptError
+from core.errors import CkptError, TierUnavailable
 from core.layout import (
     STAGING_MARK,
     checkpoint_dirname,
@@ -131,7 +138,7 @@ NEIGHBOUR_KEY = "neighbour/precious.bin"  # in the same bucket, outside the tier
 RETIRED = "retired"  # the catalog state of a checkpoint retention retired: its copies may go
 MILESTONE_EVERY = 200  # every second save is a milestone, archived to Tier 2
 ALL_FAULTS = ("kill", "catalog_outage", "storage_outage", "delete", "flip", "truncate", "conflict", "s3", "skew",
-              "restart", "origin", "staging", "pause")
+              "restart", "origin", "staging", "pause", "full", "unmounted")
 CHILD = "child"  # child runs: ``child-<n>``, each resumed, fine-tuned or branched from a checkpoint of RUN
 RELATIONS = ("resumed_from", "fine_tuned_from", "branched_from")
 # a save's loss: finite, or one that never makes it "best" (Tier 2 keeps the top 1 by loss)
@@ -238,6 +245,8 @@ _DAMAGE = [h for h in ("delete", "flip", "truncate") if h in FAULTS]
 # check_pass/lapse alone and never restored a saved checkpoint. Here the simplest choice is a
 # fault-free save_and_promote, and every example draws from the whole mix.
 LOSS = st.sampled_from(LOSSES)
+# what keeps running while a tier root is an empty stand-in (``tier_root_unmounted``)
+UNMOUNTED_OPS = ("save_and_promote", "promote_again", "reconcile", "scrub", "retention", "restore", "restart")
 _ON = {kind: kind in FAULTS for kind in ALL_FAULTS}
 OPS: dict[str, tuple[int, dict[str, st.SearchStrategy]]] = {
     "save_and_promote": (8, {"node": NODE, "plan": plans("promote"), "s3": S3P, "skew": SKEW, "loss": LOSS}),
@@ -250,6 +259,12 @@ OPS: dict[str, tuple[int, dict[str, st.SearchStrategy]]] = {
     "paused_past_lease": (2 if _ON["pause"] else 0, {"node": NODE, "which": st.sampled_from(["promote", "bury",
                                                                                             "delete_tomb"]),
                                                      "after": st.booleans()}),
+    "save_while_tier1_is_full": (1 if _ON["full"] else 0, {"node": NODE, "at": st.integers(0, 1), "loss": LOSS,
+                                                           "method": st.sampled_from(sorted(TIER1_WRITES))}),
+    "tier_root_unmounted": (2 if _ON["unmounted"] else 0, {"node": NODE, "which": st.sampled_from(["t1", "t0"]),
+                                                          "ops": st.lists(st.sampled_from(UNMOUNTED_OPS), min_size=1,
+                                                                          max_size=3),
+                                                          "pick": PICK}),
     "promote_again": (2, {"node": NODE, "pick": PICK, "plan": plans("promote"), "s3": S3P, "skew": SKEW}),
     "conflicting_resave": (2 if "conflict" in FAULTS else 0, {"node": NODE, "pick": PICK,
                                                               "variant": st.integers(1, 3)}),
@@ -342,9 +357,9 @@ class Soak(RuleBasedStateMachine):
         # that on the catalog's clock, so any Tier 2 prune is one made early (a skewed clock); its
         # top-1 by loss changes nothing kept, but names the best, never a non-finite loss
         common = dict(data_dir=data, catalog_url=url, task_retries=0, copy_parallelism=1,
-                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2},
-                      retention_tier2={"max_age_days": 1 / 24, "keep_milestones": False, "top_k": 1,
-                                       "metric": "loss"},
+                      retention_tier0={"keep_last": 1}, retention_tier1={"keep_last": 2, "max_bytes": "1KB"},
+                      retention_tier2={"enabled": True, "max_age_days": 1 / 24, "keep_milestones": False,
+                                       "top_k": 1, "metric": "loss"},
                       milestones={"every_steps": MILESTONE_EVERY},
                       tier2_url=f"s3://{self.bucket}/{T2_PREFIX}", s3_endpoint_url=self.s3_proxy_url)
         self.settings = {n: load_settings(node=n, tier1_direct_io=d, **common) for n, d in zip(NODES, direct_io,
@@ -352,6 +367,7 @@ class Soak(RuleBasedStateMachine):
         self.roots = {"t0:node-0": Path(self.settings["node-0"].tier0_url),
                       "t0:node-1": Path(self.settings["node-1"].tier0_url),
                       "t1": Path(self.settings["node-0"].tier1_url)}
+        self.unmounted: dict[str, Path] = {}  # a tier root replaced by an empty stand-in -> where its storage is
         self.outside = self.tmp / "outside"  # a neighbour of the tier roots: must never change
         self.outside.mkdir()
         (self.outside / "precious.bin").write_bytes(os.urandom(512))
@@ -406,7 +422,8 @@ class Soak(RuleBasedStateMachine):
 
     def folder(self, loc: str, step: int, attempt: str | None = None) -> Path:
         """Where ``step``'s checkpoint of ``attempt`` (default: its live one) is at ``loc``."""
-        return self.roots[loc] / RUN / checkpoint_dirname(step, self.live.get(step, "") if attempt is None else attempt)
+        root = self.unmounted.get(loc, self.roots[loc])  # the real storage, wherever it is now
+        return root / RUN / checkpoint_dirname(step, self.live.get(step, "") if attempt is None else attempt)
 
     def t2_objects(self) -> dict[str, tuple[int, str]]:
         """Every object in the example's bucket: key -> (size, ETag), listed straight from moto
@@ -492,6 +509,17 @@ class Soak(RuleBasedStateMachine):
         finally:
             cat.close()
 
+    def good_any_attempt(self, step: int) -> set[str]:
+        """Where any checkpoint of ``step`` holds its saved bytes: the live one's (``good_now``) and
+        those a relaunch superseded. A pass's error names a step, not its attempt, and may be about
+        a superseded checkpoint of a step no attempt has saved again (not live: ``good_now`` would
+        read the superseded checkpoint as the live one)."""
+        locs = self.good_now(step) if step in self.saved else set()
+        for (s, attempt), versions in self.superseded.items():
+            if s == step:
+                locs |= {loc for loc in LOCS if any(self.matches(loc, s, v, attempt) for v in versions.values())}
+        return locs
+
     def good(self, step: int, version: dict[str, str] | None) -> set[str]:
         versions = [version] if version is not None else list(self.saved.get(step, {}).values())
         return {loc for loc in LOCS if any(self.matches(loc, step, v) for v in versions)}
@@ -562,13 +590,18 @@ class Soak(RuleBasedStateMachine):
         if (fired.startswith("kill") or orphaned) and lapse_after_kill:
             expire_claims(self.settings["node-0"])  # a lease later, as if the dead worker's lease passed
             STATS["lease_expired_after_kill" if not orphaned else "lease_expired_after_an_orphaned_claim"] += 1
+        # a tier whose root shows an empty stand-in is unavailable: an error (or an item a pass
+        # reports failed) is the outage's result, never a verdict, which the invariants judge
+        unproven = bool(self.unmounted) and (raised is None or isinstance(raised, TierUnavailable))
+        if unproven and raised is not None:
+            STATS["tier_unavailable_raised"] += 1
         if raised is not None:
-            self._judge_error(name, raised, faulted=bool(fired or s3_failed))
+            self._judge_error(name, raised, faulted=bool(fired or s3_failed or unproven))
         failures = _reported_failures(result)
         STATS["reported_failures"] += len(failures)
-        for failure in failures if not (fired or s3_failed) else []:
+        for failure in failures if not (fired or s3_failed or self.unmounted) else []:
             self._judge_error(name, failure, faulted=False)
-        return not (fired or s3_failed or raised or failures)
+        return not (fired or s3_failed or raised or failures or self.unmounted)
 
     def _judge_error(self, name: str, exc: BaseException, *, faulted: bool) -> None:
         """An operation's error is a result only where this operation met a fault (an injected
@@ -597,15 +630,18 @@ class Soak(RuleBasedStateMachine):
         """Why a fault-free operation may raise ``exc`` (a short reason), or '' when it may not:
         the refusal of a conflicting re-save; an error about steps the test itself damaged
         (rotted, cut short, deleted or re-saved with other bytes); a repair that needs the copy
-        only another node's Tier 0 holds."""
-        from core.errors import AlreadyRejected, ConflictError
+        only another node's Tier 0 holds, or a resume whose only copies are there (the relaunched
+        node is refused, loudly, rather than started from scratch)."""
+        from core.errors import AlreadyRejected, ConflictError, NotFound
         if name.startswith("promote_conflicting") and isinstance(exc, (ConflictError, AlreadyRejected)):
             return "conflicting_resave_refused"
         steps = _steps_named(f"{name} {exc}")
-        if isinstance(exc, ReportedFailure) and exc.repair and "readable here" in str(exc):
-            node = name.partition("(")[2].rstrip(")")
-            elsewhere = {loc for step in steps for loc in self.good_now(step)} - {"t1", "t2", f"t0:{node}"}
-            if elsewhere or not any(self.good_now(step) for step in steps):
+        needs_a_copy = (isinstance(exc, ReportedFailure) and exc.repair) or (
+            name.startswith("resume(") and isinstance(exc, NotFound))  # a relaunch before any promotion
+        if needs_a_copy and "readable here" in str(exc):
+            node = name.partition("(")[2].rstrip(")").split(",")[0]
+            good = {loc for step in steps for loc in self.good_any_attempt(step)}
+            if good - {"t1", "t2", f"t0:{node}"} or not good:
                 return "repair_source_on_another_node"
         if steps and steps <= self.damaged | self.damaged_history:
             return "about_a_step_the_test_damaged"
@@ -670,6 +706,30 @@ class Soak(RuleBasedStateMachine):
         self._save(node, step, 0, skew, loss)
         self._promote(node, step, plan, s3=s3, skew=skew)
         self._promote(node, step, Plan(), label="promote_duplicate")
+
+    def save_while_tier1_is_full(self, node: str, method: str, at: int, loss: float = 0.5) -> None:
+        """A save whose promotion finds Tier 1 full: from its ``at``-th Tier 1 write (``method``)
+        on, every Tier 1 write raises ``StorageFull`` until the promotion ends (reads and deletes
+        still work). A full destination is no verdict on the source: the Tier 0 copy, whose bytes
+        are the saved ones, is never marked corrupt or missing for it (nor pruned: the invariants),
+        and a later promotion or reconcile, with room again, carries the checkpoint on."""
+        from db.catalog import Catalog
+        step, self.next_step = self.next_step, self.next_step + 100
+        self._save(node, step, 0, loss=loss)
+        self._promote(node, step, Plan(kind="tier1_full", target="store", method=method, at=at, tier=1),
+                      label="promote_tier1_full")
+        cat = Catalog(self.settings[node].catalog_url)
+        try:
+            version, ck = self.canonical(cat, step), self._checkpoint(cat, step)
+            reps = cat.replicas(ck.id) if ck is not None else []
+        finally:
+            cat.close()
+        for r in reps:
+            if (r.tier, r.node) == (0, node) and r.state in ("corrupt", "missing") and version is not None \
+                    and self.matches(f"t0:{node}", step, version):
+                self.violate(f"step {step}: Tier 1 was full, and the catalog marked its Tier 0 copy on {node} "
+                             f"{r.state} although its bytes match (a full destination taken as a verdict on the "
+                             "source)")
 
     def save_event_lost(self, node: str, skew: timedelta, loss: float = 0.5) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
@@ -837,6 +897,69 @@ class Soak(RuleBasedStateMachine):
             self.operate(f"retention_paused({node})", plan,
                          fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
 
+    def tier_root_unmounted(self, node: str, which: str, ops: list[str], pick: int) -> None:
+        """Tier 1's root (``which='t1'``) or ``node``'s Tier 0 root disappears and comes back: a
+        mount that is gone leaves its mount point as an empty folder. The real folder is moved
+        aside and an empty one made in its place; ``ops`` run meanwhile on ``node`` (saves on
+        the other node while it is ``node``'s Tier 0 that is gone), then the folder comes back.
+        While the root is unproven no copy on it may be judged (marked missing or corrupt) or
+        pruned, and nothing may be written onto the stand-in (not even an identity marker);
+        the invariants read the bytes where the storage really is (``folder``)."""
+        loc = "t1" if which == "t1" else f"t0:{node}"
+        other = next(n for n in NODES if n != node)
+        away = self.tmp / f"away-{loc.replace(':', '-')}"
+        held = self._replicas_on(loc, good_only=True)
+        self.roots[loc].rename(away)
+        self.roots[loc].mkdir()
+        self.unmounted[loc] = away
+        STATS[f"fault:root_unmounted_{loc.split(':')[0]}"] += 1
+        self.trace.append(f"unmount({loc})")
+        try:
+            for op in ops:
+                saver = other if loc.startswith("t0") else node
+                {"save_and_promote": lambda: self.save_and_promote(saver, Plan(), S3Plan(), timedelta(0)),
+                 "promote_again": lambda: self.promote_again(node, pick, Plan(), S3Plan(), timedelta(0)),
+                 "reconcile": lambda: self.reconcile(node, Plan(), S3Plan(), timedelta(0)),
+                 "scrub": lambda: self.scrub(node, Plan(), S3Plan(), timedelta(0)),
+                 "retention": lambda: self.retention(node, Plan(), S3Plan(), timedelta(0)),
+                 "restore": lambda: self.restore(node, pick, False, S3Plan(), timedelta(0)),
+                 "restart": lambda: self.restart(saver, pick % 2)}[op]()
+                self._unproven_untouched(loc, held)
+                self._nothing_is_lost()
+        finally:
+            left = sorted(str(p.relative_to(self.roots[loc])) for p in self.roots[loc].rglob("*"))
+            shutil.rmtree(self.roots[loc])
+            away.rename(self.roots[loc])
+            del self.unmounted[loc]
+            self.trace.append(f"remount({loc})")
+        if left:
+            self.violate(f"the pipeline wrote onto the empty stand-in at {loc}'s mount point while its root was "
+                         f"unproven: {left[:5]}")
+        self._unproven_untouched(loc, held)
+        STATS["ops_while_a_root_was_unmounted"] += len(ops)
+
+    def _replicas_on(self, loc: str, *, good_only: bool = False) -> dict[int, tuple[int, str]]:
+        """Replica id -> (step, state) of the replicas at ``loc`` (only those verified whose bytes
+        matched at the last check, with ``good_only``)."""
+        from db.catalog import Catalog
+        cat = Catalog(self.settings["node-0"].catalog_url)
+        try:
+            return {r.id: (ck.step, r.state) for ck in cat.list_checkpoints(RUN) for r in cat.replicas(ck.id)
+                    if _loc(r) == loc and (r.id in self.good_replicas or not good_only)}
+        finally:
+            cat.close()
+
+    def _unproven_untouched(self, loc: str, held: dict[int, tuple[int, str]]) -> None:
+        """No copy at ``loc`` that was verified with the saved bytes when its root went away is
+        marked missing or corrupt, or pruned, on the strength of the stand-in (its bytes are intact
+        where the storage is; nothing was deleted there)."""
+        now = self._replicas_on(loc)
+        for rid, (step, _) in sorted(held.items()):
+            state = now.get(rid, (step, "gone"))[1]
+            if state in ("missing", "corrupt", "pruned", "gone"):
+                self.violate(f"step {step}: its copy at {loc} was marked {state} although {loc}'s root was an "
+                             "empty stand-in (identity unproven) and the copy's bytes are intact")
+
     # --- operations: scheduled flows --------------------------------------------------------------
     def retention(self, node: str, plan: Plan, s3: S3Plan, skew: timedelta) -> None:
         from flows.common import plain_steps
@@ -956,7 +1079,8 @@ class Soak(RuleBasedStateMachine):
             outcome.append(type(exc).__name__)
             STATS[f"restore_error:{type(exc).__name__}"] += 1
             self.trace[-1] += f"[{type(exc).__name__}: {exc}]"
-            if have - ({"t2"} if S3_FAULTS.failed else set()):  # an S3 error excuses only Tier 2
+            # an S3 error excuses only Tier 2; a root that shows an empty stand-in only its tier
+            if have - ({"t2"} if S3_FAULTS.failed else set()) - set(self.unmounted):
                 self.violate(f"restore({node},{step or 'newest'}) failed ({type(exc).__name__}: {exc}) although "
                              f"the catalog holds a verified copy with the saved bytes at {sorted(have)}")
             STATS["restore_failed_with_no_good_copy_to_read"] += 1
@@ -1298,6 +1422,9 @@ class Soak(RuleBasedStateMachine):
         rows = [e for e in cat.audit_log(run=RUN, limit=5000) if e.id > self.audit_seen]
         self.audit_seen = max([e.id for e in rows], default=self.audit_seen)
         explained = {e.step for e in rows if e.action == "delete" or e.to_state in ("pruning", "pruned")}
+        for e in rows:  # every tier has rules: Tier 1's budget only alerts, never takes what they keep
+            if "over budget" in (e.reason or ""):
+                self.violate(f"step {e.step}: a copy a rule keeps went for Tier 1's budget: {e.reason}")
         for step, attempt in [*self.live.items(), *self.superseded]:
             for loc in LOCS:
                 now = self._listing(loc, step, attempt)
@@ -1401,7 +1528,8 @@ FIRED = {  # fault kind -> the prefixes of the counters that say it fired
     "flip": ("fault:external_flip_",), "truncate": ("fault:external_truncate_",),
     "conflict": ("fault:conflicting_resave",), "s3": ("fault_kind:s3_",), "skew": ("fault_kind:clock_skew",),
     "restart": ("fault:restart",), "origin": ("fault:origin_declared_save_lost",),
-    "staging": ("fault:dead_writer_staging",), "pause": ("fault_kind:pause",),
+    "staging": ("fault:dead_writer_staging",), "pause": ("fault_kind:pause",), "full": ("fault_kind:tier1_full",),
+    "unmounted": ("fault:root_unmounted_",),
 }
 
 

@@ -6,8 +6,10 @@ behind the catalog's back justifies deleting the last good copy, and the soak's 
 names the lost checkpoint; with the attempt rules off (a resume supersedes nothing, no part is
 superseded at birth), a relaunch past a lost step leaves the older attempt's checkpoint offered;
 with registration dropping a manifest's origin, or reconcile sweeping no staging, a killed
-child run's origin or a killed save's staging is reported. The same scripted sequences pass on
-the real pipeline."""
+child run's origin or a killed save's staging is reported; with the tier identity proof off, a
+root replaced by an empty folder is taken as the tier (its copies judged missing there, or written
+onto it); with a promotion taking a full Tier 1 as a verdict on its Tier 0 source, that copy is
+reported marked although its bytes match. The same scripted sequences pass on the real pipeline."""
 
 from __future__ import annotations
 
@@ -261,6 +263,16 @@ def _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> Soak:
     return m
 
 
+def _soak_fails(expected: str, scenario, db_url, s3_endpoint, proxy, settings_factory, monkeypatch) -> None:
+    """``scenario`` on a fresh machine fails the soak with a violation matching ``expected``."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match=expected):
+            scenario(m)
+    finally:
+        m.teardown()
+
+
 def test_the_soak_passes_a_real_relaunch(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
     m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
     try:
@@ -292,13 +304,9 @@ def test_a_relaunch_that_supersedes_nothing_fails_the_soak(db_url, s3_endpoint, 
 
     monkeypatch.setattr(db.register, "standing", lambda *args, **kwargs: None)
     monkeypatch.setattr(db.attempts, "record_resume", supersede_nothing)
-    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
-    try:
-        with pytest.raises(AssertionError, match=r"step 300 of attempt \(unnamed\) is 'committed' \(offered "
-                                                 r"again\)|offered step 300 of attempt \(unnamed\)|mixing two"):
-            _restart_past_a_lost_step(m)
-    finally:
-        m.teardown()
+    _soak_fails(r"step 300 of attempt \(unnamed\) is 'committed' \(offered again\)|offered step 300 of attempt "
+                r"\(unnamed\)|mixing two", _restart_past_a_lost_step, db_url, s3_endpoint, proxy, settings_factory,
+                monkeypatch)
 
 
 def test_a_relaunched_attempts_archive_restores_from_tier2(db_url, s3_endpoint, proxy, settings_factory,
@@ -390,9 +398,113 @@ def test_a_lost_origin_or_a_staging_left_fails_the_soak(broken, db_url, s3_endpo
     else:
         monkeypatch.setattr(flows.reconcile, "sweep_writer_staging", lambda *args, **kwargs: None)
         expected = r"reconcile\(node-0\) left a dead writer's staging on Tier 0"
+    _soak_fails(expected, _origin_and_staging, db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+
+
+# --- a tier root that disappears and comes back; a Tier 1 that fills -------------------------
+UNMOUNTED_OPS = ["scrub", "reconcile", "retention", "save_and_promote", "restore"]
+
+
+def _root_unmounted(m: Soak, which: str) -> None:
+    """Steps 100 and 200 are promoted on node-0 (200, a milestone, archived); Tier 1's root or
+    node-0's Tier 0 root is replaced by an empty folder while scrub, reconcile, retention, a
+    save (node-1's, when node-0's Tier 0 is gone) and a restore run on node-0; then it comes
+    back and a check pass runs."""
+    for _ in range(2):
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+    m.tier_root_unmounted("node-0", which, UNMOUNTED_OPS, 0)
+    m.nothing_is_lost()
+    m.check_pass()
+    m.nothing_is_lost()
+
+
+@pytest.mark.parametrize("which", ["t1", "t0"])
+def test_the_soak_passes_a_real_root_that_comes_back(which, db_url, s3_endpoint, proxy, settings_factory,
+                                                     monkeypatch):
     m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
     try:
-        with pytest.raises(AssertionError, match=expected):
-            _origin_and_staging(m)
+        _root_unmounted(m, which)
+        assert STATS["tier_unavailable_raised"] >= 1  # the stand-in was refused, not used
+        # after the root came back the pipeline carried on: the save made meanwhile reached Tier 1
+        assert m.committed("t1") == [200, 300] and "t1" in m.good_now(300)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("which", ["t1", "t0"])
+def test_a_tier_root_taken_unproven_fails_the_soak(which, db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    """With the identity proof off (``core.storage.identity.prove`` accepts any root; a root is
+    still marked and recorded on first use), the empty stand-in is taken as the tier: its copies
+    are judged missing there, or the pipeline writes onto it."""
+    from core.storage import identity
+
+    monkeypatch.setattr(identity, "prove", lambda store, recorded: None)
+    _soak_fails(r"was marked (missing|corrupt) although t\S+ root was an empty stand-in|wrote onto the empty "
+                r"stand-in", lambda m: _root_unmounted(m, which), db_url, s3_endpoint, proxy, settings_factory,
+                monkeypatch)
+
+
+def _tier1_full(m: Soak) -> None:
+    """Step 100 is promoted; step 200's promotion finds Tier 1 full at its first write; then
+    reconcile runs on node-0 with room again."""
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+    m.save_while_tier1_is_full("node-0", "put_verified", 0)
+    m.nothing_is_lost()
+    m.reconcile("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def test_the_soak_passes_a_real_promotion_into_a_full_tier1(db_url, s3_endpoint, proxy, settings_factory,
+                                                           monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _tier1_full(m)
+        assert STATS["fault_kind:tier1_full"] >= 1 and STATS["error:StorageFull"] >= 1
+        assert {"t0:node-0", "t1"} <= m.good_now(200)  # reconcile carried it on once there was room
+    finally:
+        m.teardown()
+
+
+def test_a_full_tier1_taken_as_a_verdict_on_the_source_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                                      monkeypatch):
+    """With the fused promotion taking the destination's ``StorageFull`` as a verdict on its Tier
+    0 source (recorded corrupt), the soak names the Tier 0 copy marked although its bytes match."""
+    import tasks.copy
+    from core.errors import CorruptCheckpoint, StorageFull
+
+    real = tasks.copy._Tier0Source._verdict
+
+    def full_is_corrupt(self, exc):
+        if isinstance(exc, StorageFull):
+            self.in_copy = False
+            exc = CorruptCheckpoint(f"tier 1 is full: {exc}")
+        return real(self, exc)
+
+    monkeypatch.setattr(tasks.copy._Tier0Source, "_verdict", full_is_corrupt)
+    _soak_fails(r"step 200: Tier 1 was full, and the catalog marked its Tier 0 copy on node-0 corrupt although its "
+                r"bytes match", _tier1_full, db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+
+
+def test_a_failed_repair_of_a_superseded_step_is_judged_by_its_own_copies(db_url, s3_endpoint, proxy,
+                                                                          settings_factory, monkeypatch):
+    """Found by the soak once a full Tier 1 was among its faults: step 300's promotion finds Tier
+    1 full (its only copy: node-0's Tier 0), the job relaunches (node-1 cannot read that copy, so
+    both resume from 200 and 300 is superseded), and scrub on node-1 cannot repair 300's Tier 1
+    copy from there. The error names step 300 without its attempt; the soak judged it by the live
+    checkpoint's copies, which 300 no longer has, and took the superseded checkpoint's registered
+    files for a checkpoint mixing two attempts."""
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        for _ in range(2):
+            m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.save_while_tier1_is_full("node-0", "put_verified", 0)
+        m.nothing_is_lost()
+        m.restart("node-0")
+        assert (300, "") in m.superseded and 300 not in m.live
+        m.scrub("node-1", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+        assert STATS["expected_error:repair_source_on_another_node"] >= 1
     finally:
         m.teardown()

@@ -46,7 +46,7 @@ def test_node_only_agent_serves_no_scrub_and_no_drill(settings_factory):
     settings = settings_factory(node=NODE)
     built = _by_full_name(build_deployments(settings, node_only=True))
     assert names.SCRUB_DEPLOYMENT not in built and names.DRILL_DEPLOYMENT not in built
-    assert set(built) == {names.promote_deployment(NODE), names.reconcile_deployment(NODE)}
+    assert set(built) == {names.promote_deployment(NODE)}  # reconcile runs in the agent: no deployment
     # and without --no-archive-trigger or with it, the cluster agent serves both
     for archive_trigger in (True, False):
         cluster = _by_full_name(build_deployments(settings, archive_trigger=archive_trigger))

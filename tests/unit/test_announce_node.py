@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ckpt.client import CheckpointStager
-from ckpt.local_stack import job_exports, stack_env
+from ckpt.local_stack import exports_text, job_exports, stack_env
 
 
 class _FakePrefect(BaseHTTPRequestHandler):
@@ -60,6 +60,7 @@ def test_an_unserved_node_is_named_once_with_the_fix(settings_factory, api, capl
     assert len(lines) == (1 if warned else 0)
     if warned:
         assert "gpu-host-17" in lines[0] and "CKPT_NODE" in lines[0]
+        assert "ckpt agent --node gpu-host-17 --node-only" in lines[0]  # not a second cluster agent
     assert len([p for p in _FakePrefect.asked if "/deployments/name/" in p]) == 1  # asked once
 
 
@@ -70,3 +71,13 @@ def test_up_exports_name_the_node_catalog_credentials_and_endpoint(tmp_path):
                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         assert out[key], key
     assert out["CKPT_NODE"] == "node-0" and out["CKPT_S3_ENDPOINT_URL"] == "http://127.0.0.1:5000"
+
+
+def test_up_with_two_nodes_prints_the_exports_of_each_node(tmp_path):
+    env = stack_env(tmp_path, api_url="http://127.0.0.1:4200/api", s3_url="http://127.0.0.1:5000")
+    catalog = f"sqlite:///{tmp_path}/catalog.db"
+    per_node = {n: job_exports(env, node=n, catalog_url=catalog) for n in ("node-0", "node-1")}
+    text = "\n".join(exports_text(per_node))
+    assert "on node-0: export CKPT_NODE=node-0" in text and "on node-1: export CKPT_NODE=node-1" in text
+    assert text.count("export PREFECT_API_URL=") == 1  # what the shells share, once
+    assert "export CKPT_CATALOG_URL=" in text and "export AWS_SECRET_ACCESS_KEY=" in text

@@ -198,7 +198,7 @@ def test_parts_of_one_checkpoint_share_a_folder(settings_factory):
 
 def test_unreachable_prefect_never_reaches_training(settings_factory, caplog):
     """Events to a port nothing listens on: save returns at local-commit speed, close returns,
-    and the job is told where it tried and that the scheduled reconcile promotes the checkpoint."""
+    and the job is told where it tried and that the agent's reconcile promotes the checkpoint."""
     import socket
 
     with socket.socket() as sock:
@@ -216,7 +216,7 @@ def test_unreachable_prefect_never_reaches_training(settings_factory, caplog):
     assert len(told) == 1, told
     assert f"http://127.0.0.1:{port}/api" in told[0] and "run-a step 1" in told[0]
     interval = s.reconcile_interval_seconds
-    assert f"scheduled reconcile of node {s.node} promotes it within its interval ({interval} s)" in told[0]
+    assert f"reconcile of node {s.node} promotes it within its interval ({interval} s)" in told[0]
 
 
 @pytest.mark.parametrize("step", [-1, "12", 1.5, True])

@@ -46,7 +46,7 @@ def _by_full_name(deployments) -> dict[str, dict]:
 
 def test_names_match_the_served_agent(deployments):
     assert set(_by_full_name(deployments)) == {
-        names.promote_deployment(NODE), names.reconcile_deployment(NODE),
+        names.promote_deployment(NODE),
         names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT, names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT,
     }
 
@@ -80,13 +80,11 @@ def test_parameters_are_the_flows_own(deployments):
 def test_schedules_and_queues(deployments):
     by_name = _by_full_name(deployments)
     defaults = Settings(data_dir=Path("/tmp"))
-    reconcile = by_name[names.reconcile_deployment(NODE)]
-    assert reconcile["schedules"] == [{"interval": defaults.reconcile_interval_seconds}]
     assert by_name[names.RETENTION_DEPLOYMENT]["schedules"] == [{"cron": defaults.retention_cron}]
     assert by_name[names.SCRUB_DEPLOYMENT]["schedules"] == [{"cron": defaults.scrub_cron}]
     assert by_name[names.DRILL_DEPLOYMENT]["schedules"] == [{"cron": defaults.drill_cron}]
     queues = {name: d["work_pool"]["work_queue_name"] for name, d in by_name.items()}
-    assert queues[names.promote_deployment(NODE)] == NODE == queues[names.reconcile_deployment(NODE)]
+    assert queues[names.promote_deployment(NODE)] == NODE
     cluster_wide = (names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
                     names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT)
     assert [queues[n] for n in cluster_wide] == [names.CLUSTER] * len(cluster_wide)
@@ -112,9 +110,8 @@ def test_agent_builds_the_same_triggers(settings_factory):
     built = {f"{d.flow_name}/{d.name}": d for d in build_deployments(settings_factory(node=NODE))}
     promote = built[names.promote_deployment(NODE)]
     assert promote.triggers == [] and promote.enforce_parameter_schema is False
-    assert set(built) == {names.promote_deployment(NODE), names.reconcile_deployment(NODE),
+    assert set(built) == {names.promote_deployment(NODE),
                           names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
                           names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT}
     node_only = build_deployments(settings_factory(node=NODE), node_only=True)
-    assert {f"{d.flow_name}/{d.name}" for d in node_only} == {names.promote_deployment(NODE),
-                                                            names.reconcile_deployment(NODE)}
+    assert {f"{d.flow_name}/{d.name}" for d in node_only} == {names.promote_deployment(NODE)}

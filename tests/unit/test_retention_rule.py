@@ -11,7 +11,7 @@ from tests.kit.retention_cases import case_files, facts_of, load, now_of, parts_
 RULES = ("keep_last", "milestone", "milestone not yet archived", "top_k loss", "top_k acc", "max_age", "pinned",
          "alias best", "newest verified", "newer than newest durable", "newest durable", "parent of ft",
          "not yet durable", "locked until", "retention off", "last durable copy", "no tier keeps it", "retired",
-         "not kept on tier 0", "not kept on tier 1", "not kept on tier 2", "archive of a milestone")
+         "not kept on tier 0", "not kept on tier 1", "not kept on tier 2", "archive of a milestone", "over budget")
 # each tier's own keep rules, on every tier; the milestone rules are Tier 1's alone
 TIER_RULES = {(t, r) for t in (0, 1, 2) for r in ("keep_last", "top_k", "max_age")} | {
     (1, "milestone"), (1, "milestone not yet archived"), (2, "locked until")}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from core import events, sizing
 from db.entities import LineageEdge
 from flows.artifacts import artifact_key
-from flows.status import RunStatus, TierNewest, lineage_line, status_markdown
+from flows.status import FailedRun, Failure, RunStatus, TierNewest, lineage_line, status_markdown
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -55,6 +55,38 @@ def test_status_markdown_of_a_new_run():
     assert "no checkpoint of this run is durable yet" in md
     assert "no writer stall recorded" in md
     assert "- no checkpoint" in md
+
+
+def test_at_a_glance_answers_durable_late_failed_and_repaired_and_bytes_per_tier():
+    """What the platform engineer asks first, at the top of the page: the newest durable
+    checkpoint, what is late past the RPO, which promote runs failed and which of them something
+    repaired since (by whom, when), and each tier's bytes."""
+    repaired = Failure(FailedRun("promote/run-b/step-300", 300, T0, "OSError: Tier 1 full", "fr-1"),
+                       repaired_by="reconcile/node-0", repaired_at=T0 + timedelta(minutes=2))
+    open_ = Failure(FailedRun("promote/run-b/step-500", 500, T0 + timedelta(minutes=5),
+                              "CorruptCheckpoint:\nbad | crc"))
+    md = status_markdown(_status(durable_step=400, durable_at=T0 + timedelta(seconds=30), rpo_seconds=900,
+                                 late=[(500, T0 + timedelta(minutes=4))], failures=[open_, repaired],
+                                 tier_bytes={0: (1, 3_000_000), 1: (2, 6_000_000_000)}))
+    glance = md[md.index("## At a glance"):md.index("## Newest verified checkpoint per tier")]
+    assert ("**Newest durable checkpoint** (every part verified on Tier 1): step **400**, "
+            "durable since 2025-01-01 12:00:30 UTC") in glance
+    assert ("**Late past the RPO** (900 s): 1 checkpoint(s) not on Tier 1: "
+            "step 500 (committed 2025-01-01 12:04:00 UTC)") in glance
+    assert ("| `promote/run-b/step-300` | 300 | 2025-01-01 12:00:00 UTC | OSError: Tier 1 full | "
+            "failed, repaired by `reconcile/node-0` at 2025-01-01 12:02:00 UTC |") in glance
+    assert ("| `promote/run-b/step-500` | 500 | 2025-01-01 12:05:00 UTC | CorruptCheckpoint: bad / crc | "
+            "**failed, not repaired** |") in glance  # one table row: no newline, no cell split
+    assert "| Tier 0 (node NVMe) | 1 | 3.00 MB |" in glance and "| Tier 1 (shared FS) | 2 | 6.00 GB |" in glance
+    assert "| Tier 2 (object store) | 0 | 0 B |" in glance
+
+
+def test_at_a_glance_of_a_healthy_new_run_and_an_orchestrator_that_did_not_answer():
+    md = status_markdown(_status(rpo_seconds=900, failures=[]))
+    assert "(every part verified on Tier 1): none yet" in md
+    assert "**Late past the RPO** (900 s): none" in md
+    assert "### Failed promote runs\n\n- none" in md
+    assert "- not known: the orchestrator did not answer" in status_markdown(_status(failures=None))
 
 
 def test_lineage_line_single_checkpoint_and_branch():
@@ -156,9 +188,12 @@ def test_gather_reads_the_same_few_statements_however_large_the_run(catalog, mon
     monkeypatch.setattr(status, "STALL_WINDOW", 50, raising=False)
     _filled_run(catalog, "small", 30)
     _filled_run(catalog, "large", 300)
-    small = _statements(catalog, lambda: status.gather(catalog, "small"))
-    large = _statements(catalog, lambda: status.gather(catalog, "large"))
-    assert small == large <= 32  # not one or more per recent checkpoint (RECENT = 20: 60 more); 2 for the drills
+    failed = [FailedRun("promote/x/step-10", 10, T0), FailedRun("promote/x/step-20", 20, T0)]
+    small = _statements(catalog, lambda: status.gather(catalog, "small", rpo_seconds=900, failed=failed))
+    large = _statements(catalog, lambda: status.gather(catalog, "large", rpo_seconds=900, failed=failed))
+    # not one or more per recent checkpoint (RECENT = 20: 60 more); 2 for the drills; one audit
+    # trail per failed run shown (at most FAILURES)
+    assert small == large <= 48
     page = status.gather(catalog, "large")
     assert page.checkpoints == 300 and page.newest_step == 3000 and len(page.time_to_durable) == 5
     assert page.figure is not None and page.figure.checkpoints == 50
@@ -167,11 +202,13 @@ def test_gather_reads_the_same_few_statements_however_large_the_run(catalog, mon
 
 
 def test_gather_of_a_small_run_matches_reading_the_whole_run(catalog):
+    from dataclasses import replace
+
     from flows.status import gather
 
     _filled_run(catalog, "run-s", 30)
     page = gather(catalog, "run-s")
-    assert page == _gather_whole_run(catalog, "run-s")
+    assert replace(page, durable_step=None, durable_at=None, tier_bytes={}) == _gather_whole_run(catalog, "run-s")
     assert [s for s, _ in page.time_to_durable] == [260, 270, 280, 290, 300]
     assert page.figure is not None and page.figure.checkpoints == 30 and page.figure.median_interval_seconds == 100
 
@@ -187,3 +224,57 @@ def test_status_page_shows_the_newest_drills():
     assert "| 2 | 400 | 16 | ok | 41.5 s | 38.0 s | 980 MB |" in md
     assert "| 1 | 400 | 16 | **FAILED** | 3.00 s | — | 0 B |" in md
     assert "no drill recorded for this run" in status_markdown(_status())
+
+
+def test_gather_finds_the_durable_newest_the_late_the_repaired_and_the_bytes(catalog):
+    """From the catalog: 30 checkpoints committed (by the catalog's clock: now, so late past an RPO
+    of 0 s, not of 900 s), the newest five verified on Tier 1, two of them recorded complete there,
+    one by reconcile; a promote run that failed on that one reads repaired by reconcile, one on a
+    late checkpoint not."""
+    from flows.status import LATE, gather
+
+    _filled_run(catalog, "run-g", 30)
+    newest = catalog.newest_checkpoints("run-g", 2)
+    assert catalog.complete_on_tier(newest[1].id, 1, actor="event flow-run:e1")
+    assert catalog.complete_on_tier(newest[0].id, 1, actor="reconcile/node-0")
+    failed = [FailedRun("promote/run-g/step-300", 300, T0), FailedRun("promote/run-g/step-10", 10, T0)]
+    assert gather(catalog, "run-g", rpo_seconds=900).late == []
+    page = gather(catalog, "run-g", now=T0, rpo_seconds=0, failed=failed)
+    assert page.durable_step == 300 and page.durable_at is not None
+    assert [step for step, _ in page.late] == [10 * (i + 1) for i in range(LATE)]  # the oldest first
+    assert page.tier_bytes == {0: (1, 2000), 1: (5, 10_000)}
+    repaired, open_ = page.failures
+    assert (repaired.repaired_by, open_.repaired_by) == ("reconcile/node-0", None)
+    md = status_markdown(page)
+    assert "failed, repaired by `reconcile/node-0` at" in md and "**failed, not repaired**" in md
+
+
+def test_status_page_shows_the_run_s_storage_per_tier(catalog, db_url, settings_factory):
+    """The page's storage section: what each tier holds of this run (another run's copies and
+    hops left out), its hops' bandwidth and first-byte latency, and the monthly cost at the
+    configured price; the page reads the same few statements with it, however large the run."""
+    from flows import status
+    from tests.kit.catalog import checkpoint, timed_hop
+
+    gb = 10**9
+    a, b = checkpoint(catalog, "run-s", 10, size=gb), checkpoint(catalog, "run-s", 20, size=gb)
+    timed_hop(catalog, a.id, 1, seconds=2.0, first_byte=0.01, bytes=2 * gb)
+    timed_hop(catalog, b.id, 1, seconds=1.0, first_byte=0.05, bytes=2 * gb)
+    timed_hop(catalog, checkpoint(catalog, "other", 10, size=gb).id, 1, seconds=0.01, bytes=2 * gb)
+    settings = settings_factory(catalog_url=db_url, tier1_price_gb_month=2.0)
+
+    page = status.gather(catalog, "run-s", settings=settings)
+    md = status_markdown(page)
+    assert "## Storage per tier" in md
+    assert ("| Tier 1 (shared FS) | 2 | 4.00 GB | 4.00 GB | 1.00× | 1.50 GB/s / 1.00 GB/s (2) | — | "
+            "30 ms / 50 ms (2) | 8.00 |") in md, md
+    assert "| Tier 0 (node NVMe) | 0 | 0 B | 0 B | — | — | — | — | 0.00 |" in md
+    assert "## Storage per tier" not in status_markdown(status.gather(catalog, "run-s"))  # no settings: no prices
+
+    _filled_run(catalog, "large", 300)
+
+    def storage_statements(run: str) -> int:
+        return (_statements(catalog, lambda: status.gather(catalog, run, settings=settings))
+                - _statements(catalog, lambda: status.gather(catalog, run)))
+
+    assert storage_statements("run-s") == storage_statements("large") <= 12  # a fixed few, per tier at most

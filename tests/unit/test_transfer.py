@@ -326,3 +326,21 @@ def test_copy_workers_run_at_the_lower_priority_and_the_caller_keeps_its_own(tie
     assert len(seen) == len(m.files) and all(n == min(caller + 5, 19) for n in seen)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
     verify_part(t1, PREFIX, m, parallelism=2)  # the copy is intact at any priority
+
+
+def test_a_copy_times_its_first_byte_from_the_source(tiers, monkeypatch):
+    """The hop's first-byte latency is the wait from its start to the first byte the source
+    gave: a source slow to answer shows in it; a repeat that moves no byte has none."""
+    t0, t1 = tiers
+    m = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=MiB)
+    opened = t0.open_read
+
+    def slow_to_answer(key, *args, **kwargs):
+        time.sleep(0.3)
+        return opened(key, *args, **kwargs)
+
+    monkeypatch.setattr(t0, "open_read", slow_to_answer)
+    report = copy_part(t0, PREFIX, t1, PREFIX, m, parallelism=2)
+    assert report.first_byte_seconds is not None
+    assert 0.3 <= report.first_byte_seconds <= report.seconds
+    assert copy_part(t0, PREFIX, t1, PREFIX, m).first_byte_seconds is None  # every file already there

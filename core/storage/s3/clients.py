@@ -7,7 +7,7 @@ import os
 import threading
 from typing import Any
 
-# Clients shared per process: building one costs 0.1-0.5 s of CPU (botocore loads and resolves
+# Clients shared per process: building one costs noticeable CPU (botocore loads and resolves
 # its service model), and every pipeline step opens its own store. boto3 clients are
 # thread-safe; sessions are not, so a client is made under the lock. The key holds a digest of
 # the AWS_* environment (where credentials, profiles and their files are named) so that

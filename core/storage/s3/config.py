@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from core.storage.content import SHARED_TIERS
 from core.storage.registry import Backend, io_buffer, register
 
 if TYPE_CHECKING:
@@ -51,8 +52,8 @@ def open_s3(url: str, tier: int, settings: Settings | None) -> S3Store:
     from core.storage.s3.store import S3Store  # deferred: cycle — the store imports url_problem from here
 
     if settings is None:
-        return S3Store(url, tier, buffer_bytes=io_buffer(None))
-    return S3Store(url, tier, **store_options(settings, tier))
+        return S3Store(url, tier, buffer_bytes=io_buffer(None), shared_content=tier in SHARED_TIERS)
+    return S3Store(url, tier, shared_content=tier in SHARED_TIERS, **store_options(settings, tier))
 
 
 register(Backend(name="s3", schemes=("s3",), factory=open_s3, object_store=True, example=EXAMPLE,

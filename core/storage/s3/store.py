@@ -58,6 +58,8 @@ from core.errors import (
 from core.layout import is_manifest_name
 from core.paths import safe_relpath
 from core.storage.base import ObjectInfo, TierStore, Tomb, hash_object
+from core.storage.content import CONTENT_DIR
+from core.storage.local import local_fd
 from core.storage.s3.clients import shared_client
 from core.storage.s3.config import url_problem
 from core.storage.s3.errors import (
@@ -72,6 +74,7 @@ from core.storage.s3.errors import (
     s3_errors,
 )
 from core.storage.s3.lock import LOCK_MODES, ObjectLockMixin
+from core.storage.s3.shared import SharedContentMixin
 from core.storage.writeback import Writeback
 
 log = logging.getLogger("core.storage.s3")
@@ -118,11 +121,11 @@ _validates_lock = threading.Lock()
 
 
 # What one read of a GET's body asks for. 256 KiB (as boto3's own download reads), not
-# ``buffer_bytes`` (1-4 MiB, best for file-to-file copies): each read of a body allocates a
+# ``buffer_bytes`` (a few MiB, best for file-to-file copies): each read of a body allocates a
 # buffer of that size and copies it into ``bytes`` (the likely cost: fresh pages and cache
-# misses at 4 MiB). 16 nodes fetching 16 x 32 MiB at once on one shared core, two runs one after
-# the other: 3.83 CPU s per GB and 2.39 s with 4 MiB reads, 1.82 and 1.93 s with 256 KiB
-# (benchmarks/cluster_restore.py --part-mib 32); one process with cores to spare: no loss.
+# misses at 4 MiB). Many nodes fetching at once on a shared core spend more CPU per byte with
+# 4 MiB reads (benchmarks/cluster_restore.py --part-mib 32); one process with cores to spare
+# loses nothing.
 READ_CHUNK_BYTES = 256 * 1024
 
 
@@ -153,8 +156,10 @@ def part_size(size: int, chunk_bytes: int) -> int:
 
 
 
-class S3Store(ObjectLockMixin, TierStore):
-    """A tier at ``s3://bucket/prefix`` on AWS S3, MinIO or moto (``endpoint_url``)."""
+class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
+    """A tier at ``s3://bucket/prefix`` on AWS S3, MinIO or moto (``endpoint_url``).
+    ``shared_content``: a file whose bytes the tier holds is published as a pointer to them
+    (``core.storage.s3.shared``); pointers are read as their content whatever this flag."""
 
     def __init__(
         self,
@@ -174,6 +179,7 @@ class S3Store(ObjectLockMixin, TierStore):
         range_bytes: int = 8 * 1024 * 1024,
         ranged_threshold: int = 16 * 1024 * 1024,
         client: Any = None,  # a boto3 S3 client (untyped: boto3-stubs are optional)
+        shared_content: bool = False,
     ) -> None:
         if lock_mode not in LOCK_MODES:
             raise ConfigError(f"Object Lock mode must be governance or compliance, not {lock_mode!r}")
@@ -197,6 +203,7 @@ class S3Store(ObjectLockMixin, TierStore):
         self._ranges: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(max_concurrency)
+        self.shared_content = shared_content
 
     def _make_client(self, endpoint_url: str | None, region: str, max_attempts: int) -> Any:
         return shared_client(endpoint_url, region, max_attempts, self.pool_connections())
@@ -241,7 +248,11 @@ class S3Store(ObjectLockMixin, TierStore):
     def open_read(self, key: str) -> Iterator[BinaryIO]:
         what = self.url_for(key)
         with s3_errors(what):
-            body = self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"]
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+            if (content := self.pointed(resp)) is not None:  # a pointer: its content's bytes
+                resp["Body"].close()
+                resp = self.client.get_object(Bucket=self.bucket, Key=self._k(content))
+            body = resp["Body"]
         try:
             yield _Body(body, what)  # type: ignore[misc]
         finally:
@@ -259,6 +270,7 @@ class S3Store(ObjectLockMixin, TierStore):
         (no second read). Memory: one ``read_chunk_bytes`` chunk per range in flight. A range that
         comes back with other bounds or length is ``CorruptCheckpoint``; the caller compares
         the result with the manifest."""
+        key = self.resolve(key)
         ranges = split_ranges(size, self.range_bytes)
         with self._pool_lock:
             if self._ranges is None:
@@ -330,6 +342,8 @@ class S3Store(ObjectLockMixin, TierStore):
         h = self._head(key)
         if h is None:
             return None
+        if self.pointed(h) is not None:
+            return self.resolved_info(key, h)
         return ObjectInfo(
             key=key,
             size=int(h["ContentLength"]),
@@ -346,7 +360,9 @@ class S3Store(ObjectLockMixin, TierStore):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"))
                            for o in page.get("Contents", []))
-        return sorted(out, key=lambda o: o.key)
+        # an empty object may be a pointer: listed with its content's size
+        return sorted((self.stat(o.key) or o if o.size == 0 and not o.key.startswith(CONTENT_DIR + "/") else o
+                       for o in out), key=lambda o: o.key)
 
     def folders(self) -> tuple[str, ...]:
         full = self.prefix + "/" if self.prefix else ""
@@ -355,7 +371,7 @@ class S3Store(ObjectLockMixin, TierStore):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full,
                                                                                Delimiter="/"):
                 names.update(p["Prefix"][len(full):].rstrip("/") for p in page.get("CommonPrefixes", []))
-        return tuple(sorted(names))
+        return tuple(sorted(names - {CONTENT_DIR}))
 
     def verify_object(self, key: str, size: int, checksum: str) -> None:
         """Size from HeadObject, then the CRC32C: the server's full-object value where the
@@ -450,19 +466,31 @@ class S3Store(ObjectLockMixin, TierStore):
             ) from None
 
     def put_verified(self, key: str, reader: BinaryIO, size: int, checksum: str) -> ObjectInfo:
+        """Upload (or, with ``shared_content``, point to bytes the tier holds: a local source of
+        a shared size, ``core.storage.s3.shared``) and verify; the module doc says how."""
         if self.lock_days:
             self.require_object_lock()
-        if self.stat(key) is not None:
-            self._same_or_conflict(key, size, checksum)
-            return ObjectInfo(key=key, size=size, checksum=checksum)
+        head = self._head(key)
+        if head is not None:
+            content = self.pointed(head)
+            if content is None or self._head(content) is not None:
+                self._same_or_conflict(key, size, checksum)
+                return ObjectInfo(key=key, size=size, checksum=checksum)
+            self.delete(key)  # a pointer to a content swept since (its copy lost its claim): replaced
+        fd = local_fd(reader) if self.shared_content and self.shares(size) else None
         try:
-            if size < self.multipart_threshold:
-                self._put_single(key, _read_up_to(reader, self.multipart_threshold + 1), size, checksum)
-            else:
-                self._put_multipart(key, reader, size, checksum)
+            if fd is None or not self.put_shared(key, fd, getattr(reader, "note_copied", None), size, checksum):
+                self._upload(key, reader, size, checksum)
         except ConflictError:
             self._same_or_conflict(key, size, checksum)  # someone published first: same bytes is fine
-            return ObjectInfo(key=key, size=size, checksum=checksum)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None:
+        """Upload ``key`` whole and verify it (``ConflictError``: published first by another)."""
+        if size < self.multipart_threshold:
+            self._put_single(key, _read_up_to(reader, self.multipart_threshold + 1), size, checksum)
+        else:
+            self._put_multipart(key, reader, size, checksum)
         try:
             self.verify_object(key, size, checksum)
         except CorruptCheckpoint as exc:
@@ -473,7 +501,6 @@ class S3Store(ObjectLockMixin, TierStore):
                                      f"({exc}); removed, nothing published") from exc
         if self.lock_days:
             self._ensure_locked(key)
-        return ObjectInfo(key=key, size=size, checksum=checksum)
 
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
         got = crc.hash_bytes(data)
@@ -557,7 +584,7 @@ class S3Store(ObjectLockMixin, TierStore):
     def delete(self, key: str) -> bool:
         if self._modes()[1]:
             return bool(self._delete_versions(key, exact=True))
-        if self.stat(key) is None:
+        if self._head(key) is None:  # a pointer goes even if its content is gone
             return False
         with s3_errors(f"delete {self.url_for(key)}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
@@ -600,7 +627,7 @@ class S3Store(ObjectLockMixin, TierStore):
         if self._modes()[1]:
             return self._delete_versions(prefix, exact=False)
         keys = [self._k(o.key) for o in self.list(prefix)]
-        if self.stat(prefix) is not None:  # a single object, as on a file system
+        if self._head(prefix) is not None:  # a single object, as on a file system
             keys.append(self._k(prefix))
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]

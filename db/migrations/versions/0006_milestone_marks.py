@@ -3,7 +3,7 @@
 Why: reconcile asks on every pass (with Tier 2) for the milestones complete on Tier 1 and not on
 Tier 2. Whether a checkpoint is a milestone was decided from its kind, its tags (JSON) and its
 step, so the query read every checkpoint complete on Tier 1 and not on Tier 2 and tested each
-(1M checkpoints: p95 371 ms on SQLite, 222 ms on PostgreSQL, with nothing to archive). The
+(slow at a million checkpoints, with nothing to archive: docs/benchmarks.md). The
 policy-free part of that rule (``core.policy.milestone_marks``: marked by the job as a milestone,
 by kind or tag; an epoch end) is now a column written with the kind and tags at registration,
 and a partial index holds only the marked checkpoints by tier mask: the backlog is an index

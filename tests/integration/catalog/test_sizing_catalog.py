@@ -44,3 +44,42 @@ def test_plan_shows_each_runs_measured_delta_mfu(db_url, tmp_path):
     table = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--params", "70B"], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=60).stdout
     assert "fast-writer" in table and "7.32 %" in table and "2.15 %" in table
+
+
+def test_plan_uses_the_bandwidths_this_cluster_measured_and_says_so(catalog, db_url, monkeypatch, tmp_path):
+    """With no --bandwidth, the write bandwidth is the median of the last day's hops into Tier 1
+    and the Tier 1 read that of its restore drills; the output says they were measured."""
+    from core import sizing
+    from tests.kit.catalog import catalog_cli, checkpoint, timed_hop
+
+    gb = 10**9
+    a, b = checkpoint(catalog, "run-a", 10, size=gb), checkpoint(catalog, "run-a", 20, size=gb)
+    timed_hop(catalog, a.id, 1, seconds=1.0, bytes=2 * gb)  # 2 GB/s
+    timed_hop(catalog, b.id, 1, seconds=4.0, bytes=2 * gb)  # 0.5 GB/s
+    catalog.record_drill("run-a", 20, 1, ok=True, seconds=0.5, bytes=2 * gb, actor="test")  # 4 GB/s
+    cli = catalog_cli(monkeypatch, tmp_path, db_url)
+
+    out = json.loads(cli("plan", "--size", "100GB", "--no-runs", "--json"))
+    assert out["model"][0]["bandwidth_bytes_per_s"] == pytest.approx(1.25 * gb)
+    assert [(s["what"], s["source"], s["hops"]) for s in out["bandwidths"]] == [("write", "measured", 2),
+                                                                                ("Tier 1 read", "measured", 1)]
+    tier1 = next(t for t in out["recovery"][0]["tiers"] if t["tier"] == 1)
+    expected = sizing.recovery_times(100 * gb, 1, 1.25 * gb, sizing.RecoveryModel(tier1_bytes_per_s=4 * gb))[1]
+    assert tier1["node_seconds"] == pytest.approx(expected.node_seconds)
+    text = cli("plan", "--size", "100GB", "--no-runs")
+    assert "write bandwidth: 1.25 GB/s, measured: the median of 2 hops into Tier 1 over the last day" in text
+    assert "Tier 1 read bandwidth: 4.00 GB/s, measured" in text
+
+    given = json.loads(cli("plan", "--size", "100GB", "--bandwidth", "10GB/s", "--tier1-read", "20GB/s", "--json"))
+    assert given["model"][0]["bandwidth_bytes_per_s"] == 10 * gb and given["bandwidths"] == []
+
+
+def test_plan_falls_back_to_its_defaults_without_measured_hops_and_says_so(catalog, db_url, monkeypatch, tmp_path):
+    from tests.kit.catalog import catalog_cli
+
+    cli = catalog_cli(monkeypatch, tmp_path, db_url)
+    out = json.loads(cli("plan", "--size", "100GB", "--json"))
+    assert out["model"][0]["bandwidth_bytes_per_s"] == 2e9
+    assert [(s["what"], s["source"]) for s in out["bandwidths"]] == [("write", "default"), ("Tier 1 read", "default")]
+    text = cli("plan", "--size", "100GB")
+    assert "write bandwidth: 2.00 GB/s, the model's default: no hops into Tier 1 recorded over the last day" in text

@@ -20,6 +20,7 @@ from core.storage.identity import MARKER_KEY
 from tasks.resume import resume
 from tests.kit.checkpoints import open_catalog, replica_states
 from tests.kit.restore import commit_folder, on_node, promote, scenario_settings, tier0_dir, tier1_dir
+from tests.kit.s3 import stored_key
 from tests.kit.s3_proxy import S3Proxy
 
 RUN = "llm-s3"
@@ -42,8 +43,12 @@ def save_milestone(settings, step: int = 100) -> dict[str, bytes]:
 
 
 def lose_tier1(settings, step: int = 100) -> None:
-    """Tier 1's copy is gone and the catalog knows it (as reconcile records a vanished copy)."""
+    """Tier 1's copy is gone and the catalog knows it (as reconcile records a vanished copy);
+    its bytes are gone too: the content store keeps none that no checkpoint links."""
+    from core.storage.content import ContentStore
+
     shutil.rmtree(tier1_dir(settings, RUN, step))
+    ContentStore(Path(settings.tier1_url), 1 << 20).sweep()
     with open_catalog(settings) as cat:
         ck = cat.get_checkpoint(RUN, step)
         rep = next(r for r in cat.replicas(ck.id, 1))
@@ -428,7 +433,8 @@ def test_large_objects_come_as_parallel_ranged_gets_checked_as_a_whole(settings_
     point = resume(on_node(settings, "node-x"), RUN)
 
     assert point.path == str(tier1_dir(settings, RUN, 100)) and tree(point.path) == files
-    gets = [r for r in proxy.seen if r.method == "GET" and r.key.endswith("model-00001.bin")]
+    _, stored = stored_key(settings, RUN, 100, "model-00001.bin")  # a file this large is shared: its content
+    gets = [r for r in proxy.seen if r.method == "GET" and r.key.endswith(stored)]
     # 200,000 bytes in ranges of about 64 KiB: three equal ranges, no small tail
     assert sorted(r.headers.get("range") for r in gets) == [
         "bytes=0-66666", "bytes=133334-199999", "bytes=66667-133333"]

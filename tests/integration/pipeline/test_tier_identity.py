@@ -19,6 +19,7 @@ from core.storage.identity import MARKER_KEY, write_marker
 from core.storage.local import LocalStore
 from flows.common import plain_steps
 from flows.reconcile import reconcile_once
+from tasks.restore import restore_checkpoint
 from tasks.resume import resume
 from tests.kit.checkpoints import replica_states
 from tests.kit.pipeline import Recorder
@@ -125,6 +126,22 @@ def test_tier0_not_mounted_is_unavailable_and_its_copies_are_not_judged(settings
     mount(settings.tier0_url, aside)
     assert reconcile_once(settings, steps=plain_steps(), actor="test").missing == []
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+
+
+def test_a_restore_past_an_unmounted_tier0_reads_tier1_and_judges_nothing(settings, tmp_path):
+    """Found by the soak: a restore on a node whose Tier 0 mount is gone stopped at that tier
+    (``TierUnavailable``) although Tier 1 held the bytes; it reads them there and marks nothing."""
+    files = save(settings, 100)
+    aside = unmount(settings.tier0_url)
+
+    report = restore_checkpoint(settings, RUN, tmp_path / "out", step=100, actor="test")
+
+    assert report.tiers == [1] and report.bad == []
+    assert (tmp_path / "out" / "model.bin").read_bytes() == files["model.bin"]
+    assert any("tier 0 unreachable" in note for note in report.notes)
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert list(Path(settings.tier0_url).iterdir()) == []  # nothing read or written on the stand-in
+    mount(settings.tier0_url, aside)
 
 
 def test_a_root_with_another_marker_is_refused(settings, tmp_path):

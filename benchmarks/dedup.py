@@ -1,0 +1,206 @@
+"""Benchmark: a fine-tune saving a frozen base and a small adapter, every checkpoint a milestone
+(promoted to Tier 1 and archived to Tier 2 through the real pipeline), beside the plain path in
+the same run: the same checkpoints with every byte changed at each save, which nothing can share,
+so each is copied and uploaded whole, as before content was shared.
+
+Each run has a site of its own (catalog, tiers, Tier 2 prefix). Printed: the bytes each tier
+holds for the fine-tune (Tier 1: each inode under its root once, as the file system counts it;
+Tier 2: every object under its prefix, shared contents and pointers included), the bound
+``base + N x adapter``, the median time to durable per checkpoint after the first (the promote
+call, archive included) of both runs, and whether every checkpoint restores to the bytes it
+saved. The last line is the result:
+
+    dedup: N checkpoints, tier 1 X GiB, tier 2 Y GiB, bound Z GiB (xR), durable per checkpoint A s vs plain B s
+
+R is the larger tier's bytes over the bound. Before it, the pretraining case (every byte new):
+one file of the base's size copied to Tier 1 and uploaded to Tier 2 by the stores with content
+sharing and without it, ``--rounds`` rounds with the order rotated, medians and ratios.
+Full size by hand; CI runs only ``--smoke``.
+
+    .venv/bin/python benchmarks/dedup.py [--base-mib 256] [--adapter-mib 4] [--checkpoints 20]
+    .venv/bin/python benchmarks/dedup.py --smoke [--s3-endpoint URL]    # 1 MiB base, 4 checkpoints
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import bench_parser, load_line, parse, ratio, run_rounds, s3_bucket, table
+from core import checksum
+from core.layout import checkpoint_prefix
+from core.manifest_build import build_manifest, write_manifest
+from core.settings import RetentionPolicy, load_settings
+from db.catalog import Catalog, upgrade
+from flows.common import plain_steps
+from flows.promote import promote
+from tasks.restore import restore_checkpoint
+
+FINE_TUNE, PLAIN = "finetune", "plain"  # each a run, and a site of its own
+SMOKE = {"base_mib": 1.0, "adapter_mib": 1 / 16, "checkpoints": 4}
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, rounds=3, s3_endpoint=True)
+    ap.add_argument("--base-mib", type=float, default=256.0, help="the frozen base, saved unchanged every time")
+    ap.add_argument("--adapter-mib", type=float, default=4.0, help="the adapter, new bytes at every save")
+    ap.add_argument("--checkpoints", type=int, default=20)
+    ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
+    args = parse(ap, SMOKE)
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-dedup-", dir=args.dir) as tmp, \
+            s3_bucket(args.s3_endpoint, Path(tmp) / "moto.log") as (endpoint, bucket):
+        bench(args, Path(tmp), endpoint, bucket)
+
+
+def save(settings, run: str, step: int, files: dict[str, bytes]) -> None:
+    """Commit a milestone on Tier 0: the files, then the manifest built from them."""
+    folder = Path(settings.tier0_url) / checkpoint_prefix(run, step)
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    write_manifest(folder, build_manifest(folder, run, step, kind="milestone", node=settings.node))
+
+
+def durable_times(settings, run: str, checkpoints: int,
+                  files: Callable[[int], dict[str, bytes]]) -> tuple[list[float], int]:
+    """Save and promote ``checkpoints`` milestones of ``run``; each promote call's seconds
+    (the checkpoint durable on Tier 2 when it returns) and the bytes saved."""
+    times, saved = [], 0
+    for i in range(checkpoints):
+        step = (i + 1) * 100
+        content = files(i)
+        saved += sum(map(len, content.values()))
+        save(settings, run, step, content)
+        t0 = time.perf_counter()
+        result = promote(settings, run, step, steps=plain_steps(), actor="bench")
+        times.append(time.perf_counter() - t0)
+        assert result.durable, f"{run}/{step} did not become durable"
+    return times, saved
+
+
+def tier1_bytes(root: Path) -> int:
+    """What the Tier 1 root holds on its file system (content store included): each inode once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def tier2_bytes(endpoint: str, bucket: str, prefix: str) -> int:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    return sum(o["Size"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+               for o in page.get("Contents", []))
+
+
+def restored_bytes(settings, run: str, checkpoints: int, work: Path) -> int:
+    """Restore every checkpoint of ``run`` (nearest tier) and count the bytes that came back."""
+    total = 0
+    for i in range(checkpoints):
+        dest = work / "restored"
+        restore_checkpoint(settings, run, dest, step=(i + 1) * 100, fallback=False, actor="bench")
+        total += sum(p.stat().st_size for p in dest.rglob("*") if p.is_file() and p.name != "manifest.json")
+        shutil.rmtree(dest)
+    return total
+
+
+def pretraining(args, work: Path, endpoint: str, bucket: str, size: int) -> tuple[float, float]:
+    """The stores with and without sharing, each given a file of new bytes (written before each
+    timed call, untimed): the ratios shared / plain of the median copy to Tier 1 and upload to
+    Tier 2 (every file big enough to share)."""
+    from core.storage.local import LocalStore
+    from core.storage.s3 import S3Store
+
+    root = work / "pretraining"
+    source = root / "source.bin"
+    for name in ("plain", "shared"):
+        (root / name).mkdir(parents=True)
+    s3 = {"endpoint_url": endpoint, "range_bytes": min(size, 8 * MiB), "ranged_threshold": size}
+    stores = {"tier 1, plain": LocalStore(root / "plain", 1),
+              "tier 1, shared": LocalStore(root / "shared", 1, shared_content=True),
+              "tier 2, plain": S3Store(f"s3://{bucket}/pretraining-plain", 2, **s3),
+              "tier 2, shared": S3Store(f"s3://{bucket}/pretraining-shared", 2, shared_content=True, **s3)}
+    calls = iter(range(1 << 30))
+    crc = [""]
+
+    def new_bytes(_name: str) -> None:
+        data = os.urandom(size)
+        source.write_bytes(data)
+        crc[0] = checksum.hash_bytes(data)
+
+    def put(store: LocalStore | S3Store) -> Callable[[], object]:
+        def one() -> object:
+            with open(source, "rb", buffering=0) as fh:
+                return store.put_verified(f"file-{next(calls)}.bin", fh, size, crc[0])
+        return one
+
+    for tier in (1, 2):
+        names = [f"tier {tier}, plain", f"tier {tier}, shared"]
+        wall, _ = run_rounds({n: put(stores[n]) for n in names}, args.rounds, before=new_bytes)
+        table(f"pretraining, tier {tier}: one file of {size / MiB:g} MiB, every byte new", wall, names[0], nbytes=size)
+        if tier == 1:
+            r1 = ratio(wall, names[1], names[0])
+    for store in stores.values():
+        store.close()
+    return r1, ratio(wall, names[1], names[0])
+
+
+def site(work: Path, name: str, endpoint: str, bucket: str):
+    """Settings of a site of its own (catalog, tiers, Tier 2 prefix), with the run registered:
+    what each tier holds is then the run's alone, content stores included."""
+    settings = load_settings(data_dir=work / name, node="bench-node", tier2_url=f"s3://{bucket}/{name}",
+                             s3_endpoint_url=endpoint, retention_tier0=RetentionPolicy(keep_last=1),
+                             retention_tier1=RetentionPolicy(enabled=False),
+                             retention_tier2=RetentionPolicy(enabled=False))
+    upgrade(settings.catalog_url)
+    with Catalog(settings.catalog_url) as cat:
+        cat.ensure_run(name, actor="bench")
+    return settings
+
+
+def bench(args, work: Path, endpoint: str, bucket: str) -> None:
+    n, base_bytes, adapter_bytes = args.checkpoints, int(args.base_mib * MiB), int(args.adapter_mib * MiB)
+    ours, theirs = site(work, FINE_TUNE, endpoint, bucket), site(work, PLAIN, endpoint, bucket)
+    load = os.getloadavg()[0]
+    base = os.urandom(base_bytes)
+
+    ft, saved = durable_times(ours, FINE_TUNE, n,
+                              lambda i: {"base.bin": base, "adapter.bin": os.urandom(adapter_bytes)})
+    plain, _ = durable_times(theirs, PLAIN, n,
+                             lambda i: {"base.bin": os.urandom(base_bytes), "adapter.bin": os.urandom(adapter_bytes)})
+
+    pre1, pre2 = pretraining(args, work, endpoint, bucket, base_bytes)
+    t1 = tier1_bytes(Path(ours.tier1_url))
+    t2 = tier2_bytes(endpoint, bucket, f"{FINE_TUNE}/")
+    bound = base_bytes + n * adapter_bytes
+    back = restored_bytes(ours, FINE_TUNE, n, work)
+    a, b = statistics.median(ft[1:] or ft), statistics.median(plain[1:] or plain)
+    print(f"fine-tune durable per checkpoint (s): {' '.join(f'{t:.2f}' for t in ft)}")
+    print(f"plain durable per checkpoint (s):     {' '.join(f'{t:.2f}' for t in plain)}")
+    print(f"plain run holds: tier 1 {tier1_bytes(Path(theirs.tier1_url)) / GiB:.3f} GiB, "
+          f"tier 2 {tier2_bytes(endpoint, bucket, f'{PLAIN}/') / GiB:.3f} GiB")
+    print(f"bytes saved {saved}, bytes restored {back}: {'equal' if back == saved else 'DIFFERENT'}")
+    print(f"targets: bytes per tier <= 1.1 x bound, durable after the first <= 0.2 x plain -> "
+          f"{max(t1, t2) / bound:.2f} x, {a / b:.2f} x")
+    print(f"pretraining (every byte new): sharing costs x{pre1:.3f} on tier 1, x{pre2:.3f} on tier 2 "
+          "of the stores without it (target: <= 1.02)")
+    print(load_line(load))
+    print(f"dedup: {n} checkpoints, tier 1 {t1 / GiB:.3f} GiB, tier 2 {t2 / GiB:.3f} GiB, "
+          f"bound {bound / GiB:.3f} GiB (x{max(t1, t2) / bound:.2f}), "
+          f"durable per checkpoint {a:.2f} s vs plain {b:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""A local tier's content store: each file's bytes held once, checkpoint folders hard-linked to them.
+
+The store is a folder under the tier root (``CONTENT_DIR``) with one name per content,
+``<crc32c>-<size>`` (the candidate key the manifest already gives). A checkpoint file is a hard
+link to the same inode, so the checkpoint folder stays a plain folder the trainer loads in place,
+and the file system's link count is the reference count: deleting a checkpoint's file unlinks
+its name only, and the bytes go when the last checkpoint that links them goes. The content
+store's own name is an index, never a reference: ``sweep`` drops the names no checkpoint links
+any more (link count 1), and a name dropped under a copy that was about to use it costs that
+copy a plain write, never bytes.
+
+A candidate is used only after a byte comparison with the source (``link_same``): equal CRC32C
+and size are a hint, the bytes decide, so a collision never substitutes bytes. The comparison
+reads the stored bytes, so it is also the read-back of the bytes the new name resolves to. A
+name whose bytes differ (a collision, or bytes that rotted) is replaced by the next verified
+copy (``remember``); checkpoints still linked to the old inode keep it, for the scrub to find.
+Stored inodes are never written in place: every write goes to a staging name and is published
+by a link, so a content's bytes change only by a fault.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from core.checksum import to_hex, update
+from core.layout import staging_name
+from core.progress import moved
+
+CONTENT_DIR = ".ckpt-content"
+SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
+
+
+class ContentStore:
+    """The content store under ``root`` (a tier root on a file system with hard links)."""
+
+    def __init__(self, root: Path, buffer_bytes: int):
+        self.folder = root / CONTENT_DIR
+        self.buffer_bytes = buffer_bytes
+
+    def entry(self, size: int, checksum: str) -> Path:
+        """The name of the content of this size and CRC32C (two hex digits fan the folder out)."""
+        return self.folder / checksum[:2] / f"{checksum}-{size}"
+
+    def link_same(self, src_fd: int, size: int, checksum: str, staging: Path,
+                  note: Callable[[int], object] | None = None) -> bool:
+        """Link the stored content to ``staging`` when its bytes equal the source's (read from
+        ``src_fd`` by offset, so its file offset stays where it is) and the source matches
+        (size, CRC32C); False when there is no such content or it differs (then the caller
+        copies). The inode linked is the one compared: a name replaced meanwhile is refused."""
+        try:
+            fd = os.open(self.entry(size, checksum), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            compared = os.fstat(fd)
+            if compared.st_size != size or not self._same_bytes(src_fd, fd, size, checksum, note):
+                return False
+            try:
+                os.link(self.entry(size, checksum), staging)
+            except FileNotFoundError:  # swept meanwhile: a plain copy
+                return False
+            if os.stat(staging).st_ino != compared.st_ino:  # replaced meanwhile: not what was compared
+                staging.unlink()
+                return False
+            return True
+        finally:
+            os.close(fd)
+
+    def _same_bytes(self, src_fd: int, fd: int, size: int, checksum: str,
+                    note: Callable[[int], object] | None) -> bool:
+        """Both files equal byte for byte over ``size`` bytes and the source's CRC32C is ``checksum``."""
+        crc, offset = 0, 0
+        while offset < size:
+            want = min(self.buffer_bytes, size - offset)
+            ours, theirs = os.pread(src_fd, want, offset), os.pread(fd, want, offset)
+            if len(ours) != want or ours != theirs:
+                return False
+            crc = update(crc, ours)
+            offset += want
+            moved()
+            if note is not None:
+                note(want)
+        return to_hex(crc) == checksum and not os.pread(src_fd, 1, size)
+
+    def remember(self, published: Path, size: int, checksum: str) -> Path | None:
+        """Make ``published`` (a verified file of this size and CRC32C) the stored content, in
+        place of a name whose bytes differed; the folder whose entries changed, or None when
+        the content was already there or this file system has no hard links."""
+        name = self.entry(size, checksum)
+        name.parent.mkdir(parents=True, exist_ok=True)
+        staged = name.parent / staging_name(name.name)
+        try:
+            os.link(published, staged)
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+                return None
+            raise
+        try:
+            if name.exists() and os.path.samefile(name, published):
+                return None
+            os.rename(staged, name)  # replaces a content whose bytes differed (compared by the caller)
+        finally:
+            staged.unlink(missing_ok=True)
+        return name.parent
+
+    def sweep(self) -> int:
+        """Drop the names no checkpoint links any more (link count 1); how many went."""
+        gone = 0
+        if not self.folder.is_dir():
+            return 0
+        for fan in os.scandir(self.folder):
+            if not fan.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(fan.path):
+                try:
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_nlink <= 1:
+                        os.unlink(entry.path)
+                        gone += 1
+                except FileNotFoundError:
+                    continue
+        return gone

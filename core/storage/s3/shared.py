@@ -1,0 +1,251 @@
+"""Tier 2 holding each content once: checkpoint keys that point to one shared object.
+
+S3 has no hard links, so a shared file is two objects: the content, uploaded once under
+``CONTENT_DIR/<crc32c[:2]>/<crc32c>-<size>`` (the candidate key the manifest already gives),
+with the SHA-256 of the bytes sent recorded beside it (``<content>.sha256``, written once the
+content is verified); and at the checkpoint's key an empty *pointer* object whose metadata
+names the content. Every read of the store resolves a pointer (``open_read``, ``stat``,
+``list``, ranged reads, ``verify_object``), so callers see whole checkpoints as before.
+
+A candidate is used only when the local source's SHA-256, read as its CRC32C is checked, equals
+the recorded one: a CRC32C collision never substitutes bytes, and a content whose hash was never
+recorded (its uploader died first) is not used. Anything else uploads the file whole under its
+own key, as before. Only files of ``ranged_threshold`` bytes or more are shared: below that the
+requests a shared object costs (the candidate's hash, the pointer) weigh more than the upload.
+
+Object Lock: the content is locked at upload and its retention is extended to each new
+pointer's, so it is held until the latest lock date of any checkpoint that references it.
+Deleting a checkpoint deletes its pointers; ``sweep_contents`` then deletes the contents no
+replica references, in two passes: the first takes the content's recorded hash away (so no new
+copy points to it) and leaves a mark; a later pass, at least ``grace_s`` after the mark, asks
+the catalog again and deletes the content only if still nothing references it. A copy claims
+its replica before it reads a recorded hash, so a copy that read it before it went is in the
+catalog by then; a content that is referenced again keeps its bytes (no longer shared).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Collection
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from core import checksum as crc
+from core.errors import ConflictError, NotFound, ObjectLocked
+from core.progress import moved
+from core.storage.base import ObjectInfo
+from core.storage.content import CONTENT_DIR
+from core.storage.s3.errors import IF_NONE_MATCH, SEND_CRC32C, s3_errors
+from core.storage.s3.lock import LOCK_MODES
+
+POINTER_META = "ckpt-content"  # x-amz-meta-ckpt-content: the content key a pointer names
+HASH_SUFFIX = ".sha256"
+MARK_SUFFIX = ".unreferenced"  # left by a sweep that found no reference; its age is the grace
+
+
+def _crc32c(body: bytes) -> dict[str, str]:
+    """A PutObject's checksum arguments (a bucket with Object Lock requires one)."""
+    return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": crc.hex_to_s3(crc.hash_bytes(body))}
+
+
+def content_key(size: int, checksum: str) -> str:
+    return f"{CONTENT_DIR}/{checksum[:2]}/{checksum}-{size}"
+
+
+class _PreadReader:
+    """A local file read from offset 0 by ``pread`` (the caller's reader keeps its offset, so it
+    can still be read whole if sharing fails), hashing SHA-256 on the way and telling
+    ``note(n)`` of each chunk (the copy's progress)."""
+
+    def __init__(self, fd: int, note: Callable[[int], object] | None):
+        self.fd, self.note, self.offset = fd, note, 0
+        self.sha256 = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = os.pread(self.fd, n if n >= 0 else 1 << 24, self.offset)
+        self.offset += len(data)
+        self.sha256.update(data)
+        moved()
+        if self.note is not None and data:
+            self.note(len(data))
+        return data
+
+
+def source_hashes(fd: int, size: int, buffer_bytes: int, note: Callable[[int], object] | None) -> tuple[int, str, str]:
+    """(size, CRC32C hex, SHA-256 hex) of the local file ``fd``, read once by offset."""
+    reader, value, got = _PreadReader(fd, note), 0, 0
+    while got <= size:
+        data = reader.read(buffer_bytes)
+        if not data:
+            break
+        value, got = crc.update(value, data), got + len(data)
+    return got, crc.to_hex(value), reader.sha256.hexdigest()
+
+
+class SharedContentMixin:
+    """Shared content and pointers of an ``S3Store`` (its client, bucket, keys and uploads)."""
+
+    client: Any
+    bucket: str
+    lock_days: float | None
+    lock_mode: str
+    ranged_threshold: int
+    buffer_bytes: int
+
+    if TYPE_CHECKING:
+        def _head(self, key: str) -> dict | None: ...
+        def _k(self, key: str) -> str: ...
+        def url_for(self, key: str) -> str: ...
+        def _lock_args(self) -> dict[str, Any]: ...
+        def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None: ...
+        def _same_or_conflict(self, key: str, size: int, checksum: str) -> None: ...
+        def read_small(self, key: str, limit: int = ...) -> bytes: ...
+        def delete(self, key: str) -> bool: ...
+        def _rel(self, full: str) -> str: ...
+
+    def shares(self, size: int) -> bool:
+        return size >= self.ranged_threshold
+
+    @staticmethod
+    def pointed(head: dict | None) -> str | None:
+        """The content key a HeadObject/GetObject answer's pointer names (None: not a pointer)."""
+        return ((head or {}).get("Metadata") or {}).get(POINTER_META)
+
+    def resolve(self, key: str) -> str:
+        """The key whose bytes ``key`` holds: its content when it is a pointer, else itself."""
+        return self.pointed(self._head(key)) or key
+
+    def put_shared(self, key: str, fd: int, note: Callable[[int], object] | None, size: int,
+                   checksum: str) -> bool:
+        """Publish ``key`` as a pointer to the shared content of the local source ``fd``,
+        uploading the content first when the tier does not hold it; False when it cannot be
+        shared (a content with other bytes or no recorded hash, or one uploaded meanwhile by
+        another writer): then the caller uploads the file whole."""
+        content = content_key(size, checksum)
+        recorded = self._recorded_hash(content)
+        if recorded is None and self._head(content) is None:
+            reader = _PreadReader(fd, note)
+            try:
+                self._upload(content, reader, size, checksum)
+            except ConflictError:  # another writer's upload of it: its hash may not be recorded yet
+                return False
+            recorded = reader.sha256.hexdigest()
+            self._record_hash(content, recorded)
+        elif recorded is None:
+            return False
+        else:
+            got = source_hashes(fd, size, self.buffer_bytes, note)
+            if got != (size, checksum, recorded):
+                return False
+        self._hold(content)
+        self._put_pointer(key, content, size, checksum)
+        return True
+
+    def _recorded_hash(self, content: str) -> str | None:
+        try:
+            text = self.read_small(content + HASH_SUFFIX, 128).decode("ascii", "replace").strip()
+        except NotFound:
+            return None
+        return text if len(text) == 64 else None
+
+    def _record_hash(self, content: str, sha256: str) -> None:
+        try:
+            with s3_errors(self.url_for(content + HASH_SUFFIX), SEND_CRC32C + IF_NONE_MATCH):
+                self.client.put_object(Bucket=self.bucket, Key=self._k(content + HASH_SUFFIX),
+                                       Body=sha256.encode(), IfNoneMatch="*", **_crc32c(sha256.encode()))
+        except ConflictError:  # recorded by another writer of the same bytes
+            pass
+
+    def _put_pointer(self, key: str, content: str, size: int, checksum: str) -> None:
+        try:
+            with s3_errors(self.url_for(key), SEND_CRC32C + IF_NONE_MATCH):
+                self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=b"", IfNoneMatch="*",
+                                       Metadata={POINTER_META: content}, **_crc32c(b""), **self._lock_args())
+        except ConflictError:
+            self._same_or_conflict(key, size, checksum)  # published first by another writer
+
+    def _hold(self, content: str) -> None:
+        """Extend the content's Object Lock to what a new pointer gets (never shortened)."""
+        if not self.lock_days:
+            return
+        until = datetime.now(UTC) + timedelta(days=self.lock_days)
+        head = self._head(content) or {}
+        held = head.get("ObjectLockRetainUntilDate")
+        if held is not None and held >= until:
+            return
+        with s3_errors(f"Object Lock of {self.url_for(content)}"):
+            self.client.put_object_retention(
+                Bucket=self.bucket, Key=self._k(content), VersionId=head.get("VersionId"),
+                Retention={"Mode": LOCK_MODES[self.lock_mode], "RetainUntilDate": until})
+
+    def resolved_info(self, key: str, head: dict) -> ObjectInfo | None:
+        """``stat`` of a pointer: the content's size and checksum under the pointer's key."""
+        target = self._head(self.pointed(head) or key)
+        if target is None:
+            return None
+        return ObjectInfo(key=key, size=int(target["ContentLength"]),
+                          checksum=(crc.s3_to_hex(target.get("ChecksumCRC32C", ""))
+                                    if target.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None),
+                          etag=target.get("ETag"), version_id=head.get("VersionId"))
+
+    def sweep_contents(self, referenced: Callable[[], Collection[tuple[int, str]]], *, grace_s: float,
+                       deleted: Callable[[str, int], None] | None = None) -> int:
+        """Delete the contents no replica references (``referenced()``: (size, CRC32C) of every
+        content the catalog's replicas on this tier may reference), in two passes ``grace_s``
+        apart (module doc); ``deleted(key, size)`` hears of each before it goes. A content
+        under Object Lock stays. Returns how many went."""
+        from core.storage.s3.store import server_clock  # deferred: cycle — the store is built on this mixin
+
+        found: dict[str, dict[str, Any]] = {}
+        now = datetime.now(UTC)
+        base = self._k(CONTENT_DIR) + "/"
+        with s3_errors(f"list {self.url_for(CONTENT_DIR)}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                now = server_clock(page)
+                for o in page.get("Contents", []):
+                    key = self._rel(o["Key"])
+                    name, suffix = (key[:-len(sfx)], sfx) if (sfx := _suffix(key)) else (key, "")
+                    found.setdefault(name, {})[suffix] = o
+        live = set(referenced())
+        gone = 0
+        for name, parts in sorted(found.items()):
+            held = _identity(name)
+            mark = parts.get(MARK_SUFFIX)
+            if "" not in parts or held is None:  # a hash or mark left alone: nothing to keep it for
+                for sfx in parts:
+                    self.delete(name + sfx)
+                continue
+            if held in live:
+                if mark is not None:
+                    self.delete(name + MARK_SUFFIX)  # referenced again: kept (its hash is gone: unshared)
+                continue
+            if mark is None:
+                self.delete(name + HASH_SUFFIX)  # no new copy points to it from now on
+                self._put_small(name + MARK_SUFFIX, b"")
+                continue
+            if now - mark["LastModified"] < timedelta(seconds=grace_s) or held in set(referenced()):
+                continue
+            if deleted is not None:
+                deleted(name, held[0])
+            try:
+                self.delete(name)
+            except ObjectLocked:  # held for a milestone still: a later sweep takes it
+                continue
+            self.delete(name + MARK_SUFFIX)
+            gone += 1
+        return gone
+
+    def _put_small(self, key: str, body: bytes) -> None:
+        with s3_errors(self.url_for(key), SEND_CRC32C):
+            self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **_crc32c(body))
+
+
+def _suffix(key: str) -> str:
+    return next((sfx for sfx in (HASH_SUFFIX, MARK_SUFFIX) if key.endswith(sfx)), "")
+
+
+def _identity(key: str) -> tuple[int, str] | None:
+    """(size, CRC32C) a content key names (``content_key``), None for any other name."""
+    checksum, _, size = key.rsplit("/", 1)[-1].partition("-")
+    return (int(size), checksum) if size.isdigit() and len(checksum) == 8 else None

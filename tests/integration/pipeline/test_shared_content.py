@@ -1,0 +1,152 @@
+"""Each byte stored once on Tier 1 (``core.storage.content``), through the real promotion and
+retention (plain functions, real tiers, a real catalog on SQLite and PostgreSQL).
+
+What a user checks: a fine-tune whose base does not change holds the base once on Tier 1 however
+many checkpoints it saves, and each checkpoint folder still loads in place; retiring checkpoints
+keeps the bytes the kept ones link and frees the rest; a stored copy whose bytes differ from
+the source (rot, or a CRC32C collision) is never linked into a new checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from core.layout import checkpoint_prefix
+from core.settings import RetentionPolicy
+from core.storage.content import CONTENT_DIR
+from core.storage.local import LocalStore
+from core.transfer import read_committed, verify_part
+from db.catalog import Catalog
+from tests.kit.checkpoints import flip_bit
+from tests.kit.restore import commit_folder, promote, scenario_settings, tier1_dir
+
+RUN = "run-ft"
+BASE = os.urandom(1 << 20)  # the frozen base: the same bytes in every checkpoint
+
+
+def save(settings, step: int, base: bytes = BASE) -> bytes:
+    adapter = os.urandom(64 << 10)
+    commit_folder(settings, RUN, step, {"base.bin": base, "adapter.bin": adapter})
+    assert promote(settings, RUN, step).durable
+    return adapter
+
+
+def held_bytes(root: Path) -> int:
+    """What the tier root holds on its file system: each inode's bytes once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def verify_tier1(settings, step: int) -> None:
+    store = LocalStore(settings.tier1_url, 1)
+    prefix = checkpoint_prefix(RUN, step)
+    verify_part(store, prefix, read_committed(store, RUN, step))
+
+
+def test_a_frozen_base_is_held_once_on_tier1_and_every_checkpoint_loads_in_place(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url)
+    adapters = {step: save(settings, step) for step in (100, 200, 300, 400)}
+
+    root = Path(settings.tier1_url)
+    manifests = sum((tier1_dir(settings, RUN, s) / "manifest.json").stat().st_size for s in adapters)
+    assert held_bytes(root) <= len(BASE) + sum(map(len, adapters.values())) + manifests + 4096  # + identity marker
+    bases = {(tier1_dir(settings, RUN, s) / "base.bin").stat().st_ino for s in adapters}
+    assert len(bases) == 1
+    for step, adapter in adapters.items():  # the folder is a plain folder: read in place, whole
+        folder = tier1_dir(settings, RUN, step)
+        assert (folder / "base.bin").read_bytes() == BASE
+        assert (folder / "adapter.bin").read_bytes() == adapter
+        verify_tier1(settings, step)
+    with Catalog(settings.catalog_url) as cat:  # the catalog counts what the tiers hold
+        assert cat.stored_bytes(1) == len(BASE) + sum(map(len, adapters.values()))
+        assert cat.stored_bytes(0) == len(adapters) * len(BASE) + sum(map(len, adapters.values()))
+
+
+def test_retiring_checkpoints_keeps_what_the_kept_ones_link_and_frees_the_rest(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url, retention_tier0=RetentionPolicy(keep_last=1),
+                                 retention_tier1=RetentionPolicy(keep_last=2))
+    adapters = {step: save(settings, step) for step in (100, 200, 300, 400)}
+
+    assert not tier1_dir(settings, RUN, 100).exists() and not tier1_dir(settings, RUN, 200).exists()
+    for step in (300, 400):
+        assert (tier1_dir(settings, RUN, step) / "base.bin").read_bytes() == BASE
+        verify_tier1(settings, step)
+    root = Path(settings.tier1_url)
+    manifests = sum((tier1_dir(settings, RUN, s) / "manifest.json").stat().st_size for s in (300, 400))
+    # the retired adapters are gone from the content store too, the base stays once
+    assert held_bytes(root) <= len(BASE) + len(adapters[300]) + len(adapters[400]) + manifests + 4096
+    stored = sorted(p.stat().st_size for p in (root / CONTENT_DIR).rglob("*") if p.is_file())
+    assert stored == sorted([len(BASE), len(adapters[300]), len(adapters[400])])
+    with Catalog(settings.catalog_url) as cat:
+        assert cat.stored_bytes(1) == sum(stored)
+
+
+def test_a_stored_copy_that_differs_from_the_source_is_never_linked(settings_factory, db_url):
+    settings = scenario_settings(settings_factory, db_url)
+    save(settings, 100)
+    rotten = tier1_dir(settings, RUN, 100) / "base.bin"
+    flip_bit(rotten)  # the stored content rots: same name (size, CRC32C), other bytes
+
+    save(settings, 200)
+
+    fresh = tier1_dir(settings, RUN, 200) / "base.bin"
+    assert fresh.read_bytes() == BASE and fresh.stat().st_ino != rotten.stat().st_ino
+    verify_tier1(settings, 200)
+    save(settings, 300)  # the fresh copy is the stored content now: shared again
+    assert (tier1_dir(settings, RUN, 300) / "base.bin").stat().st_ino == fresh.stat().st_ino
+
+
+def test_a_rotten_shared_file_is_reported_in_every_checkpoint_and_written_once_to_repair(settings_factory, db_url):
+    from tasks.scrub import scrub
+
+    settings = scenario_settings(settings_factory, db_url)
+    for step in (100, 200, 300):
+        save(settings, step)
+    flip_bit(tier1_dir(settings, RUN, 200) / "base.bin")  # one inode, three checkpoints
+
+    report = scrub(settings, fraction=1.0)
+
+    assert sorted((b.step, b.tier, b.state) for b in report.bad) == [(s, 1, "corrupt") for s in (100, 200, 300)]
+    assert all("base.bin" in b.reason for b in report.bad)
+    assert sorted((r.step, r.ok) for r in report.repairs) == [(100, True), (200, True), (300, True)]
+    repaired = {(tier1_dir(settings, RUN, s) / "base.bin").stat().st_ino for s in (100, 200, 300)}
+    assert len(repaired) == 1  # the repair wrote the base once; the others link that copy
+    for step in (100, 200, 300):
+        assert (tier1_dir(settings, RUN, step) / "base.bin").read_bytes() == BASE
+    assert scrub(settings, fraction=1.0).bad == []
+
+
+def test_a_stagers_frozen_tensors_get_shards_of_their_own_that_tier1_holds_once(settings_factory, db_url):
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+    from tests.kit.pipeline import pipeline_settings
+
+    settings = pipeline_settings(settings_factory, db_url, runs=(RUN,))
+    rng = np.random.default_rng(0)
+    base = {f"base.{i}": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(3)}
+
+    def tensors() -> dict:  # the adapter between the base's layers, as a model's state names them
+        out = dict(base)
+        out["base.1.lora"] = rng.standard_normal(4 << 10, dtype=np.float32)
+        return dict(sorted(out.items()))
+
+    def shards(step: int) -> dict[str, tuple[int, str]]:
+        return {f.path: (f.size, f.checksum) for f in saved[step].manifest.files if f.path.endswith(".safetensors")}
+
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20, frozen=base) as stager:
+        saved = {step: stager.save(step, tensors()) for step in (100, 200)}
+    for step in (100, 200):
+        assert promote(settings, RUN, step).durable
+
+    same = set(shards(100).items()) & set(shards(200).items())
+    assert len(same) == 1  # the base's shard, byte for byte
+    (path, _), = same
+    assert (tier1_dir(settings, RUN, 100) / path).stat().st_ino == (tier1_dir(settings, RUN, 200) / path).stat().st_ino
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20) as mixed:
+        saved = {step: mixed.save(step, tensors()) for step in (300, 400)}
+    assert not set(shards(300).items()) & set(shards(400).items())  # one shard with the adapter in it

@@ -1,0 +1,178 @@
+"""Each byte stored once on Tier 2 (``core.storage.s3.shared``), through the real promotion and
+archive (plain functions, moto's S3 server, a real catalog on SQLite and PostgreSQL), and the
+store's Object Lock on a locked bucket.
+
+What a user checks: milestones of a fine-tune whose base does not change upload the base once
+and every milestone restores whole from Tier 2 alone; a stored content whose recorded hash
+differs from the source's is never pointed to; a shared object stays locked until the latest
+lock date of the milestones that reference it."""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import boto3
+
+from core import checksum
+from core.layout import checkpoint_prefix
+from core.storage.content import CONTENT_DIR
+from core.storage.s3 import S3Store
+from core.transfer import read_committed, verify_part
+from db.catalog import Catalog
+from tasks.restore import restore_checkpoint
+from tests.kit.restore import commit_folder, promote, scenario_settings
+
+RUN = "run-ft"
+BASE = os.urandom(1 << 20)
+SMALL = 64 << 10  # files this large are shared (the store's ranged threshold, lowered)
+
+
+def _settings(settings_factory, db_url, s3_endpoint, s3_bucket, **kw):
+    return scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                             s3_ranged_threshold=SMALL, s3_range_bytes=SMALL, **kw)
+
+
+def save(settings, step: int) -> bytes:
+    adapter = os.urandom(SMALL)
+    commit_folder(settings, RUN, step, {"base.bin": BASE, "adapter.bin": adapter}, milestone=True)
+    result = promote(settings, RUN, step)
+    assert result.durable and result.archive is not None
+    return adapter
+
+
+def objects(settings) -> dict[str, int]:
+    bucket = settings.tier2_url.removeprefix("s3://").split("/", 1)[0]
+    client = boto3.client("s3", endpoint_url=settings.s3_endpoint_url, region_name="us-east-1")
+    return {o["Key"]: o["Size"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", [])}
+
+
+def restored(settings, step: int, tmp: Path) -> dict[str, bytes]:
+    dest = tmp / f"restored-{step}"
+    restore_checkpoint(settings, RUN, dest, step=step, preference=(2,), fallback=False)
+    return {p.name: p.read_bytes() for p in dest.iterdir() if p.name != "manifest.json"}
+
+
+def test_milestones_upload_a_frozen_base_once_and_restore_whole_from_tier2(settings_factory, db_url, s3_endpoint,
+                                                                            s3_bucket, tmp_path):
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
+    adapters = {step: save(settings, step) for step in (100, 200, 300)}
+
+    held = objects(settings)
+    assert [size for key, size in held.items() if size == len(BASE)] == [len(BASE)]  # one copy of the base
+    assert sum(held.values()) < len(BASE) + sum(map(len, adapters.values())) + 64 * 1024  # + manifests, hashes
+    assert any(key.startswith(f"ckpt/{CONTENT_DIR}/") for key in held)
+    with Catalog(settings.catalog_url) as cat:
+        assert cat.stored_bytes(2) == len(BASE) + sum(map(len, adapters.values()))
+    from tasks.base import tier_store
+
+    store = tier_store(settings, 2)
+    for step, adapter in adapters.items():  # each one whole, from Tier 2 alone
+        verify_part(store, checkpoint_prefix(RUN, step), read_committed(store, RUN, step))
+        assert restored(settings, step, tmp_path) == {"base.bin": BASE, "adapter.bin": adapter}
+
+
+def test_a_content_whose_recorded_hash_differs_is_never_pointed_to(settings_factory, db_url, s3_endpoint, s3_bucket,
+                                                                     tmp_path):
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
+    save(settings, 100)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    recorded = next(k for k in objects(settings) if k.endswith(f"-{len(BASE)}.sha256"))
+    client.delete_object(Bucket=s3_bucket, Key=recorded)  # another content under the same CRC32C and size
+    client.put_object(Bucket=s3_bucket, Key=recorded, Body=b"0" * 64)
+
+    adapter = save(settings, 200)
+
+    base_key = f"ckpt/{checkpoint_prefix(RUN, 200)}/base.bin"
+    assert objects(settings)[base_key] == len(BASE)  # uploaded whole under its own key
+    assert restored(settings, 200, tmp_path) == {"base.bin": BASE, "adapter.bin": adapter}
+
+
+def test_a_shared_object_stays_locked_until_the_latest_milestone_that_references_it(s3_endpoint, tmp_path):
+    bucket = f"lock-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket, ObjectLockEnabledForBucket=True)
+    source = tmp_path / "base.bin"
+    source.write_bytes(BASE)
+    crc = checksum.hash_bytes(BASE)
+
+    def archive(key: str, lock_days: float) -> S3Store:
+        store = S3Store(f"s3://{bucket}/vault", 2, endpoint_url=s3_endpoint, lock_days=lock_days,
+                        ranged_threshold=SMALL, range_bytes=SMALL, shared_content=True)
+        with open(source, "rb", buffering=0) as fh:
+            store.put_verified(key, fh, len(BASE), crc)
+        return store
+
+    archive("run/step-00000001/base.bin", 1)
+    store = archive("run/step-00000002/base.bin", 3)  # a later milestone, locked longer
+
+    content = [o["Key"] for o in store.client.list_objects_v2(Bucket=bucket)["Contents"]
+               if o["Size"] == len(BASE)]
+    assert len(content) == 1
+    until = store.client.head_object(Bucket=bucket, Key=content[0])["ObjectLockRetainUntilDate"]
+    assert until > datetime.now(UTC) + timedelta(days=2.9)
+    with store.open_read("run/step-00000001/base.bin") as fh:
+        assert fh.read() == BASE
+    store.verify_object("run/step-00000002/base.bin", len(BASE), crc)
+    store.close()
+
+
+def test_a_pointer_is_listed_and_read_as_its_content(s3_endpoint, tmp_path):
+    bucket = f"plain-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    source = tmp_path / "base.bin"
+    source.write_bytes(BASE)
+    crc = checksum.hash_bytes(BASE)
+    writer = S3Store(f"s3://{bucket}/vault", 2, endpoint_url=s3_endpoint, ranged_threshold=SMALL, range_bytes=SMALL,
+                     shared_content=True)
+    for step in (1, 2):
+        with open(source, "rb", buffering=0) as fh:
+            writer.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+    writer.put_verified("run/step-00000002/empty.bin", io.BytesIO(b""), 0, checksum.hash_bytes(b""))
+
+    reader = S3Store(f"s3://{bucket}/vault", 2, endpoint_url=s3_endpoint, ranged_threshold=SMALL, range_bytes=SMALL)
+    assert {o.key: o.size for o in reader.list("run")} == {
+        "run/step-00000001/base.bin": len(BASE), "run/step-00000002/base.bin": len(BASE),
+        "run/step-00000002/empty.bin": 0}
+    assert reader.folders() == ("run",)
+    fd = os.open(tmp_path / "fetched", os.O_CREAT | os.O_WRONLY)
+    try:
+        assert reader.read_ranges_into("run/step-00000002/base.bin", fd, len(BASE)) == (len(BASE), crc)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "fetched").read_bytes() == BASE
+    writer.close()
+    reader.close()
+
+
+def test_retired_milestones_free_the_contents_no_kept_one_references(settings_factory, db_url, s3_endpoint,
+                                                                     s3_bucket, tmp_path):
+    from core.settings import RetentionPolicy
+    from flows.common import plain_steps
+    from flows.retention import run_retention
+    from tasks.contents import sweep_shared_contents
+
+    last = RetentionPolicy(keep_last=1, keep_milestones=False)
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket, retention_tier0=last,
+                         retention_tier1=last, retention_tier2=last)
+    adapters = {step: save(settings, step) for step in (100, 200, 300)}  # retention runs after each one
+    run_retention(settings, run=RUN, steps=plain_steps(), actor="test")
+    assert not [k for k in objects(settings) if "step-00000100" in k or "step-00000200" in k]
+    assert len([k for k, size in objects(settings).items() if size == SMALL]) == 3  # pointers went, contents stay
+
+    assert sweep_shared_contents(settings, actor="test") == 0  # first pass: marked, nothing deleted yet
+    kept = objects(settings)
+    assert sweep_shared_contents(settings.model_copy(update={"claim_lease_seconds": 0}), actor="test") == 2
+
+    held = objects(settings)
+    assert sorted(size for size in held.values() if size >= SMALL) == [SMALL, len(BASE)]  # step 300's alone
+    assert set(held) < set(kept)
+    assert restored(settings, 300, tmp_path) == {"base.bin": BASE, "adapter.bin": adapters[300]}
+    with Catalog(settings.catalog_url) as cat:
+        assert cat.stored_bytes(2) == len(BASE) + SMALL
+    save(settings, 400)  # the base is still shared after the sweep
+    assert [size for size in objects(settings).values() if size == len(BASE)] == [len(BASE)]
