@@ -216,11 +216,13 @@ def _contents(tier: int, states: Sequence[str]) -> Select:
             .where(replicas.c.tier == tier, replicas.c.state.in_(states)))
 
 
-def stored_bytes(conn: Connection, tier: int, *, shared: bool) -> int:
-    """The data bytes ``tier`` holds: every file of a replica that has bytes there (copying,
-    verified, pruning, corrupt); with ``shared`` each content (size, CRC32C: the content
-    store's key) once, however many checkpoints link it."""
+def stored_bytes(conn: Connection, tier: int, *, shared: bool, run_id: int | None = None) -> int:
+    """The data bytes ``tier`` holds (of ``run_id``'s checkpoints alone when given): every file
+    of a replica that has bytes there (copying, verified, pruning, corrupt); with ``shared`` each
+    content (size, CRC32C: the content store's key) once, however many checkpoints link it."""
     held = _contents(tier, [COPYING, VERIFIED, PRUNING, CORRUPT])
+    if run_id is not None:
+        held = held.where(files.c.checkpoint_id.in_(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id)))
     if shared:
         held = held.distinct()
     rows = held.subquery()
