@@ -36,7 +36,7 @@ over it, the rules that keep the excess.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -65,6 +65,9 @@ class ReplicaFacts:
     url: str = ""
     bytes: int | None = None
     locked_until: datetime | None = None  # S3 Object Lock: not deletable before this
+    # on a tier that stores each content once: (size, CRC32C) of each file, what the copy's bytes
+    # are counted by (empty: the copy is counted by ``bytes``, an object of its own)
+    contents: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class ReplicaDecision:
     action: str  # keep | demote | retire
     reason: str
     attempt: str = ""
+    contents: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,11 +165,36 @@ class Plan:
 
 
 def stored_bytes(copies: Iterable[ReplicaFacts | ReplicaDecision]) -> int:
-    """The bytes these copies take where they are stored, each distinct stored copy counted once:
-    the one place that says what a tier holds (a store that shares files between checkpoints
-    changes what is distinct here, and nowhere else)."""
-    distinct = {(c.tier, c.url or c.replica_id): c.bytes or 0 for c in copies}
-    return sum(distinct.values())
+    """The bytes these copies take where they are stored: each distinct copy once, and on a tier
+    that stores each content once (copies with ``contents``) each content once, however many
+    checkpoints reference it."""
+    return _Held(copies).total
+
+
+class _Held:
+    """What a set of copies holds on their tiers, with references counted: dropping a copy frees
+    only the contents no other copy of the set still references."""
+
+    def __init__(self, copies: Iterable[ReplicaFacts | ReplicaDecision]) -> None:
+        self.refs: Counter[tuple] = Counter()
+        self.total = 0
+        for c in copies:
+            for key, size in self._units(c):
+                self.refs[key] += 1
+                self.total += size if self.refs[key] == 1 else 0
+
+    @staticmethod
+    def _units(c: ReplicaFacts | ReplicaDecision) -> list[tuple[tuple, int]]:
+        if c.contents:
+            return [((c.tier, "content", size, crc), size) for size, crc in set(c.contents)]
+        return [((c.tier, "copy", c.url or c.replica_id), c.bytes or 0)]
+
+    def drop(self, copies: Iterable[ReplicaFacts | ReplicaDecision]) -> None:
+        for c in copies:
+            for key, size in self._units(c):
+                if self.refs[key] > 0:
+                    self.refs[key] -= 1
+                    self.total -= size if self.refs[key] == 0 else 0
 
 
 Evictions = Mapping[int, Mapping[tuple[str, int], str]]  # tier -> (run, step) -> the budget's reason
@@ -197,17 +226,17 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
         for d in out.replicas:
             copies[(d.run, d.step)].append(d)
         for (t, node), kept in _kept(out, limits).items():
-            total, limit = stored_bytes(kept), limits[t]
+            held, limit = _Held(kept), limits[t]
             candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
                                  if d.reason == "retention off" and (t, d.run, d.step) not in tried})
             for _, run, step in candidates:
-                if total <= limit:
+                if held.total <= limit:
                     break
                 tried.add((t, run, step))
                 evicted[t][(run, step)] = f"over budget ({wanted[(t, node)]} of {limit} bytes)"
                 added = True
                 if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
-                    total -= stored_bytes(d for d in kept if (d.run, d.step) == (run, step))
+                    held.drop(d for d in kept if (d.run, d.step) == (run, step))
         if not added:
             break
         out = _plan_all(by_run, rules, now, evicted)
@@ -408,4 +437,5 @@ def _policy_keeps(held: Sequence[CheckpointFacts], policy: RetentionPolicy, now:
 
 def _decide(c: CheckpointFacts, r: ReplicaFacts, action: str, reason: str) -> ReplicaDecision:
     return ReplicaDecision(run=c.run, step=c.step, tier=r.tier, part=r.part, replica_id=r.replica_id, node=r.node,
-                           url=r.url, bytes=r.bytes, action=action, reason=reason, attempt=c.attempt)
+                           url=r.url, bytes=r.bytes, action=action, reason=reason, attempt=c.attempt,
+                           contents=r.contents)

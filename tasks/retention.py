@@ -29,6 +29,7 @@ from core.errors import CkptError, PruneRefused
 from core.layout import part_key
 from core.policy import is_milestone  # noqa: F401 - the milestone rule, re-exported for callers
 from core.settings import RetentionPolicy, Settings
+from core.storage.content import SHARED_TIERS
 from db.catalog import Catalog
 from tasks.base import log, open_catalog, open_tier
 from tasks.retry import pipeline_task
@@ -92,7 +93,9 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     # a budget is the whole tier's: its bytes and its oldest copies are counted over every run
     budgeted = any(rules.policies[t].max_bytes is not None for t in tiers)
     with open_catalog(settings.catalog_url) as cat:
-        facts = cat.retention_facts(run=None if budgeted else run, node=node if not {1, 2} & set(tiers) else None)
+        shared_budget = any(rules.policies[t].max_bytes is not None for t in set(tiers) & SHARED_TIERS)
+        facts = cat.retention_facts(run=None if budgeted else run, node=node if not {1, 2} & set(tiers) else None,
+                                    contents=shared_budget)
         now = now or cat.clock()
         decided = rule.plan(facts, rules, now)
         unknown: dict[int, str] = {}
