@@ -17,12 +17,12 @@ from datetime import UTC, datetime
 from statistics import median
 
 from core import sizing
+from core.tiers import ALL_TIERS, Tier
 from db.catalog import Catalog
 from db.entities import DrillResult, LineageEdge
 from flows.artifacts import artifact_key, post_artifact
 
-TIERS = (0, 1, 2)
-TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
+TIERS = ALL_TIERS
 RECENT = 20  # checkpoints looked at for the time to durable
 STALL_WINDOW = 1000  # the newest saves with a recorded stall that the measured ΔMFU covers
 DRILLS = 6  # the newest recovery drills shown
@@ -84,7 +84,7 @@ def status_markdown(s: RunStatus) -> str:
     if s.generated_at:
         out += [f"_{s.checkpoints} checkpoint(s); updated {_when(s.generated_at)} UTC after a promotion._", ""]
     out += ["## Newest verified checkpoint per tier", "", "| tier | step | verified at |", "|---|---:|---|"]
-    out += [f"| {TIER_NAMES[n.tier]} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
+    out += [f"| {Tier(n.tier).display} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
             for n in s.newest]
     if s.metrics:
         out += ["", f"Metrics of the newest checkpoint (step {s.newest_step}): {sizing.fmt_metrics(s.metrics)}"]

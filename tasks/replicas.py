@@ -21,6 +21,7 @@ from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from core.settings import Settings
 from core.storage import open_store
 from core.storage.base import TierStore
+from core.tiers import readable_from
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import tier_store
@@ -73,7 +74,7 @@ def readable_here(replica: ReplicaInfo, settings: Settings) -> bool:
     it is on this node's NVMe."""
     if not settings.tier_url(replica.tier):
         return False
-    return replica.tier != 0 or replica.node in (None, "", settings.node)
+    return readable_from(replica.tier, replica.node, settings.node)
 
 
 def verified_sources(replicas: Iterable[ReplicaInfo], part: int, settings: Settings,

@@ -73,6 +73,7 @@ from core.settings import Settings
 from core.storage.base import TierStore, hash_object
 from core.storage.local import LocalStore, fsync_dir
 from core.storage.stage import RestoreStage, publish
+from core.tiers import ALL_TIERS, Tier, readable_from
 from db.catalog import Catalog
 from db.entities import COPYING, VERIFIED, CheckpointInfo, FileInfo, ReplicaInfo
 from tasks.base import (
@@ -143,16 +144,10 @@ def plan_sources(replicas: Iterable[ReplicaInfo], part: int, *, node: str, confi
     """The sources of ``part``, cheapest first: this node's Tier 0 copy (in place), Tier 1 (in
     place where ``local``, else fetched), Tier 2 (fetched). Only verified replicas of configured
     tiers; Tier 0 only on its own node and only as a local folder."""
-    verified = {r.tier: r for r in replicas if r.part == part and r.state == VERIFIED and r.tier in configured
-                and (r.tier != 0 or r.node in (None, "", node))}
-    found = []
-    if 0 in verified and 0 in local:
-        found.append(Source(0, True, verified[0]))
-    if 1 in verified:
-        found.append(Source(1, 1 in local, verified[1]))
-    if 2 in verified:
-        found.append(Source(2, False, verified[2]))
-    return found
+    verified = {Tier(r.tier): r for r in replicas if r.part == part and r.state == VERIFIED and r.tier in configured
+                and readable_from(r.tier, r.node, node)}
+    return [Source(t, t in local and not t.object_store, verified[t]) for t in ALL_TIERS
+            if t in verified and (t in local or not t.node_local)]
 
 
 def wanted_parts(ck: CheckpointInfo, part: int | None, parts: int | None) -> list[int]:
@@ -254,7 +249,7 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
     files = wanted_files(cat, ck, wanted)
     wide = wide_files(files, wanted)
     if target is None:
-        for tier in (0, 1):
+        for tier in (Tier.NODE, Tier.SHARED):
             found = _in_place(cat, stores, ck, tier, wanted, wide, files, verify, actor, notes)
             if found is not None:
                 return found
@@ -357,7 +352,7 @@ def _in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, w
     moved = 0
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     for f in wide:
-        if tier == 0:
+        if Tier(tier).node_local:
             moved += _bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
         elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
             return None
@@ -389,7 +384,7 @@ def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo
     """A checkpoint-wide file of another part, on Tier 1 in place: that part verified there (once
     a rehydration of it in flight has ended: ``await_copy``), the file intact."""
     await_copy(cat, stores.settings, ck, f.part, 1)
-    src = next((s for s in _sources(cat, stores, ck, f.part) if s.tier == 1 and s.in_place), None)
+    src = next((s for s in _sources(cat, stores, ck, f.part) if s.tier == Tier.SHARED and s.in_place), None)
     if src is None:
         return False
     try:
@@ -431,9 +426,9 @@ def _hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, ac
     if not stores.configured(1):
         return 0
     srcs = _sources(cat, stores, ck, part)
-    if any(s.tier in (0, 1) for s in srcs) or not any(s.tier == 2 for s in srcs):
+    if not srcs or any(not Tier(s.tier).object_store for s in srcs):
         return 0
-    tier2 = next(s for s in srcs if s.tier == 2)
+    tier2 = srcs[0]  # the only source there is: the object store's
     try:
         hop = copy_when_free(cat, stores.settings, ck, part, src_tier=2, dst_tier=1, actor=actor)
     except (CorruptCheckpoint, NotFound) as exc:
@@ -548,8 +543,9 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
         found = side.submit(registered_manifest, cat, src, ck.id, run, step, part, ck.parts)
         manifest = catalog_manifest(cat, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
         prior = part_replica(cat, ck.id, tier, part, None)
-        held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None, actor=actor,
-                                     lease_s=settings.claim_lease_seconds, stall_s=settings.copy_stall_seconds)
+        held, rep = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if Tier(tier).node_local else None,
+                                     actor=actor, lease_s=settings.claim_lease_seconds,
+                                     stall_s=settings.copy_stall_seconds)
         if held is None:
             found.cancel()
             if rep.state == VERIFIED:
@@ -574,7 +570,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
             held.verified(bytes=report.bytes, seconds=report.seconds,
                           reason=f"copied from tier {src_tier} and read back")
         watch_headroom(settings, dst, tier, prefix, ck, part=part, node=node)
-    events.announce(events.PROMOTED if tier == 1 else events.VERIFIED, run, step, part=part, parts=ck.parts,
+    events.announce(events.PROMOTED if Tier(tier).shared_fs else events.VERIFIED, run, step, part=part, parts=ck.parts,
                     node=node, extra_id=f"tier{tier}",
                     payload={"tier": tier, "bytes": report.bytes, "seconds": round(report.seconds, 3), "url": url})
     return HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
@@ -660,7 +656,7 @@ def sweep_dead_stages(cat: Catalog, dst: TierStore, runs: Iterable[str], *, node
                                           f"catalog does not know, older than {STAGE_AGE_S:.0f} s")
                 continue
             rows = [r for r in cat.replicas(ck.id, dst.tier)
-                    if r.part == part and (dst.tier != 0 or r.node in (None, "", node))]
+                    if r.part == part and readable_from(dst.tier, r.node, node)]
             if any(r.state == COPYING for r in rows):
                 continue  # a live claim (or one whose lease has not lapsed yet): its writer may be at work
             removed += _remove_stages(cat, dst, run, step, part, entries, actor,
@@ -759,11 +755,11 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     for p in wanted:
         t0 = time.monotonic()
         srcs = _sources(cat, stores, ck, p)
-        own = next((s for s in srcs if s.tier == 0), None)
+        own = next((s for s in srcs if Tier(s.tier).node_local), None)
         if own is not None and _good(cat, stores.get(0), ck, own, files, verify, actor, notes):
             done.append(PartResume(p, 0, IN_PLACE, 0, time.monotonic() - t0))  # this part is here already
             continue
-        for src in [s for s in srcs if s.tier != 0]:
+        for src in [s for s in srcs if not Tier(s.tier).node_local]:
             try:
                 hop = copy_when_free(cat, stores.settings, ck, p, src_tier=src.tier, dst_tier=0, actor=actor)
             except (CorruptCheckpoint, NotFound) as exc:

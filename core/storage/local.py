@@ -36,6 +36,7 @@ from core.storage.base import ObjectInfo, TierStore, Tomb
 from core.storage.common import check_match, map_os_error
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
 from core.storage.writeback import writing
+from core.tiers import Tier
 
 if TYPE_CHECKING:
     from core.settings import Settings
@@ -539,7 +540,7 @@ class LocalStore(TierStore):
 
 def open_local(url: str, tier: int, settings: Settings | None) -> LocalStore:
     return LocalStore(url, tier, buffer_bytes=io_buffer(settings),
-                      direct_io=settings is not None and tier == 1 and settings.tier1_direct_io)
+                      direct_io=settings is not None and Tier(tier).shared_fs and settings.tier1_direct_io)
 
 
 register(Backend(name="local", schemes=(PLAIN_PATH,), factory=open_local))
