@@ -87,7 +87,7 @@ def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int,
     from tasks.resume import IN_PLACE, resume  # deferred: start-up (keeps this module light: see warm_up)
 
     with TierStores(cold) as stores:
-        mounted = Tier(tier).shared_fs and stores.get(tier).local_path(checkpoint_prefix(run, step)) is not None
+        mounted = Tier(tier).shared_fs and stores.get(tier).in_place(checkpoint_prefix(run, step)) is not None
     point = resume(cold, run, part=part, parts=parts, to=None if mounted else dest, actor=actor)
     if point is None or point.step != step:
         got = "no checkpoint" if point is None else f"step {point.step}"
@@ -171,7 +171,7 @@ def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams:
 
     with TierStores(settings) as stores:
         store = stores.get(tier)
-        local = bool(objects) and store.local_path(next(iter(objects)).rpartition("/")[0]) is not None
+        local = bool(objects) and store.in_place(next(iter(objects)).rpartition("/")[0]) is not None
         width = streams or fetch_streams(settings, local)
         null = os.open(os.devnull, os.O_WRONLY)
         try:

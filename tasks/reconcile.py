@@ -16,7 +16,6 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from core.sizing import fmt_bytes
 from core.storage.base import TierStore
-from core.storage.local import LocalStore
 from core.tiers import Tier
 from core.transfer import find_committed
 from db.catalog import Catalog
@@ -269,9 +268,10 @@ def sweep_writer_staging(settings: Settings, report: ReconcileReport, *, actor: 
     or fetch killed midway): without this, a save killed before its publish holds that room
     until a person finds it. Live writers' are left alone (``core.space.writer_stagings``)."""
     with open_tier(settings, 0) as tier0:
-        if not isinstance(tier0, LocalStore):
+        root = tier0.in_place()
+        if root is None:  # writers stage only in a folder
             return
-        removed = each(report, "tier 0 staging", lambda: sweep_dead_staging(settings, tier0.root, actor=actor))
+        removed = each(report, "tier 0 staging", lambda: sweep_dead_staging(settings, root, actor=actor))
     if removed:
         report.recovered.append(f"tier 0: {len(removed)} staging folder(s) of dead writers "
                                 f"({fmt_bytes(sum(st.bytes for st in removed))}) removed")

@@ -210,7 +210,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
         progress(0, label)
         try:
             prefix, report = checkpoint_prefix(ck.run, ck.step, ck.attempt), (lambda done: progress(done, label))
-            if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
+            if src.in_place(prefix) is not None:  # a folder here: copy in the kernel
                 manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)

@@ -71,7 +71,7 @@ from core.manifest import MAX_MANIFEST_BYTES, Manifest
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.storage.base import TierStore, hash_object
-from core.storage.local import LocalStore, fsync_dir
+from core.storage.local import fsync_dir
 from core.storage.stage import RestoreStage, publish
 from core.tiers import ALL_TIERS, Tier, readable_from
 from db.catalog import Catalog
@@ -274,7 +274,7 @@ def _outside_managed_folders(stores: TierStores, run: str, target: Path) -> None
     checkpoint copied there would look committed to that tier) or this node's resume folders
     (tidied by the next resume)."""
     managed = [(f"tier {t}", root.parent) for t in (0, 1, 2) if stores.configured(t)
-               and (root := stores.local_path(t, run)) is not None]
+               and (root := stores.in_place(t, run)) is not None]
     managed.append(("this node's resume folders", resume_root(stores.settings, run).parent))
     where = target.resolve()
     for name, folder in managed:
@@ -323,7 +323,7 @@ def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:
 def _local(stores: TierStores, tier: int, ck: CheckpointInfo) -> bool:
     """Whether ``tier`` is a folder mounted here (its checkpoints can be read where they lie)."""
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
-    return stores.configured(tier) and stores.local_path(tier, prefix) is not None
+    return stores.configured(tier) and stores.in_place(tier, prefix) is not None
 
 
 def _sources(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int) -> list[Source]:
@@ -356,7 +356,7 @@ def _in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, w
             moved += _bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
         elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
             return None
-    folder = store.local_path(prefix)
+    folder = store.in_place(prefix)
     assert folder is not None
     seconds = time.monotonic() - started
     return ResumePoint(ck.run, ck.step, str(folder),
@@ -508,7 +508,7 @@ def claimed_fetch(settings: Settings, ck: CheckpointInfo, part: int, *, src_tier
     place (``_staged_copy``): a fetch killed midway leaves none of the part's files under their
     names. Into an object store (no rename there) ``copy_between_tiers``: files, manifest last."""
     with open_tier(settings, dst_tier) as dst:
-        if isinstance(dst, LocalStore):
+        if dst.in_place(checkpoint_prefix(ck.run, ck.step)) is not None:
             return _staged_copy(settings, ck, part, dst, src_tier=src_tier, actor=actor)
     return copy_between_tiers(settings, ck.run, ck.step, part, src_tier=src_tier, dst_tier=dst_tier,
                               node=settings.node, actor=actor)
@@ -520,7 +520,7 @@ def stage_label(step: int, part: int, parts: int) -> str:
     return f"{checkpoint_dirname(step)}.part-{part:05d}-of-{parts:05d}"
 
 
-def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalStore, *, src_tier: int,
+def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: TierStore, *, src_tier: int,
                  actor: str) -> HopResult:
     """``copy_between_tiers`` into the folder tier ``dst``, published whole: under the part's
     claim, the stages a dead fetch of this part left are removed (the claim proves their writer
@@ -577,7 +577,7 @@ def _staged_copy(settings: Settings, ck: CheckpointInfo, part: int, dst: LocalSt
                      seconds=report.seconds, skipped=False)
 
 
-def _sweep_stages(cat: Catalog, dst: LocalStore, ck: CheckpointInfo, part: int, actor: str) -> int:
+def _sweep_stages(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, actor: str) -> int:
     """Remove the stages of ``part`` of ``ck`` in the run's folder on ``dst``: called under the
     part's claim, so each was left by a fetch that died (or lost the claim). Audited; a link is
     removed itself, never followed. Stages of other parts and steps are never touched."""
@@ -595,7 +595,7 @@ def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]
     parts) each is for; an entry of another shape is not a stage and is left alone, and a folder
     whose name is not a run's (``lost+found``) holds none."""
     try:
-        folder = dst.local_path(safe_run_name(run))
+        folder = dst.in_place(safe_run_name(run))
     except (BadInput, PathEscape):
         return []
     if folder is None or folder.is_symlink():
@@ -778,7 +778,7 @@ def _fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     extra = sum(_bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes) for f in wide)
     if extra:
         done[0] = PartResume(done[0].part, done[0].tier, done[0].source, done[0].bytes_moved + extra, done[0].seconds)
-    folder = store.local_path(prefix)
+    folder = store.in_place(prefix)
     assert folder is not None
     return ResumePoint(ck.run, ck.step, str(folder), done)
 

@@ -146,6 +146,9 @@ class LocalStore(TierStore):
     def local_path(self, key: str) -> Path | None:
         return self.path(key)
 
+    def in_place(self, key: str = "") -> Path | None:
+        return self.path(key) if key else self.root
+
     def root_exists(self) -> bool:
         return self.root.is_dir()
 
