@@ -84,7 +84,7 @@ class RestoreReport:
                 f"({self.mb_per_s:.0f} MB/s)")
 
 
-class _PartFailed(Exception):
+class PartFailed(Exception):
     """No readable copy of a part was good; ``transient`` when some failure may pass."""
 
     def __init__(self, message: str, transient: bool):
@@ -111,7 +111,7 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
             first_step = ck.step if first_step is None else first_step
             try:
                 tiers = _restore_one(cat, stores, ck, target, preference, progress, actor, bad, notes)
-            except _PartFailed as exc:
+            except PartFailed as exc:
                 if exc.transient:
                     raise StorageUnavailable(f"{run}/step-{ck.step}: {exc}; not falling back to an "
                                              "older checkpoint while a copy may only be unreachable") from None
@@ -188,21 +188,23 @@ def _fetch_parts(cat: Catalog, stores: TierStores, ck: CheckpointInfo, replicas:
     tiers = []
     for part in range(ck.parts):
         at = partial(_position, progress, sum(part_bytes[:part]), ck.total_bytes)
-        tiers.append(_fetch_part(cat, stores, ck, part, replicas, dst, dst_prefix, preference, at,
-                                 actor, bad, notes))
+        tiers.append(fetch_part(cat, stores, ck, part, replicas, dst, dst_prefix, preference, at,
+                                actor, bad, notes))
     return tiers
 
 
-def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
-                dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
-                bad: list[BadReplica], notes: list[str]) -> int:
-    """Copy one part from its nearest good replica; return the tier it came from."""
+def fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
+               dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
+               bad: list[BadReplica], notes: list[str]) -> int:
+    """Copy one part from its nearest good replica into ``dst`` under ``dst_prefix``; return the
+    tier it came from; ``PartFailed`` when no copy was good. Shared by restore and a resume's
+    fetch into a folder (``tasks.resume.folder``)."""
 
     settings = stores.settings
     sources = verified_sources(replicas, part, settings, preference)
     if not sources:
         states = ", ".join(f"tier {r.tier}: {r.state}" for r in replicas if r.part == part) or "none recorded"
-        raise _PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
+        raise PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
     transient = False
     for rep in sources:
         src = stores.get(rep.tier)
@@ -236,7 +238,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
             bad.append(mark_bad(cat, rep, state, f"restore: {why}", actor=actor))
             notes.append(f"step {ck.step} part {part}: tier {rep.tier} copy is {state} ({why}); "
                          "marked in the catalog, trying the next copy")
-    raise _PartFailed(f"every copy of part {part} failed", transient=transient)
+    raise PartFailed(f"every copy of part {part} failed", transient=transient)
 
 
 def fetch_streams(settings: Settings, local: bool) -> int:
