@@ -43,15 +43,11 @@ from datetime import datetime, timedelta
 
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, RetentionPolicy
+from core.tiers import ALL_TIERS, Tier
 
 KEEP, DEMOTE, RETIRE = "keep", "demote", "retire"
 COMMITTED, RETIRED, SUPERSEDED = "committed", "retired", "superseded"
-TIERS = (0, 1, 2)
-
-
-def durability(tier: int) -> int:
-    """Tier 0 is lost with its node; Tiers 1 and 2 are shared and stand in for each other."""
-    return 0 if tier == 0 else 1
+TIERS = ALL_TIERS
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ class CheckpointFacts:
 
     @property
     def durable(self) -> bool:
-        return any(self.complete(t) for t in TIERS if durability(t) >= 1)
+        return any(self.complete(t) for t in TIERS if t.durable)
 
     @property
     def verified(self) -> bool:
@@ -265,7 +261,7 @@ def _frees(c: CheckpointFacts, tier: int, why_kept: str, copies: Sequence[Replic
         return True
     if tier == 2 and rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones):
         return False
-    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and durability(d.tier) >= durability(tier)}
+    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and Tier(d.tier).as_durable_as(tier)}
     return {r.part for r in c.replicas if r.tier == tier} <= backed
 
 
@@ -342,18 +338,18 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime, evict
                 mine = reasons + (lock if r.locked_until is not None and r.locked_until > now else [])
                 if mine:
                     r_out.append(_decide(c, r, KEEP, ", ".join(mine)))
-                elif t == 2 and archive:
+                elif t.object_store and archive:
                     # a milestone's archive stays while another tier keeps the checkpoint: demoted
                     # on the strength of Tier 1, it would be "not yet archived" there and uploaded
                     # again, round after round; once no tier keeps it, the checkpoint is retired
                     r_out.append(_decide(c, r, KEEP, "archive of a milestone another tier keeps"))
-                elif any(o is not r and o.part == r.part and o.tier != t and durability(o.tier) >= durability(t)
+                elif any(o is not r and o.part == r.part and o.tier != t and Tier(o.tier).as_durable_as(t)
                          for o in staying):
                     staying.discard(r)
                     why = evicted.get(t, {}).get((c.run, c.step), f"not kept on tier {t}")
                     r_out.append(_decide(c, r, DEMOTE, why))
                 else:
-                    r_out.append(_decide(c, r, KEEP, "last durable copy" if t else "not yet durable"))
+                    r_out.append(_decide(c, r, KEEP, "last durable copy" if t.durable else "not yet durable"))
     return c_out, r_out
 
 
@@ -401,12 +397,12 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
     else:
         _policy_keeps(held, policy, now, keeps)
     for c in held:
-        if tier == 0 and not c.durable:
+        if Tier(tier).node_local and not c.durable:
             keeps[c.step].append("not yet durable")
-        elif tier == 1 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+        elif Tier(tier).shared_fs and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
             # Tier 1 holds a milestone until Tier 2 has it (the archive reads Tier 1), or for good
             # as the archive; Tier 0 is scratch: its copy goes once the checkpoint is durable
-            if rules.tier2_on and not c.complete(2):
+            if rules.tier2_on and not c.complete(Tier.OBJECT):
                 keeps[c.step].append("milestone not yet archived")
             elif not rules.tier2_on:
                 keeps[c.step].append("milestone")

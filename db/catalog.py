@@ -390,7 +390,7 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         one wins. A replica already ``pruning`` under a live lease: ``StaleState``. One whose
         lease lapsed is taken over (``took_over``, audited) with the guard's current verdict in
         ``refused``. Only the owner's token finishes (``pruned``) or abandons the prune.
-        ("Tier >= this one" is by durability class, ``db.rows.durability``: Tiers 1 and 2 both
+        ("Tier >= this one" is by durability class, ``core.tiers.Tier.durability``: Tiers 1 and 2 both
         survive node loss and stand in for each other; Tier 0 never protects a higher tier.)
         ``token``: as for ``claim_copy``; a prune under this very token (its caller's answer was
         lost) is given back as a takeover is (``took_over`` and ``reclaimed``, the guard's verdict

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection, Row
 from core.errors import IllegalTransition, PruneRefused
 from core.retention import CheckpointFacts, ReplicaFacts
 from core.storage.content import SHARED_TIERS
+from core.tiers import DURABLE_TIERS, Tier
 from db.entities import CKPT_COMMITTED, CKPT_RETIRED as RETIRED, CKPT_SUPERSEDED, VERIFIED
 from db.queries import _filter_only, _masks, newest_verified_steps
 from db.rows import (
@@ -36,7 +37,7 @@ from db.rows import (
 )
 
 CHUNK = 500
-DURABLE_BITS = tier_bit(1) | tier_bit(2)
+DURABLE_BITS = sum(tier_bit(t) for t in DURABLE_TIERS)
 
 
 def facts(conn: Connection, *, run_ids: Sequence[int] | None, node: str | None = None,
@@ -50,7 +51,7 @@ def facts(conn: Connection, *, run_ids: Sequence[int] | None, node: str | None =
                 .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
                 .where(replicas.c.state == VERIFIED))
         if node is not None:
-            stmt = stmt.where(replicas.c.tier == 0, replicas.c.node == node)
+            stmt = stmt.where(replicas.c.tier == Tier.NODE, replicas.c.node == node)
         run_ids = sorted(conn.execute(stmt).scalars())
     out: list[CheckpointFacts] = []
     for i in range(0, len(run_ids), CHUNK):
