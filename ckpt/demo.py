@@ -38,6 +38,7 @@ from core.errors import NotFound
 from core.settings import load_settings
 from core.sizing import fmt_bytes
 from core.space import folder_bytes
+from core.tiers import ALL_TIERS
 from db.catalog import Catalog
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def status(cat: Catalog, rec: Saved, tier2: bool) -> Status:
         return Status(False, {0: "-", 1: "-", 2: "-"})
     want = {1} | ({2} if rec.milestone and tier2 else set())
     st = Status(True)
-    for tier in (0, 1, 2):
+    for tier in ALL_TIERS:
         reps = cat.replicas(ck.id, tier)
         ok = len({r.part for r in reps if r.verified_at is not None}) == ck.parts
         st.tiers[tier] = tier_label([r.state for r in reps])

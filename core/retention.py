@@ -36,22 +36,18 @@ over it, the rules that keep the excess.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from core.policy import is_milestone
 from core.settings import MilestonePolicy, RetentionPolicy
+from core.tiers import ALL_TIERS, Tier
 
 KEEP, DEMOTE, RETIRE = "keep", "demote", "retire"
 COMMITTED, RETIRED, SUPERSEDED = "committed", "retired", "superseded"
-TIERS = (0, 1, 2)
-
-
-def durability(tier: int) -> int:
-    """Tier 0 is lost with its node; Tiers 1 and 2 are shared and stand in for each other."""
-    return 0 if tier == 0 else 1
+TIERS = ALL_TIERS
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,9 @@ class ReplicaFacts:
     url: str = ""
     bytes: int | None = None
     locked_until: datetime | None = None  # S3 Object Lock: not deletable before this
+    # on a tier that stores each content once: (size, CRC32C) of each file, what the copy's bytes
+    # are counted by (empty: the copy is counted by ``bytes``, an object of its own)
+    contents: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class CheckpointFacts:
 
     @property
     def durable(self) -> bool:
-        return any(self.complete(t) for t in TIERS if durability(t) >= 1)
+        return any(self.complete(t) for t in TIERS if t.durable)
 
     @property
     def verified(self) -> bool:
@@ -123,6 +122,7 @@ class ReplicaDecision:
     action: str  # keep | demote | retire
     reason: str
     attempt: str = ""
+    contents: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,11 +161,36 @@ class Plan:
 
 
 def stored_bytes(copies: Iterable[ReplicaFacts | ReplicaDecision]) -> int:
-    """The bytes these copies take where they are stored, each distinct stored copy counted once:
-    the one place that says what a tier holds (a store that shares files between checkpoints
-    changes what is distinct here, and nowhere else)."""
-    distinct = {(c.tier, c.url or c.replica_id): c.bytes or 0 for c in copies}
-    return sum(distinct.values())
+    """The bytes these copies take where they are stored: each distinct copy once, and on a tier
+    that stores each content once (copies with ``contents``) each content once, however many
+    checkpoints reference it."""
+    return _Held(copies).total
+
+
+class _Held:
+    """What a set of copies holds on their tiers, with references counted: dropping a copy frees
+    only the contents no other copy of the set still references."""
+
+    def __init__(self, copies: Iterable[ReplicaFacts | ReplicaDecision]) -> None:
+        self.refs: Counter[tuple] = Counter()
+        self.total = 0
+        for c in copies:
+            for key, size in self._units(c):
+                self.refs[key] += 1
+                self.total += size if self.refs[key] == 1 else 0
+
+    @staticmethod
+    def _units(c: ReplicaFacts | ReplicaDecision) -> list[tuple[tuple, int]]:
+        if c.contents:
+            return [((c.tier, "content", size, crc), size) for size, crc in set(c.contents)]
+        return [((c.tier, "copy", c.url or c.replica_id), c.bytes or 0)]
+
+    def drop(self, copies: Iterable[ReplicaFacts | ReplicaDecision]) -> None:
+        for c in copies:
+            for key, size in self._units(c):
+                if self.refs[key] > 0:
+                    self.refs[key] -= 1
+                    self.total -= size if self.refs[key] == 0 else 0
 
 
 Evictions = Mapping[int, Mapping[tuple[str, int], str]]  # tier -> (run, step) -> the budget's reason
@@ -197,17 +222,17 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
         for d in out.replicas:
             copies[(d.run, d.step)].append(d)
         for (t, node), kept in _kept(out, limits).items():
-            total, limit = stored_bytes(kept), limits[t]
+            held, limit = _Held(kept), limits[t]
             candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
                                  if d.reason == "retention off" and (t, d.run, d.step) not in tried})
             for _, run, step in candidates:
-                if total <= limit:
+                if held.total <= limit:
                     break
                 tried.add((t, run, step))
                 evicted[t][(run, step)] = f"over budget ({wanted[(t, node)]} of {limit} bytes)"
                 added = True
                 if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
-                    total -= stored_bytes(d for d in kept if (d.run, d.step) == (run, step))
+                    held.drop(d for d in kept if (d.run, d.step) == (run, step))
         if not added:
             break
         out = _plan_all(by_run, rules, now, evicted)
@@ -236,7 +261,7 @@ def _frees(c: CheckpointFacts, tier: int, why_kept: str, copies: Sequence[Replic
         return True
     if tier == 2 and rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones):
         return False
-    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and durability(d.tier) >= durability(tier)}
+    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and Tier(d.tier).as_durable_as(tier)}
     return {r.part for r in c.replicas if r.tier == tier} <= backed
 
 
@@ -313,18 +338,18 @@ def _plan_run(cks: Sequence[CheckpointFacts], rules: Rules, now: datetime, evict
                 mine = reasons + (lock if r.locked_until is not None and r.locked_until > now else [])
                 if mine:
                     r_out.append(_decide(c, r, KEEP, ", ".join(mine)))
-                elif t == 2 and archive:
+                elif t.object_store and archive:
                     # a milestone's archive stays while another tier keeps the checkpoint: demoted
                     # on the strength of Tier 1, it would be "not yet archived" there and uploaded
                     # again, round after round; once no tier keeps it, the checkpoint is retired
                     r_out.append(_decide(c, r, KEEP, "archive of a milestone another tier keeps"))
-                elif any(o is not r and o.part == r.part and o.tier != t and durability(o.tier) >= durability(t)
+                elif any(o is not r and o.part == r.part and o.tier != t and Tier(o.tier).as_durable_as(t)
                          for o in staying):
                     staying.discard(r)
                     why = evicted.get(t, {}).get((c.run, c.step), f"not kept on tier {t}")
                     r_out.append(_decide(c, r, DEMOTE, why))
                 else:
-                    r_out.append(_decide(c, r, KEEP, "last durable copy" if t else "not yet durable"))
+                    r_out.append(_decide(c, r, KEEP, "last durable copy" if t.durable else "not yet durable"))
     return c_out, r_out
 
 
@@ -372,12 +397,12 @@ def _tier_keeps(live: Sequence[CheckpointFacts], tier: int, rules: Rules, now: d
     else:
         _policy_keeps(held, policy, now, keeps)
     for c in held:
-        if tier == 0 and not c.durable:
+        if Tier(tier).node_local and not c.durable:
             keeps[c.step].append("not yet durable")
-        elif tier == 1 and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
+        elif Tier(tier).shared_fs and policy.keep_milestones and is_milestone(c.kind, c.step, c.tags, rules.milestones):
             # Tier 1 holds a milestone until Tier 2 has it (the archive reads Tier 1), or for good
             # as the archive; Tier 0 is scratch: its copy goes once the checkpoint is durable
-            if rules.tier2_on and not c.complete(2):
+            if rules.tier2_on and not c.complete(Tier.OBJECT):
                 keeps[c.step].append("milestone not yet archived")
             elif not rules.tier2_on:
                 keeps[c.step].append("milestone")
@@ -408,4 +433,5 @@ def _policy_keeps(held: Sequence[CheckpointFacts], policy: RetentionPolicy, now:
 
 def _decide(c: CheckpointFacts, r: ReplicaFacts, action: str, reason: str) -> ReplicaDecision:
     return ReplicaDecision(run=c.run, step=c.step, tier=r.tier, part=r.part, replica_id=r.replica_id, node=r.node,
-                           url=r.url, bytes=r.bytes, action=action, reason=reason, attempt=c.attempt)
+                           url=r.url, bytes=r.bytes, action=action, reason=reason, attempt=c.attempt,
+                           contents=r.contents)

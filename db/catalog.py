@@ -390,7 +390,7 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         one wins. A replica already ``pruning`` under a live lease: ``StaleState``. One whose
         lease lapsed is taken over (``took_over``, audited) with the guard's current verdict in
         ``refused``. Only the owner's token finishes (``pruned``) or abandons the prune.
-        ("Tier >= this one" is by durability class, ``db.rows.durability``: Tiers 1 and 2 both
+        ("Tier >= this one" is by durability class, ``core.tiers.Tier.durability``: Tiers 1 and 2 both
         survive node loss and stand in for each other; Tier 0 never protects a higher tier.)
         ``token``: as for ``claim_copy``; a prune under this very token (its caller's answer was
         lost) is given back as a takeover is (``took_over`` and ``reclaimed``, the guard's verdict
@@ -618,13 +618,14 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
             return _q.under_replicated(conn, durable_tier=durable_tier, min_copies=min_copies, run_id=run_id,
                                        limit=limit)
 
-    def retention_facts(self, *, run: str | None = None, node: str | None = None) -> list[CheckpointFacts]:
+    def retention_facts(self, *, run: str | None = None, node: str | None = None,
+                        contents: bool = False) -> list[CheckpointFacts]:
         """(7) What ``core.retention.plan`` decides from: every committed or retired checkpoint
         with a verified replica (of ``run``; with ``node``, of the runs with a Tier 0 replica on
         that node), each with its verified replicas, pins, aliases and lineage children."""
         with self._tx(write=False) as conn:
             run_ids = [run_row(conn, run).id] if run is not None else None
-            return _ret.facts(conn, run_ids=run_ids, node=node)
+            return _ret.facts(conn, run_ids=run_ids, node=node, contents=contents)
 
     def retire(self, run: str, step: int, *, reason: str, actor: str, keep_parents: bool = True,
                attempt: str | None = None) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from core.tiers import Tier
+
 # Replica states and the legal moves between them (enforced in db/, not by callers).
 PENDING, COPYING, VERIFIED, PRUNING, PRUNED, CORRUPT, MISSING = (
     "pending", "copying", "verified", "pruning", "pruned", "corrupt", "missing",
@@ -30,7 +32,7 @@ CKPT_RETIRED = "retired"
 # default restore, and retired by retention once the newer attempt has a durable checkpoint.
 CKPT_SUPERSEDED = "superseded"
 
-TIER_NAMES = {0: "nvme", 1: "pfs", 2: "object"}
+TIER_NAMES: dict[int, str] = {t: t.short for t in Tier}
 
 
 @dataclass(frozen=True)

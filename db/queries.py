@@ -17,6 +17,7 @@ from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.engine import Connection, Row
 
 from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
+from core.tiers import Tier
 from db.entities import (
     CKPT_COMMITTED,
     COPYING,
@@ -85,7 +86,7 @@ def _has_tier(tiers: Iterable[int]) -> ColumnElement[bool]:
 # --- (1) newest verified ------------------------------------------------------------------
 def newest_verified(conn: Connection, run: str, *, tier: int | None, follow_resumed: bool,
                     durable_only: bool) -> CheckpointInfo | None:
-    tiers = [tier] if tier is not None else [t for t in ALL_TIERS if not durable_only or t >= 1]
+    tiers = [tier] if tier is not None else [t for t in ALL_TIERS if not durable_only or t.durable]
     name, max_step, seen = run, None, set()
     while name is not None and name not in seen:
         seen.add(name)
@@ -216,11 +217,13 @@ def _contents(tier: int, states: Sequence[str]) -> Select:
             .where(replicas.c.tier == tier, replicas.c.state.in_(states)))
 
 
-def stored_bytes(conn: Connection, tier: int, *, shared: bool) -> int:
-    """The data bytes ``tier`` holds: every file of a replica that has bytes there (copying,
-    verified, pruning, corrupt); with ``shared`` each content (size, CRC32C: the content
-    store's key) once, however many checkpoints link it."""
+def stored_bytes(conn: Connection, tier: int, *, shared: bool, run_id: int | None = None) -> int:
+    """The data bytes ``tier`` holds (of ``run_id``'s checkpoints alone when given): every file
+    of a replica that has bytes there (copying, verified, pruning, corrupt); with ``shared`` each
+    content (size, CRC32C: the content store's key) once, however many checkpoints link it."""
     held = _contents(tier, [COPYING, VERIFIED, PRUNING, CORRUPT])
+    if run_id is not None:
+        held = held.where(files.c.checkpoint_id.in_(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id)))
     if shared:
         held = held.distinct()
     rows = held.subquery()
@@ -240,7 +243,7 @@ def unpromoted(conn: Connection, *, now: datetime, older_than_seconds: float, ru
     verified once (pruning/pruned: retention took it, it was promoted), or is being copied under
     a live lease."""
     promoted = (select(func.count()).select_from(replicas)
-                .where(replicas.c.checkpoint_id == checkpoints.c.id, replicas.c.tier == 1,
+                .where(replicas.c.checkpoint_id == checkpoints.c.id, replicas.c.tier == Tier.SHARED,
                        or_(replicas.c.state.in_([VERIFIED, PRUNING, PRUNED]),
                            and_(replicas.c.state == COPYING, replicas.c.lease_expires_at > now)))
                 .scalar_subquery())
@@ -280,7 +283,7 @@ def promotion_status(conn: Connection, pairs: Sequence[tuple[str, int, str]], *,
         promoted: dict[int, int] = defaultdict(int)
         for cid, part, state, lease in conn.execute(
                 select(replicas.c.checkpoint_id, replicas.c.part, replicas.c.state, replicas.c.lease_expires_at)
-                .where(replicas.c.checkpoint_id.in_(ids), replicas.c.tier == 1)):
+                .where(replicas.c.checkpoint_id.in_(ids), replicas.c.tier == Tier.SHARED)):
             tier1[cid][part] = state
             promoted[cid] += state in (VERIFIED, PRUNING, PRUNED) or (state == COPYING and lease is not None
                                                                        and lease > now)
@@ -320,7 +323,7 @@ def milestone_backlog(conn: Connection, policy: MilestonePolicy) -> list[Checkpo
     checkpoints not yet archived, whatever the catalog holds. The every-K-steps rule marks
     nothing (it is the policy's, not the checkpoint's): with it set, its term still tests every
     checkpoint complete on Tier 1 and not on Tier 2 (bounded in practice by Tier 1 retention)."""
-    masks = _masks(lambda m: m & tier_bit(1) and not m & tier_bit(2))
+    masks = _masks(lambda m: m & tier_bit(Tier.SHARED) and not m & tier_bit(Tier.OBJECT))
     wanted = [m for m in range(1, (MARK_TAGGED | MARK_EPOCH) + 1) if m & marks_wanted(policy)]
     terms: list[ColumnElement[bool]] = []
     if wanted:

@@ -18,6 +18,8 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import IllegalTransition, PruneRefused
 from core.retention import CheckpointFacts, ReplicaFacts
+from core.storage.content import SHARED_TIERS
+from core.tiers import DURABLE_TIERS, Tier
 from db.entities import CKPT_COMMITTED, CKPT_RETIRED as RETIRED, CKPT_SUPERSEDED, VERIFIED
 from db.queries import _filter_only, _masks, newest_verified_steps
 from db.rows import (
@@ -25,6 +27,7 @@ from db.rows import (
     aliases,
     checkpoint_row,
     checkpoints,
+    files,
     lineage,
     pins,
     replica_select,
@@ -34,26 +37,29 @@ from db.rows import (
 )
 
 CHUNK = 500
-DURABLE_BITS = tier_bit(1) | tier_bit(2)
+DURABLE_BITS = sum(tier_bit(t) for t in DURABLE_TIERS)
 
 
-def facts(conn: Connection, *, run_ids: Sequence[int] | None, node: str | None = None) -> list[CheckpointFacts]:
+def facts(conn: Connection, *, run_ids: Sequence[int] | None, node: str | None = None,
+          contents: bool = False) -> list[CheckpointFacts]:
     """Every committed or retired checkpoint with a verified replica, of ``run_ids`` (None: of
-    every run holding one; with ``node``: of the runs with a Tier 0 replica on that node)."""
+    every run holding one; with ``node``: of the runs with a Tier 0 replica on that node). With
+    ``contents`` (a budget on a tier that stores each content once counts by them), each copy on
+    such a tier carries its files' (size, CRC32C): one more query per 500 checkpoints."""
     if run_ids is None:
         stmt = (select(checkpoints.c.run_id).distinct()
                 .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
                 .where(replicas.c.state == VERIFIED))
         if node is not None:
-            stmt = stmt.where(replicas.c.tier == 0, replicas.c.node == node)
+            stmt = stmt.where(replicas.c.tier == Tier.NODE, replicas.c.node == node)
         run_ids = sorted(conn.execute(stmt).scalars())
     out: list[CheckpointFacts] = []
     for i in range(0, len(run_ids), CHUNK):
-        out += _facts_of_runs(conn, run_ids[i:i + CHUNK])
+        out += _facts_of_runs(conn, run_ids[i:i + CHUNK], contents=contents)
     return out
 
 
-def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointFacts]:
+def _facts_of_runs(conn: Connection, run_ids: Sequence[int], *, contents: bool) -> list[CheckpointFacts]:
     stmt = (replica_select()
             .add_columns(checkpoints.c.kind, checkpoints.c.metrics, checkpoints.c.tags, checkpoints.c.parts,
                          checkpoints.c.created_at.label("ckpt_created_at"),
@@ -71,6 +77,7 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
     pinned: set[int] = set()
     named: dict[int, list[str]] = defaultdict(list)
     children: dict[int, set[str]] = defaultdict(set)
+    held: dict[tuple[int, int], list[tuple[int, str]]] = defaultdict(list)
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
         pinned |= set(conn.execute(select(pins.c.checkpoint_id).where(pins.c.checkpoint_id.in_(chunk))).scalars())
@@ -79,6 +86,10 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
             named[cid].append(name)
         for cid, run in lineage_children(conn, chunk):
             children[cid].add(run)
+        if contents:
+            for cid, part, size, crc in conn.execute(select(files.c.checkpoint_id, files.c.part, files.c.size,
+                                                            files.c.checksum).where(files.c.checkpoint_id.in_(chunk))):
+                held[(cid, part)].append((size, crc))
     out = []
     for cid, rs in by_ckpt.items():
         r0 = rs[0]
@@ -88,7 +99,8 @@ def _facts_of_runs(conn: Connection, run_ids: Sequence[int]) -> list[CheckpointF
             state=r0.ckpt_state, attempt=r0.attempt, superseded_by=r0.superseded_by, pinned=cid in pinned,
             aliases=tuple(named[cid]), children=tuple(sorted(children[cid])),
             replicas=tuple(ReplicaFacts(replica_id=r.id, tier=r.tier, part=r.part, node=r.node, url=r.url,
-                                        bytes=r.bytes) for r in rs)))
+                                        bytes=r.bytes, contents=tuple(sorted(held.get((cid, r.part), ())))
+                                        if r.tier in SHARED_TIERS else ()) for r in rs)))
     return out
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Connection, Row
 
 from core.errors import NotFound, UnknownRun
 from core.layout import check_ref
+from core.tiers import ALL_TIERS
 from db.entities import AuditEntry, CheckpointInfo, DrillResult, FileInfo, ReplicaInfo, RunInfo
 from db.models import (
     Alias,
@@ -49,15 +50,7 @@ rejections = Rejection.__table__
 cursors = SweepCursor.__table__
 tier_roots = TierRoot.__table__
 
-ALL_TIERS = (0, 1, 2)
-
-
-def durability(tier: int) -> int:
-    """Durability class of a tier for the prune guard: Tier 0 is node-local (lost with its
-    node); Tiers 1 and 2 are shared and survive the loss of any node, so either may stand in
-    for the other. A copy may be pruned only while a verified copy of equal or higher class
-    exists on another tier."""
-    return 0 if tier == 0 else 1
+__all__ = ["ALL_TIERS"]  # the catalog's tier numbers are core.tiers.Tier's
 
 
 def tier_bit(tier: int) -> int:

@@ -17,15 +17,14 @@ from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import BadInput, IllegalTransition, PruneRefused, StaleState
+from core.tiers import Tier
 from db.entities import CKPT_RETIRED, COPYING, MISSING, PENDING, PRUNING, TRANSITIONS, VERIFIED, Claim, PruneClaim
 from db.queries import newest_verified_steps
 from db.rows import (
-    ALL_TIERS,
     add_audit,
     aliases,
     checkpoint_row_by_id,
     checkpoints,
-    durability,
     insert_ignore,
     pins,
     replica_row,
@@ -37,9 +36,10 @@ from db.rows import (
 
 
 def check_tier(tier: int) -> int:
-    if tier not in ALL_TIERS:
-        raise BadInput(f"unknown tier {tier!r}; expected one of {ALL_TIERS}")
-    return tier
+    try:
+        return Tier(tier)
+    except ValueError:
+        raise BadInput(f"unknown tier {tier!r}; expected one of {[int(t) for t in Tier]}") from None
 
 
 def refresh_verified_tiers(conn: Connection, checkpoint_id: int, parts: int) -> None:
@@ -230,7 +230,7 @@ def prune_refusal(conn: Connection, ckpt: Row, rep: Row, same_part: Sequence[Row
     if newest_verified_steps(conn, [ckpt.run_id]).get(ckpt.run_id) == ckpt.step:
         return f"checkpoint {name} is the newest verified checkpoint of its run"
     others = [r for r in same_part if r.id != rep.id and r.state == VERIFIED
-              and durability(r.tier) >= durability(rep.tier)]
+              and Tier(r.tier).as_durable_as(rep.tier)]
     if not others:
         return (f"checkpoint {name} part {rep.part}: no other verified copy on a tier at least "
                 f"as durable as tier {rep.tier}")

@@ -1,9 +1,9 @@
 """What each tier holds and how its hops were timed: the ``Catalog`` methods behind ``ckpt
 tiers`` and the storage section of a run's status page (mixed into ``db.catalog.Catalog``).
 
-``stored_bytes`` is the one place that says how many bytes a tier stores: today every verified
-replica is an object of its own, so stored equals logical; a tier that stores an object once
-for several checkpoints changes that function alone.
+``stored_bytes`` says how many bytes a tier stores: on Tier 1 and Tier 2 a content the tier
+already holds is stored once for every checkpoint that references it, so stored bytes may be
+less than logical ones.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from sqlalchemy import ColumnElement, and_, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.selectable import Join
 
+from core.storage.content import SHARED_TIERS
+from db import queries as _q
 from db.clock import catalog_now as _now
 from db.entities import VERIFIED, HopTiming, TierHolding
 from db.rows import checkpoints, drills, parts, replicas, run_row
@@ -23,13 +25,10 @@ HOP_LIMIT = 10_000  # the newest hops per tier and direction one read returns (a
 
 
 def stored_bytes(conn: Connection, run_id: int | None) -> dict[int, int]:
-    """tier -> bytes stored there: the sum over the distinct stored objects of the verified
-    replicas (of ``run_id`` alone when given). Each replica is its own object today."""
-    stmt = (select(replicas.c.tier, func.coalesce(func.sum(func.coalesce(replicas.c.bytes, parts.c.bytes)), 0))
-            .select_from(_held(run_id)).where(replicas.c.state == VERIFIED).group_by(replicas.c.tier))
-    if run_id is not None:
-        stmt = stmt.where(checkpoints.c.run_id == run_id)
-    return {tier: int(n) for tier, n in conn.execute(stmt)}
+    """tier -> bytes stored there (of ``run_id``'s checkpoints alone when given): on a tier that
+    shares content (``core.storage.content.SHARED_TIERS``) each content once, however many
+    checkpoints link it (``db.queries.stored_bytes``, what a budget counts too)."""
+    return {tier: _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS, run_id=run_id) for tier in (0, 1, 2)}
 
 
 def _held(run_id: int | None) -> Join:

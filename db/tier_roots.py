@@ -7,6 +7,7 @@ from __future__ import annotations
 from sqlalchemy import select, update
 from sqlalchemy.engine import Row
 
+from core.tiers import Tier
 from db.clock import catalog_now as _now
 from db.entities import TierRootInfo
 from db.rows import add_audit, insert_ignore, tier_roots
@@ -17,7 +18,7 @@ SHARED = ""  # the node of a shared tier's root
 
 def root_node(tier: int, node: str) -> str:
     """The node a tier root is recorded under: ``node`` for Tier 0, '' for the shared tiers."""
-    return node if tier == 0 else SHARED
+    return node if Tier(tier).node_local else SHARED
 
 
 class TierRoots(CatalogPart):

@@ -51,6 +51,7 @@ from prefect import flow
 from core.errors import CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
 from core.events import announcing
 from core.settings import Settings, load_settings
+from core.tiers import readable_from
 from core.transfer import find_committed
 from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
@@ -150,7 +151,7 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
             report.recovered.append(f"{replica_item(rep)}: stalled copy -> {state}")
     for rep in [r for r in stuck if r.state == PRUNING]:
         item = replica_item(rep)
-        if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
+        if not readable_from(rep.tier, rep.node, settings.node) or not settings.tier_url(rep.tier):
             continue  # another node's NVMe: its own reconcile takes it over
         try:
             steps.prune(settings, rep.id, actor=actor, reason="stalled prune taken over by reconcile")
@@ -178,7 +179,7 @@ def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) 
     disk for good if it stayed ``missing``: retention prunes only verified copies), so it is
     read back against its manifest like any verify; ``missing`` when it cannot be read here
     (another node's NVMe: that node's reconcile re-checks it) or is not whole."""
-    if (rep.tier == 0 and rep.node not in (None, "", settings.node)) or not settings.tier_url(rep.tier):
+    if not readable_from(rep.tier, rep.node, settings.node) or not settings.tier_url(rep.tier):
         return "missing (re-checked by the node that holds it)"
     try:
         steps.verify(settings, rep.run, rep.step, rep.part, tier=rep.tier, node=rep.node or None, actor=actor)

@@ -27,13 +27,13 @@ from statistics import median
 from core import sizing
 from core.settings import Settings
 from core.tier_figures import fmt_bandwidth, fmt_latency, fmt_spread
+from core.tiers import ALL_TIERS, Tier
 from db.catalog import Catalog
 from db.entities import AuditEntry, DrillResult, LineageEdge
 from flows.artifacts import artifact_key, post_artifact
 from tasks.tier_matrix import TierRow, tier_rows
 
-TIERS = (0, 1, 2)
-TIER_NAMES = {0: "Tier 0 (node NVMe)", 1: "Tier 1 (shared FS)", 2: "Tier 2 (object store)"}
+TIERS = ALL_TIERS
 RECENT = 20  # checkpoints looked at for the time to durable
 STALL_WINDOW = 1000  # the newest saves with a recorded stall that the measured ΔMFU covers
 DRILLS = 6  # the newest recovery drills shown
@@ -149,7 +149,7 @@ def status_markdown(s: RunStatus) -> str:
         out += [f"_{s.checkpoints} checkpoint(s); updated {_when(s.generated_at)} UTC after a promotion._", ""]
     out += at_a_glance(s)
     out += ["## Newest verified checkpoint per tier", "", "| tier | step | verified at |", "|---|---:|---|"]
-    out += [f"| {TIER_NAMES[n.tier]} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
+    out += [f"| {Tier(n.tier).display} | {n.step if n.step is not None else '—'} | {_when(n.verified_at) or '—'} |"
             for n in s.newest]
     if s.metrics:
         out += ["", f"Metrics of the newest checkpoint (step {s.newest_step}): {sizing.fmt_metrics(s.metrics)}"]
@@ -191,7 +191,7 @@ def storage_lines(rows: list[TierRow]) -> list[str]:
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         dedup = f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—"
-        out.append(f"| {TIER_NAMES[r.tier]} | {r.checkpoints} | {sizing.fmt_bytes(r.logical_bytes)} | "
+        out.append(f"| {Tier(r.tier).display} | {r.checkpoints} | {sizing.fmt_bytes(r.logical_bytes)} | "
                    f"{sizing.fmt_bytes(r.stored_bytes)} | {dedup} | {fmt_spread(r.write, fmt_bandwidth)} | "
                    f"{fmt_spread(r.read, fmt_bandwidth)} | {fmt_spread(r.first_byte, fmt_latency)} | "
                    f"{r.monthly_cost:,.2f} |")
@@ -215,7 +215,7 @@ def at_a_glance(s: RunStatus) -> list[str]:
     out += ["", "### Bytes per tier (verified copies)", "", "| tier | checkpoints | bytes |", "|---|---:|---:|"]
     for tier in TIERS:
         n, size = s.tier_bytes.get(tier, (0, 0))
-        out.append(f"| {TIER_NAMES[tier]} | {n} | {sizing.fmt_bytes(size)} |")
+        out.append(f"| {Tier(tier).display} | {n} | {sizing.fmt_bytes(size)} |")
     return [*out, ""]
 
 

@@ -25,6 +25,7 @@ from core.progress import uninterrupted
 from core.settings import Settings
 from core.storage import open_store
 from core.storage.base import TierStore
+from core.tiers import Tier
 from core.transfer import WorkerPriority
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, PRUNED, ReplicaInfo
@@ -204,7 +205,7 @@ def live_beside(rows: Iterable[ReplicaInfo], part: int, tier: int) -> set[int]:
     rows = list(rows)
     node = next((r.node or None for r in rows if r.part == part), None)
     return {r.part for r in rows if r.part != part and r.state not in (PRUNED, CORRUPT, MISSING)
-            and (tier != 0 or (r.node or None) == node)}
+            and (not Tier(tier).node_local or (r.node or None) == node)}
 
 
 def brought_in(cat: Catalog, checkpoint_id: int, part: int, tier: int) -> list[str]:

@@ -19,9 +19,11 @@ reads Tier 0 back alone, so the Tier 0 record ends as before.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 from core import events, formats, transfer
 from core.errors import CopyInProgress, CorruptCheckpoint, NotFound, PathEscape
@@ -31,11 +33,13 @@ from core.progress import reporter, uninterrupted
 from core.settings import Settings
 from core.space import Reading, free_bytes, headroom
 from core.storage.base import TierStore
+from core.tiers import Tier
 from core.transfer import SourceMismatch
 from db.catalog import Catalog
 from db.entities import COPYING, CORRUPT, MISSING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import (
     HopResult,
+    catalog_manifest,
     copy_priority,
     delete_part,
     fenced_delete,
@@ -50,11 +54,28 @@ from tasks.claim import ClaimedCopy
 from tasks.verify import part_replica, record_bad
 
 
+class Landing(Protocol):
+    """Where a claimed copy lands before it is published whole: ``key``, the prefix the files
+    are copied under; ``publish`` puts the complete part in place (run under the claim, after
+    the copy read every file back). Leaving the context removes what did not get published."""
+
+    key: str
+
+    def publish(self, manifest: Manifest) -> None: ...
+
+
+# (catalog, destination store, checkpoint, part, the held claim) -> the landing of this copy
+Stager = Callable[[Catalog, TierStore, CheckpointInfo, int, ClaimedCopy], AbstractContextManager[Landing]]
+
+
 def copy_between_tiers(settings: Settings, run: str, step: int, part: int = 0, *,
-                       src_tier: int, dst_tier: int, node: str | None = None, actor: str = "cli") -> HopResult:
-    """Copy a registered part from ``src_tier`` to ``dst_tier`` and record it ``verified``."""
+                       src_tier: int, dst_tier: int, node: str | None = None, actor: str = "cli",
+                       attempt: str | None = None, stage: Stager | None = None) -> HopResult:
+    """Copy a registered part from ``src_tier`` to ``dst_tier`` and record it ``verified``.
+    ``stage``: land the part in a stage and publish it whole (a resume's fetch into a folder
+    tier, ``tasks.resume.stages``) rather than file by file under the checkpoint's prefix."""
     return _claimed_copy(settings, run, step, part, src_tier=src_tier, dst_tier=dst_tier,
-                         node=node or settings.node, actor=actor)[-1]
+                         node=node or settings.node, actor=actor, attempt=attempt, stage=stage)[-1]
 
 
 def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, manifest: Manifest,
@@ -81,24 +102,27 @@ def clear_prior(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, man
 
 
 def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tier: int, dst_tier: int,
-                  node: str, actor: str, check_source: bool = False, attempt: str | None = None) -> list[HopResult]:
+                  node: str, actor: str, check_source: bool = False, attempt: str | None = None,
+                  stage: Stager | None = None) -> list[HopResult]:
     """The copy under the destination's claim; with ``check_source`` (Tier 0 -> 1 only) also
     the verify of the Tier 0 source, from the same read (``promote_part``)."""
     hop = f"tier {src_tier} -> tier {dst_tier}"
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, src_tier) as src, \
-            open_tier(settings, dst_tier) as dst:
+            open_tier(settings, dst_tier) as dst, ThreadPoolExecutor(1, thread_name_prefix="manifest") as side:
         ck = cat.get_checkpoint(run, step, attempt)
         prefix = checkpoint_prefix(run, step, ck.attempt)
         url = dst.url_for(prefix)
         source_side = _Tier0Source(cat, ck, src, part, node, actor, settings) if check_source else nullcontext()
         with source_side as source:
-            manifest = source.manifest() if source is not None else \
-                registered_manifest(cat, src, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
+            manifest, found = (source.manifest(), None) if source is not None else \
+                _source_manifest(cat, src, ck, part, side)
             prior = part_replica(cat, ck.id, dst_tier, part, None)
-            held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url, node=node if dst_tier == 0 else None,
-                                         actor=actor, lease_s=settings.claim_lease_seconds,
-                                         stall_s=settings.copy_stall_seconds)
+            held, rep = ClaimedCopy.take(cat, ck.id, dst_tier, part, url,
+                                         node=node if Tier(dst_tier).node_local else None, actor=actor,
+                                         lease_s=settings.claim_lease_seconds, stall_s=settings.copy_stall_seconds)
             if held is None:
+                if found is not None:
+                    found.cancel()
                 if source is not None:  # no copy to read it: Tier 0 is checked alone
                     source.verify_alone(settings)
                 if rep.state == VERIFIED:
@@ -113,11 +137,16 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                 if source is not None:
                     source.copying()
                 try:
-                    report = transfer.copy_part(src, prefix, dst, prefix, manifest,
-                                                parallelism=settings.copy_parallelism,
-                                                progress=held.progress(shown), check_source=check_source,
-                                                buffer_bytes=settings.io_buffer_bytes,
-                                                priority=copy_priority(settings))
+                    with stage(cat, dst, ck, part, held) if stage is not None else nullcontext() as landing:
+                        report = transfer.copy_part(src, prefix, dst, prefix if landing is None else landing.key,
+                                                    manifest, parallelism=settings.copy_parallelism,
+                                                    progress=held.progress(shown), check_source=check_source,
+                                                    buffer_bytes=settings.io_buffer_bytes,
+                                                    priority=copy_priority(settings),
+                                                    confirm=None if found is None else found.result)
+                        if landing is not None:
+                            held.check()  # a claim lost meanwhile (taken over after a stall) publishes nothing
+                            landing.publish(manifest)
                 except SourceMismatch as exc:  # nothing of a bad source stays on Tier 1
                     _retract(cat, dst, run, step, part, exc.published, held=held, actor=actor, attempt=ck.attempt,
                              reason=f"its tier {src_tier} source {exc.path} does not match the manifest")
@@ -128,13 +157,27 @@ def _claimed_copy(settings: Settings, run: str, step: int, part: int, *, src_tie
                               first_byte_seconds=report.first_byte_seconds,
                               reason=f"copied from tier {src_tier} and read back")
             watch_headroom(settings, dst, dst_tier, prefix, ck, part=part, node=node)
-    event = events.PROMOTED if dst_tier == 1 else events.VERIFIED
+    event = events.PROMOTED if Tier(dst_tier).shared_fs else events.VERIFIED
     events.announce(event, run, step, part=part, parts=ck.parts, node=node, extra_id=f"tier{dst_tier}",
                     payload={"tier": dst_tier, "bytes": report.bytes, "seconds": round(report.seconds, 3),
                              "url": url})
     copied = HopResult(hop=hop, run=run, step=step, part=part, files=report.files, bytes=report.bytes,
                        seconds=report.seconds, skipped=False)
     return [copied] if source is None else [source.hop(), copied]
+
+
+def _source_manifest(cat: Catalog, src: TierStore, ck: CheckpointInfo, part: int,
+                     side: ThreadPoolExecutor) -> tuple[Manifest, Future[Manifest] | None]:
+    """The manifest to copy by and, while it is still being read, the source's own to commit.
+    From a store read in place: the source's manifest, proven against the catalog, before a
+    byte moves. From an object store, where every request waits for its first byte: the
+    catalog's file list now and the source's manifest read while the files stream
+    (``copy_part(confirm=...)``), one round trip less before the first byte."""
+    prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
+    if src.in_place(prefix) is not None:
+        return registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt), None
+    found = side.submit(registered_manifest, cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
+    return catalog_manifest(cat, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt), found
 
 
 class _Tier0Source:

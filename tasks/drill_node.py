@@ -34,12 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# light at import (no catalog, no Prefect): benchmarks/cluster_restore.py's node processes import it
-# before they prepare; the pipeline modules are imported where they are used, and first in warm_up
 from core.errors import CkptError, CorruptCheckpoint, NotFound
 from core.layout import checkpoint_prefix
 from core.load_check import ManifestFile, framework, load_and_check
 from core.settings import Settings
+
+# light at import (no catalog, no Prefect): benchmarks/cluster_restore.py's node processes import it
+# before they prepare; the pipeline modules are imported where they are used, and first in warm_up
+from core.tiers import Tier
 from db.entities import VERIFIED
 
 
@@ -61,8 +63,8 @@ def drill_settings(settings: Settings, tier: int, part: int) -> Settings:
     """The settings of a cold node that may read ``tier`` only."""
     return settings.model_copy(update={
         "tier0_url": None, "node": f"{settings.node}-drill-{part}",
-        "tier1_url": settings.tier1_url if tier == 1 else None,
-        "tier2_url": settings.tier2_url if tier == 2 else None})
+        "tier1_url": settings.tier1_url if tier == Tier.SHARED else None,
+        "tier2_url": settings.tier2_url if tier == Tier.OBJECT else None})
 
 
 def drill_node(settings: Settings, run: str, step: int, part: int, parts: int, tier: int, dest: Path,
@@ -85,7 +87,7 @@ def _resume_and_load(cold: Settings, run: str, step: int, part: int, parts: int,
     from tasks.resume import IN_PLACE, resume  # deferred: start-up (keeps this module light: see warm_up)
 
     with TierStores(cold) as stores:
-        mounted = tier == 1 and stores.get(1).local_path(checkpoint_prefix(run, step)) is not None
+        mounted = Tier(tier).shared_fs and stores.get(tier).in_place(checkpoint_prefix(run, step)) is not None
     point = resume(cold, run, part=part, parts=parts, to=None if mounted else dest, actor=actor)
     if point is None or point.step != step:
         got = "no checkpoint" if point is None else f"step {point.step}"
@@ -169,7 +171,7 @@ def drain(settings: Settings, tier: int, objects: Mapping[str, int], *, streams:
 
     with TierStores(settings) as stores:
         store = stores.get(tier)
-        local = bool(objects) and store.local_path(next(iter(objects)).rpartition("/")[0]) is not None
+        local = bool(objects) and store.in_place(next(iter(objects)).rpartition("/")[0]) is not None
         width = streams or fetch_streams(settings, local)
         null = os.open(os.devnull, os.O_WRONLY)
         try:

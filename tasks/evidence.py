@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from core.errors import CorruptCheckpoint, NotFound
 from core.layout import checkpoint_prefix, part_key
 from core.storage.base import TierStore
+from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING
 from tasks.base import registered_manifest
@@ -52,7 +53,7 @@ def check_part(cat: Catalog, store: TierStore, checkpoint_id: int, run: str, ste
             return Finding(MISSING, f"{f.path} vanished")
         if got.size != f.size:
             return Finding(CORRUPT, f"{f.path} has {got.size} bytes, expected {f.size}")
-        if read_back or store.tier == 2:
+        if read_back or Tier(store.tier).object_store:
             # the stored bytes' checksum as the store proves it: read back on a file system; on
             # object storage HeadObject where the endpoint validates checksums, else a read-back
             try:

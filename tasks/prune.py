@@ -29,8 +29,8 @@ from core import events
 from core.errors import CkptError, ConfigError, IllegalTransition, ObjectLocked, PruneRefused, StaleState
 from core.layout import checkpoint_prefix, part_key
 from core.settings import Settings
+from core.tiers import Tier, readable_from
 from db.entities import CKPT_RETIRED, PRUNED, PRUNING, VERIFIED, CheckpointInfo, PruneClaim, ReplicaInfo
-from db.rows import durability
 from tasks.base import delete_part, log, open_catalog, open_tier
 from tasks.claim import Lease, claim_token, prune_key, unrecorded
 from tasks.evidence import check_part
@@ -62,7 +62,7 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
     Object Lock still refuse)."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
-        if rep.tier == 0 and rep.node and rep.node != settings.node:
+        if not readable_from(rep.tier, rep.node, settings.node):
             raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
         try:
             with claim_token(*prune_key(cat, replica_id)) as token:
@@ -166,7 +166,7 @@ def justification_refused(settings: Settings, cat: Catalog, ck: CheckpointInfo, 
     (a tier at least as durable), until one holds up; a copy found wanting is marked
     ``missing``/``corrupt`` (audited). The reason to refuse, or None when one holds up."""
     others = sorted((r for r in cat.replicas(ck.id) if r.part == rep.part and r.id != rep.id
-                     and r.state == VERIFIED and durability(r.tier) >= durability(rep.tier)),
+                     and r.state == VERIFIED and Tier(r.tier).as_durable_as(rep.tier)),
                     key=lambda r: r.tier)
     # a stat check (sizes only) is trusted only while another durable-enough copy would remain
     # beside the one it checked; a prune that would leave one verified copy reads it back in full

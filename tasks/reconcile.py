@@ -16,7 +16,7 @@ from core.paths import safe_run_name
 from core.settings import Settings
 from core.sizing import fmt_bytes
 from core.storage.base import TierStore
-from core.storage.local import LocalStore
+from core.tiers import Tier
 from core.transfer import find_committed
 from db.catalog import Catalog
 from db.entities import (
@@ -195,7 +195,7 @@ def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int, str], r
     if part not in ck.registered:
         return True  # this part was never registered
     state = ck.tier1.get(part)
-    if tier == 1:
+    if Tier(tier).shared_fs:
         return state is None
     if state in (MISSING, CORRUPT):
         return True  # a broken Tier 1 copy: copy it again from here
@@ -219,7 +219,7 @@ def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int, s
 def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str) -> None:
     """Verified replicas whose manifest or any file is gone from their tier become ``missing``."""
     with ExitStack() as stack:
-        stores = {t: stack.enter_context(open_tier(settings, t)) for t in (0, 1, 2) if settings.tier_url(t)}
+        stores: dict[int, Any] = {t: stack.enter_context(open_tier(settings, t)) for t in Tier if settings.tier_url(t)}
         _mark_missing(settings, stores, report, actor=actor)
 
 
@@ -232,9 +232,9 @@ def _mark_missing(settings: Settings, stores: dict[int, Any], report: ReconcileR
     limit = settings.reconcile_check_limit
     with open_catalog(settings.catalog_url) as cat:
         for tier, store in stores.items():
-            cursor = f"reconcile-vanished:tier{tier}" + (f":{settings.node}" if tier == 0 else "")
+            cursor = f"reconcile-vanished:tier{tier}" + (f":{settings.node}" if Tier(tier).node_local else "")
             page = cat.verified_page(tier, after_id=cat.sweep_cursor(cursor), limit=limit,
-                                     node=settings.node if tier == 0 else None)
+                                     node=settings.node if Tier(tier).node_local else None)
             for copy in page:
                 rep = copy.replica
                 each(report, f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}",
@@ -275,9 +275,10 @@ def sweep_writer_staging(settings: Settings, report: ReconcileReport, *, actor: 
     or fetch killed midway): without this, a save killed before its publish holds that room
     until a person finds it. Live writers' are left alone (``core.space.writer_stagings``)."""
     with open_tier(settings, 0) as tier0:
-        if not isinstance(tier0, LocalStore):
+        root = tier0.in_place()
+        if root is None:  # writers stage only in a folder
             return
-        removed = each(report, "tier 0 staging", lambda: sweep_dead_staging(settings, tier0.root, actor=actor))
+        removed = each(report, "tier 0 staging", lambda: sweep_dead_staging(settings, root, actor=actor))
     if removed:
         report.recovered.append(f"tier 0: {len(removed)} staging folder(s) of dead writers "
                                 f"({fmt_bytes(sum(st.bytes for st in removed))}) removed")

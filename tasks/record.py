@@ -7,6 +7,7 @@ from core.errors import CorruptCheckpoint
 from core.formats import check_union_complete
 from core.layout import checkpoint_prefix
 from core.settings import Settings
+from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, VERIFIED, CheckpointInfo
 from tasks.base import open_catalog, open_tier, read_part_manifest
@@ -19,7 +20,7 @@ def mark_complete(settings: Settings, run: str, step: int, tier: int, *, actor: 
     verified there. N part promotions thus start the checkpoint-level work once."""
     with open_catalog(settings.catalog_url) as cat:
         ck = cat.get_checkpoint(run, step, attempt)
-        if ck.parts > 1 and tier == 1 and _all_parts_verified(cat, ck.id, ck.parts, tier):
+        if ck.parts > 1 and Tier(tier).shared_fs and _all_parts_verified(cat, ck.id, ck.parts, tier):
             _check_parts_add_up(settings, cat, ck, tier, actor=actor)
         return cat.complete_on_tier(ck.id, tier, actor=actor)
 

@@ -21,6 +21,7 @@ from core.errors import BadInput, CorruptCheckpoint, NotFound, StaleState
 from core.settings import Settings
 from core.storage import open_store
 from core.storage.base import TierStore
+from core.tiers import readable_from
 from db.catalog import Catalog
 from db.entities import CORRUPT, MISSING, VERIFIED, ReplicaInfo
 from tasks.base import tier_store
@@ -43,17 +44,18 @@ class TierStores:
             self._open[tier] = tier_store(self.settings, tier)
         return self._open[tier]
 
-    def local_path(self, tier: int, key: str) -> Path | None:
-        """Where ``key`` of ``tier`` lies on a folder of this machine (None when the tier is not
-        one), from its URL alone: a path is no verdict, so the tier is not proven (opened) for
-        it, and a tier that is unavailable never stops a resume that reads another."""
+    def in_place(self, tier: int, key: str) -> Path | None:
+        """Where a trainer here reads ``key`` of ``tier`` as it lies (``TierStore.in_place``;
+        None: it must be fetched), from the tier's URL alone: a path is no verdict, so the tier
+        is not proven (opened) for it, and a tier that is unavailable never stops a resume that
+        reads another."""
         if tier in self._open:
-            return self._open[tier].local_path(key)
+            return self._open[tier].in_place(key)
         url = self.settings.tier_url(tier)
         if not url:
             return None
         with open_store(url, tier, self.settings) as store:  # nothing read: the URL's shape
-            return store.local_path(key)
+            return store.in_place(key)
 
     def close(self) -> None:
         """Release what the stores hold (S3 transfer threads); they reopen on the next ``get``."""
@@ -73,7 +75,7 @@ def readable_here(replica: ReplicaInfo, settings: Settings) -> bool:
     it is on this node's NVMe."""
     if not settings.tier_url(replica.tier):
         return False
-    return replica.tier != 0 or replica.node in (None, "", settings.node)
+    return readable_from(replica.tier, replica.node, settings.node)
 
 
 def verified_sources(replicas: Iterable[ReplicaInfo], part: int, settings: Settings,

@@ -86,7 +86,7 @@ class RestoreReport:
                 f"({self.mb_per_s:.0f} MB/s)")
 
 
-class _PartFailed(Exception):
+class PartFailed(Exception):
     """No readable copy of a part was good; ``transient`` when some failure may pass."""
 
     def __init__(self, message: str, transient: bool):
@@ -113,7 +113,7 @@ def restore_checkpoint(settings: Settings, run: str, dest: str | os.PathLike, *,
             first_step = ck.step if first_step is None else first_step
             try:
                 tiers = _restore_one(cat, stores, ck, target, preference, progress, actor, bad, notes)
-            except _PartFailed as exc:
+            except PartFailed as exc:
                 if exc.transient:
                     raise StorageUnavailable(f"{run}/step-{ck.step}: {exc}; not falling back to an "
                                              "older checkpoint while a copy may only be unreachable") from None
@@ -190,21 +190,23 @@ def _fetch_parts(cat: Catalog, stores: TierStores, ck: CheckpointInfo, replicas:
     tiers = []
     for part in range(ck.parts):
         at = partial(_position, progress, sum(part_bytes[:part]), ck.total_bytes)
-        tiers.append(_fetch_part(cat, stores, ck, part, replicas, dst, dst_prefix, preference, at,
-                                 actor, bad, notes))
+        tiers.append(fetch_part(cat, stores, ck, part, replicas, dst, dst_prefix, preference, at,
+                                actor, bad, notes))
     return tiers
 
 
-def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
-                dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
-                bad: list[BadReplica], notes: list[str]) -> int:
-    """Copy one part from its nearest good replica; return the tier it came from."""
+def fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, replicas: list[ReplicaInfo],
+               dst: Any, dst_prefix: str, preference: Sequence[int], progress: Callable[[int, str], None], actor: str,
+               bad: list[BadReplica], notes: list[str]) -> int:
+    """Copy one part from its nearest good replica into ``dst`` under ``dst_prefix``; return the
+    tier it came from; ``PartFailed`` when no copy was good. Shared by restore and a resume's
+    fetch into a folder (``tasks.resume.folder``)."""
 
     settings = stores.settings
     sources = verified_sources(replicas, part, settings, preference)
     if not sources:
         states = ", ".join(f"tier {r.tier}: {r.state}" for r in replicas if r.part == part) or "none recorded"
-        raise _PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
+        raise PartFailed(f"part {part} has no verified copy readable here ({states})", transient=False)
     transient = False
     for rep in sources:
         label = f"step {ck.step} part {part} from tier {rep.tier}"
@@ -212,7 +214,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
         try:  # a tier whose root is unproven (``TierUnavailable``) is unreachable: the next copy is tried
             src = stores.get(rep.tier)
             prefix, report = checkpoint_prefix(ck.run, ck.step, ck.attempt), (lambda done: progress(done, label))
-            if src.local_path(prefix) is not None:  # a local folder: copy in the kernel
+            if src.in_place(prefix) is not None:  # a folder here: copy in the kernel
                 manifest = registered_manifest(cat, src, ck.id, ck.run, ck.step, part, ck.parts, attempt=ck.attempt)
                 fetch_local_part(src, prefix, dst, dst_prefix, manifest, parallelism=fetch_streams(settings, True),
                                  progress=report)
@@ -238,7 +240,7 @@ def _fetch_part(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int,
             bad.append(mark_bad(cat, rep, state, f"restore: {why}", actor=actor))
             notes.append(f"step {ck.step} part {part}: tier {rep.tier} copy is {state} ({why}); "
                          "marked in the catalog, trying the next copy")
-    raise _PartFailed(f"every copy of part {part} failed", transient=transient)
+    raise PartFailed(f"every copy of part {part} failed", transient=transient)
 
 
 def fetch_streams(settings: Settings, local: bool) -> int:

@@ -29,6 +29,8 @@ from core.errors import CkptError, PruneRefused
 from core.layout import part_key
 from core.policy import is_milestone  # noqa: F401 - the milestone rule, re-exported for callers
 from core.settings import RetentionPolicy, Settings
+from core.storage.content import SHARED_TIERS
+from core.tiers import ALL_TIERS, DURABLE_TIERS, Tier, readable_from
 from db.catalog import Catalog
 from tasks.base import log, open_catalog, open_tier
 from tasks.retry import pipeline_task
@@ -80,7 +82,7 @@ def retention_rules(settings: Settings) -> rule.Rules:
 
 
 def plan_retention(settings: Settings, *, run: str | None = None, now: datetime | None = None,
-                   tiers: Sequence[int] = (0, 1, 2), node: str | None = None,
+                   tiers: Sequence[int] = ALL_TIERS, node: str | None = None,
                    explain: bool = False) -> list[PruneAction]:
     """The replicas of ``tiers`` that the rule demotes or retires, each with its reason (with
     ``explain`` also every kept one, ``kept`` with what keeps it). ``node``: of Tier 0, only the
@@ -92,17 +94,19 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     # a budget is the whole tier's: its bytes and its oldest copies are counted over every run
     budgeted = any(rules.policies[t].max_bytes is not None for t in tiers)
     with open_catalog(settings.catalog_url) as cat:
-        facts = cat.retention_facts(run=None if budgeted else run, node=node if not {1, 2} & set(tiers) else None)
+        shared_budget = any(rules.policies[t].max_bytes is not None for t in set(tiers) & SHARED_TIERS)
+        facts = cat.retention_facts(run=None if budgeted else run,
+                                    node=node if not set(DURABLE_TIERS) & set(tiers) else None, contents=shared_budget)
         now = now or cat.clock()
         decided = rule.plan(facts, rules, now)
         unknown: dict[int, str] = {}
-        if 2 in tiers and settings.tier2_url:
+        if Tier.OBJECT in tiers and settings.tier2_url:
             facts, unknown = _with_locks(cat, settings, facts, decided)
             decided = _keep_unknown_locks(rule.plan(facts, rules, now), unknown)
     held = {d.replica_id for d in decided.replicas if d.action == KEEP and d.reason.startswith(UNKNOWN_LOCK_REASONS)}
     out: list[PruneAction] = []
     for d in decided.replicas:
-        if d.tier not in tiers or (d.tier == 0 and node is not None and d.node not in (None, "", node)):
+        if d.tier not in tiers or (node is not None and not readable_from(d.tier, d.node, node)):
             continue
         if run is not None and d.run != run:
             continue
@@ -117,7 +121,7 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
             continue
         if d.action == RETIRE and not whole and d.reason != "retired":
             action = replace(action, action=DEMOTE, reason=f"{d.reason} (retired by a retention of every tier)")
-        if d.tier == 0 and d.node and d.node != settings.node:
+        if not readable_from(d.tier, d.node, settings.node):
             action = replace(action, outcome=ELSEWHERE, detail=f"on node {d.node}; {action.action}d there")
         out.append(action)
     if run is None:
@@ -157,7 +161,7 @@ def _with_locks(cat: Catalog, settings: Settings, facts: list[rule.CheckpointFac
     the store: the manifest, written last, carries the latest retain-until date of its part),
     and the copies whose date could not be read (replica id -> the error): those may be locked,
     so they are kept this pass (``_keep_unknown_locks``)."""
-    going = {d.replica_id for d in decided.replicas if d.tier == 2 and d.action != KEEP}
+    going = {d.replica_id for d in decided.replicas if Tier(d.tier).object_store and d.action != KEEP}
     unknown: dict[int, str] = {}
     if not going:
         return facts, unknown
@@ -263,7 +267,7 @@ def finish_retirements(settings: Settings, *, prune: Callable[..., Any], actor: 
     for run in sorted({r for r, _ in pending}):
         steps = {s for r, s in pending if r == run}
         plan = [a for a in plan_retention(settings, run=run) if a.step in steps and a.action == RETIRE
-                and (node is None or (a.tier == 0 and a.node in (None, "", node)))]
+                and (node is None or (Tier(a.tier).node_local and readable_from(a.tier, a.node, node)))]
         out += apply_retention(settings, plan, prune=prune, actor=actor)
     return out
 

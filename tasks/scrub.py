@@ -34,6 +34,7 @@ from core import transfer
 from core.errors import CkptError, is_transient
 from core.layout import checkpoint_prefix
 from core.settings import Settings
+from core.tiers import DURABLE_TIERS, Tier
 from db.catalog import Catalog
 from db.entities import CKPT_RETIRED, COPYING, PENDING, PRUNING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import delete_part, log, open_catalog, registered_manifest
@@ -41,7 +42,6 @@ from tasks.claim import ClaimedCopy
 from tasks.replicas import BadReplica, TierStores, classify_failure, mark_bad, verified_sources
 from tasks.retry import pipeline_task
 
-DURABLE_TIERS = (1, 2)
 REPAIR_PREFERENCE = (1, 2, 0)  # read repairs from the shared tiers first, this node's NVMe last
 DEFAULT_GRACE_S = 600.0  # a checkpoint committed this recently is still being promoted
 
@@ -149,12 +149,12 @@ def _repair_under_replicated(cat: Catalog, stores: TierStores, report: ScrubRepo
                              committed_before: datetime) -> None:
     """Give every checkpoint without a durable verified copy a Tier 1 copy, part by part;
     checkpoints committed after ``committed_before`` are left to the promotion in flight."""
-    for ck in cat.under_replicated(durable_tier=1):
+    for ck in cat.under_replicated(durable_tier=Tier.SHARED):
         if ck.committed_at is not None and ck.committed_at > committed_before:
             continue
         reps = cat.replicas(ck.id)
         for part in range(ck.parts):
-            if any(r.part == part and r.state == VERIFIED and r.tier >= 1 for r in reps) or any(
+            if any(r.part == part and r.state == VERIFIED and Tier(r.tier).durable for r in reps) or any(
                     (r.run, r.step, r.part) == (ck.run, ck.step, part) for r in report.repairs):
                 continue  # durable, or already tried by this run
             own = [r for r in reps if r.part == part]

@@ -22,6 +22,7 @@ from core import events, transfer
 from core.errors import CkptError, CorruptCheckpoint, NotFound, PathEscape
 from core.layout import checkpoint_prefix
 from core.settings import Settings
+from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CKPT_CORRUPT, COPYING, CORRUPT, MISSING, PENDING, VERIFIED, CheckpointInfo, ReplicaInfo
 from tasks.base import HopResult, copy_priority, log, open_catalog, open_tier, registered_manifest
@@ -39,7 +40,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
         url = store.url_for(prefix)
         # claim before reading: a replica recorded verified from a read that a prune (or a
         # failed copy) overtook would list files that are gone
-        held, _ = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if tier == 0 else None,
+        held, _ = ClaimedCopy.take(cat, ck.id, tier, part, url, node=node if Tier(tier).node_local else None,
                                    actor=actor, what="verify", lease_s=settings.claim_lease_seconds,
                                    stall_s=settings.copy_stall_seconds)
         with held if held is not None else nullcontext():
@@ -47,7 +48,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
             try:
                 manifest = registered_manifest(cat, store, ck.id, run, step, part, ck.parts, attempt=ck.attempt)
                 transfer.verify_part(store, prefix, manifest, parallelism=settings.copy_parallelism,
-                                     buffer_bytes=settings.io_buffer_bytes, deep=tier < 2,
+                                     buffer_bytes=settings.io_buffer_bytes, deep=not Tier(tier).object_store,
                                      priority=copy_priority(settings))
             except (CorruptCheckpoint, PathEscape) as exc:  # a symlink out of the tier is as bad as a bit flip
                 record_bad(cat, ck, tier, part, node, url, CORRUPT, exc, actor, held)
@@ -70,7 +71,7 @@ def verify_replica(settings: Settings, run: str, step: int, part: int = 0, *,
 def part_replica(cat: Catalog, checkpoint_id: int, tier: int, part: int, node: str | None) -> ReplicaInfo | None:
     """The replica of one part on one tier (on Tier 0: the one on ``node``)."""
     for rep in cat.replicas(checkpoint_id, tier):
-        if rep.part == part and (tier != 0 or node is None or rep.node == node):
+        if rep.part == part and (not Tier(tier).node_local or node is None or rep.node == node):
             return rep
     return None
 
@@ -84,15 +85,15 @@ def record_bad(cat: Catalog, ck: CheckpointInfo, tier: int, part: int, node: str
     keeps whichever change won."""
     reason = str(exc)
     try:
-        if tier == 0 and state == CORRUPT and not any(
-                r.state == VERIFIED and r.tier != 0 for r in cat.replicas(ck.id)):
+        if Tier(tier).node_local and state == CORRUPT and not any(
+                r.state == VERIFIED and Tier(r.tier).durable for r in cat.replicas(ck.id)):
             cat.set_checkpoint_state(ck.id, CKPT_CORRUPT, reason=reason, actor=actor)
         if held is not None:  # this verify holds the replica: record the verdict under it
             held.settle(state, reason)
             return
         rep = part_replica(cat, ck.id, tier, part, node)
-        if rep is None and tier == 0:
-            claim = cat.claim_copy(ck.id, 0, part, url, node=node, actor=actor)
+        if rep is None and Tier(tier).node_local:
+            claim = cat.claim_copy(ck.id, Tier.NODE, part, url, node=node, actor=actor)
             if claim.acquired:
                 cat.transition(claim.replica.id, state, expected=COPYING, actor=actor,
                                claim_token=claim.replica.claim_token, reason=reason)

@@ -14,6 +14,7 @@ from core.tier_figures import WINDOW_SECONDS, fmt_bandwidth, fmt_latency, fmt_sp
 
 if TYPE_CHECKING:
     from tasks.tier_matrix import TierRow
+from core.tiers import ALL_TIERS
 
 
 def register(app: typer.Typer) -> None:
@@ -58,8 +59,8 @@ def register(app: typer.Typer) -> None:
         from core.settings import load_settings  # deferred: start-up — pydantic-settings
         from tasks.tier_roots import UNAVAILABLE, init_tiers  # deferred: start-up — SQLAlchemy
 
-        tiers = tuple(tier) if tier else (0, 1, 2)
-        if not set(tiers) <= {0, 1, 2}:
+        tiers = tuple(tier) if tier else ALL_TIERS
+        if not set(tiers) <= set(ALL_TIERS):
             raise BadArgument(f"--tier must be 0, 1 or 2, not {list(tiers)}")
         states = init_tiers(load_settings(), actor="cli", replace=replace, tiers=tiers)
         for state in states:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import BinaryIO, Self
 
 from core import checksum
-from core.errors import CorruptCheckpoint
+from core.errors import BadInput, CorruptCheckpoint
 from core.layout import is_manifest_name
 from core.manifest import MAX_MANIFEST_BYTES
 
@@ -127,6 +127,19 @@ class TierStore(ABC):
         """The path of ``key`` on a local folder (reads may then copy in the kernel), or None
         when the tier is not one."""
         return None
+
+    def in_place(self, key: str = "") -> Path | None:
+        """Where a trainer on this machine reads ``key`` as it lies ('': the tier's root), or
+        None when it must be fetched first (an object store, a file system reached only through
+        its API). The one backend question a resume asks; a store that answers with a folder
+        also takes writes there (``write_path``: a part fetched into it is staged whole beside
+        its folder and renamed into place)."""
+        return None
+
+    def write_path(self, key: str) -> Path:
+        """The local path to write or delete ``key`` at, on a store that ``in_place`` answers
+        with a folder; no other store has one (``BadInput``)."""
+        raise BadInput(f"{self.url_for(key)} is not a folder on this machine")
 
     @abstractmethod
     def verify_object(self, key: str, size: int, checksum: str) -> None:

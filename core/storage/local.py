@@ -37,6 +37,7 @@ from core.storage.common import check_match, map_os_error
 from core.storage.content import CONTENT_DIR, SHARED_TIERS, ContentStore
 from core.storage.registry import PLAIN_PATH, Backend, io_buffer, register
 from core.storage.writeback import writing
+from core.tiers import Tier
 
 if TYPE_CHECKING:
     from core.settings import Settings
@@ -147,6 +148,9 @@ class LocalStore(TierStore):
 
     def local_path(self, key: str) -> Path | None:
         return self.path(key)
+
+    def in_place(self, key: str = "") -> Path | None:
+        return self.path(key) if key else self.root
 
     def root_exists(self) -> bool:
         return self.root.is_dir()
@@ -586,7 +590,7 @@ class LocalStore(TierStore):
 
 def open_local(url: str, tier: int, settings: Settings | None) -> LocalStore:
     return LocalStore(url, tier, buffer_bytes=io_buffer(settings),
-                      direct_io=settings is not None and tier == 1 and settings.tier1_direct_io,
+                      direct_io=settings is not None and Tier(tier).shared_fs and settings.tier1_direct_io,
                       shared_content=tier in SHARED_TIERS)
 
 

@@ -113,3 +113,38 @@ def test_a_budget_set_alone_keeps_the_rest_of_the_tiers_default_policy(monkeypat
     assert load_settings(data_dir=tmp_path).retention(1).keep_last is None
     whole = load_settings(data_dir=tmp_path, retention_tier2=RetentionPolicy(top_k=1, metric="loss"))
     assert (whole.retention(2).enabled, whole.retention(2).max_bytes) == (True, None)
+
+
+def test_a_budget_counts_a_shared_content_once_and_frees_only_what_nothing_else_references():
+    """On a tier that stores each content once, four checkpoints of one frozen base and their own
+    adapters hold base + 4 adapters: that fits a budget of base + 4 adapters (counted per copy
+    it would be four bases, and the oldest would go), and over a smaller budget the oldest goes
+    for what it alone holds (its adapter), not for the base the others still reference."""
+    from datetime import UTC, datetime, timedelta
+
+    from core.retention import CheckpointFacts
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    base, adapter = (1000, "base-crc"), (10, "adapter-crc")
+
+    def ck(step: int) -> CheckpointFacts:
+        at = now - timedelta(days=10 - step)
+        mine = (adapter[0], f"{adapter[1]}-{step}")
+        reps = (ReplicaFacts(replica_id=step * 10, tier=1, part=0, url=f"file:///t1/{step}", bytes=1010),
+                ReplicaFacts(replica_id=step * 10 + 1, tier=2, part=0, url=f"s3://b/{step}", bytes=1010,
+                             contents=(base, mine)))
+        return CheckpointFacts(run="ft", step=step, created_at=at, committed_at=at, replicas=reps)
+
+    facts = [ck(s) for s in (1, 2, 3, 4)]
+    assert stored_bytes(r for c in facts for r in c.replicas if r.tier == 2) == 1000 + 4 * 10
+
+    def tier2(max_bytes: int):
+        rules = Rules(policies={0: RetentionPolicy(enabled=False), 1: RetentionPolicy(enabled=False),
+                                2: RetentionPolicy(enabled=False, max_bytes=max_bytes)}, tier2_on=True)
+        decided = plan(facts, rules, now)
+        return ({d.step: d.action for d in decided.replicas if d.tier == 2},
+                [(b.kept_bytes, b.over) for b in decided.budgets])
+
+    assert tier2(1040) == ({1: KEEP, 2: KEEP, 3: KEEP, 4: KEEP}, [(1040, False)])
+    actions, budgets = tier2(1035)  # one adapter too many: the oldest copy goes, the base stays held
+    assert actions == {1: DEMOTE, 2: KEEP, 3: KEEP, 4: KEEP} and budgets == [(1030, False)]

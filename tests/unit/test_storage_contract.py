@@ -113,3 +113,17 @@ def test_a_store_never_creates_its_root(tmp_path):
             store.write_small_atomic("run/step-1/manifest.json", b"{}")
         assert not store.root_exists()
     assert not (tmp_path / "lustre").exists()
+
+
+def test_only_a_folder_here_is_read_in_place(tmp_path):
+    """The one question a resume asks a store: a local folder answers with the part's folder
+    (and takes staged writes there); a store read through its API answers None (fetch first)."""
+    from core.storage import open_store
+
+    (tmp_path / "tier").mkdir()
+    with open_store(f"file://{tmp_path}/tier", 1, None) as folder:
+        assert folder.in_place("r/step-00000001") == (tmp_path / "tier" / "r" / "step-00000001").resolve()
+        assert folder.in_place() == tmp_path / "tier"
+        assert folder.write_path("r/step-00000001") == (tmp_path / "tier" / "r" / "step-00000001").resolve()
+    with open_store("memory://tier", 1, None) as api:
+        assert api.in_place("r/step-00000001") is None and api.in_place() is None

@@ -78,7 +78,7 @@ def test_a_late_copy_never_replaces_what_a_newer_holder_published(tiers, tmp_pat
     """A worker that lost its claim and wakes with another version of the part (re-saved: the
     same names, other bytes) publishes nothing over the newer holder's copy: every publish is
     no-overwrite (a file by a link, a fetch's stage by a rename that refuses a folder in use)."""
-    from tasks.resume import _publish_stage
+    from tasks.resume.stages import publish_stage
 
     t0, t1 = tiers
     newer = write_checkpoint(t0.root, RUN, STEP, shards=2, shard_bytes=MiB, seed=1)
@@ -91,7 +91,7 @@ def test_a_late_copy_never_replaces_what_a_newer_holder_published(tiers, tmp_pat
     with pytest.raises(ConflictError):
         copy_part(old_src, PREFIX, t1, PREFIX, late)
     with pytest.raises(ConflictError):  # a resume's fetch stage, published onto the folder
-        _publish_stage(ckpt_dir(old_src.root, RUN, STEP), t1.path(PREFIX), late)
+        publish_stage(ckpt_dir(old_src.root, RUN, STEP), t1.path(PREFIX), late)
 
     assert {f: (t1.path(PREFIX) / f).read_bytes() for f in all_files(t1.path(PREFIX))} == published
     assert verify_part(t1, PREFIX, newer).files == len(newer.files)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.storage.content import SHARED_TIERS
 from core.storage.registry import Backend, io_buffer, register
+from core.tiers import Tier
 
 if TYPE_CHECKING:
     from core.settings import Settings
@@ -41,7 +42,7 @@ def store_options(settings: Settings, tier: int) -> dict[str, Any]:
         "max_concurrency": settings.s3_max_concurrency,
         "parallelism": max(settings.copy_parallelism, settings.s3_max_concurrency),
         "buffer_bytes": io_buffer(settings),
-        "lock_days": settings.tier2_lock_days if tier == 2 else None,
+        "lock_days": settings.tier2_lock_days if Tier(tier).object_store else None,
         "lock_mode": settings.tier2_lock_mode,
         "range_bytes": settings.s3_range_bytes,
         "ranged_threshold": settings.s3_ranged_threshold,

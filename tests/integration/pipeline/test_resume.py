@@ -216,7 +216,7 @@ def test_a_copy_a_sibling_re_verified_while_this_resume_read_it_is_not_marked_ba
     """Worker A reads the Tier 0 row, then finds the files half there because worker B, which
     found the old copy gone, is fetching it afresh; B publishes a verified copy before A records
     its verdict. A's verdict was about the row it read, not B's copy: B's copy stays verified."""
-    import tasks.resume as resume_mod
+    import tasks.resume.check as resume_mod  # where a resume checks a copy in place
     from core.errors import CorruptCheckpoint
     from tasks.copy import copy_between_tiers
     from tests.kit.checkpoints import open_catalog
@@ -347,7 +347,7 @@ def test_a_resume_waits_for_a_claim_as_long_as_its_holder_keeps_renewing_it(sett
     import threading
     import time as _time
 
-    import tasks.resume as resume_mod
+    import tasks.resume.fetch as resume_mod  # the claimed fetch and its wait
     from tests.kit.checkpoints import open_catalog
 
     lease = 1.0
@@ -427,7 +427,7 @@ def test_a_node_whose_tier0_claim_another_node_won_gets_a_folder_with_the_files(
     """Data parallel: every node loads part 0. The NVMe of node-0 (the part's Tier 0 home) was
     wiped; node-7 sees no verified Tier 0 copy, goes for the claim, but node-0 takes it first and
     fetches into its own NVMe. Node-7 must not be handed its own (empty) Tier 0 folder."""
-    import tasks.resume as resume_mod
+    import tasks.resume.fetch as resume_mod  # the claimed fetch and its wait
     from tests.kit.checkpoints import open_catalog
 
     settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1h-{os.getpid()}-{id(db_url)}")

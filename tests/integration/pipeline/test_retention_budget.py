@@ -45,6 +45,13 @@ def copy_bytes(settings) -> int:
     return sizes.pop()
 
 
+def held(settings, n: int) -> int:
+    """What ``n`` of the fixture's checkpoints hold on Tier 1, which stores each content once:
+    each its own shards, and the HF index, alike at every step, once for all of them."""
+    index = (ckpt_dir(settings.tier1_url, RUN, STEPS[-1]) / "model.safetensors.index.json").stat().st_size
+    return n * copy_bytes(settings) - (n - 1) * index
+
+
 class Heard:
     """The events the steps announce, with their payloads and labels."""
 
@@ -70,7 +77,7 @@ def test_the_oldest_copies_kept_only_as_retention_off_go_until_the_tier_fits(set
         done = run_retention(tight, steps=plain_steps())
 
     gone = {(a.tier, a.step): (a.action, a.reason, a.outcome) for a in done}
-    over = f"over budget ({5 * size} of {budget} bytes)"
+    over = f"over budget ({held(settings, 5)} of {budget} bytes)"
     assert {k for k, (action, _, _) in gone.items() if action == "retire"} == {(t, s) for t in (0, 1)
                                                                                 for s in (10, 20, 30)}
     assert all(reason == over and outcome == PRUNED for action, reason, outcome in gone.values() if action == "retire")
@@ -89,7 +96,7 @@ def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(se
 
     shown: list[tuple[str, str]] = []
     monkeypatch.setattr(flows.retention, "publish_table", lambda key, _rows, text: shown.append((key, text)))
-    size = copy_bytes(settings)
+    size, three = copy_bytes(settings), held(settings, 3)
     tight = settings.model_copy(update={"retention_tier0": RetentionPolicy(keep_last=1),
                                         "retention_tier1": RetentionPolicy(keep_last=3, max_bytes=size)})
     heard = Heard()
@@ -101,14 +108,14 @@ def test_rules_that_keep_more_than_the_budget_keep_it_all_and_raise_the_alert(se
         (10, "no tier keeps it"), (20, "no tier keeps it")}  # keep_last's own, not the budget's
     line = [a for a in done if a.action == OVER_BUDGET]
     assert [(a.tier, a.outcome, a.reason) for a in line] == [
-        (1, KEPT, f"held by keep_last ({3 * size} bytes), newest verified ({size} bytes)")]
+        (1, KEPT, f"held by keep_last ({three} bytes), newest verified ({size} bytes)")]
     for s in (30, 40, 50):
         assert replica_states(settings, RUN, s)[(1, 0)] == "verified"
     [alert] = heard.named(events.TIER_OVER_BUDGET)
     assert alert["payload"] | {"held_by": None} == {"tier": 1, "tier_node": "", "max_bytes": size,
-                                                    "kept_bytes": 3 * size, "wanted_bytes": 3 * size,
+                                                    "kept_bytes": three, "wanted_bytes": three,
                                                     "held_by": None}
-    assert alert["payload"]["held_by"] == {"keep_last": 3 * size, "newest verified": size}
+    assert alert["payload"]["held_by"] == {"keep_last": three, "newest verified": size}
     assert alert["labels"] == {"tier": 1} and alert["resource_id"] == "ckpt.tier.1"
     assert shown == [("retention-result-all", "retention applied to all runs; over budget: tier 1")]  # the UI's
 
@@ -132,7 +139,8 @@ def test_the_dry_run_explains_what_goes_for_the_budget_and_what_holds_the_excess
         assert out.exit_code == 0, out.output
         return out.stdout
 
-    over = f"over budget ({5 * size} of {3 * size} bytes)"
+    five, four = held(settings, 5), held(settings, 4)
+    over = f"over budget ({five} of {3 * size} bytes)"
     explained = {(r["tier"], r["step"]): (r["action"], r["reason"])
                  for r in json.loads(dry_run(off, "--explain", "--json"))}
     assert explained == {(0, s): ("retire", over) for s in (10, 20)} | {(1, s): ("retire", over) for s in (10, 20)} | {
@@ -142,8 +150,8 @@ def test_the_dry_run_explains_what_goes_for_the_budget_and_what_holds_the_excess
     assert over in dry_run(off, "--explain")
 
     rows = json.loads(dry_run(rules, "--json"))
-    held = f"held by keep_last ({4 * size} bytes), newest verified ({size} bytes)"
+    holding = f"held by keep_last ({four} bytes), newest verified ({size} bytes)"
     assert [(r["tier"], r["reason"], r["detail"]) for r in rows if r["action"] == OVER_BUDGET] == [
-        (1, held, f"{4 * size} of {size} bytes kept; nothing a rule keeps goes for the budget")]
+        (1, holding, f"{four} of {size} bytes kept; nothing a rule keeps goes for the budget")]
     assert "held by keep_last" in dry_run(rules)
     assert all(replica_states(settings, RUN, s)[(1, 0)] == "verified" for s in STEPS)  # dry runs

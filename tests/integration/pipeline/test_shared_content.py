@@ -64,6 +64,9 @@ def test_a_frozen_base_is_held_once_on_tier1_and_every_checkpoint_loads_in_place
     with Catalog(settings.catalog_url) as cat:  # the catalog counts what the tiers hold
         assert cat.stored_bytes(1) == len(BASE) + sum(map(len, adapters.values()))
         assert cat.stored_bytes(0) == len(adapters) * len(BASE) + sum(map(len, adapters.values()))
+        tier1 = {h.tier: h for h in cat.tier_holdings()}[1]  # what ckpt tiers shows: logical and stored
+        assert (tier1.checkpoints, tier1.stored_bytes) == (len(adapters), cat.stored_bytes(1))
+        assert tier1.logical_bytes >= len(adapters) * len(BASE) > tier1.stored_bytes
 
 
 def test_retiring_checkpoints_keeps_what_the_kept_ones_link_and_frees_the_rest(settings_factory, db_url):
