@@ -1,30 +1,21 @@
 """CPU an agent spends per promotion, through Prefect, as it runs on a node.
 
-A real ``ckpt agent`` (fast path on: its warm processes forked from it) against a Prefect
-server on SQLite; a job commits ``--parts`` checkpoints of ``--mib`` MiB one after another and
-waits for each to be verified on Tier 1. The figure is the CPU of the agent's whole process
-tree (the agent, its fork server, the warm processes it forked and reaped, multiprocessing's
-resource tracker) from before the first commit to after the last promotion, per promotion.
-Idle agents cost nothing measurable here (0.07 % of a core between polls), so this is the
-promotions' CPU: Prefect's engine, the catalog, the copy, forking and warming the next process.
+A real ``ckpt agent`` against a Prefect server on SQLite; a job commits ``--parts`` checkpoints of
+``--mib`` MiB one after another and waits for each to be durable (its promote run finished). The
+figure is the CPU of the agent's whole process tree (the agent, multiprocessing's fork server and
+resource tracker, the part and checkpoint-run processes forked and reaped) from before the first
+commit to after the last promotion, per promotion. Idle agents cost nothing measurable here
+(0.07 % of a core between polls), so this is the promotions' CPU: the part's hop, the catalog,
+the copy and its checkpoint's one promote run (Prefect's engine), as each single-part checkpoint
+costs.
 
-Contenders, each a fresh agent per round, their order rotated:
-- ours: the agent as it ships (``CKPT_PREFECT_REUSE`` on: its Prefect clients share one
-  verified TLS context per CA file, deployments/tls.py, and it builds a run's Prefect settings and
-  Prefect's models before it forks its warm processes, deployments/fast_path.py);
-- Prefect as it comes (the baseline): the same agent with ``CKPT_PREFECT_REUSE`` off: a TLS context
-  per client, the settings and models built in each warm process;
-- with ``--baseline-env KEY=VALUE`` (repeatable), instead of that baseline, the agent as it ships
-  with those settings changed (``--baseline-env CKPT_HOP_TASK_RUN=false``: the part's hop in the
-  run's body, no task run).
-Medians, best rounds, the load average.
+Each round is a fresh agent; ``--baseline-env KEY=VALUE`` (repeatable) adds the agent as it ships
+with those settings changed, as the baseline beside it, their order rotated (e.g.
+``--baseline-env CKPT_TIER1_DIRECT_IO=true``). Medians, best rounds, the load average.
 
 When it starts its own Prefect server (no ``--api-url``), the server's side of the same
 promotions too: its CPU per promotion and the API requests and events websockets per promotion
-(counted from its access log, over the same span as the agent's CPU). Besides reusing what it
-built, ``ours`` leaves out per run what a promote run never uses (deployments/fast_path.py:
-the API version check and the CSRF token request of each client, the server's default result
-storage, the suspension watch's client and websocket).
+(counted from its access log, over the same span as the agent's CPU).
 
     .venv/bin/python benchmarks/agent_cpu.py [--rounds 3 --parts 8 --mib 1] [--baseline-env KEY=VALUE]
     .venv/bin/python benchmarks/agent_cpu.py --smoke
@@ -53,19 +44,17 @@ from core.settings import Settings
 from db.catalog import Catalog, upgrade
 from deployments import names
 
-OURS = "ours: built once, before the fork"
-BASE = "Prefect as it comes"
-CONTENDERS: dict[str, dict[str, str]] = {OURS: {}, BASE: {"CKPT_PREFECT_REUSE": "false"}}
+OURS = "ours: the agent as it ships"
 
 
 def contenders(baseline_env: list[str]) -> tuple[dict[str, dict[str, str]], str]:
-    """(name -> the agent's environment changes, the baseline's name): ours and Prefect as it
-    comes, or ours and ours with ``baseline_env`` (``KEY=VALUE`` each) changed."""
+    """(name -> the agent's environment changes, the baseline's name): the agent alone (its own
+    baseline), or beside it the agent with ``baseline_env`` (``KEY=VALUE`` each) changed."""
     if not baseline_env:
-        return CONTENDERS, BASE
+        return {OURS: {}}, OURS
     changed = dict(kv.split("=", 1) for kv in baseline_env)
     name = "baseline: " + " ".join(baseline_env)
-    return {"ours": {}, name: changed}, name
+    return {OURS: {}, name: changed}, name
 
 
 # a request line of the access log; the runner's polls come with the clock, not with promotions
@@ -115,12 +104,12 @@ def one_round(server: Server, work: Path, changes: dict[str, str], parts: int, m
     for root in (work / f"t0-{tag}", work / f"t1-{tag}"):  # the mounts (a store never creates a root)
         root.mkdir(parents=True, exist_ok=True)
     env.update(CKPT_TIER0_URL=str(work / f"t0-{tag}"), CKPT_TIER1_URL=str(work / f"t1-{tag}"),
-               CKPT_RECONCILE_INTERVAL_SECONDS="3600", CKPT_PREFECT_REUSE="true")
+               CKPT_RECONCILE_INTERVAL_SECONDS="3600")
     env.update(changes)
     agent = start_agent(env, work / f"agent-{tag}.log", node=node, node_only=True)
     try:
         wait_deployments(api, [names.promote_deployment(node)], timeout=300, procs=[agent])
-        time.sleep(2)  # the first warm process forked and warmed up
+        time.sleep(2)  # the agent's subscription and first Tier 0 scan under way
         settings = Settings(**{k[5:].lower(): v for k, v in env.items() if k.startswith("CKPT_")}, node=node)
         rng = np.random.default_rng(0)
         before, at = tree_cpu(agent.pid), server.mark()
@@ -128,11 +117,11 @@ def one_round(server: Server, work: Path, changes: dict[str, str], parts: int, m
             for i in range(parts):
                 st.save(100 + i, {"w": rng.standard_normal(int(mib * 2**18), dtype=np.float32)})
                 deadline = time.monotonic() + 120
-                while not _verified(cat, f"cpu-{tag}", 100 + i):
+                while not _durable(cat, f"cpu-{tag}", 100 + i):
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"step {100 + i} not verified on Tier 1 in 120 s (see the agent's log)")
+                        raise RuntimeError(f"step {100 + i} not durable in 120 s (see the agent's log)")
                     time.sleep(0.1)
-        time.sleep(1)  # the run's last writes, the next warm process
+        time.sleep(1)  # the run's last writes, its process reaped
         agent_cpu = cpu_between(before, tree_cpu(agent.pid))
         server_cpu, requests, sockets = server.since(at)
         return agent_cpu / parts, server_cpu / parts, requests / parts, sockets / parts
@@ -140,12 +129,9 @@ def one_round(server: Server, work: Path, changes: dict[str, str], parts: int, m
         stop_process(agent)
 
 
-def _verified(cat: Catalog, run: str, step: int) -> bool:
-    try:
-        ck = cat.get_checkpoint(run, step)
-    except Exception:  # noqa: BLE001 - not registered yet
-        return False
-    return any(r.state == "verified" for r in cat.replicas(ck.id, tier=1))
+def _durable(cat: Catalog, run: str, step: int) -> bool:
+    """Its promote run took the follow-ups (the catalog records them done at the run's end)."""
+    return any(e.action == "followups-done" for e in cat.history(run, step))
 
 
 def main() -> None:
@@ -187,6 +173,9 @@ def main() -> None:
     else:
         print("Prefect server: not measured (--api-url: a server this script did not start)")
     print(load_line(load0))
+    print(f"agent CPU per promotion: {ours:.3f} s (best {min(got[names_[0]]):.3f})")
+    if base_name == names_[0]:
+        return
     print(f"ratio: ours / {base_name} = {ours / base:.2f} x CPU per promotion "
           f"(best rounds {min(got[names_[0]]) / min(got[base_name]):.2f} x)")
     if server.pid is not None:

@@ -1,25 +1,26 @@
 """Where an agent's memory goes: the resident set (VmRSS) of a fresh interpreter after each
-layer a node agent and its warm flow-run process import, in import order, with the heavy
-packages each layer pulled in (torch and numpy must not be among them: an agent moves bytes,
-it never builds tensors). Baselines in the same run: a bare interpreter, and Prefect alone
-(its client, imported by any flow run).
+layer a node agent and its part processes import, in import order, with the heavy packages each
+layer pulled in (torch and numpy must not be among them: an agent moves bytes, it never builds
+tensors). Baselines in the same run: a bare interpreter, and Prefect alone (its client, imported
+by any flow run).
 
 Each row is its own interpreter importing the layers up to it (so one layer's figure is the
 difference to the row above), ``--rounds`` times; medians and the smallest of the rounds. The
-last row is the warm process as the agent's fast path keeps it (``deployments.fast_path``:
-the promote flow and its step tasks imported, ``warm_up`` run against a SQLite catalog).
+last row is a part's process as it runs (``deployments.processes.PRELOAD`` imported, the
+catalog's schema checked against a SQLite catalog).
 
 Then the group as an agent runs it, measured from outside (``/proc/PID/smaps_rollup`` and
-``/proc/PID/pagemap``), ``--rounds`` times: the agent with a spawned warm process (the baseline:
-two interpreters, each with its own copy of every import) and the agent with its fork server and
-a warm process forked from it (``deployments.fast_path.start_fork_server``). Two RSS figures
+``/proc/PID/pagemap``), ``--rounds`` times: the agent with a spawned part process (the baseline:
+two interpreters, each with its own copy of every import) and the agent with multiprocessing's
+fork server (its preload imported once) and a part process forked from it, as the agent runs
+them (``deployments.processes.process_context``), with the resource tracker. Two RSS figures
 added would count the shared pages twice; the honest figure of what the group costs the node is
 its distinct page frames (every resident page counted once, shared libraries in full even where
 other processes map them too; needs root to read the frame numbers), and the sum of PSS beside
 it (each shared page divided among all its mappers, so slightly low where libraries are shared
 with other programs). The goal is judged on distinct frames where readable, else on PSS.
-Each promote run takes a new warm process: the wall and CPU seconds until one is ready (imports,
-``warm_up``) are printed for both, the CPU being what every promoted part pays outside its bytes.
+Each part takes a new process: the wall and CPU seconds until one is ready are printed for
+both, the CPU being what every promoted part pays outside its bytes.
 
     .venv/bin/python benchmarks/agent_memory.py [--rounds 3]
     .venv/bin/python benchmarks/agent_memory.py --smoke    # one round, no per-layer rows
@@ -51,44 +52,71 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("prefect (its client; baseline of a flow run)", ["prefect"]),
     ("tasks: the pipeline steps", ["tasks.hop", "tasks.retention"]),
     ("flows: promote, its engine", ["flows.promote", "flows.common", "prefect.flow_engine"]),
-    ("deployments: the agent", ["deployments.agent", "deployments.fast_path"]),
+    ("deployments: the agent", ["deployments.agent", "deployments.processes"]),
 ]
 PROBE = r"""
 import importlib, json, sys
 for m in json.loads(sys.argv[1]):
     importlib.import_module(m)
 if sys.argv[2] == "warm":
-    from deployments.fast_path import warm_up
-    from flows.common import step_tasks
-    step_tasks()
-    warm_up()
+    from benchmarks.agent_memory import part_ready
+    part_ready()
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024
 print(json.dumps({"rss": rss, "heavy": [k for k in json.loads(sys.argv[3]) if k in sys.modules]}))
 """
-# The agent as it runs: its warm process spawned (a fresh interpreter, as before) or forked from
-# the fork server the agent forks from itself after its imports (deployments.fast_path); the
-# figures of the whole group are then measured from outside (group_memory).
+# The agent as it runs: a part's process spawned (a fresh interpreter) or forked from
+# multiprocessing's fork server, as the agent starts it (deployments.processes); the figures of
+# the whole group are then measured from outside (group_memory).
 GROUP_PROBE = r"""
-import importlib, json, os, sys, time
+import importlib, json, multiprocessing, os, sys, time
 for m in json.loads(sys.argv[1]):
     importlib.import_module(m)
-from deployments.fast_path import WarmProcess, process_context, start_fork_server, _fork_server
-if sys.argv[2] == "forked":
-    assert start_fork_server()
+from benchmarks.agent_memory import part_child, tree
+from deployments.processes import process_context
+ctx = process_context() if sys.argv[2] == "forked" else multiprocessing.get_context("spawn")
 t0 = time.monotonic()
-warm = WarmProcess(process_context(), dict(os.environ))
-deadline = t0 + 300
-while not warm.ready():
-    assert time.monotonic() < deadline and warm.process.is_alive(), "warm process not ready"
-    time.sleep(0.01)
+conn, child = ctx.Pipe()
+part = ctx.Process(target=part_child, args=(child,), daemon=True)
+part.start()
+assert conn.poll(300), "part process not ready"
+conn.recv()
 wall = time.monotonic() - t0
-ticks = sum(int(x) for x in open(f"/proc/{warm.process.pid}/stat").read().rsplit(")", 1)[1].split()[11:13])
-print(json.dumps({"pids": [os.getpid()] + ([_fork_server["pid"]] if sys.argv[2] == "forked" else []) +
-                  [warm.process.pid], "ready_s": wall, "ready_cpu_s": ticks / os.sysconf("SC_CLK_TCK")}),
+ticks = sum(int(x) for x in open(f"/proc/{part.pid}/stat").read().rsplit(")", 1)[1].split()[11:13])
+print(json.dumps({"pids": tree(os.getpid()), "ready_s": wall, "ready_cpu_s": ticks / os.sysconf("SC_CLK_TCK")}),
       flush=True)
 sys.stdin.readline()
-warm.stop()
+conn.send(None)
+part.join(30)
 """
+
+
+def part_ready() -> None:
+    """What a part's process has done before its copy: its imports (the fork server's preload)
+    and the catalog's schema check."""
+    import importlib
+
+    from core.settings import load_settings  # deferred: start-up — in the measured process, as a part's
+    from db.catalog import Catalog  # deferred: start-up — in the measured process, as a part's
+    from deployments.processes import PRELOAD  # deferred: start-up — in the measured process, as a part's
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    with Catalog(load_settings().catalog_url) as cat:
+        cat.list_runs()
+
+
+def part_child(conn) -> None:
+    """A part's process (``GROUP_PROBE``): ready, then waits to be told to exit."""
+    part_ready()
+    conn.send("ready")
+    conn.recv()
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every live process under it (the fork server, the resource tracker, the part)."""
+    from benchmarks.burst import descendants  # deferred: start-up — in the measured process
+
+    return [pid, *descendants(pid)]
 
 
 def probe(mods: list[str], warm: bool, env: dict[str, str]) -> dict:
@@ -118,7 +146,8 @@ def frames(pid: int) -> set[int] | None:
 
 
 def group_memory(mode: str, mods: list[str], env: dict[str, str]) -> dict:
-    """The agent with its warm process (and its fork server when forked), measured from outside:
+    """The agent with a part's process (and the fork server and resource tracker when forked),
+    measured from outside:
     the sum of PSS (each shared page divided among the processes mapping it) and, where the page
     frames are visible, the distinct frames of the group (every page it holds, counted once)."""
     proc = subprocess.Popen([sys.executable, "-c", GROUP_PROBE, json.dumps(mods), mode], stdin=subprocess.PIPE,
@@ -139,7 +168,7 @@ def group_memory(mode: str, mods: list[str], env: dict[str, str]) -> dict:
 def main() -> None:
     ap = bench_parser(__doc__, rounds=3)
     ap.add_argument("--layers", action=argparse.BooleanOptionalAction, default=True,
-                    help="a row per layer (else: the bare interpreter, the whole agent, the warm process)")
+                    help="a row per layer (else: the bare interpreter, the whole agent, a part's process)")
     args = parse(ap, {"layers": False})
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="ckpt-mem-") as home:
@@ -155,7 +184,7 @@ def main() -> None:
             got = [probe(mods, False, env) for _ in range(args.rounds)]
             rows.append((name, [g["rss"] / 1e6 for g in got], got[-1]["heavy"]))
         got = [probe(mods, True, env) for _ in range(args.rounds)]
-        rows.append(("warm flow-run process (after warm_up)", [g["rss"] / 1e6 for g in got], got[-1]["heavy"]))
+        rows.append(("part process (ready to copy)", [g["rss"] / 1e6 for g in got], got[-1]["heavy"]))
         prefect_alone = [probe(["prefect"], False, env)["rss"] / 1e6 for _ in range(args.rounds)]
         groups = {mode: [group_memory(mode, mods, env) for _ in range(args.rounds)] for mode in ("spawned", "forked")}
 
@@ -167,11 +196,11 @@ def main() -> None:
         print(f"{name:46} {med:10.1f} {min(mb):8.1f} {med - prev:+8.1f}   {' '.join(heavy) or '-'}")
         prev = med
     print(f"{'prefect alone (baseline)':46} {statistics.median(prefect_alone):10.1f} {min(prefect_alone):8.1f}")
-    agent, warm = statistics.median(rows[-2][1]), statistics.median(rows[-1][1])
-    print(f"\nthe agent with its warm process, measured from outside, {args.rounds} rounds (MB; PSS: each shared page "
+    agent, part = statistics.median(rows[-2][1]), statistics.median(rows[-1][1])
+    print(f"\nthe agent with a part's process, measured from outside, {args.rounds} rounds (MB; PSS: each shared page "
           f"divided among the processes mapping it; distinct frames: every page of the group once)")
     print(f"{'group':46} {'PSS median':>10} {'PSS min':>8} {'distinct':>9}   USS per process (median)")
-    labels = {"spawned": "spawned warm process (baseline)", "forked": "warm process forked from the agent"}
+    labels = {"spawned": "spawned part process (baseline)", "forked": "part process from the fork server"}
     for mode, label in labels.items():
         got = groups[mode]
         pss = [g["pss"] / 1e6 for g in got]
@@ -180,9 +209,9 @@ def main() -> None:
         uss = " + ".join(f"{statistics.median(g['uss'][i] for g in got) / 1e6:.1f}" for i in range(n))
         shown = f"{statistics.median(dist):9.1f}" if dist else f"{'-':>9}"
         print(f"{f'{label} ({n} processes)':46} {statistics.median(pss):10.1f} {min(pss):8.1f} {shown}   {uss}")
-    print(f"\nstarting the warm process each promote run uses (one per run), {args.rounds} rounds: wall seconds until "
-          f"ready, CPU seconds of the warm process until ready")
-    print(f"{'warm process':46} {'wall med':>10} {'wall min':>8} {'CPU med':>9} {'CPU min':>8}")
+    print(f"\nstarting the process each part uses (one per part), {args.rounds} rounds: wall seconds until "
+          f"ready, CPU seconds of that process until ready")
+    print(f"{'part process':46} {'wall med':>10} {'wall min':>8} {'CPU med':>9} {'CPU min':>8}")
     for mode, label in labels.items():
         wall = [g["ready_s"] for g in groups[mode]]
         cpu = [g["ready_cpu_s"] for g in groups[mode]]
@@ -193,7 +222,7 @@ def main() -> None:
     forked = groups["forked"]
     dist = [g["distinct"] / 1e6 for g in forked if g["distinct"] is not None]
     group = statistics.median(dist) if dist else statistics.median(g["pss"] / 1e6 for g in forked)
-    print(f"goal: agent + its warm process <= 150 MB -> {agent:.0f} + {warm:.0f} = {agent + warm:.0f} MB resident "
+    print(f"goal: agent + its part process <= 150 MB -> {agent:.0f} + {part:.0f} = {agent + part:.0f} MB resident "
           f"if nothing were shared; forked, the group holds {group:.0f} MB ({'distinct frames' if dist else 'PSS'}; "
           f"imports only, a running agent adds its threads and buffers), {'MET' if group <= 150 else 'NOT MET'}; "
           f"torch/numpy not imported: {'yes' if torch_free else 'NO'}")

@@ -13,28 +13,23 @@ baseline beside it, against a Prefect server on SQLite. Printed per server: time
 burst to every part verified on Tier 1 and to durable; orchestrator events/s, flow runs/s and
 task runs/s sustained over the burst (from the burst to the last flow run's end); CPU seconds
 per part spent outside the byte copy (all CPU of the Prefect server processes; the agents with
-everything under them: the fork server, the warm processes it forked and reaped, flow-run
-subprocesses; PostgreSQL: the stack's live backends and, through the postmaster's children's
+everything under them: the fork server, the part and checkpoint-run processes it forked and
+reaped, flow-run subprocesses; PostgreSQL: the stack's live backends and, through the postmaster's children's
 time, the backends that exited during the burst; Redis; less what the same byte work costs done
 directly with the transfer engine here; moto not counted), and that CPU split by role.
 
-Memory: an agent's processes (the agent, its fork server, the warm process forked from it
-when one is kept ahead of the next run, multiprocessing's resource tracker where one runs) at
-rest, PSS by role, measured and printed for the first agent (it also serves the cluster's
-flows) and for a node's agent (every other one), just before the burst. When N agents
+Memory: an agent's processes (the agent, its fork server, a part's process forked from it
+while one runs, multiprocessing's resource tracker) at rest, PSS by role, measured and printed
+for the first agent (it also serves the cluster's flows) and for a node's agent (every other
+one), just before the burst. When N agents
 plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
 shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
 
-``--cold-runner`` adds the same burst on the same stack with ``CKPT_RUNNER_WARM=false``: the
-runs the runner's poll takes first start in new interpreters, as Prefect's runner starts them,
-instead of the fast path's warm process; "promote runs started" says how many each path took.
-``--baseline-env KEY=VALUE`` adds it with one setting of the agents changed (repeatable), e.g.
-``CKPT_WARM_SPARE=true`` (each agent keeps a warm process forked ahead of its next run) or
-``PREFECT_RUNNER_POLL_FREQUENCY=30``; the agent count stays the first phase's.
-``--env KEY=VALUE`` sets a setting of the agents in every phase (repeatable; a ``--baseline-env`` of
-the same key wins in its phase), e.g. ``--env CKPT_PROMOTE_RUNS=checkpoint --baseline-env
-CKPT_PROMOTE_RUNS=part``: one flow run per checkpoint against one per part, same stack, same run.
+``--baseline-env KEY=VALUE`` adds the same burst on the same stack with one setting of the agents
+changed (repeatable), e.g. ``PREFECT_RUNNER_POLL_FREQUENCY=30`` or ``CKPT_TIER1_DIRECT_IO=true``;
+the agent count stays the first phase's. ``--env KEY=VALUE`` sets a setting of the agents in every
+phase (repeatable; a ``--baseline-env`` of the same key wins in its phase).
 ``--warm-bursts N`` first makes N earlier checkpoints durable the same way, unmeasured: the burst
 then costs what it costs an agent that has promoted before (its catalog connection and compiled
 statements, its events client: what a long-running agent has at every checkpoint but its first).
@@ -44,10 +39,9 @@ burst's CPU per part above it (its figure less that rate over the burst's span):
 add, apart from what the stack costs whether or not checkpoints come.
 
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
-    python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --cold-runner
     python benchmarks/burst.py --nodes 16 --part-mb 16 --no-sqlite --rest 60
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --mem-fraction 0.7 \
-        --env CKPT_PROMOTE_RUNS=checkpoint --baseline-env CKPT_PROMOTE_RUNS=part
+        --baseline-env PREFECT_RUNNER_POLL_FREQUENCY=30
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
 """
 
@@ -77,7 +71,6 @@ from core.storage import open_store
 from core.transfer import copy_part, verify_part
 from db.catalog import Catalog, upgrade
 from deployments import names
-from deployments.fast_path import claim_message
 
 SMOKE = {"nodes": 2, "part_mb": 1.0}
 RUN, STEP = "burst", 1000
@@ -104,10 +97,9 @@ class Phase:
     cpu_by_role: dict[str, float] = field(default_factory=dict)  # the same CPU split: server, agents, database
     copy_cpu_per_part_s: float = 0.0  # the byte work alone, per part
     agent_rss_mb: float = 0.0
-    agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, warm, tracker
+    agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, parts, tracker
     node_agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # the same, a node's agent (--node-only)
     peak_rss_mb: float = 0.0          # agents and their flow runs together
-    started_by: dict[str, int] = field(default_factory=dict)  # promote runs: fast path / runner
     window_s: float = 0.0             # the span the burst's CPU was counted over (burst -> all finished)
     rest_s: float = 0.0               # --rest: seconds the stack was watched at rest before the burst
     rest_cores_by_role: dict[str, float] = field(default_factory=dict)  # CPU at rest, cores, by role
@@ -143,17 +135,16 @@ class Phase:
         return out
 
 
-# An agent's process tree (agent, fork server, a spare warm process if kept) at rest, measured by
-# ``proc_rss``, grows by a quarter to a third while a warm process runs a promotion (64-node
-# burst here: 148 MB at rest, 185 MB peak per agent without a spare; 286 and 390 MB with spawned
-# ones, earlier): the flow runs inside the warm process, no second interpreter per run. 1.5 of
-# the figure at rest leaves room for the busiest agent.
+# An agent's process tree (agent, fork server, resource tracker) at rest, measured by ``proc_rss``,
+# grows while a part's process (forked from the fork server, sharing its imported pages) runs a
+# promotion: the flow run of a checkpoint runs in such a process too, no second interpreter per
+# run. 1.5 of the figure at rest leaves room for the busiest agent (docs/benchmarks.md).
 BUSY_GROWTH = 1.5
 
 
 def agents_that_fit(nodes: int, agent_rss: float, available: float, fraction: float) -> int:
     """How many agents fit in ``fraction`` of ``available`` bytes, each its process tree's
-    measured PSS at rest (``agent_rss``, warm process included) times ``BUSY_GROWTH`` for the
+    measured PSS at rest (``agent_rss``, its fork server included) times ``BUSY_GROWTH`` for the
     promotion it runs; at least 1, at most ``nodes``."""
     per_agent = BUSY_GROWTH * agent_rss
     return max(1, min(nodes, int(fraction * available // per_agent)))
@@ -181,14 +172,12 @@ def report(phases: list[Phase]) -> str:
         ("CPU s per part, byte copy alone", lambda p: f"{p.copy_cpu_per_part_s:.3f}"),
         ("CPU s per part: server / agents / database", lambda p: " / ".join(
             f"{p.cpu_by_role.get(r, 0.0) / p.parts:.2f}" if p.parts else "-" for r in CPU_ROLES)),
-        ("promote runs started: fast path / runner", lambda p: " / ".join(
-            str(p.started_by.get(r, 0)) for r in STARTERS)),
         ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
-        ("  agent / fork server / warm / tracker", lambda p: " / ".join(
+        ("  agent / fork server / parts / tracker", lambda p: " / ".join(
             f"{p.agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"),
         ("PSS per node agent (--node-only), at rest", lambda p: (
             f"{sum(p.node_agent_pss_by_role.values()):.0f} MB" if p.node_agent_pss_by_role else "-")),
-        ("  agent / fork server / warm / tracker", lambda p: " / ".join(
+        ("  agent / fork server / parts / tracker", lambda p: " / ".join(
             f"{p.node_agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"
             if p.node_agent_pss_by_role else "-"),
     ]
@@ -222,32 +211,38 @@ def proc_cpu(pid: int) -> float:
 
 
 CPU_ROLES = ("server", "agents", "database")
-PSS_ROLES = ("agent", "fork server", "warm process", "resource tracker")
+PSS_ROLES = ("agent", "fork server", "part process", "resource tracker")
+
+
+def children(pid: int) -> list[int]:
+    """The live children of ``pid``, whichever of its threads started them (the agent starts its
+    fork server from a worker thread, and /proc lists a child under the thread that forked it)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
 
 
 def descendants(pid: int) -> list[int]:
-    """The live processes under ``pid`` (its fork server, warm processes, flow runs)."""
-    out: list[int] = []
-    try:
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            out += [int(child), *descendants(int(child))]
-    except OSError:
-        pass
-    return out
+    """The live processes under ``pid`` (its fork server, part processes, flow runs)."""
+    return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
 def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds spent between two readings of ``proc_cpu`` over sets of processes. A process
     gone by the second reading counts -before: its whole CPU is then in its reaper's children's
-    time (the fork server's for a warm process, the postmaster's for a database backend), which
+    time (the fork server's for a part's process, the postmaster's for a database backend), which
     is in the second reading; a process new in the second counts in full."""
     return sum(after.get(pid, 0.0) - before.get(pid, 0.0) for pid in set(before) | set(after))
 
 
 def role_pss(pid: int) -> dict[str, float]:
     """MB of PSS of an agent's processes by role: the agent, multiprocessing's resource tracker
-    (a fresh interpreter, where one runs: the agent starts none), the fork server (forked from the agent) and the
-    warm processes (forked from the fork server)."""
+    and fork server (fresh interpreters the agent starts at its first part) and the part and
+    checkpoint-run processes (forked from the fork server)."""
     def pss(p: int) -> float:
         try:
             return sum(int(line.split()[1]) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
@@ -256,11 +251,7 @@ def role_pss(pid: int) -> dict[str, float]:
             return 0.0
 
     out = {"agent": pss(pid)}
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        children = []
-    for child in children:
+    for child in children(pid):
         try:
             cmd = Path(f"/proc/{child}/cmdline").read_text()
         except OSError:
@@ -269,8 +260,8 @@ def role_pss(pid: int) -> dict[str, float]:
             out["resource tracker"] = out.get("resource tracker", 0.0) + pss(child)
         else:
             out["fork server"] = out.get("fork server", 0.0) + pss(child)
-            warm = descendants(child)
-            out["warm process"] = out.get("warm process", 0.0) + sum(pss(w) for w in warm)
+            forked = descendants(child)
+            out["part process"] = out.get("part process", 0.0) + sum(pss(w) for w in forked)
     return out
 
 
@@ -298,10 +289,10 @@ def redis_pids() -> list[int]:
 
 
 def proc_rss(pid: int) -> float:
-    """Memory of ``pid`` and its live children (the agent's fork server and the warm process
+    """Memory of ``pid`` and its live children (the agent's fork server and the part processes
     forked from it, its flow runs): the sum of their PSS, each page they share divided among
     the processes mapping it (RSS added up would count the agent's pages three times: the fork
-    server and the warm process share them copy-on-write); VmRSS where smaps_rollup is missing."""
+    server and the part processes share them copy-on-write); VmRSS where smaps_rollup is missing."""
     total = 0.0
     try:
         try:
@@ -312,8 +303,8 @@ def proc_rss(pid: int) -> float:
         for line in lines:
             if line.startswith(key):
                 total += int(line.split()[1]) * 1024
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            total += proc_rss(int(child))
+        for child in children(pid):
+            total += proc_rss(child)
     except OSError:
         pass
     return total
@@ -345,7 +336,9 @@ def byte_copy_cpu(settings, manifest, prefix: str, scratch: str, rounds: int = 3
     for r in range(rounds):
         c0 = cpu_seconds()
         verify_part(t0, prefix, manifest)
-        t1 = open_store(str(Path(scratch) / f"tier1-{r}"), 1, settings)
+        root = Path(scratch) / f"tier1-{r}"
+        root.mkdir(parents=True, exist_ok=True)  # the scratch "mount": a store never creates its root
+        t1 = open_store(str(root), 1, settings)
         copy_part(t0, prefix, t1, prefix, manifest)
         if settings.tier2_url:
             t2 = open_store(settings.tier2_url.rstrip("/") + f"-bytecopy-{r}", 2, settings)
@@ -369,35 +362,6 @@ def api_counts(api: str, t0: float, t_end: float) -> tuple[int, int, int, float]
                        json={"task_runs": {"start_time": {"after_": since}}}, timeout=60).json()
     ends = [datetime_ts(r["end_time"]) for r in runs if r.get("end_time")]
     return int(ev.get("total", 0)), len(runs), int(tasks), (max(ends) - t0) if ends else 0.0
-
-
-STARTERS = ("fast path", "runner")
-COLD = "pg+redis, runner cold"  # the --cold-runner phase
-
-
-def started_by(pending_messages: list[str | None]) -> dict[str, int]:
-    """How many promote runs each path started, from each run's ``Pending`` state message (None:
-    the run never went Pending): the fast path claims with ``claim_message``, the runner's poll
-    with a message of its own, or none."""
-    mark = claim_message("")
-    out = dict.fromkeys(STARTERS, 0)
-    for m in pending_messages:
-        out["fast path" if m is not None and m.startswith(mark) else "runner"] += 1
-    return out
-
-
-def pending_messages(api: str, since: float) -> list[str | None]:
-    """The ``Pending`` state message of every promote run created since ``since``."""
-    import httpx
-
-    runs = httpx.post(f"{api}/flow_runs/filter", json={
-        "flows": {"name": {"any_": [names.PROMOTE_FLOW]}},
-        "flow_runs": {"expected_start_time": {"after_": _iso(since - 1)}}, "limit": 200}, timeout=60).json()
-    out: list[str | None] = []
-    for r in runs:
-        states = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": r["id"]}, timeout=60).json()
-        out.append(next((s.get("message") or "" for s in states if s.get("type") == "PENDING"), None))
-    return out
 
 
 def _iso(t: float) -> str:
@@ -512,7 +476,7 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
 
         def cpu_now() -> dict[str, dict[int, float]]:
             """Every process that works for the burst, by role, with its CPU so far (children's
-            time included: the warm processes a fork server reaped, the backends the postmaster
+            time included: the part processes a fork server reaped, the backends the postmaster
             reaped)."""
             agents = [q for proc in procs for q in (proc.pid, *descendants(proc.pid))]
             backends = pg_backends(admin, [*server_dbs, catalog_db])
@@ -563,7 +527,6 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
                                                   str(root / "bytecopy"))
         time.sleep(3)  # the event persister writes in batches
         phase.events, phase.flow_runs, phase.task_runs, phase.span_s = api_counts(api, t0, t_end)
-        phase.started_by = started_by(pending_messages(api, t0))
         return phase
     finally:
         for p in procs:  # all at once, then one by one (each gets its grace period from now)
@@ -642,15 +605,12 @@ def main() -> int:
     ap.add_argument("--pg-url", default=os.environ.get("CKPT_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379")
     ap.add_argument("--no-sqlite", action="store_true", help="skip the SQLite server baseline")
-    ap.add_argument("--cold-runner", action="store_true",
-                    help="also run the same burst on the same stack with CKPT_RUNNER_WARM=false (the runner's "
-                         "poll starts its runs in new interpreters, as Prefect does): the baseline of that setting")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run the same burst on the same stack with this setting in the agents' environment "
-                         "(repeatable: one phase each), e.g. CKPT_WARM_SPARE=true")
+                         "(repeatable: one phase each), e.g. PREFECT_RUNNER_POLL_FREQUENCY=30")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting in the agents' environment in every phase (repeatable), e.g. "
-                         "CKPT_PROMOTE_RUNS=checkpoint")
+                         "CKPT_TIER1_DIRECT_IO=true")
     ap.add_argument("--rest", type=float, default=0.0, metavar="SECONDS",
                     help="first watch the served stack at rest this long: its CPU per second (runner polls, event "
                          "subscriptions, the server's loops) and the burst's CPU per part above it")
@@ -669,7 +629,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ckpt-burst-", dir=args.dir))
     common = dict(setting.partition("=")[::2] for setting in args.env)
     phases: list[Phase] = []
-    cold: list[Phase] = []  # --cold-runner, --baseline-env: printed after the others, never the exit status
+    cold: list[Phase] = []  # --baseline-env: printed after the others, never the exit status
     load0 = os.getloadavg()[0]
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
@@ -683,10 +643,6 @@ def main() -> int:
                 phases.append(guarded("postgres+redis", setup, lambda: run_phase(
                     "postgres+redis", stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
                     env_extra=common)))
-                if args.cold_runner:  # the same burst, same stack, the runner's runs in new interpreters
-                    cold.append(guarded(COLD, setup, lambda: run_phase(
-                        COLD, stack.api_url, [p.pid for p in stack.procs], [prefect_db], setup,
-                        env_extra={**common, "CKPT_RUNNER_WARM": "false"})))
                 for setting in args.baseline_env:  # the same burst, same stack and agent count, one setting changed
                     key, _, value = setting.partition("=")
                     cold.append(guarded(f"pg+redis, {setting}", setup, lambda k=key, v=value: run_phase(

@@ -140,13 +140,13 @@ def run_rounds(args) -> None:
     for label, by_phase in phases.items():
         print(f"{label:22}" + "".join(f"{statistics.median(by_phase[p]):16.3f}" for p in PHASES))
     plain_med, flow_med = statistics.median(times["plain functions"]), statistics.median(times["flow, no heartbeat"])
-    print(f"goal: flow <= 1.10 x plain functions: 'flow, no heartbeat' (how the agent's fast path runs it) "
+    print(f"goal: flow <= 1.10 x plain functions: 'flow, no heartbeat' (how the agent runs a checkpoint's run) "
           f"{flow_med / plain_med:.2f} x, 'flow' {statistics.median(times['flow']) / plain_med:.2f} x")
     print("(2 task runs per promotion: tier0-to-tier1 (register, verify, copy, mark complete) and\n"
           " plan-retention; 3 artifacts posted together at the end;\n"
           " 'flow' runs with Prefect's default flow heartbeats, whose thread is joined at the end of\n"
           " every flow run after sleeping in 1 s steps; 'flow, no heartbeat' sets\n"
-          " PREFECT_FLOWS_HEARTBEAT_FREQUENCY to None, as the agent's fast path runs the promote flow:\n"
+          " PREFECT_FLOWS_HEARTBEAT_FREQUENCY to None, as the agent runs a checkpoint's promote run:\n"
           " a killed run is detected by the agent that started its process, and a self-hosted server acts\n"
           " on heartbeats only through a zombie automation, which this stack does not create)")
 

@@ -44,7 +44,7 @@ def reporter(label: str, total: int) -> Callable[[int], None] | None:
 # those loops call ``moved()`` once per chunk (1-4 MiB: a clock read and two stores). A claimed
 # operation whose storage hangs (a file system or object store that stops answering) stops
 # calling it: its lease stops being renewed (``tasks.claim.Lease``, ``copy_stall_seconds``) and
-# the agent kills a promotion's process (``deployments.fast_path.watch_stall``). The clock is CLOCK_MONOTONIC,
+# the agent kills a promotion's process (``deployments.processes.watch_stall``). The clock is CLOCK_MONOTONIC,
 # one for every process of the machine, so a parent can compare a child's beats with its own.
 class _Heart:
     last = time.monotonic()  # the last beat (the module's import before any)

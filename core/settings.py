@@ -148,25 +148,11 @@ class Settings(BaseSettings):
                                      description="objects this large or larger are fetched as parallel ranged GETs")
     task_retries: int = Field(default=4, ge=0, le=20, description="retries of a pipeline task on transient errors")
     task_retry_delay_seconds: float = Field(default=2.0, ge=0, description="first retry delay; doubles, with jitter")
-    hop_task_run: bool = Field(
-        default=True,
-        description="each hop of a part (its promotion's copy to Tier 1; a milestone's upload to Tier 2) is a "
-                    "Prefect task run of its own, shown in the run's graph; off (for large clusters): the hops run "
-                    "in the flow run's own body under the same retry policy, each retry a line in the run's log, "
-                    "each hop a row of the run's hop table, and the orchestrator records a task run and its three "
-                    "state events less per part and hop")
-    promote_runs: Literal["part", "checkpoint"] = Field(
-        default="part",
-        description="'part': each part's completed event becomes a promote flow run on its node (the deployment "
-                    "trigger), shown in the UI per part; 'checkpoint' (for large clusters): each node's agent "
-                    "promotes its parts itself on their events, with no flow run, under the same retry policy, "
-                    "and the part that completes a checkpoint on Tier 1 starts that checkpoint's one promote run, "
-                    "which takes its follow-ups (archive, durable event, status page, retention): one flow run per "
-                    "checkpoint instead of one per part")
     part_scan_seconds: float = Field(
         default=10.0, ge=1.0,
-        description="with promote_runs 'checkpoint', how often the agent lists its Tier 0 for committed parts no "
-                    "event brought (the event stream is best effort); a part two scans in a row found is promoted")
+        description="how often the agent lists its Tier 0 for committed parts no event brought (the event stream "
+                    "is best effort); a part two scans in a row found is promoted: lower, a lost event's part is "
+                    "promoted sooner; higher, fewer listings of a large Tier 0 (each lists every checkpoint there)")
 
     milestones: MilestonePolicy = Field(default=MilestonePolicy(),
                                         description="which checkpoints are milestones (archived to Tier 2)")
@@ -204,32 +190,6 @@ class Settings(BaseSettings):
                     "catalog by the scheduled retention; 0 keeps them forever")
     audit_export_dir: Path | None = Field(default=None, description="where expired audit rows are exported; "
                                                                       "default <data_dir>/audit-export")
-    fast_path: bool = Field(
-        default=True,
-        description="the agent starts a scheduled promote run at once in a warm process of its own (a Prefect "
-                    "event subscription); off: the runner's poll and a fresh process, as Prefect serves it")
-    runner_warm: bool = Field(
-        default=True,
-        description="with the fast path on, a promote run the runner's poll takes first (most runs of a burst: the "
-                    "poll is faster than the event stream under load) also starts in the warm process, or a fork of "
-                    "the agent's fork server, instead of a new interpreter that imports Prefect and the pipeline "
-                    "again; off: as Prefect's runner starts it")
-    warm_spare: bool = Field(
-        default=False,
-        description="with the fast path on, the agent keeps one warm process forked ahead of the next promote run "
-                    "(the run starts ~0.07 s sooner: the fork and the catalog's first connection already done) at "
-                    "~30 MB more per agent at rest; off: each run's process is forked from the agent's fork server "
-                    "when the run comes")
-    prefect_reuse: bool = Field(
-        default=True,
-        description="the agent builds once what Prefect builds per client and per run: one verified TLS context "
-                    "per CA file for its Prefect clients (~15 ms of CPU each, about seven clients per promote run), "
-                    "and before it forks its warm processes a run's Prefect settings and Prefect's models; and a "
-                    "promote run in a warm process leaves out what it never uses: each client's API version check "
-                    "(the agent made it) and CSRF token request (where the server has CSRF off, as the agent asked "
-                    "it at start), the server's default result storage (promote results are not persisted) and "
-                    "the engine's suspension watch (a client and an events websocket per run): ~7 fewer API "
-                    "requests per promotion; off: as Prefect does it")
     rpo_seconds: int = Field(
         default=900, ge=10,
         description="recovery point objective: a checkpoint completed but not durable (every part on Tier 1) "
@@ -249,8 +209,8 @@ class Settings(BaseSettings):
         default=600.0, ge=10,
         description="a claimed copy, verify or restore in which no byte moved for this long is stalled (its "
                     "storage stopped answering): its lease is no longer renewed, so the part is tried again once "
-                    "the lease lapses, and the agent kills the process of a promotion that stalled (a part's, or a "
-                    "promote run's warm process)",
+                    "the lease lapses, and the agent kills the process of a promotion that stalled (a part's, or its "
+                    "checkpoint's run)",
     )
     tier0_space_wait_seconds: float = Field(
         default=60.0, ge=0,

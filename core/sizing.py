@@ -151,10 +151,10 @@ def _sig3(x: float) -> str:
 @dataclass(frozen=True)
 class ServerCapacity:
     """What one Prefect server sustained during a measured checkpoint burst, and the work one
-    checkpoint costs it: flow and task runs per part and per checkpoint (``CKPT_PROMOTE_RUNS``
-    'part': a promote run per part; 'checkpoint': one run per checkpoint whatever its parts),
-    and the CPU seconds its processes (API server and services, not its database) spend per
-    part above their rest. ``source`` says where the figures come from."""
+    checkpoint costs it: flow and task runs per part and per checkpoint (one promote run per
+    checkpoint whatever its parts; a burst report may hold another mode's counts), and the CPU
+    seconds its processes (API server and services, not its database) spend per part above
+    their rest. ``source`` says where the figures come from."""
 
     flow_runs_per_s: float
     task_runs_per_s: float
@@ -195,24 +195,18 @@ class RestLoad:
 # the target cluster (`ckpt plan --burst-report`) replaces them. (Earlier: 0.37 flow runs/s and
 # 0.74 task runs/s on 2026-12-01 with 20 agents, before the agents started the runner's runs warm
 # and a promote run left out Prefect's round trips it never uses; 0.14 and 0.9 before each hop of
-# a part became one task run.) The runs per checkpoint of each setting and the CPU per part above
-# rest: MEASURED_RUNS and MEASURED_CPU_PER_PART below.
+# a part became one task run.) The runs per checkpoint of the one promotion path and the CPU per
+# part above rest: MEASURED_RUNS and MEASURED_CPU_PER_PART below.
 MEASURED_SERVER = ServerCapacity(flow_runs_per_s=1.08, task_runs_per_s=2.2, flow_runs_per_part=1.0,
                                  task_runs_per_part=2.0, task_runs_per_checkpoint=2.0,
                                  source="benchmarks/burst.py --nodes 64 on 2 shared cores: a floor")
 
-# Runs per part and per checkpoint, by (promote_runs, hop_task_run), counted in the 64-node
-# bursts of a milestone (the archive is part of it): one run per part and hops as task runs 64
-# flow runs and 130 task runs (two hops a part, mark-complete and plan-retention); hops inline 64
-# and 4; one run per checkpoint, hops as task runs 1 and 67 (the run's archive: a task run per
-# part); hops inline 1 and 2 (docs/design/burst.md).
-MEASURED_RUNS: dict[tuple[str, bool], tuple[float, float, float, float]] = {
-    # (flow runs per part, per checkpoint, task runs per part, per checkpoint)
-    ("part", True): (1.0, 0.0, 2.0, 2.0),
-    ("part", False): (1.0, 0.0, 0.0, 4.0),
-    ("checkpoint", True): (0.0, 1.0, 1.0, 3.0),
-    ("checkpoint", False): (0.0, 1.0, 0.0, 2.0),
-}
+# Runs per part and per checkpoint of the one promotion path (each node's agent promotes its parts
+# with no run; one promote run per checkpoint, its hops inline), counted in the 64-node bursts of a
+# milestone (the archive is part of it): 1 flow run and 2 task runs (mark-complete and
+# plan-retention) a checkpoint (docs/design/burst.md; a run per part, the mode it replaced, cost
+# 64 flow runs and 130 task runs).
+MEASURED_RUNS = (0.0, 1.0, 0.0, 2.0)  # flow runs per part, per checkpoint, task runs per part, per checkpoint
 
 # The server's processes (API and services) at rest and per part, measured by
 # `benchmarks/burst.py --part-mb 16 --no-sqlite --rest 30 --warm-bursts 1` (2026-12-05, 2 shared
@@ -223,22 +217,18 @@ MEASURED_RUNS: dict[tuple[str, bool], tuple[float, float, float, float]] = {
 # older code measured 0.224: on the high side). Above that rest, per part of the burst: one run
 # per checkpoint 0.133 / 0.138 (32 parts), 0.096 / 0.114 (16); one run per part 0.539 / 0.377 (32
 # parts): the higher of each.
-MEASURED_CPU_PER_PART: dict[str, float | None] = {"part": 0.54, "checkpoint": 0.14}
+MEASURED_CPU_PER_PART = 0.14
 MEASURED_REST = RestLoad(cpu_per_poll=0.0161, cores_per_agent=0.0009, base_cores=0.017,
                          source="benchmarks/burst.py --rest 30, 16 and 32 agents, 5 and 30 s polls")
 
 
-def measured_capacity(promote_runs: str = "part", hop_task_run: bool = True) -> ServerCapacity:
+def measured_capacity() -> ServerCapacity:
     """The built-in capacity (``MEASURED_SERVER``'s rates) with the runs and the CPU per part of
-    this setting."""
-    if (promote_runs, hop_task_run) not in MEASURED_RUNS:
-        raise BadInput(f"promote runs {promote_runs!r}: one of 'part', 'checkpoint'")
-    f_part, f_ckpt, t_part, t_ckpt = MEASURED_RUNS[(promote_runs, hop_task_run)]
+    the promotion path."""
+    f_part, f_ckpt, t_part, t_ckpt = MEASURED_RUNS
     return replace(MEASURED_SERVER, flow_runs_per_part=f_part, flow_runs_per_checkpoint=f_ckpt,
-                   task_runs_per_part=t_part, task_runs_per_checkpoint=t_ckpt,
-                   cpu_per_part=MEASURED_CPU_PER_PART[promote_runs],
-                   source=f"{MEASURED_SERVER.source}; runs of CKPT_PROMOTE_RUNS={promote_runs}, "
-                          f"CKPT_HOP_TASK_RUN={str(hop_task_run).lower()}")
+                   task_runs_per_part=t_part, task_runs_per_checkpoint=t_ckpt, cpu_per_part=MEASURED_CPU_PER_PART,
+                   source=f"{MEASURED_SERVER.source}; one promote run per checkpoint")
 
 
 SATURATION_LIMIT = 10_000_000  # nodes: past this the model says "not within"

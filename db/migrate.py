@@ -17,7 +17,7 @@ MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 # Alembic (with Mako and what they import: memory in every agent) is imported only to migrate:
 # the schema check every process makes (Catalog.check_schema) reads the scripts' revisions as
-# text and the version table with one query. An agent, its fork server and its warm process
+# text and the version table with one query. An agent, its fork server and its part processes
 # each held those pages for a check that needs neither.
 _REVISION = re.compile(r"""^(down_)?revision\s*(?::[^=\n]*)?=\s*(?:["']([^"']+)["']|None)""", re.MULTILINE)
 

@@ -1,15 +1,14 @@
 """``ckpt agent``: the long-running process on each training node (Prefect ``serve``).
 
 What one agent serves:
-- node-scoped (always): ``promote-checkpoint/<node>``, triggered by ``ckpt.checkpoint.completed``
-  events whose ``ckpt.node`` label is this node (so the Tier 0 -> Tier 1 copy of a part runs
-  where its bytes are); with ``Settings.promote_runs`` = ``checkpoint`` it has no trigger: the
-  agent promotes each part on its event itself, and the part that completes a checkpoint starts
-  the checkpoint's one run of this deployment (deployments/part_events.py);
+- node-scoped (always): ``promote-checkpoint/<node>``, with no trigger: the agent promotes each
+  part of its node on its ``ckpt.checkpoint.completed`` event itself (the Tier 0 -> Tier 1 copy
+  runs where the bytes are), and the part that completes a checkpoint starts the checkpoint's one
+  run of this deployment (deployments/part_events.py); ``ckpt promote`` asks for one by hand;
   and, as plain code in this process rather than a deployment, reconcile every
-  ``reconcile_interval_seconds`` (the safety net for events that never arrived or triggers that
-  never fired; deployments/reconcile_loop.py), which leaves a ``reconcile/<node>`` flow run only
-  when a pass acted.
+  ``reconcile_interval_seconds`` (the safety net for events that never arrived;
+  deployments/reconcile_loop.py), which leaves a ``reconcile/<node>`` flow run only when a pass
+  acted.
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
@@ -33,17 +32,14 @@ parameter schema: a malformed or hostile event then becomes a *failed* flow run 
 says what was wrong (the flow validates), never a silently dropped one, and nothing is copied.
 
 Flow runs execute in subprocesses that inherit this process's environment, so the agent's
-settings (``CKPT_*``) are the flows' settings. With ``fast_path`` (the default) a promote run
-starts the moment it is scheduled, in a warm process of the agent (deployments/fast_path.py);
-the runner's poll stays the fallback, and a promote run it takes starts warm too
-(``serve_runner``, ``runner_warm``).
+settings (``CKPT_*``) are the flows' settings: the runs Prefect's runner starts (``serve``, at its
+poll) and the checkpoints' promote runs the agent starts itself (deployments/processes.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -52,39 +48,10 @@ from core.errors import CkptError
 from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
-from deployments.fast_path import csrf_off_env, fast_path, run_in_warm_process, start_fork_server
 from deployments.part_events import part_events
 from deployments.reconcile_loop import reconciling
-from deployments.tls import share_verified_contexts
 
 log = logging.getLogger("ckpt.agent")
-
-
-def agent_logging(level: str) -> None:
-    """The agent's own lines (the ``ckpt`` and ``core`` loggers) at ``level`` and above, one
-    line each on stderr, through a handler of their own (Prefect's lines keep Prefect's level
-    and format). Forked processes (a part's, a run's) keep it."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
-                                           "%H:%M:%S"))  # as Prefect writes its own
-    for name in ("ckpt", "core"):
-        logger = logging.getLogger(name)
-        logger.setLevel(level)
-        logger.handlers[:] = [handler]
-        logger.propagate = False  # not twice through the root logger's handler
-
-
-def promote_trigger(node: str) -> Any:
-    from prefect.events import DeploymentEventTrigger
-
-    return DeploymentEventTrigger(
-        name=f"promote on {node}",
-        description=f"Promote checkpoint parts committed on {node}'s Tier 0.",
-        expect={events.COMPLETED},
-        match={"ckpt.node": node},
-        parameters={**names.PROMOTE_PARAMETERS, "node": node},
-        within=timedelta(0),
-    )
 
 
 def durable_trigger() -> Any:
@@ -107,9 +74,8 @@ def node_deployments(settings: Settings) -> list[Any]:
 
     node = settings.node
     return [
-        promote_checkpoint.to_deployment(  # checkpoint runs: the agent takes the events itself (part_events)
-            name=node, triggers=[promote_trigger(node)] if settings.promote_runs == "part" else [],
-            enforce_parameter_schema=False,
+        promote_checkpoint.to_deployment(  # no trigger: the agent takes the events itself (part_events)
+            name=node, enforce_parameter_schema=False,
             entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
             description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
         ),
@@ -182,19 +148,13 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
     from prefect import serve
+    from prefect.exceptions import TerminationSignal
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
-    if settings.prefect_reuse:
-        share_verified_contexts()  # before the fork: the warm processes inherit it
-        # asked once here, not by each client of each promote run (before the fork: its settings hold it)
-        os.environ.update(csrf_off_env(settings.prefect_api_url or PREFECT_API_URL.value()))
-    if settings.fast_path:
-        # before any thread: warm processes share the agent's imported pages
-        start_fork_server(prebuild=settings.prefect_reuse)
-    try:  # after the fork server: no catalog connection of this process is inherited by a warm one
+    try:
         for state in init_tiers(settings, actor=f"agent:{settings.node}"):
             log.info("%s", state.line())
     except CkptError as exc:  # an old schema, a catalog down: the steps say so again, and are retried
@@ -204,41 +164,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
-        with part_events(settings) if settings.promote_runs == "checkpoint" else nullcontext(), \
-                reconciling(settings):
-            if settings.fast_path:
-                with fast_path(settings.node, spare=settings.warm_spare, stall_s=settings.copy_stall_seconds):
-                    serve_runner(deployments, limit=limit, warm=settings.runner_warm)
-            else:
+        with part_events(settings), reconciling(settings):
+            try:
                 serve(*deployments, limit=limit, print_starting_message=True)
-
-
-def serve_runner(deployments: list[Any], *, limit: int | None, warm: bool = True) -> None:
-    """Prefect's ``serve``, with one change (``warm``): the runner holds the promote flow itself
-    (``Runner.add_flow`` does the same for the flows given to it), so a promote run its poll
-    takes starts through ``run_flow_in_subprocess``, which the agent routes to the fast path's
-    warm process (``fast_path.run_in_warm_process``), instead of ``python -m prefect.engine`` in
-    a new interpreter. Under a burst the poll takes most runs before their event reaches the
-    fast path's subscription (36 of 64 in the 64-node burst), so this is where the CPU went."""
-    import asyncio
-
-    from prefect.exceptions import TerminationSignal
-    from prefect.runner import Runner, _starter_direct
-
-    from flows.promote import promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
-
-    runner = Runner(pause_on_shutdown=True, limit=limit)
-    for deployment in deployments:
-        deployment_id: Any = runner.add_deployment(deployment)  # a UUID here (a sync caller)
-        if warm and deployment.flow_name == names.PROMOTE_FLOW:
-            runner._deployment_registry.register_flow(deployment_id, promote_checkpoint)
-    if warm:
-        _starter_direct.run_flow_in_subprocess = run_in_warm_process  # type: ignore[assignment]
-    with suppress(Exception):  # the table Prefect prints: cosmetic
-        from prefect.flows import _display_serve_start_message
-
-        _display_serve_start_message(*deployments)
-    try:
-        asyncio.run(runner.start())
-    except (KeyboardInterrupt, TerminationSignal) as exc:
-        log.info("received %s, shutting down", type(exc).__name__)
+            except (KeyboardInterrupt, TerminationSignal) as exc:
+                log.info("received %s, shutting down", type(exc).__name__)

@@ -1,4 +1,5 @@
-"""Names shared by the deployments and their callers (``ckpt promote`` without ``--here``).
+"""Names shared by the deployments and their callers (``ckpt promote`` without ``--here``, the
+agent that starts a checkpoint's promote run).
 
 A Prefect deployment is addressed as ``<flow name>/<deployment name>``. The flow names are
 fixed in ``flows/``; each training node serves its own promote deployment, named after the
@@ -28,16 +29,9 @@ RETENTION_DEPLOYMENT = RETENTION_FLOW + "/" + CLUSTER
 SCRUB_DEPLOYMENT = SCRUB_FLOW + "/" + CLUSTER  # on Settings.scrub_cron
 DRILL_DEPLOYMENT = DRILL_FLOW + "/" + CLUSTER  # on Settings.drill_cron
 
-# Trigger template of the promote deployment: the event's payload, passed through raw (the
+# Trigger template of the archive deployment: the event's payload, passed through raw (the
 # flow validates). Every key has a default: Prefect silently drops a triggered run whose
 # template references a missing key, and a malformed event must give a *failed* run instead.
-PROMOTE_PARAMETERS = {
-    "run": "{{ event.payload.run | default('') }}",
-    "step": "{{ event.payload.step | default('') }}",
-    "part": "{{ event.payload.part | default(0) }}",
-    "parts": "{{ event.payload.parts | default(1) }}",
-    "attempt": "{{ event.payload.attempt | default('') }}",
-}
 ARCHIVE_PARAMETERS = {
     "run": "{{ event.payload.run | default('') }}",
     "step": "{{ event.payload.step | default('') }}",

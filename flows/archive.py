@@ -60,8 +60,8 @@ def archive(settings: Settings, run: str, step: int, *, steps: Steps, actor: str
 
 @flow(name="archive-checkpoint", flow_run_name="archive/{run}/step-{step}")
 def archive_checkpoint(run: str, step: int | str, node: str | None = None) -> dict:
-    """Settings read once here; the steps run as Prefect tasks (each part's upload in this run's
-    body with ``Settings.hop_task_run`` off: ``task_steps``); a table artifact per archive.
+    """Settings read once here; the steps run as Prefect tasks, each part's upload in this run's
+    body (``task_steps``); a table artifact per archive.
     Parameters may arrive as strings (event trigger templates); a malformed one fails the run
     with a rejection audited in the catalog."""
     settings = load_settings(**({"node": node} if node else {}))

@@ -90,9 +90,8 @@ class Steps:
 
 def step_tasks() -> dict[str, Any]:
     """The one registry of pipeline steps: field name of ``Steps`` -> its Prefect task (the
-    plain function is the task's ``.fn``). A hop of one part is one step (``tasks.hop``): one task
-    run, or none with ``Settings.hop_task_run`` off (``task_steps``): a task run costs the flow
-    round trips and the server ingest, which a burst of N parts pays N times."""
+    plain function is the task's ``.fn``). A hop of one part is one step (``tasks.hop``), which a
+    flow runs in its own body (``task_steps``), not as a task run."""
     registry = Steps(register=register_stored_part_task, verify=verify_task, mark_complete=mark_complete_task,
                      plan_retention=plan_retention_task, prune=prune_task, tier1_hop=tier1_hop_task,
                      tier2_hop=tier2_hop_task)  # mypy checks each task against its member's type
@@ -117,23 +116,23 @@ PART_HOPS = ("tier1_hop", "tier2_hop")  # the steps that run once per part of a 
 
 def task_steps(settings: Settings | None = None) -> Steps:
     """The steps a flow runs, with the configured retry budget (``Settings.task_retries``...):
-    Prefect tasks; with ``Settings.hop_task_run`` off, the hops of a part (``PART_HOPS``) run inline
-    in the flow run under the same policy (``tasks.retry.retrying``): they run once per part of
-    every checkpoint (the archive's once per part of a milestone), and each task run is a run
-    record and three state events more for the orchestrator, per part."""
+    Prefect tasks, except the hops of a part (``PART_HOPS``), which run in the caller's body under
+    the same policy (``tasks.retry.retrying``, each retry a line of the run's log, each hop a row
+    of the run's hop table): they run once per part of every checkpoint (the archive's once per
+    part of a milestone), and a task run is a run record and three state events more for the
+    orchestrator, per part, which a burst of N nodes pays N times."""
     r = settings.task_retries if settings is not None else DEFAULT_RETRIES
     d = settings.task_retry_delay_seconds if settings is not None else DEFAULT_BASE_DELAY_S
-    return _task_steps(r, d, settings.hop_task_run if settings is not None else True)
+    return _task_steps(r, d)
 
 
 @lru_cache(maxsize=8)
-def _task_steps(retries: int, base_delay: float, hop_task_run: bool) -> Steps:
+def _task_steps(retries: int, base_delay: float) -> Steps:
     """Built once per retry budget and process (``Task.with_options`` costs ~2 ms a task)."""
     tasks = step_tasks()
     steps = {name: with_policy(task, retries, base_delay) for name, task in tasks.items()}
-    if not hop_task_run:
-        steps.update({name: retrying(tasks[name].fn, name=tasks[name].name, retries=retries, base_delay=base_delay)
-                      for name in PART_HOPS})
+    steps.update({name: retrying(tasks[name].fn, name=tasks[name].name, retries=retries, base_delay=base_delay)
+                  for name in PART_HOPS})
     return Steps(**steps)
 
 

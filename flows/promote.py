@@ -3,8 +3,7 @@ and prune.
 
 register (Tier 0 manifest -> catalog) -> verify Tier 0 (recorded as a verified replica on
 this node) -> copy to Tier 1 (claimed, read back, published manifest last), as one step
-(``tasks.hop``: one task run per part, or run in the flow run's own body under the same retry
-policy with ``Settings.hop_task_run`` off) -> when the catalog reports every part verified on
+(``tasks.hop``, under the task retry policy, no task run of its own) -> when the catalog reports every part verified on
 Tier 1 (``complete_on_tier``), the caller that takes the checkpoint's follow-ups (any caller
 that finds them not recorded done and not under a live lease: a retry, a duplicate event or
 reconcile finishes what a killed one left): archive a milestone to Tier 2, announce
@@ -14,9 +13,10 @@ A part already verified on Tier 1 (a repeated or concurrent event) skips the cop
 number of promotions of the same part leave one set of copies and the same catalog state. A
 corrupt source stops at verify: nothing is copied, nothing else changes.
 
-With ``Settings.promote_runs`` = ``checkpoint`` a part has no run: the node's agent runs its hop
-on the event (``promote_in_agent``) and the part that completes the checkpoint asks for one run
-of this flow, which finds its part on Tier 1 and takes the follow-ups: one run per checkpoint.
+A part has no run: the node's agent runs its hop on the event (``promote_in_agent``) and the
+part that completes the checkpoint asks for one run of this flow, which finds its part on Tier 1,
+takes the follow-ups and shows every part's hop in its hop table (``tasks.hop.tier1_hop_rows``):
+one run per checkpoint (a flow run costs the orchestrator more than a part's hop costs the node).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import run_retention
 from flows.status import publish_run_status
 from tasks.base import HopResult
+from tasks.hop import tier1_hop_rows
 from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done, followups_open
 from tasks.register import attempt_arg, checkpoint_args, reject_event
@@ -106,12 +107,12 @@ FollowupsRequest = Callable[[str, int, int, int, str], None]
 
 def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
                      request_followups: FollowupsRequest) -> PromoteResult:
-    """The promotion of one part with no flow run of its own (``Settings.promote_runs`` =
-    ``checkpoint``): what a node's agent runs for each completed event of its node
-    (deployments/part_events.py), ``payload`` the event's. The part's hop (``tasks.hop``:
-    register, copy to Tier 1 checking Tier 0 on the way, read back, mark complete) runs under the
-    task retry policy (``tasks.retry.retrying``) at the copy priority, its facts announced through
-    the caller's announcer (the agent's: ``emit``), as in a promote run. The one caller per
+    """The promotion of one part with no flow run of its own: what a node's agent runs for each
+    completed event of its node (deployments/part_events.py), ``payload`` the event's. The part's
+    hop (``tasks.hop``: register, copy to Tier 1 checking Tier 0 on the way, read back, mark
+    complete) runs under the task retry policy (``tasks.retry.retrying``) at the copy priority,
+    its facts announced through the caller's announcer (the agent's: ``emit``), as in a promote
+    run. The one caller per
     checkpoint that records it complete on Tier 1 (``Tier1Hop.durable``) then asks for the
     checkpoint's one promote run (``request_followups(run, step, part, parts)``), which finds this
     part on Tier 1 and takes the follow-ups (``follow_up``) as any promote run does. Not only the
@@ -128,9 +129,9 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
     except BadEvent as exc:
         reject_event(settings, f"promote {payload.get('run')!r} step {payload.get('step')!r}", exc, actor=actor)
         raise
-    # the hop as a flow runs it inline (Settings.hop_task_run off): the registry's step and retry policy
-    inline = task_steps(settings.model_copy(update={"hop_task_run": False}))
-    hop = inline.tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor, attempt=attempt)
+    # the hop as a flow runs it, inline: the registry's step and retry policy
+    hop = task_steps(settings).tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor,
+                                         attempt=attempt)
     if followups_open(settings, hop.checkpoint_id):
         request_followups(run, step, part, hop.parts, attempt)
     return PromoteResult(run, step, part, hop.parts, hop.checkpoint_id, hops=hop.hops)
@@ -169,9 +170,9 @@ def run_name(params: dict[str, Any]) -> str:
 @flow(name="promote-checkpoint")  # named from its body (name_this_run), not with flow_run_name
 def promote_checkpoint(run: str, step: int | str, part: int | str = 0, parts: int | str = 1,
                        node: str | None = None, attempt: str = "") -> dict:
-    """Settings read once here; the steps run as Prefect tasks (the part's hop in this run's body
-    with ``Settings.hop_task_run`` off: ``task_steps``); a table artifact per promotion,
-    and, by the promotion that made the checkpoint durable, the run's status page
+    """Settings read once here; the steps run as Prefect tasks (the part's hop in this run's body:
+    ``task_steps``); a table artifact per promotion (by the promotion that made the checkpoint
+    durable: every part's hop, ``tier1_hop_rows``, and the archive's), and the run's status page
     (``run-<name>``, flows/status.py) republished; all posted on background threads while the
     promotion goes on, waited for at the end (``artifact_batch``), as is the run's name
     (``run_name``: ``promote/<run>/step-<step>``, set from here so that Prefect's rename is not
@@ -202,7 +203,10 @@ def _promote_checkpoint(run: str, step: int | str, part: int | str, parts: int |
         def durable(result: PromoteResult) -> None:
             # posted while retention runs (which keeps the newest checkpoints the page shows); the
             # run's status page (key run-<name>) changes when a checkpoint does, not with each part
-            show(result)
+            parts = tier1_hop_rows(settings, run, step, result.checkpoint_id)
+            archived = hop_rows(result.archive.hops) if result.archive else []
+            publish_table(artifact_key("promote", run, step, part), parts + archived,
+                          f"promotion of {run} step {step}: its {result.parts} part(s)")
             publish_run_status(settings, run, durable_steps=(result.step,))
 
         result = promote(settings, run, step, part, parts, steps=task_steps(settings), node=settings.node,

@@ -6,23 +6,25 @@ Each piece is its own plain step (``register_stored_part``, ``promote_part``, ``
 idempotent and claimed in the catalog, so the hop is one unit of retry: a retry registers
 again (a no-op), re-reads Tier 0 and finds the copy done or takes it over. ``promote_part``
 reads Tier 0 once: the copy checks every byte against the manifest on its way to Tier 1 and
-that is the Tier 0 verify (``tasks.copy``); the hop list still shows both. As one step it
-costs the orchestrator one task run per part instead of four, or none with
-``Settings.hop_task_run`` off (the flows run it inline under the task policy:
-``flows.common.task_steps``): a task run costs the flow round trips and the server its ingest (a
-task run record and three state events), which a 64-node burst pays 64 times. What each piece
-did is in the hop list the flow publishes. ``tier2_hop`` (a part of a milestone's archive, run by
-the one caller that takes the checkpoint's follow-ups) runs the same way.
+that is the Tier 0 verify (``tasks.copy``); the hop list still shows both. As one step it runs
+inline under the task policy (``flows.common.task_steps``; the node's agent runs a part's with no
+flow run at all: ``flows.promote.promote_in_agent``), never as a task run of its own: a task run
+costs the flow round trips and the server its ingest (a task run record and three state events),
+which a burst pays once per node. What each piece did is in the hop list the flow publishes.
+``tier2_hop`` (a part of a milestone's archive, run by the one caller that takes the
+checkpoint's follow-ups) runs the same way.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.settings import Settings
 from core.transfer import run_at
-from db.entities import CKPT_SUPERSEDED
-from tasks.base import HopResult, copy_priority
+from db.entities import CKPT_SUPERSEDED, COPYING
+from tasks.base import HopResult, copy_priority, open_catalog
 from tasks.copy import promote_part, upload_to_tier2
 from tasks.record import mark_complete
 from tasks.register import register_stored_part
@@ -77,3 +79,24 @@ def tier2_hop(settings: Settings, run: str, step: int, part: int = 0, *, node: s
 
 tier1_hop_task = pipeline_task(tier1_hop, name="tier0-to-tier1")
 tier2_hop_task = pipeline_task(tier2_hop, name="tier1-to-tier2")
+
+
+def tier1_hop_rows(settings: Settings, run: str, step: int, checkpoint_id: int) -> list[dict[str, Any]]:
+    """Every part's Tier 0 -> Tier 1 hop of the checkpoint as the catalog holds it, one row per
+    part, for its promote run's hop table: the parts were promoted by their nodes' agents with no
+    run of their own, so this is where the UI shows them, under their checkpoint. ``attempts``
+    counts the claims of the part's Tier 1 copy (a retry, or another worker taking a stalled copy
+    over, claims it again); each retry's reason is a line of that node's agent log."""
+    with open_catalog(settings.catalog_url) as cat:
+        replicas = cat.replicas(checkpoint_id, tier=1)
+        nodes = {r.part: r.node for r in cat.replicas(checkpoint_id, tier=0)}  # where each was promoted from
+        claims = Counter(e.subject for e in cat.history(run, step) if e.to_state == COPYING)
+    rows = []
+    for rep in sorted(replicas, key=lambda r: r.part):
+        hop = HopResult(hop="tier 0 -> tier 1", run=run, step=step, part=rep.part, files=0, bytes=rep.bytes or 0,
+                        seconds=rep.copy_seconds or 0.0)
+        row = hop.row()
+        del row["files"], row["skipped"]
+        rows.append({**row, "node": nodes.get(rep.part) or "", "state": rep.state,
+                     "attempts": claims[f"replica:{rep.id}"]})
+    return rows

@@ -3,9 +3,8 @@ jitter; permanent ones (corrupt data, bad input, a refused prune) fail the step 
 
 A step runs under it either as a Prefect task (``pipeline_task``: Prefect retries the task run)
 or inline in the caller's run (``retrying``: the same policy in a plain loop, each retry logged
-to the run): with ``Settings.hop_task_run`` off, the steps that run once per part of a
-checkpoint, its hops to Tier 1 and Tier 2, run inline, so that a checkpoint of N parts does not
-cost the orchestrator N task runs.
+to the run): the steps that run once per part of a checkpoint, its hops to Tier 1 and Tier 2,
+run inline, so that a checkpoint of N parts does not cost the orchestrator N task runs.
 
 Results are neither cached nor persisted: a step's truth lives in the catalog and on the
 tiers, and a rerun must look again rather than replay an old answer.

@@ -50,8 +50,6 @@ def plan_cmd(
                               "checkpoint burst of this many nodes on one Prefect server"),
     burst_report: Path | None = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
-    promote_runs: str | None = typer.Option(None, "--promote-runs", help="'part' or 'checkpoint': the runs "
-                                     "modelled [CKPT_PROMOTE_RUNS of this environment]"),
     poll_seconds: float | None = typer.Option(None, "--poll-seconds", min=0.1, help="how often each agent's "
                                        "runner polls the server [PREFECT_RUNNER_POLL_FREQUENCY, else 5]"),
     server_cores: float = typer.Option(1.0, "--server-cores", min=0.1, help="cores of the Prefect server's "
@@ -99,7 +97,7 @@ def plan_cmd(
         elif tier1_read is None:
             sources.append(BandwidthSource("Tier 1 read", None, "default", 0, "the write bandwidth of each row (no "
                                            "restore drill from Tier 1 recorded over the last day)"))
-    load = _load(nodes, secs, burst_report, promote_runs, poll_seconds, server_cores) if nodes is not None else None
+    load = _load(nodes, secs, burst_report, poll_seconds, server_cores) if nodes is not None else None
     model = _recovery_model(tier0_read, tier1_read, s3_streams, s3_stream, node_link, tier1_measured)
     failures_every = sizing.parse_duration(mtbf, "MTBF") if mtbf is not None else None
     recovery = [_recovery(p, nodes or 1, model, failures_every) for p in plans]
@@ -179,19 +177,16 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _load(nodes: int, secs: float, burst_report: Path | None, promote_runs: str | None, poll_seconds: float | None,
+def _load(nodes: int, secs: float, burst_report: Path | None, poll_seconds: float | None,
           server_cores: float) -> OrchestrationLoad:
-    """The orchestration load of ``nodes`` under the settings of this environment (promote runs,
-    hop task runs, the runners' poll), or of a burst report."""
-    from core.settings import load_settings  # deferred: start-up — pydantic-settings
-
-    settings = load_settings()
+    """The orchestration load of ``nodes`` under the runners' poll of this environment, with the
+    built-in measurement or a burst report's."""
     rest: sizing.RestLoad | None = sizing.MEASURED_REST
     if burst_report is not None:
         report = json.loads(burst_report.read_text())
         capacity, rest = sizing.capacity_from_report(report), sizing.rest_from_report(report)
     else:
-        capacity = sizing.measured_capacity(promote_runs or settings.promote_runs, settings.hop_task_run)
+        capacity = sizing.measured_capacity()
     if poll_seconds is None:
         poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", "5")
         try:
@@ -348,12 +343,14 @@ def agent_cmd(
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
-    """Serve the deployments on this node until interrupted: promote (on each checkpoint's
-    event), and unless --node-only archive (on its event), retention, scrub and the restore
-    drill (cron); reconcile runs in this process every reconcile_interval_seconds and leaves
-    a flow run only when it acted."""
+    """Promote this node's checkpoint parts on their events (one promote run per checkpoint) and
+    serve the deployments on this node until interrupted: promote (started by the agent), and
+    unless --node-only archive (on its event), retention, scrub and the restore drill (cron);
+    reconcile runs in this process every reconcile_interval_seconds and leaves a flow run only
+    when it acted."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
-    from deployments.agent import agent_logging, serve_agent  # deferred: start-up — pydantic-settings; Prefect
+    from deployments.agent import serve_agent  # deferred: start-up — pydantic-settings; Prefect
+    from deployments.processes import agent_logging  # deferred: start-up — the agent alone needs it
 
     settings = load_settings(**({"node": node} if node else {}))
     agent_logging(settings.log_level)

@@ -1,13 +1,14 @@
-"""One flow run per checkpoint, end to end: an agent with ``CKPT_PROMOTE_RUNS=checkpoint`` on a
-real Prefect server promotes its node's parts on their completed events with no run of their
-own, and the checkpoint gets exactly one promote run, which makes it durable.
+"""One flow run per checkpoint, end to end: an agent on a real Prefect server promotes its node's
+parts on their completed events with no run of their own, and the checkpoint gets exactly one
+promote run, which makes it durable and shows every part's hop.
 
-The agent's runner polls once an hour, so the one run is started by the fast path, and a
-run per part (the trigger of ``promote_runs=part``) would show up as a second run.
+The agent's runner polls once an hour, so the one run is started by the agent itself (not the
+runner's poll), and a run per part would show up as a second run.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -28,7 +29,7 @@ RUN = f"run-cr-{uuid.uuid4().hex[:4]}"
 def agents(prefect_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoint-runs")
     a = start_agents(prefect_server, root, (NODE,), catalog_url=f"sqlite:///{root / 'catalog.db'}", s3_url=None,
-                     bucket=None, extra={"CKPT_PROMOTE_RUNS": "checkpoint", "PREFECT_RUNNER_POLL_FREQUENCY": "3600"})
+                     bucket=None, extra={"PREFECT_RUNNER_POLL_FREQUENCY": "3600"})
     yield a
     a.stop()
 
@@ -72,6 +73,13 @@ def test_a_checkpoint_of_parts_is_one_promote_run_and_its_parts_none(agents):
     runs = wait_for("its run finished", lambda: (rs := _runs(agents, 1)) and all(finished(r) for r in rs) and rs,
                     agents=agents)
     assert [r["state_type"] for r in runs] == ["COMPLETED"]  # one run for the checkpoint, none per part
+    # its hop table: each part's hop to Tier 1, with its copy attempts, under the checkpoint's run
+    r = httpx.post(f"{agents.api_url}/artifacts/filter", headers=auth_headers(), timeout=10,
+                   json={"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}, "type": {"any_": ["table"]}}})
+    (table,) = r.json()
+    rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
+    assert sorted((h["part"], h["state"], h["attempts"]) for h in rows if h["hop"] == "tier 0 -> tier 1") == [
+        (0, "verified", 1), (1, "verified", 1)]
     cat = agents.catalog()
     try:
         ck = cat.get_checkpoint(RUN, 1)
@@ -115,3 +123,23 @@ def test_a_malformed_event_is_recorded_and_the_next_checkpoint_still_promoted(ag
     assert len(rejected) == 1 and "malformed checkpoint reference" in (rejected[0].reason or "")
     assert _runs(agents, 2) == []  # the malformed event is no run
     assert "rejected event: malformed checkpoint reference" in agents.logs()
+
+
+def test_a_checkpoint_run_whose_process_died_is_recorded_crashed(agents):
+    """What the agent does when a checkpoint run's process ends before the run (killed when it
+    stalled, out of memory): the run is ``Crashed`` with the reason, not left running for ever."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Pending
+
+    from deployments.processes import crash_checkpoint_run
+    from flows.promote import followups_key
+
+    with temporary_settings(updates={PREFECT_API_URL: agents.api_url}), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(names.promote_deployment(NODE))
+        flow_run = client.create_flow_run_from_deployment(
+            deployment.id, parameters={"run": RUN, "step": 9, "node": NODE}, state=Pending(),
+            idempotency_key=followups_key(RUN, 9))
+        crash_checkpoint_run(NODE, RUN, 9, "", "its process exited with code -9")
+        state = client.read_flow_run(flow_run.id).state
+    assert state is not None and state.is_crashed() and state.message == "its process exited with code -9"

@@ -85,9 +85,9 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     result = state.result()
     assert result["durable"] and result["archive"]["archived"]
     assert flow_run_of(state).name == f"promote/{run}/step-100"
-    # one task run per hop of a part (the orchestrator's cost per part), then the checkpoint's own
+    # the hops of a part run in the run's body (no task run per part); the checkpoint's own steps are tasks
     tasks = sorted(task_runs_of(state.state_details.flow_run_id))
-    assert tasks == ["mark-complete", "plan-retention", "tier0-to-tier1", "tier1-to-tier2"], tasks
+    assert tasks == ["mark-complete", "plan-retention"], tasks
     assert {(t, p): s for (t, p), s in replica_states(settings, run, 100).items()} == {
         (0, 0): "verified", (1, 0): "verified", (2, 0): "verified"}
     with open_catalog(settings) as cat:  # who acted: an event's run, and which one
@@ -96,7 +96,9 @@ def test_promote_flow_through_three_tiers(env_settings, s3_endpoint, s3_bucket, 
     table = Artifact.get(f"promote-{run}-100-0")
     assert table is not None and table.type == "table"
     hops = json.loads(table.data) if isinstance(table.data, str) else table.data
-    assert {h["hop"] for h in hops} >= {"verify tier 0", "tier 0 -> tier 1", "tier 1 -> tier 2"}
+    (part,) = [h for h in hops if h["hop"] == "tier 0 -> tier 1"]  # every part's, here the one
+    assert (part["part"], part["state"], part["attempts"], part["node"]) == (0, "verified", 1, settings.node)
+    assert part["bytes"] > 0 and {h["hop"] for h in hops} >= {"tier 1 -> tier 2"}
     page = Artifact.get(f"run-{run}")  # the run's status page, republished when a checkpoint becomes durable
     assert page is not None and page.type == "markdown"
     for row in ("| Tier 0 (node NVMe) | 100 |", "| Tier 1 (shared FS) | 100 |", "| Tier 2 (object store) | 100 |"):
@@ -130,33 +132,6 @@ def test_the_status_page_is_republished_by_the_part_that_makes_the_checkpoint_du
     assert second.result()["durable"]
     page = Artifact.get(f"run-{run}")
     assert page is not None and "| Tier 1 (shared FS) | 100 |" in page.data, page and page.data
-
-
-def test_a_transient_failure_is_retried_by_the_task(env_settings, prefect_server):
-    """Another worker's live claim (CopyInProgress) makes the copy task retry; once that worker
-    lets go (released here only after the task was seen waiting for its retry, so no wall-clock
-    race decides the outcome), a retry copies."""
-    from tasks.register import register_stored_part
-
-    settings = env_settings(task_retries=6, task_retry_delay_seconds=1.0)
-    write_checkpoint(settings.tier0_url, RUN, 100)
-    register_stored_part(settings, RUN, 100)
-    cat = open_catalog(settings)
-    ck = cat.get_checkpoint(RUN, 100)
-    other = cat.claim_copy(ck.id, 1, 0, "elsewhere", node=None, actor="other", lease_seconds=3600)
-    assert other.acquired
-
-    def a_retry_waits() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not awaiting_retry(prefect_server, "tier0-to-tier1"):
-            time.sleep(0.2)
-
-    state = promote_once_the_claim_goes(RUN, cat, other, a_retry_waits)
-
-    assert state.is_completed(), state.message
-    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
-    assert hop.run_count > 1
-    assert replica_states(settings, RUN, 100)[(1, 0)] == "verified"
 
 
 def promote_once_the_claim_goes(run: str, cat, other, wait):
@@ -223,16 +198,18 @@ def run_log(api: str, flow_run_id) -> list[str]:
     return [log["message"] for log in r.json()]
 
 
-def test_with_hop_task_runs_off_the_hops_run_in_the_flow_run_and_retry_there(env_settings, s3_endpoint, s3_bucket,
-                                                                              prefect_server, retry_waits):
-    """``CKPT_HOP_TASK_RUN=false`` (large clusters): a milestone's Tier 1 hop and Tier 2 upload run
-    in the promote run's body, no task run of their own; another worker's live claim
-    (CopyInProgress) makes the hop retry there (the claim released only once a retry waits, so no
-    wall-clock race decides the outcome), the retry copies, and the run's log says it retried."""
+def test_the_hops_run_in_the_flow_run_and_a_transient_failure_retries_there(env_settings, s3_endpoint, s3_bucket,
+                                                                             prefect_server, retry_waits):
+    """A milestone's Tier 1 hop and Tier 2 upload run in the promote run's body, no task run of
+    their own; another worker's live claim (CopyInProgress) makes the hop retry there (the claim
+    released only once a retry waits, so no wall-clock race decides the outcome), the retry
+    copies, the run's log says it retried and its hop table counts the part's copy attempts."""
+    from prefect.artifacts import Artifact
+
     from tasks.register import register_stored_part
 
     run = f"run-{uuid.uuid4().hex[:8]}"
-    settings = env_settings(runs=(run,), hop_task_run=False, task_retries=6, task_retry_delay_seconds=1.0,
+    settings = env_settings(runs=(run,), task_retries=6, task_retry_delay_seconds=1.0,
                             tier2_url=f"s3://{s3_bucket}/inline", s3_endpoint_url=s3_endpoint)
     write_checkpoint(settings.tier0_url, run, 100, kind="milestone")
     register_stored_part(settings, run, 100)
@@ -252,6 +229,10 @@ def test_with_hop_task_runs_off_the_hops_run_in_the_flow_run_and_retry_there(env
     retried = [line for line in run_log(prefect_server, state.state_details.flow_run_id) if "; retry " in line]
     assert len(retried) == len(waits), retried
     assert retried[0].startswith("tier0-to-tier1: CopyInProgress: ") and "retry 1 of 6 in " in retried[0], retried
+    table = Artifact.get(f"promote-{run}-100-0")
+    hops = json.loads(table.data) if isinstance(table.data, str) else table.data
+    (part,) = [h for h in hops if h["hop"] == "tier 0 -> tier 1"]
+    assert part["attempts"] == 2  # the other worker's claim, then this run's retry's
 
 
 def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
@@ -267,8 +248,7 @@ def test_a_corrupt_source_fails_the_flow_at_once_and_keeps_tier0(env_settings):
 
     assert state.is_failed()
     assert time.monotonic() - started < 5  # no retry delay was waited
-    hop = task_runs_of(state.state_details.flow_run_id)["tier0-to-tier1"]
-    assert hop.run_count == 1
+    assert "tier0-to-tier1" not in task_runs_of(state.state_details.flow_run_id)  # run in its body, tried once
     assert "crc32c" in (state.message or "") or "CorruptCheckpoint" in (state.message or "")
     assert ckpt_dir(settings.tier0_url, RUN, 100).is_dir()
     assert not ckpt_dir(settings.tier1_url, RUN, 100).exists()
@@ -395,7 +375,7 @@ def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_stat
 
 
 def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_settings, s3_endpoint, s3_bucket,
-                                                                           monkeypatch):
+                                                                           monkeypatch, prefect_server):
     import functools
 
     from core.storage.s3 import S3Store
@@ -415,8 +395,8 @@ def test_persistent_s3_failure_fails_the_flow_after_retries_and_keeps_tier0(env_
         proxy.close()
 
     assert state.is_failed()
-    upload = task_runs_of(state.state_details.flow_run_id)["tier1-to-tier2"]
-    assert upload.run_count == 3  # the first try and both retries
+    retried = [line for line in run_log(prefect_server, state.state_details.flow_run_id) if "; retry " in line]
+    assert [line.split(":")[0] for line in retried] == ["tier1-to-tier2"] * 2, retried  # the first try, 2 retries
     states = replica_states(settings, RUN, 100)
     assert states[(0, 0)] == "verified" and states[(1, 0)] == "verified" and states[(2, 0)] != "verified"
     assert len(shard_paths(settings.tier0_url, RUN, 100)) == 2  # Tier 0 not pruned

@@ -1,5 +1,6 @@
 """What `ckpt agent` serves, read off the deployments it builds (no Prefect server): the
-scheduled scrub and restore drill run cluster-wide on the configured crons."""
+scheduled scrub and restore drill run cluster-wide on the configured crons; no event makes a
+promote run."""
 
 from __future__ import annotations
 
@@ -78,18 +79,8 @@ def test_malformed_events_name_their_promote_runs_readably():
     assert bad.startswith("promote/malformed-event/") and "//" not in bad
 
 
-def test_with_checkpoint_runs_the_promote_deployment_has_no_trigger(settings_factory):
-    """``CKPT_PROMOTE_RUNS=checkpoint``: the agent takes its parts' events itself, so an event is
-    never also a run; the default keeps the trigger of a run per part, for this node's parts only."""
-    from prefect.events.schemas.events import Resource
-
-    from core import events
-
-    per_part = _by_full_name(build_deployments(settings_factory(node=NODE), node_only=True))
-    (trigger,) = per_part[names.promote_deployment(NODE)].triggers
-    ev = events.build_event(events.COMPLETED, "run-a", 5, node=NODE)
-    assert trigger.expect == {events.COMPLETED} and trigger.match.matches(Resource(ev["resource"]))
-
-    per_checkpoint = _by_full_name(build_deployments(settings_factory(node=NODE, promote_runs="checkpoint"),
-                                                     node_only=True))
-    assert per_checkpoint[names.promote_deployment(NODE)].triggers == []
+def test_the_promote_deployment_has_no_trigger(settings_factory):
+    """The agent takes its parts' events itself (deployments/part_events.py): an event is never
+    also a run; a checkpoint's one run is the one the agent creates."""
+    built = _by_full_name(build_deployments(settings_factory(node=NODE), node_only=True))
+    assert built[names.promote_deployment(NODE)].triggers == []

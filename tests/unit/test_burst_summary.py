@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from benchmarks.burst import Phase, agents_that_fit, cpu_between, last_line, report, started_by
-from deployments.fast_path import claim_message
+from benchmarks.burst import Phase, agents_that_fit, cpu_between, last_line, report
 
 
 def _phase(**kw) -> Phase:
@@ -49,8 +48,8 @@ def test_agents_that_fit_in_the_memory_share():
 
 
 def test_cpu_of_a_process_reaped_during_the_burst_is_counted_once_through_its_reaper():
-    # the fork server (10) forks warm process 11 before the burst; 11 runs a flow (4 s after 0.5 s of
-    # warm-up) and exits, reaped: its 4.5 s land in 10's children's time; 12 is the next warm process
+    # the fork server (10) forked part process 11 before the reading; 11 promotes (4 s after 0.5 s
+    # before it) and exits, reaped: its 4.5 s land in 10's children's time; 12 is the next part's
     before = {10: 1.0, 11: 0.5}
     after = {10: 1.0 + 0.2 + 4.5, 12: 0.1}  # 11 is gone: /proc has nothing, proc_cpu would read 0
     assert cpu_between(before, after) == 0.2 + 4.0 + 0.1  # the server's own 0.2, the flow's 4.0, the new 0.1
@@ -59,22 +58,13 @@ def test_cpu_of_a_process_reaped_during_the_burst_is_counted_once_through_its_re
 
 def test_report_splits_the_cpu_and_the_agent_s_memory_by_role():
     p = _phase(cpu_by_role={"server": 64.0, "agents": 128.0, "database": 8.0},
-               agent_pss_by_role={"agent": 71.0, "fork server": 47.0, "warm process": 51.0, "resource tracker": 7.0})
+               agent_pss_by_role={"agent": 71.0, "fork server": 47.0, "part process": 51.0, "resource tracker": 7.0})
     out = report([p])
     assert "1.00 / 2.00 / 0.12" in out and "71 / 47 / 51 / 7 MB" in out
     assert "PSS per node agent (--node-only), at rest" in out and "-" in out.splitlines()[-1]  # one agent: none
     p.node_agent_pss_by_role = {"agent": 62.0, "fork server": 46.0}
     out = report([p])
     assert "108 MB" in out and "62 / 46 / 0 / 0 MB" in out
-
-
-def test_runs_are_counted_by_the_path_that_started_them():
-    # the fast path's claim names its node; the runner's poll leaves its own message or none;
-    # a run that never went Pending was started by neither and is counted against the fast path
-    msgs = [claim_message("b1-n00"), claim_message("b1-n07"), "", "Flow run submitted by runner", None]
-    assert started_by(msgs) == {"fast path": 2, "runner": 3}
-    assert "promote runs started: fast path / runner" in report([_phase(started_by=started_by(msgs))])
-    assert "2 / 3" in report([_phase(started_by=started_by(msgs))])
 
 
 def test_cpu_above_rest_takes_off_what_the_idle_stack_spends_over_the_same_span():

@@ -1,5 +1,6 @@
 """deployments/prefect.yaml (work pools and workers) describes the same deployments as
-`ckpt agent`: the same flows, names, triggers, templates and schedules."""
+`ckpt agent`: the same flows, names, triggers, templates and schedules (no trigger makes a
+promote run: the node's agent starts a checkpoint's one run itself)."""
 
 from __future__ import annotations
 
@@ -58,14 +59,12 @@ def test_triggers_validate_and_template_every_key_with_a_default(deployments):
     by_name = _by_full_name(deployments)
     promote = by_name[names.promote_deployment(NODE)]
     archive = by_name[names.ARCHIVE_DEPLOYMENT]
-    (pt,), (at,) = promote["triggers"], archive["triggers"]
-    for spec in (pt, at):
-        trigger = adapter.validate_python(spec)  # what `prefect deploy` does with it
-        for key, template in trigger.parameters.items():
-            if "event." in template:
-                assert "| default(" in template, f"{key}: a missing key would silently drop the run"
-    assert pt["expect"] == [events.COMPLETED] and pt["match"] == {"ckpt.node": NODE}
-    assert pt["parameters"] == {**names.PROMOTE_PARAMETERS, "node": NODE}
+    assert "triggers" not in promote  # an event is never a promote run of its own
+    (at,) = archive["triggers"]
+    trigger = adapter.validate_python(at)  # what `prefect deploy` does with it
+    for key, template in trigger.parameters.items():
+        if "event." in template:
+            assert "| default(" in template, f"{key}: a missing key would silently drop the run"
     assert at["expect"] == [events.DURABLE] and at["parameters"] == names.ARCHIVE_PARAMETERS
     # raw values pass through; the flows validate them (a failed run, not a dropped one)
     assert promote["enforce_parameter_schema"] is False and archive["enforce_parameter_schema"] is False
@@ -110,10 +109,7 @@ def test_agent_builds_the_same_triggers(settings_factory):
 
     built = {f"{d.flow_name}/{d.name}": d for d in build_deployments(settings_factory(node=NODE))}
     promote = built[names.promote_deployment(NODE)]
-    (trigger,) = promote.triggers
-    assert trigger.parameters == {**names.PROMOTE_PARAMETERS, "node": NODE}
-    assert trigger.match.model_dump() == {"ckpt.node": NODE}
-    assert promote.enforce_parameter_schema is False
+    assert promote.triggers == [] and promote.enforce_parameter_schema is False
     assert set(built) == {names.promote_deployment(NODE),
                           names.ARCHIVE_DEPLOYMENT, names.RETENTION_DEPLOYMENT,
                           names.SCRUB_DEPLOYMENT, names.DRILL_DEPLOYMENT}

@@ -124,7 +124,7 @@ LIGHT: dict[str, tuple[str, ...]] = {
     "ckpt.integrations.hf": ("boto3", "torch", "transformers"),
     "ckpt.integrations.lightning": ("fsspec", "lightning", "torch", "transformers"),
     "deployments.agent": (),
-    "deployments.fast_path": (),
+    "deployments.processes": (),
     "core.events": (),
 }
 EXTRAS = {"ckpt.integrations.hf": ("torch", "transformers"), "ckpt.integrations.lightning": ("torch", "lightning")}

@@ -63,8 +63,8 @@ def test_an_agent_and_its_warm_processes_never_load_alembic(tmp_path):
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     upgrade(url)
     code = ("import importlib, sys\n"
-            "from deployments.fast_path import WARM_IMPORTS\n"
-            "for m in WARM_IMPORTS + ('deployments.agent', 'prefect.runner'):\n"
+            "from deployments.processes import PRELOAD\n"
+            "for m in PRELOAD + ['deployments.agent', 'prefect.runner']:\n"
             "    importlib.import_module(m)\n"
             "from db.catalog import Catalog, preload\n"
             "preload()\n"

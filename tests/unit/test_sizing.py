@@ -113,14 +113,10 @@ def test_saturation_is_the_first_cluster_whose_burst_fills_the_interval():
 
 
 def test_one_run_per_checkpoint_costs_the_same_runs_at_any_size():
-    cap = sizing.measured_capacity("checkpoint", hop_task_run=False)
+    cap = sizing.measured_capacity()
     for n in (8, 64, 4096):
         load = sizing.OrchestrationLoad(n, 1800, cap)
         assert (load.flow_runs_per_burst, load.task_runs_per_burst) == (1, 2)
-    per_part = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity("part", hop_task_run=True))
-    assert (per_part.flow_runs_per_burst, per_part.task_runs_per_burst) == (64, 130)  # as burst.py counted
-    with pytest.raises(BadInput, match="one of 'part', 'checkpoint'"):
-        sizing.measured_capacity("node")
 
 
 def test_the_server_s_cpu_bounds_the_burst_once_the_runs_do_not():
@@ -183,10 +179,10 @@ def test_cli_says_where_one_server_saturates(tmp_path):
     import json
 
     out = _plan_output("--nodes", "64", "--interval", "30m", env_dir=tmp_path)
-    load = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity("part", True), rest=sizing.MEASURED_REST,
+    load = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity(), rest=sizing.MEASURED_REST,
                                     poll_seconds=5)
     assert f"saturated at {load.saturation_nodes} nodes" in out
-    assert "64 flow runs" in out and "64 agents polling every 5.00 s take" in out
+    assert "per burst: 1 flow runs" in out and "64 agents polling every 5.00 s take" in out
     report = tmp_path / "burst.json"
     report.write_text(json.dumps([{"server": "postgres+redis", "parts": 4, "agents": 4, "flow_runs": 5,
                                    "task_runs": 32, "flow_runs_per_s": 2.0, "task_runs_per_s": 10.0}]))
@@ -202,16 +198,14 @@ def _saturation(out: str) -> int:
     return int(m.group(1))
 
 
-def test_cli_models_the_promote_runs_and_the_poll_of_this_environment(tmp_path):
-    part = _plan_output("--nodes", "512", "--promote-runs", "part", env_dir=tmp_path)
-    ckpt = _plan_output("--nodes", "512", "--promote-runs", "checkpoint", env_dir=tmp_path)
-    assert "512 flow runs" in part and "per burst: 1 flow runs" in ckpt
-    assert _saturation(ckpt) > _saturation(part)  # a run per part is the server's limit
-    slow = _plan_output("--nodes", "512", "--promote-runs", "checkpoint", "--poll-seconds", "30", env_dir=tmp_path)
+def test_cli_models_the_poll_of_this_environment(tmp_path):
+    ckpt = _plan_output("--nodes", "512", env_dir=tmp_path)
+    assert "per burst: 1 flow runs" in ckpt  # one run per checkpoint, whatever its parts
+    slow = _plan_output("--nodes", "512", "--poll-seconds", "30", env_dir=tmp_path)
     assert _saturation(slow) > _saturation(ckpt)  # fewer polls leave the server more for the burst
     env = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--nodes", "512", "--no-runs"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                         env={**os.environ, "CKPT_PROMOTE_RUNS": "checkpoint", "PREFECT_RUNNER_POLL_FREQUENCY": "30"})
+                         env={**os.environ, "PREFECT_RUNNER_POLL_FREQUENCY": "30"})
     assert env.returncode == 0 and _saturation(env.stdout) == _saturation(slow), env.stderr
     import json
 

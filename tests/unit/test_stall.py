@@ -1,7 +1,7 @@
 """A claimed step whose storage stopped answering (``copy_stall_seconds``): every byte moved beats
 the process's heartbeat (``core.progress``); a lease stops being renewed once no byte moved for
-``stall_s`` (``tasks.claim.Lease``), and the agent kills a part's process or a promote run's warm
-process that stopped moving (``deployments.fast_path.watch_stall``)."""
+``stall_s`` (``tasks.claim.Lease``), and the agent kills a part's process or a checkpoint run's
+process that stopped moving (``deployments.processes.watch_stall``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from core.errors import StaleState
 from core.layout import checkpoint_prefix
 from core.storage.local import LocalStore, kernel_copy
 from core.transfer import verify_part
-from deployments.fast_path import WarmProcess, watch_stall
+from deployments.processes import run_child, watch_stall
 from tasks.claim import Lease
 from tests.kit.checkpoints import write_checkpoint
 
@@ -161,7 +161,7 @@ def test_a_process_that_moves_no_byte_is_killed(ctx, caplog):
     process = ctx.Process(target=_hang, args=(ready,), daemon=True)
     process.start()
     assert ready.wait(30)
-    with caplog.at_level(logging.ERROR, logger="ckpt.agent.fast_path"):
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
         why = watch_stall(process, beat, 0.1, "promotion of 'r' step 1 part 0")
     process.join(30)
     assert process.exitcode == -9 and why is not None and why.startswith("stalled, no byte moved")
@@ -178,26 +178,19 @@ def test_a_process_that_keeps_moving_is_waited_for_and_its_code_left_to_whoever_
     assert process.exitcode == 1
 
 
-def test_a_warm_process_whose_run_stalls_is_killed_and_says_why(ctx, monkeypatch):
-    """The fast path's warm process: its beat counts from the hand-over, and with a stall limit a
-    thread watches it whoever supervises it (the fast path, or Prefect's runner)."""
-    import deployments.fast_path as fp
+def _hang_after_a_beat(beat) -> None:
+    progress.share(beat)  # as a part's child does: its beats reach the agent
+    time.sleep(3600)
 
-    monkeypatch.setattr(fp, "run_warm", lambda conn, env, beat: (conn.recv(), time.sleep(3600)))  # a run that hangs
-    warm = WarmProcess(ctx, {})
 
-    class Run:
-        id, name = "f-1", "wary-otter"
-
-        def model_dump(self, mode: str) -> dict:
-            return {}
-
-    before = time.monotonic()
-    warm.run(Run(), stall_s=0.1)
-    assert warm.beat.value >= before  # not the creation's: a spare may have waited for hours
-    warm.process.join(30)
-    assert warm.process.exitcode == -9
-    assert warm.stalled is not None and warm.stalled.startswith("stalled, no byte moved")  # known once it is dead
+def test_an_agent_child_that_stalls_is_killed_and_the_agent_says_so(caplog):
+    """A part's child, forked from the fork server as the agent forks it (``run_child``): one
+    that moves no byte past the limit is killed, and the agent's log says which and why."""
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        code = run_child(_hang_after_a_beat, (), stall_s=0.5, what="promotion of 'r' step 1 part 0")
+    assert code == -9
+    assert "promotion of 'r' step 1 part 0: stalled, no byte moved" in caplog.text
+    assert "exited with code -9" in caplog.text
 
 
 class Unkillable:
@@ -220,10 +213,10 @@ def test_a_process_the_kill_cannot_end_is_left_behind(caplog):
         value = 0.0
 
     try:
-        with caplog.at_level(logging.ERROR, logger="ckpt.agent.fast_path"):
+        with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
             assert watch_stall(stuck, Beat(), 10, "x", clock=lambda: 11.0, kill_wait_s=0.01) is not None
     finally:
         os.close(stuck.sentinel)
         os.close(stuck._w)
     assert stuck.killed.is_set()
-    assert "left behind, the next run goes on" in caplog.text
+    assert "left behind, the next one goes on" in caplog.text

@@ -132,15 +132,12 @@ def test_jitter_stays_within_half_the_delay_either_way(draw):
     assert 1.0 <= jittered(2.0, draw=lambda: draw) < 3.0
 
 
-def test_a_flow_runs_the_hops_of_a_part_as_task_runs_or_inline_when_asked():
+def test_a_flow_runs_the_hops_of_a_part_inline_and_the_once_per_checkpoint_steps_as_tasks():
     from prefect import Task
 
     from core.settings import Settings
     from flows.common import task_steps
 
-    inline = task_steps(Settings(task_retries=3, task_retry_delay_seconds=0.5, hop_task_run=False))
+    inline = task_steps(Settings(task_retries=3, task_retry_delay_seconds=0.5))
     assert not isinstance(inline.tier1_hop, Task) and not isinstance(inline.tier2_hop, Task)
     assert isinstance(inline.mark_complete, Task) and inline.mark_complete.retries == 3  # once per checkpoint
-    runs = task_steps(Settings())
-    assert isinstance(runs.tier1_hop, Task) and isinstance(runs.tier2_hop, Task)
-    assert runs.tier1_hop.retries == 4

@@ -1,5 +1,5 @@
-"""One flow run per checkpoint (``Settings.promote_runs`` = ``checkpoint``): the node's agent
-promotes each part on its event with no run (``flows.promote.promote_in_agent``, run by
+"""One flow run per checkpoint, the one promotion path: the node's agent promotes each part on
+its event with no run (``flows.promote.promote_in_agent``, run by
 ``deployments.part_events.PartEvents``), and the part that completes the checkpoint asks for
 its one run, which takes the follow-ups.
 
@@ -33,8 +33,7 @@ RUN = "run-a"
 
 @pytest.fixture
 def settings(settings_factory, db_url):
-    return pipeline_settings(settings_factory, db_url, promote_runs="checkpoint",
-                             retention_tier0=RetentionPolicy(keep_last=1))
+    return pipeline_settings(settings_factory, db_url, retention_tier0=RetentionPolicy(keep_last=1))
 
 
 def event(step: int, part: int = 0, parts: int = 2, **extra) -> dict:

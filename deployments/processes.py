@@ -1,0 +1,304 @@
+"""The agent's child processes: one per part it promotes, one per checkpoint run it starts.
+
+The only start-up tuning of the agent, on ``multiprocessing``'s public interface alone: each
+child is forked from multiprocessing's fork server (``process_context``), which imports Prefect
+and the pipeline once (``set_forkserver_preload``, ``PRELOAD``), so a child shares those pages
+and starts in milliseconds instead of importing them again in a new interpreter; the agent
+itself keeps its memory at rest (a promotion's catalog connection, buffers and touched pages
+end with its process). A child is handed what it must see as arguments (the agent's settings
+and environment), since the fork server was started with the environment of its first use.
+
+A child that moves no byte for ``copy_stall_seconds`` (its storage stopped answering) is killed
+(``watch_stall``): nothing queues behind it for ever, and its claims, no longer renewed, lapse
+for reconcile.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any
+
+from core import events, progress
+from core.errors import BadEvent
+from core.events import Announcer, announcing
+from core.settings import Settings
+from deployments import names
+
+log = logging.getLogger("ckpt.agent.parts")
+
+# What a child imports: the fork server imports them once, before it forks the first child.
+PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engine", "prefect.settings",
+           "prefect.states", "flows.promote", "tasks.prefect_events", "deployments.processes"]
+STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
+KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
+REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
+FOLLOWUPS = 3  # a part process's exit code: promoted, and its checkpoint's run is to be started
+
+
+@lru_cache(maxsize=1)
+def process_context() -> Any:
+    """multiprocessing's fork server context, its preload set (once: the server starts at the
+    first child, with the modules named then)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, at the agent's start: its imports are then paid at rest, not
+    by the first part of the next checkpoint burst (a fresh interpreter importing Prefect and the
+    pipeline: seconds of CPU)."""
+    from multiprocessing import forkserver
+
+    process_context()  # the preload first
+    forkserver.ensure_running()
+
+
+def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
+                clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S) -> str | None:
+    """Wait until ``process`` (a ``multiprocessing`` process: only its sentinel is waited on, so
+    whoever else joins it still gets its exit code) ends. Once its ``beat`` (``core.progress.share``:
+    when it last moved a byte) is older than ``stall_s`` it is stalled on a storage that stopped
+    answering, and killed. A process the kill cannot end within ``kill_wait_s`` (stuck inside the
+    kernel on a hung mount) is left behind, logged. Returns why it was killed, or None."""
+    from multiprocessing.connection import wait
+
+    while not wait([process.sentinel], min(STALL_POLL_S, stall_s / 4)):
+        idle = clock() - beat.value
+        if idle > stall_s:
+            break
+    else:
+        return None
+    why = f"stalled, no byte moved for {idle:.0f} s (copy_stall_seconds {stall_s:g}): its storage does not answer"
+    log.error("%s: %s; stopping its process (pid %s); reconcile tries the part again", what, why, process.pid)
+    process.kill()
+    if not wait([process.sentinel], kill_wait_s):
+        log.error("%s: its process (pid %s) did not end (stuck in the kernel on the hung storage); left behind, "
+                  "the next one goes on", what, process.pid)
+    return why
+
+
+def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: float, what: str) -> int | None:
+    """``target(*args, beat)`` in a child forked from the fork server, watched for stalls
+    (``watch_stall``); its exit code, after a line in the log when it was not one of its own
+    (killed, out of memory, stalled: nothing was logged there)."""
+    ctx = process_context()
+    beat = ctx.Value("d", time.monotonic(), lock=False)  # when the child last moved a byte
+    process = ctx.Process(target=target, args=(*args, beat), name="ckpt-agent-child", daemon=True)
+    process.start()
+    stalled = watch_stall(process, beat, stall_s, what)
+    process.join(0 if stalled else None)  # ended (or killed): reaped; one the kill could not end is left behind
+    code = process.exitcode
+    if code not in (0, 1, FOLLOWUPS):
+        log.error("%s: its process (pid %s) exited with code %s (reconcile tries it again)", what, process.pid, code)
+    return code
+
+
+def agent_logging(level: str) -> None:
+    """The agent's own lines (the ``ckpt`` and ``core`` loggers) at ``level`` and above, one
+    line each on stderr, through a handler of their own (Prefect's lines keep Prefect's level
+    and format). The agent's child processes set it up again (``agent_context``): the fork
+    server they are forked from is a fresh interpreter."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
+                                           "%H:%M:%S"))  # as Prefect writes its own
+    for name in ("ckpt", "core"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = [handler]
+        logger.propagate = False  # not twice through the root logger's handler
+
+
+@contextmanager
+def agent_context(env: Mapping[str, str], beat: Any, log_level: str) -> Iterator[None]:
+    """A child's Prefect settings: the agent's (``env``), read again here (the fork server read
+    its own at import time, with the environment of its start), with no flow-run heartbeats: the
+    agent watches its child itself (``run_child``), a self-hosted server acts on heartbeats only
+    through a "zombie" automation this stack does not create, and the engine joins the
+    heartbeat thread, which sleeps in 1 s steps, at the end of every run; and no check of the
+    server's API version per client (two round trips per run: the agent checked it as it
+    registered its deployments, and its children talk to the same server)."""
+    from prefect.context import SettingsContext, get_settings_context
+    from prefect.settings import (
+        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        Settings as PrefectSettings,
+    )
+
+    progress.share(beat)
+    os.environ.update(env)
+    agent_logging(log_level)
+    settings = PrefectSettings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                                           PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False})
+    with SettingsContext(profile=get_settings_context().profile, settings=settings):
+        yield
+
+
+def what(payload: Mapping[str, Any]) -> str:
+    return f"{payload.get('run')!r} step {payload.get('step')!r} part {payload.get('part', 0)!r}"
+
+
+def promote_part(settings: Settings, payload: Mapping[str, Any], announcer: Announcer, request: Any) -> Any:
+    """Promote one part (``promote_in_agent``); every failure is one line of the log, never
+    raised: the next event must still be served. The ``PromoteResult``, or None."""
+    from flows.promote import promote_in_agent  # deferred: start-up — Prefect, SQLAlchemy
+
+    try:
+        with announcing(announcer):
+            result = promote_in_agent(settings, payload, request_followups=request)
+    except BadEvent as exc:
+        log.error("rejected event: %s", exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - see above
+        first = (str(exc).splitlines() or [""])[0]
+        log.error("promotion of %s failed: %s: %s (reconcile tries it again)", what(payload), type(exc).__name__,
+                  first)
+        return None
+    log.info("promoted %s on %s in pid %d", what(payload), settings.node, os.getpid())
+    return result
+
+
+def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str, str], beat: Any) -> None:
+    """A part's promotion in a child: its events posted to the API in one request when it is
+    done (``EventBatch``: a process that exits leaves nothing queued), exit code 1 when it
+    failed, ``FOLLOWUPS`` when its checkpoint's run is to be started (``start_checkpoint_run``,
+    which the agent does in a child of its own, so that the next part does not wait for it)."""
+    from tasks.prefect_events import emit  # deferred: start-up — Prefect
+
+    asked: list[tuple[Any, ...]] = []
+    with agent_context(env, beat, settings.log_level):
+        from prefect.settings import get_current_settings
+
+        api = get_current_settings().api.url
+        batch = EventBatch()
+        try:
+            result = promote_part(settings, payload, batch if api else emit, lambda *a: asked.append(a))
+        finally:
+            if api:
+                batch.send(api)
+    if result is None:
+        sys.exit(1)
+    if asked:
+        sys.exit(FOLLOWUPS)
+
+
+def run_checkpoint_process(settings: Settings, params: dict[str, Any], env: dict[str, str], beat: Any) -> None:
+    """A checkpoint's promote run in a child (``start_checkpoint_run``); exit code 1 when it
+    could not be created."""
+    with agent_context(env, beat, settings.log_level):
+        if start_checkpoint_run(settings.node, **params) is None:
+            sys.exit(1)
+
+
+def start_checkpoint_run(node: str, run: str, step: int, part: int, parts: int, attempt: str = "") -> Any:
+    """Create the checkpoint's one promote run on ``node``'s deployment and run it here, at once,
+    with Prefect's engine (``run_flow``: states, logs and artifacts as in any run). The same
+    request again is the same run (``followups_key``); it is created ``Pending``, a state the
+    runner's poll never takes, with a message only this call knows, so exactly the caller that
+    created it runs it. Retried; when the server cannot be reached, reconcile's follow-ups
+    backlog runs them. Returns the flow run, or None."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+    from prefect.states import Pending
+
+    from flows.promote import followups_key, promote_checkpoint  # deferred: start-up — Prefect, SQLAlchemy
+
+    params = {"run": run, "step": step, "part": part, "parts": parts, "node": node, "attempt": attempt}
+    mine = f"started by the agent on {node} ({uuid.uuid4().hex[:12]})"
+    for tried in range(REQUEST_ATTEMPTS):
+        try:
+            with get_client(sync_client=True) as client:
+                deployment = client.read_deployment_by_name(names.promote_deployment(node))
+                flow_run = client.create_flow_run_from_deployment(
+                    deployment.id, parameters=params, state=Pending(message=mine),
+                    idempotency_key=followups_key(run, step, attempt))
+            break
+        except Exception as exc:  # noqa: BLE001 - retried, then reconcile's follow-ups backlog
+            if tried + 1 == REQUEST_ATTEMPTS:
+                log.error("checkpoint %s step %s complete on Tier 1, its promote run not created (%s: %s): "
+                          "reconcile runs its follow-ups", run, step, type(exc).__name__, exc)
+                return None
+            time.sleep(2 ** tried)
+    if flow_run.state is None or flow_run.state.message != mine:
+        return flow_run  # asked before: its creator runs it
+    log.info("checkpoint %s step %s complete on Tier 1: its promote run is %s", run, step, flow_run.id)
+    run_flow(lean_flow(promote_checkpoint), flow_run=flow_run, return_type="state")
+    return flow_run
+
+
+def crash_checkpoint_run(node: str, run: str, step: int, attempt: str, why: str) -> None:
+    """The checkpoint's promote run, when its process ended before it did (killed when it stalled,
+    out of memory), recorded ``Crashed`` with ``why``, as Prefect's runner records the runs of
+    the processes it starts; reconcile finishes the follow-ups. Nothing when it already ended or
+    cannot be read (logged)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
+    from prefect.states import Crashed
+
+    from flows.promote import followups_key  # deferred: start-up — Prefect, SQLAlchemy
+
+    try:
+        with get_client(sync_client=True) as client:
+            key = FlowRunFilterIdempotencyKey(any_=[followups_key(run, step, attempt)])
+            for flow_run in client.read_flow_runs(flow_run_filter=FlowRunFilter(idempotency_key=key)):
+                if flow_run.state is not None and not flow_run.state.is_final():
+                    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+                    log.warning("promote run %s of %s step %s crashed: %s", flow_run.id, run, step, why)
+    except Exception as exc:  # noqa: BLE001 - reconcile still finishes the checkpoint
+        log.warning("could not record the end of the promote run of %s step %s on %s: %s: %s", run, step, node,
+                    type(exc).__name__, exc)
+
+
+def lean_flow(flow: Any) -> Any:
+    """``flow`` with its result not persisted (a promotion's outcome is in the catalog; its summary
+    is the run's return value and artifact) and a result storage named, so that the engine does
+    not ask the server for its default result storage at each run (``persist_result=False``
+    alone still asks): Prefect's local result folder, never written."""
+    from pathlib import Path
+
+    from prefect.settings import get_current_settings
+
+    folder = Path(get_current_settings().results.local_storage_path)
+    return flow.with_options(persist_result=False, result_storage=folder)
+
+
+class EventBatch:
+    """An announcer (``emit``'s signature) that keeps the part's events and sends them in one
+    ``POST /events`` (``send``) when the part is done: a part's Tier 0 verify and its Tier 1 copy
+    are one read, so its events come within moments of each other anyway, and one request is
+    one request less for the server per part. ``send`` retries as ``emit`` does; events it
+    cannot deliver are logged and left (the catalog holds the facts; reconcile acts on those)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, name: str, run: str, step: int, *, part: int = 0, parts: int = 1, node: str = "",
+                 payload: dict[str, Any] | None = None, extra_id: str = "", labels: dict[str, Any] | None = None,
+                 **_: Any) -> bool:
+        self.events.append(events.build_event(name, run, step, part=part, parts=parts, node=node, payload=payload,
+                                              extra_id=extra_id, labels=labels))
+        return True
+
+    def send(self, api_url: str, *, attempts: int = 3) -> bool:
+        from tasks.prefect_events import auth_headers  # deferred: start-up — Prefect's profile
+
+        for attempt in range(attempts if self.events else 0):
+            try:
+                events.post_events(api_url, self.events, headers=auth_headers())
+                self.events = []
+                return True
+            except Exception as exc:  # noqa: BLE001 - see above
+                if attempt + 1 == attempts:
+                    log.warning("%d event(s) not delivered to %s: %s: %s", len(self.events), api_url,
+                                type(exc).__name__, exc)
+                    return False
+                time.sleep(0.5 * 2 ** attempt)
+        return not self.events
