@@ -39,6 +39,8 @@ from core import checksum
 from core.layout import checkpoint_prefix
 from core.manifest_build import build_manifest, write_manifest
 from core.settings import RetentionPolicy, load_settings
+from core.storage.local import LocalStore
+from core.storage.s3 import S3Store
 from db.catalog import Catalog, upgrade
 from flows.common import plain_steps
 from flows.promote import promote
@@ -120,9 +122,6 @@ def pretraining(args, work: Path, endpoint: str, bucket: str, size: int) -> tupl
     """The stores with and without sharing, each given a file of new bytes (written before each
     timed call, untimed): the ratios shared / plain of the median copy to Tier 1 and upload to
     Tier 2 (every file big enough to share)."""
-    from core.storage.local import LocalStore
-    from core.storage.s3 import S3Store
-
     root = work / "pretraining"
     source = root / "source.bin"
     for name in ("plain", "shared"):

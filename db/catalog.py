@@ -652,7 +652,7 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         """The data bytes ``tier`` holds, each content once on a tier that shares content
         (``core.storage.content.SHARED_TIERS``): what a tier's budget and ``ckpt tiers`` count."""
         with self._tx(write=False) as conn:
-            return _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS)
+            return _q.stored_bytes(conn, shared=SHARED_TIERS).get(tier, 0)
 
     def referenced_contents(self, tier: int) -> set[tuple[int, str]]:
         """(size, CRC32C) of every content a replica on ``tier`` may reference (pending,

@@ -9,11 +9,11 @@ index instead of grouping replicas.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import ColumnElement, Select, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select, union_all
 from sqlalchemy.engine import Connection, Row
 
 from core.policy import MARK_EPOCH, MARK_TAGGED, is_milestone, marks_wanted
@@ -217,17 +217,23 @@ def _contents(tier: int, states: Sequence[str]) -> Select:
             .where(replicas.c.tier == tier, replicas.c.state.in_(states)))
 
 
-def stored_bytes(conn: Connection, tier: int, *, shared: bool, run_id: int | None = None) -> int:
-    """The data bytes ``tier`` holds (of ``run_id``'s checkpoints alone when given): every file
-    of a replica that has bytes there (copying, verified, pruning, corrupt); with ``shared`` each
-    content (size, CRC32C: the content store's key) once, however many checkpoints link it."""
-    held = _contents(tier, [COPYING, VERIFIED, PRUNING, CORRUPT])
+def stored_bytes(conn: Connection, *, shared: Collection[int], run_id: int | None = None) -> dict[int, int]:
+    """tier -> the data bytes it holds (of ``run_id``'s checkpoints alone when given), in one
+    statement: every file of a replica that has bytes there (copying, verified, pruning,
+    corrupt); on a tier in ``shared`` each content (size, CRC32C: the content store's key) once,
+    however many checkpoints link it."""
+    held = [COPYING, VERIFIED, PRUNING, CORRUPT]
+    joined = files.join(replicas, and_(replicas.c.checkpoint_id == files.c.checkpoint_id,
+                                       replicas.c.part == files.c.part))
+    where = [replicas.c.state.in_(held)]
     if run_id is not None:
-        held = held.where(files.c.checkpoint_id.in_(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id)))
-    if shared:
-        held = held.distinct()
-    rows = held.subquery()
-    return int(conn.execute(select(func.coalesce(func.sum(rows.c.size), 0))).scalar_one())
+        where.append(files.c.checkpoint_id.in_(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id)))
+    cols = (replicas.c.tier, files.c.size, files.c.checksum)
+    once = select(*cols).select_from(joined).where(*where, replicas.c.tier.in_(list(shared))).distinct()
+    each = select(*cols).select_from(joined).where(*where, replicas.c.tier.not_in(list(shared)))
+    rows = union_all(once, each).subquery()
+    stmt = select(rows.c.tier, func.coalesce(func.sum(rows.c.size), 0)).group_by(rows.c.tier)
+    return {int(tier): int(n) for tier, n in conn.execute(stmt)}
 
 
 def referenced_contents(conn: Connection, tier: int) -> set[tuple[int, str]]:

@@ -28,7 +28,7 @@ def stored_bytes(conn: Connection, run_id: int | None) -> dict[int, int]:
     """tier -> bytes stored there (of ``run_id``'s checkpoints alone when given): on a tier that
     shares content (``core.storage.content.SHARED_TIERS``) each content once, however many
     checkpoints link it (``db.queries.stored_bytes``, what a budget counts too)."""
-    return {tier: _q.stored_bytes(conn, tier, shared=tier in SHARED_TIERS, run_id=run_id) for tier in (0, 1, 2)}
+    return _q.stored_bytes(conn, shared=SHARED_TIERS, run_id=run_id)
 
 
 def _held(run_id: int | None) -> Join:
