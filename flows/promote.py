@@ -128,6 +128,9 @@ def promote_in_agent(settings: Settings, payload: Mapping[str, Any], *,
         attempt = attempt_arg(payload.get("attempt"))
     except BadEvent as exc:
         reject_event(settings, f"promote {payload.get('run')!r} step {payload.get('step')!r}", exc, actor=actor)
+        # no flow run shows it: the event feed does (the Prefect UI's Events page)
+        events.announce(events.REJECTED, str(payload.get("run"))[:200], 0, node=settings.node,
+                        payload={"reason": f"{type(exc).__name__}: {exc}"[:1000], "malformed_event": True})
         raise
     # the hop as a flow runs it, inline: the registry's step and retry policy
     hop = task_steps(settings).tier1_hop(settings, run, step, part, parts, node=settings.node, actor=actor,

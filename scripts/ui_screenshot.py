@@ -9,7 +9,7 @@ It starts ``ckpt up`` (API auth on) on a free port and takes the exports it prin
 trains a tiny run with the client (``<run>-pt`` step 1000; once it is promoted, ``<run>``
 resumed from it, steps 100 and 200, ``--interval`` seconds apart; milestones 1000 and 200,
 which their promote runs archive to Tier 2 inline), sends one hostile event (a run name that
-escapes the tier root, whose promote run must fail), waits until every promote flow run has
+escapes the tier root, which the node's agent refuses before any run), waits until every promote flow run has
 finished, logs in to the UI in headless Chromium with the API auth string
 (``PREFECT_API_AUTH_STRING``, typed into the UI's login form) and checks, then captures, four
 pages:
@@ -20,7 +20,8 @@ pages:
     run-status.png      the status artifact run-<run> (markdown)
 
 What is checked is what a user looks for (``check_pages``): the promote runs of each saved
-step, completed, and the hostile event's run, failed, in red, in the flow runs list; the
+step, completed, in the flow runs list, and no run for the hostile event, whose refusal
+(``ckpt.checkpoint.rejected``) the event's own page shows with the hostile run name; the
 promote run's task runs, and in its Artifacts tab the run's status page; on the status
 artifact, its at-a-glance answers (the newest durable checkpoint, the RPO line, the failed
 promote runs, the bytes per tier) and the newest verified step. A page that does not show its
@@ -34,6 +35,7 @@ project's venv; ``make test`` runs it in tests/integration/test_ui_chromium.py (
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -103,7 +105,7 @@ def pages(ui_base: str, *, run: str, promote_run_id: str, automation_id: str, ar
     root with the current UI's base path (``http://127.0.0.1:4200/v2``)."""
     return [
         Page("flow-runs.png", f"{ui_base}/runs", f"promote/{run}/step-", 1250),
-        Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "tier0-to-tier1", 900),
+        Page("promote-run.png", f"{ui_base}/runs/flow-run/{promote_run_id}?tab=TaskRuns", "mark-complete", 900),
         Page("rpo-automation.png", f"{ui_base}/automations/automation/{automation_id}", AUTOMATION_NAME, 330),
         Page("run-status.png", f"{ui_base}/artifacts/artifact/{artifact_id}", "Newest verified checkpoint", 1200),
     ]
@@ -186,18 +188,30 @@ def _post(api_url: str, path: str, body: dict) -> Any:
 HOSTILE_RUN = "../../etc"  # a run name that escapes the tier root: its promote run must fail
 
 
-def send_hostile_event(api_url: str, node: str) -> str:
+def send_hostile_event(api_url: str, node: str) -> None:
     """A completed-checkpoint event whose run name escapes the tier root, as a hostile or broken
-    client could send; the name of the promote run it triggers (which must fail)."""
+    client could send: the node's agent refuses it (a catalog record and a
+    ``ckpt.checkpoint.rejected`` event in the feed), no flow run starts."""
     import uuid
-
-    from flows.promote import run_name  # deferred: start-up — Prefect (reads the stack's exports on import)
 
     ev = events.build_event(events.COMPLETED, "hostile", 1, node=node)
     ev["id"] = str(uuid.uuid4())
     ev["payload"] = {**ev.get("payload", {}), "run": HOSTILE_RUN, "step": 1, "node": node}
     events.post_events(api_url, [ev], headers=prefect_events.auth_headers())
-    return run_name({"run": HOSTILE_RUN, "step": 1})
+
+
+def wait_rejection(api_url: str, timeout: float) -> dict[str, Any]:
+    """Until the event feed holds the agent's ``ckpt.checkpoint.rejected`` for the hostile run;
+    that event (JSON)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _post(api_url, "/events/filter", {"filter": {"event": {"name": [events.REJECTED]}}, "limit": 50})
+        hits = [e for e in found.get("events", []) if HOSTILE_RUN in json.dumps(e)]
+        if hits:
+            return hits[0]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {events.REJECTED} for the hostile run after {timeout:.0f}s")
+        time.sleep(1)
 
 
 def wait_flow_runs(api_url: str, names: list[str], timeout: float, *, state: str = "COMPLETED") -> dict[str, str]:
@@ -258,19 +272,25 @@ def check_pages(browser: Browser, base: str, *, run: str, hostile: str, ids: dic
     ``BrowserError`` (with what the page showed) at the first that does not hold."""
     browser.open(f"{base}/runs")
     promotes = [f"promote/{run}-pt/step-1000", f"promote/{run}/step-100", f"promote/{run}/step-200"]
-    for name in [*promotes, hostile]:
+    for name in promotes:
         browser.wait_text(name)
-    shown = browser.wait_for_states([*promotes, hostile])
-    if shown[hostile][0] != "Failed" or not is_red(shown[hostile][1]):
-        raise BrowserError(f"the hostile event's run {hostile} is not shown failed in red: {shown[hostile]}")
+    if "malformed-event" in browser.text():
+        raise BrowserError("the hostile event started a flow run: the agent must refuse it before any run")
+    shown = browser.wait_for_states(promotes)
+    # the refusal is in the event feed: the event's own page names it and the hostile run
+    browser.open(f"{base}/events/event/{hostile}")
+    browser.wait_text("rejected")
+    browser.wait_text(HOSTILE_RUN)
     wrong = {name: shown[name] for name in promotes if shown[name][0] != "Completed" or is_red(shown[name][1])}
     if wrong:
         raise BrowserError(f"promote runs not shown completed: {wrong}")
     browser.open(f"{base}/runs/flow-run/{ids['promote_run_id']}?tab=TaskRuns")
-    for task in ("tier0-to-tier1", "Completed"):
+    for task in ("mark-complete", "Completed"):  # the checkpoint's follow-ups; its parts' hops were the agent's
         browser.wait_text(task)
-    # one click from the run: its Artifacts tab holds the training run's status page (stable key)
+    # one click from the run: its Artifacts tab holds the hop table of its parts (each part's
+    # Tier 1 hop with its attempts) and the training run's status page (stable key)
     browser.open(f"{base}/runs/flow-run/{ids['promote_run_id']}?tab=Artifacts")
+    browser.wait_text(artifact_key("promote", run))
     browser.wait_text(artifact_key("run", run))
     browser.open(f"{base}/artifacts/artifact/{ids['artifact_id']}")
     # the answers a platform engineer looks for first: the newest durable checkpoint (200, the
@@ -295,16 +315,17 @@ def shoot(browser: Browser, page: Page, out: Path) -> int:
 
 def session(api_url: str, *, run: str, interval: float, timeout: float) -> tuple[str, dict[str, str]]:
     """Train ``<run>-pt`` and ``<run>`` (see the module's docstring) and send the hostile event,
-    in this process's environment (the exports of the stack); (hostile run's name, the ids of what
-    is shot) once every promote run has finished."""
+    in this process's environment (the exports of the stack); (the hostile event's refusal as
+    the UI's event page names it, ``<date>/<event id>``; the ids of what is shot) once every
+    promote run has finished."""
     parent = f"{run}-pt"
     flow_runs = wait_flow_runs(api_url, train(parent, steps=(1000,), milestone=1000), timeout)
     # once the parent is in the catalog, the child's first checkpoint links to it
-    hostile = send_hostile_event(api_url, os.environ.get("CKPT_NODE", "node-0"))
+    send_hostile_event(api_url, os.environ.get("CKPT_NODE", "node-0"))
     flow_runs |= wait_flow_runs(api_url, train(run, parent=parent, steps=(100, 200), milestone=200,
                                                interval=interval), timeout)
-    wait_flow_runs(api_url, [hostile], timeout, state="FAILED")
-    return hostile, lookup(api_url, run, flow_runs)
+    rejected = wait_rejection(api_url, timeout)
+    return f"{rejected['occurred'][:10]}/{rejected['id']}", lookup(api_url, run, flow_runs)
 
 
 def main(argv: list[str] | None = None) -> int:
