@@ -1,9 +1,9 @@
 """The Prefect UI in a real browser, as a user sees it: `ckpt up` (API auth on) promotes a run
 saved with the client and refuses a hostile event; headless Chromium logs in with the API auth
 string, as a user types it into the UI's login form, and finds the promote runs completed, the
-hostile event refused (no run; its rejection on the event feed), the promote run's task runs and the run's status artifact
-(scripts/ui_screenshot.py's checks). Without Chromium this test skips; with ``CI=true`` it fails
-(``.ci/run`` installs Debian's chromium)."""
+hostile event refused (no run; its rejection on the event feed), the promote run's task runs
+and the run's status artifact (scripts/ui_screenshot.py's checks). Without Chromium this test
+skips; with ``CI=true`` it fails (``.ci/run`` installs Debian's chromium)."""
 
 import pytest
 
