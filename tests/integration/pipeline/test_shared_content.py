@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from benchmarks.dedup import tier1_bytes  # what the benchmark counts: each inode once
 from core.layout import checkpoint_prefix
 from core.settings import RetentionPolicy
 from core.storage.content import CONTENT_DIR
@@ -31,16 +32,6 @@ def save(settings, step: int, base: bytes = BASE) -> bytes:
     return adapter
 
 
-def held_bytes(root: Path) -> int:
-    """What the tier root holds on its file system: each inode's bytes once."""
-    seen: dict[tuple[int, int], int] = {}
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            st = path.stat()
-            seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())
-
-
 def verify_tier1(settings, step: int) -> None:
     store = LocalStore(settings.tier1_url, 1)
     prefix = checkpoint_prefix(RUN, step)
@@ -53,7 +44,7 @@ def test_a_frozen_base_is_held_once_on_tier1_and_every_checkpoint_loads_in_place
 
     root = Path(settings.tier1_url)
     manifests = sum((tier1_dir(settings, RUN, s) / "manifest.json").stat().st_size for s in adapters)
-    assert held_bytes(root) <= len(BASE) + sum(map(len, adapters.values())) + manifests + 4096  # + identity marker
+    assert tier1_bytes(root) <= len(BASE) + sum(map(len, adapters.values())) + manifests + 4096  # + identity marker
     bases = {(tier1_dir(settings, RUN, s) / "base.bin").stat().st_ino for s in adapters}
     assert len(bases) == 1
     for step, adapter in adapters.items():  # the folder is a plain folder: read in place, whole
@@ -81,7 +72,7 @@ def test_retiring_checkpoints_keeps_what_the_kept_ones_link_and_frees_the_rest(s
     root = Path(settings.tier1_url)
     manifests = sum((tier1_dir(settings, RUN, s) / "manifest.json").stat().st_size for s in (300, 400))
     # the retired adapters are gone from the content store too, the base stays once
-    assert held_bytes(root) <= len(BASE) + len(adapters[300]) + len(adapters[400]) + manifests + 4096
+    assert tier1_bytes(root) <= len(BASE) + len(adapters[300]) + len(adapters[400]) + manifests + 4096
     stored = sorted(p.stat().st_size for p in (root / CONTENT_DIR).rglob("*") if p.is_file())
     assert stored == sorted([len(BASE), len(adapters[300]), len(adapters[400])])
     with Catalog(settings.catalog_url) as cat:
