@@ -10,6 +10,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from core.errors import StorageUnavailable
 from core.layout import parse_step_dirname
 from core.paths import safe_run_name
 from core.settings import Settings
@@ -64,6 +65,10 @@ def fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
                     tier = fetch_part(cat, stores, ck, p, cat.replicas(ck.id, part=p), dst, stage.name, ALL_TIERS,
                                       _quiet, actor, bad, notes)
                 except PartFailed as exc:
+                    if exc.transient:  # a copy that may come back (a mount gone, S3 down): never a reason
+                        # to fall back, which would supersede this step for good; the caller retries
+                        raise StorageUnavailable(f"{ck.run} step {ck.step} part {p}: {exc}; not falling back "
+                                                 "to an older checkpoint while a copy may come back") from None
                     raise NoGoodCopy(str(exc)) from None
                 done.append(PartResume(p, 2 if moved[p] else tier, FETCHED, part_bytes + moved[p],
                                        time.monotonic() - t0))

@@ -118,7 +118,7 @@ import flows.reconcile
 import flows.retention  # noqa: F401
 import tasks.restore
 import tasks.scrub  # noqa: F401
-from core.errors import CkptError, TierUnavailable
+from core.errors import CkptError, StorageUnavailable
 from core.layout import (
     STAGING_MARK,
     checkpoint_dirname,
@@ -592,7 +592,7 @@ class Soak(RuleBasedStateMachine):
             STATS["lease_expired_after_kill" if not orphaned else "lease_expired_after_an_orphaned_claim"] += 1
         # a tier whose root shows an empty stand-in is unavailable: an error (or an item a pass
         # reports failed) is the outage's result, never a verdict, which the invariants judge
-        unproven = bool(self.unmounted) and (raised is None or isinstance(raised, TierUnavailable))
+        unproven = bool(self.unmounted) and (raised is None or isinstance(raised, StorageUnavailable))
         if unproven and raised is not None:
             STATS["tier_unavailable_raised"] += 1
         if raised is not None:

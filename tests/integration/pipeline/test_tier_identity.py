@@ -207,3 +207,21 @@ def test_the_catalog_keeps_the_first_identity_recorded_unless_told_to_replace(ca
     assert (node0.node, catalog.tier_root(0, "node-1")) == ("node-0", None)  # Tier 0: one per node
     assert (replaced.identity, replaced.url) == ("d" * 32, "/lustre2/ckpt")
     assert [(r.tier, r.node) for r in catalog.list_tier_roots()] == [(0, "node-0"), (1, "")]
+
+
+def test_a_resume_whose_newest_copy_is_on_an_unmounted_tier_waits_and_supersedes_nothing(settings, tmp_path):
+    """node-1 holds step 100 on its own Tier 0; step 200 (node-0's) is readable from node-1 only
+    on Tier 1, whose mount is gone there: the resume raises (a copy that may come back) instead of
+    falling back to 100, which would record the launch as resuming from 100 and supersede 200
+    for good; once the mount is back, the launch resumes from 200."""
+    node1 = on_node(settings, "node-1")
+    save(node1, 100)
+    save(settings, 200)
+    aside = unmount(settings.tier1_url)
+
+    with pytest.raises(StorageUnavailable):
+        resume(node1, RUN, to=tmp_path / "resume", attempt="relaunch-1")
+
+    mount(settings.tier1_url, aside)
+    point = resume(node1, RUN, to=tmp_path / "resume", attempt="relaunch-1")
+    assert point is not None and point.step == 200
