@@ -219,17 +219,23 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
         added = False
         reasons = {(d.run, d.step): d.reason for d in out.checkpoints if d.action == KEEP}
         copies: dict[tuple[str, int], list[ReplicaDecision]] = defaultdict(list)
+        on_nodes: dict[tuple[str, int], set[str | None]] = defaultdict(set)
         for d in out.replicas:
             copies[(d.run, d.step)].append(d)
+            if d.tier == 0:
+                on_nodes[(d.run, d.step)].add(d.node)
         for (t, node), kept in _kept(out, limits).items():
             held, limit = _Held(kept), limits[t]
+            # a Tier 0 eviction is the checkpoint's on every node: one node's budget takes only
+            # what lies on that node alone, never another node's copies
             candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
-                                 if d.reason == "retention off" and (t, d.run, d.step) not in tried})
+                                 if d.reason == "retention off" and (t, d.run, d.step) not in tried
+                                 and (t != 0 or on_nodes[(d.run, d.step)] <= {node})})
             for _, run, step in candidates:
                 if held.total <= limit:
                     break
                 tried.add((t, run, step))
-                evicted[t][(run, step)] = f"over budget ({wanted[(t, node)]} of {limit} bytes)"
+                evicted[t][(run, step)] = f"over budget ({wanted.get((t, node), held.total)} of {limit} bytes)"
                 added = True
                 if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
                     held.drop(d for d in kept if (d.run, d.step) == (run, step))
@@ -237,7 +243,8 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
             break
         out = _plan_all(by_run, rules, now, evicted)
     final = sorted(_kept(out, limits).items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
-    budgets = tuple(_budget(t, node, limits[t], kept, wanted[(t, node)]) for (t, node), kept in final)
+    budgets = tuple(_budget(t, node, limits[t], kept, wanted.get((t, node), stored_bytes(kept)))
+                    for (t, node), kept in final)
     return replace(out, budgets=budgets)
 
 
@@ -261,7 +268,10 @@ def _frees(c: CheckpointFacts, tier: int, why_kept: str, copies: Sequence[Replic
         return True
     if tier == 2 and rules.tier2_on and is_milestone(c.kind, c.step, c.tags, rules.milestones):
         return False
-    backed = {d.part for d in copies if d.tier != tier and d.action == KEEP and Tier(d.tier).as_durable_as(tier)}
+    # a more durable tier's copy is planned after this one (its demotion may lean on this copy,
+    # which then keeps it as the last durable copy): it backs this copy whatever it is planned now
+    backed = {d.part for d in copies if d.tier != tier and Tier(d.tier).as_durable_as(tier)
+              and (d.action == KEEP or d.tier > tier)}
     return {r.part for r in c.replicas if r.tier == tier} <= backed
 
 

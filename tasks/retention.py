@@ -91,12 +91,17 @@ def plan_retention(settings: Settings, *, run: str | None = None, now: datetime 
     ``plan_retention(settings, tiers=(0,), node=settings.node)`` then ``apply_retention``."""
     whole = set(rule.TIERS) <= set(tiers)
     rules = retention_rules(settings)
-    # a budget is the whole tier's: its bytes and its oldest copies are counted over every run
-    budgeted = any(rules.policies[t].max_bytes is not None for t in tiers)
+    if run is not None:
+        # a budget is the whole tier's (every run's bytes, the oldest copies first): the pass over
+        # every run enforces it, never one run's plan (after each durable checkpoint: no
+        # whole-catalog read on that path)
+        rules = replace(rules, policies={t: p.model_copy(update={"max_bytes": None})
+                                         for t, p in rules.policies.items()})
     with open_catalog(settings.catalog_url) as cat:
-        shared_budget = any(rules.policies[t].max_bytes is not None for t in set(tiers) & SHARED_TIERS)
-        facts = cat.retention_facts(run=None if budgeted else run,
-                                    node=node if not set(DURABLE_TIERS) & set(tiers) else None, contents=shared_budget)
+        # a budget of a tier that stores each content once counts contents, whichever tiers apply
+        shared_budget = any(rules.policies[t].max_bytes is not None for t in SHARED_TIERS)
+        facts = cat.retention_facts(run=run, node=node if not set(DURABLE_TIERS) & set(tiers) else None,
+                                    contents=shared_budget)
         now = now or cat.clock()
         decided = rule.plan(facts, rules, now)
         unknown: dict[int, str] = {}

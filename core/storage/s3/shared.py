@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from core import checksum as crc
-from core.errors import ConflictError, NotFound, ObjectLocked
+from core.errors import ConflictError, CorruptCheckpoint, NotFound, ObjectLocked
 from core.progress import moved
 from core.storage.base import ObjectInfo
 from core.storage.content import CONTENT_DIR
@@ -102,6 +102,7 @@ class SharedContentMixin:
         def _same_or_conflict(self, key: str, size: int, checksum: str) -> None: ...
         def read_small(self, key: str, limit: int = ...) -> bytes: ...
         def delete(self, key: str) -> bool: ...
+        def verify_object(self, key: str, size: int, checksum: str) -> None: ...
         def _rel(self, full: str) -> str: ...
 
     def shares(self, size: int) -> bool:
@@ -140,6 +141,11 @@ class SharedContentMixin:
                 return False
         self._hold(content)
         self._put_pointer(key, content, size, checksum)
+        try:  # the content itself, as the pointer resolves it: a sweep may have taken it meanwhile
+            self.verify_object(key, size, checksum)
+        except (NotFound, CorruptCheckpoint):
+            self.delete(key)
+            return False  # the caller uploads the file whole
         return True
 
     def _recorded_hash(self, content: str) -> str | None:
