@@ -409,10 +409,17 @@ def _commits_other(store: TierStore, key: str, manifest: Manifest) -> bool:
 def find_committed(store: TierStore, prefix: str = "") -> Iterator[tuple[str, int, int, int, str]]:
     """(run, step, part, parts, attempt) of every committed part under the tier (or ``prefix``),
     found by the manifests' names; sorted by key."""
+    for found, _ in committed_at(store, prefix):
+        yield found
+
+
+def committed_at(store: TierStore, prefix: str = "") -> Iterator[tuple[tuple[str, int, int, int, str], float | None]]:
+    """``find_committed``'s parts, each with when its manifest was written (seconds since the
+    epoch on the tier's clock; None where the backend does not say)."""
     for info in store.list(prefix):
         found = parse_manifest_key(info.key)
         if found is not None:
-            yield found
+            yield found, info.modified
 
 
 def read_committed(store: TierStore, run: str, step: int, part: int = 0, parts: int = 1, attempt: str = "") -> Manifest:

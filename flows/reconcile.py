@@ -52,7 +52,7 @@ from core.errors import CkptError, CopyInProgress, CorruptCheckpoint, NotFound, 
 from core.events import announcing
 from core.settings import Settings, load_settings
 from core.tiers import readable_from
-from core.transfer import find_committed
+from core.transfer import committed_at
 from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, ReplicaInfo
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
@@ -72,6 +72,7 @@ from tasks.reconcile import (
     parts_todo,
     replica_item,
     sweep_writer_staging,
+    young_parts,
 )
 from tasks.record import claim_followups
 from tasks.resume import sweep_dead_stages
@@ -97,8 +98,9 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     mark_missing(settings, report, actor=actor)
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
-        todo0 = parts_todo(cat, tier0, list(find_committed(tier0)), report, tier=0, grace_seconds=grace_seconds,
-                           actor=actor)
+        committed0 = list(committed_at(tier0))
+        todo0 = parts_todo(cat, tier0, [found for found, _ in committed0], report, tier=0,
+                           grace_seconds=grace_seconds, actor=actor, young=young_parts(committed0, grace_seconds))
         visited: list[str] = []
         todo1 = parts_todo(cat, tier1, adoption_slice(cat, tier1, settings.reconcile_check_limit, visited), report,
                            tier=1, grace_seconds=grace_seconds, actor=actor)

@@ -5,6 +5,8 @@ kept to itself and listed in the report.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Collection, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +76,16 @@ def followups_backlog(settings: Settings, report: ReconcileReport, *, grace_seco
             1, older_than_seconds=grace_seconds, limit=settings.reconcile_check_limit)) or []
 
 
+def young_parts(committed: Iterable[tuple[tuple[str, int, int, int, str], float | None]], grace_seconds: float, *,
+                now: float | None = None) -> set[tuple[str, int, int, str]]:
+    """(run, step, part, attempt) of the parts in ``committed`` (``core.transfer.committed_at``)
+    written less than ``grace_seconds`` ago. A time in the future (a clock set back) or unknown
+    is not young: the grace only ever delays reconcile, never holds a part from it."""
+    now = time.time() if now is None else now
+    return {(run, step, part, attempt) for (run, step, part, _parts, attempt), at in committed
+            if at is not None and 0 <= now - at < grace_seconds}
+
+
 def replica_item(rep: ReplicaInfo) -> str:
     return f"tier {rep.tier} {rep.run}/{rep.step} part {rep.part}"
 
@@ -90,12 +102,16 @@ def attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> Non
 
 
 def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, int, str]], report: ReconcileReport, *,
-          tier: int, grace_seconds: float, actor: str = "cli") -> list[tuple[str, int, int, int, str]]:
+          tier: int, grace_seconds: float, actor: str = "cli",
+          young: Collection[tuple[str, int, int, str]] = ()) -> list[tuple[str, int, int, int, str]]:
     """The parts committed on ``store`` that need promoting (Tier 0) or adopting (Tier 1): the
     catalog's view of all of them in one set-based read (``promotion_status``), not queries per
     part; a part's manifest is read only for the few that look wanted (``_rejected``). A part
     named out of range (``check_ref``) is listed and left alone; should the set-based read fail,
-    each part is read on its own, so one bad item fails only itself."""
+    each part is read on its own, so one bad item fails only itself. A ``young`` part (run, step,
+    part, attempt: committed within the grace, ``young_parts``) that the catalog has not
+    registered yet is its event's: the agent is promoting it now, and the checkpoint's one
+    promote run carries its follow-ups."""
     found = [p for p in found if _named_in_range(cat, store, p, report, tier=tier, actor=actor)]
     status = _promotion_status(cat, found, report, tier=tier, grace_seconds=grace_seconds)
     todo = []
@@ -103,7 +119,7 @@ def parts_todo(cat: Catalog, store: TierStore, found: list[tuple[str, int, int, 
         if _key(p) not in status:
             continue  # its read failed: listed by ``_promotion_status``
         if each(report, f"tier {tier} {p[0]}/{p[1]} part {p[2]}",
-                 lambda p=p: _wanted(status[_key(p)], p, report, tier=tier)
+                 lambda p=p: _wanted(status[_key(p)], p, report, tier=tier, young=(p[0], p[1], p[2], p[4]) in young)
                  and not _rejected(cat, store, p, report, tier=tier)):
             todo.append(p)
     return todo
@@ -180,9 +196,11 @@ def adoption_slice(cat: Catalog, tier1: TierStore, limit: int,
 
 
 def _wanted(ck: PromotionStatus | None, found: tuple[str, int, int, int, str], report: ReconcileReport, *,
-            tier: int) -> bool:
+            tier: int, young: bool = False) -> bool:
     """Whether a part committed on ``tier`` needs promoting (Tier 0) or adopting (Tier 1)."""
     run, step, part, _parts, _attempt = found
+    if young and (ck is None or part not in ck.registered):
+        return False  # its event's promotion is under way (``parts_todo``)
     if ck is None:  # an unknown checkpoint or run: registering the part creates it
         return True
     if ck.state == CKPT_SUPERSEDED and part not in ck.registered:

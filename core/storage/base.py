@@ -80,6 +80,7 @@ class ObjectInfo:
     checksum: str | None = None  # crc32c hex when the backend knows it without reading
     etag: str | None = None
     version_id: str | None = None
+    modified: float | None = None  # when last written (seconds since the epoch, the tier's clock), from ``list``
 
 
 class TierStore(ABC):

@@ -68,7 +68,7 @@ class FsspecStore(TierStore):
         except FileNotFoundError:
             return []
         out = [
-            ObjectInfo(key=self._key(p), size=int(info["size"]))
+            ObjectInfo(key=self._key(p), size=int(info["size"]), modified=_mtime(info))
             for p, info in found.items()
             if not is_staging(p.rsplit("/", 1)[-1]) and info.get("type") == "file"
         ]
@@ -197,3 +197,4 @@ def open_fsspec(url: str, tier: int, settings: Settings | None) -> FsspecStore:
 
 
 register(Backend(name="fsspec", schemes=(), factory=open_fsspec, accepts=fsspec_knows), fallback=True)
+

@@ -203,7 +203,8 @@ class LocalStore(TierStore):
                     continue
                 rel = os.path.relpath(full, root).replace(os.sep, "/")
                 try:
-                    out.append(ObjectInfo(key=rel, size=os.stat(full).st_size))
+                    st = os.stat(full)
+                    out.append(ObjectInfo(key=rel, size=st.st_size, modified=st.st_mtime))
                 except FileNotFoundError:
                     continue
         return sorted(out, key=lambda o: o.key)

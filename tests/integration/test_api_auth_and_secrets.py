@@ -118,8 +118,10 @@ def test_an_event_without_the_secret_is_refused_and_one_with_it_promotes(agents)
     assert out["delivered"] == [["run-auth", 200, 0, True]]  # the client's own POST carried the secret
     wait_for("step 200 verified on Tier 1", lambda: 1 in _tiers(agents, "run-auth", 200), timeout=120,
              agents=agents)
+    # the checkpoint's promote run is created once its part is on Tier 1: waited for, not raced
+    runs = wait_for("step 200's promote run", lambda: _runs_for("run-auth", 200, api), agents=agents)
+    assert len(runs) == 1
     assert _runs_for("run-auth", 100, api) == []  # the refused event started nothing
-    assert len(_runs_for("run-auth", 200, api)) == 1
 
 
 def test_the_rpo_alert_still_reaches_the_server_it_calls(agents):

@@ -358,7 +358,8 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
         out: list[ObjectInfo] = []
         with s3_errors(f"list {self.root_url}/{prefix}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
-                out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"))
+                out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"),
+                                      modified=o["LastModified"].timestamp() if "LastModified" in o else None)
                            for o in page.get("Contents", []))
         # an empty object may be a pointer: listed with its content's size
         return sorted((self.stat(o.key) or o if o.size == 0 and not o.key.startswith(CONTENT_DIR + "/") else o

@@ -4,13 +4,14 @@ lease in the database, never by waiting), and leases and retention ages use the 
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from core.errors import CatalogUnavailable
+from core.errors import CatalogUnavailable, NotFound
 from core.layout import part_key
 from core.settings import RetentionPolicy
 from flows.common import plain_steps
@@ -329,3 +330,34 @@ def test_scrub_repairs_tier1_rot_from_a_tier0_copy_under_a_live_prune_claim(sett
     expire_claims(settings)
     reconcile_once(settings, steps=plain_steps())
     assert replica_states(settings, RUN, 100) == {(0, 0): "pruned", (1, 0): "verified"}
+
+
+def test_a_part_just_committed_is_left_to_its_event_until_the_grace_has_passed(settings):
+    """The job commits a part a moment before it announces it: the agent promotes it on the
+    event, and the checkpoint's one promote run carries its follow-ups. Reconcile's pass on the
+    same node must not race it into a second route (the follow-ups would then run in the
+    reconcile run and the checkpoint would have no promote run); once the manifest is older
+    than the grace, the part is reconcile's (its event was lost)."""
+    write_checkpoint(settings.tier0_url, RUN, 300)
+    manifest = ckpt_dir(settings.tier0_url, RUN, 300) / part_key(RUN, 300, 0, 1).rsplit("/", 1)[-1]
+
+    report = reconcile_once(settings, steps=plain_steps(), grace_seconds=600)
+    assert report.promoted == [] and report.failed == []
+    with catalog(settings) as cat, pytest.raises(NotFound):
+        cat.get_checkpoint(RUN, 300)  # not registered: the event's promotion does that
+
+    old = manifest.stat().st_mtime - 601
+    os.utime(manifest, (old, old))
+    report = reconcile_once(settings, steps=plain_steps(), grace_seconds=600)
+    assert report.promoted == [f"{RUN}/300 part 0"]
+    assert replica_states(settings, RUN, 300)[(1, 0)] == "verified"
+
+
+def test_only_a_recent_commit_is_young_never_one_dated_in_the_future():
+    from tasks.reconcile import young_parts
+
+    committed = [(("r", 1, 0, 1, ""), 1000.0), (("r", 2, 0, 1, "a1"), 1095.0), (("r", 3, 0, 1, ""), 1200.0),
+                 (("r", 4, 0, 1, ""), None)]
+    # step 1: past the grace; step 3: written "after now" (a clock set back); step 4: no time known
+    assert young_parts(committed, 60, now=1100.0) == {("r", 2, 0, "a1")}
+    assert young_parts(committed, 0, now=1100.0) == set()
