@@ -177,6 +177,9 @@ class TierHolding:
     checkpoints: int
     logical_bytes: int
     stored_bytes: int
+    # Tier 0 (each node's own disk, its budget per node): the node storing the most, and how much
+    fullest_node: str | None = None
+    fullest_node_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,19 @@ def stored_bytes(conn: Connection, *, shared: Collection[int], run_id: int | Non
     return {int(tier): int(n) for tier, n in conn.execute(stmt)}
 
 
+def node_stored_bytes(conn: Connection, *, tier: int, run_id: int | None = None) -> dict[str, int]:
+    """node -> the data bytes its copies on ``tier`` hold (a node-local tier: nothing shared),
+    counted as ``stored_bytes`` counts them, in one statement."""
+    joined = files.join(replicas, and_(replicas.c.checkpoint_id == files.c.checkpoint_id,
+                                       replicas.c.part == files.c.part))
+    where = [replicas.c.state.in_([COPYING, VERIFIED, PRUNING, CORRUPT]), replicas.c.tier == tier]
+    if run_id is not None:
+        where.append(files.c.checkpoint_id.in_(select(checkpoints.c.id).where(checkpoints.c.run_id == run_id)))
+    stmt = (select(replicas.c.node, func.coalesce(func.sum(files.c.size), 0)).select_from(joined).where(*where)
+            .group_by(replicas.c.node))
+    return {str(node or ""): int(n) for node, n in conn.execute(stmt)}
+
+
 def referenced_contents(conn: Connection, tier: int) -> set[tuple[int, str]]:
     """(size, checksum) of every file a replica on ``tier`` may reference: one to be copied or
     being copied, verified, being pruned, or corrupt (not yet deleted)."""

@@ -51,7 +51,10 @@ class Storage(CatalogPart):
                 stmt = stmt.where(checkpoints.c.run_id == run_id)
             held = {tier: (count, int(logical)) for tier, count, logical in conn.execute(stmt)}
             stored = stored_bytes(conn, run_id)
-        return [TierHolding(tier, held[tier][0], held[tier][1], stored.get(tier, 0)) for tier in sorted(held)]
+            fullest = _q.node_stored_bytes(conn, tier=0, run_id=run_id)
+        node, most = max(fullest.items(), key=lambda kv: (kv[1], kv[0]), default=(None, 0))
+        return [TierHolding(tier, held[tier][0], held[tier][1], stored.get(tier, 0),
+                            *((node, most) if tier == 0 else (None, 0))) for tier in sorted(held)]
 
     def hop_timings(self, window_seconds: float, run: str | None = None) -> list[HopTiming]:
         """The timed transfers of the last ``window_seconds`` (catalog clock), newest first (at most

@@ -36,8 +36,9 @@ class TierRow:
     logical_bytes: int
     stored_bytes: int
     dedup_ratio: float | None
-    budget_bytes: int | None
-    budget_used: float | None
+    budget_bytes: int | None  # Tier 0: each node's
+    budget_used: float | None  # Tier 0: of the node storing the most (``budget_node``)
+    budget_node: str | None
     write: Spread | None  # bytes/s of the hops into the tier
     read: Spread | None  # bytes/s of the restore drills from it
     first_byte: Spread | None  # seconds from a hop's start to its first byte
@@ -71,11 +72,14 @@ def tier_rows(settings: Settings, cat: Catalog, *, run: str | None = None,
         h = held.get(tier)
         logical, stored = (h.logical_bytes, h.stored_bytes) if h else (0, 0)
         budget = budget_of(settings, tier)
+        # Tier 0's budget is each node's disk: the fullest node's use is the one that matters
+        node, counted = (h.fullest_node, h.fullest_node_bytes) if h and tier == 0 else (None, stored)
         state, detail = (identities or {}).get(tier, (NOT_CHECKED, ""))
         rows.append(TierRow(
             tier=tier, url=display_url(url) if url else "", identity=state, detail=detail,
             checkpoints=h.checkpoints if h else 0, logical_bytes=logical, stored_bytes=stored,
-            dedup_ratio=dedup_ratio(logical, stored), budget_bytes=budget, budget_used=budget_used(stored, budget),
+            dedup_ratio=dedup_ratio(logical, stored), budget_bytes=budget, budget_used=budget_used(counted, budget),
+            budget_node=node if budget else None,
             write=bandwidths(_hops(timings, tier, "write")), read=bandwidths(_hops(timings, tier, "read")),
             first_byte=spread([t.first_byte_seconds for t in timings if t.tier == tier and t.direction == "write"
                                and t.first_byte_seconds is not None], slow_is_low=False),

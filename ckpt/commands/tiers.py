@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
 
 
 ROOTS = ("tier", "url", "identity", "detail")
-HELD = ("tier", "checkpoints", "logical", "stored", "dedup", "budget (use)", "$/GB-month", "$/month")
+HELD = ("tier", "checkpoints", "logical", "stored", "dedup", "budget", "use", "$/GB-mo", "$/month")
 MEASURED = ("tier", "write", "read", "first byte")
 
 
@@ -88,14 +88,20 @@ def print_matrix(rows: list[TierRow], *, title: str) -> None:
     held = table(*HELD, title="What each holds and costs", right=HELD[1:])
     measured = table(*MEASURED, title="Measured over the last day's hops: median / p95 (hops)",
                      right=MEASURED[1:])
+    notes: list[str] = []
     for r in rows:
         roots.add_row(str(r.tier), r.url or "—", r.identity, r.detail or "")
-        budget = f"{fmt_bytes(r.budget_bytes)} ({fmt_percent(r.budget_used or 0.0)})" if r.budget_bytes else "—"
+        budget = fmt_bytes(r.budget_bytes) if r.budget_bytes else "—"
+        use = fmt_percent(r.budget_used or 0.0).replace(" ", "") if r.budget_bytes else "—"
         held.add_row(str(r.tier), str(r.checkpoints), fmt_bytes(r.logical_bytes), fmt_bytes(r.stored_bytes),
-                     f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—", budget, f"{r.price_gb_month:g}",
-                     f"{r.monthly_cost:,.2f}")
+                     f"{r.dedup_ratio:.2f}×" if r.dedup_ratio is not None else "—", budget, use,
+                     f"{r.price_gb_month:g}", f"{r.monthly_cost:,.2f}")
+        if r.budget_node:
+            notes.append(f"Tier {r.tier}'s budget is each node's; its use is the fullest node's, {r.budget_node}.")
         measured.add_row(str(r.tier), fmt_spread(r.write, fmt_bandwidth), fmt_spread(r.read, fmt_bandwidth),
                          fmt_spread(r.first_byte, fmt_latency))
     con = Console()
     for t in (roots, held, measured):
         con.print(t)
+        if t is held and notes:
+            con.print("\n".join(notes), highlight=False)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from ckpt.cli import app
 from db.catalog import Catalog
-from tests.kit.restore import commit_folder, promote, scenario_settings
+from tests.kit.restore import commit_folder, on_node, promote, scenario_settings
 
 RUN = "run-a"
 
@@ -89,3 +89,24 @@ def test_a_milestone_s_archive_is_timed_and_priced_on_tier2(settings_factory, db
     assert (t2["checkpoints"], t2["stored_bytes"]) == (1, 2_000_000)
     assert t2["write_bytes_per_s"]["count"] == 1 and t2["first_byte_seconds"]["count"] == 1
     assert t2["monthly_cost"] == pytest.approx(2_000_000 / 1e9 * 1000)
+
+
+def test_tier0_s_budget_is_each_node_s_and_shows_the_fullest_node(settings_factory, db_url, monkeypatch):
+    """Tier 0 is each node's own disk and its budget is per node: the matrix shows the use of the
+    node storing the most, not every node's bytes over one node's budget."""
+    from core.settings import RetentionPolicy
+
+    s = for_the_cli(scenario_settings(settings_factory, db_url,
+                                      retention_tier0=RetentionPolicy(enabled=False, max_bytes=1_000_000)), monkeypatch)
+    monkeypatch.setenv("CKPT_RETENTION_TIER0__MAX_BYTES", "1000000")
+    other = on_node(s, "node-b")
+    commit_folder(s, RUN, 100, {"part-00000/model.bin": os.urandom(300_000)}, part=0, parts=2)
+    commit_folder(other, RUN, 100, {"part-00001/model.bin": os.urandom(600_000)}, part=1, parts=2)
+    promote(s, RUN, 100, 0, 2)
+    promote(other, RUN, 100, 1, 2)
+
+    t0 = tiers_json()[0]
+    assert t0["stored_bytes"] == 900_000 and t0["budget_bytes"] == 1_000_000
+    assert t0["budget_node"] == "node-b" and t0["budget_used"] == pytest.approx(0.6)  # not 0.9
+    shown = CliRunner().invoke(app, ["tiers"], catch_exceptions=False).output
+    assert "60.0%" in shown and "the fullest node's, node-b" in shown, shown
