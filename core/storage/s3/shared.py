@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from core import checksum as crc
-from core.errors import ConflictError, CorruptCheckpoint, NotFound, ObjectLocked
+from core.errors import ConflictError, CorruptCheckpoint, NotFound, ObjectLocked, StorageUnavailable
 from core.progress import moved
 from core.storage.base import ObjectInfo
 from core.storage.content import CONTENT_DIR
@@ -200,7 +200,10 @@ class SharedContentMixin:
         """Delete the contents no replica references (``referenced()``: (size, CRC32C) of every
         content the catalog's replicas on this tier may reference), in two passes ``grace_s``
         apart (module doc); ``deleted(key, size)`` hears of each before it goes. A content
-        under Object Lock stays. Returns how many went."""
+        under Object Lock stays. The catalog is asked twice per sweep, not per content: once
+        before the marks, once before the deletes. One content that fails (a request refused)
+        fails alone: the others are swept, then the first failure is raised with the count.
+        Returns how many went."""
         from core.storage.s3.store import server_clock  # deferred: cycle — the store is built on this mixin
 
         found: dict[str, dict[str, Any]] = {}
@@ -214,32 +217,47 @@ class SharedContentMixin:
                     name, suffix = (key[:-len(sfx)], sfx) if (sfx := _suffix(key)) else (key, "")
                     found.setdefault(name, {})[suffix] = o
         live = set(referenced())
-        gone = 0
+        failed: list[tuple[str, Exception]] = []
+        due: list[tuple[str, tuple[int, str]]] = []  # marked past the grace: asked about again, then deleted
+
+        def each(name: str, act: Callable[[], object]) -> None:
+            try:
+                act()
+            except Exception as exc:  # noqa: BLE001 - one content fails alone (docstring)
+                failed.append((name, exc))
+
         for name, parts in sorted(found.items()):
             held = _identity(name)
             mark = parts.get(MARK_SUFFIX)
             if "" not in parts or held is None:  # a hash or mark left alone: nothing to keep it for
-                for sfx in parts:
-                    self.delete(name + sfx)
+                each(name, lambda name=name, parts=parts: [self.delete(name + sfx) for sfx in parts])
+            elif held in live:
+                if mark is not None:  # referenced again: kept (its hash is gone: unshared)
+                    each(name, lambda name=name: self.delete(name + MARK_SUFFIX))
+            elif mark is None:  # no new copy points to it from now on
+                each(name, lambda name=name: (self.delete(name + HASH_SUFFIX),
+                                              self._put_small(name + MARK_SUFFIX, b"")))
+            elif now - mark["LastModified"] >= timedelta(seconds=grace_s):
+                due.append((name, held))
+        still = set(referenced()) if due else set()
+        gone = 0
+        for name, held in due:
+            if held in still:
                 continue
-            if held in live:
-                if mark is not None:
-                    self.delete(name + MARK_SUFFIX)  # referenced again: kept (its hash is gone: unshared)
-                continue
-            if mark is None:
-                self.delete(name + HASH_SUFFIX)  # no new copy points to it from now on
-                self._put_small(name + MARK_SUFFIX, b"")
-                continue
-            if now - mark["LastModified"] < timedelta(seconds=grace_s) or held in set(referenced()):
-                continue
-            if deleted is not None:
-                deleted(name, held[0])
             try:
+                if deleted is not None:
+                    deleted(name, held[0])
                 self.delete(name)
+                self.delete(name + MARK_SUFFIX)
+                gone += 1
             except ObjectLocked:  # held for a milestone still: a later sweep takes it
                 continue
-            self.delete(name + MARK_SUFFIX)
-            gone += 1
+            except Exception as exc:  # noqa: BLE001 - one content fails alone (docstring)
+                failed.append((name, exc))
+        if failed:
+            name, exc = failed[0]
+            raise StorageUnavailable(f"{len(failed)} of {len(found)} shared contents of {self.root_url} could not "
+                                     f"be swept ({gone} were); the first, {name}: {type(exc).__name__}: {exc}") from exc
         return gone
 
     def _put_small(self, key: str, body: bytes) -> None:

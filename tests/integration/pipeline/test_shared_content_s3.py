@@ -176,3 +176,49 @@ def test_retired_milestones_free_the_contents_no_kept_one_references(settings_fa
         assert cat.stored_bytes(2) == len(BASE) + SMALL
     save(settings, 400)  # the base is still shared after the sweep
     assert [size for size in objects(settings).values() if size == len(BASE)] == [len(BASE)]
+
+
+def test_a_sweep_asks_the_catalog_twice_and_one_refused_delete_fails_alone(settings_factory, db_url, s3_endpoint,
+                                                                           s3_bucket, tmp_path, monkeypatch):
+    """S3 refusing one content's delete (here: the store's delete raising for that key, since
+    moto refuses none) fails that content alone: the sweep deletes the others, then says how
+    many failed; the next sweep finishes. The catalog is asked twice per sweep, not once per
+    content."""
+    import pytest
+
+    from core.errors import StorageUnavailable
+    from core.settings import RetentionPolicy
+    from flows.common import plain_steps
+    from flows.retention import run_retention
+    from tasks.contents import sweep_shared_contents
+
+    last = RetentionPolicy(keep_last=1, keep_milestones=False)
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket, retention_tier0=last,
+                         retention_tier1=last, retention_tier2=last)
+    for step in (100, 200, 300):
+        save(settings, step)
+    run_retention(settings, run=RUN, steps=plain_steps(), actor="test")
+    assert sweep_shared_contents(settings, actor="test") == 0  # marked
+    now = settings.model_copy(update={"claim_lease_seconds": 0})
+
+    asked = []
+    real_referenced = Catalog.referenced_contents
+    monkeypatch.setattr(Catalog, "referenced_contents", lambda self, tier: asked.append(tier) or
+                        real_referenced(self, tier))
+    real_delete = S3Store.delete
+    refused = []
+
+    def delete(self, key):
+        if key.startswith(CONTENT_DIR) and not key.endswith((".unreferenced", ".sha256")) and not refused:
+            refused.append(key)
+            raise StorageUnavailable(f"AccessDenied on {key}")
+        return real_delete(self, key)
+
+    monkeypatch.setattr(S3Store, "delete", delete)
+    with pytest.raises(StorageUnavailable, match=r"1 of \d+ shared contents .* could not be swept \(1 were\)"):
+        sweep_shared_contents(now, actor="test")
+    assert asked == [2, 2]
+    held = {k for k, size in objects(settings).items() if size == SMALL}
+    assert f"ckpt/{refused[0]}" in held and len(held) == 2  # step 300's adapter and the refused one: the other went
+    assert sweep_shared_contents(now, actor="test") == 1  # the next sweep finishes
+    assert {k for k, size in objects(settings).items() if size == SMALL} == held - {f"ckpt/{refused[0]}"}
