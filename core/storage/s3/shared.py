@@ -220,25 +220,26 @@ class SharedContentMixin:
         failed: list[tuple[str, Exception]] = []
         due: list[tuple[str, tuple[int, str]]] = []  # marked past the grace: asked about again, then deleted
 
-        def each(name: str, act: Callable[[], object]) -> None:
-            try:
-                act()
-            except Exception as exc:  # noqa: BLE001 - one content fails alone (docstring)
-                failed.append((name, exc))
-
-        for name, parts in sorted(found.items()):
-            held = _identity(name)
+        def tidy(name: str, parts: dict[str, Any], held: tuple[int, str] | None) -> None:
+            """The first pass over one content: marks, hashes and strays."""
             mark = parts.get(MARK_SUFFIX)
             if "" not in parts or held is None:  # a hash or mark left alone: nothing to keep it for
-                each(name, lambda name=name, parts=parts: [self.delete(name + sfx) for sfx in parts])
+                for sfx in parts:
+                    self.delete(name + sfx)
             elif held in live:
                 if mark is not None:  # referenced again: kept (its hash is gone: unshared)
-                    each(name, lambda name=name: self.delete(name + MARK_SUFFIX))
+                    self.delete(name + MARK_SUFFIX)
             elif mark is None:  # no new copy points to it from now on
-                each(name, lambda name=name: (self.delete(name + HASH_SUFFIX),
-                                              self._put_small(name + MARK_SUFFIX, b"")))
+                self.delete(name + HASH_SUFFIX)
+                self._put_small(name + MARK_SUFFIX, b"")
             elif now - mark["LastModified"] >= timedelta(seconds=grace_s):
                 due.append((name, held))
+
+        for name, parts in sorted(found.items()):
+            try:
+                tidy(name, parts, _identity(name))
+            except Exception as exc:  # noqa: BLE001 - one content fails alone (docstring)
+                failed.append((name, exc))
         still = set(referenced()) if due else set()
         gone = 0
         for name, held in due:
@@ -255,9 +256,10 @@ class SharedContentMixin:
             except Exception as exc:  # noqa: BLE001 - one content fails alone (docstring)
                 failed.append((name, exc))
         if failed:
-            name, exc = failed[0]
-            raise StorageUnavailable(f"{len(failed)} of {len(found)} shared contents of {self.root_url} could not "
-                                     f"be swept ({gone} were); the first, {name}: {type(exc).__name__}: {exc}") from exc
+            first, why = failed[0]
+            raise StorageUnavailable(f"{len(failed)} of {len(found)} shared contents of {self.url_for(CONTENT_DIR)} "
+                                     f"could not be swept ({gone} were); the first, {first}: "
+                                     f"{type(why).__name__}: {why}") from why
         return gone
 
     def _put_small(self, key: str, body: bytes) -> None:
