@@ -39,9 +39,10 @@ def _held(run_id: int | None) -> Join:
 
 
 class Storage(CatalogPart):
-    def tier_holdings(self, run: str | None = None) -> list[TierHolding]:
+    def tier_holdings(self, run: str | None = None, *, per_node: bool = False) -> list[TierHolding]:
         """Per tier with a verified copy (of ``run``'s checkpoints, or every run's): checkpoints
-        held, logical bytes (the manifests' parts) and stored bytes (``stored_bytes``)."""
+        held, logical bytes (the manifests' parts) and stored bytes (``stored_bytes``); with
+        ``per_node``, Tier 0's fullest node and its bytes too (a budget per node needs them)."""
         with self._tx(write=False) as conn:
             run_id = run_row(conn, run).id if run is not None else None
             stmt = (select(replicas.c.tier, func.count(func.distinct(replicas.c.checkpoint_id)),
@@ -51,7 +52,7 @@ class Storage(CatalogPart):
                 stmt = stmt.where(checkpoints.c.run_id == run_id)
             held = {tier: (count, int(logical)) for tier, count, logical in conn.execute(stmt)}
             stored = stored_bytes(conn, run_id)
-            fullest = _q.node_stored_bytes(conn, tier=0, run_id=run_id)
+            fullest = _q.node_stored_bytes(conn, tier=0, run_id=run_id) if per_node else {}
         node, most = max(fullest.items(), key=lambda kv: (kv[1], kv[0]), default=(None, 0))
         return [TierHolding(tier, held[tier][0], held[tier][1], stored.get(tier, 0),
                             *((node, most) if tier == 0 else (None, 0))) for tier in sorted(held)]

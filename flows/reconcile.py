@@ -91,8 +91,11 @@ def promotion_row(result: PromoteResult) -> dict[str, Any]:
 
 
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
-                   on_durable: Callable[[PromoteResult], None] | None = None) -> ReconcileReport:
-    """One pass of the sweeps above on this node (``on_durable``: as for ``promote``)."""
+                   on_durable: Callable[[PromoteResult], None] | None = None,
+                   event_seconds: float = 0.0) -> ReconcileReport:
+    """One pass of the sweeps above on this node (``on_durable``: as for ``promote``). A part
+    committed on Tier 0 less than ``event_seconds`` ago that the catalog has not registered is
+    left to its completed event (the agent's own pass: ``reconcile_pass``)."""
     report = ReconcileReport()
     recover_claims(settings, report, steps=steps, actor=actor)
     mark_missing(settings, report, actor=actor)
@@ -100,7 +103,7 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
             open_tier(settings, 1) as tier1:
         committed0 = list(committed_at(tier0))
         todo0 = parts_todo(cat, tier0, [found for found, _ in committed0], report, tier=0,
-                           grace_seconds=grace_seconds, actor=actor, young=young_parts(committed0, grace_seconds))
+                           grace_seconds=grace_seconds, actor=actor, young=young_parts(committed0, event_seconds))
         visited: list[str] = []
         todo1 = parts_todo(cat, tier1, adoption_slice(cat, tier1, settings.reconcile_check_limit, visited), report,
                            tier=1, grace_seconds=grace_seconds, actor=actor)
@@ -263,6 +266,7 @@ def reconcile_pass(settings: Settings) -> ReconcileReport:
     with announcing(emit):
         report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
                                 grace_seconds=settings.reconcile_interval_seconds,
+                                event_seconds=settings.reconcile_interval_seconds,
                                 on_durable=lambda result: durable.add((result.run, result.step)))
     if report.acted():
         reconciled(settings.node, json.dumps(vars(report)), sorted(durable), return_state=True)

@@ -64,7 +64,7 @@ def tier_rows(settings: Settings, cat: Catalog, *, run: str | None = None,
               identities: dict[int, tuple[str, str]] | None = None) -> list[TierRow]:
     """One ``TierRow`` per tier (an unconfigured one too: its copies may outlive its setting);
     ``identities``: tier -> (state, detail) as proven (default: not checked)."""
-    held = {h.tier: h for h in cat.tier_holdings(run)}
+    held = {h.tier: h for h in cat.tier_holdings(run, per_node=budget_of(settings, 0) is not None)}
     timings = cat.hop_timings(WINDOW_SECONDS, run)
     rows = []
     for tier in TIERS:

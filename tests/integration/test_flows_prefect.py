@@ -13,7 +13,14 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from tests.kit.checkpoints import ckpt_dir, open_catalog, replica_states, shard_paths, write_checkpoint
+from tests.kit.checkpoints import (
+    ckpt_dir,
+    committed_ago,
+    open_catalog,
+    replica_states,
+    shard_paths,
+    write_checkpoint,
+)
 from tests.kit.pipeline import pipeline_settings
 
 pytestmark = pytest.mark.prefect
@@ -332,7 +339,9 @@ def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
     assert not reconcile_pass(settings).acted()
     assert reconcile_runs(node) == []
 
-    write_checkpoint(settings.tier0_url, RUN, 10, shard_bytes=64 << 10, node=node)  # its event lost
+    write_checkpoint(settings.tier0_url, RUN, 10, shard_bytes=64 << 10, node=node)
+    assert not reconcile_pass(settings).acted()  # just committed: its event's
+    committed_ago(settings.tier0_url, RUN, 10, settings.reconcile_interval_seconds + 1)  # its event lost
     assert reconcile_pass(settings).promoted == [f"{RUN}/10 part 0"]
     (fr,) = reconcile_runs(node)
     assert fr.state_type.value == "COMPLETED", fr.state
@@ -358,6 +367,7 @@ def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_stat
     state = promote_checkpoint(run=run, step=10, node=node, return_state=True)
     assert state.is_failed()
     write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
+    committed_ago(settings.tier0_url, run, 10, settings.reconcile_interval_seconds + 1)  # no event came after it
     assert reconcile_pass(settings).promoted == [f"{run}/10 part 0"]
     (fr,) = reconcile_runs(node)
     page = Artifact.get(artifact_key("run", run))

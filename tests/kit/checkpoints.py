@@ -19,6 +19,17 @@ def ckpt_dir(root: Path | str, run: str, step: int) -> Path:
     return Path(root) / run / checkpoint_dirname(step)
 
 
+def committed_ago(root: Path | str, run: str, step: int, seconds: float) -> None:
+    """Date a committed checkpoint's files ``seconds`` back, as if the job had written it then (a
+    part whose completed event was lost, seen by a reconcile pass later)."""
+    import os
+    import time
+
+    then = time.time() - seconds
+    for path in ckpt_dir(root, run, step).rglob("*"):
+        os.utime(path, (then, then))
+
+
 def commit_manifest(folder: Path, run: str, step: int, **manifest: Any) -> Manifest:
     """Commit a checkpoint folder: its manifest is built from the bytes there and written last."""
     from core.manifest_build import build_manifest, write_manifest

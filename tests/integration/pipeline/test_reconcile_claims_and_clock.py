@@ -341,14 +341,14 @@ def test_a_part_just_committed_is_left_to_its_event_until_the_grace_has_passed(s
     write_checkpoint(settings.tier0_url, RUN, 300)
     manifest = ckpt_dir(settings.tier0_url, RUN, 300) / part_key(RUN, 300, 0, 1).rsplit("/", 1)[-1]
 
-    report = reconcile_once(settings, steps=plain_steps(), grace_seconds=600)
+    report = reconcile_once(settings, steps=plain_steps(), event_seconds=600)
     assert report.promoted == [] and report.failed == []
     with catalog(settings) as cat, pytest.raises(NotFound):
         cat.get_checkpoint(RUN, 300)  # not registered: the event's promotion does that
 
     old = manifest.stat().st_mtime - 601
     os.utime(manifest, (old, old))
-    report = reconcile_once(settings, steps=plain_steps(), grace_seconds=600)
+    report = reconcile_once(settings, steps=plain_steps(), event_seconds=600)
     assert report.promoted == [f"{RUN}/300 part 0"]
     assert replica_states(settings, RUN, 300)[(1, 0)] == "verified"
 
