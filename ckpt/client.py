@@ -1,7 +1,8 @@
 """The training-side client: commit a checkpoint on Tier 0, announce it, get back to training.
 
 ``CheckpointStager(run).save(step, tensors)`` writes safetensors shards into a staging folder
-on Tier 0 (CRC32C computed over the bytes as they are written), writes the manifest last,
+on Tier 0 (each tensor hashed once, CRC32C, the shards' CRCs combined from the tensors'),
+writes the manifest last,
 renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
 that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
 background thread (retried; a failure is logged, never raised into training, and the
@@ -107,6 +108,16 @@ class CheckpointStager:
 
     Use as a context manager, or call ``close()`` at the end: it waits for background writes
     and gives pending events a few seconds to leave.
+
+    A fine-tune's frozen base is stored once on the shared tiers when its tensors sit in shard
+    files of their own, the same files at every save. The stager finds them itself: the
+    tensors whose bytes (CRC32C), dtype and shape equal its previous save's are written first,
+    apart from the others; a tensor that changes again goes back among them at the next save.
+    That dedupes from the second save of a stager on. ``frozen=`` names tensors to keep apart
+    from the first save on (a fine-tune's base, known before training). The layout only
+    decides which files can be shared: every file is written whole and checksummed, and the
+    tiers compare bytes before sharing, so a tensor taken for unchanged by mistake (a CRC32C
+    collision) costs sharing, never bytes.
     """
 
     def __init__(self, run: str, *, settings: Settings | None = None,
@@ -130,8 +141,10 @@ class CheckpointStager:
         self.root = tier0_root(self.settings)
         self.shard_bytes = shard_bytes
         # tensors the run does not train (a fine-tune's base): shards of their own, so the same
-        # bytes give the same files and the shared tiers hold them once (core.storage.content)
+        # bytes give the same files and the shared tiers hold them once (core.storage.content);
+        # from the second save on, also those that did not change since the previous one
         self.frozen = frozenset(frozen)
+        self._previous: dict[str, tuple[int, str, tuple[int, ...], int]] = {}  # name: (crc, dtype, shape, nbytes)
         self.fsync = fsync
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
@@ -251,13 +264,19 @@ class CheckpointStager:
                 publish_folder(folder, final, manifest)
         else:
             staging = final.parent / staging_name(final.name)
+            # the tensors' CRCs first: which did not change since the previous save decides the layout
+            crcs = stw.tensor_crcs(arrays, buffer_bytes=self.settings.io_buffer_bytes,
+                                   threads=self.settings.copy_parallelism)
+            seen = {n: (crcs[n], st, a.shape, a.nbytes) for n, (a, st) in arrays.items()}
+            unchanged = {n for n, sig in seen.items() if self._previous.get(n) == sig}
             try:
                 written = stw.write_sharded(staging, arrays, shard_bytes=self.shard_bytes, prefix=prefix,
                                             buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync,
-                                            apart=self.frozen)
+                                            apart=self.frozen | unchanged, crcs=crcs)
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)
+                self._previous = seen
             except OSError as exc:  # room taken since the check (another writer): nothing published
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise

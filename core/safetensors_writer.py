@@ -1,10 +1,13 @@
-"""Write tensors as safetensors shards, computing CRC32C over the bytes as they are written.
+"""Write tensors as safetensors shards, with each file's CRC32C, hashing every byte once.
 
-One pass over the data: each tensor's bytes go to the file in ``buffer_bytes`` slices and
-the same slices feed the checksum, so the manifest needs no second read of the shard. The
-format (8-byte little-endian header length, JSON header padded to 8 bytes, raw little-endian
-tensor bytes) is written here rather than through ``safetensors.numpy.save_file`` because
-that function builds the whole file in memory first.
+Each tensor's CRC32C is computed once, before writing (``tensor_crcs``), over the host copy
+the caller holds; a shard file's CRC32C is then derived from its header's CRC and its tensors'
+CRCs (``checksum.combine``), so the write pass does not hash and the manifest needs no second
+read of the shard. The tensors' CRCs also tell which tensors did not change since a previous
+save (``ckpt.client``: a fine-tune's frozen base), before the shards are planned. The format
+(8-byte little-endian header length, JSON header padded to 8 bytes, raw little-endian tensor
+bytes) is written here rather than through ``safetensors.numpy.save_file`` because that
+function builds the whole file in memory first.
 
 Accepted tensors: numpy arrays, anything with ``__array__``, and torch tensors (moved to CPU;
 bfloat16 written as ``BF16``) without importing torch here.
@@ -22,6 +25,7 @@ import numpy as np
 
 from core import checksum
 from core.errors import BadInput
+from core.progress import moved
 
 _DTYPES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
@@ -29,6 +33,7 @@ _DTYPES = {
     "int64": "I64", "uint64": "U64", "float64": "F64", "bfloat16": "BF16",
 }
 INDEX_NAME = "model.safetensors.index.json"
+PIECE_BYTES = 64 * 1024 * 1024  # a thread's share of the tensors' CRC32C pass (tensor_crcs)
 
 
 @dataclass(frozen=True)
@@ -112,25 +117,61 @@ def _header(names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]]) -> b
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]], *,
-                buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, fsync: bool = True) -> tuple[int, str]:
-    """Write one safetensors file; return (size, crc32c hex) of exactly the bytes written."""
-    crc, size = 0, 0
+def _raw(a: np.ndarray) -> memoryview:
+    """The array's bytes (a tensor with a 0 in its shape: none; ``cast`` refuses those)."""
+    return a.data.cast("B") if a.nbytes else memoryview(b"")
+
+
+def tensor_crcs(arrays: Mapping[str, tuple[np.ndarray, str]], *,
+                buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES, threads: int = 4) -> dict[str, int]:
+    """The CRC32C of every tensor's bytes. Hashed in pieces of ``PIECE_BYTES`` on ``threads``
+    threads (CRC32C releases the GIL; a big tensor is as many pieces, their CRCs combined), each
+    piece in ``buffer_bytes`` slices (the process's heartbeat beats during a long one)."""
+    def piece(view: memoryview) -> int:
+        crc = 0
+        for start in range(0, len(view), buffer_bytes):
+            crc = checksum.update(crc, view[start:start + buffer_bytes])
+        return crc
+
+    views = {name: _raw(a) for name, (a, _) in arrays.items()}
+    pieces = [(name, view[start:start + PIECE_BYTES])
+              for name, view in views.items() for start in range(0, len(view), PIECE_BYTES)]
+    if threads > 1 and len(pieces) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="ckpt-crc") as pool:
+            crcs = list(pool.map(piece, (v for _, v in pieces)))
+    else:
+        crcs = [piece(v) for _, v in pieces]
+    out = dict.fromkeys(views, 0)
+    for (name, view), crc in zip(pieces, crcs, strict=True):
+        out[name] = checksum.combine(out[name], crc, len(view))
+    return out
+
+
+def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]],
+                crcs: Mapping[str, int], *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+                fsync: bool = True) -> tuple[int, str]:
+    """Write one safetensors file; return its (size, crc32c hex), the CRC combined from the
+    header's and the tensors' (``crcs``: ``tensor_crcs`` of these same bytes)."""
+    header = _header(names, arrays)
+    crc, size = checksum.update(0, header), 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         def put(view: memoryview) -> None:
-            nonlocal crc, size
+            nonlocal size
             while view:
                 n = os.write(fd, view)
-                crc = checksum.update(crc, view[:n])
                 size += n
                 view = view[n:]
 
-        put(memoryview(_header(names, arrays)))
+        put(memoryview(header))
         for name in names:
-            data = arrays[name][0].data.cast("B")
+            data = _raw(arrays[name][0])
             for start in range(0, len(data), buffer_bytes):
                 put(data[start:start + buffer_bytes])
+                moved()
+            crc = checksum.combine(crc, crcs[name], len(data))
         if fsync:
             os.fsync(fd)
     finally:
@@ -160,10 +201,14 @@ def fsync_all(paths: list[str], threads: int = 8) -> None:
 
 def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarray, str]], *,
                   shard_bytes: int, prefix: str = "", buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
-                  fsync: bool = True, apart: Collection[str] = ()) -> list[WrittenFile]:
+                  fsync: bool = True, apart: Collection[str] = (),
+                  crcs: Mapping[str, int] | None = None) -> list[WrittenFile]:
     """Hugging Face sharded layout under ``folder/prefix``: ``model-0000i-of-0000n.safetensors``
     plus ``model.safetensors.index.json`` (its ``weight_map`` names every shard); the tensors
-    in ``apart`` in shards of their own (``plan_shards``)."""
+    in ``apart`` in shards of their own (``plan_shards``). ``crcs``: the tensors' CRC32Cs when
+    the caller has them already, else computed here (``tensor_crcs``)."""
+    if crcs is None:
+        crcs = tensor_crcs(arrays, buffer_bytes=buffer_bytes)
     groups = plan_shards(arrays, shard_bytes, apart)
     base = os.path.join(folder, prefix) if prefix else os.fspath(folder)
     os.makedirs(base, exist_ok=True)
@@ -171,7 +216,7 @@ def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarr
     for i, names in enumerate(groups, 1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         paths.append(os.path.join(base, fname))
-        size, crc = write_shard(paths[-1], names, arrays, buffer_bytes=buffer_bytes, fsync=False)
+        size, crc = write_shard(paths[-1], names, arrays, crcs, buffer_bytes=buffer_bytes, fsync=False)
         written.append(WrittenFile(f"{prefix}{fname}", size, crc))
         weight_map.update(dict.fromkeys(names, fname))
         total += sum(arrays[n][0].nbytes for n in names)
