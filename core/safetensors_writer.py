@@ -1,13 +1,13 @@
 """Write tensors as safetensors shards, with each file's CRC32C, hashing every byte once.
 
-Each tensor's CRC32C is computed once, before writing (``tensor_crcs``), over the host copy
-the caller holds; a shard file's CRC32C is then derived from its header's CRC and its tensors'
-CRCs (``checksum.combine``), so the write pass does not hash and the manifest needs no second
-read of the shard. The tensors' CRCs also tell which tensors did not change since a previous
-save (``ckpt.client``: a fine-tune's frozen base), before the shards are planned. The format
-(8-byte little-endian header length, JSON header padded to 8 bytes, raw little-endian tensor
-bytes) is written here rather than through ``safetensors.numpy.save_file`` because that
-function builds the whole file in memory first.
+Each tensor's CRC32C is computed once: before writing (``tensor_crcs``, over the host copy the
+caller holds), when the caller needs it to plan the shards (``ckpt.client``: which tensors did
+not change since the previous save, a fine-tune's frozen base), else as it is written, each
+slice right after its write. A shard file's CRC32C is derived from its header's CRC and its
+tensors' CRCs (``checksum.combine``), so the manifest needs no second read of the shard. The
+format (8-byte little-endian header length, JSON header padded to 8 bytes, raw little-endian
+tensor bytes) is written here rather than through ``safetensors.numpy.save_file`` because
+that function builds the whole file in memory first.
 
 Accepted tensors: numpy arrays, anything with ``__array__``, and torch tensors (moved to CPU;
 bfloat16 written as ``BF16``) without importing torch here.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,10 +150,12 @@ def tensor_crcs(arrays: Mapping[str, tuple[np.ndarray, str]], *,
 
 
 def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, tuple[np.ndarray, str]],
-                crcs: Mapping[str, int], *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
+                crcs: MutableMapping[str, int], *, buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
                 fsync: bool = True) -> tuple[int, str]:
     """Write one safetensors file; return its (size, crc32c hex), the CRC combined from the
-    header's and the tensors' (``crcs``: ``tensor_crcs`` of these same bytes)."""
+    header's and the tensors'. ``crcs``: the tensors' CRCs known already (``tensor_crcs`` of
+    these same bytes); a tensor it lacks is hashed as it is written, each slice right after
+    its write (still in the CPU's cache), and its CRC added to ``crcs``."""
     header = _header(names, arrays)
     crc, size = checksum.update(0, header), 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -167,16 +169,60 @@ def write_shard(path: str | os.PathLike, names: list[str], arrays: Mapping[str, 
 
         put(memoryview(header))
         for name in names:
-            data = _raw(arrays[name][0])
+            data, known, value = _raw(arrays[name][0]), crcs.get(name), 0
             for start in range(0, len(data), buffer_bytes):
                 put(data[start:start + buffer_bytes])
-                moved()
-            crc = checksum.combine(crc, crcs[name], len(data))
+                if known is None:
+                    value = checksum.update(value, data[start:start + buffer_bytes])
+                else:
+                    moved()
+            if known is None:
+                crcs[name] = known = value
+            crc = checksum.combine(crc, known, len(data))
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return size, checksum.to_hex(crc)
+
+
+def unchanged_files(folder: str | os.PathLike, files: Iterable[tuple[str, int, str]],
+                    arrays: Mapping[str, tuple[np.ndarray, str]], crcs: Mapping[str, int]) -> set[str]:
+    """The tensors of the safetensors ``files`` in ``folder`` (``(path, size, crc32c hex)`` as a
+    manifest lists them) that ``arrays`` holds again byte for byte: those of each file whose
+    CRC32C is what its header, read back, and the current tensors' ``crcs`` combine to (the
+    tensors' bytes on disk are not read)."""
+    out: set[str] = set()
+    for path, size, crc in files:
+        if not path.endswith(".safetensors"):
+            continue
+        try:
+            with open(os.path.join(folder, path), "rb") as fh:
+                length = int.from_bytes(fh.read(8), "little")
+                if not 0 < length <= min(size - 8, 100 << 20):
+                    continue
+                header = fh.read(length)
+            meta = json.loads(header)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        try:
+            entries = sorted((tuple(v["data_offsets"]), k, v["dtype"], list(v["shape"]))
+                             for k, v in meta.items() if k != "__metadata__")
+        except (KeyError, TypeError, AttributeError):
+            continue
+        value, offset = checksum.update(0, length.to_bytes(8, "little") + header), 0
+        for (start, end), name, dtype, shape in entries:
+            have = arrays.get(name)
+            if have is None or (start, end) != (offset, offset + have[0].nbytes) or dtype != have[1] \
+                    or shape != list(have[0].shape):
+                break
+            value, offset = checksum.combine(value, crcs[name], end - start), end
+        else:
+            if 8 + length + offset == size and checksum.to_hex(value) == crc:
+                out.update(name for _, name, _, _ in entries)
+    return out
 
 
 def fsync_all(paths: list[str], threads: int = 8) -> None:
@@ -202,13 +248,13 @@ def fsync_all(paths: list[str], threads: int = 8) -> None:
 def write_sharded(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarray, str]], *,
                   shard_bytes: int, prefix: str = "", buffer_bytes: int = checksum.DEFAULT_BUFFER_BYTES,
                   fsync: bool = True, apart: Collection[str] = (),
-                  crcs: Mapping[str, int] | None = None) -> list[WrittenFile]:
+                  crcs: MutableMapping[str, int] | None = None) -> list[WrittenFile]:
     """Hugging Face sharded layout under ``folder/prefix``: ``model-0000i-of-0000n.safetensors``
     plus ``model.safetensors.index.json`` (its ``weight_map`` names every shard); the tensors
-    in ``apart`` in shards of their own (``plan_shards``). ``crcs``: the tensors' CRC32Cs when
-    the caller has them already, else computed here (``tensor_crcs``)."""
+    in ``apart`` in shards of their own (``plan_shards``). ``crcs``: the tensors' CRC32Cs the
+    caller has already; the others are computed as written and added (``write_shard``)."""
     if crcs is None:
-        crcs = tensor_crcs(arrays, buffer_bytes=buffer_bytes)
+        crcs = {}
     groups = plan_shards(arrays, shard_bytes, apart)
     base = os.path.join(folder, prefix) if prefix else os.fspath(folder)
     os.makedirs(base, exist_ok=True)

@@ -290,14 +290,13 @@ def test_a_pretraining_run_whose_every_tensor_changes_keeps_its_layout(settings_
 
 def test_a_tensor_that_changes_again_leaves_the_unchanged_shards_and_loads_back(settings_factory):
     rng = np.random.default_rng(9)
-    head = rng.standard_normal(8 << 10, dtype=np.float32)
+    base, head = (rng.standard_normal(8 << 10, dtype=np.float32) for _ in range(2))
 
     def tensors(head_changes: bool) -> dict[str, np.ndarray]:
         nonlocal head
         if head_changes:
             head = head + 1
-        return {"embed": rng.standard_normal(8 << 10, dtype=np.float32), "head": head.copy(),
-                "norm": rng.standard_normal(8 << 10, dtype=np.float32)}
+        return {"base": base, "head": head.copy(), "lora": rng.standard_normal(8 << 10, dtype=np.float32)}
 
     given = [tensors(False), tensors(False), tensors(True), tensors(False)]
     with _stager(settings_factory(), shard_bytes=1 << 20) as st:  # all three fit one shard
@@ -307,6 +306,26 @@ def test_a_tensor_that_changes_again_leaves_the_unchanged_shards_and_loads_back(
         wm = _weight_map(saved)
         return {name for name, path in wm.items() if path == wm["head"]}
 
-    assert [with_head(s) for s in saves] == [{"embed", "head", "norm"}, {"head"}, {"embed", "head", "norm"}, {"head"}]
+    assert [with_head(s) for s in saves] == [{"base", "head", "lora"}, {"base", "head"}, {"head", "lora"},
+                                             {"base", "head"}]
     for saved, t in zip(saves, given, strict=True):
         _check_loads_back(saved, t)
+
+
+def test_after_a_restart_the_first_save_writes_the_unchanged_base_into_the_files_tier0_holds(settings_factory):
+    s = settings_factory()
+    rng = np.random.default_rng(3)
+    base = {f"layers.{i}.weight": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(4)}
+
+    def tensors() -> dict[str, np.ndarray]:
+        return dict(sorted({**base, "layers.0.lora": rng.standard_normal(4 << 10, dtype=np.float32)}.items()))
+
+    with _stager(s) as first_launch:
+        before = [first_launch.save(step, tensors()) for step in (100, 200)]
+    with _stager(s) as relaunched:  # a new process: nothing in memory, the checkpoints on Tier 0
+        t = tensors()
+        after = relaunched.save(300, t)
+
+    _check_loads_back(after, t)
+    shared = {path for path, f in _shards(after).items() if f in set(_shards(before[-1]).values())}
+    assert {name for name, path in _weight_map(after).items() if path in shared} == set(base)

@@ -31,11 +31,15 @@ def test_each_tensors_crc32c_is_the_crc32c_of_its_bytes(monkeypatch, threads):
     assert got == {k: crc32c.crc32c(a.tobytes()) for k, (a, _) in arrays.items()}
 
 
+@pytest.mark.parametrize("hashed_first", [(), ("embed", "empty", "mask"), tuple(_arrays())])  # the rest as written
 @pytest.mark.parametrize("shard_bytes", [1 << 30, 64 << 10, 1])  # one shard, a few, one tensor each
-def test_every_shard_checksum_is_the_crc32c_of_the_file_written_and_it_loads_back(tmp_path, shard_bytes):
+def test_every_shard_checksum_is_the_crc32c_of_the_file_written_and_it_loads_back(tmp_path, shard_bytes,
+                                                                                  hashed_first):
     arrays = _arrays()
+    crcs = stw.tensor_crcs({k: arrays[k] for k in hashed_first})
     written = stw.write_sharded(tmp_path, arrays, shard_bytes=shard_bytes, buffer_bytes=1000,
-                                apart=["ids", "norm"], fsync=False)
+                                apart=["ids", "norm"], fsync=False, crcs=crcs)
+    assert crcs == stw.tensor_crcs(arrays)  # those hashed as written are added
 
     for w in written:  # read back: the manifest's (size, CRC32C) are the bytes on disk
         assert checksum.hash_file(tmp_path / w.path) == (w.size, w.checksum), w.path
