@@ -205,15 +205,17 @@ def unchanged_files(folder: str | os.PathLike, files: Iterable[tuple[str, int, s
             meta = json.loads(header)
         except (OSError, ValueError):
             continue
-        if not isinstance(meta, dict):
-            continue
-        try:
-            entries = sorted((tuple(v["data_offsets"]), k, v["dtype"], list(v["shape"]))
-                             for k, v in meta.items() if k != "__metadata__")
-        except (KeyError, TypeError, AttributeError):
+        try:  # a header this writer did not write, or a damaged one: nothing learned from it
+            entries = []
+            for name, v in meta.items():
+                if name != "__metadata__":
+                    start, end = v["data_offsets"]
+                    entries.append((int(start), int(end), name, v["dtype"], list(v["shape"])))
+            entries.sort()
+        except (AttributeError, KeyError, TypeError, ValueError):
             continue
         value, offset = checksum.update(0, length.to_bytes(8, "little") + header), 0
-        for (start, end), name, dtype, shape in entries:
+        for start, end, name, dtype, shape in entries:
             have = arrays.get(name)
             if have is None or (start, end) != (offset, offset + have[0].nbytes) or dtype != have[1] \
                     or shape != list(have[0].shape):
@@ -221,7 +223,7 @@ def unchanged_files(folder: str | os.PathLike, files: Iterable[tuple[str, int, s
             value, offset = checksum.combine(value, crcs[name], end - start), end
         else:
             if 8 + length + offset == size and checksum.to_hex(value) == crc:
-                out.update(name for _, name, _, _ in entries)
+                out.update(e[2] for e in entries)
     return out
 
 

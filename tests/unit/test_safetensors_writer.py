@@ -51,3 +51,21 @@ def test_every_shard_checksum_is_the_crc32c_of_the_file_written_and_it_loads_bac
     for name, (a, _) in arrays.items():
         assert loaded[name].dtype == a.dtype and loaded[name].shape == a.shape
         assert np.array_equal(loaded[name], a), name
+
+
+def test_the_tensors_a_written_shard_holds_again_are_found_from_its_header_alone(tmp_path):
+    arrays = _arrays()
+    written = stw.write_sharded(tmp_path, arrays, shard_bytes=1, fsync=False)  # one tensor a shard
+    files = [(w.path, w.size, w.checksum) for w in written]
+    assert stw.unchanged_files(tmp_path, files, arrays, stw.tensor_crcs(arrays)) == set(arrays)
+
+    changed = dict(arrays, ids=stw.as_host_array(np.arange(1, 1002, dtype=np.int64)))
+    assert stw.unchanged_files(tmp_path, files, changed, stw.tensor_crcs(changed)) == set(arrays) - {"ids"}
+    reshaped = dict(arrays, ids=stw.as_host_array(np.arange(1001, dtype=np.int64).reshape(7, 143)))
+    assert stw.unchanged_files(tmp_path, files, reshaped, stw.tensor_crcs(reshaped)) == set(arrays) - {"ids"}
+
+    embed = next(path for path, _, _ in files if "embed" in (tmp_path / path).read_bytes()[:200].decode("latin-1"))
+    with open(tmp_path / embed, "r+b") as fh:  # a header of JSON, not as written: nothing learned, no error
+        length = int.from_bytes(fh.read(8), "little")
+        fh.write(b'{"embed": {"data_offsets": [0, 1, 2]}}'.ljust(length))
+    assert stw.unchanged_files(tmp_path, files, arrays, stw.tensor_crcs(arrays)) == set(arrays) - {"embed"}
