@@ -311,7 +311,7 @@ class CheckpointStager:
                                manifest.writer_stall_seconds or 0.0)
 
     def _tensor_crcs(self, arrays: Mapping[str, tuple[np.ndarray, str]]) -> dict[str, int]:
-        from core import safetensors_writer as stw
+        from core import safetensors_writer as stw  # deferred: start-up — numpy
 
         return stw.tensor_crcs(arrays, buffer_bytes=self.settings.io_buffer_bytes,
                                threads=self.settings.copy_parallelism)
