@@ -1,12 +1,12 @@
 """The training-side client: commit a checkpoint on Tier 0, announce it, get back to training.
 
 ``CheckpointStager(run).save(step, tensors)`` writes safetensors shards into a staging folder
-on Tier 0 (CRC32C computed over the bytes as they are written), writes the manifest last,
-renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and returns. Everything slower than
-that local commit happens elsewhere: the ``ckpt.checkpoint.completed`` event is sent from a
-background thread (retried; a failure is logged, never raised into training, and the
-node agent's reconcile promotes what an event missed); Tier 1 and Tier 2 are the promote
-flow's business.
+on Tier 0 (each tensor hashed once, CRC32C, the shards' CRCs combined from the tensors'),
+writes the manifest last, renames the folder to ``<tier0>/<run>/step-XXXXXXXX/`` and
+returns. Everything slower than that local commit happens elsewhere: the
+``ckpt.checkpoint.completed`` event is sent from a background thread (retried; a failure is
+logged, never raised into training, and the node agent's reconcile promotes what an event
+missed); Tier 1 and Tier 2 are the promote flow's business.
 
 The writer's stall (the seconds ``save`` kept the training loop waiting) is measured and
 recorded in the manifest (``writer_stall_seconds``), so the catalog can report each run's
@@ -48,9 +48,9 @@ from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
 from core import checksum
 from core.attempt import launch_attempt
-from core.errors import BadInput, ConflictError, StorageFull
+from core.errors import BadInput, CkptError, ConflictError, StorageFull
 from core.formats import detect_format
-from core.layout import checkpoint_dirname, staging_name
+from core.layout import checkpoint_dirname, manifest_name, parse_checkpoint_dirname, staging_name
 from core.manifest import ORIGIN_RELATIONS, FileEntry, Manifest, ParentRef, utcnow_iso
 from core.manifest_build import build_manifest, write_manifest
 from core.paths import safe_run_name
@@ -107,6 +107,21 @@ class CheckpointStager:
 
     Use as a context manager, or call ``close()`` at the end: it waits for background writes
     and gives pending events a few seconds to leave.
+
+    A fine-tune's frozen base is stored once on the shared tiers when its tensors sit in shard
+    files of their own, the same files at every save. The stager finds them itself: the
+    tensors whose bytes (CRC32C), dtype and shape equal its previous save's are written first,
+    apart from the others; a tensor that changes again goes back among them at that save.
+    Which saves dedupe: found, from the second save of a run on, and from the first save after
+    a restart when Tier 0 still holds the run's newest checkpoint (its shards' checksums are
+    compared with the current tensors'); named with ``frozen=`` (a fine-tune's base, known
+    before training), from the first. Once a save finds no unchanged tensor (a pretraining
+    run), the next ones hash their tensors as they write them, as a save always did, and
+    compare after: a tensor that stops changing then is kept apart one save later.
+
+    The layout only decides which files can be shared: every file is written whole and
+    checksummed, and the tiers compare bytes before sharing, so a tensor taken for unchanged
+    by mistake (a CRC32C collision) costs sharing, never bytes.
     """
 
     def __init__(self, run: str, *, settings: Settings | None = None,
@@ -130,8 +145,10 @@ class CheckpointStager:
         self.root = tier0_root(self.settings)
         self.shard_bytes = shard_bytes
         # tensors the run does not train (a fine-tune's base): shards of their own, so the same
-        # bytes give the same files and the shared tiers hold them once (core.storage.content)
+        # bytes give the same files and the shared tiers hold them once (core.storage.content);
+        # from the second save on, also those that did not change since the previous one
         self.frozen = frozenset(frozen)
+        self._previous: _Previous | None = None  # None before the first save (then Tier 0 tells)
         self.fsync = fsync
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
@@ -251,13 +268,34 @@ class CheckpointStager:
                 publish_folder(folder, final, manifest)
         else:
             staging = final.parent / staging_name(final.name)
+            # Which tensors did not change since the previous save decides the layout, so their CRCs
+            # come first where that can matter: at the first comparison (the second save, or the
+            # first after a restart, against Tier 0) and while the last one found unchanged tensors.
+            # Else (a pretraining run) they are hashed as written, as before, and compared after.
+            crcs: dict[str, int] = {}
+            prev, learned = self._previous, None
+            if prev is None:
+                if (newest := self._newest_on_tier0(step)) is not None:
+                    crcs = self._tensor_crcs(arrays)
+                    learned = stw.unchanged_files(*newest, arrays, crcs)
+                apart = self.frozen | (learned or set())
+            elif prev.look:
+                crcs = self._tensor_crcs(arrays)
+                seen = _signatures(arrays, crcs)
+                same = (prev.step, prev.seen) == (step, seen)  # the same save again: the same files
+                apart = prev.apart if same else self.frozen | {n for n, sig in seen.items() if prev.seen.get(n) == sig}
+            else:
+                apart = self.frozen
             try:
                 written = stw.write_sharded(staging, arrays, shard_bytes=self.shard_bytes, prefix=prefix,
                                             buffer_bytes=self.settings.io_buffer_bytes, fsync=self.fsync,
-                                            apart=self.frozen)
+                                            apart=apart, crcs=crcs)
                 files = tuple(FileEntry(w.path, w.size, w.checksum) for w in written)
                 manifest = self._manifest(staging, files, t0, stall, step=step, **meta)
                 publish_folder(staging, final, manifest)
+                seen = _signatures(arrays, crcs)
+                look = prev is None or any(prev.seen.get(n) == sig for n, sig in seen.items())
+                self._previous = _Previous(step, seen, frozenset(apart), look)
             except OSError as exc:  # room taken since the check (another writer): nothing published
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -271,6 +309,31 @@ class CheckpointStager:
         self._announcer.submit(("emit", manifest))
         return SavedCheckpoint(self.run, step, self.part, self.parts, final, manifest,
                                manifest.writer_stall_seconds or 0.0)
+
+    def _tensor_crcs(self, arrays: Mapping[str, tuple[np.ndarray, str]]) -> dict[str, int]:
+        from core import safetensors_writer as stw  # deferred: start-up — numpy
+
+        return stw.tensor_crcs(arrays, buffer_bytes=self.settings.io_buffer_bytes,
+                               threads=self.settings.copy_parallelism)
+
+    def _newest_on_tier0(self, step: int) -> tuple[Path, list[tuple[str, int, str]]] | None:
+        """The folder and files of the newest checkpoint of this run and part on Tier 0 (of
+        another step): what the first save after a restart compares with (``unchanged_files``:
+        its shards' headers are read, not their tensors), so it finds a fine-tune's base as a
+        second save does."""
+        try:
+            names = os.listdir(self.root / self.run)
+        except OSError:
+            return None
+        steps = ((p[0], n) for n in names if (p := parse_checkpoint_dirname(n)) and p[0] != step)
+        for _, name in sorted(steps, reverse=True):
+            folder = self.root / self.run / name
+            try:
+                manifest = Manifest.from_json((folder / manifest_name(self.part, self.parts)).read_bytes())
+            except (OSError, CkptError):
+                continue  # not this part's, or going (Tier 0 retention): an older one
+            return folder, [(f.path, f.size, f.checksum) for f in manifest.files]
+        return None
 
     def _manifest(self, folder: Path, files: tuple[FileEntry, ...] | None, t0: float | None, stall: float | None,
                   *, step: int, metrics: dict[str, float], parent: ParentRef | None, kind: str) -> Manifest:
@@ -291,6 +354,23 @@ class CheckpointStager:
         manifest.validate()
         write_manifest(folder, manifest)
         return manifest
+
+
+Signature = tuple[int, str, tuple[int, ...], int]  # a tensor's (crc32c, dtype, shape, nbytes)
+
+
+@dataclass(frozen=True)
+class _Previous:
+    """A stager's previous save: what the next one compares its tensors with."""
+
+    step: int
+    seen: dict[str, Signature]
+    apart: frozenset[str]  # the tensors it wrote in shards of their own
+    look: bool  # hash the next save's tensors first: a comparison may find unchanged ones
+
+
+def _signatures(arrays: Mapping[str, tuple[np.ndarray, str]], crcs: Mapping[str, int]) -> dict[str, Signature]:
+    return {n: (crcs[n], st, a.shape, a.nbytes) for n, (a, st) in arrays.items()}
 
 
 class OriginKeywords(TypedDict, total=False):

@@ -118,48 +118,51 @@ def hash_bytes(data: bytes) -> str:
     return to_hex(_crc32c.crc32c(data))
 
 
-# --- combining the CRC32Cs of consecutive pieces (ranged reads) ---------------------------------
+# --- combining the CRC32Cs of consecutive pieces (ranged reads, a shard's tensors) ----------------
 # CRC(A + B) = shift(CRC(A), len(B)) ^ CRC(B), where shift appends len(B) zero bytes to A's CRC
-# register: a linear map over GF(2), a 32x32 bit matrix (zlib's crc32_combine, on CRC32C's
-# reflected polynomial). The matrix for a length is built once (cached): ranged reads combine
-# many pieces of one length, so each combine after the first is one matrix-vector product.
+# register: a multiplication by x^(8 len(B)) modulo CRC32C's polynomial (zlib's crc32_combine,
+# on the reflected polynomial 0x82F63B78). The powers x^(2^k) are tabled once; the factor for a
+# length is the product of those its bits name (cached: ranged reads combine many pieces of one
+# length, a model's tensors come in a few sizes), so each combine is one 32-step product.
 _POLY = 0x82F63B78
 
 
-def _times(matrix: tuple[int, ...], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
+def _multiply(a: int, b: int) -> int:
+    """a x b modulo the polynomial (both reflected: bit 31 is x^0)."""
+    m, product = 1 << 31, 0
+    while a:
+        if a & m:
+            product ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
 
 
-def _compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """The map ``a`` after ``b``."""
-    return tuple(_times(a, col) for col in b)
+def _powers() -> tuple[int, ...]:
+    out = [1 << 30]  # x^1
+    for _ in range(63):
+        out.append(_multiply(out[-1], out[-1]))
+    return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _zeros_operator(length: int) -> tuple[int, ...]:
-    """The matrix that appends ``length`` zero bytes to a CRC register."""
-    one_bit = (_POLY, *(1 << n for n in range(31)))
-    power = _compose(one_bit, one_bit)  # 2 bits
-    power = _compose(power, power)  # 4 bits
-    power = _compose(power, power)  # 8 bits: one byte
-    result = tuple(1 << n for n in range(32))  # identity
+_X2N = _powers()  # _X2N[k] = x^(2^k) modulo the polynomial: lengths below 2^61 bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift(length: int) -> int:
+    """x^(8 length) modulo the polynomial: what appending ``length`` zero bytes multiplies by."""
+    factor, k = 1 << 31, 3  # x^0; a byte is 2^3 bits
     while length:
         if length & 1:
-            result = _compose(power, result)
+            factor = _multiply(_X2N[k], factor)
         length >>= 1
-        if length:
-            power = _compose(power, power)
-    return result
+        k += 1
+    return factor
 
 
 def combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """The CRC32C of A followed by B, from A's CRC, B's CRC and B's length (no bytes re-read)."""
     if length_b <= 0:
         return crc_a
-    return _times(_zeros_operator(length_b), crc_a) ^ crc_b
+    return _multiply(_shift(length_b), crc_a) ^ crc_b

@@ -258,6 +258,11 @@ def test_resume_catalog():
 def test_dedup(s3_endpoint):
     out = run_benchmark("dedup", "--s3-endpoint", s3_endpoint)
     assert re.search(r"^bytes saved (\d+), bytes restored \1: equal$", out, re.MULTILINE), out[-1500:]
+    for how in ("frozen= named", "found by the stager"):
+        assert re.search(rf"^stager, {how}: tier 1 \d+\.\d{{3}} GiB, tier 2 \d+\.\d{{3}} GiB \(x\d+\.\d\d of the bound",
+                         out, re.MULTILINE), out[-1500:]
+    assert_rows(out, "write, hashing as written (before)",
+                ["write, hashing as written (now)", "write, tensors hashed first (now)"])
     assert re.fullmatch(r"dedup: 4 checkpoints, tier 1 \d+\.\d{3} GiB, tier 2 \d+\.\d{3} GiB, bound \d+\.\d{3} GiB "
                         r"\(x\d+\.\d\d\), durable per checkpoint \d+\.\d\d s vs plain \d+\.\d\d s",
                         out.strip().splitlines()[-1]), out[-500:]

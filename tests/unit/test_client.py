@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -228,3 +229,115 @@ def test_bad_step_is_refused(settings_factory, step):
 def test_hostile_run_name_is_refused(settings_factory):
     with pytest.raises(PathEscape):
         CheckpointStager("../escape", settings=settings_factory(), announce=False)
+
+
+# --- unchanged tensors: shards of their own, found by the stager ---------------------------------
+def _shards(saved) -> dict[str, tuple[int, str]]:
+    return {f.path: (f.size, f.checksum) for f in saved.manifest.files if f.path.endswith(".safetensors")}
+
+
+def _weight_map(saved) -> dict[str, str]:
+    return json.loads((saved.path / "model.safetensors.index.json").read_bytes())["weight_map"]
+
+
+def _check_loads_back(saved, tensors: dict[str, np.ndarray]) -> None:
+    _validate_on_disk(saved.path, saved.manifest)
+    loaded = _load_all(saved.path, saved.manifest)
+    assert set(loaded) == set(tensors)
+    assert all(np.array_equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_fine_tunes_unchanged_base_is_written_into_the_same_files_from_the_second_save_on(settings_factory,
+                                                                                           background):
+    rng = np.random.default_rng(5)
+    base = {f"layers.{i}.weight": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(4)}  # 1 MiB
+
+    def tensors() -> dict[str, np.ndarray]:  # an adapter among the base's layers, as a model names them
+        return dict(sorted({**base, "layers.0.lora": rng.standard_normal(4 << 10, dtype=np.float32)}.items()))
+
+    with _stager(settings_factory(), background=background) as st:  # no frozen=
+        saves, given = [], []
+        for step in (100, 200, 300, 400):
+            given.append(tensors())
+            pending = st.save(step, given[-1])
+            saves.append(pending.result(timeout=30) if background else pending)
+
+    for saved, t in zip(saves, given, strict=True):
+        _check_loads_back(saved, t)
+    new_bytes = [sum(size for size, crc in _shards(now).values() if (size, crc) not in set(_shards(before).values()))
+                 for before, now in pairwise(saves)]
+    base_bytes = sum(a.nbytes for a in base.values())
+    assert new_bytes[0] > base_bytes  # the first save could not know: the base mixed with the adapter
+    assert all(n < base_bytes / 8 for n in new_bytes[1:]), new_bytes  # then only the adapter's shard is new
+    shared = {path for path, f in _shards(saves[-1]).items() if f in set(_shards(saves[1]).values())}
+    assert {name for name, path in _weight_map(saves[-1]).items() if path in shared} == set(base)
+
+
+def test_a_pretraining_run_whose_every_tensor_changes_keeps_its_layout(settings_factory):
+    from core.safetensors_writer import as_host_array, plan_shards
+
+    with _stager(settings_factory()) as st:
+        saves = [st.save(step, _tensors(seed=step)) for step in (1, 2, 3)]
+    planned = plan_shards({k: as_host_array(v) for k, v in _tensors().items()}, 512 * 1024)
+    for saved in saves:
+        groups: dict[str, list[str]] = {}
+        for name, path in _weight_map(saved).items():
+            groups.setdefault(path, []).append(name)
+        assert sorted(groups.values()) == sorted(planned)
+        _check_loads_back(saved, _tensors(seed=saved.step))
+
+
+def test_a_tensor_that_changes_again_leaves_the_unchanged_shards_and_loads_back(settings_factory):
+    rng = np.random.default_rng(9)
+    base, head = (rng.standard_normal(8 << 10, dtype=np.float32) for _ in range(2))
+
+    def tensors(head_changes: bool) -> dict[str, np.ndarray]:
+        nonlocal head
+        if head_changes:
+            head = head + 1
+        return {"base": base, "head": head.copy(), "lora": rng.standard_normal(8 << 10, dtype=np.float32)}
+
+    given = [tensors(False), tensors(False), tensors(True), tensors(False)]
+    with _stager(settings_factory(), shard_bytes=1 << 20) as st:  # all three fit one shard
+        saves = [st.save(step, t) for step, t in zip((1, 2, 3, 4), given, strict=True)]
+
+    def with_head(saved) -> set[str]:
+        wm = _weight_map(saved)
+        return {name for name, path in wm.items() if path == wm["head"]}
+
+    assert [with_head(s) for s in saves] == [{"base", "head", "lora"}, {"base", "head"}, {"head", "lora"},
+                                             {"base", "head"}]
+    for saved, t in zip(saves, given, strict=True):
+        _check_loads_back(saved, t)
+
+
+def test_after_a_restart_the_first_save_writes_the_unchanged_base_into_the_files_tier0_holds(settings_factory):
+    s = settings_factory()
+    rng = np.random.default_rng(3)
+    base = {f"layers.{i}.weight": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(4)}
+
+    def tensors() -> dict[str, np.ndarray]:
+        return dict(sorted({**base, "layers.0.lora": rng.standard_normal(4 << 10, dtype=np.float32)}.items()))
+
+    with _stager(s) as first_launch:
+        before = [first_launch.save(step, tensors()) for step in (100, 200)]
+    with _stager(s) as relaunched:  # a new process: nothing in memory, the checkpoints on Tier 0
+        t = tensors()
+        after = relaunched.save(300, t)
+
+    _check_loads_back(after, t)
+    shared = {path for path, f in _shards(after).items() if f in set(_shards(before[-1]).values())}
+    assert {name for name, path in _weight_map(after).items() if path in shared} == set(base)
+
+
+def test_a_fine_tunes_save_repeated_with_the_same_tensors_is_the_same_checkpoint(settings_factory):
+    rng = np.random.default_rng(4)
+    base = {f"layers.{i}.weight": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(2)}
+    with _stager(settings_factory(), shard_bytes=1 << 20) as st:  # room for all in one shard
+        st.save(100, {**base, "lora": rng.standard_normal(4 << 10, dtype=np.float32)})
+        t = {**base, "lora": rng.standard_normal(4 << 10, dtype=np.float32)}
+        first = st.save(200, t)  # the base apart
+        again = st.save(200, t)  # a retry: every tensor equals the previous save's
+    assert again.manifest.digest() == first.manifest.digest()
+    _check_loads_back(again, t)

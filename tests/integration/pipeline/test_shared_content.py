@@ -141,6 +141,41 @@ def test_a_stagers_frozen_tensors_get_shards_of_their_own_that_tier1_holds_once(
     assert len(same) == 1  # the base's shard, byte for byte
     (path, _), = same
     assert (tier1_dir(settings, RUN, 100) / path).stat().st_ino == (tier1_dir(settings, RUN, 200) / path).stat().st_ino
-    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20) as mixed:
-        saved = {step: mixed.save(step, tensors()) for step in (300, 400)}
-    assert not set(shards(300).items()) & set(shards(400).items())  # one shard with the adapter in it
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20) as relaunched:  # no frozen=
+        saved.update({step: relaunched.save(step, tensors()) for step in (300, 400)})
+    for step in (300, 400):  # it finds the base from its first save on (against Tier 0's step 200): the same file
+        assert set(shards(step).items()) & set(shards(100).items()) == same
+
+
+def test_a_fine_tune_saved_without_naming_its_base_holds_the_base_once_from_the_second_save_on(settings_factory,
+                                                                                               db_url):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from ckpt.client import CheckpointStager
+    from tests.kit.pipeline import pipeline_settings
+
+    settings = pipeline_settings(settings_factory, db_url, runs=(RUN,))
+    rng = np.random.default_rng(1)
+    base = {f"base.{i}": rng.standard_normal(64 << 10, dtype=np.float32) for i in range(4)}  # 1 MiB
+    given: dict[int, dict] = {}
+    with CheckpointStager(RUN, settings=settings, announce=False, shard_bytes=4 << 20) as stager:  # no frozen=
+        for step in (100, 200, 300, 400):
+            given[step] = dict(sorted({**base, "base.1.lora": rng.standard_normal(4 << 10, dtype=np.float32)}.items()))
+            stager.save(step, given[step])
+            assert promote(settings, RUN, step).durable
+
+    root = Path(settings.tier1_url)
+    base_bytes = sum(a.nbytes for a in base.values())
+    adapters = 4 * (16 << 10)
+    folders = {step: tier1_dir(settings, RUN, step) for step in given}
+    small = sum(f.stat().st_size for d in folders.values() for f in d.iterdir() if not f.name.endswith(".safetensors"))
+    headers = 4 * 2 * 4096  # at most two shards a save, each header well under 4 KiB
+    # the first save mixed the base with its adapter; from the second on the base is one file, linked
+    assert tier1_bytes(root) <= 2 * base_bytes + adapters + small + headers + 4096  # + identity marker
+    for step, tensors in given.items():  # each checkpoint loads in place, whole and equal
+        loaded: dict = {}
+        for f in folders[step].glob("*.safetensors"):
+            loaded.update(load_file(str(f)))
+        assert set(loaded) == set(tensors) and all(np.array_equal(loaded[k], v) for k, v in tensors.items())
+        verify_tier1(settings, step)
