@@ -318,6 +318,19 @@ def reconcile_runs(node: str) -> list:
                                      flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"reconcile/{node}"])))
 
 
+def lost_event(settings, run: str, step: int) -> None:
+    """A part committed on the node's Tier 0 whose event never came: committed longer ago than
+    reconcile's grace (within it, the part is its event's)."""
+    import os
+
+    from core.layout import part_key
+
+    write_checkpoint(settings.tier0_url, run, step, shard_bytes=64 << 10, node=settings.node)
+    manifest = ckpt_dir(settings.tier0_url, run, step) / part_key(run, step, 0, 1).rsplit("/", 1)[-1]
+    old = manifest.stat().st_mtime - settings.reconcile_interval_seconds - 1
+    os.utime(manifest, (old, old))
+
+
 def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
     """The agent's pass (``reconcile_pass``) that finds nothing leaves no flow run on the server;
     one that promotes leaves one, ``reconcile/<node>``, completed, holding the promotions table."""
@@ -328,18 +341,85 @@ def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
 
     node = f"node-{uuid.uuid4().hex[:8]}"  # the server is the session's: this test's runs only
     settings = env_settings(node=node)
-    assert not reconcile_pass(settings).acted()
-    assert not reconcile_pass(settings).acted()
+    assert not reconcile_pass(settings)[0].acted()
+    assert not reconcile_pass(settings)[0].acted()
     assert reconcile_runs(node) == []
 
-    write_checkpoint(settings.tier0_url, RUN, 10, shard_bytes=64 << 10, node=node)  # its event lost
-    assert reconcile_pass(settings).promoted == [f"{RUN}/10 part 0"]
+    lost_event(settings, RUN, 10)
+    assert reconcile_pass(settings)[0].promoted == [f"{RUN}/10 part 0"]
     (fr,) = reconcile_runs(node)
     assert fr.state_type.value == "COMPLETED", fr.state
     table = Artifact.get(artifact_key("reconcile-promotions", node))
     assert table is not None and table.flow_run_id == fr.id
-    assert not reconcile_pass(settings).acted()  # done: the next pass again leaves nothing
+    assert not reconcile_pass(settings)[0].acted()  # done: the next pass again leaves nothing
     assert len(reconcile_runs(node)) == 1
+
+
+def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_settings, caplog):
+    """The agent's pass runs in a child (``reconcile_loop.one_pass``): one whose Tier 1 stopped
+    answering (reading its root's marker never returns, as on a hung mount) moves no byte, is
+    stopped past ``copy_stall_seconds`` and leaves no run; the next pass runs and promotes."""
+    import logging
+    import os
+    from pathlib import Path
+
+    from deployments.processes import child_environment
+    from deployments.reconcile_loop import one_pass
+    from flows.reconcile import Shown
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    marker = Path(settings.tier1_url) / ".ckpt-tier.json"
+    saved = marker.read_bytes()
+    marker.unlink()
+    os.mkfifo(marker)  # opened for reading, it waits for a writer that never comes
+    lost_event(settings, RUN, 10)
+    env = child_environment()
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        shown = one_pass(settings.model_copy(update={"copy_stall_seconds": 1.0}), env, Shown())
+    assert f"reconcile pass on {node}: stalled, no byte moved" in caplog.text
+    assert shown == Shown() and reconcile_runs(node) == []
+    marker.unlink()
+    marker.write_bytes(saved)
+    one_pass(settings, env, shown)
+    (fr,) = reconcile_runs(node)
+    assert fr.state_type.value == "COMPLETED", fr.state
+    assert replica_states(settings, RUN, 10)[(1, 0)] == "verified"
+
+
+def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cleared_says_so(env_settings):
+    """Issue 40: passes in the agent's children (``one_pass``), the failures the last run showed
+    kept by the agent: a tier unreachable leaves one red run, not one a pass; another failure
+    leaves another; once it works again one run says the failures cleared; then nothing."""
+    from pathlib import Path
+
+    from deployments.processes import child_environment
+    from deployments.reconcile_loop import one_pass
+    from flows.reconcile import Shown
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    env, shown = child_environment(), Shown()
+    tier0, tier1 = Path(settings.tier0_url), Path(settings.tier1_url)
+
+    def passes(n: int) -> None:
+        nonlocal shown
+        for _ in range(n):
+            shown = one_pass(settings, env, shown)
+
+    tier1.rename(tier1.with_name("tier1-away"))  # unmounted
+    passes(3)
+    assert [r.state_type.value for r in reconcile_runs(node)] == ["FAILED"]
+    tier1.with_name("tier1-away").rename(tier1)
+    tier0.rename(tier0.with_name("tier0-away"))
+    passes(2)
+    tier0.with_name("tier0-away").rename(tier0)
+    passes(3)
+    runs = sorted(reconcile_runs(node), key=lambda r: r.created)
+    assert [r.state_type.value for r in runs] == ["FAILED", "FAILED", "COMPLETED"]
+    assert "tier 1" in runs[0].state.message and "tier 0" in runs[1].state.message
+    assert runs[0].state.message.startswith("1 item(s) failed: the pass: TierUnavailable: ")
+    assert runs[2].state.message.startswith("cleared: the 1 failure(s) shown at ")
 
 
 def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_status_page(env_settings):
@@ -357,8 +437,8 @@ def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_stat
     settings = env_settings(node=node, runs=(run,))
     state = promote_checkpoint(run=run, step=10, node=node, return_state=True)
     assert state.is_failed()
-    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
-    assert reconcile_pass(settings).promoted == [f"{run}/10 part 0"]
+    lost_event(settings, run, 10)
+    assert reconcile_pass(settings)[0].promoted == [f"{run}/10 part 0"]
     (fr,) = reconcile_runs(node)
     page = Artifact.get(artifact_key("run", run))
     assert page is not None and page.flow_run_id == fr.id  # republished by the pass's run
