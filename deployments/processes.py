@@ -248,24 +248,11 @@ def start_checkpoint_run(node: str, run: str, step: int, part: int, parts: int, 
 def crash_checkpoint_run(node: str, run: str, step: int, attempt: str, why: str) -> None:
     """The checkpoint's promote run, when its process ended before it did (killed when it stalled,
     out of memory), recorded ``Crashed`` with ``why``, as Prefect's runner records the runs of
-    the processes it starts; reconcile finishes the follow-ups. Nothing when it already ended or
-    cannot be read (logged)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
-    from prefect.states import Crashed
+    the processes it starts (``flows.promote.crash_followups_run``); reconcile finishes the
+    follow-ups."""
+    from flows.promote import crash_followups_run  # deferred: start-up — Prefect, SQLAlchemy
 
-    from flows.promote import followups_key  # deferred: start-up — Prefect, SQLAlchemy
-
-    try:
-        with get_client(sync_client=True) as client:
-            key = FlowRunFilterIdempotencyKey(any_=[followups_key(run, step, attempt)])
-            for flow_run in client.read_flow_runs(flow_run_filter=FlowRunFilter(idempotency_key=key)):
-                if flow_run.state is not None and not flow_run.state.is_final():
-                    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
-                    log.warning("promote run %s of %s step %s crashed: %s", flow_run.id, run, step, why)
-    except Exception as exc:  # noqa: BLE001 - reconcile still finishes the checkpoint
-        log.warning("could not record the end of the promote run of %s step %s on %s: %s: %s", run, step, node,
-                    type(exc).__name__, exc)
+    crash_followups_run(run, step, attempt, why)
 
 
 def lean_flow(flow: Any) -> Any:

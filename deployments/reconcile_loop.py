@@ -61,7 +61,7 @@ def one_pass(settings: Settings, env: Mapping[str, str], shown: Any) -> Any:
 
 def run_pass_process(settings: Settings, env: dict[str, str], shown: Any, conn: Any, beat: Any) -> None:
     """A pass in a child (``flows.reconcile.reconcile_pass``); what to keep handed back on ``conn``."""
-    from flows.reconcile import reconcile_pass  # preloaded by the fork server
+    from flows.reconcile import reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (the fork server preloads it)
 
     with agent_context(env, beat, settings.log_level):
         report, shown = reconcile_pass(settings, shown)

@@ -63,7 +63,7 @@ from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, Repli
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, inline_steps, task_steps
-from flows.promote import PromoteResult, follow_up, promote
+from flows.promote import PromoteResult, crash_followups_run, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier, sweep_tombs
 from tasks.prefect_events import emit
@@ -176,11 +176,15 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
 def _follow_up(settings: Settings, ck: CheckpointInfo, *, steps: Steps, actor: str,
                on_durable: Callable[[PromoteResult], None] | None) -> None:
     """Step 3b: run the follow-ups of a checkpoint complete on Tier 1 that nobody finished (its
-    promotion was killed after recording the completion), under their lease."""
+    promotion was killed after recording the completion), under their lease. Its promote run,
+    when one was left ``Pending`` or ``Running`` by the process that died, is then ``Crashed``
+    with a message saying who finished it (the follow-ups' lease was free: nobody runs it)."""
     if not claim_followups(settings, ck.id):
         raise CopyInProgress(f"follow-ups of {ck.run}/{ck.step} taken by another caller meanwhile")
     follow_up(settings, PromoteResult(ck.run, ck.step, 0, ck.parts, ck.id), steps=steps, node=settings.node,
               actor=actor, on_durable=on_durable)
+    crash_followups_run(ck.run, ck.step, ck.attempt, f"its process ended before the run did; {actor} finished the "
+                        f"checkpoint's follow-ups at {_when(time.time())}")
 
 
 def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) -> str:

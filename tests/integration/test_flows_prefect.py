@@ -422,6 +422,48 @@ def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cl
     assert runs[2].state.message.startswith("cleared: the 1 failure(s) shown at ")
 
 
+class Killed(BaseException):
+    """A process dies (not an error any code handles)."""
+
+
+def test_a_checkpoint_run_its_dead_process_left_pending_is_crashed_once_reconcile_finishes_it(env_settings):
+    """The agent's child that ran a checkpoint's promote run died after the part was complete on
+    Tier 1 (the agent itself down too: nobody recorded the run's end): the run stays ``Pending``
+    until reconcile finishes the checkpoint's follow-ups, then reads ``Crashed``, saying so."""
+    import dataclasses
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending
+
+    from deployments.agent import node_deployments
+    from flows.common import plain_steps
+    from flows.promote import followups_key, promote
+    from flows.reconcile import reconcile_once
+
+    run, node = f"run-{uuid.uuid4().hex[:8]}", f"node-{uuid.uuid4().hex[:8]}"  # keys are the server's
+    settings = env_settings(node=node, runs=(run,))
+    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
+    steps = plain_steps()
+
+    def hop_then_die(*args, **kwargs):
+        steps.tier1_hop(*args, **kwargs)
+        raise Killed
+
+    with pytest.raises(Killed):
+        promote(settings, run, 10, steps=dataclasses.replace(steps, tier1_hop=hop_then_die), node=node)
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(
+            node_deployments(settings)[0].apply(), parameters={"run": run, "step": 10, "node": node},
+            state=Pending(message="started by the agent"), idempotency_key=followups_key(run, 10))
+
+        report = reconcile_once(settings, steps=plain_steps(), actor=f"reconcile/{node}")
+
+        assert report.followed_up == [f"{run}/10"]
+        state = client.read_flow_run(flow_run.id).state
+    assert state is not None and state.is_crashed(), state
+    assert f"reconcile/{node} finished the checkpoint's follow-ups at " in (state.message or "")
+
+
 def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_status_page(env_settings):
     """A promote run that failed (its event came before the part was on Tier 0) stays red, and
     the run's status page, republished by the reconcile pass that then promoted the part, lists it
