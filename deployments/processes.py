@@ -1,4 +1,5 @@
-"""The agent's child processes: one per part it promotes, one per checkpoint run it starts.
+"""The agent's child processes: one per part it promotes, one per checkpoint run it starts, one per
+reconcile pass (deployments/reconcile_loop.py).
 
 The only start-up tuning of the agent, on ``multiprocessing``'s public interface alone: each
 child is forked from multiprocessing's fork server (``process_context``), which imports Prefect

@@ -1,10 +1,12 @@
 """reconcile: make the catalog agree with what the tiers hold, and finish what events missed.
 
-Runs every ``reconcile_interval_seconds`` on each node, inside its agent as plain code
+Runs every ``reconcile_interval_seconds`` on each node, in a child of its agent as plain code
 (``reconcile_pass``; deployments/reconcile_loop.py), and on demand (``ckpt reconcile``: the
 ``reconcile`` flow). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
-(``ReconcileReport.acted``): the usual pass finds nothing, and one run per node a minute would
-bury the promotions on the Runs page (and cost the orchestrator a run per node a minute). In order:
+(``ReconcileReport.acted``) or failed otherwise than the last run showed (``decide``): the usual
+pass finds nothing, a failure that lasts fails every pass the same way, and one run per node a
+minute would bury the promotions on the Runs page (and cost the orchestrator a run per node a
+minute). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
    or verify) is re-checked against its files, as a verify does: ``verified`` when they read
    back whole, else ``missing`` (or ``corrupt``) so promotion acts again; one ``pruning`` past its lease is
