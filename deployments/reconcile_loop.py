@@ -10,7 +10,8 @@ once no byte moved for ``copy_stall_seconds`` and the next interval runs the nex
 pass holds (the catalog's connection, buffers, every page it touched) ends with its process: the
 agent's memory at rest stays what it was. One pass at a time (this loop waits for each), beside
 the parts' promotions (their own worker and children). What the last run showed of the passes'
-failures (``Shown``) is kept here, handed to each pass and handed back by it.
+failures (``flows.reconcile.Shown``, as plain values: this process never imports the pass's
+modules) is kept here, handed to each pass and handed back by it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ def reconcile_every(settings: Settings, stop: threading.Event) -> None:
     """A pass now, then one every ``reconcile_interval_seconds`` until ``stop`` is set, each in a
     child (``one_pass``). A pass that fails, stalls or dies is logged and the next one tries again:
     the safety net never stops for good."""
-    from flows.reconcile import Shown  # deferred: start-up — Prefect, SQLAlchemy
-
     env = child_environment()
-    shown = Shown()
+    shown: dict[str, Any] = {}
     while not stop.is_set():
         try:
             shown = one_pass(settings, env, shown)
@@ -44,9 +43,10 @@ def reconcile_every(settings: Settings, stop: threading.Event) -> None:
         stop.wait(settings.reconcile_interval_seconds)
 
 
-def one_pass(settings: Settings, env: Mapping[str, str], shown: Any) -> Any:
-    """One pass in a child, watched for stalls (``run_child``); what it hands back to keep
-    (``flows.reconcile.Shown``), or ``shown`` again when it handed back nothing (killed, died)."""
+def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any]) -> dict[str, Any]:
+    """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
+    fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
+    nothing (killed, died)."""
     reader, writer = process_context().Pipe(duplex=False)
     with reader:
         with writer:
@@ -59,16 +59,18 @@ def one_pass(settings: Settings, env: Mapping[str, str], shown: Any) -> Any:
             return shown
 
 
-def run_pass_process(settings: Settings, env: dict[str, str], shown: Any, conn: Any, beat: Any) -> None:
+def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], conn: Any, beat: Any) -> None:
     """A pass in a child (``flows.reconcile.reconcile_pass``); what to keep handed back on ``conn``."""
-    from flows.reconcile import reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (the fork server preloads it)
+    from dataclasses import asdict
+
+    from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
 
     with agent_context(env, beat, settings.log_level):
-        report, shown = reconcile_pass(settings, shown)
+        report, kept = reconcile_pass(settings, Shown(**shown))
         if report.acted():
             log.info("reconcile on %s: %s", settings.node,
                      ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))
-    conn.send(shown)
+    conn.send(asdict(kept))
     conn.close()
 
 

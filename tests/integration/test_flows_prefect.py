@@ -365,7 +365,6 @@ def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_se
 
     from deployments.processes import child_environment
     from deployments.reconcile_loop import one_pass
-    from flows.reconcile import Shown
 
     node = f"node-{uuid.uuid4().hex[:8]}"
     settings = env_settings(node=node)
@@ -376,9 +375,9 @@ def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_se
     lost_event(settings, RUN, 10)
     env = child_environment()
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
-        shown = one_pass(settings.model_copy(update={"copy_stall_seconds": 1.0}), env, Shown())
+        shown = one_pass(settings.model_copy(update={"copy_stall_seconds": 1.0}), env, {})
     assert f"reconcile pass on {node}: stalled, no byte moved" in caplog.text
-    assert shown == Shown() and reconcile_runs(node) == []
+    assert shown == {} and reconcile_runs(node) == []
     marker.unlink()
     marker.write_bytes(saved)
     one_pass(settings, env, shown)
@@ -395,11 +394,10 @@ def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cl
 
     from deployments.processes import child_environment
     from deployments.reconcile_loop import one_pass
-    from flows.reconcile import Shown
 
     node = f"node-{uuid.uuid4().hex[:8]}"
     settings = env_settings(node=node)
-    env, shown = child_environment(), Shown()
+    env, shown = child_environment(), {}
     tier0, tier1 = Path(settings.tier0_url), Path(settings.tier1_url)
 
     def passes(n: int) -> None:
