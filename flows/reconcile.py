@@ -321,8 +321,7 @@ def _when(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
-                   now: Callable[[], float] = time.time) -> tuple[ReconcileReport, Shown]:
+def reconcile_pass(settings: Settings, shown: Shown = Shown()) -> tuple[ReconcileReport, Shown]:
     """One pass as a node's agent runs it (in a child of its own: deployments/reconcile_loop.py):
     plain code, no flow run, no task runs, each step under the task retry policy
     (``inline_steps``), the facts it announces sent to the event feed as a flow's are. A pass
@@ -342,7 +341,7 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
         except Exception as exc:  # noqa: BLE001 - the next pass tries again; shown as any failure
             crashed = exc
             report = ReconcileReport(failed=[f"the pass: {type(exc).__name__}: {_first_line(exc)}"])
-    verdict = decide(report.failed, replace(report, failed=[]).acted(), shown, now=now())
+    verdict = decide(report.failed, replace(report, failed=[]).acted(), shown, now=time.time())
     if not verdict.run:
         if report.failed:
             log.warning("reconcile on %s: the same %d failure(s) as the run at %s showed (failing so since %s); "

@@ -261,7 +261,7 @@ def test_cli_promote_here_then_retention_and_reconcile(env_settings):
 
     settings = env_settings()
     for step in (1, 2, 3, 4):
-        write_checkpoint(settings.tier0_url, RUN, step, shard_bytes=64 << 10)
+        lost_event(settings, RUN, step)
     runner = CliRunner()
 
     out = runner.invoke(app, ["promote", "--run", RUN, "--step", "1", "--here", "--json"])
@@ -292,8 +292,8 @@ def test_reconcile_publishes_what_it_promoted_as_an_artifact(env_settings, s3_en
 
     run = f"run-{uuid.uuid4().hex[:8]}"
     settings = env_settings(tier2_url=f"s3://{s3_bucket}/reconciled", s3_endpoint_url=s3_endpoint, runs=(run,))
-    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=settings.node)
-    write_checkpoint(settings.tier0_url, run, 20, shard_bytes=64 << 10, node=settings.node, kind="milestone")
+    lost_event(settings, run, 10)
+    lost_event(settings, run, 20, kind="milestone")
 
     state = reconcile(return_state=True)
 
@@ -318,14 +318,14 @@ def reconcile_runs(node: str) -> list:
                                      flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"reconcile/{node}"])))
 
 
-def lost_event(settings, run: str, step: int) -> None:
+def lost_event(settings, run: str, step: int, kind: str = "step") -> None:
     """A part committed on the node's Tier 0 whose event never came: committed longer ago than
     reconcile's grace (within it, the part is its event's)."""
     import os
 
     from core.layout import part_key
 
-    write_checkpoint(settings.tier0_url, run, step, shard_bytes=64 << 10, node=settings.node)
+    write_checkpoint(settings.tier0_url, run, step, shard_bytes=64 << 10, node=settings.node, kind=kind)
     manifest = ckpt_dir(settings.tier0_url, run, step) / part_key(run, step, 0, 1).rsplit("/", 1)[-1]
     old = manifest.stat().st_mtime - settings.reconcile_interval_seconds - 1
     os.utime(manifest, (old, old))
@@ -418,6 +418,46 @@ def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cl
     assert "tier 1" in runs[0].state.message and "tier 0" in runs[1].state.message
     assert runs[0].state.message.startswith("1 item(s) failed: the pass: TierUnavailable: ")
     assert runs[2].state.message.startswith("cleared: the 1 failure(s) shown at ")
+
+
+def test_an_item_failing_as_the_last_run_showed_is_one_line_of_the_log_and_no_run(env_settings):
+    """A part that cannot be copied (its run's folder on Tier 1 is a file) fails every pass the
+    same way: the first pass's run is red and its line (with the traceback) in the log; the next
+    pass leaves no run and one line instead of the item's."""
+    import logging
+    from pathlib import Path
+
+    from flows.reconcile import reconcile_pass
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(self.format(record))
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    lost_event(settings, RUN, 10)
+    (Path(settings.tier1_url) / RUN).write_text("a file where the run's folder goes")
+    first, second = Lines(), Lines()
+    pipeline = logging.getLogger("ckpt.pipeline")  # the pass's lines
+    pipeline.addHandler(first)
+    try:
+        report, shown = reconcile_pass(settings)
+        pipeline.removeHandler(first)
+        pipeline.addHandler(second)
+        again, kept = reconcile_pass(settings, shown)
+    finally:
+        pipeline.removeHandler(first)
+        pipeline.removeHandler(second)
+    assert [r.state_type.value for r in reconcile_runs(node)] == ["FAILED"]  # the first pass's only
+    assert again.failed == report.failed and kept == shown
+    (item,) = [line for line in first.lines if line.startswith(f"reconcile: {RUN}/10 part 0 failed: ")]
+    assert "Traceback" in item
+    (line,) = second.lines
+    assert line.startswith(f"reconcile on {node}: the same 1 failure(s) as the run at "), line
 
 
 class Killed(BaseException):
