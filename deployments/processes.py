@@ -92,7 +92,7 @@ def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *, again: st
 def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: float, what: str,
               again: str = "reconcile tries it again") -> int | None:
     """``target(*args, beat)`` in a child forked from the fork server, watched for stalls
-    (``watch_stall``); its exit code, after a line in the log when it was not one of its own
+    (``watch_stall``); its exit code, after one line in the log when it was not one of its own
     (killed, out of memory, stalled: nothing was logged there; ``again``: what happens next)."""
     ctx = process_context()
     beat = ctx.Value("d", time.monotonic(), lock=False)  # when the child last moved a byte
@@ -101,7 +101,7 @@ def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: fl
     stalled = watch_stall(process, beat, stall_s, what, again=again)
     process.join(0 if stalled else None)  # ended (or killed): reaped; one the kill could not end is left behind
     code = process.exitcode
-    if code not in (0, 1, FOLLOWUPS):
+    if code not in (0, 1, FOLLOWUPS) and not stalled:  # a stall: ``watch_stall`` said it
         log.error("%s: its process (pid %s) exited with code %s (%s)", what, process.pid, code, again)
     return code
 
