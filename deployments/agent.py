@@ -7,8 +7,8 @@ What one agent serves:
   run of this deployment (deployments/part_events.py); ``ckpt promote`` asks for one by hand;
   and, as plain code in this process rather than a deployment, reconcile every
   ``reconcile_interval_seconds`` (the safety net for events that never arrived;
-  deployments/reconcile_loop.py), which leaves a ``reconcile/<node>`` flow run only when a pass
-  acted.
+  deployments/reconcile_loop.py), each pass in a watched child, which leaves a
+  ``reconcile/<node>`` flow run only when a pass acted or its failures changed.
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a

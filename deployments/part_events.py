@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +51,7 @@ from core.layout import parse_number
 from core.settings import Settings
 from deployments.processes import (
     FOLLOWUPS,
+    child_environment,
     crash_checkpoint_run,
     promote_part,
     run_checkpoint_process,
@@ -134,10 +134,7 @@ class PartEvents:
         self.done: list[Future] = []  # the last promotions' futures (tests; bounded)
 
     def start(self) -> None:
-        from prefect.settings import get_current_settings
-
-        # what a forked promotion must see: Prefect's settings in force here, over the environment
-        self._env = {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
+        self._env = child_environment()  # what a forked promotion must see
         if self.fork:
             start_fork_server()
         self._listener = LoopThread(self._listen, name="ckpt-part-events")

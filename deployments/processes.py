@@ -1,4 +1,5 @@
-"""The agent's child processes: one per part it promotes, one per checkpoint run it starts.
+"""The agent's child processes: one per part it promotes, one per checkpoint run it starts, one per
+reconcile pass (deployments/reconcile_loop.py).
 
 The only start-up tuning of the agent, on ``multiprocessing``'s public interface alone: each
 child is forked from multiprocessing's fork server (``process_context``), which imports Prefect
@@ -36,7 +37,8 @@ log = logging.getLogger("ckpt.agent.parts")
 
 # What a child imports: the fork server imports them once, before it forks the first child.
 PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engine", "prefect.settings",
-           "prefect.states", "flows.promote", "tasks.prefect_events", "deployments.processes"]
+           "prefect.states", "flows.promote", "flows.reconcile", "tasks.prefect_events", "deployments.processes",
+           "deployments.reconcile_loop"]
 STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
@@ -62,13 +64,14 @@ def start_fork_server() -> None:
     forkserver.ensure_running()
 
 
-def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
+def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *, again: str = "reconcile tries the part again",
                 clock: Callable[[], float] = time.monotonic, kill_wait_s: float = KILL_WAIT_S) -> str | None:
     """Wait until ``process`` (a ``multiprocessing`` process: only its sentinel is waited on, so
     whoever else joins it still gets its exit code) ends. Once its ``beat`` (``core.progress.share``:
     when it last moved a byte) is older than ``stall_s`` it is stalled on a storage that stopped
     answering, and killed. A process the kill cannot end within ``kill_wait_s`` (stuck inside the
-    kernel on a hung mount) is left behind, logged. Returns why it was killed, or None."""
+    kernel on a hung mount) is left behind, logged (``again``: what happens next, in the line).
+    Returns why it was killed, or None."""
     from multiprocessing.connection import wait
 
     while not wait([process.sentinel], min(STALL_POLL_S, stall_s / 4)):
@@ -78,7 +81,7 @@ def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
     else:
         return None
     why = f"stalled, no byte moved for {idle:.0f} s (copy_stall_seconds {stall_s:g}): its storage does not answer"
-    log.error("%s: %s; stopping its process (pid %s); reconcile tries the part again", what, why, process.pid)
+    log.error("%s: %s; stopping its process (pid %s); %s", what, why, process.pid, again)
     process.kill()
     if not wait([process.sentinel], kill_wait_s):
         log.error("%s: its process (pid %s) did not end (stuck in the kernel on the hung storage); left behind, "
@@ -86,20 +89,29 @@ def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *,
     return why
 
 
-def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: float, what: str) -> int | None:
+def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: float, what: str,
+              again: str = "reconcile tries it again") -> int | None:
     """``target(*args, beat)`` in a child forked from the fork server, watched for stalls
-    (``watch_stall``); its exit code, after a line in the log when it was not one of its own
-    (killed, out of memory, stalled: nothing was logged there)."""
+    (``watch_stall``); its exit code, after one line in the log when it was not one of its own
+    (killed, out of memory, stalled: nothing was logged there; ``again``: what happens next)."""
     ctx = process_context()
     beat = ctx.Value("d", time.monotonic(), lock=False)  # when the child last moved a byte
     process = ctx.Process(target=target, args=(*args, beat), name="ckpt-agent-child", daemon=True)
     process.start()
-    stalled = watch_stall(process, beat, stall_s, what)
+    stalled = watch_stall(process, beat, stall_s, what, again=again)
     process.join(0 if stalled else None)  # ended (or killed): reaped; one the kill could not end is left behind
     code = process.exitcode
-    if code not in (0, 1, FOLLOWUPS):
-        log.error("%s: its process (pid %s) exited with code %s (reconcile tries it again)", what, process.pid, code)
+    if code not in (0, 1, FOLLOWUPS) and not stalled:  # a stall: ``watch_stall`` said it
+        log.error("%s: its process (pid %s) exited with code %s (%s)", what, process.pid, code, again)
     return code
+
+
+def child_environment() -> dict[str, str]:
+    """What a child must see (``agent_context``): Prefect's settings in force here over the
+    environment (the fork server has the environment of its start)."""
+    from prefect.settings import get_current_settings
+
+    return {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
 
 
 def agent_logging(level: str) -> None:
@@ -237,24 +249,11 @@ def start_checkpoint_run(node: str, run: str, step: int, part: int, parts: int, 
 def crash_checkpoint_run(node: str, run: str, step: int, attempt: str, why: str) -> None:
     """The checkpoint's promote run, when its process ended before it did (killed when it stalled,
     out of memory), recorded ``Crashed`` with ``why``, as Prefect's runner records the runs of
-    the processes it starts; reconcile finishes the follow-ups. Nothing when it already ended or
-    cannot be read (logged)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
-    from prefect.states import Crashed
+    the processes it starts (``flows.promote.crash_followups_run``); reconcile finishes the
+    follow-ups."""
+    from flows.promote import crash_followups_run  # deferred: start-up — Prefect, SQLAlchemy
 
-    from flows.promote import followups_key  # deferred: start-up — Prefect, SQLAlchemy
-
-    try:
-        with get_client(sync_client=True) as client:
-            key = FlowRunFilterIdempotencyKey(any_=[followups_key(run, step, attempt)])
-            for flow_run in client.read_flow_runs(flow_run_filter=FlowRunFilter(idempotency_key=key)):
-                if flow_run.state is not None and not flow_run.state.is_final():
-                    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
-                    log.warning("promote run %s of %s step %s crashed: %s", flow_run.id, run, step, why)
-    except Exception as exc:  # noqa: BLE001 - reconcile still finishes the checkpoint
-        log.warning("could not record the end of the promote run of %s step %s on %s: %s: %s", run, step, node,
-                    type(exc).__name__, exc)
+    crash_followups_run(run, step, attempt, why)
 
 
 def lean_flow(flow: Any) -> Any:

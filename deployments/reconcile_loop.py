@@ -2,37 +2,76 @@
 (``ckpt agent``'s, or ``ckpt reconcile --every``), not a scheduled deployment. A scheduled run
 costs the orchestrator a flow run per node per interval and fills the Runs page with passes that
 found nothing; here a pass is plain code (``flows.reconcile.reconcile_pass``) and leaves a flow
-run only when it acted.
+run only when it acted, or failed otherwise than the last run showed (``flows.reconcile.decide``).
+
+Each pass runs in a child forked from the agent's fork server, as a part's promotion does
+(``deployments.processes.run_child``): one whose storage stops answering (a hung mount) is killed
+once no byte moved for ``copy_stall_seconds`` and the next interval runs the next pass, and what a
+pass holds (the catalog's connection, buffers, every page it touched) ends with its process: the
+agent's memory at rest stays what it was. One pass at a time (this loop waits for each), beside
+the parts' promotions (their own worker and children). What the last run showed of the passes'
+failures (``flows.reconcile.Shown``, as plain values: this process never imports the pass's
+modules) is kept here, handed to each pass and handed back by it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import copy_context
+from typing import Any
 
 from core.settings import Settings
+from deployments.processes import agent_context, child_environment, process_context, run_child
 
 log = logging.getLogger("ckpt.reconcile")
 
 
 def reconcile_every(settings: Settings, stop: threading.Event) -> None:
-    """A pass now, then one every ``reconcile_interval_seconds`` until ``stop`` is set. A pass
-    that raises (a catalog down) is logged and the next one tries again: the safety net never
-    stops for good."""
-    from flows.reconcile import reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy
-
+    """A pass now, then one every ``reconcile_interval_seconds`` until ``stop`` is set, each in a
+    child (``one_pass``). A pass that fails, stalls or dies is logged and the next one tries again:
+    the safety net never stops for good."""
+    env = child_environment()
+    shown: dict[str, Any] = {}
     while not stop.is_set():
         try:
-            report = reconcile_pass(settings)
-            if report.acted():
-                log.info("reconcile on %s: %s", settings.node,
-                         ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))
-        except Exception as exc:  # the next pass tries again (see above)
-            log.warning("reconcile on %s failed: %s: %s", settings.node, type(exc).__name__, exc, exc_info=True)
+            shown = one_pass(settings, env, shown)
+        except Exception as exc:  # noqa: BLE001 - the next pass tries again (see above)
+            log.warning("reconcile pass on %s not run: %s: %s", settings.node, type(exc).__name__, exc)
         stop.wait(settings.reconcile_interval_seconds)
+
+
+def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any]) -> dict[str, Any]:
+    """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
+    fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
+    nothing (killed, died)."""
+    reader, writer = process_context().Pipe(duplex=False)
+    with reader:
+        with writer:
+            run_child(run_pass_process, (settings, dict(env), shown, writer), stall_s=settings.copy_stall_seconds,
+                      what=f"reconcile pass on {settings.node}",
+                      again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
+        try:
+            return reader.recv() if reader.poll() else shown
+        except (EOFError, OSError):  # ended before it handed anything back
+            return shown
+
+
+def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], conn: Any, beat: Any) -> None:
+    """A pass in a child (``flows.reconcile.reconcile_pass``); what to keep handed back on ``conn``."""
+    from dataclasses import asdict
+
+    from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
+
+    with agent_context(env, beat, settings.log_level):
+        report, kept = reconcile_pass(settings, Shown(**shown))
+        if report.acted():
+            log.info("reconcile on %s: %s", settings.node,
+                     ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))
+    conn.send(asdict(kept))
+    conn.close()
 
 
 @contextmanager

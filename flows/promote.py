@@ -37,7 +37,7 @@ from flows.artifacts import artifact_batch, artifact_key, name_this_run, publish
 from flows.common import Steps, current_actor, hop_rows, task_steps
 from flows.retention import run_retention
 from flows.status import publish_run_status
-from tasks.base import HopResult
+from tasks.base import HopResult, log
 from tasks.hop import tier1_hop_rows
 from tasks.prefect_events import emit
 from tasks.record import claim_followups, followups_done, followups_open
@@ -145,6 +145,29 @@ def followups_key(run: str, step: int, attempt: str = "") -> str:
     server creates one run per key and deployment, so a request repeated is the same run (and
     another attempt's checkpoint at the same step is another run)."""
     return f"ckpt-followups/{run}/{step}" + (f"@{attempt}" if attempt else "")
+
+
+def crash_followups_run(run: str, step: int, attempt: str, why: str) -> None:
+    """The checkpoint's promote run (``followups_key``), left ``Pending`` or ``Running`` by a
+    process that ended before it did, recorded ``Crashed`` with ``why``. Nothing when it already
+    ended, when no Prefect API is configured, or when it cannot be read (logged)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
+    from prefect.settings import get_current_settings
+    from prefect.states import Crashed
+
+    if not get_current_settings().api.url:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            key = FlowRunFilterIdempotencyKey(any_=[followups_key(run, step, attempt)])
+            for flow_run in client.read_flow_runs(flow_run_filter=FlowRunFilter(idempotency_key=key)):
+                if flow_run.state is not None and not flow_run.state.is_final():
+                    client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+                    log.warning("promote run %s of %s step %s crashed: %s", flow_run.id, run, step, why)
+    except Exception as exc:  # noqa: BLE001 - the checkpoint's follow-ups are finished all the same
+        log.warning("could not record the end of the promote run of %s step %s: %s: %s", run, step,
+                    type(exc).__name__, exc)
 
 
 def archive_wanted(settings: Settings, done: ArchiveResult | None) -> bool:

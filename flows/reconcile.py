@@ -1,10 +1,12 @@
 """reconcile: make the catalog agree with what the tiers hold, and finish what events missed.
 
-Runs every ``reconcile_interval_seconds`` on each node, inside its agent as plain code
+Runs every ``reconcile_interval_seconds`` on each node, in a child of its agent as plain code
 (``reconcile_pass``; deployments/reconcile_loop.py), and on demand (``ckpt reconcile``: the
 ``reconcile`` flow). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
-(``ReconcileReport.acted``): the usual pass finds nothing, and one run per node a minute would
-bury the promotions on the Runs page (and cost the orchestrator a run per node a minute). In order:
+(``ReconcileReport.acted``) or failed otherwise than the last run showed (``decide``): the usual
+pass finds nothing, a failure that lasts fails every pass the same way, and one run per node a
+minute would bury the promotions on the Runs page (and cost the orchestrator a run per node a
+minute). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy
    or verify) is re-checked against its files, as a verify does: ``verified`` when they read
    back whole, else ``missing`` (or ``corrupt``) so promotion acts again; one ``pruning`` past its lease is
@@ -41,9 +43,15 @@ stops the others; failures are listed in the report.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow
@@ -57,11 +65,12 @@ from db.entities import CKPT_SUPERSEDED, COPYING, PRUNING, CheckpointInfo, Repli
 from flows.archive import archive
 from flows.artifacts import artifact_batch, artifact_key, publish_table
 from flows.common import Steps, current_actor, inline_steps, task_steps
-from flows.promote import PromoteResult, follow_up, promote
+from flows.promote import PromoteResult, crash_followups_run, follow_up, promote
 from flows.status import publish_run_status
 from tasks.base import log, open_catalog, open_tier, sweep_tombs
 from tasks.prefect_events import emit
 from tasks.reconcile import (
+    FAILURE,
     ReconcileReport,
     adoption_slice,
     archive_backlog,
@@ -164,18 +173,23 @@ def recover_claims(settings: Settings, report: ReconcileReport, *, steps: Steps,
         except PruneRefused as exc:
             report.recovered.append(f"{item}: stalled prune given up: {exc}")
         except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
-            log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError))
+            log.warning("reconcile: stalled prune of %s: %s", item, exc, exc_info=not isinstance(exc, CkptError),
+                        extra={FAILURE: True})
             report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
 def _follow_up(settings: Settings, ck: CheckpointInfo, *, steps: Steps, actor: str,
                on_durable: Callable[[PromoteResult], None] | None) -> None:
     """Step 3b: run the follow-ups of a checkpoint complete on Tier 1 that nobody finished (its
-    promotion was killed after recording the completion), under their lease."""
+    promotion was killed after recording the completion), under their lease. Its promote run,
+    when one was left ``Pending`` or ``Running`` by the process that died, is then ``Crashed``
+    with a message saying who finished it (the follow-ups' lease was free: nobody runs it)."""
     if not claim_followups(settings, ck.id):
         raise CopyInProgress(f"follow-ups of {ck.run}/{ck.step} taken by another caller meanwhile")
     follow_up(settings, PromoteResult(ck.run, ck.step, 0, ck.parts, ck.id), steps=steps, node=settings.node,
               actor=actor, on_durable=on_durable)
+    crash_followups_run(ck.run, ck.step, ck.attempt, f"its process ended before the run did; {actor} finished the "
+                        f"checkpoint's follow-ups at {_when(time.time())}")
 
 
 def _recheck(settings: Settings, rep: ReplicaInfo, *, steps: Steps, actor: str) -> str:
@@ -232,10 +246,12 @@ def _adopt(settings: Settings, run: str, step: int, part: int, parts: int, *, st
     steps.mark_complete(settings, run, step, 1, actor=actor, attempt=attempt)
 
 
-def publish_report(settings: Settings, report: ReconcileReport) -> None:
-    """The pass's report as its run's artifacts: every item (``reconcile-<node>``) and the
-    promotions as a promote run shows them (``reconcile-promotions-<node>``)."""
-    publish_table(artifact_key("reconcile", settings.node), report.rows(), f"reconcile on {settings.node}")
+def publish_report(settings: Settings, report: ReconcileReport, note: str = "") -> None:
+    """The pass's report as its run's artifacts: every item (``reconcile-<node>``; ``note``, what
+    its run says besides, in the description) and the promotions as a promote run shows them
+    (``reconcile-promotions-<node>``)."""
+    publish_table(artifact_key("reconcile", settings.node), report.rows(),
+                  f"reconcile on {settings.node}" + (f": {note}" if note else ""))
     if report.promotions:  # in the UI, a checkpoint reconcile promoted reads as a promotion
         publish_table(artifact_key("reconcile-promotions", settings.node), report.promotions,
                       f"checkpoints reconcile promoted on {settings.node} (no event-driven run had)")
@@ -256,25 +272,124 @@ def reconcile(node: str | None = None) -> dict:
     return {k: list(v) for k, v in vars(report).items()}
 
 
-def reconcile_pass(settings: Settings) -> ReconcileReport:
-    """One pass as a node's agent runs it: plain code in the caller, no flow run, no task runs,
-    each step under the task retry policy (``inline_steps``), the facts it announces sent to the
-    event feed as a flow's are. Only a pass that acted (``ReconcileReport.acted``) then leaves its
-    flow run, ``reconcile/<node>`` (``reconciled``). Its actor in the audit is
-    ``reconcile/<node>``."""
+RESHOW_SECONDS = 3600.0  # the same failures again leave a run this long after the last that showed them
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What the last ``reconcile/<node>`` run of an agent's passes showed of their failures, kept by
+    the agent between passes (each pass runs in a child of its own: handed in, handed back):
+    which failures (a digest of the set, order ignored: a pass can fail on thousands of items),
+    how many, since when the passes fail that way, and when a run last showed them."""
+
+    digest: str = ""  # '' none
+    count: int = 0
+    since: float = 0.0  # time.time()
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    run: bool  # the pass leaves its flow run
+    note: str  # what that run says besides the report ('' nothing)
+    shown: Shown  # what the agent keeps for the next pass
+
+
+def failures_digest(failed: list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(set(failed))).encode()).hexdigest() if failed else ""
+
+
+def decide(failed: list[str], acted: bool, shown: Shown, *, now: float) -> Verdict:
+    """Whether an agent's pass leaves a flow run (issue 40: housekeeping that found nothing leaves
+    no run; a failure later repaired is shown as repaired). ``failed``: its failures; ``acted``:
+    it did anything besides failing (promoted, marked missing, ...: always a run, as before).
+    Failures the same as those the last run showed (order ignored) leave no new run, until an hour
+    has passed since it (``RESHOW_SECONDS``: a failure that lasts stays on the Runs page); failures
+    that changed leave one; failures gone leave one that says they cleared."""
+    digest = failures_digest(failed)
+    same = digest == shown.digest
+    if same and not acted and (not failed or now - shown.at < RESHOW_SECONDS):
+        return Verdict(False, "", shown)
+    if failed and same:
+        note = f"failing the same way since {_when(shown.since)}"
+    elif not failed and shown.count:
+        note = f"cleared: the {shown.count} failure(s) shown at {_when(shown.at)} no longer fail"
+    else:
+        note = ""
+    kept = Shown(digest, len(set(failed)), shown.since if same else now, now) if failed else Shown()
+    return Verdict(True, note, kept)
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def reconcile_pass(settings: Settings, shown: Shown = Shown()) -> tuple[ReconcileReport, Shown]:
+    """One pass as a node's agent runs it (in a child of its own: deployments/reconcile_loop.py):
+    plain code, no flow run, no task runs, each step under the task retry policy
+    (``inline_steps``), the facts it announces sent to the event feed as a flow's are. A pass
+    that raised (a catalog down, a tier unreachable) is one failure, ``the pass: ...``. Its
+    flow run, ``reconcile/<node>`` (``reconciled``), only as ``decide`` says: a pass that acted,
+    or whose failures differ from those ``shown`` by the last run; a pass that failed as the last
+    run showed is one line of the log instead (its items' lines held back: ``_held_lines``).
+    Its actor in the audit is ``reconcile/<node>``. Returns the report and what to keep."""
     durable: set[tuple[str, int]] = set()
-    with announcing(emit):
-        report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
-                                grace_seconds=settings.reconcile_interval_seconds,
-                                event_seconds=settings.reconcile_interval_seconds,
-                                on_durable=lambda result: durable.add((result.run, result.step)))
-    if report.acted():
-        reconciled(settings.node, json.dumps(vars(report)), sorted(durable), return_state=True)
-    return report
+    crashed: BaseException | None = None
+    with _held_lines() as held:
+        try:
+            with announcing(emit):
+                report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
+                                        grace_seconds=settings.reconcile_interval_seconds,
+                                        event_seconds=settings.reconcile_interval_seconds,
+                                        on_durable=lambda result: durable.add((result.run, result.step)))
+        except Exception as exc:  # noqa: BLE001 - the next pass tries again; shown as any failure
+            crashed = exc
+            report = ReconcileReport(failed=[f"the pass: {type(exc).__name__}: {_first_line(exc)}"])
+    verdict = decide(report.failed, replace(report, failed=[]).acted(), shown, now=time.time())
+    if not verdict.run:
+        if report.failed:
+            log.warning("reconcile on %s: the same %d failure(s) as the run at %s showed (failing so since %s); "
+                        "no new run until they change or clear: %s", settings.node, shown.count, _when(shown.at),
+                        _when(shown.since), "; ".join(report.failed[:3]))
+        return report, shown
+    for record in held:
+        log.handle(record)
+    if crashed is not None:
+        log.warning("reconcile on %s failed: %s: %s", settings.node, type(crashed).__name__, crashed,
+                    exc_info=not isinstance(crashed, CkptError))
+    try:
+        reconciled(settings.node, json.dumps(vars(report)), sorted(durable), verdict.note, return_state=True)
+    except Exception as exc:  # noqa: BLE001 - no run: the next pass shows it again
+        log.warning("reconcile on %s: its flow run not recorded: %s: %s", settings.node, type(exc).__name__, exc)
+        return report, shown
+    return report, verdict.shown
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0]
+
+
+@contextmanager
+def _held_lines() -> Iterator[list[logging.LogRecord]]:
+    """The pass's lines about its failing items (``tasks.reconcile.FAILURE``), held back for the
+    block: logged after it only when its failures are news (``decide``)."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if getattr(record, FAILURE, False):
+            held.append(record)
+            return False
+        return True
+
+    log.addFilter(hold)
+    try:
+        yield held
+    finally:
+        log.removeFilter(hold)
 
 
 @flow(name="reconcile", flow_run_name="reconcile/{node}")
-def reconciled(node: str, report: str, durable: list[tuple[str, int]]) -> Any:
+def reconciled(node: str, report: str, durable: list[tuple[str, int]], note: str = "") -> Any:
     """The flow run of an agent's pass that acted, made after the pass (``reconcile_pass``): its
     report as artifacts, the status page of each training run it made ``durable`` (run, step)
     republished (a failed promote run of those checkpoints then reads repaired by
@@ -282,14 +397,16 @@ def reconciled(node: str, report: str, durable: list[tuple[str, int]]) -> Any:
     (``ReconcileReport`` as JSON: a flow's parameters are plain values) as its result. Failed,
     with the items in its message, when an item failed: red on the Runs page, as a failed
     promotion is."""
-    from prefect.states import Failed
+    from prefect.states import Completed, Failed
 
     settings = load_settings(node=node)
     done = ReconcileReport(**json.loads(report))
     with artifact_batch():
-        publish_report(settings, done)
+        publish_report(settings, done, note)
         for run in sorted({r for r, _ in durable}):
             publish_run_status(settings, run, durable_steps={step for r, step in durable if r == run})
     if done.failed:
-        return Failed(message=f"{len(done.failed)} item(s) failed: " + "; ".join(done.failed[:5]))
-    return {k: list(v) for k, v in vars(done).items()}
+        return Failed(message=f"{len(done.failed)} item(s) failed" + (f" ({note})" if note else "") + ": "
+                      + "; ".join(done.failed[:5]))
+    result = {k: list(v) for k, v in vars(done).items()}
+    return Completed(message=note, data=result) if note else result

@@ -40,6 +40,7 @@ from tasks.base import log, open_catalog, open_tier
 from tasks.tier0_space import sweep_dead_staging
 
 ADOPT_CURSOR = "reconcile-adopt:tier1"
+FAILURE = "ckpt_reconcile_failure"  # set on a log line about an item that failed (``flows.reconcile._held_lines``)
 
 
 @dataclass
@@ -97,7 +98,8 @@ def attempt(report: ReconcileReport, done: list[str], item: str, fn: Any) -> Non
     except CopyInProgress as exc:
         report.skipped.append(f"{item}: {exc}")
     except Exception as exc:  # noqa: BLE001 - one failing item never stops the pass
-        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError),
+                    extra={FAILURE: True})
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
 
 
@@ -169,7 +171,8 @@ def each(report: ReconcileReport, item: str, fn: Any) -> Any:
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - the pass goes on; the error is reported and logged
-        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError))
+        log.warning("reconcile: %s failed: %s", item, exc, exc_info=not isinstance(exc, CkptError),
+                    extra={FAILURE: True})
         report.failed.append(f"{item}: {type(exc).__name__}: {exc}")
         return None
 

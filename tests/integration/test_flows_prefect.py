@@ -268,7 +268,7 @@ def test_cli_promote_here_then_retention_and_reconcile(env_settings):
 
     settings = env_settings()
     for step in (1, 2, 3, 4):
-        write_checkpoint(settings.tier0_url, RUN, step, shard_bytes=64 << 10)
+        lost_event(settings, RUN, step)
     runner = CliRunner()
 
     out = runner.invoke(app, ["promote", "--run", RUN, "--step", "1", "--here", "--json"])
@@ -299,8 +299,8 @@ def test_reconcile_publishes_what_it_promoted_as_an_artifact(env_settings, s3_en
 
     run = f"run-{uuid.uuid4().hex[:8]}"
     settings = env_settings(tier2_url=f"s3://{s3_bucket}/reconciled", s3_endpoint_url=s3_endpoint, runs=(run,))
-    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=settings.node)
-    write_checkpoint(settings.tier0_url, run, 20, shard_bytes=64 << 10, node=settings.node, kind="milestone")
+    lost_event(settings, run, 10)
+    lost_event(settings, run, 20, kind="milestone")
 
     state = reconcile(return_state=True)
 
@@ -325,6 +325,13 @@ def reconcile_runs(node: str) -> list:
                                      flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"reconcile/{node}"])))
 
 
+def lost_event(settings, run: str, step: int, kind: str = "step") -> None:
+    """A part committed on the node's Tier 0 whose event never came: committed longer ago than
+    reconcile's grace (within it, the part is its event's)."""
+    write_checkpoint(settings.tier0_url, run, step, shard_bytes=64 << 10, node=settings.node, kind=kind)
+    committed_ago(settings.tier0_url, run, step, settings.reconcile_interval_seconds + 1)
+
+
 def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
     """The agent's pass (``reconcile_pass``) that finds nothing leaves no flow run on the server;
     one that promotes leaves one, ``reconcile/<node>``, completed, holding the promotions table."""
@@ -335,20 +342,167 @@ def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
 
     node = f"node-{uuid.uuid4().hex[:8]}"  # the server is the session's: this test's runs only
     settings = env_settings(node=node)
-    assert not reconcile_pass(settings).acted()
-    assert not reconcile_pass(settings).acted()
+    assert not reconcile_pass(settings)[0].acted()
+    assert not reconcile_pass(settings)[0].acted()
     assert reconcile_runs(node) == []
 
     write_checkpoint(settings.tier0_url, RUN, 10, shard_bytes=64 << 10, node=node)
-    assert not reconcile_pass(settings).acted()  # just committed: its event's
+    assert not reconcile_pass(settings)[0].acted()  # just committed: its event's
     committed_ago(settings.tier0_url, RUN, 10, settings.reconcile_interval_seconds + 1)  # its event lost
-    assert reconcile_pass(settings).promoted == [f"{RUN}/10 part 0"]
+    assert reconcile_pass(settings)[0].promoted == [f"{RUN}/10 part 0"]
     (fr,) = reconcile_runs(node)
     assert fr.state_type.value == "COMPLETED", fr.state
     table = Artifact.get(artifact_key("reconcile-promotions", node))
     assert table is not None and table.flow_run_id == fr.id
-    assert not reconcile_pass(settings).acted()  # done: the next pass again leaves nothing
+    assert not reconcile_pass(settings)[0].acted()  # done: the next pass again leaves nothing
     assert len(reconcile_runs(node)) == 1
+
+
+def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_settings, caplog):
+    """The agent's pass runs in a child (``reconcile_loop.one_pass``): one whose Tier 1 stopped
+    answering (reading its root's marker never returns, as on a hung mount) moves no byte, is
+    stopped past ``copy_stall_seconds`` and leaves no run; the next pass runs and promotes."""
+    import logging
+    import os
+    from pathlib import Path
+
+    from deployments.processes import child_environment
+    from deployments.reconcile_loop import one_pass
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    marker = Path(settings.tier1_url) / ".ckpt-tier.json"
+    saved = marker.read_bytes()
+    marker.unlink()
+    os.mkfifo(marker)  # opened for reading, it waits for a writer that never comes
+    lost_event(settings, RUN, 10)
+    env = child_environment()
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        shown = one_pass(settings.model_copy(update={"copy_stall_seconds": 1.0}), env, {})
+    assert f"reconcile pass on {node}: stalled, no byte moved" in caplog.text
+    assert shown == {} and reconcile_runs(node) == []
+    marker.unlink()
+    marker.write_bytes(saved)
+    one_pass(settings, env, shown)
+    (fr,) = reconcile_runs(node)
+    assert fr.state_type.value == "COMPLETED", fr.state
+    assert replica_states(settings, RUN, 10)[(1, 0)] == "verified"
+
+
+def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cleared_says_so(env_settings):
+    """Issue 40: passes in the agent's children (``one_pass``), the failures the last run showed
+    kept by the agent: a tier unreachable leaves one red run, not one a pass; another failure
+    leaves another; once it works again one run says the failures cleared; then nothing."""
+    from pathlib import Path
+
+    from deployments.processes import child_environment
+    from deployments.reconcile_loop import one_pass
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    env, shown = child_environment(), {}
+    tier0, tier1 = Path(settings.tier0_url), Path(settings.tier1_url)
+
+    def passes(n: int) -> None:
+        nonlocal shown
+        for _ in range(n):
+            shown = one_pass(settings, env, shown)
+
+    tier1.rename(tier1.with_name("tier1-away"))  # unmounted
+    passes(3)
+    assert [r.state_type.value for r in reconcile_runs(node)] == ["FAILED"]
+    tier1.with_name("tier1-away").rename(tier1)
+    tier0.rename(tier0.with_name("tier0-away"))
+    passes(2)
+    tier0.with_name("tier0-away").rename(tier0)
+    passes(3)
+    runs = sorted(reconcile_runs(node), key=lambda r: r.created)
+    assert [r.state_type.value for r in runs] == ["FAILED", "FAILED", "COMPLETED"]
+    assert "tier 1" in runs[0].state.message and "tier 0" in runs[1].state.message
+    assert runs[0].state.message.startswith("1 item(s) failed: the pass: TierUnavailable: ")
+    assert runs[2].state.message.startswith("cleared: the 1 failure(s) shown at ")
+
+
+def test_an_item_failing_as_the_last_run_showed_is_one_line_of_the_log_and_no_run(env_settings):
+    """A part that cannot be copied (its run's folder on Tier 1 is a file) fails every pass the
+    same way: the first pass's run is red and its line (with the traceback) in the log; the next
+    pass leaves no run and one line instead of the item's."""
+    import logging
+    from pathlib import Path
+
+    from flows.reconcile import reconcile_pass
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(self.format(record))
+
+    node = f"node-{uuid.uuid4().hex[:8]}"
+    settings = env_settings(node=node)
+    lost_event(settings, RUN, 10)
+    (Path(settings.tier1_url) / RUN).write_text("a file where the run's folder goes")
+    first, second = Lines(), Lines()
+    pipeline = logging.getLogger("ckpt.pipeline")  # the pass's lines
+    pipeline.addHandler(first)
+    try:
+        report, shown = reconcile_pass(settings)
+        pipeline.removeHandler(first)
+        pipeline.addHandler(second)
+        again, kept = reconcile_pass(settings, shown)
+    finally:
+        pipeline.removeHandler(first)
+        pipeline.removeHandler(second)
+    assert [r.state_type.value for r in reconcile_runs(node)] == ["FAILED"]  # the first pass's only
+    assert again.failed == report.failed and kept == shown
+    (item,) = [line for line in first.lines if line.startswith(f"reconcile: {RUN}/10 part 0 failed: ")]
+    assert "Traceback" in item
+    (line,) = second.lines
+    assert line.startswith(f"reconcile on {node}: the same 1 failure(s) as the run at "), line
+
+
+class Killed(BaseException):
+    """A process dies (not an error any code handles)."""
+
+
+def test_a_checkpoint_run_its_dead_process_left_pending_is_crashed_once_reconcile_finishes_it(env_settings):
+    """The agent's child that ran a checkpoint's promote run died after the part was complete on
+    Tier 1 (the agent itself down too: nobody recorded the run's end): the run stays ``Pending``
+    until reconcile finishes the checkpoint's follow-ups, then reads ``Crashed``, saying so."""
+    import dataclasses
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending
+
+    from deployments.agent import node_deployments
+    from flows.common import plain_steps
+    from flows.promote import followups_key, promote
+    from flows.reconcile import reconcile_once
+
+    run, node = f"run-{uuid.uuid4().hex[:8]}", f"node-{uuid.uuid4().hex[:8]}"  # keys are the server's
+    settings = env_settings(node=node, runs=(run,))
+    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
+    steps = plain_steps()
+
+    def hop_then_die(*args, **kwargs):
+        steps.tier1_hop(*args, **kwargs)
+        raise Killed
+
+    with pytest.raises(Killed):
+        promote(settings, run, 10, steps=dataclasses.replace(steps, tier1_hop=hop_then_die), node=node)
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(
+            node_deployments(settings)[0].apply(), parameters={"run": run, "step": 10, "node": node},
+            state=Pending(message="started by the agent"), idempotency_key=followups_key(run, 10))
+
+        report = reconcile_once(settings, steps=plain_steps(), actor=f"reconcile/{node}")
+
+        assert report.followed_up == [f"{run}/10"]
+        state = client.read_flow_run(flow_run.id).state
+    assert state is not None and state.is_crashed(), state
+    assert f"reconcile/{node} finished the checkpoint's follow-ups at " in (state.message or "")
 
 
 def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_status_page(env_settings):
@@ -366,9 +520,8 @@ def test_a_failed_promote_run_that_reconcile_repaired_reads_repaired_on_the_stat
     settings = env_settings(node=node, runs=(run,))
     state = promote_checkpoint(run=run, step=10, node=node, return_state=True)
     assert state.is_failed()
-    write_checkpoint(settings.tier0_url, run, 10, shard_bytes=64 << 10, node=node)
-    committed_ago(settings.tier0_url, run, 10, settings.reconcile_interval_seconds + 1)  # no event came after it
-    assert reconcile_pass(settings).promoted == [f"{run}/10 part 0"]
+    lost_event(settings, run, 10)
+    assert reconcile_pass(settings)[0].promoted == [f"{run}/10 part 0"]
     (fr,) = reconcile_runs(node)
     page = Artifact.get(artifact_key("run", run))
     assert page is not None and page.flow_run_id == fr.id  # republished by the pass's run

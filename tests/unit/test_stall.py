@@ -178,6 +178,10 @@ def test_a_process_that_keeps_moving_is_waited_for_and_its_code_left_to_whoever_
     assert process.exitcode == 1
 
 
+def _exit_with_beat(code: int, beat) -> None:
+    os._exit(code)
+
+
 def _hang_after_a_beat(beat) -> None:
     progress.share(beat)  # as a part's child does: its beats reach the agent
     time.sleep(3600)
@@ -185,12 +189,20 @@ def _hang_after_a_beat(beat) -> None:
 
 def test_an_agent_child_that_stalls_is_killed_and_the_agent_says_so(caplog):
     """A part's child, forked from the fork server as the agent forks it (``run_child``): one
-    that moves no byte past the limit is killed, and the agent's log says which and why."""
+    that moves no byte past the limit is killed, and the agent's log says which and why, once."""
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
         code = run_child(_hang_after_a_beat, (), stall_s=0.5, what="promotion of 'r' step 1 part 0")
     assert code == -9
-    assert "promotion of 'r' step 1 part 0: stalled, no byte moved" in caplog.text
-    assert "exited with code -9" in caplog.text
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "ckpt.agent.parts"]
+    assert line.startswith("promotion of 'r' step 1 part 0: stalled, no byte moved"), line
+
+
+def test_an_agent_child_that_dies_otherwise_is_one_line_with_its_exit_code(caplog):
+    with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
+        code = run_child(_exit_with_beat, (7,), stall_s=60, what="promotion of 'r' step 2 part 0")
+    assert code == 7
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "ckpt.agent.parts"]
+    assert "promotion of 'r' step 2 part 0: its process (pid " in line and "exited with code 7" in line
 
 
 class Unkillable:
