@@ -346,8 +346,8 @@ def agent_cmd(
     """Promote this node's checkpoint parts on their events (one promote run per checkpoint) and
     serve the deployments on this node until interrupted: promote (started by the agent), and
     unless --node-only archive (on its event), retention, scrub and the restore drill (cron);
-    reconcile runs in this process every reconcile_interval_seconds and leaves a flow run only
-    when it acted."""
+    reconcile runs in a child of it every reconcile_interval_seconds and leaves a flow run only
+    when it acted or its failures changed (one an hour while they last, one when they clear)."""
     from core.settings import display_url, load_settings  # deferred: start-up — pydantic-settings
     from deployments.agent import serve_agent  # deferred: start-up — pydantic-settings; Prefect
     from deployments.processes import agent_logging  # deferred: start-up — the agent alone needs it

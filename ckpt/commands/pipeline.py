@@ -192,7 +192,7 @@ def reconcile_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     every: bool = typer.Option(False, "--every", help="run until interrupted, a pass every reconcile_interval_seconds "
                                "(a node with a Prefect worker instead of `ckpt agent`); a pass leaves a flow run only "
-                               "when it acted"),
+                               "when it acted or its failures changed"),
 ) -> None:
     """Promote what events missed, mark vanished copies missing, archive pending milestones,
     prune this node's Tier 0 by retention."""
