@@ -29,29 +29,31 @@ from deployments.processes import agent_context, child_environment, process_cont
 log = logging.getLogger("ckpt.reconcile")
 
 
-def reconcile_every(settings: Settings, stop: threading.Event) -> None:
+def reconcile_every(settings: Settings, stop: threading.Event, *, events: bool = True) -> None:
     """A pass now, then one every ``reconcile_interval_seconds`` until ``stop`` is set, each in a
     child (``one_pass``). A pass that fails, stalls or dies is logged and the next one tries again:
-    the safety net never stops for good."""
+    the safety net never stops for good. ``events``: this node's agent promotes parts on their
+    events (``ckpt agent``; not ``ckpt reconcile --every``), so a part just committed is theirs."""
     env = child_environment()
     shown: dict[str, Any] = {}
     while not stop.is_set():
         try:
-            shown = one_pass(settings, env, shown)
+            shown = one_pass(settings, env, shown, events=events)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again (see above)
             log.warning("reconcile pass on %s not run: %s: %s", settings.node, type(exc).__name__, exc)
         stop.wait(settings.reconcile_interval_seconds)
 
 
-def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any]) -> dict[str, Any]:
+def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any], *,
+             events: bool = True) -> dict[str, Any]:
     """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
     fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
     nothing (killed, died)."""
     reader, writer = process_context().Pipe(duplex=False)
     with reader:
         with writer:
-            run_child(run_pass_process, (settings, dict(env), shown, writer), stall_s=settings.copy_stall_seconds,
-                      what=f"reconcile pass on {settings.node}",
+            run_child(run_pass_process, (settings, dict(env), shown, writer, events),
+                      stall_s=settings.copy_stall_seconds, what=f"reconcile pass on {settings.node}",
                       again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
         try:
             return reader.recv() if reader.poll() else shown
@@ -59,14 +61,15 @@ def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any]) 
             return shown
 
 
-def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], conn: Any, beat: Any) -> None:
+def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], conn: Any, events: bool,
+                     beat: Any) -> None:
     """A pass in a child (``flows.reconcile.reconcile_pass``); what to keep handed back on ``conn``."""
     from dataclasses import asdict
 
     from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
 
     with agent_context(env, beat, settings.log_level):
-        report, kept = reconcile_pass(settings, Shown(**shown))
+        report, kept = reconcile_pass(settings, Shown(**shown), events=events)
         if report.acted():
             log.info("reconcile on %s: %s", settings.node,
                      ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))

@@ -324,7 +324,8 @@ def _when(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def reconcile_pass(settings: Settings, shown: Shown = Shown()) -> tuple[ReconcileReport, Shown]:
+def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
+                   events: bool = True) -> tuple[ReconcileReport, Shown]:
     """One pass as a node's agent runs it (in a child of its own: deployments/reconcile_loop.py):
     plain code, no flow run, no task runs, each step under the task retry policy
     (``inline_steps``), the facts it announces sent to the event feed as a flow's are. A pass
@@ -332,7 +333,10 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown()) -> tuple[Reconcil
     flow run, ``reconcile/<node>`` (``reconciled``), only as ``decide`` says: a pass that acted,
     or whose failures differ from those ``shown`` by the last run; a pass that failed as the last
     run showed is one line of the log instead (its items' lines held back: ``_held_lines``).
-    Its actor in the audit is ``reconcile/<node>``. Returns the report and what to keep."""
+    Its actor in the audit is ``reconcile/<node>``. A part the job committed less than an
+    interval ago and the catalog has not registered is left to its completed event where this
+    node's agent promotes on events (``events``; not ``ckpt reconcile --every``, where no agent
+    listens). Returns the report and what to keep."""
     durable: set[tuple[str, int]] = set()
     crashed: BaseException | None = None
     with _held_lines() as held:
@@ -340,7 +344,7 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown()) -> tuple[Reconcil
             with announcing(emit):
                 report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
                                         grace_seconds=settings.reconcile_interval_seconds,
-                                        event_seconds=settings.reconcile_interval_seconds,
+                                        event_seconds=settings.reconcile_interval_seconds if events else 0.0,
                                         on_durable=lambda result: durable.add((result.run, result.step)))
         except Exception as exc:  # noqa: BLE001 - the next pass tries again; shown as any failure
             crashed = exc

@@ -207,7 +207,7 @@ def reconcile_cmd(
         from deployments.reconcile_loop import reconcile_every  # deferred: start-up — Prefect, SQLAlchemy
 
         with prefect_api(settings), suppress(KeyboardInterrupt):
-            reconcile_every(settings, threading.Event())
+            reconcile_every(settings, threading.Event(), events=False)
         return
     if prefect_configured(settings):
         with prefect_api(settings):
