@@ -22,6 +22,7 @@ from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdat
 from core.layout import check_attempt
 from core.manifest import Manifest
 from core.storage.content import SHARED_TIERS
+from core.tiers import DURABLE_TIERS
 from db import (
     attempts as _attempts,
     lineage as _lineage,
@@ -39,6 +40,8 @@ from db.entities import (
     CKPT_CORRUPT,
     CKPT_PARTIAL,
     CKPT_REJECTED,
+    CKPT_RETIRED,
+    CKPT_SUPERSEDED,
     COPYING,
     CORRUPT,
     MISSING,
@@ -74,6 +77,7 @@ from db.rows import (
     replicas as replicas_table,
     run_row,
     runs,
+    tier_bit,
     to_checkpoint,
     to_file,
     to_replica,
@@ -593,6 +597,25 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         """(2) The tiers that hold a complete verified copy, with URLs and verified_at."""
         with self._tx(write=False) as conn:
             return _q.locations(conn, checkpoint_row(conn, run, step))
+
+    def durable_now(self, run: str, steps: Collection[int]) -> dict[int, bool]:
+        """step -> whether a checkpoint of ``run`` at that step is held whole and verified on a
+        durable tier (Tier 1 or 2) now, in one statement; a step whose checkpoints retention
+        retired, or a newer attempt superseded, is left out (no loss: a decision)."""
+        if not steps:
+            return {}
+        want = 0
+        for t in DURABLE_TIERS:
+            want |= tier_bit(t)
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(checkpoints.c.step, checkpoints.c.verified_tiers)
+                                .where(checkpoints.c.run_id == run_row(conn, run).id,
+                                       checkpoints.c.step.in_(list(steps)),
+                                       checkpoints.c.state.not_in([CKPT_RETIRED, CKPT_SUPERSEDED])))
+            out: dict[int, bool] = {}
+            for step, mask in rows:
+                out[int(step)] = out.get(int(step), False) or bool(mask & want)
+        return out
 
     def nearest_copy(self, run: str, step: int, preference: Sequence[int] = (0, 1, 2)) -> Location | None:
         """(3) First tier in ``preference`` holding a complete verified copy."""

@@ -68,6 +68,9 @@ class Failure:
     run: FailedRun
     repaired_by: str | None = None
     repaired_at: datetime | None = None
+    # whether a whole verified copy is on Tier 1 or 2 now (None: not asked, or the checkpoint
+    # left by retention's decision): a repair that a later loss undid must not read as safe
+    durable_now: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -125,17 +128,25 @@ with ``settings``, the run's storage per tier (its URLs, budgets and prices are 
                      rpo_seconds=rpo_seconds,
                      late=[(c.step, t) for c in late if (t := c.committed_at or c.created_at) is not None],
                      tier_bytes={u.tier: (u.checkpoints, u.bytes) for u in cat.usage(run)},
-                     failures=None if failed is None else [repair_of(f, cat.history(run, f.step)) for f in failed],
+                     failures=None if failed is None else failures_of(cat, run, failed),
                      storage=tier_rows(settings, cat, run=run) if settings is not None else [])
 
 
-def repair_of(failed: FailedRun, history: list[AuditEntry]) -> Failure:
+def repair_of(failed: FailedRun, history: list[AuditEntry], durable: bool | None = None) -> Failure:
     """What became of ``failed``'s checkpoint, from its audit trail: repaired by whoever recorded
     it complete on Tier 1 at or after the failure (every part verified there); a completion before
     the failure (a duplicate run that failed on a checkpoint already durable) counts too, since the
-    checkpoint is safe either way."""
+    checkpoint was safe either way. ``durable``: whether it is held whole on Tier 1 or 2 now
+    (``Catalog.durable_now``)."""
     done = next((e for e in history if e.action == "complete" and e.to_state == "tier1"), None)
-    return Failure(failed, done.actor, done.at) if done else Failure(failed)
+    return Failure(failed, done.actor, done.at, durable) if done else Failure(failed, durable_now=durable)
+
+
+def failures_of(cat: Catalog, run: str, failed: list[FailedRun]) -> list[Failure]:
+    """Each failed promote run with what became of its checkpoint (``repair_of``): one audit trail
+    read per run, and one read for whether each is held on a durable tier now."""
+    now = cat.durable_now(run, {f.step for f in failed})
+    return [repair_of(f, cat.history(run, f.step), now.get(f.step)) for f in failed]
 
 
 def _when(t: datetime | None) -> str:
@@ -230,6 +241,8 @@ def failure_lines(failures: list[Failure] | None) -> list[str]:
     for f in failures:
         now = (f"failed, repaired by `{f.repaired_by}` at {_when(f.repaired_at)} UTC" if f.repaired_by
                else "**failed, not repaired**")
+        if f.repaired_by and f.durable_now is False:
+            now += "; **lost since: no whole copy on Tier 1 or 2 now**"
         why = re.sub(r"\s+", " ", f.run.message).replace("|", "/")[:160]
         out.append(f"| `{f.run.name}` | {f.run.step} | {_when(f.run.at)} UTC | {why} | {now} |")
     return out

@@ -192,8 +192,8 @@ def test_gather_reads_the_same_few_statements_however_large_the_run(catalog, mon
     small = _statements(catalog, lambda: status.gather(catalog, "small", rpo_seconds=900, failed=failed))
     large = _statements(catalog, lambda: status.gather(catalog, "large", rpo_seconds=900, failed=failed))
     # not one or more per recent checkpoint (RECENT = 20: 60 more); 2 for the drills; one audit
-    # trail per failed run shown (at most FAILURES)
-    assert small == large <= 48
+    # trail per failed run shown (at most FAILURES); 2 for whether their checkpoints are held now
+    assert small == large <= 50
     page = status.gather(catalog, "large")
     assert page.checkpoints == 300 and page.newest_step == 3000 and len(page.time_to_durable) == 5
     assert page.figure is not None and page.figure.checkpoints == 50
@@ -247,6 +247,16 @@ def test_gather_finds_the_durable_newest_the_late_the_repaired_and_the_bytes(cat
     assert (repaired.repaired_by, open_.repaired_by) == ("reconcile/node-0", None)
     md = status_markdown(page)
     assert "failed, repaired by `reconcile/node-0` at" in md and "**failed, not repaired**" in md
+    assert "lost since" not in md
+
+    # step 300's Tier 1 copy vanishes later: the repair stands, and the page says it no longer holds
+    (rep,) = catalog.replicas(newest[0].id, tier=1)
+    catalog.transition(rep.id, "missing", actor="reconcile/node-0", reason="files gone")
+    repaired, _ = gather(catalog, "run-g", now=T0, rpo_seconds=0, failed=failed).failures
+    assert repaired.repaired_by == "reconcile/node-0" and repaired.durable_now is False
+    assert "repaired by `reconcile/node-0` at " in (md := status_markdown(
+        gather(catalog, "run-g", now=T0, rpo_seconds=0, failed=failed)))
+    assert "**lost since: no whole copy on Tier 1 or 2 now**" in md
 
 
 def test_status_page_shows_the_run_s_storage_per_tier(catalog, db_url, settings_factory):
