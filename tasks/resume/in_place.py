@@ -16,11 +16,17 @@ from tasks.resume.fetch import await_copy, bring_file
 from tasks.resume.plan import IN_PLACE, PartResume, ResumePoint, Verify, sources
 
 
+class BringInTurn(Exception):
+    """This node's Tier 0 copy is good but lacks a checkpoint-wide file another part holds: it is
+    brought in beside it in the node's turn (``folder.node_turn``), then read in place."""
+
+
 def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, wanted: list[int],
                   wide: list[FileInfo], files: list[FileInfo], verify: Verify, actor: str,
-                  notes: list[str]) -> ResumePoint | None:
+                  notes: list[str], *, bring: bool = True) -> ResumePoint | None:
     """``ck`` read where it lies on ``tier`` when every wanted part is good there (a part that
-    is not is marked); checkpoint-wide files another part holds are fetched in beside it on Tier 0,
+    is not is marked); checkpoint-wide files another part holds are fetched in beside it on Tier 0
+    (``bring``; else, outside the node's turn, one not there yet raises ``BringInTurn``),
     checked in place on Tier 1."""
     started = time.monotonic()
     chosen = []
@@ -36,7 +42,12 @@ def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: in
     moved = 0
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     for f in wide:
-        if Tier(tier).node_local:
+        if Tier(tier).node_local and not bring:
+            try:
+                store.verify_object(f"{prefix}/{f.path}", f.size, f.checksum)
+            except (NotFound, CorruptCheckpoint):
+                raise BringInTurn(f"{f.path} (part {f.part}) is not beside this node's Tier 0 copy yet") from None
+        elif Tier(tier).node_local:
             moved += bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
         elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
             return None
