@@ -12,6 +12,13 @@ Contract of ``resume``:
   hidden folder beside the checkpoint's and renamed into place (``stages.staged``): killed
   midway, it leaves none of the part's files under their names; the next claim of the part
   removes what it left. (Into an object store: files, then the manifest as the commit marker.)
+- The ranks of one node resuming at once (8 GPUs a node) take turns to fetch (``node_turn``: a
+  ``flock`` under ``<data_dir>/resume/``): the first fetches, each of the others then finds its
+  copy in place and fetches nothing; reading in place takes no turn and writes nothing. The
+  kernel ends the turn of a rank that dies, so a rank killed mid-fetch holds up no other.
+- A source on a tier whose root is not proven (``TierUnavailable``: a mount that is gone) is
+  passed over unjudged and the next one tried; Tier 0 unproven, the fetch goes beside it. With
+  no other source: ``StorageUnavailable``, never a fall-back to an older checkpoint.
 - "Good" means the copy is verified in the catalog, its manifest still lists exactly the files
   the catalog registered, and every file has the registered size (``verify="full"``: and the
   registered CRC32C, read back now). A copy that fails is marked ``corrupt``/``missing`` and the
@@ -42,7 +49,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from core.errors import BadInput, ConflictError, NotFound, UnknownRun
+from core.errors import BadInput, ConflictError, NotFound, TierUnavailable, UnknownRun
 from core.layout import checkpoint_dirname
 from core.paths import safe_run_name
 from core.settings import Settings
@@ -182,6 +189,11 @@ def _fetched(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[
             return fetch_to_tier0(cat, stores, ck, wanted, files, wide, moved, verify, actor, notes)
         except HeldElsewhere as exc:  # lost the race for the Tier 0 row: fetched beside it instead
             log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
+        except TierUnavailable as exc:
+            if exc.tier != Tier.NODE:
+                raise
+            log.warning("resume %s/step-%d: %s; fetching beside it", ck.run, ck.step, exc)
+            notes.append(f"step {ck.step}: tier 0 unreachable ({exc.reason}); fetched beside it")
     return fetch_to_folder(cat, stores, ck, wanted, files, wide, dest, moved, verify, actor, notes,
                            scratch=target is None)
 

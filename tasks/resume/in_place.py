@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
-from core.errors import CorruptCheckpoint, NotFound
+from core.errors import CorruptCheckpoint, NotFound, TierUnavailable
 from core.layout import checkpoint_prefix
 from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CheckpointInfo, FileInfo
+from tasks.base import log
 from tasks.replicas import TierStores
 from tasks.resume.check import check_file, mark, part_good
 from tasks.resume.fetch import await_copy, bring_file
@@ -35,7 +36,11 @@ def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: in
         if src is None:
             return None
         chosen.append(src)
-    store = stores.get(tier)
+    try:
+        store = stores.get(tier)
+    except TierUnavailable as exc:  # not proven the tier the catalog knows: no verdict, the next source
+        unproven(ck, exc, notes)
+        return None
     for src in chosen:
         if not part_good(cat, store, ck, src, files, verify, actor, notes):
             return None
@@ -69,7 +74,17 @@ def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo
         return False
     try:
         check_file(stores.get(1), f"{checkpoint_prefix(ck.run, ck.step, ck.attempt)}/{f.path}", f, verify)
+    except TierUnavailable as exc:
+        unproven(ck, exc, notes)
+        return False
     except (CorruptCheckpoint, NotFound) as exc:
         mark(cat, src.replica, exc, actor, notes)
         return False
     return True
+
+
+def unproven(ck: CheckpointInfo, exc: TierUnavailable, notes: list[str]) -> None:
+    """A source on a tier whose root is not proven (``TierUnavailable``): passed over, judged
+    not at all (a mount that is gone says nothing about the copies on it)."""
+    log.warning("resume %s/step-%d: %s; trying the next source", ck.run, ck.step, exc)
+    notes.append(f"step {ck.step}: tier {exc.tier} unreachable ({exc.reason}); trying the next source")
