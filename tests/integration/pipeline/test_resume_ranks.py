@@ -131,3 +131,52 @@ def test_ranks_of_one_node_resuming_at_once_each_get_the_checkpoint_read_once(
         assert len({g[1] for g in got}) == 1  # one folder for the node
         reads[ranks] = data_gets(proxy)
     assert reads[RANKS] == reads[1] and reads[1]  # the node fetched once
+
+
+def dies_mid_fetch(settings, run, fetching, go) -> None:
+    """A rank whose fetch is killed once its first data file has landed, still in its turn."""
+    import os
+    import signal
+
+    from core.storage.stage import RestoreStage
+    from tasks.resume import resume
+
+    real = RestoreStage.put_written
+
+    def put(self, key, write, size, crc):
+        info = real(self, key, write, size, crc)
+        if key.endswith(".safetensors"):
+            fetching.set()
+            go.wait(60)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return info
+
+    RestoreStage.put_written = put
+    resume(settings, run)
+
+
+def test_a_rank_killed_mid_fetch_holds_up_none_of_its_siblings(settings_factory, db_url, s3_bucket, s3_endpoint):
+    """The rank whose turn it is to fetch is killed with a file of the checkpoint fetched and the
+    others of its node resuming too: they go on at once (no lease to wait out: the kernel ended
+    the dead rank's turn), and each gets the whole checkpoint."""
+    settings = scenario_settings(settings_factory, db_url, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+                                 tier1_url=f"s3://{s3_bucket}/tier1", claim_lease_seconds=600.0)
+    node1, saved, _ = saved_on_two_nodes(settings, RUN)
+    ctx = multiprocessing.get_context("spawn")
+    fetching, go = ctx.Event(), ctx.Event()
+    dying = ctx.Process(target=dies_mid_fetch, args=(node1, RUN, fetching, go))
+    dying.start()
+    assert fetching.wait(120)
+    barrier, results = ctx.Barrier(RANKS - 1), ctx.Queue()
+    procs = [ctx.Process(target=rank, args=(node1, RUN, None, None, barrier, results)) for _ in range(RANKS - 1)]
+    for p in procs:
+        p.start()
+    go.set()
+    dying.join(60)
+    got = [results.get(timeout=200) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+
+    assert dying.exitcode == -9
+    assert [g[1] for g in got if g[0] != "ok"] == []
+    assert [g[2] for g in got] == [saved] * (RANKS - 1)
