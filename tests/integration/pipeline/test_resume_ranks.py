@@ -84,7 +84,7 @@ def saved_on_two_nodes(settings, run: str) -> tuple[object, dict[str, str], dict
     saved, files = {}, {}
     for part, s in ((0, settings), (1, node1)):
         write_checkpoint(s.tier0_url, run, 100, part=part, parts=2, node=s.node, kind="milestone",
-                         shard_bytes=64 << 10)
+                         shard_bytes=1 << 20)  # a fetch long enough for every rank to meet it
         with open_catalog(s) as cat:
             cat.ensure_run(run, actor="test")
         promote(s, run, 100, part, 2)
