@@ -12,6 +12,13 @@ Contract of ``resume``:
   hidden folder beside the checkpoint's and renamed into place (``stages.staged``): killed
   midway, it leaves none of the part's files under their names; the next claim of the part
   removes what it left. (Into an object store: files, then the manifest as the commit marker.)
+- The ranks of one node resuming at once (8 GPUs a node) take turns to fetch (``node_turn``: a
+  ``flock`` under ``<data_dir>/resume/``): the first fetches, each of the others then finds its
+  copy in place and fetches nothing; reading in place takes no turn and writes nothing. The
+  kernel ends the turn of a rank that dies, so a rank killed mid-fetch holds up no other.
+- A source on a tier whose root is not proven (``TierUnavailable``: a mount that is gone) is
+  passed over unjudged and the next one tried; Tier 0 unproven, the fetch goes beside it. With
+  no other source: ``StorageUnavailable``, never a fall-back to an older checkpoint.
 - "Good" means the copy is verified in the catalog, its manifest still lists exactly the files
   the catalog registered, and every file has the registered size (``verify="full"``: and the
   registered CRC32C, read back now). A copy that fails is marked ``corrupt``/``missing`` and the
@@ -42,20 +49,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from core.errors import BadInput, ConflictError, NotFound, UnknownRun
+from core.errors import BadInput, ConflictError, NotFound, TierUnavailable, UnknownRun
 from core.layout import checkpoint_dirname
 from core.paths import safe_run_name
 from core.settings import Settings
 from core.tiers import ALL_TIERS, Tier
 from db.catalog import Catalog
-from db.entities import CheckpointInfo
+from db.entities import CheckpointInfo, FileInfo
 from tasks.base import log, open_catalog
 from tasks.replicas import TierStores
 from tasks.restore import candidates
 from tasks.resume.check import check_file
-from tasks.resume.folder import fetch_to_folder, resume_root, tidy_resume_folders
+from tasks.resume.folder import fetch_to_folder, folder_filled, node_turn, resume_root, tidy_resume_folders
 from tasks.resume.hydrate import hydrate
-from tasks.resume.in_place import read_in_place
+from tasks.resume.in_place import BringInTurn, read_in_place
 from tasks.resume.plan import (
     FETCHED,
     IN_PLACE,
@@ -141,14 +148,36 @@ def _record(cat: Catalog, run: str, attempt: str | None, step: int | None, actor
 def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int],
                        target: Path | None, verify: Verify, actor: str, notes: list[str]) -> ResumePoint:
     """Resume ``ck``: in place where every wanted part is good on one tier, else fetched."""
-    settings = stores.settings
     files = wanted_files(cat, ck, wanted)
     wide = wide_files(files, wanted)
+    if target is None:  # read where it lies, as every rank of the node may at once: nothing written
+        try:
+            for tier in (Tier.NODE, Tier.SHARED):
+                found = read_in_place(cat, stores, ck, tier, wanted, wide, files, verify, actor, notes, bring=False)
+                if found is not None:
+                    return found
+        except BringInTurn:  # this node's Tier 0 copy, once a wide file is brought in beside it
+            pass
+    with node_turn(stores.settings, ck.run, target) as waited:  # the node's ranks fetch one after the other
+        return _fetched(cat, stores, ck, wanted, files, wide, target, verify, actor, notes, waited=waited)
+
+
+def _fetched(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted: list[int], files: list[FileInfo],
+             wide: list[FileInfo], target: Path | None, verify: Verify, actor: str, notes: list[str], *,
+             waited: bool) -> ResumePoint:
+    """``ck`` fetched where this node reads it, in this node's turn. What a sibling rank fetched
+    in the turn this one ``waited`` for is found in place (Tier 0, the resume folder, ``to``)
+    before anything is rehydrated."""
+    settings = stores.settings
     if target is None:
-        for tier in (Tier.NODE, Tier.SHARED):
-            found = read_in_place(cat, stores, ck, tier, wanted, wide, files, verify, actor, notes)
-            if found is not None:
-                return found
+        found = read_in_place(cat, stores, ck, Tier.NODE, wanted, wide, files, verify, actor, notes)
+        if found is not None:
+            return found
+    dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
+    if waited and (target is not None or not tier0_is_ours(cat, ck, wanted, settings.node)):
+        found = folder_filled(cat, ck, wanted, files, wide, dest, verify)
+        if found is not None:  # a sibling rank fetched it there in its turn: nothing to rehydrate
+            return found
     started = time.monotonic()
     moved = {p: hydrate(cat, stores, ck, p, actor, notes) for p in wanted}
     if target is None and tier_in_place(stores, Tier.SHARED, ck):
@@ -160,7 +189,11 @@ def _resume_checkpoint(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wan
             return fetch_to_tier0(cat, stores, ck, wanted, files, wide, moved, verify, actor, notes)
         except HeldElsewhere as exc:  # lost the race for the Tier 0 row: fetched beside it instead
             log.info("resume %s/step-%d: %s; fetching beside this node's Tier 0", ck.run, ck.step, exc)
-    dest = target or resume_root(settings, ck.run) / checkpoint_dirname(ck.step)
+        except TierUnavailable as exc:
+            if exc.tier != Tier.NODE:
+                raise
+            log.warning("resume %s/step-%d: %s; fetching beside it", ck.run, ck.step, exc)
+            notes.append(f"step {ck.step}: tier 0 unreachable ({exc.reason}); fetched beside it")
     return fetch_to_folder(cat, stores, ck, wanted, files, wide, dest, moved, verify, actor, notes,
                            scratch=target is None)
 

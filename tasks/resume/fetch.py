@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from core.errors import CopyInProgress, CorruptCheckpoint, NotFound
+from core.errors import CopyInProgress, CorruptCheckpoint, NotFound, StorageUnavailable, TierUnavailable
 from core.layout import checkpoint_prefix
 from core.settings import Settings
 from core.storage.base import TierStore
@@ -95,12 +95,17 @@ def bring_file(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo
     if stores.configured(1):  # the node resuming that part may be rehydrating it: read Tier 1 after it
         await_copy(cat, stores.settings, ck, f.part, 1)
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
+    unproven: list[str] = []
     for src in sources(cat, stores, ck, f.part):
-        store = stores.get(src.tier)
         try:
-            with store.open_read(f"{prefix}/{f.path}") as reader:
+            with stores.get(src.tier).open_read(f"{prefix}/{f.path}") as reader:
                 dst.put_verified(key, reader, f.size, f.checksum)
             return f.size
+        except TierUnavailable as exc:  # the source's tier is not proven: no verdict on its copy, the next one
+            unproven.append(str(exc))
+            notes.append(f"step {ck.step}: {f.path} not read from tier {exc.tier} ({exc.reason})")
         except (CorruptCheckpoint, NotFound) as exc:
             mark(cat, src.replica, exc, actor, notes)
+    if unproven:  # a copy that may come back: never a reason to fall back to an older checkpoint
+        raise StorageUnavailable(f"no copy of {f.path} (part {f.part}) readable now: {'; '.join(unproven)}")
     raise NoGoodCopy(f"no good copy of {f.path} (part {f.part})")

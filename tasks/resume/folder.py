@@ -4,10 +4,15 @@ part's Tier 0 copy): assembled in a hidden sibling and renamed into place whole,
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from core.errors import StorageUnavailable
@@ -35,14 +40,11 @@ def fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     manifests are this checkpoint's as registered, its files have their sizes). Anything else in
     ``dest`` is refused, unless it is this node's ``scratch`` resume folder holding no part of this
     checkpoint (a sibling worker's other part is never removed under it): that is redone."""
-
-
     if dest.is_dir() and any(dest.iterdir()):
+        found = folder_filled(cat, ck, wanted, files, wide, dest, verify)
+        if found is not None:  # an earlier resume of this checkpoint into this folder left it complete
+            return found
         held = parts_held(cat, ck, dest)
-        found = (set(wanted) <= held
-                 and folder_holds(dest, [f for f in files if f.part in wanted] + wide, verify))
-        if found:  # an earlier resume of this checkpoint into this folder left it complete
-            return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
         if scratch and not held and not dest.is_symlink():  # this node's own folder, of no part of ck: redone
             shutil.rmtree(dest)
         else:
@@ -80,6 +82,18 @@ def fetch_to_folder(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted
     return ResumePoint(ck.run, ck.step, str(dest), done)
 
 
+def folder_filled(cat: Catalog, ck: CheckpointInfo, wanted: list[int], files: list[FileInfo],
+                  wide: list[FileInfo], dest: Path, verify: Verify) -> ResumePoint | None:
+    """``dest`` as a resume point when an earlier resume (a sibling rank's, say) filled it with
+    the wanted parts of ``ck``: their manifests as registered, every file of its size (and
+    CRC32C with ``full``); else None."""
+    if dest.is_symlink() or not dest.is_dir() or not set(wanted) <= parts_held(cat, ck, dest):
+        return None
+    if not folder_holds(dest, [f for f in files if f.part in wanted] + wide, verify):
+        return None
+    return ResumePoint(ck.run, ck.step, str(dest), [PartResume(p, 0, IN_PLACE, 0, 0.0) for p in wanted])
+
+
 def _quiet(_done: int, _label: str) -> None:
     return None
 
@@ -87,6 +101,33 @@ def _quiet(_done: int, _label: str) -> None:
 def resume_root(settings: Settings, run: str) -> Path:
     """This node's scratch folder for ``run``'s checkpoints fetched beside Tier 0."""
     return settings.data_dir.expanduser().absolute() / "resume" / safe_run_name(run)
+
+
+@contextmanager
+def node_turn(settings: Settings, run: str, target: Path | None = None) -> Iterator[bool]:
+    """This node's turn to fetch ``run`` (into ``target``, or its Tier 0 and resume folder):
+    the ranks of one node resuming at once take turns, so the first fetches the checkpoint and
+    each of the others then finds it in place (never a second fetch into the same folder, nor a
+    half-fetched one). An exclusive ``flock`` on a file under ``<data_dir>/resume/`` keyed by the
+    node, the run and ``target``: the kernel lets go of it when its holder exits, killed or not,
+    so a rank killed mid-fetch holds up no other (the fetch it left is a stage, or a claim that
+    lapses as any claimed copy's does). Not a catalog claim: the turn guards this node's own
+    folders, which the catalog does not record. Yields whether it waited for another's turn."""
+    base = settings.data_dir.expanduser().absolute() / "resume"
+    base.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256("\0".join((settings.node, safe_run_name(run), str(target or ""))).encode()).hexdigest()
+    fd = os.open(base / f".turn-{key[:16]}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            log.info("resume %s: another rank of this node is fetching it; waiting for its turn to end", run)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+        yield waited
+    finally:
+        os.close(fd)  # lets go of the lock
 
 
 def tidy_resume_folders(settings: Settings, run: str, *, step: int) -> int:

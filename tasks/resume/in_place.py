@@ -5,22 +5,29 @@ from __future__ import annotations
 
 import time
 
-from core.errors import CorruptCheckpoint, NotFound
+from core.errors import CorruptCheckpoint, NotFound, TierUnavailable
 from core.layout import checkpoint_prefix
 from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CheckpointInfo, FileInfo
+from tasks.base import log
 from tasks.replicas import TierStores
 from tasks.resume.check import check_file, mark, part_good
 from tasks.resume.fetch import await_copy, bring_file
 from tasks.resume.plan import IN_PLACE, PartResume, ResumePoint, Verify, sources
 
 
+class BringInTurn(Exception):
+    """This node's Tier 0 copy is good but lacks a checkpoint-wide file another part holds: it is
+    brought in beside it in the node's turn (``folder.node_turn``), then read in place."""
+
+
 def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: int, wanted: list[int],
                   wide: list[FileInfo], files: list[FileInfo], verify: Verify, actor: str,
-                  notes: list[str]) -> ResumePoint | None:
+                  notes: list[str], *, bring: bool = True) -> ResumePoint | None:
     """``ck`` read where it lies on ``tier`` when every wanted part is good there (a part that
-    is not is marked); checkpoint-wide files another part holds are fetched in beside it on Tier 0,
+    is not is marked); checkpoint-wide files another part holds are fetched in beside it on Tier 0
+    (``bring``; else, outside the node's turn, one not there yet raises ``BringInTurn``),
     checked in place on Tier 1."""
     started = time.monotonic()
     chosen = []
@@ -29,14 +36,23 @@ def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: in
         if src is None:
             return None
         chosen.append(src)
-    store = stores.get(tier)
+    try:
+        store = stores.get(tier)
+    except TierUnavailable as exc:  # not proven the tier the catalog knows: no verdict, the next source
+        unproven(ck, exc, notes)
+        return None
     for src in chosen:
         if not part_good(cat, store, ck, src, files, verify, actor, notes):
             return None
     moved = 0
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     for f in wide:
-        if Tier(tier).node_local:
+        if Tier(tier).node_local and not bring:
+            try:
+                store.verify_object(f"{prefix}/{f.path}", f.size, f.checksum)
+            except (NotFound, CorruptCheckpoint):
+                raise BringInTurn(f"{f.path} (part {f.part}) is not beside this node's Tier 0 copy yet") from None
+        elif Tier(tier).node_local:
             moved += bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
         elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
             return None
@@ -58,7 +74,17 @@ def _wide_good(cat: Catalog, stores: TierStores, ck: CheckpointInfo, f: FileInfo
         return False
     try:
         check_file(stores.get(1), f"{checkpoint_prefix(ck.run, ck.step, ck.attempt)}/{f.path}", f, verify)
+    except TierUnavailable as exc:
+        unproven(ck, exc, notes)
+        return False
     except (CorruptCheckpoint, NotFound) as exc:
         mark(cat, src.replica, exc, actor, notes)
         return False
     return True
+
+
+def unproven(ck: CheckpointInfo, exc: TierUnavailable, notes: list[str]) -> None:
+    """A source on a tier whose root is not proven (``TierUnavailable``): passed over, judged
+    not at all (a mount that is gone says nothing about the copies on it)."""
+    log.warning("resume %s/step-%d: %s; trying the next source", ck.run, ck.step, exc)
+    notes.append(f"step {ck.step}: tier {exc.tier} unreachable ({exc.reason}); trying the next source")

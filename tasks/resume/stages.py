@@ -15,7 +15,7 @@ from pathlib import Path
 
 from core.checksum import hash_file
 from core.errors import BadInput, ConflictError, NotFound, PathEscape, UnknownRun
-from core.layout import STAGING_MARK, checkpoint_dirname, checkpoint_prefix, is_staging, staging_name
+from core.layout import ATTEMPT_PATTERN, STAGING_MARK, checkpoint_dirname, checkpoint_prefix, is_staging, staging_name
 from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.storage.base import TierStore
@@ -30,22 +30,24 @@ from tasks.copy import Landing
 STAGE_AGE_S = 3600.0  # a resume's stage folder older than this was left by a killed resume
 
 
-def stage_label(step: int, part: int, parts: int) -> str:
-    """What a part's fetch stage is named for, after the ``staging_name`` mark:
-    ``step-00000100.part-00000-of-00001``. The stage lies in the run's folder, beside the step's."""
-    return f"{checkpoint_dirname(step)}.part-{part:05d}-of-{parts:05d}"
+def stage_label(step: int, part: int, parts: int, attempt: str = "") -> str:
+    """What a part's fetch stage is named for, after the ``staging_name`` mark: the checkpoint's
+    folder name (the attempt's too: ``step-00000100@B``) and the part,
+    ``step-00000100@B.part-00000-of-00001``. The stage lies in the run's folder, beside the step's."""
+    return f"{checkpoint_dirname(step, attempt)}.part-{part:05d}-of-{parts:05d}"
 
 
 @contextmanager
 def staged(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, held: ClaimedCopy) -> Iterator[Landing]:
     """The landing of a fetch into the folder tier ``dst`` (``tasks.copy.copy_between_tiers``'s
     ``stage``), entered under the part's claim: the stages a dead fetch of this part left are
-    removed (the claim proves their writer is gone: a live one would hold it), the files land in
+    removed (the claim proves their writer is gone: a live one would hold it; a stage of another
+    attempt's checkpoint at the same step is that one's), the files land in
     a fresh stage ``<run>/.ckpt-staging-<pid>-<id>-<stage_label>`` and the complete stage is
     renamed onto the step's folder (``publish_stage``). A failure removes the stage; a kill
     leaves it to the next claim."""
     _sweep_stages(cat, dst, ck, part, held.actor)
-    key = f"{ck.run}/{staging_name(stage_label(ck.step, part, ck.parts))}"
+    key = f"{ck.run}/{staging_name(stage_label(ck.step, part, ck.parts, ck.attempt))}"
     landing = _Stage(key, dst.write_path(key), dst.write_path(checkpoint_prefix(ck.run, ck.step, ck.attempt)))
     try:
         yield landing
@@ -67,21 +69,24 @@ def _sweep_stages(cat: Catalog, dst: TierStore, ck: CheckpointInfo, part: int, a
     """Remove the stages of ``part`` of ``ck`` in the run's folder on ``dst``: called under the
     part's claim, so each was left by a fetch that died (or lost the claim). Audited; a link is
     removed itself, never followed. Stages of other parts and steps are never touched."""
-    label = stage_label(ck.step, part, ck.parts)
-    dead = [e for e, found in _stages(dst, ck.run) if found == (ck.step, part, ck.parts)]
+    label = stage_label(ck.step, part, ck.parts, ck.attempt)
+    dead = [e for e, found in _stages(dst, ck.run) if found == (ck.step, part, ck.parts, ck.attempt)]
     return _remove_stages(cat, dst, ck.run, ck.step, part, dead, actor,
                           f"{len(dead)} stage folder(s) of part {part}: left by a resume's fetch that died ({label})")
 
 
-_STAGE = re.compile(r"^step-(?P<step>\d{8,})\.part-(?P<part>\d{5})-of-(?P<parts>\d{5})$", re.ASCII)
+_STAGE = re.compile(f"^step-(?P<step>\\d{{8,}})(?:@(?P<attempt>{ATTEMPT_PATTERN}))?"
+                    r"\.part-(?P<part>\d{5})-of-(?P<parts>\d{5})$", re.ASCII)
 
 
-def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]:
+def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int, str]]]:
     """The fetch stages in ``run``'s folder on the folder tier ``dst``, with the (step, part,
-    parts) each is for; an entry of another shape is not a stage and is left alone, and a folder
-    whose name is not a run's (``lost+found``) holds none."""
+    parts, attempt) each is for; an entry of another shape is not a stage and is left alone, and
+    a folder whose name is not a run's (``lost+found``) holds none, nor does one that is a link
+    (``write_path`` gives the run's folder as it is, never resolved: what lies behind a link is
+    another folder's, another run's say)."""
     try:
-        folder = dst.in_place(safe_run_name(run))
+        folder = dst.write_path(safe_run_name(run)) if dst.in_place() is not None else None
     except (BadInput, PathEscape):
         return []
     if folder is None or folder.is_symlink():
@@ -94,7 +99,7 @@ def _stages(dst: TierStore, run: str) -> list[tuple[Path, tuple[int, int, int]]]
     for e in entries:
         m = _STAGE.match(e.name[len(STAGING_MARK):].split("-", 2)[-1]) if is_staging(e.name) else None
         if m is not None:
-            found.append((e, (int(m["step"]), int(m["part"]), int(m["parts"]))))
+            found.append((e, (int(m["step"]), int(m["part"]), int(m["parts"]), m["attempt"] or "")))
     return found
 
 
@@ -128,12 +133,12 @@ def sweep_dead_stages(cat: Catalog, dst: TierStore, runs: Iterable[str], *, node
     removed = 0
     for run in runs:
         stages = _stages(dst, run)
-        by_part: dict[tuple[int, int, int], list[Path]] = {}
+        by_part: dict[tuple[int, int, int, str], list[Path]] = {}
         for entry, found in stages:
             by_part.setdefault(found, []).append(entry)
-        for (step, part, _parts), entries in sorted(by_part.items()):
+        for (step, part, _parts, attempt), entries in sorted(by_part.items()):
             try:
-                ck = cat.get_checkpoint(run, step)
+                ck = cat.get_checkpoint(run, step, attempt)
             except (NotFound, UnknownRun):
                 cutoff = time.time() - STAGE_AGE_S
                 entries = [e for e in entries if _mtime(e) < cutoff]

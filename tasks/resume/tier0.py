@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from core.errors import CorruptCheckpoint, NotFound
+from core.errors import CorruptCheckpoint, NotFound, StorageUnavailable, TierUnavailable
 from core.layout import checkpoint_prefix
 from core.tiers import Tier
 from db.catalog import Catalog
@@ -27,18 +27,29 @@ def fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted:
                    wide: list[FileInfo], moved: dict[int, int], verify: Verify, actor: str,
                    notes: list[str]) -> ResumePoint:
     """Each wanted part copied into this node's Tier 0 from its nearest fetchable source, as a
-    claimed copy recorded ``verified``; a source that fails is marked and the next one tried."""
+    claimed copy recorded ``verified``; a source that fails is marked and the next one tried, one
+    on a tier not proven (``TierUnavailable``) is passed over unjudged. Tier 0 itself unproven:
+    ``TierUnavailable`` (the caller fetches beside it)."""
     done = []
+    store = stores.get(0)  # proven first: nothing is judged or written on a stand-in
     for p in wanted:
         t0 = time.monotonic()
         srcs = sources(cat, stores, ck, p)
         own = next((s for s in srcs if Tier(s.tier).node_local), None)
-        if own is not None and part_good(cat, stores.get(0), ck, own, files, verify, actor, notes):
+        if own is not None and part_good(cat, store, ck, own, files, verify, actor, notes):
             done.append(PartResume(p, 0, IN_PLACE, 0, time.monotonic() - t0))  # this part is here already
             continue
+        unproven = []
         for src in [s for s in srcs if not Tier(s.tier).node_local]:
             try:
                 hop = copy_when_free(cat, stores.settings, ck, p, src_tier=src.tier, dst_tier=0, actor=actor)
+            except TierUnavailable as exc:
+                if exc.tier == 0:
+                    raise
+                unproven.append(str(exc))
+                notes.append(f"step {ck.step} part {p}: tier {exc.tier} unreachable ({exc.reason}); "
+                             "trying the next copy")
+                continue
             except (CorruptCheckpoint, NotFound) as exc:
                 mark(cat, src.replica, exc, actor, notes)
                 continue
@@ -49,8 +60,10 @@ def fetch_to_tier0(cat: Catalog, stores: TierStores, ck: CheckpointInfo, wanted:
                                    time.monotonic() - t0))
             break
         else:
+            if unproven:  # a copy that may come back: never a reason to fall back
+                raise StorageUnavailable(f"{ck.run} step {ck.step} part {p}: no copy readable now "
+                                         f"({'; '.join(unproven)})")
             raise NoGoodCopy(f"every copy of part {p} failed")
-    store = stores.get(0)
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
     extra = sum(bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes) for f in wide)
     if extra:

@@ -96,3 +96,31 @@ def test_the_stage_sweep_leaves_what_is_not_a_stage_of_a_run(tmp_path):
             "1 stage folder(s) of part 0: of a checkpoint the catalog does not know, older than 3600 s"]
     assert sorted(p.name for p in run.iterdir()) == sorted([".hidden-file", "step-00000100", young.name])
     assert (root / "lost+found").is_dir()
+
+
+def test_the_stage_sweep_never_goes_through_a_run_folder_that_is_a_link(tmp_path):
+    """A run's folder on the tier that is a symlink (here to another run's folder under the same
+    root) holds no stage of that run: the sweep lists nothing behind the link and removes
+    nothing there, however old and unclaimed what lies there is."""
+    import os
+    import time
+
+    from core.layout import STAGING_MARK
+    from core.storage.local import LocalStore
+    from db.catalog import Catalog, upgrade
+    from tasks.resume import STAGE_AGE_S, sweep_dead_stages
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    upgrade(url)
+    root = tmp_path / "tier0"
+    other = root / "other-run"
+    stage = other / f"{STAGING_MARK}2-abcdef02-step-00000300.part-00000-of-00001"
+    (stage / "shard").mkdir(parents=True)
+    past = time.time() - STAGE_AGE_S - 60
+    os.utime(stage, (past, past))
+    (root / "llm").symlink_to(other, target_is_directory=True)
+    store = LocalStore(str(root), 0)
+    with Catalog(url) as cat:
+        assert sweep_dead_stages(cat, store, ["llm"], node="node-0", actor="test") == 0
+        assert [e for e in cat.audit_log() if e.action == "delete"] == []
+    assert (stage / "shard").is_dir() and (root / "llm").is_symlink()

@@ -489,3 +489,44 @@ def test_a_node_reads_the_catalog_rows_of_its_own_part_not_every_parts(settings,
     assert in_place.path == str(tier1_dir(settings, RUN, 100))
     assert Path(fetched.path, "model.safetensors.index.json").is_file()
     assert seen == {"replica": {0, 3, 4}, "file": {0, 3, 4}}, seen
+
+
+def test_a_fetch_stage_belongs_to_its_attempts_checkpoint(settings):
+    """Attempt A and its relaunch B both saved step 100. A fetch of A's part onto Tier 1 is in
+    flight (its claim live, its stage beside the folder) when B's part is claimed for a fetch
+    there and when reconcile sweeps the dead stages: neither takes A's stage for B's, so A's stays."""
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+    from flows.common import plain_steps
+    from flows.promote import promote as promote_part
+    from tasks.base import open_tier
+    from tasks.claim import ClaimedCopy
+    from tasks.resume import sweep_dead_stages
+    from tasks.resume.stages import staged
+    from tests.kit.checkpoints import open_catalog
+
+    for attempt in ("A", "B"):
+        with open_catalog(settings) as cat:
+            cat.record_resume(RUN, attempt, None, actor="test")  # B's launch supersedes A's step 100
+        with CheckpointStager(RUN, settings=settings, announce=False, attempt=attempt) as st:
+            st.save(100, {"w": np.arange(64, dtype=np.float32) + ord(attempt)})
+        promote_part(settings, RUN, 100, 0, 1, steps=plain_steps(), actor="test", attempt=attempt)
+
+    def claim(cat, ck):
+        row = cat.replicas(ck.id, 1)[0]
+        if row.state == "verified":
+            cat.transition(row.id, "missing", expected="verified", actor="test", reason="test: lost")
+        held, _ = ClaimedCopy.take(cat, ck.id, 1, 0, row.url, node=None, actor=f"fetch-{ck.attempt}")
+        assert held is not None
+        return held
+
+    with open_catalog(settings) as cat, open_tier(settings, 1) as tier1:
+        ck_a, ck_b = cat.get_checkpoint(RUN, 100, "A"), cat.get_checkpoint(RUN, 100, "B")
+        with claim(cat, ck_a) as held_a, staged(cat, tier1, ck_a, 0, held_a) as landing:
+            landing.stage.mkdir(parents=True)
+            (landing.stage / "w.bin").write_bytes(b"A's bytes, in flight")
+            with claim(cat, ck_b) as held_b, staged(cat, tier1, ck_b, 0, held_b):
+                assert (landing.stage / "w.bin").is_file()  # B's fetch left A's stage alone
+            assert sweep_dead_stages(cat, tier1, [RUN], node=settings.node, actor="test") == 0
+            assert (landing.stage / "w.bin").is_file()

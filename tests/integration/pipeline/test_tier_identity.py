@@ -225,3 +225,38 @@ def test_a_resume_whose_newest_copy_is_on_an_unmounted_tier_waits_and_supersedes
     mount(settings.tier1_url, aside)
     point = resume(node1, RUN, to=tmp_path / "resume", attempt="relaunch-1")
     assert point is not None and point.step == 200
+
+
+def test_a_resume_past_an_unmounted_tier0_reads_tier1_in_place_and_judges_nothing(settings):
+    """As the restore above: a resume on a node whose Tier 0 mount is gone stopped at that tier
+    (``TierUnavailable``) although Tier 1, mounted here, held the bytes; it reads them there in
+    place and marks nothing, and nothing is read or written on the stand-in."""
+    files = save(settings, 100)
+    aside = unmount(settings.tier0_url)
+
+    point = resume(settings, RUN)
+
+    assert (point.step, point.path) == (100, str(tier1_dir(settings, RUN, 100)))
+    assert [(p.tier, p.source) for p in point.parts] == [(1, "in place")]
+    assert (Path(point.path) / "model.bin").read_bytes() == files["model.bin"]
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert list(Path(settings.tier0_url).iterdir()) == []
+    mount(settings.tier0_url, aside)
+
+
+def test_a_resume_past_an_unmounted_tier0_fetches_beside_it_and_judges_nothing(settings_factory, db_url):
+    """Tier 1 is not mounted here (fetched, not read in place) and Tier 0's mount is gone: the
+    resume neither reads nor writes the stand-in; it fetches the checkpoint from Tier 1 into this
+    node's resume folder (as when another node holds the part's Tier 0 copy) and marks nothing."""
+    settings = scenario_settings(settings_factory, db_url, tier1_url=f"memory://t1-unmounted-{os.getpid()}-{id(db_url)}")
+    files = save(settings, 100)
+    aside = unmount(settings.tier0_url)
+
+    point = resume(settings, RUN)
+
+    assert point.path == str(Path(settings.data_dir).absolute() / "resume" / RUN / "step-00000100")
+    assert [(p.tier, p.source) for p in point.parts] == [(1, "fetched")]
+    assert (Path(point.path) / "model.bin").read_bytes() == files["model.bin"]
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+    assert list(Path(settings.tier0_url).iterdir()) == []
+    mount(settings.tier0_url, aside)
