@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.checksum import to_hex, update
 from core.layout import staging_name
 from core.progress import moved
+
+if TYPE_CHECKING:
+    from core.manifest import Manifest
 
 CONTENT_DIR = ".ckpt-content"
 SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
@@ -106,8 +110,43 @@ class ContentStore:
             staged.unlink(missing_ok=True)
         return name.parent
 
+    def linked_by(self, folder: Path, manifests: Iterable[Manifest]) -> list[tuple[Path, int]]:
+        """The content names the files of ``manifests`` under ``folder`` link (same inode): (name,
+        inode) of each, for ``drop`` once those files went. A file the manifests do not list, or
+        one that links no content, is not here; the periodic ``sweep`` finds those names."""
+        out: list[tuple[Path, int]] = []
+        for manifest in manifests:
+            if manifest.algorithm != "crc32c":  # content names are CRC32C's
+                continue
+            for f in manifest.files:
+                name = self.entry(f.size, f.checksum)
+                try:
+                    ours, stored = os.lstat(folder / f.path), os.lstat(name)
+                except (OSError, ValueError):  # not there (or no such name): nothing it links
+                    continue
+                if (ours.st_dev, ours.st_ino) == (stored.st_dev, stored.st_ino):
+                    out.append((name, stored.st_ino))
+        return out
+
+    def drop(self, names: Iterable[tuple[Path, int]]) -> int:
+        """Drop those of ``names`` (from ``linked_by``) that no checkpoint links any more (link
+        count 1) and still name the inode noted; how many went. A prune's own contents only,
+        however many the store holds."""
+        gone = 0
+        for name, inode in names:
+            try:
+                st = os.lstat(name)
+                if st.st_ino == inode and st.st_nlink <= 1:
+                    os.unlink(name)
+                    gone += 1
+            except FileNotFoundError:
+                continue
+        return gone
+
     def sweep(self) -> int:
-        """Drop the names no checkpoint links any more (link count 1); how many went."""
+        """Drop the names no checkpoint links any more (link count 1); how many went. It reads
+        every name the store holds, so it is the periodic pass's (``tasks.contents``), never a
+        prune's: a prune drops its own names (``linked_by``, ``drop``)."""
         gone = 0
         if not self.folder.is_dir():
             return 0

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
-from core.errors import BadInput, ConflictError, NotFound, PathEscape, StorageUnavailable
-from core.layout import STAGING_MARK, is_staging, is_tomb, staging_name, tomb_name, tomb_token
+from core.errors import BadInput, CkptError, ConflictError, NotFound, PathEscape, StorageUnavailable
+from core.layout import STAGING_MARK, is_manifest_name, is_staging, is_tomb, staging_name, tomb_name, tomb_token
+from core.manifest import Manifest
 from core.paths import confine_local, safe_relpath
 from core.progress import moved
 from core.storage import direct
@@ -481,11 +482,8 @@ class LocalStore(TierStore):
     def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
         """Delete the tombstone folder: the claim's alone, so no ``check`` is needed, and a
         worker that wakes after its claim went deletes only what it moved there itself. Stored
-        content no checkpoint links any more goes with it."""
-        gone = 0 if tomb.folder is None else self._remove_tree(self.write_path(tomb.folder))
-        if gone and self.content is not None:
-            self.content.sweep()
-        return gone
+        content no checkpoint links any more goes with it (``_remove_tomb``)."""
+        return 0 if tomb.folder is None else self._remove_tomb(self.write_path(tomb.folder))
 
     def sweep_tombs(self, prefix: str, live: Callable[[Collection[str]], Collection[str]]) -> int:
         base = self.write_path(prefix)
@@ -496,10 +494,33 @@ class LocalStore(TierStore):
         held = set(live(set(tombs.values()))) if tombs else set()
         gone = [name for name, token in tombs.items() if token not in held]
         for name in gone:
-            self._remove_tree(base / name)
-        if gone and self.content is not None:
-            self.content.sweep()
+            self._remove_tomb(base / name)
         return len(gone)
+
+    def _remove_tomb(self, tomb: Path) -> int:
+        """Remove a tombstone folder (``_remove_tree``) and the stored contents only its files
+        linked: those its manifests list whose inode they share, once no checkpoint links them
+        (``ContentStore.linked_by``, ``drop``). The cost is the tombstone's, not the content
+        store's; a name a file outside the manifests linked stays for the periodic sweep."""
+        linked = [] if self.content is None else self.content.linked_by(tomb, self._manifests_in(tomb))
+        gone = self._remove_tree(tomb)
+        if linked:
+            assert self.content is not None
+            self.content.drop(linked)
+        return gone
+
+    @staticmethod
+    def _manifests_in(folder: Path) -> tuple[Manifest, ...]:
+        """The part manifests at the top of ``folder`` (a tombstone) that parse; none if it is a link."""
+        if folder.is_symlink() or not folder.is_dir():
+            return ()
+        found: list[Manifest] = []
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if is_manifest_name(e.name) and e.is_file(follow_symlinks=False):
+                    with suppress(OSError, CkptError):
+                        found.append(Manifest.from_json(Path(e.path).read_bytes()))
+        return tuple(found)
 
     @staticmethod
     def _move(src: Path, dst: Path) -> bool:

@@ -179,3 +179,33 @@ def test_a_fine_tune_saved_without_naming_its_base_holds_the_base_once_from_the_
             loaded.update(load_file(str(f)))
         assert set(loaded) == set(tensors) and all(np.array_equal(loaded[k], v) for k, v in tensors.items())
         verify_tier1(settings, step)
+
+
+def test_a_prune_drops_the_contents_its_own_files_linked_and_the_periodic_sweep_the_rest(settings_factory, db_url):
+    import shutil
+
+    from tasks.contents import sweep_shared_contents
+
+    settings = scenario_settings(settings_factory, db_url, retention_tier0=RetentionPolicy(keep_last=1),
+                                 retention_tier1=RetentionPolicy(keep_last=2))
+    root = Path(settings.tier1_url)
+    other = {"weights.bin": os.urandom(96 << 10)}
+    commit_folder(settings, "run-other", 100, other)
+    assert promote(settings, "run-other", 100).durable
+    shutil.rmtree(root / checkpoint_prefix("run-other", 100))  # deleted by hand: its content name links nothing
+    orphan = {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()}
+    assert [p.stat().st_nlink for p in orphan] == [1]
+
+    adapters = {step: save(settings, step) for step in (100, 200, 300, 400)}  # 100 and 200 pruned on the way
+
+    stored = {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()}
+    # the prunes dropped the retired adapters' names, and read no other: the orphan is the periodic pass's
+    assert sorted(p.stat().st_size for p in stored - orphan) == sorted(
+        [len(BASE), len(adapters[300]), len(adapters[400])])
+    assert orphan <= stored
+    assert sweep_shared_contents(settings, actor="test") == 1
+    assert {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()} == stored - orphan
+    for step in (300, 400):
+        verify_tier1(settings, step)
+    with Catalog(settings.catalog_url) as cat:
+        assert any(a.subject == "contents@tier1" for a in cat.audit_log())
