@@ -276,3 +276,33 @@ def test_a_content_a_sweep_marked_is_never_pointed_to_whatever_hash_it_has(setti
 
     assert objects(settings)[f"ckpt/{checkpoint_prefix(RUN, 200)}/base.bin"] == len(BASE)  # uploaded whole
     assert restored(settings, 200, tmp_path) == {"base.bin": BASE, "adapter.bin": adapter}
+
+
+def test_deleting_checkpoints_of_pointers_lists_them_without_resolving_each_pointer(s3_endpoint, tmp_path):
+    """A listing returns no metadata, so ``list`` resolves each pointer with a HeadObject (its
+    content's size); a delete needs only the keys: no request per pointer."""
+    from tests.kit.s3_proxy import S3Proxy
+
+    bucket = f"plain-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    source = tmp_path / "base.bin"
+    source.write_bytes(BASE)
+    crc = checksum.hash_bytes(BASE)
+    proxy = S3Proxy(s3_endpoint)
+    store = S3Store(f"s3://{bucket}/vault", 2, endpoint_url=proxy.url, ranged_threshold=SMALL, range_bytes=SMALL,
+                    shared_content=True)
+    try:
+        for step in (1, 2):
+            for name in ("a", "b", "c"):
+                with open(source, "rb", buffering=0) as fh:
+                    store.put_verified(f"run/step-0000000{step}/{name}.bin", fh, len(BASE), crc)
+        proxy.seen.clear()
+
+        store.delete_tomb(store.bury("run/step-00000001", None, token="t1"), lambda: None)  # a prune
+        assert store.delete_prefix("run/step-00000002") == 3
+
+        assert [r.path for r in proxy.seen if r.method == "HEAD" and ".bin" in r.path] == []
+        assert store.list("run") == []
+    finally:
+        store.close()
+        proxy.close()
