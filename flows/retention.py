@@ -74,5 +74,5 @@ def enforce_retention(run: str | None = None, dry_run: bool = False, node: str |
                             actor=current_actor("retention"), explain=explain)
     if not dry_run and run is None:  # the scheduled, catalog-wide run also applies the audit retention
         expire_audit_task(settings, actor=current_actor("retention"))
-        sweep_shared_contents_task(settings, actor=current_actor("retention"))  # and frees Tier 2's contents
+        sweep_shared_contents_task(settings, actor=current_actor("retention"))  # and frees unlinked contents
     return [a.row() for a in actions]

@@ -1,4 +1,9 @@
-"""sweep_shared_contents: delete the Tier 2 contents that no replica references any more.
+"""sweep_shared_contents: delete the shared contents that nothing references any more.
+
+Tier 1 (a file system, ``core.storage.content``): a prune drops the content names its own files
+linked; a name a checkpoint file deleted any other way linked (an operator's ``rm -r``, a file
+no manifest in the tombstone lists) is dropped here, by a pass over the whole content store
+(every name, one stat each), once per scheduled retention run rather than once per prune.
 
 Deleting a checkpoint from Tier 2 deletes its pointers; the shared objects they named stay until
 this sweep finds that no replica the catalog holds on Tier 2 (pending, copying, verified, being
@@ -16,7 +21,23 @@ from tasks.retry import pipeline_task
 
 
 def sweep_shared_contents(settings: Settings, *, actor: str = "cli") -> int:
-    """Delete the unreferenced shared contents of Tier 2; how many went (0 without Tier 2)."""
+    """Delete the unreferenced shared contents of Tier 1 and Tier 2; how many went."""
+    return _sweep_tier1(settings, actor=actor) + _sweep_tier2(settings, actor=actor)
+
+
+def _sweep_tier1(settings: Settings, *, actor: str) -> int:
+    """The Tier 1 content names no checkpoint file links any more (link count 1), audited when any went."""
+    with open_tier(settings, 1) as store:
+        content = getattr(store, "content", None)
+        gone = 0 if content is None else int(content.sweep())
+    if gone:
+        with open_catalog(settings.catalog_url) as cat:
+            cat.record_deletion("contents@tier1", f"{gone} shared content(s) no checkpoint file links any more",
+                                actor=actor)
+    return gone
+
+
+def _sweep_tier2(settings: Settings, *, actor: str) -> int:
     if not settings.tier2_url:
         return 0
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 2) as store:

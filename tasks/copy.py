@@ -307,7 +307,7 @@ def _retract(cat: Catalog, store: TierStore, run: str, step: int, part: int, key
             if doomed:
                 fenced_delete(store, prefix, [k[len(prefix) + 1:] for k in doomed], token=held.token,
                               check=held.check)
-            if ck.parts == 1 and not store.list(prefix):  # under the claim: no other copy of it runs
+            if ck.parts == 1 and not store.keys(prefix):  # under the claim: no other copy of it runs
                 store.delete_prefix(prefix)
     except Exception as exc:  # noqa: BLE001 - the source's verdict is what the caller must hear
         log.warning("%s/%s part %s: could not retract %d uncommitted file(s) from tier %s: %s",

@@ -111,6 +111,11 @@ class TierStore(ABC):
         """Every object under ``prefix`` (recursive), keys relative to the root, sorted;
         staging objects are never listed."""
 
+    def keys(self, prefix: str) -> tuple[str, ...]:
+        """The keys ``list`` gives, sorted, for a caller that needs no sizes (a backend may answer
+        this for less: S3's pointers are listed without resolving each one)."""
+        return tuple(o.key for o in self.list(prefix))
+
     def folders(self) -> tuple[str, ...]:
         """The names of the folders at the root (on this project's tiers: one per run), sorted,
         without listing what is inside them (backends override this with a shallow listing)."""
@@ -187,7 +192,7 @@ class TierStore(ABC):
         ``prefix``, in the order given: the manifest first) or, with None, everything under
         ``prefix`` (its manifests first). A missing object is skipped. This default (a store that
         cannot rename) only lists them, to be deleted in place by ``delete_tomb``."""
-        present = [o.key for o in self.list(prefix)]
+        present = self.keys(prefix)
         if paths is None:
             keys = sorted(present, key=lambda k: not is_manifest_name(k.rsplit("/", 1)[-1]))
         else:

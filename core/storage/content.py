@@ -13,7 +13,8 @@ A candidate is used only after a byte comparison with the source (``link_same``)
 and size are a hint, the bytes decide, so a collision never substitutes bytes. The comparison
 reads the stored bytes, so it is also the read-back of the bytes the new name resolves to. A
 name whose bytes differ (a collision, or bytes that rotted) is replaced by the next verified
-copy (``remember``); checkpoints still linked to the old inode keep it, for the scrub to find.
+copy (``remember``, which compares the bytes itself, so a good content is never replaced);
+checkpoints still linked to the old inode keep it, for the scrub to find.
 Stored inodes are never written in place: every write goes to a staging name and is published
 by a link, so a content's bytes change only by a fault.
 """
@@ -22,14 +23,19 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.checksum import to_hex, update
 from core.layout import staging_name
 from core.progress import moved
 
+if TYPE_CHECKING:
+    from core.manifest import Manifest
+
 CONTENT_DIR = ".ckpt-content"
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)
 SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
 
 
@@ -86,28 +92,87 @@ class ContentStore:
         return to_hex(crc) == checksum and not os.pread(src_fd, 1, size)
 
     def remember(self, published: Path, size: int, checksum: str) -> Path | None:
-        """Make ``published`` (a verified file of this size and CRC32C) the stored content, in
-        place of a name whose bytes differed; the folder whose entries changed, or None when
-        the content was already there or this file system has no hard links."""
+        """Make ``published`` (a verified file of this size and CRC32C) the stored content: a
+        new name, or in place of a name whose bytes differ from it (a collision, or rot),
+        compared here byte for byte; a name whose bytes are equal stays what it is. The folder
+        whose entries changed, or None when nothing changed or this file system has no hard
+        links."""
         name = self.entry(size, checksum)
         name.parent.mkdir(parents=True, exist_ok=True)
-        staged = name.parent / staging_name(name.name)
         try:
-            os.link(published, staged)
+            os.link(published, name)
+            return name.parent
+        except FileExistsError:
+            pass
         except OSError as exc:
-            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK):
+            if exc.errno in _NO_LINKS:
                 return None
             raise
+        if self._equal(published, name, size, checksum):
+            return None
+        staged = name.parent / staging_name(name.name)
+        os.link(published, staged)
         try:
-            if name.exists() and os.path.samefile(name, published):
-                return None
-            os.rename(staged, name)  # replaces a content whose bytes differed (compared by the caller)
+            os.rename(staged, name)  # replaces a content whose bytes differ (compared above)
         finally:
             staged.unlink(missing_ok=True)
         return name.parent
 
+    def _equal(self, published: Path, name: Path, size: int, checksum: str) -> bool:
+        """``name`` is ``published`` or holds the same bytes (False when it went meanwhile)."""
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            src = os.open(published, os.O_RDONLY)
+            try:
+                st, ours = os.fstat(fd), os.fstat(src)
+                if (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+                    return True
+                return st.st_size == size and self._same_bytes(src, fd, size, checksum, None)
+            finally:
+                os.close(src)
+        finally:
+            os.close(fd)
+
+    def linked_by(self, folder: Path, manifests: Iterable[Manifest]) -> list[tuple[Path, int]]:
+        """The content names the files of ``manifests`` under ``folder`` link (same inode): (name,
+        inode) of each, for ``drop`` once those files went. A file the manifests do not list, or
+        one that links no content, is not here; the periodic ``sweep`` finds those names."""
+        out: list[tuple[Path, int]] = []
+        for manifest in manifests:
+            if manifest.algorithm != "crc32c":  # content names are CRC32C's
+                continue
+            for f in manifest.files:
+                name = self.entry(f.size, f.checksum)
+                try:
+                    ours, stored = os.lstat(folder / f.path), os.lstat(name)
+                except (OSError, ValueError):  # not there (or no such name): nothing it links
+                    continue
+                if (ours.st_dev, ours.st_ino) == (stored.st_dev, stored.st_ino):
+                    out.append((name, stored.st_ino))
+        return out
+
+    def drop(self, names: Iterable[tuple[Path, int]]) -> int:
+        """Drop those of ``names`` (from ``linked_by``) that no checkpoint links any more (link
+        count 1) and still name the inode noted; how many went. A prune's own contents only,
+        however many the store holds."""
+        gone = 0
+        for name, inode in names:
+            try:
+                st = os.lstat(name)
+                if st.st_ino == inode and st.st_nlink <= 1:
+                    os.unlink(name)
+                    gone += 1
+            except FileNotFoundError:
+                continue
+        return gone
+
     def sweep(self) -> int:
-        """Drop the names no checkpoint links any more (link count 1); how many went."""
+        """Drop the names no checkpoint links any more (link count 1); how many went. It reads
+        every name the store holds, so it is the periodic pass's (``tasks.contents``), never a
+        prune's: a prune drops its own names (``linked_by``, ``drop``)."""
         gone = 0
         if not self.folder.is_dir():
             return 0

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from core import checksum
 from core.checksum import hash_stream
-from core.errors import BadInput, ConflictError, NotFound, PathEscape, StorageUnavailable
-from core.layout import STAGING_MARK, is_staging, is_tomb, staging_name, tomb_name, tomb_token
+from core.errors import BadInput, CkptError, ConflictError, NotFound, PathEscape, StorageUnavailable
+from core.layout import STAGING_MARK, is_manifest_name, is_staging, is_tomb, staging_name, tomb_name, tomb_token
+from core.manifest import Manifest
 from core.paths import confine_local, safe_relpath
 from core.progress import moved
 from core.storage import direct
@@ -306,8 +307,11 @@ class LocalStore(TierStore):
 
         With a content store (``shared_content``) bytes the tier already holds are linked, not
         written: a stored candidate of the same size and CRC32C is compared byte for byte with
-        the local source, and that comparison is the read-back of the linked bytes; a file
-        written is then remembered as the content (``core.storage.content``).
+        the local source, and that comparison is the read-back of the linked bytes. A source
+        that is not a local file (a body read from Tier 2) is written and verified first, then
+        compared with the candidate the same way, and the candidate linked in its place when
+        equal: the tier still holds the bytes once. A file published is remembered as the
+        content (``core.storage.content``), which replaces a stored name only when its bytes differ.
 
         Postcondition on return: the bytes under ``key`` were fsynced, read back from this
         tier and match (size, checksum); the name itself is durable after ``flush`` (which the
@@ -323,7 +327,8 @@ class LocalStore(TierStore):
             self._same_or_conflict(target, key, size, checksum)
             return ObjectInfo(key=key, size=size, checksum=checksum)
         src_fd = local_fd(reader)
-        if shared and src_fd is not None and self._link_stored(target, key, src_fd, reader, size, checksum):
+        note = getattr(reader, "note_copied", None)
+        if shared and src_fd is not None and self._link_stored(target, key, src_fd, note, size, checksum):
             return ObjectInfo(key=key, size=size, checksum=checksum)
         with self._staging(target, key) as (staging, fd):
             got: tuple[int, str] | None = None
@@ -336,23 +341,42 @@ class LocalStore(TierStore):
                 check_match(key, size, checksum, *got, "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")
+            if shared and src_fd is None and self._link_written(staging, target, key, size, checksum):
+                return ObjectInfo(key=key, size=size, checksum=checksum)
             published = self._publish(staging, target, key, size, checksum)
         if shared and published:
             self._remember(target, size, checksum)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
-    def _link_stored(self, target: Path, key: str, src_fd: int, reader: BinaryIO, size: int, checksum: str) -> bool:
+    def _link_stored(self, target: Path, key: str, src_fd: int, note: Callable[[int], object] | None, size: int,
+                     checksum: str) -> bool:
         """Publish ``target`` as a link to the stored content when its bytes equal the source's."""
         assert self.content is not None
         self._changed(_mkdirs(self.root, target.parent))
         staging = target.parent / staging_name(target.name)
         try:
-            if not self.content.link_same(src_fd, size, checksum, staging, getattr(reader, "note_copied", None)):
+            if not self.content.link_same(src_fd, size, checksum, staging, note):
                 return False
         except OSError as exc:
             raise map_os_error(exc, self.url_for(key)) from exc
         self._publish(staging, target, key, size, checksum)
         return True
+
+    def _link_written(self, staging: Path, target: Path, key: str, size: int, checksum: str) -> bool:
+        """For a source that is not a local file (Tier 2 rehydrating Tier 1, a restore), whose
+        bytes could not be compared before they were written: publish ``target`` as a link to
+        the stored content when its bytes equal the verified ``staging`` file's (compared now
+        that they are here); False when there is none or it differs (the caller publishes
+        ``staging``). The staging file's bytes were counted as they arrived: not again."""
+        assert self.content is not None
+        try:
+            fd = os.open(staging, os.O_RDONLY)
+        except OSError as exc:
+            raise map_os_error(exc, self.url_for(key)) from exc
+        try:
+            return self._link_stored(target, key, fd, None, size, checksum)
+        finally:
+            os.close(fd)
 
     def _remember(self, target: Path, size: int, checksum: str) -> None:
         assert self.content is not None
@@ -366,7 +390,8 @@ class LocalStore(TierStore):
     def put_written(self, key: str, write: Callable[[int], tuple[int, str]], size: int, checksum: str) -> ObjectInfo:
         """``put_verified`` for a writer that fills a file itself (parallel ranged reads
         writing at offsets): ``write(fd)`` fills the staging file and returns (size, crc32c
-        hex) of what it wrote; then fsync, read-back and publish exactly as ``put_verified``."""
+        hex) of what it wrote; then fsync, read-back and publish exactly as ``put_verified``
+        (with a content store, as from a source that is not a local file)."""
         target = self.write_path(key)
         if target.is_symlink():
             raise PathEscape(f"{self.url_for(key)} is a symlink; refusing to write through it")
@@ -377,6 +402,8 @@ class LocalStore(TierStore):
             check_match(key, size, checksum, *write(fd), "source")
             os.fsync(fd)
             check_match(key, size, checksum, *self._hash(staging), "read-back")
+            if self.content is not None and self._link_written(staging, target, key, size, checksum):
+                return ObjectInfo(key=key, size=size, checksum=checksum)
             published = self._publish(staging, target, key, size, checksum)
         if self.content is not None and published:
             self._remember(target, size, checksum)
@@ -481,11 +508,8 @@ class LocalStore(TierStore):
     def delete_tomb(self, tomb: Tomb, check: Callable[[], None]) -> int:
         """Delete the tombstone folder: the claim's alone, so no ``check`` is needed, and a
         worker that wakes after its claim went deletes only what it moved there itself. Stored
-        content no checkpoint links any more goes with it."""
-        gone = 0 if tomb.folder is None else self._remove_tree(self.write_path(tomb.folder))
-        if gone and self.content is not None:
-            self.content.sweep()
-        return gone
+        content no checkpoint links any more goes with it (``_remove_tomb``)."""
+        return 0 if tomb.folder is None else self._remove_tomb(self.write_path(tomb.folder))
 
     def sweep_tombs(self, prefix: str, live: Callable[[Collection[str]], Collection[str]]) -> int:
         base = self.write_path(prefix)
@@ -496,10 +520,33 @@ class LocalStore(TierStore):
         held = set(live(set(tombs.values()))) if tombs else set()
         gone = [name for name, token in tombs.items() if token not in held]
         for name in gone:
-            self._remove_tree(base / name)
-        if gone and self.content is not None:
-            self.content.sweep()
+            self._remove_tomb(base / name)
         return len(gone)
+
+    def _remove_tomb(self, tomb: Path) -> int:
+        """Remove a tombstone folder (``_remove_tree``) and the stored contents only its files
+        linked: those its manifests list whose inode they share, once no checkpoint links them
+        (``ContentStore.linked_by``, ``drop``). The cost is the tombstone's, not the content
+        store's; a name a file outside the manifests linked stays for the periodic sweep."""
+        linked = [] if self.content is None else self.content.linked_by(tomb, self._manifests_in(tomb))
+        gone = self._remove_tree(tomb)
+        if linked:
+            assert self.content is not None
+            self.content.drop(linked)
+        return gone
+
+    @staticmethod
+    def _manifests_in(folder: Path) -> tuple[Manifest, ...]:
+        """The part manifests at the top of ``folder`` (a tombstone) that parse; none if it is a link."""
+        if folder.is_symlink() or not folder.is_dir():
+            return ()
+        found: list[Manifest] = []
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if is_manifest_name(e.name) and e.is_file(follow_symlinks=False):
+                    with suppress(OSError, CkptError):
+                        found.append(Manifest.from_json(Path(e.path).read_bytes()))
+        return tuple(found)
 
     @staticmethod
     def _move(src: Path, dst: Path) -> bool:

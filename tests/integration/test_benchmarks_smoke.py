@@ -266,3 +266,10 @@ def test_dedup(s3_endpoint):
     assert re.fullmatch(r"dedup: 4 checkpoints, tier 1 \d+\.\d{3} GiB, tier 2 \d+\.\d{3} GiB, bound \d+\.\d{3} GiB "
                         r"\(x\d+\.\d\d\), durable per checkpoint \d+\.\d\d s vs plain \d+\.\d\d s",
                         out.strip().splitlines()[-1]), out[-500:]
+
+
+def test_prune_contents():
+    out = run_benchmark("prune_contents")
+    assert_rows(out, "before: then a sweep of every content", ["now: the tombstone's own contents"])
+    assert re.fullmatch(r"prune_contents: 200 other contents, prune \d+\.\d\d ms vs before \d+\.\d\d ms \(median\)",
+                        out.strip().splitlines()[-1]), out[-500:]

@@ -8,10 +8,13 @@ names the content. Every read of the store resolves a pointer (``open_read``, ``
 ``list``, ranged reads, ``verify_object``), so callers see whole checkpoints as before.
 
 A candidate is used only when the local source's SHA-256, read as its CRC32C is checked, equals
-the recorded one: a CRC32C collision never substitutes bytes, and a content whose hash was never
-recorded (its uploader died first) is not used. Anything else uploads the file whole under its
-own key, as before. Only files of ``ranged_threshold`` bytes or more are shared: below that the
-requests a shared object costs (the candidate's hash, the pointer) weigh more than the upload.
+the recorded one: a CRC32C collision never substitutes bytes. A content whose hash was never
+recorded (its uploader died first) is read back whole by the next copy of the same (size,
+CRC32C), and its hash recorded only when the stored bytes' SHA-256 equals that copy's source's:
+one download, after which the content is shared again; stored bytes are never trusted unread.
+Anything else uploads the file whole under its own key, as before. Only files of
+``ranged_threshold`` bytes or more are shared: below that the requests a shared object costs
+(the candidate's hash, the pointer) weigh more than the upload.
 
 Object Lock: the content is locked at upload and its retention is extended to each new
 pointer's, so it is held until the latest lock date of any checkpoint that references it.
@@ -20,7 +23,11 @@ replica references, in two passes: the first takes the content's recorded hash a
 copy points to it) and leaves a mark; a later pass, at least ``grace_s`` after the mark, asks
 the catalog again and deletes the content only if still nothing references it. A copy claims
 its replica before it reads a recorded hash, so a copy that read it before it went is in the
-catalog by then; a content that is referenced again keeps its bytes (no longer shared).
+catalog by then. A content that carries a mark is never pointed to, whatever hash it has (a
+read-back may record one after the first pass took it away), and the second pass deletes the
+content before its mark: a copy that finds no mark finds no content, or one that the second
+pass will find its replica (claimed first) references. A content that is referenced again keeps
+its bytes and loses its mark; the next copy of it reads it back and records its hash again.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from core import checksum as crc
 from core.errors import ConflictError, CorruptCheckpoint, NotFound, ObjectLocked, StorageUnavailable
@@ -101,6 +109,7 @@ class SharedContentMixin:
         def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None: ...
         def _same_or_conflict(self, key: str, size: int, checksum: str) -> None: ...
         def read_small(self, key: str, limit: int = ...) -> bytes: ...
+        def open_read(self, key: str) -> AbstractContextManager[BinaryIO]: ...
         def delete(self, key: str) -> bool: ...
         def verify_object(self, key: str, size: int, checksum: str) -> None: ...
         def _rel(self, full: str) -> str: ...
@@ -133,12 +142,15 @@ class SharedContentMixin:
                 return False
             recorded = reader.sha256.hexdigest()
             self._record_hash(content, recorded)
-        elif recorded is None:
-            return False
+        elif recorded is None:  # its uploader died before recording it: the stored bytes decide
+            if not self._recover_hash(content, fd, size, checksum, note):
+                return False
         else:
             got = source_hashes(fd, size, self.buffer_bytes, note)
             if got != (size, checksum, recorded):
                 return False
+        if self._head(content + MARK_SUFFIX) is not None:  # being swept: a hash read now is not trusted
+            return False
         self._hold(content)
         self._put_pointer(key, content, size, checksum)
         try:  # the content itself, as the pointer resolves it: a sweep may have taken it meanwhile
@@ -147,6 +159,25 @@ class SharedContentMixin:
             self.delete(key)
             return False  # the caller uploads the file whole
         return True
+
+    def _recover_hash(self, content: str, fd: int, size: int, checksum: str,
+                      note: Callable[[int], object] | None) -> bool:
+        """Record the hash of a content stored without one when its bytes, read back whole, equal
+        the local source's (size, CRC32C and SHA-256 of both); True when the recorded hash is
+        the source's. One download, once per such content, in place of an upload per copy."""
+        want = source_hashes(fd, size, self.buffer_bytes, note)
+        if want[:2] != (size, checksum):
+            return False
+        sha256, value, got = hashlib.sha256(), 0, 0
+        with self.open_read(content) as body:
+            while data := body.read(self.buffer_bytes):
+                sha256.update(data)
+                value, got = crc.update(value, data), got + len(data)
+                moved()
+        if (got, crc.to_hex(value), sha256.hexdigest()) != want:
+            return False
+        self._record_hash(content, want[2])
+        return self._recorded_hash(content) == want[2]  # another writer's record, if first, must agree
 
     def _recorded_hash(self, content: str) -> str | None:
         try:
@@ -227,7 +258,7 @@ class SharedContentMixin:
                 for sfx in parts:
                     self.delete(name + sfx)
             elif held in live:
-                if mark is not None:  # referenced again: kept (its hash is gone: unshared)
+                if mark is not None:  # referenced again: kept (shared again once a copy reads it back)
                     self.delete(name + MARK_SUFFIX)
             elif mark is None:  # no new copy points to it from now on
                 self.delete(name + HASH_SUFFIX)
@@ -248,7 +279,8 @@ class SharedContentMixin:
             try:
                 if deleted is not None:
                     deleted(name, held[0])
-                self.delete(name)
+                self.delete(name)  # before its mark: a copy that finds no mark finds no content
+                self.delete(name + HASH_SUFFIX)  # recorded again by a read-back since the mark
                 self.delete(name + MARK_SUFFIX)
                 gone += 1
             except ObjectLocked:  # held for a milestone still: a later sweep takes it

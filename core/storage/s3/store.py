@@ -354,6 +354,17 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
         )
 
     def list(self, prefix: str) -> list[ObjectInfo]:
+        # an empty object may be a pointer: listed with its content's size (a HeadObject each, as
+        # ListObjectsV2 returns no metadata)
+        return sorted((self.stat(o.key) or o if o.size == 0 and not o.key.startswith(CONTENT_DIR + "/") else o
+                       for o in self._listed(prefix)), key=lambda o: o.key)
+
+    def keys(self, prefix: str) -> tuple[str, ...]:
+        """``list``'s keys from the listing alone: no pointer resolved (a pointer's key is its file's)."""
+        return tuple(sorted(o.key for o in self._listed(prefix)))
+
+    def _listed(self, prefix: str) -> tuple[ObjectInfo, ...]:
+        """Every object under ``prefix`` as ListObjectsV2 gives it (a pointer with size 0)."""
         full = self._k(prefix) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         out: list[ObjectInfo] = []
         with s3_errors(f"list {self.root_url}/{prefix}"):
@@ -361,9 +372,7 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
                 out.extend(ObjectInfo(key=self._rel(o["Key"]), size=int(o["Size"]), etag=o.get("ETag"),
                                       modified=o["LastModified"].timestamp() if "LastModified" in o else None)
                            for o in page.get("Contents", []))
-        # an empty object may be a pointer: listed with its content's size
-        return sorted((self.stat(o.key) or o if o.size == 0 and not o.key.startswith(CONTENT_DIR + "/") else o
-                       for o in out), key=lambda o: o.key)
+        return tuple(out)
 
     def folders(self) -> tuple[str, ...]:
         full = self.prefix + "/" if self.prefix else ""
@@ -627,7 +636,7 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
             raise BadInput("refusing to delete the whole tier (empty prefix)")
         if self._modes()[1]:
             return self._delete_versions(prefix, exact=False)
-        keys = [self._k(o.key) for o in self.list(prefix)]
+        keys = [self._k(k) for k in self.keys(prefix)]
         if self._head(prefix) is not None:  # a single object, as on a file system
             keys.append(self._k(prefix))
         for i in range(0, len(keys), 1000):

@@ -179,3 +179,85 @@ def test_a_fine_tune_saved_without_naming_its_base_holds_the_base_once_from_the_
             loaded.update(load_file(str(f)))
         assert set(loaded) == set(tensors) and all(np.array_equal(loaded[k], v) for k, v in tensors.items())
         verify_tier1(settings, step)
+
+
+def test_a_prune_drops_the_contents_its_own_files_linked_and_the_periodic_sweep_the_rest(settings_factory, db_url):
+    import shutil
+
+    from tasks.contents import sweep_shared_contents
+
+    settings = scenario_settings(settings_factory, db_url, retention_tier0=RetentionPolicy(keep_last=1),
+                                 retention_tier1=RetentionPolicy(keep_last=2))
+    root = Path(settings.tier1_url)
+    other = {"weights.bin": os.urandom(96 << 10)}
+    commit_folder(settings, "run-other", 100, other)
+    assert promote(settings, "run-other", 100).durable
+    shutil.rmtree(root / checkpoint_prefix("run-other", 100))  # deleted by hand: its content name links nothing
+    orphan = {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()}
+    assert [p.stat().st_nlink for p in orphan] == [1]
+
+    adapters = {step: save(settings, step) for step in (100, 200, 300, 400)}  # 100 and 200 pruned on the way
+
+    stored = {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()}
+    # the prunes dropped the retired adapters' names, and read no other: the orphan is the periodic pass's
+    assert sorted(p.stat().st_size for p in stored - orphan) == sorted(
+        [len(BASE), len(adapters[300]), len(adapters[400])])
+    assert orphan <= stored
+    assert sweep_shared_contents(settings, actor="test") == 1
+    assert {p for p in (root / CONTENT_DIR).rglob("*") if p.is_file()} == stored - orphan
+    for step in (300, 400):
+        verify_tier1(settings, step)
+    with Catalog(settings.catalog_url) as cat:
+        assert any(a.subject == "contents@tier1" for a in cat.audit_log())
+
+
+def test_a_copy_from_a_stream_links_the_stored_content_and_never_replaces_a_good_one(tmp_path):
+    """Tier 2 rehydrating Tier 1 (or a restore into it) reads a body, not a local file: once written and
+    verified, its bytes are compared with the stored content's, which is linked when they are equal; a
+    stored content whose bytes differ (rot) is replaced, and the copy never linked to it."""
+    import io
+
+    from core.checksum import hash_bytes
+
+    store = LocalStore(tmp_path, 1, shared_content=True)
+    crc = hash_bytes(BASE)
+    store.put_verified("run/step-00000100/base.bin", io.BytesIO(BASE), len(BASE), crc)
+    held = (tmp_path / "run/step-00000100/base.bin").stat().st_ino
+
+    def ranged(fd: int) -> tuple[int, str]:  # parallel ranged reads, each written at its offset
+        for at in range(0, len(BASE), 256 << 10):
+            os.pwrite(fd, BASE[at:at + (256 << 10)], at)
+        return len(BASE), crc
+
+    store.put_verified("run/step-00000200/base.bin", io.BytesIO(BASE), len(BASE), crc)  # streamed
+    store.put_written("run/step-00000300/base.bin", ranged, len(BASE), crc)
+    copies = [tmp_path / f"run/step-00000{s}00/base.bin" for s in (1, 2, 3)]
+    assert {p.stat().st_ino for p in copies} == {held}  # the tier holds the base once
+    assert tier1_bytes(tmp_path) == len(BASE)
+
+    flip_bit(copies[0])  # the stored content rots
+    store.put_verified("run/step-00000400/base.bin", io.BytesIO(BASE), len(BASE), crc)
+    fresh = tmp_path / "run/step-00000400/base.bin"
+    assert fresh.read_bytes() == BASE and fresh.stat().st_ino != held
+    store.put_written("run/step-00000500/base.bin", ranged, len(BASE), crc)  # the fresh copy is the content now
+    assert (tmp_path / "run/step-00000500/base.bin").stat().st_ino == fresh.stat().st_ino
+
+
+def test_two_copies_written_at_once_keep_the_first_stored_content_and_replace_only_a_rotten_one(tmp_path):
+    """Two copies of the same bytes that each found no stored content (written at once, by two nodes)
+    both offer their file as the content: the first stays, so later copies link the bytes every
+    earlier one links; only a stored content whose bytes differ is replaced."""
+    from core.checksum import hash_bytes
+    from core.storage.content import ContentStore
+
+    content, crc = ContentStore(tmp_path, 1 << 20), hash_bytes(BASE)
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    first.write_bytes(BASE)
+    second.write_bytes(BASE)
+    content.remember(first, len(BASE), crc)
+    content.remember(second, len(BASE), crc)
+    assert content.entry(len(BASE), crc).stat().st_ino == first.stat().st_ino
+
+    flip_bit(first)
+    content.remember(second, len(BASE), crc)
+    assert content.entry(len(BASE), crc).stat().st_ino == second.stat().st_ino
