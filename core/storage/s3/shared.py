@@ -2,16 +2,19 @@
 
 S3 has no hard links, so a shared file is two objects: the content, uploaded once under
 ``CONTENT_DIR/<crc32c[:2]>/<crc32c>-<size>`` (the candidate key the manifest already gives),
-with the SHA-256 of the bytes sent recorded beside it (``<content>.sha256``, written once the
-content is verified); and at the checkpoint's key an empty *pointer* object whose metadata
-names the content. Every read of the store resolves a pointer (``open_read``, ``stat``,
-``list``, ranged reads, ``verify_object``), so callers see whole checkpoints as before.
+with the SHA-256 of its bytes recorded beside it (``<content>.sha256``) once a second copy of
+the same (size, CRC32C) has read the stored bytes back and found them equal to its own; and at
+the checkpoint's key an empty *pointer* object whose metadata names the content. Every read
+of the store resolves a pointer (``open_read``, ``stat``, ``list``, ranged reads,
+``verify_object``), so callers see whole checkpoints as before.
 
 A candidate is used only when the local source's SHA-256, read as its CRC32C is checked, equals
 the recorded one: a CRC32C collision never substitutes bytes. A content whose hash was never
-recorded (its uploader died first) is read back whole by the next copy of the same (size,
-CRC32C), and its hash recorded only when the stored bytes' SHA-256 equals that copy's source's:
-one download, after which the content is shared again; stored bytes are never trusted unread.
+recorded (seen once, or its uploader died) is read back whole by the next copy of the same
+(size, CRC32C), and its hash recorded only when the stored bytes' SHA-256 equals that copy's
+source's: one download per shared content, after which every copy hashes only its source; a
+content seen once (a pretraining run's every file) is never hashed; stored bytes are never
+trusted unread.
 Anything else uploads the file whole under its own key, as before. Only files of
 ``ranged_threshold`` bytes or more are shared: below that the requests a shared object costs
 (the candidate's hash, the pointer) weigh more than the upload.
@@ -63,17 +66,18 @@ def content_key(size: int, checksum: str) -> str:
 
 class _PreadReader:
     """A local file read from offset 0 by ``pread`` (the caller's reader keeps its offset, so it
-    can still be read whole if sharing fails), hashing SHA-256 on the way and telling
-    ``note(n)`` of each chunk (the copy's progress)."""
+    can still be read whole if sharing fails), hashing SHA-256 on the way (``hashing``) and
+    telling ``note(n)`` of each chunk (the copy's progress)."""
 
-    def __init__(self, fd: int, note: Callable[[int], object] | None):
+    def __init__(self, fd: int, note: Callable[[int], object] | None, *, hashing: bool = True):
         self.fd, self.note, self.offset = fd, note, 0
-        self.sha256 = hashlib.sha256()
+        self.sha256 = hashlib.sha256() if hashing else None
 
     def read(self, n: int = -1) -> bytes:
         data = os.pread(self.fd, n if n >= 0 else 1 << 24, self.offset)
         self.offset += len(data)
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
         moved()
         if self.note is not None and data:
             self.note(len(data))
@@ -88,6 +92,7 @@ def source_hashes(fd: int, size: int, buffer_bytes: int, note: Callable[[int], o
         if not data:
             break
         value, got = crc.update(value, data), got + len(data)
+    assert reader.sha256 is not None
     return got, crc.to_hex(value), reader.sha256.hexdigest()
 
 
@@ -130,19 +135,19 @@ class SharedContentMixin:
                    checksum: str) -> bool:
         """Publish ``key`` as a pointer to the shared content of the local source ``fd``,
         uploading the content first when the tier does not hold it; False when it cannot be
-        shared (a content with other bytes or no recorded hash, or one uploaded meanwhile by
-        another writer): then the caller uploads the file whole."""
+        shared (a content with other bytes, or one uploaded meanwhile by another writer): then
+        the caller uploads the file whole. A content seen for the first time is uploaded with no
+        hash recorded: most never come again (a pretraining run's every file), and hashing them
+        would cost every upload; the next copy of the same (size, CRC32C), if one comes, reads
+        the stored bytes back and records it (``_recover_hash``), once."""
         content = content_key(size, checksum)
         recorded = self._recorded_hash(content)
         if recorded is None and self._head(content) is None:
-            reader = _PreadReader(fd, note)
             try:
-                self._upload(content, reader, size, checksum)
+                self._upload(content, _PreadReader(fd, note, hashing=False), size, checksum)
             except ConflictError:  # another writer's upload of it: its hash may not be recorded yet
                 return False
-            recorded = reader.sha256.hexdigest()
-            self._record_hash(content, recorded)
-        elif recorded is None:  # its uploader died before recording it: the stored bytes decide
+        elif recorded is None:  # seen once before (or its uploader died): the stored bytes decide
             if not self._recover_hash(content, fd, size, checksum, note):
                 return False
         else:

@@ -80,16 +80,19 @@ def test_a_content_whose_recorded_hash_differs_is_never_pointed_to(settings_fact
                                                                      tmp_path):
     settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
     save(settings, 100)
+    assert not [k for k in objects(settings) if k.endswith(".sha256")]  # a content seen once is not hashed
+    save(settings, 200)  # seen again: the stored bytes read back, equal to the source's, its hash recorded
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     recorded = next(k for k in objects(settings) if k.endswith(f"-{len(BASE)}.sha256"))
+    assert objects(settings)[f"ckpt/{checkpoint_prefix(RUN, 200)}/base.bin"] == 0  # a pointer
     client.delete_object(Bucket=s3_bucket, Key=recorded)  # another content under the same CRC32C and size
     client.put_object(Bucket=s3_bucket, Key=recorded, Body=b"0" * 64)
 
-    adapter = save(settings, 200)
+    adapter = save(settings, 300)
 
-    base_key = f"ckpt/{checkpoint_prefix(RUN, 200)}/base.bin"
+    base_key = f"ckpt/{checkpoint_prefix(RUN, 300)}/base.bin"
     assert objects(settings)[base_key] == len(BASE)  # uploaded whole under its own key
-    assert restored(settings, 200, tmp_path) == {"base.bin": BASE, "adapter.bin": adapter}
+    assert restored(settings, 300, tmp_path) == {"base.bin": BASE, "adapter.bin": adapter}
 
 
 def test_a_shared_object_stays_locked_until_the_latest_milestone_that_references_it(s3_endpoint, tmp_path):
