@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -243,7 +243,12 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
             break
         out = _plan_all(by_run, rules, now, evicted)
     final = sorted(_kept(out, limits).items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
-    budgets = tuple(_budget(t, node, limits[t], kept, wanted.get((t, node), stored_bytes(kept)))
+    nodes: dict[tuple[str, int], set[str | None]] = defaultdict(set)
+    for d in out.replicas:
+        if d.tier == 0:
+            nodes[(d.run, d.step)].add(d.node)
+    spread = {key for key, on in nodes.items() if len(on) > 1}
+    budgets = tuple(_budget(t, node, limits[t], kept, wanted.get((t, node), stored_bytes(kept)), spread)
                     for (t, node), kept in final)
     return replace(out, budgets=budgets)
 
@@ -285,14 +290,19 @@ def _kept(p: Plan, limits: Mapping[int, int]) -> dict[tuple[int, str | None], li
     return out
 
 
-def _budget(tier: int, node: str | None, limit: int, kept: Sequence[ReplicaDecision], wanted: int) -> Budget:
-    """``tier``'s budget after the plan; over it, the bytes each rule keeps there."""
+def _budget(tier: int, node: str | None, limit: int, kept: Sequence[ReplicaDecision], wanted: int,
+            spread: Collection[tuple[str, int]] = ()) -> Budget:
+    """``tier``'s budget after the plan; over it, the bytes each rule keeps there. On Tier 0, a
+    checkpoint with copies on other nodes too (``spread``) is not one node's budget to take (it
+    would take the other nodes' copies with it): it is named as what holds the excess."""
     total = stored_bytes(kept)
     held: dict[str, list[ReplicaDecision]] = defaultdict(list)
     if total > limit:
         for d in kept:
             for reason in d.reason.split(", "):
-                if reason == "retention off":  # over budget, nothing stays for that reason alone
+                if reason == "retention off" and Tier(tier).node_local and (d.run, d.step) in spread:
+                    reason = "retention off, on other nodes too"
+                elif reason == "retention off":  # over budget, nothing stays for that reason alone
                     continue
                 held["locked until" if reason.startswith("locked until") else reason].append(d)
     by_rule = sorted(((r, stored_bytes(ds)) for r, ds in held.items()), key=lambda rb: (-rb[1], rb[0]))

@@ -673,7 +673,9 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
 
     def stored_bytes(self, tier: int) -> int:
         """The data bytes ``tier`` holds, each content once on a tier that shares content
-        (``core.storage.content.SHARED_TIERS``): what a tier's budget and ``ckpt tiers`` count."""
+        (``core.storage.content.SHARED_TIERS``), of every live copy (being written, verified, being
+        pruned, corrupt): what ``ckpt tiers`` counts; a budget counts the verified ones
+        (``core.retention.stored_bytes``)."""
         with self._tx(write=False) as conn:
             return _q.stored_bytes(conn, shared=SHARED_TIERS).get(tier, 0)
 

@@ -248,7 +248,7 @@ class PartEvents:
         params = {"run": run, "step": step, "part": part, "parts": parts, "attempt": attempt}
         code = run_child(run_checkpoint_process, (self.settings, params, self._env),
                          stall_s=self.settings.copy_stall_seconds, what=f"promote run of {run!r} step {step}")
-        if code not in (0, 1):
+        if code is not None and code not in (0, 1):  # None: left behind, not ended (logged by run_child)
             crash_checkpoint_run(self.node, run, step, attempt, f"its process exited with code {code} before the "
                                  "run finished (killed when it stalled, or out of memory); reconcile finishes it")
         return code

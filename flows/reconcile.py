@@ -16,7 +16,9 @@ minute). In order:
    node, Tier 1, Tier 2) become ``missing``: a bounded slice per tier per pass
    (``reconcile_check_limit``), in rotation, so a pass costs the same at any catalog size;
 2. parts committed on this node's Tier 0 that the catalog does not know, or that were never
-   (or no longer, after step 1) verified on Tier 1, are promoted;
+   (or no longer, after step 1) verified on Tier 1, are promoted (in the agent's own pass, a
+   part the catalog does not know yet is left to its completed event while it is younger than
+   the interval: ``young_parts``);
 3. parts committed on Tier 1 that the catalog does not know are registered from their Tier 1
    manifest, verified in place and recorded (a catalog restored from an older backup): a
    bounded share of Tier 1 per pass, run folder by run folder, in rotation; in the run folders
@@ -55,6 +57,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow
+from prefect.settings import get_current_settings
 
 from core.errors import CkptError, CopyInProgress, CorruptCheckpoint, NotFound, PruneRefused
 from core.events import announcing
@@ -361,6 +364,8 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
     if crashed is not None:
         log.warning("reconcile on %s failed: %s: %s", settings.node, type(crashed).__name__, crashed,
                     exc_info=not isinstance(crashed, CkptError))
+    if not get_current_settings().api.url:  # no Prefect API (`ckpt reconcile --every` alone): the log is the
+        return report, verdict.shown  # record; a flow run here would start Prefect's temporary server
     try:
         reconciled(settings.node, json.dumps(vars(report)), sorted(durable), verdict.note, return_state=True)
     except Exception as exc:  # noqa: BLE001 - no run: the next pass shows it again

@@ -8,9 +8,10 @@ no manifest in the tombstone lists) is dropped here, by a pass over the whole co
 Deleting a checkpoint from Tier 2 deletes its pointers; the shared objects they named stay until
 this sweep finds that no replica the catalog holds on Tier 2 (pending, copying, verified, being
 pruned, corrupt) references them, in two passes a claim lease apart
-(``core.storage.s3.shared.SharedContentMixin.sweep_contents``). Each content deleted is audited
-first, as every delete is. The scheduled retention run calls it; a content under Object Lock
-stays for a later run.
+(``core.storage.s3.shared.SharedContentMixin.sweep_contents``). Each Tier 2 content deleted is
+audited first; Tier 1's names go with their last link already gone (no checkpoint file holds
+them) and are audited after, as a count. The scheduled retention run calls it; a content under
+Object Lock stays for a later run.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from tasks.retry import pipeline_task
 
 
 def sweep_shared_contents(settings: Settings, *, actor: str = "cli") -> int:
-    """Delete the unreferenced shared contents of Tier 1 and Tier 2; how many went."""
-    return _sweep_tier1(settings, actor=actor) + _sweep_tier2(settings, actor=actor)
+    """Delete the unreferenced shared contents of Tier 1 and Tier 2; how many went. One tier's
+    failure never stops the other's sweep: both run, then the first failure is raised."""
+    gone, failed = 0, []
+    for sweep in (_sweep_tier1, _sweep_tier2):
+        try:
+            gone += sweep(settings, actor=actor)
+        except Exception as exc:  # noqa: BLE001 - raised after the other tier's sweep
+            failed.append(exc)
+    if failed:
+        raise failed[0]
+    return gone
 
 
 def _sweep_tier1(settings: Settings, *, actor: str) -> int:

@@ -57,7 +57,7 @@ class TierRow:
 
 def budget_of(settings: Settings, tier: int) -> int | None:
     """The tier's byte budget: its retention policy's ``max_bytes`` where the settings have it."""
-    return getattr(settings.retention(tier), "max_bytes", None)
+    return settings.retention(tier).max_bytes
 
 
 def tier_rows(settings: Settings, cat: Catalog, *, run: str | None = None,

@@ -5,7 +5,7 @@ object store and the others read Tier 1."""
 from __future__ import annotations
 
 from core import events
-from core.errors import CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable
+from core.errors import CorruptCheckpoint, NotFound, StorageFull, StorageUnavailable, TierUnavailable
 from core.tiers import Tier
 from db.catalog import Catalog
 from db.entities import CheckpointInfo
@@ -30,6 +30,12 @@ def hydrate(cat: Catalog, stores: TierStores, ck: CheckpointInfo, part: int, act
         hop = copy_when_free(cat, stores.settings, ck, part, src_tier=2, dst_tier=1, actor=actor)
     except (CorruptCheckpoint, NotFound) as exc:
         mark(cat, tier2.replica, exc, actor, notes)
+        return 0
+    except TierUnavailable as exc:
+        if exc.tier == 1:
+            _not_rehydrated(ck, part, exc, stores.settings.node, notes)
+        else:  # the source's root not proven: announced by its proof; no verdict, no rehydration alert
+            notes.append(f"step {ck.step} part {part}: not rehydrated, {exc}")
         return 0
     except (StorageFull, StorageUnavailable, OSError) as exc:  # Tier 1's trouble, not the copy's
         _not_rehydrated(ck, part, exc, stores.settings.node, notes)

@@ -41,18 +41,21 @@ def read_in_place(cat: Catalog, stores: TierStores, ck: CheckpointInfo, tier: in
     except TierUnavailable as exc:  # not proven the tier the catalog knows: no verdict, the next source
         unproven(ck, exc, notes)
         return None
-    for src in chosen:
-        if not part_good(cat, store, ck, src, files, verify, actor, notes):
-            return None
-    moved = 0
     prefix = checkpoint_prefix(ck.run, ck.step, ck.attempt)
-    for f in wide:
-        if Tier(tier).node_local and not bring:
+    if Tier(tier).node_local and not bring:  # before the parts' check: the turn checks them again
+        for f in wide:
             try:
                 store.verify_object(f"{prefix}/{f.path}", f.size, f.checksum)
             except (NotFound, CorruptCheckpoint):
                 raise BringInTurn(f"{f.path} (part {f.part}) is not beside this node's Tier 0 copy yet") from None
-        elif Tier(tier).node_local:
+    for src in chosen:
+        if not part_good(cat, store, ck, src, files, verify, actor, notes):
+            return None
+    moved = 0
+    for f in wide:
+        if Tier(tier).node_local and not bring:
+            continue  # checked above
+        if Tier(tier).node_local:
             moved += bring_file(cat, stores, ck, f, store, f"{prefix}/{f.path}", actor, notes)
         elif not _wide_good(cat, stores, ck, f, verify, actor, notes):
             return None

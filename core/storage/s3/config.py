@@ -53,8 +53,14 @@ def open_s3(url: str, tier: int, settings: Settings | None) -> S3Store:
     from core.storage.s3.store import S3Store  # deferred: cycle — the store imports url_problem from here
 
     if settings is None:
-        return S3Store(url, tier, buffer_bytes=io_buffer(None), shared_content=tier in SHARED_TIERS)
-    return S3Store(url, tier, shared_content=tier in SHARED_TIERS, **store_options(settings, tier))
+        return S3Store(url, tier, buffer_bytes=io_buffer(None), shared_content=_shares(tier))
+    return S3Store(url, tier, shared_content=_shares(tier), **store_options(settings, tier))
+
+
+def _shares(tier: int) -> bool:
+    """Whether an S3 store of ``tier`` shares content: the object tier only, the one whose contents
+    the scheduled sweep frees (``tasks.contents``); an S3 Tier 1 stores each copy whole."""
+    return tier in SHARED_TIERS and Tier(tier).object_store
 
 
 register(Backend(name="s3", schemes=("s3",), factory=open_s3, object_store=True, example=EXAMPLE,

@@ -148,7 +148,12 @@ class SharedContentMixin:
             except ConflictError:  # another writer's upload of it: its hash may not be recorded yet
                 return False
         elif recorded is None:  # seen once before (or its uploader died): the stored bytes decide
-            if not self._recover_hash(content, fd, size, checksum, note):
+            if self._head(content + MARK_SUFFIX) is not None:  # being swept: not worth its download
+                return False
+            try:
+                if not self._recover_hash(content, fd, size, checksum, note):
+                    return False
+            except NotFound:  # swept meanwhile: a question of the destination, never of the source
                 return False
         else:
             got = source_hashes(fd, size, self.buffer_bytes, note)
@@ -156,8 +161,12 @@ class SharedContentMixin:
                 return False
         if self._head(content + MARK_SUFFIX) is not None:  # being swept: a hash read now is not trusted
             return False
-        self._hold(content)
-        self._put_pointer(key, content, size, checksum)
+        try:
+            if not self._hold(content):
+                return False  # swept meanwhile (its mark goes after it)
+            self._put_pointer(key, content, size, checksum)
+        except NotFound:
+            return False
         try:  # the content itself, as the pointer resolves it: a sweep may have taken it meanwhile
             self.verify_object(key, size, checksum)
         except (NotFound, CorruptCheckpoint):
@@ -207,19 +216,23 @@ class SharedContentMixin:
         except ConflictError:
             self._same_or_conflict(key, size, checksum)  # published first by another writer
 
-    def _hold(self, content: str) -> None:
-        """Extend the content's Object Lock to what a new pointer gets (never shortened)."""
+    def _hold(self, content: str) -> bool:
+        """Extend the content's Object Lock to what a new pointer gets (never shortened); False
+        when the content is gone (swept meanwhile)."""
         if not self.lock_days:
-            return
+            return True
         until = datetime.now(UTC) + timedelta(days=self.lock_days)
-        head = self._head(content) or {}
+        head = self._head(content)
+        if head is None:
+            return False
         held = head.get("ObjectLockRetainUntilDate")
         if held is not None and held >= until:
-            return
+            return True
         with s3_errors(f"Object Lock of {self.url_for(content)}"):
             self.client.put_object_retention(
                 Bucket=self.bucket, Key=self._k(content), VersionId=head.get("VersionId"),
                 Retention={"Mode": LOCK_MODES[self.lock_mode], "RetainUntilDate": until})
+        return True
 
     def resolved_info(self, key: str, head: dict) -> ObjectInfo | None:
         """``stat`` of a pointer: the content's size and checksum under the pointer's key."""

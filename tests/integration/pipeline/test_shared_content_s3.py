@@ -237,7 +237,7 @@ def test_a_content_stored_without_its_hash_is_read_back_by_the_next_copy_and_sha
     save(settings, 100)
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     base = content_of(settings, len(BASE))
-    client.delete_object(Bucket=s3_bucket, Key=base + ".sha256")  # its uploader died before recording it
+    client.delete_object(Bucket=s3_bucket, Key=base + ".sha256")  # none: seen once, or its uploader died
 
     adapters = {step: save(settings, step) for step in (200, 300)}
 
