@@ -17,6 +17,16 @@ copy (``remember``, which compares the bytes itself, so a good content is never 
 checkpoints still linked to the old inode keep it, for the scrub to find.
 Stored inodes are never written in place: every write goes to a staging name and is published
 by a link, so a content's bytes change only by a fault.
+
+A local file whose bytes were read whole and hashed carries the SHA-256 found in an extended
+attribute of its inode (``noted_sha256``), with the size and modification time it had then, so
+every name that links the inode shares it. Tier 2 shares a content only once the source's
+SHA-256 equals the one recorded for the stored object; a Tier 1 file that links a content hashed
+before needs no read at all for that (``known_sha256``), which is what makes a fine-tune's frozen
+base cost its Tier 2 hop a few requests, not a read of every byte. A note whose size or
+modification time no longer matches the inode is ignored (the file was written since); a file
+system without user extended attributes, or a file this process may not annotate, simply hashes
+its bytes every time, as before.
 """
 
 from __future__ import annotations
@@ -35,8 +45,32 @@ if TYPE_CHECKING:
     from core.manifest import Manifest
 
 CONTENT_DIR = ".ckpt-content"
+SHA256_ATTR = "user.ckpt.sha256"  # "<sha256 hex> <size> <mtime ns>" of the inode's bytes when hashed
 _NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)
 SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
+
+
+def known_sha256(fd: int) -> str | None:
+    """The SHA-256 noted on the inode of ``fd`` (``noted_sha256``) while its size and modification
+    time are still those it was noted with; None when there is no such note."""
+    try:
+        sha256, size, mtime = os.getxattr(fd, SHA256_ATTR).decode("ascii").split()
+        st = os.fstat(fd)
+    except (OSError, ValueError):  # no note, no xattr support, or a note that is not ours
+        return None
+    if len(sha256) != 64 or (str(st.st_size), str(st.st_mtime_ns)) != (size, mtime):
+        return None
+    return sha256
+
+
+def noted_sha256(fd: int, sha256: str) -> None:
+    """Note ``sha256`` (of the bytes of ``fd`` just read whole) on its inode, for ``known_sha256``.
+    Best effort: a file system or a file that refuses it is hashed again next time."""
+    try:
+        st = os.fstat(fd)
+        os.setxattr(fd, SHA256_ATTR, f"{sha256} {st.st_size} {st.st_mtime_ns}".encode("ascii"))
+    except OSError:
+        pass
 
 
 class ContentStore:

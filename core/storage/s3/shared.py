@@ -9,12 +9,14 @@ of the store resolves a pointer (``open_read``, ``stat``, ``list``, ranged reads
 ``verify_object``), so callers see whole checkpoints as before.
 
 A candidate is used only when the local source's SHA-256, read as its CRC32C is checked, equals
-the recorded one: a CRC32C collision never substitutes bytes. A content whose hash was never
-recorded (seen once, or its uploader died) is read back whole by the next copy of the same
-(size, CRC32C), and its hash recorded only when the stored bytes' SHA-256 equals that copy's
-source's: one download per shared content, after which every copy hashes only its source; a
-content seen once (a pretraining run's every file) is never hashed; stored bytes are never
-trusted unread.
+the recorded one: a CRC32C collision never substitutes bytes. The source's SHA-256 is then noted
+on its inode (``core.storage.content.noted_sha256``): a Tier 1 file linked to a content hashed
+before (a frozen base, every checkpoint after the second) is shared with no read of its bytes.
+A content whose hash was never recorded (seen once, or its uploader died) is read back whole by
+the next copy of the same (size, CRC32C), and its hash recorded only when the stored bytes'
+SHA-256 equals that copy's source's: one download per shared content, after which a copy hashes
+at most its source; a content seen once (a pretraining run's every file) is never hashed; stored
+bytes are never trusted unread.
 Anything else uploads the file whole under its own key, as before. Only files of
 ``ranged_threshold`` bytes or more are shared: below that the requests a shared object costs
 (the candidate's hash, the pointer) weigh more than the upload.
@@ -46,7 +48,7 @@ from core import checksum as crc
 from core.errors import ConflictError, CorruptCheckpoint, NotFound, ObjectLocked, StorageUnavailable
 from core.progress import moved
 from core.storage.base import ObjectInfo
-from core.storage.content import CONTENT_DIR
+from core.storage.content import CONTENT_DIR, known_sha256, noted_sha256
 from core.storage.s3.errors import IF_NONE_MATCH, SEND_CRC32C, s3_errors
 from core.storage.s3.lock import LOCK_MODES
 
@@ -155,8 +157,9 @@ class SharedContentMixin:
                     return False
             except NotFound:  # swept meanwhile: a question of the destination, never of the source
                 return False
-        else:
+        elif known_sha256(fd) != recorded:  # a source whose inode carries the hash needs no read
             got = source_hashes(fd, size, self.buffer_bytes, note)
+            _note(fd, got)
             if got != (size, checksum, recorded):
                 return False
         if self._head(content + MARK_SUFFIX) is not None:  # being swept: a hash read now is not trusted
@@ -179,7 +182,12 @@ class SharedContentMixin:
         """Record the hash of a content stored without one when its bytes, read back whole, equal
         the local source's (size, CRC32C and SHA-256 of both); True when the recorded hash is
         the source's. One download, once per such content, in place of an upload per copy."""
-        want = source_hashes(fd, size, self.buffer_bytes, note)
+        known = known_sha256(fd)
+        if known is None:
+            want = source_hashes(fd, size, self.buffer_bytes, note)
+            _note(fd, want)
+        else:
+            want = (size, checksum, known)
         if want[:2] != (size, checksum):
             return False
         sha256, value, got = hashlib.sha256(), 0, 0
@@ -315,6 +323,16 @@ class SharedContentMixin:
     def _put_small(self, key: str, body: bytes) -> None:
         with s3_errors(self.url_for(key), SEND_CRC32C):
             self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **_crc32c(body))
+
+
+def _note(fd: int, got: tuple[int, str, str]) -> None:
+    """Note the SHA-256 of a source just read whole (``source_hashes``) on its inode."""
+    try:
+        whole = got[0] == os.fstat(fd).st_size
+    except OSError:
+        return
+    if whole:
+        noted_sha256(fd, got[2])
 
 
 def _suffix(key: str) -> str:

@@ -309,3 +309,99 @@ def test_deleting_checkpoints_of_pointers_lists_them_without_resolving_each_poin
     finally:
         store.close()
         proxy.close()
+
+
+def _shared_store(s3_endpoint: str, tmp_path: Path) -> tuple[S3Store, Path, str]:
+    """A sharing store on a bucket of its own, and a local source of the base with its CRC32C."""
+    bucket = f"plain-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    source = tmp_path / "base.bin"
+    source.write_bytes(BASE)
+    store = S3Store(f"s3://{bucket}/vault", 2, endpoint_url=s3_endpoint, ranged_threshold=SMALL, range_bytes=SMALL,
+                    shared_content=True)
+    return store, source, checksum.hash_bytes(BASE)
+
+
+def _counting_reads(monkeypatch, path: Path) -> list[int]:
+    """Bytes read from ``path``'s inode by ``os.pread`` (how the shared upload reads a local
+    source) while the test runs; the reads still happen."""
+    inode, got, real = path.stat().st_ino, [], os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        data = real(fd, n, offset)
+        if os.fstat(fd).st_ino == inode:
+            got.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "pread", pread)
+    return got
+
+
+def test_a_source_whose_inode_carries_the_recorded_hash_is_shared_without_a_read(s3_endpoint, tmp_path,
+                                                                                  monkeypatch):
+    """A Tier 1 file linked to a content hashed before (a frozen base, after its second copy)
+    costs its upload a few requests; once the file was written since, it is hashed again."""
+    from core.storage.content import known_sha256
+
+    store, source, crc = _shared_store(s3_endpoint, tmp_path)
+
+    def put(step: int) -> None:
+        with open(source, "rb", buffering=0) as fh:
+            store.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+
+    put(1)
+    put(2)  # the second copy reads the stored bytes back and records the hash; the source's inode notes it
+    with open(source, "rb", buffering=0) as fh:
+        assert known_sha256(fh.fileno()) == store._recorded_hash(store.resolve("run/step-00000002/base.bin"))
+    reads = _counting_reads(monkeypatch, source)
+    put(3)
+    assert sum(reads) == 0
+    with store.open_read("run/step-00000003/base.bin") as fh:
+        assert fh.read() == BASE
+
+    st = source.stat()
+    source.write_bytes(BASE)  # written again (same bytes, a new modification time): the note no longer holds
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    put(4)
+    assert sum(reads) >= len(BASE)
+    store.close()
+
+
+def test_a_source_rotted_behind_its_hash_note_never_gives_tier2_other_bytes(s3_endpoint, tmp_path):
+    """Bit rot changes neither size nor modification time, so the note still holds: the pointer
+    names the stored content, whose bytes are the manifest's, never the rotted source's."""
+    store, source, crc = _shared_store(s3_endpoint, tmp_path)
+    for step in (1, 2):
+        with open(source, "rb", buffering=0) as fh:
+            store.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+    st = source.stat()
+    with open(source, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(bytes([BASE[1000] ^ 0xFF]))
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with open(source, "rb", buffering=0) as fh:
+        store.put_verified("run/step-00000003/base.bin", fh, len(BASE), crc)
+
+    store.verify_object("run/step-00000003/base.bin", len(BASE), crc)
+    with store.open_read("run/step-00000003/base.bin") as fh:
+        assert fh.read() == BASE
+    store.close()
+
+
+def test_milestones_of_a_frozen_base_note_its_hash_on_the_tier1_content(settings_factory, db_url, s3_endpoint,
+                                                                        s3_bucket):
+    """Through the pipeline: the Tier 1 content of the base carries the hash Tier 2 recorded, so
+    every archive after the second shares the base with no read of it."""
+    from core.storage.content import known_sha256
+
+    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
+    for step in (100, 200, 300):
+        save(settings, step)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    recorded = client.get_object(Bucket=s3_bucket, Key=content_of(settings, len(BASE)) + ".sha256")["Body"].read()
+    fd = os.open(Path(settings.tier1_url) / checkpoint_prefix(RUN, 300) / "base.bin", os.O_RDONLY)
+    try:
+        assert known_sha256(fd) == recorded.decode()
+    finally:
+        os.close(fd)
