@@ -28,7 +28,11 @@ A tier's byte budget (``max_bytes``; Tier 0's per node) counts what the tier hol
 (``stored_bytes``). Over it, the copies its policy keeps only as ``retention off`` (no rule, no
 hold, no milestone: what a tier with retention off keeps besides) lose that reason, oldest first,
 until what stays fits: each then goes as any copy no rule keeps (demoted under the same promise,
-or retired), with the reason ``over budget (N of M bytes)``. What a rule keeps never goes for
+or retired), with the reason ``over budget (N of M bytes)``. A Tier 0 eviction takes the
+checkpoint's copies on every node, so a checkpoint whose parts lie on several nodes goes only
+when every node holding it takes it for its own budget (a data-parallel job's nodes, each over
+by the same parts); one that a node within its budget keeps stays everywhere, named in the
+other nodes' budgets as ``retention off, on other nodes too``. What a rule keeps never goes for
 the budget: the plan's ``budgets`` say what each budgeted tier keeps against its budget and,
 over it, the rules that keep the excess.
 """
@@ -219,26 +223,51 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
         added = False
         reasons = {(d.run, d.step): d.reason for d in out.checkpoints if d.action == KEEP}
         copies: dict[tuple[str, int], list[ReplicaDecision]] = defaultdict(list)
-        on_nodes: dict[tuple[str, int], set[str | None]] = defaultdict(set)
         for d in out.replicas:
             copies[(d.run, d.step)].append(d)
-            if d.tier == 0:
-                on_nodes[(d.run, d.step)].add(d.node)
-        for (t, node), kept in _kept(out, limits).items():
-            held, limit = _Held(kept), limits[t]
-            # a Tier 0 eviction is the checkpoint's on every node: one node's budget takes only
-            # what lies on that node alone, never another node's copies
-            candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
-                                 if d.reason == "retention off" and (t, d.run, d.step) not in tried
-                                 and (t != 0 or on_nodes[(d.run, d.step)] <= {node})})
-            for _, run, step in candidates:
-                if held.total <= limit:
-                    break
+        groups = _kept(out, limits)
+        holders: dict[tuple[str, int], set[str | None]] = defaultdict(set)  # the nodes whose Tier 0 keeps it
+        for (t, node), kept in groups.items():
+            if t == 0:
+                for d in kept:
+                    holders[(d.run, d.step)].add(node)
+        # a Tier 0 eviction is the checkpoint's on every node: it is taken only when every node
+        # that holds it takes it for its own budget (a data-parallel job's nodes, each over by the
+        # same parts); one a node under its budget keeps is never taken for another node's
+        vetoed: set[tuple[str, int]] = set()
+        while True:
+            picks: dict[tuple[int, str | None], list[tuple[str, int]]] = {}
+            for (t, node), kept in groups.items():
+                held, limit = _Held(kept), limits[t]
+                candidates = sorted({(live[(d.run, d.step)].created_at, d.run, d.step) for d in kept
+                                     if d.reason == "retention off" and (t, d.run, d.step) not in tried
+                                     and (t != 0 or (d.run, d.step) not in vetoed)})
+                picks[(t, node)] = []
+                for _, run, step in candidates:
+                    if held.total <= limit:
+                        break
+                    picks[(t, node)].append((run, step))
+                    if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
+                        held.drop(d for d in kept if (d.run, d.step) == (run, step))
+            taken: dict[tuple[str, int], set[str | None]] = defaultdict(set)
+            for (t, node), chosen in picks.items():
+                if t == 0:
+                    for key in chosen:
+                        taken[key].add(node)
+            refused = {key for key, by in taken.items() if by != holders[key]}
+            if not refused:
+                break
+            vetoed |= refused
+        for (t, node), chosen in sorted(picks.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            limit = limits[t]
+            for run, step in chosen:
+                if (t, run, step) in tried:  # taken by another node's budget this round: its numbers stand
+                    continue
                 tried.add((t, run, step))
-                evicted[t][(run, step)] = f"over budget ({wanted.get((t, node), held.total)} of {limit} bytes)"
+                over = max(wanted.get((t, n)) or stored_bytes(groups[(t, n)])
+                           for n in (holders[(run, step)] if t == 0 else {node}))
+                evicted[t][(run, step)] = f"over budget ({over} of {limit} bytes)"
                 added = True
-                if _frees(live[(run, step)], t, reasons[(run, step)], copies[(run, step)], rules):
-                    held.drop(d for d in kept if (d.run, d.step) == (run, step))
         if not added:
             break
         out = _plan_all(by_run, rules, now, evicted)
@@ -293,8 +322,8 @@ def _kept(p: Plan, limits: Mapping[int, int]) -> dict[tuple[int, str | None], li
 def _budget(tier: int, node: str | None, limit: int, kept: Sequence[ReplicaDecision], wanted: int,
             spread: Collection[tuple[str, int]] = ()) -> Budget:
     """``tier``'s budget after the plan; over it, the bytes each rule keeps there. On Tier 0, a
-    checkpoint with copies on other nodes too (``spread``) is not one node's budget to take (it
-    would take the other nodes' copies with it): it is named as what holds the excess."""
+    checkpoint with copies on other nodes too (``spread``) that stays (a node within its budget
+    keeps it) is named as what holds the excess."""
     total = stored_bytes(kept)
     held: dict[str, list[ReplicaDecision]] = defaultdict(list)
     if total > limit:

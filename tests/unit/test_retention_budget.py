@@ -98,6 +98,46 @@ def test_tier0s_budget_is_each_nodes_own():
     assert [(b.node, b.kept_bytes, b.over) for b in decided.budgets] == [("n0", 200, False), ("n1", 200, False)]
 
 
+def test_tier0s_budget_takes_a_multi_node_checkpoint_only_when_every_node_holding_it_is_over():
+    """A data-parallel job: each node holds one part of every checkpoint, and a Tier 0 eviction
+    takes the checkpoint's parts on every node. Every node over its budget: the oldest go from
+    all of them. One node within its budget: that checkpoint stays everywhere, and the budget of
+    the node over it names what holds the excess."""
+    from datetime import UTC, datetime, timedelta
+
+    from core.retention import CheckpointFacts
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+
+    def ck(step: int, age: float, sizes: dict[str, int]) -> CheckpointFacts:
+        at = now - timedelta(days=age)
+        reps = []
+        for part, (node, size) in enumerate(sorted(sizes.items())):
+            reps += [ReplicaFacts(replica_id=step * 10 + 2 * part, tier=0, part=part, node=node, bytes=size),
+                     ReplicaFacts(replica_id=step * 10 + 2 * part + 1, tier=1, part=part, bytes=size)]
+        return CheckpointFacts(run="r", step=step, created_at=at, committed_at=at, parts=len(sizes),
+                               replicas=tuple(reps))
+
+    rules = Rules(policies={0: RetentionPolicy(enabled=False, max_bytes=250), 1: RetentionPolicy(enabled=False)})
+    even = [ck(step, 10 - step, {"n0": 100, "n1": 100}) for step in (1, 2, 3, 4)]
+    decided = plan(even, rules, now)
+
+    tier0 = {(d.step, d.node): (d.action, d.reason) for d in decided.replicas if d.tier == 0}
+    for node in ("n0", "n1"):
+        assert tier0[(1, node)] == ("demote", "over budget (400 of 250 bytes)")
+        assert tier0[(2, node)] == ("demote", "over budget (400 of 250 bytes)")
+        assert tier0[(3, node)][0] == tier0[(4, node)][0] == "keep"
+    assert [(b.node, b.kept_bytes, b.over) for b in decided.budgets] == [("n0", 200, False), ("n1", 200, False)]
+
+    uneven = [ck(step, 10 - step, {"n0": 100, "n1": 10}) for step in (1, 2, 3, 4)]  # n1 holds 40 bytes
+    decided = plan(uneven, rules, now)
+
+    assert {d.action for d in decided.replicas if d.tier == 0} == {"keep"}
+    n0 = next(b for b in decided.budgets if b.node == "n0")
+    assert n0.over and n0.kept_bytes == 400
+    assert dict(n0.held_by)["retention off, on other nodes too"] == 400  # n1 keeps them all
+
+
 def test_a_budget_set_alone_keeps_the_rest_of_the_tiers_default_policy(monkeypatch, tmp_path):
     """``CKPT_RETENTION_TIER2__MAX_BYTES`` alone must not turn Tier 2's retention on with no keep
     rule (which would let most of the archive go), nor a Tier 1 budget drop its ``keep_last``;
