@@ -11,9 +11,9 @@ catalog's schema checked against a SQLite catalog).
 
 Then the group as an agent runs it, measured from outside (``/proc/PID/smaps_rollup`` and
 ``/proc/PID/pagemap``), ``--rounds`` times: the agent with a spawned part process (the baseline:
-two interpreters, each with its own copy of every import) and the agent with multiprocessing's
-fork server (its preload imported once) and a part process forked from it, as the agent runs
-them (``deployments.processes.process_context``), with the resource tracker. Two RSS figures
+two interpreters, each with its own copy of every import) and the agent with its zygote (forked
+from the agent once it imported what a child needs) and a part process forked from the zygote,
+as the agent runs them (``deployments.processes.Zygote``). Two RSS figures
 added would count the shared pages twice; the honest figure of what the group costs the node is
 its distinct page frames (every resident page counted once, shared libraries in full even where
 other processes map them too; needs root to read the frame numbers), and the sum of PSS beside
@@ -65,33 +65,45 @@ rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 print(json.dumps({"rss": rss, "heavy": [k for k in json.loads(sys.argv[3]) if k in sys.modules]}))
 """
 # The agent as it runs: a part's process spawned (a fresh interpreter) or forked from
-# multiprocessing's fork server, as the agent starts it (deployments.processes); the figures of
+# the agent's zygote, as the agent starts it (deployments.processes); the figures of
 # the whole group are then measured from outside (group_memory).
 GROUP_PROBE = r"""
-import importlib, json, multiprocessing, os, sys, time
+import importlib, json, multiprocessing, os, sys, tempfile, time
 for m in json.loads(sys.argv[1]):
     importlib.import_module(m)
-from benchmarks.agent_memory import part_child, tree
-from deployments.processes import process_context
-ctx = process_context() if sys.argv[2] == "forked" else multiprocessing.get_context("spawn")
+from benchmarks.agent_memory import part_child, part_forked, tree
 t0 = time.monotonic()
-conn, child = ctx.Pipe()
-part = ctx.Process(target=part_child, args=(child,), daemon=True)
-part.start()
-assert conn.poll(300), "part process not ready"
-conn.recv()
+if sys.argv[2] == "forked":
+    from deployments.processes import Zygote
+    ready = tempfile.mktemp(prefix="ckpt-mem-ready-")
+    part = Zygote.get().fork(part_forked, (ready,))
+    while not os.path.exists(ready):
+        assert time.monotonic() - t0 < 300, "part process not ready"
+        time.sleep(0.005)
+else:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    part = ctx.Process(target=part_child, args=(child,), daemon=True)
+    part.start()
+    assert conn.poll(300), "part process not ready"
+    conn.recv()
 wall = time.monotonic() - t0
 ticks = sum(int(x) for x in open(f"/proc/{part.pid}/stat").read().rsplit(")", 1)[1].split()[11:13])
 print(json.dumps({"pids": tree(os.getpid()), "ready_s": wall, "ready_cpu_s": ticks / os.sysconf("SC_CLK_TCK")}),
       flush=True)
 sys.stdin.readline()
-conn.send(None)
-part.join(30)
+if sys.argv[2] == "forked":
+    part.kill()
+    part.join(30)
+    os.unlink(ready)
+else:
+    conn.send(None)
+    part.join(30)
 """
 
 
 def part_ready() -> None:
-    """What a part's process has done before its copy: its imports (the fork server's preload)
+    """What a part's process has done before its copy: its imports (the zygote's preload)
     and the catalog's schema check."""
     import importlib
 
@@ -112,8 +124,19 @@ def part_child(conn) -> None:
     conn.recv()
 
 
+def part_forked(ready: str, beat) -> None:
+    """A part's process forked from the agent's zygote (``GROUP_PROBE``): ready (``ready``
+    written), then waits to be killed."""
+    import time  # deferred: in the measured process, as a part's
+
+    part_ready()
+    with open(ready, "w"):
+        pass
+    time.sleep(3600)
+
+
 def tree(pid: int) -> list[int]:
-    """``pid`` and every live process under it (the fork server, the resource tracker, the part)."""
+    """``pid`` and every live process under it (the zygote and the part)."""
     from benchmarks.burst import descendants  # deferred: start-up — in the measured process
 
     return [pid, *descendants(pid)]
@@ -146,7 +169,7 @@ def frames(pid: int) -> set[int] | None:
 
 
 def group_memory(mode: str, mods: list[str], env: dict[str, str]) -> dict:
-    """The agent with a part's process (and the fork server and resource tracker when forked),
+    """The agent with a part's process (and the zygote when forked),
     measured from outside:
     the sum of PSS (each shared page divided among the processes mapping it) and, where the page
     frames are visible, the distinct frames of the group (every page it holds, counted once)."""
@@ -200,7 +223,7 @@ def main() -> None:
     print(f"\nthe agent with a part's process, measured from outside, {args.rounds} rounds (MB; PSS: each shared page "
           f"divided among the processes mapping it; distinct frames: every page of the group once)")
     print(f"{'group':46} {'PSS median':>10} {'PSS min':>8} {'distinct':>9}   USS per process (median)")
-    labels = {"spawned": "spawned part process (baseline)", "forked": "part process from the fork server"}
+    labels = {"spawned": "spawned part process (baseline)", "forked": "part process from the zygote"}
     for mode, label in labels.items():
         got = groups[mode]
         pss = [g["pss"] / 1e6 for g in got]

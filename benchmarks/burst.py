@@ -13,13 +13,13 @@ baseline beside it, against a Prefect server on SQLite. Printed per server: time
 burst to every part verified on Tier 1 and to durable; orchestrator events/s, flow runs/s and
 task runs/s sustained over the burst (from the burst to the last flow run's end); CPU seconds
 per part spent outside the byte copy (all CPU of the Prefect server processes; the agents with
-everything under them: the fork server, the part and checkpoint-run processes it forked and
+everything under them: the zygote, the part and checkpoint-run processes it forked and
 reaped, flow-run subprocesses; PostgreSQL: the stack's live backends and, through the postmaster's children's
 time, the backends that exited during the burst; Redis; less what the same byte work costs done
 directly with the transfer engine here; moto not counted), and that CPU split by role.
 
-Memory: an agent's processes (the agent, its fork server, a part's process forked from it
-while one runs, multiprocessing's resource tracker) at rest, PSS by role, measured and printed
+Memory: an agent's processes (the agent, its zygote, a part's process forked from it while
+one runs) at rest, PSS by role, measured and printed
 for the first agent (it also serves the cluster's flows) and for a node's agent (every other
 one), just before the burst. When N agents
 plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
@@ -135,8 +135,8 @@ class Phase:
         return out
 
 
-# An agent's process tree (agent, fork server, resource tracker) at rest, measured by ``proc_rss``,
-# grows while a part's process (forked from the fork server, sharing its imported pages) runs a
+# An agent's process tree (agent, zygote) at rest, measured by ``proc_rss``, grows while a
+# part's process (forked from the zygote, sharing the agent's imported pages) runs a
 # promotion: the flow run of a checkpoint runs in such a process too, no second interpreter per
 # run. 1.5 of the figure at rest leaves room for the busiest agent (docs/benchmarks.md).
 BUSY_GROWTH = 1.5
@@ -144,7 +144,7 @@ BUSY_GROWTH = 1.5
 
 def agents_that_fit(nodes: int, agent_rss: float, available: float, fraction: float) -> int:
     """How many agents fit in ``fraction`` of ``available`` bytes, each its process tree's
-    measured PSS at rest (``agent_rss``, its fork server included) times ``BUSY_GROWTH`` for the
+    measured PSS at rest (``agent_rss``, its zygote included) times ``BUSY_GROWTH`` for the
     promotion it runs; at least 1, at most ``nodes``."""
     per_agent = BUSY_GROWTH * agent_rss
     return max(1, min(nodes, int(fraction * available // per_agent)))
@@ -216,7 +216,8 @@ PSS_ROLES = ("agent", "fork server", "part process", "resource tracker")
 
 def children(pid: int) -> list[int]:
     """The live children of ``pid``, whichever of its threads started them (the agent starts its
-    fork server from a worker thread, and /proc lists a child under the thread that forked it)."""
+    zygote from its main thread, Prefect's runner its flow runs from others, and /proc lists a
+    child under the thread that forked it)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
@@ -240,9 +241,9 @@ def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
 
 
 def role_pss(pid: int) -> dict[str, float]:
-    """MB of PSS of an agent's processes by role: the agent, multiprocessing's resource tracker
-    and fork server (fresh interpreters the agent starts at its first part) and the part and
-    checkpoint-run processes (forked from the fork server)."""
+    """MB of PSS of an agent's processes by role: the agent, its fork server (the zygote, forked
+    from the agent at its start; a resource tracker, if one runs, apart) and the part and
+    checkpoint-run processes (forked from the zygote)."""
     def pss(p: int) -> float:
         try:
             return sum(int(line.split()[1]) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()

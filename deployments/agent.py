@@ -49,6 +49,7 @@ from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.part_events import part_events
+from deployments.processes import start_fork_server
 from deployments.reconcile_loop import reconciling
 
 log = logging.getLogger("ckpt.agent")
@@ -154,6 +155,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
+    start_fork_server()  # first, while this process has one thread: the zygote is forked from it
     try:
         for state in init_tiers(settings, actor=f"agent:{settings.node}"):
             log.info("%s", state.line())

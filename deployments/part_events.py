@@ -226,8 +226,8 @@ class PartEvents:
             from tasks.prefect_events import emit  # deferred: start-up — Prefect
 
             return promote_part(self.settings, payload, self.announcer or emit, self.request_followups)
-        code = run_child(run_part_process, (self.settings, payload, self._env),
-                         stall_s=self.settings.copy_stall_seconds, what=f"promotion of {what(payload)}")
+        code, _ = run_child(run_part_process, (self.settings, payload, self._env),
+                            stall_s=self.settings.copy_stall_seconds, what=f"promotion of {what(payload)}")
         if code == FOLLOWUPS:
             self.request_followups(str(payload["run"]), parse_number(payload["step"]),
                                    parse_number(payload.get("part", 0), "part"),
@@ -246,8 +246,8 @@ class PartEvents:
         """The checkpoint's run in a child, watched; a child that ended before its run did
         (killed, out of memory) leaves the run ``Crashed`` (``crash_checkpoint_run``)."""
         params = {"run": run, "step": step, "part": part, "parts": parts, "attempt": attempt}
-        code = run_child(run_checkpoint_process, (self.settings, params, self._env),
-                         stall_s=self.settings.copy_stall_seconds, what=f"promote run of {run!r} step {step}")
+        code, _ = run_child(run_checkpoint_process, (self.settings, params, self._env),
+                            stall_s=self.settings.copy_stall_seconds, what=f"promote run of {run!r} step {step}")
         if code is not None and code not in (0, 1):  # None: left behind, not ended (logged by run_child)
             crash_checkpoint_run(self.node, run, step, attempt, f"its process exited with code {code} before the "
                                  "run finished (killed when it stalled, or out of memory); reconcile finishes it")

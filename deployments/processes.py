@@ -1,13 +1,13 @@
 """The agent's child processes: one per part it promotes, one per checkpoint run it starts, one per
 reconcile pass (deployments/reconcile_loop.py).
 
-The only start-up tuning of the agent, on ``multiprocessing``'s public interface alone: each
-child is forked from multiprocessing's fork server (``process_context``), which imports Prefect
-and the pipeline once (``set_forkserver_preload``, ``PRELOAD``), so a child shares those pages
-and starts in milliseconds instead of importing them again in a new interpreter; the agent
-itself keeps its memory at rest (a promotion's catalog connection, buffers and touched pages
-end with its process). A child is handed what it must see as arguments (the agent's settings
-and environment), since the fork server was started with the environment of its first use.
+The only start-up tuning of the agent, on public interfaces alone: each child is forked from the
+agent's zygote (``Zygote``), a process forked from the agent at its start, once it imported
+Prefect and the pipeline (``PRELOAD``). A child then shares those pages with the agent and the
+zygote and starts in milliseconds instead of importing them again in a new interpreter; the
+agent itself keeps its memory at rest (a promotion's catalog connection, buffers and touched
+pages end with its process). A child is handed what it must see as arguments (the agent's
+settings and environment): the zygote has the environment of the agent's start.
 
 A child that moves no byte for ``copy_stall_seconds`` (its storage stopped answering) is killed
 (``watch_stall``): nothing queues behind it for ever, and its claims, no longer renewed, lapse
@@ -16,15 +16,24 @@ for reconcile.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import importlib
 import logging
-import multiprocessing
+import mmap
 import os
+import pickle
+import select
+import signal
+import socket
+import struct
 import sys
+import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from functools import lru_cache
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from core import events, progress
@@ -35,7 +44,7 @@ from deployments import names
 
 log = logging.getLogger("ckpt.agent.parts")
 
-# What a child imports: the fork server imports them once, before it forks the first child.
+# What a child imports: the agent imports them once, before it forks the zygote.
 PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engine", "prefect.settings",
            "prefect.states", "flows.promote", "flows.reconcile", "tasks.prefect_events", "deployments.processes",
            "deployments.reconcile_loop"]
@@ -43,25 +52,221 @@ STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_s
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
 FOLLOWUPS = 3  # a part process's exit code: promoted, and its checkpoint's run is to be started
+MESSAGE_BYTES = 1 << 22  # the most a request to the zygote may carry (its socket's buffer)
 
 
-@lru_cache(maxsize=1)
-def process_context() -> Any:
-    """multiprocessing's fork server context, its preload set (once: the server starts at the
-    first child, with the modules named then)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+class Child:
+    """A child the zygote forked (``Zygote.fork``), as the agent sees it: ``sentinel`` (a pidfd,
+    readable once the child ended, for ``multiprocessing.connection.wait``), ``kill`` (by the
+    pidfd: never another process that got its pid since), ``beat`` (``core.progress.share``:
+    when it last moved a byte), and once it ended its exit code (``exitcode``: negative for a
+    signal, as ``multiprocessing`` says it; None when the zygote could not tell) and the value
+    its target returned (``result``)."""
+
+    def __init__(self, pid: int, pidfd: int, status: int, result: int, beat: Any, beat_map: mmap.mmap):
+        self.pid, self.sentinel, self._status, self._result = pid, pidfd, status, result
+        self.beat, self._beat_map = beat, beat_map
+        self._code: int | None = None
+        self._value: Any = None
+        self._ended = False
+
+    def kill(self) -> None:
+        with suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until it ended (True), at most ``timeout`` seconds; its exit code and value then read."""
+        from multiprocessing.connection import wait
+
+        if not self._ended and wait([self.sentinel], timeout):
+            self._value = _read_all(self._result)  # before the status: a child that wrote it has ended
+            raw = _read_all(self._status)  # the zygote writes it once it reaped the child
+            self._code = struct.unpack("!i", raw)[0] if len(raw) == 4 else None
+            self._ended = True
+        return self._ended
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._code
+
+    def result(self) -> Any:
+        return pickle.loads(self._value) if self._value else None
+
+    def close(self) -> None:
+        for fd in (self.sentinel, self._status, self._result):
+            with suppress(OSError):
+                os.close(fd)
+        del self.beat  # the ctypes view holds the map's buffer
+        self._beat_map.close()
+
+
+class Zygote:
+    """The agent's fork server: a process forked from the agent at its start (``start_fork_server``,
+    before any thread runs), once it imported what a child needs (``PRELOAD``), which forks each child
+    (``fork``). A child then shares the agent's imported pages copy-on-write and starts in
+    milliseconds; the agent stays small at rest (a promotion's connections, buffers and touched
+    pages end with its process). Everything is on public interfaces: ``os.fork`` of the agent
+    while it has one thread, ``multiprocessing``'s fork context in the zygote (one thread), a
+    Unix socket that carries the descriptors (``socket.send_fds``), pidfds.
+
+    A request is the target and its arguments, pickled, with two descriptors: a shared page for
+    the child's beat and the write end of the pipe its return value goes to. The zygote answers
+    with the child's pid, a pidfd of it and a pipe on which it writes the exit code once it
+    reaped the child. The zygote ends when the agent does (its socket closes)."""
+
+    _lock = threading.Lock()
+    _running: Zygote | None = None
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> Zygote:
+        """The zygote of this process, started now if there is none (or it died)."""
+        with cls._lock:
+            z = cls._running
+            if z is None or not z.alive():
+                if z is not None:
+                    log.warning("the agent's fork zygote (pid %s) is gone; starting another", z.pid)
+                    z.sock.close()
+                cls._running = z = cls._start()
+            return z
+
+    @staticmethod
+    def _start() -> Zygote:
+        for name in PRELOAD:
+            importlib.import_module(name)
+        if threading.active_count() > 1:
+            log.debug("fork zygote started with %d threads running", threading.active_count())
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sock in (ours, theirs):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MESSAGE_BYTES)
+        gc.freeze()  # the objects imported so far are never written by a collection in the children
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the zygote (its children's work is tested)
+            code = 0
+            try:
+                ours.close()
+                _zygote_serve(theirs)
+            except BaseException:  # noqa: BLE001 - a zygote that fails says why and ends
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        theirs.close()
+        return Zygote(ours, pid)
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def fork(self, target: Callable[..., Any], args: tuple[Any, ...]) -> Child:
+        """``target(*args, beat)`` in a new child; its value, if any, is ``Child.result()`` once
+        it ended (a small one: it waits in a pipe)."""
+        payload = pickle.dumps((target, args))
+        if len(payload) > MESSAGE_BYTES - 4096:
+            raise ValueError(f"a child's arguments of {len(payload)} bytes (at most {MESSAGE_BYTES - 4096})")
+        beat_fd = os.memfd_create("ckpt-beat", os.MFD_CLOEXEC)
+        result_r, result_w = os.pipe()
+        try:
+            os.ftruncate(beat_fd, 8)
+            beat_map = mmap.mmap(beat_fd, 8)
+            beat = ctypes.c_double.from_buffer(beat_map)
+            beat.value = time.monotonic()
+            with self.lock:
+                socket.send_fds(self.sock, [payload], [beat_fd, result_w])
+                answer, fds, _, _ = socket.recv_fds(self.sock, 64, 2)
+        except BaseException:
+            os.close(result_r)
+            raise
+        finally:
+            os.close(beat_fd)
+            os.close(result_w)
+        if len(fds) != 2:
+            os.close(result_r)
+            raise OSError(f"the fork zygote did not start the child: {answer.decode(errors='replace')}")
+        return Child(int(answer), fds[0], fds[1], result_r, beat, beat_map)
+
+
+def _zygote_serve(sock: socket.socket) -> None:  # pragma: no cover - runs in the zygote
+    """The zygote's loop: a child per request (``multiprocessing``'s fork context: this process
+    has one thread, and a child ends as any ``multiprocessing`` process does, its threads joined
+    and their exit hooks run, such as Prefect's log and event workers draining), and each ended
+    child's exit code to its pipe."""
+    import multiprocessing  # deferred: the zygote alone starts processes this way
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent's Ctrl-C ends the agent, whose socket ends this
+    ctx = multiprocessing.get_context("fork")
+    ended: dict[int, tuple[Any, int]] = {}  # sentinel -> (the process, its status pipe's write end)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd != sock.fileno():
+                process, status_w = ended.pop(fd)
+                poller.unregister(fd)
+                process.join()
+                os.write(status_w, struct.pack("!i", process.exitcode))
+                os.close(status_w)
+                process.close()
+                continue
+            payload, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
+            if not payload:
+                return  # the agent ended
+            try:
+                target, args = pickle.loads(payload)
+                status_r, status_w = os.pipe()
+            except BaseException as exc:  # noqa: BLE001 - told to the agent, the next request served
+                for got in fds:
+                    os.close(got)
+                sock.send(f"{type(exc).__name__}: {exc}".encode())
+                continue
+            inherited = [sock.fileno(), status_r, status_w, *(w for _, w in ended.values())]
+            process = ctx.Process(target=_child_main, args=(target, args, *fds, inherited), name="ckpt-agent-child")
+            process.start()
+            for got in fds:
+                os.close(got)
+            pid = process.pid
+            assert pid is not None  # started
+            pidfd = os.pidfd_open(pid)
+            socket.send_fds(sock, [str(pid).encode()], [pidfd, status_r])
+            os.close(pidfd)
+            os.close(status_r)
+            ended[process.sentinel] = (process, status_w)
+            poller.register(process.sentinel, select.POLLIN)
+
+
+def _child_main(target: Callable[..., Any], args: tuple[Any, ...], beat_fd: int, result_w: int,
+                inherited: list[int]) -> None:  # pragma: no cover - runs in the child (its effects are tested)
+    """A child: ``target(*args, beat)``, its value pickled to ``result_w``; the zygote's own
+    descriptors (``inherited``) closed first."""
+    for fd in inherited:
+        with suppress(OSError):
+            os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    beat_map = mmap.mmap(beat_fd, 8)
+    os.close(beat_fd)
+    value = target(*args, ctypes.c_double.from_buffer(beat_map))
+    if value is not None:
+        data = pickle.dumps(value)
+        while data:
+            data = data[os.write(result_w, data):]
+    os.close(result_w)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def start_fork_server() -> None:
-    """Start the fork server now, at the agent's start: its imports are then paid at rest, not
-    by the first part of the next checkpoint burst (a fresh interpreter importing Prefect and the
-    pipeline: seconds of CPU)."""
-    from multiprocessing import forkserver
-
-    process_context()  # the preload first
-    forkserver.ensure_running()
+    """Start the zygote now, at the agent's start, before any thread runs (``Zygote``)."""
+    Zygote.get()
 
 
 def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *, again: str = "reconcile tries the part again",
@@ -89,26 +294,27 @@ def watch_stall(process: Any, beat: Any, stall_s: float, what: str, *, again: st
     return why
 
 
-def run_child(target: Callable[..., None], args: tuple[Any, ...], *, stall_s: float, what: str,
-              again: str = "reconcile tries it again") -> int | None:
-    """``target(*args, beat)`` in a child forked from the fork server, watched for stalls
-    (``watch_stall``); its exit code, after one line in the log when it was not one of its own
-    (killed, out of memory, stalled: nothing was logged there; ``again``: what happens next)."""
-    ctx = process_context()
-    beat = ctx.Value("d", time.monotonic(), lock=False)  # when the child last moved a byte
-    process = ctx.Process(target=target, args=(*args, beat), name="ckpt-agent-child", daemon=True)
-    process.start()
-    stalled = watch_stall(process, beat, stall_s, what, again=again)
-    process.join(0 if stalled else None)  # ended (or killed): reaped; one the kill could not end is left behind
-    code = process.exitcode
-    if code not in (0, 1, FOLLOWUPS) and not stalled:  # a stall: ``watch_stall`` said it
-        log.error("%s: its process (pid %s) exited with code %s (%s)", what, process.pid, code, again)
-    return code
+def run_child(target: Callable[..., Any], args: tuple[Any, ...], *, stall_s: float, what: str,
+              again: str = "reconcile tries it again") -> tuple[int | None, Any]:
+    """``target(*args, beat)`` in a child forked from the zygote, watched for stalls
+    (``watch_stall``); its exit code and the value it returned (None when it returned none or
+    did not end), after one line in the log when the code was not one of its own (killed, out
+    of memory, stalled: nothing was logged there; ``again``: what happens next)."""
+    child = Zygote.get().fork(target, args)
+    try:
+        stalled = watch_stall(child, child.beat, stall_s, what, again=again)
+        child.join(0 if stalled else None)  # ended (or killed); one the kill could not end is left behind
+        code = child.exitcode
+        if code not in (0, 1, FOLLOWUPS) and not stalled:  # a stall: ``watch_stall`` said it
+            log.error("%s: its process (pid %s) exited with code %s (%s)", what, child.pid, code, again)
+        return code, child.result()
+    finally:
+        child.close()
 
 
 def child_environment() -> dict[str, str]:
     """What a child must see (``agent_context``): Prefect's settings in force here over the
-    environment (the fork server has the environment of its start)."""
+    environment (the zygote has the environment of the agent's start)."""
     from prefect.settings import get_current_settings
 
     return {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
@@ -118,7 +324,7 @@ def agent_logging(level: str) -> None:
     """The agent's own lines (the ``ckpt`` and ``core`` loggers) at ``level`` and above, one
     line each on stderr, through a handler of their own (Prefect's lines keep Prefect's level
     and format). The agent's child processes set it up again (``agent_context``): the fork
-    server they are forked from is a fresh interpreter."""
+    zygote they are forked from may have been started before it was."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
                                            "%H:%M:%S"))  # as Prefect writes its own
@@ -131,7 +337,7 @@ def agent_logging(level: str) -> None:
 
 @contextmanager
 def agent_context(env: Mapping[str, str], beat: Any, log_level: str) -> Iterator[None]:
-    """A child's Prefect settings: the agent's (``env``), read again here (the fork server read
+    """A child's Prefect settings: the agent's (``env``), read again here (the zygote read
     its own at import time, with the environment of its start), with no flow-run heartbeats: the
     agent watches its child itself (``run_child``), a self-hosted server acts on heartbeats only
     through a "zombie" automation this stack does not create, and the engine joins the

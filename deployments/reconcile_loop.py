@@ -4,14 +4,14 @@ costs the orchestrator a flow run per node per interval and fills the Runs page 
 found nothing; here a pass is plain code (``flows.reconcile.reconcile_pass``) and leaves a flow
 run only when it acted, or failed otherwise than the last run showed (``flows.reconcile.decide``).
 
-Each pass runs in a child forked from the agent's fork server, as a part's promotion does
+Each pass runs in a child forked from the agent's zygote, as a part's promotion does
 (``deployments.processes.run_child``): one whose storage stops answering (a hung mount) is killed
 once no byte moved for ``copy_stall_seconds`` and the next interval runs the next pass, and what a
 pass holds (the catalog's connection, buffers, every page it touched) ends with its process: the
 agent's memory at rest stays what it was. One pass at a time (this loop waits for each), beside
 the parts' promotions (their own worker and children). What the last run showed of the passes'
-failures (``flows.reconcile.Shown``, as plain values: this process never imports the pass's
-modules) is kept here, handed to each pass and handed back by it.
+failures (``flows.reconcile.Shown``, as plain values) is kept here, handed to each pass and
+returned by it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextvars import copy_context
 from typing import Any
 
 from core.settings import Settings
-from deployments.processes import agent_context, child_environment, process_context, run_child
+from deployments.processes import agent_context, child_environment, run_child
 
 log = logging.getLogger("ckpt.reconcile")
 
@@ -49,21 +49,15 @@ def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any], 
     """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
     fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
     nothing (killed, died)."""
-    reader, writer = process_context().Pipe(duplex=False)
-    with reader:
-        with writer:
-            run_child(run_pass_process, (settings, dict(env), shown, writer, events),
-                      stall_s=settings.copy_stall_seconds, what=f"reconcile pass on {settings.node}",
-                      again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
-        try:
-            return reader.recv() if reader.poll() else shown
-        except (EOFError, OSError):  # ended before it handed anything back
-            return shown
+    _, kept = run_child(run_pass_process, (settings, dict(env), shown, events),
+                        stall_s=settings.copy_stall_seconds, what=f"reconcile pass on {settings.node}",
+                        again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
+    return kept if isinstance(kept, dict) else shown
 
 
-def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], conn: Any, events: bool,
-                     beat: Any) -> None:
-    """A pass in a child (``flows.reconcile.reconcile_pass``); what to keep handed back on ``conn``."""
+def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], events: bool,
+                     beat: Any) -> dict[str, Any]:
+    """A pass in a child (``flows.reconcile.reconcile_pass``); returns what to keep."""
     from dataclasses import asdict
 
     from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
@@ -73,8 +67,7 @@ def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, A
         if report.acted():
             log.info("reconcile on %s: %s", settings.node,
                      ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))
-    conn.send(asdict(kept))
-    conn.close()
+    return asdict(kept)
 
 
 @contextmanager

@@ -209,10 +209,10 @@ def test_agent_memory():
     assert re.search(r"part process \(ready to copy\) +\d+\.\d", out), out
     assert re.search(r"goal: agent \+ its part process <= 150 MB -> \d+ \+ \d+ = \d+ MB", out), out
     assert re.search(r"spawned part process \(baseline\) \(\d processes\) +\d+\.\d", out), out
-    # the agent, the fork server, the resource tracker and the part forked from the server
-    assert re.search(r"part process from the fork server \(4 processes\) +\d+\.\d", out), out
+    # the agent, its zygote and the part forked from the zygote
+    assert re.search(r"part process from the zygote \(3 processes\) +\d+\.\d", out), out
     assert re.search(r"forked, the group holds \d+ MB \((distinct frames|PSS);", out), out
-    assert re.search(r"part process from the fork server +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d\d", out), out
+    assert re.search(r"part process from the zygote +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d\d", out), out
     assert "torch/numpy not imported: yes" in out, out  # an agent never needs them
 
 

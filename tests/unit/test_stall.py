@@ -19,9 +19,17 @@ from core.errors import StaleState
 from core.layout import checkpoint_prefix
 from core.storage.local import LocalStore, kernel_copy
 from core.transfer import verify_part
-from deployments.processes import run_child, watch_stall
+from deployments.processes import Zygote, run_child, start_fork_server, watch_stall
 from tasks.claim import Lease
 from tests.kit.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote():
+    """The zygote started before a test's log capture, as the agent starts it before anything
+    else (importing what children need sets Prefect's logging up, which replaces the root
+    logger's handlers)."""
+    start_fork_server()
 
 
 @pytest.fixture
@@ -191,7 +199,7 @@ def test_an_agent_child_that_stalls_is_killed_and_the_agent_says_so(caplog):
     """A part's child, forked from the fork server as the agent forks it (``run_child``): one
     that moves no byte past the limit is killed, and the agent's log says which and why, once."""
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
-        code = run_child(_hang_after_a_beat, (), stall_s=0.5, what="promotion of 'r' step 1 part 0")
+        code, _ = run_child(_hang_after_a_beat, (), stall_s=0.5, what="promotion of 'r' step 1 part 0")
     assert code == -9
     (line,) = [r.getMessage() for r in caplog.records if r.name == "ckpt.agent.parts"]
     assert line.startswith("promotion of 'r' step 1 part 0: stalled, no byte moved"), line
@@ -199,7 +207,7 @@ def test_an_agent_child_that_stalls_is_killed_and_the_agent_says_so(caplog):
 
 def test_an_agent_child_that_dies_otherwise_is_one_line_with_its_exit_code(caplog):
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
-        code = run_child(_exit_with_beat, (7,), stall_s=60, what="promotion of 'r' step 2 part 0")
+        code, _ = run_child(_exit_with_beat, (7,), stall_s=60, what="promotion of 'r' step 2 part 0")
     assert code == 7
     (line,) = [r.getMessage() for r in caplog.records if r.name == "ckpt.agent.parts"]
     assert "promotion of 'r' step 2 part 0: its process (pid " in line and "exited with code 7" in line
@@ -232,3 +240,30 @@ def test_a_process_the_kill_cannot_end_is_left_behind(caplog):
         os.close(stuck._w)
     assert stuck.killed.is_set()
     assert "left behind, the next one goes on" in caplog.text
+
+
+def _answer(value, beat):
+    progress.share(beat)
+    return {"value": value, "pid": os.getpid()}
+
+
+def test_a_child_returns_its_value_and_the_zygote_forks_each_child_apart_from_the_agent():
+    """What the reconcile pass hands back comes back; each child is a process of its own, forked
+    from the zygote (not the agent: the agent's threads are never forked)."""
+    code, got = run_child(_answer, ([1, 2],), stall_s=60, what="x")
+    code2, got2 = run_child(_answer, ("b",), stall_s=60, what="x")
+
+    assert (code, got["value"], code2, got2["value"]) == (0, [1, 2], 0, "b")
+    assert len({os.getpid(), got["pid"], got2["pid"], Zygote.get().pid}) == 4
+
+
+def test_a_zygote_that_died_is_started_again():
+    first = Zygote.get()
+    os.kill(first.pid, 9)
+    os.waitpid(first.pid, 0)
+    try:
+        code, got = run_child(_answer, (3,), stall_s=60, what="x")
+        assert (code, got["value"]) == (0, 3)
+        assert Zygote.get().pid != first.pid
+    finally:
+        first.sock.close()
