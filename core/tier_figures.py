@@ -1,7 +1,8 @@
 """What a tier delivers and costs, as pure arithmetic over what the catalog recorded (``ckpt
 tiers``, the storage section of a run's status page, ``ckpt plan``'s measured bandwidths).
 
-Bandwidths are per hop (one part's copy, its read-back included, or one restore drill): the
+Bandwidths are per hop (one part's copy, its read-back included, or one restore drill), except
+``ckpt plan``'s write bandwidth, a whole checkpoint's (``checkpoint_bandwidths``): the
 median, and the p95 as the bandwidth 95 % of the hops reached at least (the slow tail, the one
 that stalls a promotion). First-byte latency's p95 is the plain 95th percentile (the slow tail
 again). Percentiles are by nearest rank: a value some hop really measured.
@@ -48,6 +49,23 @@ def spread(values: Sequence[float], *, slow_is_low: bool) -> Spread | None:
 def bandwidths(timings: Sequence[tuple[int, float]]) -> Spread | None:
     """The spread of bytes per second over ``(bytes, seconds)`` hops."""
     return spread([b / s for b, s in timings if s > 0], slow_is_low=True)
+
+
+def checkpoint_bandwidths(copies: Sequence[tuple[object, int, float, float]]) -> Spread | None:
+    """The spread of whole checkpoints' bandwidths over ``(checkpoint, bytes, seconds, ended)``
+    copies (``ended`` in seconds on any one clock): each checkpoint's bytes, all its parts
+    together, over the span from its first part's copy start to its last one's end. The parts
+    of a multi-node checkpoint copy side by side, so its bandwidth is their sum, not one hop's;
+    a one-part checkpoint's is its hop's."""
+    spans: dict[object, list[float]] = {}
+    for checkpoint, nbytes, seconds, ended in copies:
+        if seconds <= 0:
+            continue
+        got = spans.setdefault(checkpoint, [0.0, math.inf, -math.inf])
+        got[0] += nbytes
+        got[1] = min(got[1], ended - seconds)
+        got[2] = max(got[2], ended)
+    return spread([b / (last - first) for b, first, last in spans.values() if last > first], slow_is_low=True)
 
 
 def dedup_ratio(logical_bytes: int, stored_bytes: int) -> float | None:

@@ -192,7 +192,8 @@ class HopTiming:
     bytes: int
     seconds: float
     first_byte_seconds: float | None
-    at: datetime
+    at: datetime  # when it ended (a copy: its replica verified)
+    checkpoint_id: int | None = None  # a copy's: the parts of one checkpoint copy side by side
 
 
 @dataclass(frozen=True)

@@ -76,12 +76,13 @@ def _of_run(run_id: int | None) -> list[ColumnElement[bool]]:
 
 
 def _writes(conn: Connection, tier: int, since: datetime, run_id: int | None) -> list[HopTiming]:
-    stmt = (select(replicas.c.bytes, replicas.c.copy_seconds, replicas.c.first_byte_seconds, replicas.c.verified_at)
+    stmt = (select(replicas.c.bytes, replicas.c.copy_seconds, replicas.c.first_byte_seconds, replicas.c.verified_at,
+                   replicas.c.checkpoint_id)
             .select_from(replicas.join(checkpoints, checkpoints.c.id == replicas.c.checkpoint_id))
             .where(replicas.c.tier == tier, replicas.c.verified_at >= since, replicas.c.copy_seconds > 0,
                    replicas.c.bytes > 0, *_of_run(run_id))
             .order_by(replicas.c.verified_at.desc()).limit(HOP_LIMIT))
-    return [HopTiming(tier, "write", int(b), float(s), f, at) for b, s, f, at in conn.execute(stmt)]
+    return [HopTiming(tier, "write", int(b), float(s), f, at, ck) for b, s, f, at, ck in conn.execute(stmt)]
 
 
 def _reads(conn: Connection, tier: int, since: datetime, run_id: int | None) -> list[HopTiming]:

@@ -16,7 +16,16 @@ from dataclasses import asdict, dataclass
 
 from core.errors import ConfigError, StorageUnavailable
 from core.settings import Settings, display_url
-from core.tier_figures import WINDOW_SECONDS, Spread, bandwidths, budget_used, dedup_ratio, monthly_cost, spread
+from core.tier_figures import (
+    WINDOW_SECONDS,
+    Spread,
+    bandwidths,
+    budget_used,
+    checkpoint_bandwidths,
+    dedup_ratio,
+    monthly_cost,
+    spread,
+)
 from db.catalog import Catalog
 from db.entities import HopTiming
 from tasks.base import open_catalog, open_tier
@@ -116,13 +125,17 @@ def tier_matrix(settings: Settings, *, run: str | None = None) -> list[TierRow]:
 
 
 def measured_bandwidths(settings: Settings) -> dict[tuple[int, str], Spread]:
-    """(tier, 'write' | 'read') -> the spread of the last day's hops, where any measured it
-    (``ckpt plan``'s bandwidths)."""
+    """(tier, 'write' | 'read') -> the spread of the last day's bandwidths, where any hop measured
+    it (``ckpt plan``'s bandwidths): a write is a whole checkpoint's, its parts together
+    (``checkpoint_bandwidths``), a read one restore drill's."""
     with open_catalog(settings.catalog_url) as cat:
         timings = cat.hop_timings(WINDOW_SECONDS)
     out = {}
     for tier in TIERS:
-        for direction in ("write", "read"):
-            if (found := bandwidths(_hops(timings, tier, direction))) is not None:
+        writes = [(t.checkpoint_id, t.bytes, t.seconds, t.at.timestamp()) for t in timings
+                  if t.tier == tier and t.direction == "write"]
+        for direction, found in (("write", checkpoint_bandwidths(writes)),
+                                 ("read", bandwidths(_hops(timings, tier, "read")))):
+            if found is not None:
                 out[tier, direction] = found
     return out

@@ -44,7 +44,8 @@ def plan_cmd(
     size: str | None = typer.Option(None, "--size", help="checkpoint size instead of --params, e.g. 980GB"),
     interval: str = typer.Option("30m", "--interval", help="time between checkpoints, e.g. 30m"),
     bandwidth: list[str] = typer.Option([], "--bandwidth", help="write bandwidth; repeat to compare [the median "
-                                        "of the last day's hops into Tier 1 in the catalog, else 2GB/s]"),
+                                        "of the last day's checkpoints copied into Tier 1, all parts together, in "
+                                        "the catalog, else 2GB/s]"),
     runs: bool = typer.Option(True, "--runs/--no-runs", help="also show each run's measured ΔMFU from the catalog"),
     nodes: int | None = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
                               "checkpoint burst of this many nodes on one Prefect server"),
@@ -89,7 +90,7 @@ def plan_cmd(
         if not writes:
             write = measured.get((1, "write"))
             writes = [write.median if write is not None else DEFAULT_WRITE]
-            sources.append(_source("write", write, DEFAULT_WRITE, "hops into Tier 1"))
+            sources.append(_source("write", write, DEFAULT_WRITE, "checkpoints copied into Tier 1 (all parts)"))
         plans = [sizing.Plan(volume, secs, b) for b in writes]
         if tier1_read is None and (read := measured.get((1, "read"))) is not None:
             sources.append(_source("Tier 1 read", read, None, "restore drills from Tier 1"))

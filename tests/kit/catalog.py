@@ -68,10 +68,11 @@ def verified(cat: Catalog, checkpoint_id: int, tier: int, part: int = 0):
 
 
 def timed_hop(cat: Catalog, checkpoint_id: int, tier: int, *, seconds: float | None,
-              first_byte: float | None = None, bytes: int = 5 * 10**9):
-    """A copy into ``tier`` recorded as the pipeline records it: claimed, then verified with the
-    hop's duration and first-byte latency; returns ReplicaInfo."""
-    claim = cat.claim_copy(checkpoint_id, tier, 0, f"file:///tier{tier}/{checkpoint_id}", node=None, actor="test")
+              first_byte: float | None = None, bytes: int = 5 * 10**9, part: int = 0):
+    """A copy of ``part`` into ``tier`` recorded as the pipeline records it: claimed, then
+    verified with the hop's duration and first-byte latency; returns ReplicaInfo."""
+    claim = cat.claim_copy(checkpoint_id, tier, part, f"file:///tier{tier}/{checkpoint_id}/{part}", node=None,
+                           actor="test")
     return cat.transition(claim.replica.id, VERIFIED, expected=COPYING, claim_token=claim.replica.claim_token,
                           actor="test", bytes=bytes, copy_seconds=seconds, first_byte_seconds=first_byte)
 

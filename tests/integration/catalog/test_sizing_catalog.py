@@ -47,8 +47,8 @@ def test_plan_shows_each_runs_measured_delta_mfu(db_url, tmp_path):
 
 
 def test_plan_uses_the_bandwidths_this_cluster_measured_and_says_so(catalog, db_url, monkeypatch, tmp_path):
-    """With no --bandwidth, the write bandwidth is the median of the last day's hops into Tier 1
-    and the Tier 1 read that of its restore drills; the output says they were measured."""
+    """With no --bandwidth, the write bandwidth is the median of the last day's checkpoints copied
+    into Tier 1 and the Tier 1 read that of its restore drills; the output says they were measured."""
     from core import sizing
     from tests.kit.catalog import catalog_cli, checkpoint, timed_hop
 
@@ -67,11 +67,33 @@ def test_plan_uses_the_bandwidths_this_cluster_measured_and_says_so(catalog, db_
     expected = sizing.recovery_times(100 * gb, 1, 1.25 * gb, sizing.RecoveryModel(tier1_bytes_per_s=4 * gb))[1]
     assert tier1["node_seconds"] == pytest.approx(expected.node_seconds)
     text = cli("plan", "--size", "100GB", "--no-runs")
-    assert "write bandwidth: 1.25 GB/s, measured: the median of 2 hops into Tier 1 over the last day" in text
+    assert ("write bandwidth: 1.25 GB/s, measured: the median of 2 checkpoints copied into Tier 1 (all parts) "
+            "over the last day") in text
     assert "Tier 1 read bandwidth: 4.00 GB/s, measured" in text
 
     given = json.loads(cli("plan", "--size", "100GB", "--bandwidth", "10GB/s", "--tier1-read", "20GB/s", "--json"))
     assert given["model"][0]["bandwidth_bytes_per_s"] == 10 * gb and given["bandwidths"] == []
+
+
+def test_plan_counts_a_multi_node_checkpoints_parts_together(catalog, db_url, monkeypatch, tmp_path):
+    """Four nodes each copy their 100 GB part into Tier 1 in 100 s, side by side: the checkpoint
+    was written at 4 GB/s, not at one hop's 1 GB/s."""
+    from tests.kit.catalog import catalog_cli, manifest, timed_hop
+
+    gb = 10**9
+    catalog.ensure_run("run-a")
+    for part in range(4):
+        ck = catalog.register_part(manifest("run-a", 10, part=part, parts=4, size=gb // 2, node=f"node-{part}"),
+                                   actor="test")
+    for part in range(4):
+        timed_hop(catalog, ck.id, 1, seconds=100.0, bytes=100 * gb, part=part)
+    cli = catalog_cli(monkeypatch, tmp_path, db_url)
+
+    out = json.loads(cli("plan", "--size", "100GB", "--no-runs", "--json"))
+
+    # the four copies were recorded moments apart: the span is 100 s and those moments
+    assert 3 * gb < out["model"][0]["bandwidth_bytes_per_s"] <= 4 * gb
+    assert out["bandwidths"][0]["hops"] == 1  # one checkpoint
 
 
 def test_plan_falls_back_to_its_defaults_without_measured_hops_and_says_so(catalog, db_url, monkeypatch, tmp_path):
@@ -82,4 +104,5 @@ def test_plan_falls_back_to_its_defaults_without_measured_hops_and_says_so(catal
     assert out["model"][0]["bandwidth_bytes_per_s"] == 2e9
     assert [(s["what"], s["source"]) for s in out["bandwidths"]] == [("write", "default"), ("Tier 1 read", "default")]
     text = cli("plan", "--size", "100GB")
-    assert "write bandwidth: 2.00 GB/s, the model's default: no hops into Tier 1 recorded over the last day" in text
+    assert ("write bandwidth: 2.00 GB/s, the model's default: no checkpoints copied into Tier 1 (all parts) "
+            "recorded over the last day") in text
