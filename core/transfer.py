@@ -98,8 +98,9 @@ class _Counter:
 class _CountingReader:
     """The reader ``put_verified`` is handed: counts the bytes read (or copied in the kernel)."""
 
-    def __init__(self, inner: BinaryIO, counter: _Counter):
+    def __init__(self, inner: BinaryIO, counter: _Counter, *, stored_content: bool = False):
         self.inner, self.counter = inner, counter
+        self.stored_content = stored_content  # the source tier's own stored content (``TierStore.holds_content``)
         if hasattr(inner, "readinto"):
             self._inner_readinto = inner.readinto
             self.readinto = self._readinto
@@ -346,7 +347,8 @@ def copy_part(
                 return entry.size
             with src_store.open_read(_key(src_prefix, entry.path)) as reader:
                 # duck-typed: it has the reads put_verified makes (read, readinto, fileno, note_copied)
-                counting = cast(BinaryIO, _CountingReader(reader, counter))
+                counting = cast(BinaryIO, _CountingReader(
+                    reader, counter, stored_content=src_store.holds_content(reader, entry.size, entry.checksum)))
                 dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
             if check_source:

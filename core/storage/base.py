@@ -134,6 +134,13 @@ class TierStore(ABC):
         when the tier is not one."""
         return None
 
+    def holds_content(self, reader: BinaryIO, size: int, checksum: str) -> bool:
+        """Whether ``reader`` (opened by ``open_read``) reads this tier's stored content of that
+        size and CRC32C itself (the inode its content store keeps): only such a file's SHA-256
+        note is trusted (``core.storage.content.known_sha256``), never one on a file a trainer
+        or anyone else wrote. A store without a content store holds none."""
+        return False
+
     def in_place(self, key: str = "") -> Path | None:
         """Where a trainer on this machine reads ``key`` as it lies ('': the tier's root), or
         None when it must be fetched first (an object store, a file system reached only through

@@ -150,6 +150,15 @@ class LocalStore(TierStore):
     def local_path(self, key: str) -> Path | None:
         return self.path(key)
 
+    def holds_content(self, reader: BinaryIO, size: int, checksum: str) -> bool:
+        if self.content is None or (fd := local_fd(reader)) is None:
+            return False
+        try:
+            ours, stored = os.fstat(fd), os.stat(self.content.entry(size, checksum))
+        except (OSError, ValueError):
+            return False
+        return (ours.st_dev, ours.st_ino) == (stored.st_dev, stored.st_ino)
+
     def in_place(self, key: str = "") -> Path | None:
         return self.path(key) if key else self.root
 

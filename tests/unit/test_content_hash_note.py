@@ -61,3 +61,30 @@ def test_a_note_that_is_not_ours_is_ignored(tmp_path):
             assert known_sha256(fd) is None, value
         finally:
             os.close(fd)
+
+
+def test_only_a_content_stores_own_inode_holds_its_content(tmp_path):
+    """``LocalStore.holds_content``: a Tier 1 file linked to the content its store keeps, never a
+    copy of it (even one carrying its extended attributes), nor a store without contents."""
+    import io
+    import shutil
+
+    from core import checksum
+    from core.storage.local import LocalStore
+
+    data = os.urandom(1 << 16)
+    crc = checksum.hash_bytes(data)
+    store, plain = LocalStore(tmp_path / "tier1", 1, shared_content=True), LocalStore(tmp_path / "plain", 1)
+    (tmp_path / "tier1").mkdir()
+    (tmp_path / "plain").mkdir()
+    store.put_verified("run/step-1/base.bin", io.BytesIO(data), len(data), crc)
+    plain.put_verified("run/step-1/base.bin", io.BytesIO(data), len(data), crc)
+    shutil.copy2(tmp_path / "tier1" / "run/step-1/base.bin", tmp_path / "copy.bin")
+
+    with store.open_read("run/step-1/base.bin") as fh:
+        assert store.holds_content(fh, len(data), crc)
+        assert not store.holds_content(fh, len(data) + 1, crc)
+    with open(tmp_path / "copy.bin", "rb") as fh:
+        assert not store.holds_content(fh, len(data), crc)
+    with plain.open_read("run/step-1/base.bin") as fh:
+        assert not plain.holds_content(fh, len(data), crc)

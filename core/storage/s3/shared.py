@@ -9,9 +9,11 @@ of the store resolves a pointer (``open_read``, ``stat``, ``list``, ranged reads
 ``verify_object``), so callers see whole checkpoints as before.
 
 A candidate is used only when the local source's SHA-256, read as its CRC32C is checked, equals
-the recorded one: a CRC32C collision never substitutes bytes. The source's SHA-256 is then noted
-on its inode (``core.storage.content.noted_sha256``): a Tier 1 file linked to a content hashed
-before (a frozen base, every checkpoint after the second) is shared with no read of its bytes.
+the recorded one: a CRC32C collision never substitutes bytes. A source that is its tier's own
+stored content (a Tier 1 file linked to the inode its content store keeps) has its SHA-256 noted
+on that inode once hashed (``core.storage.content.noted_sha256``), and a later copy of it (a
+frozen base, every checkpoint after the second) is shared with no read of its bytes. A note on
+any other file (one a trainer wrote, or copied with its extended attributes) is never read.
 A content whose hash was never recorded (seen once, or its uploader died) is read back whole by
 the next copy of the same (size, CRC32C), and its hash recorded only when the stored bytes'
 SHA-256 equals that copy's source's: one download per shared content, after which a copy hashes
@@ -134,14 +136,16 @@ class SharedContentMixin:
         return self.pointed(self._head(key)) or key
 
     def put_shared(self, key: str, fd: int, note: Callable[[int], object] | None, size: int,
-                   checksum: str) -> bool:
+                   checksum: str, *, noted: bool = False) -> bool:
         """Publish ``key`` as a pointer to the shared content of the local source ``fd``,
         uploading the content first when the tier does not hold it; False when it cannot be
         shared (a content with other bytes, or one uploaded meanwhile by another writer): then
         the caller uploads the file whole. A content seen for the first time is uploaded with no
         hash recorded: most never come again (a pretraining run's every file), and hashing them
         would cost every upload; the next copy of the same (size, CRC32C), if one comes, reads
-        the stored bytes back and records it (``_recover_hash``), once."""
+        the stored bytes back and records it (``_recover_hash``), once. ``noted``: the source
+        is its tier's own stored content (``TierStore.holds_content``), whose inode may carry
+        its SHA-256 (read, and noted once hashed); any other source is hashed every time."""
         content = content_key(size, checksum)
         recorded = self._recorded_hash(content)
         if recorded is None and self._head(content) is None:
@@ -153,13 +157,12 @@ class SharedContentMixin:
             if self._head(content + MARK_SUFFIX) is not None:  # being swept: not worth its download
                 return False
             try:
-                if not self._recover_hash(content, fd, size, checksum, note):
+                if not self._recover_hash(content, fd, size, checksum, note, noted):
                     return False
             except NotFound:  # swept meanwhile: a question of the destination, never of the source
                 return False
-        elif known_sha256(fd) != recorded:  # a source whose inode carries the hash needs no read
-            got = source_hashes(fd, size, self.buffer_bytes, note)
-            _note(fd, got)
+        elif not noted or known_sha256(fd) != recorded:  # a noted stored content needs no read
+            got = _hashed(fd, size, self.buffer_bytes, note, noted)
             if got != (size, checksum, recorded):
                 return False
         if self._head(content + MARK_SUFFIX) is not None:  # being swept: a hash read now is not trusted
@@ -178,16 +181,12 @@ class SharedContentMixin:
         return True
 
     def _recover_hash(self, content: str, fd: int, size: int, checksum: str,
-                      note: Callable[[int], object] | None) -> bool:
+                      note: Callable[[int], object] | None, noted: bool) -> bool:
         """Record the hash of a content stored without one when its bytes, read back whole, equal
         the local source's (size, CRC32C and SHA-256 of both); True when the recorded hash is
         the source's. One download, once per such content, in place of an upload per copy."""
-        known = known_sha256(fd)
-        if known is None:
-            want = source_hashes(fd, size, self.buffer_bytes, note)
-            _note(fd, want)
-        else:
-            want = (size, checksum, known)
+        known = known_sha256(fd) if noted else None
+        want = (size, checksum, known) if known is not None else _hashed(fd, size, self.buffer_bytes, note, noted)
         if want[:2] != (size, checksum):
             return False
         sha256, value, got = hashlib.sha256(), 0, 0
@@ -325,14 +324,19 @@ class SharedContentMixin:
             self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **_crc32c(body))
 
 
-def _note(fd: int, got: tuple[int, str, str]) -> None:
-    """Note the SHA-256 of a source just read whole (``source_hashes``) on its inode."""
-    try:
-        whole = got[0] == os.fstat(fd).st_size
-    except OSError:
-        return
-    if whole:
-        noted_sha256(fd, got[2])
+def _hashed(fd: int, size: int, buffer_bytes: int, note: Callable[[int], object] | None,
+            noted: bool) -> tuple[int, str, str]:
+    """``source_hashes`` of ``fd``; with ``noted`` (a stored content) its SHA-256 noted on its
+    inode when the file was read whole and did not change while it was read (size, modification
+    and change times the same before and after)."""
+    before = os.fstat(fd) if noted else None
+    got = source_hashes(fd, size, buffer_bytes, note)
+    if before is not None:
+        after = os.fstat(fd)
+        if got[0] == after.st_size and (before.st_size, before.st_mtime_ns, before.st_ctime_ns) == \
+                (after.st_size, after.st_mtime_ns, after.st_ctime_ns):
+            noted_sha256(fd, got[2])
+    return got
 
 
 def _suffix(key: str) -> str:

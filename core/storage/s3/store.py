@@ -489,7 +489,8 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
             self.delete(key)  # a pointer to a content swept since (its copy lost its claim): replaced
         fd = local_fd(reader) if self.shared_content and self.shares(size) else None
         try:
-            if fd is None or not self.put_shared(key, fd, getattr(reader, "note_copied", None), size, checksum):
+            if fd is None or not self.put_shared(key, fd, getattr(reader, "note_copied", None), size, checksum,
+                                                 noted=getattr(reader, "stored_content", False)):
                 self._upload(key, reader, size, checksum)
         except ConflictError:
             self._same_or_conflict(key, size, checksum)  # someone published first: same bytes is fine

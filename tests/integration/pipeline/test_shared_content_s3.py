@@ -322,6 +322,22 @@ def _shared_store(s3_endpoint: str, tmp_path: Path) -> tuple[S3Store, Path, str]
     return store, source, checksum.hash_bytes(BASE)
 
 
+class _StoredContent:
+    """A reader of a Tier 1 file that is its content store's own inode, as the transfer engine
+    hands one to the S3 store (``TierStore.holds_content``)."""
+
+    stored_content = True
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def read(self, n: int = -1) -> bytes:
+        return self.fh.read(n)
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+
 def _counting_reads(monkeypatch, path: Path) -> list[int]:
     """Bytes read from ``path``'s inode by ``os.pread`` (how the shared upload reads a local
     source) while the test runs; the reads still happen."""
@@ -347,7 +363,7 @@ def test_a_source_whose_inode_carries_the_recorded_hash_is_shared_without_a_read
 
     def put(step: int) -> None:
         with open(source, "rb", buffering=0) as fh:
-            store.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+            store.put_verified(f"run/step-0000000{step}/base.bin", _StoredContent(fh), len(BASE), crc)
 
     put(1)
     put(2)  # the second copy reads the stored bytes back and records the hash; the source's inode notes it
@@ -373,7 +389,7 @@ def test_a_source_rotted_behind_its_hash_note_never_gives_tier2_other_bytes(s3_e
     store, source, crc = _shared_store(s3_endpoint, tmp_path)
     for step in (1, 2):
         with open(source, "rb", buffering=0) as fh:
-            store.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+            store.put_verified(f"run/step-0000000{step}/base.bin", _StoredContent(fh), len(BASE), crc)
     st = source.stat()
     with open(source, "r+b") as fh:
         fh.seek(1000)
@@ -381,11 +397,35 @@ def test_a_source_rotted_behind_its_hash_note_never_gives_tier2_other_bytes(s3_e
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     with open(source, "rb", buffering=0) as fh:
-        store.put_verified("run/step-00000003/base.bin", fh, len(BASE), crc)
+        store.put_verified("run/step-00000003/base.bin", _StoredContent(fh), len(BASE), crc)
 
     store.verify_object("run/step-00000003/base.bin", len(BASE), crc)
     with store.open_read("run/step-00000003/base.bin") as fh:
         assert fh.read() == BASE
+    store.close()
+
+
+def test_a_note_on_a_file_that_is_not_a_stored_content_is_never_read(s3_endpoint, tmp_path, monkeypatch):
+    """A trainer's file (Tier 0, or any file not its tier's stored content) with a note naming
+    the recorded hash (copied along with its extended attributes, or forged) is hashed whole:
+    only the content store's own inodes are trusted to carry one."""
+    from core.storage.content import noted_sha256
+
+    store, source, crc = _shared_store(s3_endpoint, tmp_path)
+    for step in (1, 2):
+        with open(source, "rb", buffering=0) as fh:
+            store.put_verified(f"run/step-0000000{step}/base.bin", fh, len(BASE), crc)
+    recorded = store._recorded_hash(store.resolve("run/step-00000002/base.bin"))
+    other = tmp_path / "trainer.bin"
+    other.write_bytes(BASE)
+    with open(other, "rb", buffering=0) as fh:
+        noted_sha256(fh.fileno(), recorded)
+    reads = _counting_reads(monkeypatch, other)
+
+    with open(other, "rb", buffering=0) as fh:
+        store.put_verified("run/step-00000003/base.bin", fh, len(BASE), crc)
+
+    assert sum(reads) >= len(BASE)
     store.close()
 
 
