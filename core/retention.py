@@ -257,7 +257,12 @@ def plan(facts: Iterable[CheckpointFacts], rules: Rules, now: datetime) -> Plan:
             refused = {key for key, by in taken.items() if by != holders[key]}
             if not refused:
                 break
-            vetoed |= refused
+            # a node within its budget never takes one: final. A node over it that stopped
+            # before one (an older pick sufficed) may need it once that pick is refused: asked
+            # again first; refused for good only when no node within its budget refuses anything
+            within = {node for (t, node), kept in groups.items() if t == 0 and _Held(kept).total <= limits[t]}
+            hard = {key for key in refused if holders[key] & within}
+            vetoed |= hard or refused
         for (t, node), chosen in sorted(picks.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
             limit = limits[t]
             for run, step in chosen:

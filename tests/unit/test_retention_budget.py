@@ -138,6 +138,35 @@ def test_tier0s_budget_takes_a_multi_node_checkpoint_only_when_every_node_holdin
     assert dict(n0.held_by)["retention off, on other nodes too"] == 400  # n1 keeps them all
 
 
+def test_tier0s_budget_asks_a_node_again_once_its_older_pick_is_refused():
+    """Step 1 lies on n1 and n2, step 2 on n0 and n1, step 3 on n0 alone; 100 bytes a copy, a
+    budget of 150. n1 first picks step 1 (its oldest), which n2, within its budget, refuses;
+    n1 is then asked again and takes step 2 with n0: both end within their budgets."""
+    from datetime import UTC, datetime, timedelta
+
+    from core.retention import CheckpointFacts
+
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+
+    def ck(step: int, nodes: tuple[str, ...]) -> CheckpointFacts:
+        at = now - timedelta(days=10 - step)
+        reps = []
+        for part, node in enumerate(nodes):
+            reps += [ReplicaFacts(replica_id=step * 10 + 2 * part, tier=0, part=part, node=node, bytes=100),
+                     ReplicaFacts(replica_id=step * 10 + 2 * part + 1, tier=1, part=part, bytes=100)]
+        return CheckpointFacts(run="r", step=step, created_at=at, committed_at=at, parts=len(nodes),
+                               replicas=tuple(reps))
+
+    rules = Rules(policies={0: RetentionPolicy(enabled=False, max_bytes=150), 1: RetentionPolicy(enabled=False)})
+    decided = plan([ck(1, ("n1", "n2")), ck(2, ("n0", "n1")), ck(3, ("n0",))], rules, now)
+
+    tier0 = {(d.step, d.node): d.action for d in decided.replicas if d.tier == 0}
+    assert tier0 == {(1, "n1"): "keep", (1, "n2"): "keep", (2, "n0"): "demote", (2, "n1"): "demote",
+                     (3, "n0"): "keep"}
+    assert [(b.node, b.kept_bytes, b.over) for b in decided.budgets] == [
+        ("n0", 100, False), ("n1", 100, False), ("n2", 100, False)]
+
+
 def test_a_budget_set_alone_keeps_the_rest_of_the_tiers_default_policy(monkeypatch, tmp_path):
     """``CKPT_RETENTION_TIER2__MAX_BYTES`` alone must not turn Tier 2's retention on with no keep
     rule (which would let most of the archive go), nor a Tier 1 budget drop its ``keep_last``;
