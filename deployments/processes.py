@@ -52,7 +52,6 @@ STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_s
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
 FOLLOWUPS = 3  # a part process's exit code: promoted, and its checkpoint's run is to be started
-MESSAGE_BYTES = 1 << 22  # the most a request to the zygote may carry (its socket's buffer)
 
 
 class Child:
@@ -61,13 +60,12 @@ class Child:
     pidfd: never another process that got its pid since), ``beat`` (``core.progress.share``:
     when it last moved a byte), and once it ended its exit code (``exitcode``: negative for a
     signal, as ``multiprocessing`` says it; None when the zygote could not tell) and the value
-    its target returned (``result``)."""
+    its target returned (``result``; None when it returned none or it could not be read)."""
 
     def __init__(self, pid: int, pidfd: int, status: int, result: int, beat: Any, beat_map: mmap.mmap):
         self.pid, self.sentinel, self._status, self._result = pid, pidfd, status, result
         self.beat, self._beat_map = beat, beat_map
         self._code: int | None = None
-        self._value: Any = None
         self._ended = False
 
     def kill(self) -> None:
@@ -75,11 +73,10 @@ class Child:
             signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until it ended (True), at most ``timeout`` seconds; its exit code and value then read."""
+        """Wait until it ended (True), at most ``timeout`` seconds; its exit code then read."""
         from multiprocessing.connection import wait
 
         if not self._ended and wait([self.sentinel], timeout):
-            self._value = _read_all(self._result)  # before the status: a child that wrote it has ended
             raw = _read_all(self._status)  # the zygote writes it once it reaped the child
             self._code = struct.unpack("!i", raw)[0] if len(raw) == 4 else None
             self._ended = True
@@ -90,7 +87,13 @@ class Child:
         return self._code
 
     def result(self) -> Any:
-        return pickle.loads(self._value) if self._value else None
+        if not self._ended:
+            return None
+        try:
+            data = _read_all_at(self._result)
+            return pickle.loads(data) if data else None
+        except Exception:  # noqa: BLE001 - a child killed while it wrote it: no value
+            return None
 
     def close(self) -> None:
         for fd in (self.sentinel, self._status, self._result):
@@ -102,20 +105,25 @@ class Child:
 
 class Zygote:
     """The agent's fork server: a process forked from the agent at its start (``start_fork_server``,
-    before any thread runs), once it imported what a child needs (``PRELOAD``), which forks each child
-    (``fork``). A child then shares the agent's imported pages copy-on-write and starts in
+    before any thread runs), once it imported what a child needs (``PRELOAD``), which forks each
+    child (``fork``). A child then shares the agent's imported pages copy-on-write and starts in
     milliseconds; the agent stays small at rest (a promotion's connections, buffers and touched
     pages end with its process). Everything is on public interfaces: ``os.fork`` of the agent
     while it has one thread, ``multiprocessing``'s fork context in the zygote (one thread), a
     Unix socket that carries the descriptors (``socket.send_fds``), pidfds.
 
-    A request is the target and its arguments, pickled, with two descriptors: a shared page for
-    the child's beat and the write end of the pipe its return value goes to. The zygote answers
-    with the child's pid, a pidfd of it and a pipe on which it writes the exit code once it
-    reaped the child. The zygote ends when the agent does (its socket closes)."""
+    A request is three descriptors: an anonymous file holding the target and its arguments,
+    pickled; a shared page for the child's beat; an anonymous file its return value is written
+    to (a file never blocks its writer, whatever the size). The zygote answers with the child's
+    pid, a pidfd of it and a pipe on which it writes the exit code once it reaped the child. A
+    request it cannot serve is answered with why, and the zygote serves the next. It ends when
+    the agent does (its socket closes), stopping the children still running (SIGTERM), as the
+    agent's own daemonic children were. One that died is started again from the agent at the
+    next child, with a warning: the agent may have threads by then (the first start has none)."""
 
     _lock = threading.Lock()
     _running: Zygote | None = None
+    _frozen = False  # gc.freeze() done once: a restart would freeze the agent's live objects for good
 
     def __init__(self, sock: socket.socket, pid: int):
         self.sock, self.pid = sock, pid
@@ -128,21 +136,20 @@ class Zygote:
             z = cls._running
             if z is None or not z.alive():
                 if z is not None:
-                    log.warning("the agent's fork zygote (pid %s) is gone; starting another", z.pid)
+                    log.warning("the agent's fork zygote (pid %s) is gone; starting another from the agent, "
+                                "which runs %d threads", z.pid, threading.active_count())
                     z.sock.close()
                 cls._running = z = cls._start()
             return z
 
-    @staticmethod
-    def _start() -> Zygote:
+    @classmethod
+    def _start(cls) -> Zygote:
         for name in PRELOAD:
             importlib.import_module(name)
-        if threading.active_count() > 1:
-            log.debug("fork zygote started with %d threads running", threading.active_count())
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for sock in (ours, theirs):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MESSAGE_BYTES)
-        gc.freeze()  # the objects imported so far are never written by a collection in the children
+        if not cls._frozen:
+            gc.freeze()  # the objects imported so far are never written by a collection in the children
+            cls._frozen = True
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the zygote (its children's work is tested)
             code = 0
@@ -157,6 +164,17 @@ class Zygote:
         theirs.close()
         return Zygote(ours, pid)
 
+    @classmethod
+    def stop(cls) -> None:
+        """End this process's zygote, if it runs (its children are stopped with it); the next
+        child starts another. For a process that used one and goes on without (a test)."""
+        with cls._lock:
+            z, cls._running = cls._running, None
+        if z is not None:
+            z.sock.close()
+            with suppress(ChildProcessError):
+                os.waitpid(z.pid, 0)
+
     def alive(self) -> bool:
         try:
             return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
@@ -164,84 +182,121 @@ class Zygote:
             return False
 
     def fork(self, target: Callable[..., Any], args: tuple[Any, ...]) -> Child:
-        """``target(*args, beat)`` in a new child; its value, if any, is ``Child.result()`` once
-        it ended (a small one: it waits in a pipe)."""
-        payload = pickle.dumps((target, args))
-        if len(payload) > MESSAGE_BYTES - 4096:
-            raise ValueError(f"a child's arguments of {len(payload)} bytes (at most {MESSAGE_BYTES - 4096})")
-        beat_fd = os.memfd_create("ckpt-beat", os.MFD_CLOEXEC)
-        result_r, result_w = os.pipe()
+        """``target(*args, beat)`` in a new child; its return value, if any, is ``Child.result()``
+        once it ended."""
+        payload = _anonymous_file("ckpt-request", pickle.dumps((target, args)))
+        beat_fd = _anonymous_file("ckpt-beat", bytes(8))
+        result_fd = _anonymous_file("ckpt-result", b"")
         try:
-            os.ftruncate(beat_fd, 8)
             beat_map = mmap.mmap(beat_fd, 8)
             beat = ctypes.c_double.from_buffer(beat_map)
             beat.value = time.monotonic()
             with self.lock:
-                socket.send_fds(self.sock, [payload], [beat_fd, result_w])
-                answer, fds, _, _ = socket.recv_fds(self.sock, 64, 2)
+                socket.send_fds(self.sock, [b"child"], [payload, beat_fd, result_fd])
+                answer, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
+            for fd in fds:
+                os.set_inheritable(fd, False)
         except BaseException:
-            os.close(result_r)
+            os.close(result_fd)
             raise
         finally:
+            os.close(payload)
             os.close(beat_fd)
-            os.close(result_w)
         if len(fds) != 2:
-            os.close(result_r)
-            raise OSError(f"the fork zygote did not start the child: {answer.decode(errors='replace')}")
-        return Child(int(answer), fds[0], fds[1], result_r, beat, beat_map)
+            os.close(result_fd)
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"the fork zygote did not start the child: {answer.decode(errors='replace') or 'it ended'}")
+        return Child(int(answer), fds[0], fds[1], result_fd, beat, beat_map)
+
+
+def _anonymous_file(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return fd
 
 
 def _zygote_serve(sock: socket.socket) -> None:  # pragma: no cover - runs in the zygote
     """The zygote's loop: a child per request (``multiprocessing``'s fork context: this process
     has one thread, and a child ends as any ``multiprocessing`` process does, its threads joined
     and their exit hooks run, such as Prefect's log and event workers draining), and each ended
-    child's exit code to its pipe."""
+    child's exit code to its pipe. Nothing one request or one child does ends the loop."""
     import multiprocessing  # deferred: the zygote alone starts processes this way
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent's Ctrl-C ends the agent, whose socket ends this
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the agent's handler (a zygote started again inherits it)
     ctx = multiprocessing.get_context("fork")
-    ended: dict[int, tuple[Any, int]] = {}  # sentinel -> (the process, its status pipe's write end)
+    running: dict[int, tuple[Any, int]] = {}  # sentinel -> (the process, its status pipe's write end)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     while True:
         for fd, _ in poller.poll():
             if fd != sock.fileno():
-                process, status_w = ended.pop(fd)
+                process, status_w = running.pop(fd)
                 poller.unregister(fd)
                 process.join()
-                os.write(status_w, struct.pack("!i", process.exitcode))
+                with suppress(OSError):  # the agent gave up on it (left behind) and closed its end
+                    os.write(status_w, struct.pack("!i", process.exitcode))
                 os.close(status_w)
                 process.close()
                 continue
-            payload, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
-            if not payload:
-                return  # the agent ended
             try:
-                target, args = pickle.loads(payload)
-                status_r, status_w = os.pipe()
-            except BaseException as exc:  # noqa: BLE001 - told to the agent, the next request served
+                _, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+            except OSError:
+                fds = []
+            if len(fds) != 3:
                 for got in fds:
                     os.close(got)
-                sock.send(f"{type(exc).__name__}: {exc}".encode())
-                continue
-            inherited = [sock.fileno(), status_r, status_w, *(w for _, w in ended.values())]
-            process = ctx.Process(target=_child_main, args=(target, args, *fds, inherited), name="ckpt-agent-child")
-            process.start()
+                for process, _ in running.values():  # the agent ended: so do its children
+                    with suppress(OSError):
+                        process.terminate()
+                return
             for got in fds:
-                os.close(got)
-            pid = process.pid
-            assert pid is not None  # started
-            pidfd = os.pidfd_open(pid)
+                os.set_inheritable(got, False)
+            _serve_one(sock, ctx, fds, running, poller)
+
+
+def _serve_one(sock: socket.socket, ctx: Any, fds: list[int], running: dict[int, tuple[Any, int]],
+               poller: Any) -> None:  # pragma: no cover - runs in the zygote
+    """One request: its child started and answered, or why not answered."""
+    payload, beat_fd, result_fd = fds
+    process: Any = None
+    status_r = status_w = -1
+    try:
+        target, args = pickle.loads(_read_all_at(payload))
+        status_r, status_w = os.pipe()
+        inherited = [sock.fileno(), status_r, status_w, *(w for _, w in running.values())]
+        process = ctx.Process(target=_child_main, args=(target, args, beat_fd, result_fd, inherited),
+                              name="ckpt-agent-child")
+        process.start()
+        pid = process.pid
+        pidfd = os.pidfd_open(pid)
+        try:
             socket.send_fds(sock, [str(pid).encode()], [pidfd, status_r])
+        finally:
             os.close(pidfd)
-            os.close(status_r)
-            ended[process.sentinel] = (process, status_w)
-            poller.register(process.sentinel, select.POLLIN)
+        running[process.sentinel] = (process, status_w)
+        poller.register(process.sentinel, select.POLLIN)
+        status_w = -1
+    except BaseException as exc:  # noqa: BLE001 - answered with why; the next request is served
+        if process is not None and process.pid is not None:  # started, not handed over: not left running
+            with suppress(OSError):
+                process.kill()
+            process.join()
+        with suppress(OSError):
+            sock.send(f"{type(exc).__name__}: {exc}".encode() or b"?")
+    finally:
+        for fd in (payload, beat_fd, result_fd, status_r, status_w):
+            if fd >= 0:
+                with suppress(OSError):
+                    os.close(fd)
 
 
-def _child_main(target: Callable[..., Any], args: tuple[Any, ...], beat_fd: int, result_w: int,
+def _child_main(target: Callable[..., Any], args: tuple[Any, ...], beat_fd: int, result_fd: int,
                 inherited: list[int]) -> None:  # pragma: no cover - runs in the child (its effects are tested)
-    """A child: ``target(*args, beat)``, its value pickled to ``result_w``; the zygote's own
+    """A child: ``target(*args, beat)``, its value pickled to ``result_fd``; the zygote's own
     descriptors (``inherited``) closed first."""
     for fd in inherited:
         with suppress(OSError):
@@ -251,16 +306,25 @@ def _child_main(target: Callable[..., Any], args: tuple[Any, ...], beat_fd: int,
     os.close(beat_fd)
     value = target(*args, ctypes.c_double.from_buffer(beat_map))
     if value is not None:
-        data = pickle.dumps(value)
-        while data:
-            data = data[os.write(result_w, data):]
-    os.close(result_w)
+        view = memoryview(pickle.dumps(value))
+        while view:
+            view = view[os.write(result_fd, view):]
+    os.close(result_fd)
 
 
 def _read_all(fd: int) -> bytes:
     chunks = []
     while chunk := os.read(fd, 1 << 16):
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _read_all_at(fd: int) -> bytes:
+    """The whole of the file ``fd`` from its start, whatever its offset."""
+    size, chunks, at = os.fstat(fd).st_size, [], 0
+    while at < size and (chunk := os.pread(fd, min(1 << 20, size - at), at)):
+        chunks.append(chunk)
+        at += len(chunk)
     return b"".join(chunks)
 
 

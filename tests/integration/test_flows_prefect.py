@@ -358,7 +358,17 @@ def test_agent_reconcile_leaves_a_flow_run_only_when_it_acted(env_settings):
     assert len(reconcile_runs(node)) == 1
 
 
-def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_settings, caplog):
+@pytest.fixture
+def zygote():
+    """The agent's zygote in this process for the test (``one_pass`` starts it), ended after."""
+    from deployments.processes import Zygote, start_fork_server
+
+    start_fork_server()
+    yield
+    Zygote.stop()
+
+
+def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_settings, caplog, zygote):
     """The agent's pass runs in a child (``reconcile_loop.one_pass``): one whose Tier 1 stopped
     answering (reading its root's marker never returns, as on a hung mount) moves no byte, is
     stopped past ``copy_stall_seconds`` and leaves no run; the next pass runs and promotes."""
@@ -389,7 +399,8 @@ def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_se
     assert replica_states(settings, RUN, 10)[(1, 0)] == "verified"
 
 
-def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cleared_says_so(env_settings):
+def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cleared_says_so(env_settings,
+                                                                                               zygote):
     """Issue 40: passes in the agent's children (``one_pass``), the failures the last run showed
     kept by the agent: a tier unreachable leaves one red run, not one a pass; another failure
     leaves another; once it works again one run says the failures cleared; then nothing."""

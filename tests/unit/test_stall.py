@@ -28,8 +28,10 @@ from tests.kit.checkpoints import write_checkpoint
 def zygote():
     """The zygote started before a test's log capture, as the agent starts it before anything
     else (importing what children need sets Prefect's logging up, which replaces the root
-    logger's handlers)."""
+    logger's handlers); ended with the module."""
     start_fork_server()
+    yield
+    Zygote.stop()
 
 
 @pytest.fixture
@@ -267,3 +269,35 @@ def test_a_zygote_that_died_is_started_again():
         assert Zygote.get().pid != first.pid
     finally:
         first.sock.close()
+
+
+def _big(n: int, beat):
+    return os.urandom(n)
+
+
+def _sleep_then_exit(seconds: float, beat):
+    time.sleep(seconds)
+
+
+def test_a_large_value_comes_back_whole():
+    """A value far larger than a pipe holds: the child never blocks on handing it back."""
+    code, got = run_child(_big, (1 << 20,), stall_s=60, what="x")
+    assert code == 0 and len(got) == 1 << 20
+
+
+def test_a_child_the_agent_gave_up_on_does_not_take_the_zygote_down():
+    """A child left behind (the kill could not end it in time: the agent closed its side) that
+    ends later: the zygote lives on and serves the next child."""
+    zygote = Zygote.get()
+    child = zygote.fork(_sleep_then_exit, (0.5,))
+    child.close()  # given up on, as run_child does once a kill did not end it
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until it ended and the zygote reaped it (its pid gone)
+        try:
+            os.kill(child.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    code, got = run_child(_answer, ("after",), stall_s=60, what="x")
+    assert (code, got["value"]) == (0, "after")
+    assert Zygote.get().pid == zygote.pid and zygote.alive()
