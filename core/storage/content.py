@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from core.manifest import Manifest
 
 CONTENT_DIR = ".ckpt-content"
+COMPARE_BYTES = 256 << 10  # a comparison's piece: two of them stay in a core's cache
 SHA256_ATTR = "user.ckpt.sha256"  # "<sha256 hex> <size> <mtime ns>" of the inode's bytes when hashed
 _NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)
 SHARED_TIERS = frozenset({1, 2})  # Tier 0 is a node's scratch, written by the trainer: nothing to share
@@ -71,6 +72,18 @@ def noted_sha256(fd: int, sha256: str) -> None:
         os.setxattr(fd, SHA256_ATTR, f"{sha256} {st.st_size} {st.st_mtime_ns}".encode("ascii"))
     except OSError:
         pass
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` (short reads continued); the bytes read (fewer at
+    the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 class ContentStore:
@@ -111,14 +124,26 @@ class ContentStore:
 
     def _same_bytes(self, src_fd: int, fd: int, size: int, checksum: str,
                     note: Callable[[int], object] | None) -> bool:
-        """Both files equal byte for byte over ``size`` bytes and the source's CRC32C is ``checksum``."""
+        """Both files equal byte for byte over ``size`` bytes and the source's CRC32C is
+        ``checksum``. Read in ``COMPARE_BYTES`` pieces into two buffers made once: both stay in
+        the core's cache while they are compared and hashed, and no read allocates a new
+        ``bytes`` (reads of ``buffer_bytes`` into fresh objects were the comparison's cost)."""
+        ours, theirs = bytearray(min(COMPARE_BYTES, size)), bytearray(min(COMPARE_BYTES, size))
+        ours_view, theirs_view = memoryview(ours), memoryview(theirs)
         crc, offset = 0, 0
         while offset < size:
-            want = min(self.buffer_bytes, size - offset)
-            ours, theirs = os.pread(src_fd, want, offset), os.pread(fd, want, offset)
-            if len(ours) != want or ours != theirs:
+            want = min(len(ours), size - offset)
+            if _read_into(src_fd, ours_view[:want], offset) != want or \
+                    _read_into(fd, theirs_view[:want], offset) != want:
                 return False
-            crc = update(crc, ours)
+            if want == len(ours):
+                if ours != theirs:
+                    return False
+                crc = update(crc, ours)
+            else:
+                if ours_view[:want] != theirs_view[:want]:
+                    return False
+                crc = update(crc, ours_view[:want])
             offset += want
             moved()
             if note is not None:
