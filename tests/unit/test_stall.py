@@ -198,7 +198,7 @@ def _hang_after_a_beat(beat) -> None:
 
 
 def test_an_agent_child_that_stalls_is_killed_and_the_agent_says_so(caplog):
-    """A part's child, forked from the fork server as the agent forks it (``run_child``): one
+    """A part's child, forked from the zygote as the agent forks it (``run_child``): one
     that moves no byte past the limit is killed, and the agent's log says which and why, once."""
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
         code, _ = run_child(_hang_after_a_beat, (), stall_s=0.5, what="promotion of 'r' step 1 part 0")
