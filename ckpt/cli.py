@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import signal
 import sys
 
 import typer
@@ -39,6 +40,7 @@ _register_commands()
 
 
 def main() -> None:
+    _interruptible()
     try:
         app()
     except BadArgument as exc:
@@ -51,6 +53,15 @@ def main() -> None:
     except CkptError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
+
+
+def _interruptible() -> None:
+    """SIGINT (Ctrl-C) stops a command even when it was started with SIGINT ignored, as a
+    non-interactive shell starts a background job (``nohup ckpt up &``, a cron or Slurm script):
+    ``ckpt up`` stops its agents with SIGINT, as a user stops ``ckpt up``, and a process that
+    ignored it held its shutdown until the SIGTERM after it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _record(exc: BadArgument) -> None:
