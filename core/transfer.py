@@ -98,9 +98,9 @@ class _Counter:
 class _CountingReader:
     """The reader ``put_verified`` is handed: counts the bytes read (or copied in the kernel)."""
 
-    def __init__(self, inner: BinaryIO, counter: _Counter, *, stored_content: bool = False):
+    def __init__(self, inner: BinaryIO, counter: _Counter, *, holds: Callable[[], bool] | None = None):
         self.inner, self.counter = inner, counter
-        self.stored_content = stored_content  # the source tier's own stored content (``TierStore.holds_content``)
+        self._holds = holds  # asked only by a store that shares content (``stored_content``)
         if hasattr(inner, "readinto"):
             self._inner_readinto = inner.readinto
             self.readinto = self._readinto
@@ -117,6 +117,11 @@ class _CountingReader:
 
     def fileno(self) -> int:  # lets a local destination copy in the kernel
         return self.inner.fileno()
+
+    @property
+    def stored_content(self) -> bool:
+        """Whether this is the source tier's own stored content (``TierStore.holds_content``)."""
+        return self._holds is not None and self._holds()
 
     def note_copied(self, n: int) -> None:
         self.counter.add(n)
@@ -348,7 +353,7 @@ def copy_part(
             with src_store.open_read(_key(src_prefix, entry.path)) as reader:
                 # duck-typed: it has the reads put_verified makes (read, readinto, fileno, note_copied)
                 counting = cast(BinaryIO, _CountingReader(
-                    reader, counter, stored_content=src_store.holds_content(reader, entry.size, entry.checksum)))
+                    reader, counter, holds=lambda: src_store.holds_content(reader, entry.size, entry.checksum)))
                 dst_store.put_verified(key, counting, entry.size, entry.checksum)
         except NotFound:
             if check_source:

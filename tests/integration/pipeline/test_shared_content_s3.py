@@ -231,12 +231,18 @@ def content_of(settings, size: int) -> str:
     return next(k for k, n in objects(settings).items() if f"/{CONTENT_DIR}/" in k and n == size)
 
 
-def test_a_content_stored_without_its_hash_is_read_back_by_the_next_copy_and_shared_again(
-        settings_factory, db_url, s3_endpoint, s3_bucket, tmp_path):
+def _base_saved_once(settings_factory, db_url, s3_endpoint, s3_bucket):
+    """A site whose first milestone stored the base as a content: (settings, an S3 client, the
+    content's key)."""
     settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
     save(settings, 100)
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    base = content_of(settings, len(BASE))
+    return settings, client, content_of(settings, len(BASE))
+
+
+def test_a_content_stored_without_its_hash_is_read_back_by_the_next_copy_and_shared_again(
+        settings_factory, db_url, s3_endpoint, s3_bucket, tmp_path):
+    settings, client, base = _base_saved_once(settings_factory, db_url, s3_endpoint, s3_bucket)
     client.delete_object(Bucket=s3_bucket, Key=base + ".sha256")  # none: seen once, or its uploader died
 
     adapters = {step: save(settings, step) for step in (200, 300)}
@@ -250,10 +256,7 @@ def test_a_content_stored_without_its_hash_is_read_back_by_the_next_copy_and_sha
 
 def test_a_content_without_its_hash_whose_bytes_differ_is_never_pointed_to(settings_factory, db_url, s3_endpoint,
                                                                           s3_bucket, tmp_path):
-    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
-    save(settings, 100)
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    base = content_of(settings, len(BASE))
+    settings, client, base = _base_saved_once(settings_factory, db_url, s3_endpoint, s3_bucket)
     client.delete_object(Bucket=s3_bucket, Key=base + ".sha256")
     other = bytearray(BASE)
     other[7] ^= 1  # other bytes under the same name (in a test the CRC32C differs too: the name decides the read)
@@ -268,10 +271,7 @@ def test_a_content_without_its_hash_whose_bytes_differ_is_never_pointed_to(setti
 
 def test_a_content_a_sweep_marked_is_never_pointed_to_whatever_hash_it_has(settings_factory, db_url, s3_endpoint,
                                                                            s3_bucket, tmp_path):
-    settings = _settings(settings_factory, db_url, s3_endpoint, s3_bucket)
-    save(settings, 100)
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    base = content_of(settings, len(BASE))
+    settings, client, base = _base_saved_once(settings_factory, db_url, s3_endpoint, s3_bucket)
     client.put_object(Bucket=s3_bucket, Key=base + ".unreferenced", Body=b"")  # a sweep's first pass, the hash
     # recorded again by a read-back after it took the hash away: the second pass may delete the content
 
