@@ -36,7 +36,10 @@ class RunRegistration:
     project: str | None
     origin: tuple[str, int] | None
     relation: str
+    attempt: str = ""
     registered: bool = False
+    attempt_checked: bool = False
+    refused: str | None = None  # why the catalog refuses every checkpoint of this attempt (a reused name)
 
     @property
     def done(self) -> bool:
@@ -63,6 +66,25 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
         log.warning("registering run %s failed: %s", reg.run, exc)
     finally:
         cat.close()
+
+
+def check_attempt(settings: Settings, reg: RunRegistration, m: Manifest) -> None:
+    """Once, with the first manifest: would the catalog refuse every checkpoint of this attempt
+    (it never resumed, and an older attempt of the run holds checkpoints: a run name reused by
+    mistake)? Then ``reg.refused`` says why, and the stager's next save raises it. Asked after a
+    save, not at start, so a job that creates its stager before it resumes is never refused for
+    that. An unreachable catalog leaves it for the next save's try."""
+    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
+
+    try:
+        with Catalog(settings.catalog_url) as cat:
+            reg.refused = cat.attempt_refusal(m.run, m.attempt, created=m.created_at)
+        reg.attempt_checked = True
+    except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
+        log.warning("catalog not reachable to check attempt %s of run %s: %s", m.attempt or "(unnamed)", m.run, exc)
+        return
+    if reg.refused:
+        log.error("%s", reg.refused)
 
 
 class Announcer:
@@ -93,6 +115,8 @@ class Announcer:
                 if not self.registration.done:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
+                    if not self.registration.attempt_checked:
+                        check_attempt(self.settings, self.registration, job[1])
                     self._emit(job[1])
                 elif job[0] == "tier_low":
                     self._emit_tier_low(*job[1:])

@@ -48,7 +48,7 @@ from ckpt.announce import Announcer, RunRegistration
 from ckpt.space import Tier0Space, state_needed
 from core import checksum
 from core.attempt import launch_attempt
-from core.errors import BadInput, CkptError, ConflictError, StorageFull
+from core.errors import BadInput, CkptError, ConflictError, StorageFull, TierUnavailable
 from core.formats import detect_format
 from core.layout import checkpoint_dirname, manifest_name, parse_checkpoint_dirname, staging_name
 from core.manifest import ORIGIN_RELATIONS, FileEntry, Manifest, ParentRef, utcnow_iso
@@ -57,6 +57,7 @@ from core.paths import safe_run_name
 from core.policy import checkpoint_kind
 from core.settings import Settings, load_settings
 from core.space import Reading, free_bytes
+from core.storage.identity import MARKER_KEY
 from core.storage.local import fsync_dir
 
 if TYPE_CHECKING:
@@ -153,7 +154,8 @@ class CheckpointStager:
         self.background = background
         self.measure_stall = measure_stall  # False for ``ckpt watch``: it cannot see the job's stall
         o = self.origin
-        reg = RunRegistration(self.run, project, (o.run, o.step) if o else None, o.relation if o else "resumed_from")
+        reg = RunRegistration(self.run, project, (o.run, o.step) if o else None, o.relation if o else "resumed_from",
+                              attempt=self.attempt)
         self._announcer = Announcer(self.settings, reg, enabled=announce)
         self._announcer.submit(("register",))
         self._writer = _Writer() if background else None
@@ -193,10 +195,10 @@ class CheckpointStager:
         meta: dict[str, Any] = dict(step=step, metrics=dict(metrics or {}), parent=parent_ref,
                     kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end,
                                          policy=self.settings.milestones))
-        if isinstance(tensors_or_folder, (str, os.PathLike)):
-            self._raise_background_error()
-            return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
         self._raise_background_error()
+        self._prove_root()
+        if isinstance(tensors_or_folder, (str, os.PathLike)):
+            return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
         needed = state_needed(tensors_or_folder)
         if self._writer is None:
             self.space.ensure_room(self.run, step, needed)
@@ -214,6 +216,7 @@ class CheckpointStager:
         integration: DCP, the HF Trainer, Lightning), that they fit: this node's Tier 0
         retention runs and is waited for when they do not (``settings.tier0_space_wait_seconds``),
         then ``StorageFull``. ``save`` of tensors checks by itself."""
+        self._prove_root()
         self.space.ensure_room(self.run, step, nbytes, pending=self._writer.pending_bytes if self._writer else 0)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -248,7 +251,26 @@ class CheckpointStager:
     def _announce_low(self, reading: Reading, run: str, step: int) -> None:
         self._announcer.submit(("tier_low", reading, run, step, self.part, self.parts, self.node))
 
+    def _prove_root(self) -> None:
+        """Tier 0's root shows its identity marker (``core.storage.identity``: written by the
+        agent's start or ``ckpt tiers init``) before anything is written under it: an NVMe that
+        is not mounted shows an empty folder on the root disk, and a save there would be hidden
+        when the mount comes back. A missing root is never created, except the embedded default
+        folder (``Settings.embedded_root``), which the agent's first use marks. One ``stat`` a
+        save: a mount lost mid-job is seen at the next save."""
+        if (self.root / MARKER_KEY).is_file():
+            return
+        if self.settings.embedded_root(0) == self.root:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return
+        reason = ("its root does not exist (not mounted?); a save never creates it" if not self.root.is_dir() else
+                  "its root shows no tier identity marker: not mounted, or never set up (start this node's agent, "
+                  "or run `ckpt tiers init` on it)")
+        raise TierUnavailable(0, str(self.root), reason)
+
     def _raise_background_error(self) -> None:
+        if self._announcer.registration.refused:  # the catalog refuses every save of this attempt
+            raise ConflictError(self._announcer.registration.refused)
         if self._writer and self._writer.error is not None:
             err, self._writer.error = self._writer.error, None
             raise err

@@ -276,6 +276,15 @@ class Settings(BaseSettings):
     def tier_url(self, tier: int) -> str | None:
         return {0: self.tier0_url, 1: self.tier1_url, 2: self.tier2_url}[tier]
 
+    def embedded_root(self, tier: int) -> Path | None:
+        """The folder of ``tier``'s embedded default root (``data_dir``/tier0/<node>,
+        ``data_dir``/tier1: the demo's and the local stack's own folders) when the tier is left at
+        it; None otherwise. Only such a folder is ever created by the product: a configured root
+        must exist (a missing mount is unavailable, never made)."""
+        base = Path(self.data_dir).expanduser().absolute()
+        default = {0: base / "tier0" / self.node, 1: base / "tier1"}.get(tier)
+        return default if default is not None and self.tier_url(tier) == str(default) else None
+
     def price_gb_month(self, tier: int) -> float:
         return {0: self.tier0_price_gb_month, 1: self.tier1_price_gb_month, 2: self.tier2_price_gb_month}[tier]
 

@@ -2,8 +2,12 @@
 transaction).
 
 A checkpoint is the parts of one attempt: ``(run, step, attempt)`` is its key, so parts of two
-attempts are never combined. Attempts are ordered by when the catalog first heard of them (the
-``attempts`` row's id: a resume, or the first part registered). The rules:
+attempts are never combined. A launch resumes before it saves (``ckpt.resume.resume_point``, the
+call a training script makes on start), so an attempt that recorded a resume is ordered by when
+the catalog first heard of it (the ``attempts`` row's id). An attempt that never recorded one (a
+job that does not call resume) is older than every attempt that resumed after its manifest was
+written: a launch whose parts reach the catalog only after a relaunch resumed (its agent was
+down, reconcile found its folders late) is the older one, however late it is heard of. The rules:
 
 - When attempt B resumes from step S (``record_resume``), every checkpoint above S of an older
   attempt is *superseded by B*: recorded, audited, never offered for resume, ``latest``, drills
@@ -13,11 +17,17 @@ attempts are never combined. Attempts are ordered by when the catalog first hear
 - A new attempt may save any step above where it resumed again, whatever its bytes; a step an
   older attempt holds that the new one did not resume from below is refused (``ConflictError``):
   a run name reused by mistake never supersedes a whole history.
+- An attempt that never resumed, heard of after another attempt of the run, is refused at every
+  step (``ConflictError``) unless it is an older launch arriving late: a run name reused by
+  mistake never becomes the run's newest checkpoint, whatever step it saves. Which of the two it
+  is comes from its manifest's ``created_at`` against the other attempt's first record (no time:
+  refused); a clock that lies can only swap one refusal for the other (superseded, or refused),
+  never make it live.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Connection, Row
@@ -77,22 +87,27 @@ def supersede(conn: Connection, run: Row, checkpoint_id: int, step: int, state: 
               run=run.name, step=step)
 
 
-def standing(conn: Connection, run: Row, attempt: str, step: int, *, now: datetime, actor: str) -> str | None:
+def standing(conn: Connection, run: Row, attempt: str, step: int, *, created: str = "", now: datetime,
+             actor: str) -> str | None:
     """Before a new checkpoint ``(run, step, attempt)`` is recorded: the newer attempt that
     supersedes it at birth (a late part of an older attempt), or None when it is live. A live
     checkpoint of an older attempt at the same step is superseded here when this attempt
     resumed from below it (its resume call may have come before that checkpoint was recorded);
-    otherwise this is a ``ConflictError``: the step belongs to another attempt's history."""
+    otherwise this is a ``ConflictError``: the step belongs to another attempt's history.
+    ``created``: the manifest's ``created_at``, which orders an attempt that never resumed."""
     me = attempt_row(conn, run.id, attempt, now=now)
-    newer = conn.execute(select(attempts.c.attempt).where(
-        attempts.c.run_id == run.id, attempts.c.id > me.id, attempts.c.resumed_from_step.is_not(None),
-        attempts.c.resumed_from_step < step).order_by(attempts.c.id).limit(1)).scalar()
-    if newer is not None:
-        return str(newer)
-    others = conn.execute(select(checkpoints.c.id, checkpoints.c.attempt, checkpoints.c.state).where(
+    others = _others(conn, run.id, attempt)
+    written = _when(created)
+    for x in others:
+        if x.resumed_from_step is not None and x.resumed_from_step < step and _launched_after(x, me, written):
+            return str(x.attempt)
+    reused = _reused(conn, run, me, attempt, others, written)
+    if reused is not None:
+        raise ConflictError(reused)
+    clash = conn.execute(select(checkpoints.c.id, checkpoints.c.attempt, checkpoints.c.state).where(
         checkpoints.c.run_id == run.id, checkpoints.c.step == step, checkpoints.c.attempt != attempt,
         checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]))).all()
-    for other in others:
+    for other in clash:
         if me.resumed_from_step is None or me.resumed_from_step >= step:
             raise ConflictError(
                 f"step {step} of run {run.name!r} belongs to attempt {other.attempt or '(unnamed)'}, and attempt "
@@ -100,3 +115,54 @@ def standing(conn: Connection, run: Row, attempt: str, step: int, *, now: dateti
                 f"Resume the run first (ckpt resume / ckpt.resume), or save under another run name")
         supersede(conn, run, other.id, step, other.state, by=attempt, now=now, actor=actor)
     return None
+
+
+def refusal(conn: Connection, run: Row, attempt: str, *, created: str) -> str | None:
+    """Why a checkpoint of ``attempt`` written at ``created`` would be refused whatever its step
+    (a run name reused by mistake: see the module's rules), or None. Reads only: the training
+    side asks it once, to stop a job whose every save the catalog will refuse."""
+    me = conn.execute(select(attempts).where(attempts.c.run_id == run.id, attempts.c.attempt == attempt)).first()
+    return _reused(conn, run, me, attempt, _others(conn, run.id, attempt), _when(created))
+
+
+def _others(conn: Connection, run_id: int, attempt: str) -> list[Row]:
+    return list(conn.execute(select(attempts).where(attempts.c.run_id == run_id, attempts.c.attempt != attempt)
+                             .order_by(attempts.c.id)).all())
+
+
+def _launched_after(x: Row, me: Row | None, written: datetime | None) -> bool:
+    """Attempt ``x`` was launched after attempt ``me`` (None: not recorded yet), whose manifest
+    was ``written`` then. An attempt that resumed is ordered by its first record; one that never
+    did is older than every attempt first recorded after its manifest was written."""
+    if me is not None and x.id > me.id:
+        return True
+    never_resumed = me is None or me.resumed_from_step is None
+    return never_resumed and written is not None and written < _aware(x.started_at)
+
+
+def _reused(conn: Connection, run: Row, me: Row | None, attempt: str, others: list[Row],
+            written: datetime | None) -> str | None:
+    """The refusal of an attempt that never resumed while an older attempt holds live checkpoints."""
+    if me is not None and me.resumed_from_step is not None:
+        return None
+    older = [x for x in others if not _launched_after(x, me, written)]
+    if not older or not _holds_live(conn, run.id, [x.attempt for x in older]):
+        return None
+    return (f"attempt {attempt or '(unnamed)'} of run {run.name!r} never resumed, and the run already has "
+            f"checkpoints of attempt {older[0].attempt or '(unnamed)'}: is the run name reused by mistake? "
+            f"Resume the run first (ckpt resume / ckpt.resume), or save under another run name")
+
+
+def _holds_live(conn: Connection, run_id: int, names: list[str]) -> bool:
+    return conn.execute(select(checkpoints.c.id).where(
+        checkpoints.c.run_id == run_id, checkpoints.c.attempt.in_(names),
+        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED])).limit(1)).first() is not None
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def _when(created: str) -> datetime | None:
+    """A manifest's ``created_at`` (validated ISO-8601), or None if it has none."""
+    return _aware(datetime.fromisoformat(created)) if created else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Self
 from sqlalchemy import ColumnElement, event, func, select
 from sqlalchemy.engine import make_url
 
-from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated
+from core.errors import BadInput, CatalogUnavailable, PruneRefused, SchemaOutdated, UnknownRun
 from core.layout import check_attempt
 from core.manifest import Manifest
 from core.storage.content import SHARED_TIERS
@@ -220,6 +220,18 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
             now = _now(conn)
             _reg.ensure_run(conn, run, now=now, actor=actor, parent=None, parent_relation="resumed_from", tags=None)
             return _attempts.record_resume(conn, run_row(conn, run, lock=True), attempt, step, now=now, actor=actor)
+
+    def attempt_refusal(self, run: str, attempt: str, *, created: str) -> str | None:
+        """Why every checkpoint ``attempt`` writes at ``created`` (ISO-8601) would be refused (it
+        never resumed, and an older attempt of the run holds checkpoints: a run name reused by
+        mistake), or None; None too for a run the catalog does not know (``db.attempts``)."""
+        check_attempt(attempt)
+        with self._tx(write=False) as conn:
+            try:
+                row = run_row(conn, run)
+            except UnknownRun:
+                return None
+            return _attempts.refusal(conn, row, attempt, created=created)
 
     def get_checkpoint_by_id(self, checkpoint_id: int) -> CheckpointInfo:
         """Raises ``NotFound``."""

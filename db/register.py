@@ -31,7 +31,7 @@ from core.layout import check_ref
 from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.policy import milestone_marks
-from db.attempts import standing
+from db.attempts import attempts, standing
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_RETIRED, CKPT_SUPERSEDED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.models import encode_metrics
@@ -147,7 +147,7 @@ def register_part(conn: Connection, m: Manifest, *, digest: str, now: datetime |
     new = _insert_new_pg if conn.dialect.name == "postgresql" else _insert_new_each
     cid = new(conn, run, first, m, digest=digest, now=now, actor=actor)
     if cid is None and _unknown(conn, run.id, m):  # PostgreSQL's one statement holds back for the attempt rules
-        by = standing(conn, run, m.attempt, m.step, now=now, actor=actor)
+        by = standing(conn, run, m.attempt, m.step, created=m.created_at, now=now, actor=actor)
         if by is not None:  # a late part of an older attempt: history, never joined to the newer one's
             first.update(state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now, committed_at=None)
         cid = _insert_new_each(conn, run, first, m, digest=digest, now=now, actor=actor, ruled=True)
@@ -199,7 +199,8 @@ def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
 # A new checkpoint on PostgreSQL in one statement, whatever its file count: the attempt's row
 # (``db.attempts``: first heard of now, if new), the checkpoint row (nothing if the (run, step,
 # attempt) exists, or when another attempt holds the step or a newer attempt resumed from below
-# it: then nothing else is written either, and ``register_part`` applies the attempt rules), its part, its files
+# it, or when this attempt never resumed and the run has others: then nothing else is written
+# either, and ``register_part`` applies the attempt rules), its part, its files
 # (arrays, so the text never changes and psycopg prepares it once per connection), its audit
 # row, its ``follows`` edge to the run's previous checkpoint and the edges of the runs that wait
 # for it as their origin (``_LINK_WAITING``: pending origins). It returns the new id and the
@@ -222,6 +223,9 @@ WITH me AS (
                       AND attempt <> %(attempt)s AND state NOT IN ('superseded', 'retired'))
       AND NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND resumed_from_step < %(step)s
                       AND id > COALESCE((SELECT id FROM me), 9223372036854775807))
+      AND (EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt = %(attempt)s
+                   AND resumed_from_step IS NOT NULL)
+           OR NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt <> %(attempt)s))
     ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (
@@ -264,7 +268,7 @@ def _insert_new_each(conn: Connection, run: Row, first: dict[str, Any], m: Manif
     id, or None if (run, step, attempt) is recorded. ``ruled``: the attempt rules were applied
     (``db.attempts.standing``) and ``first`` says their verdict."""
     if not ruled and _unknown(conn, run.id, m):
-        by = standing(conn, run, m.attempt, m.step, now=now, actor=actor)
+        by = standing(conn, run, m.attempt, m.step, created=m.created_at, now=now, actor=actor)
         if by is not None:
             first.update(state=CKPT_SUPERSEDED, superseded_by=by, superseded_at=now, committed_at=None)
     cid = insert_new(conn, checkpoints, first, ["run_id", "step", "attempt"], "id")
@@ -404,12 +408,17 @@ def _split_batch(conn: Connection, manifests: list[Manifest], *, now: datetime,
             run = _learn_origin(conn, run, m, now=now, actor=actor)
         steps = [m.step for m in ms]
         newest = conn.execute(select(func.max(checkpoints.c.step)).where(checkpoints.c.run_id == run.id)).scalar()
-        plain = all(not m.attempt for m in ms)  # a named attempt's rules are register_part's
+        plain = all(not m.attempt for m in ms) and not _named_attempts(conn, run.id)  # else register_part's rules
         if plain and len(set(steps)) == len(steps) and (newest is None or min(steps) > newest):
             fast += [(run, m) for m in sorted(ms, key=lambda m: m.step)]
         else:
             slow += ms
     return fast, slow
+
+
+def _named_attempts(conn: Connection, run_id: int) -> bool:
+    return conn.execute(select(attempts.c.id).where(attempts.c.run_id == run_id, attempts.c.attempt != "")
+                        .limit(1)).first() is not None
 
 
 def _newest_id(conn: Connection, run_id: int, *, below: int) -> int | None:

@@ -17,7 +17,6 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 from core import events
 from core.errors import TierUnavailable
@@ -115,27 +114,19 @@ class RootState:
             (f": {self.detail}" if self.detail else "")
 
 
-def embedded_root(settings: Settings, tier: int) -> Path | None:
-    """The folder of ``tier``'s embedded default root (``data_dir``/tier0/<node>, ``data_dir``/tier1:
-    the demo's and the local stack's own folders) when the tier is left at it; None otherwise."""
-    base = Path(settings.data_dir).expanduser().absolute()
-    default = {0: base / "tier0" / settings.node, 1: base / "tier1"}.get(tier)
-    return default if default is not None and settings.tier_url(tier) == str(default) else None
-
-
 def init_tier(settings: Settings, tier: int, *, actor: str, replace: bool = False) -> RootState:
     """Make ``tier``'s root (this node's for Tier 0) one the pipeline trusts. Idempotent.
 
     Recorded already: proven, else ``TierUnavailable`` (a missing mount is never re-marked).
     Nothing recorded (or ``replace``, the operator's word that the storage was replaced): the
     marker at the root is recorded, written first when there is none. A configured root must
-    exist: it is never created (only the embedded default folders are, ``embedded_root``)."""
+    exist: it is never created (only the embedded default folders are, ``Settings.embedded_root``)."""
     url = settings.tier_url(tier)
     node = root_node(tier, settings.node)
     if not url:
         return RootState(tier, node, "", NOT_CONFIGURED)
     with open_store(url, tier, settings) as store, Catalog(settings.catalog_url) as cat:
-        if (own := embedded_root(settings, tier)) is not None and not store.root_exists():
+        if (own := settings.embedded_root(tier)) is not None and not store.root_exists():
             own.mkdir(parents=True, exist_ok=True)
         shown = display_url(store.root_url)
         recorded = cat.tier_root(tier, settings.node)

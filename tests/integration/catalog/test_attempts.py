@@ -5,6 +5,9 @@ superseded step offered, and a run name reused by mistake never supersedes a his
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from core.errors import ConflictError
@@ -14,8 +17,11 @@ from tests.kit.catalog import manifest, verified
 RUN = "llm"
 
 
-def _save(cat, step, part, attempt, **kw):
-    return cat.register_part(manifest(RUN, step, part=part, parts=2, attempt=attempt, **kw), actor="test")
+def _save(cat, step, part, attempt, *, created: datetime | None = None, **kw):
+    m = manifest(RUN, step, part=part, parts=2, attempt=attempt, **kw)
+    if created is not None:
+        m = replace(m, created_at=created.isoformat())
+    return cat.register_part(m, actor="test")
 
 
 def _durable(cat, ck):
@@ -77,7 +83,7 @@ def test_resume_recorded_after_the_new_attempts_first_part_still_supersedes(cata
 
 def test_a_run_name_reused_by_mistake_is_refused_not_superseding(catalog):
     _first_attempt(catalog)
-    with pytest.raises(ConflictError, match="did not resume from below it"):
+    with pytest.raises(ConflictError, match="reused by mistake"):
         _save(catalog, 10, 0, "C")  # a new job under the same name that never resumed
     assert catalog.get_checkpoint(RUN, 10).attempt == "A"
     assert catalog.get_checkpoint(RUN, 10).state == CKPT_COMMITTED
@@ -113,3 +119,46 @@ def test_the_new_attempts_chain_skips_superseded_checkpoints_retired_since(catal
     _save(catalog, 40, 0, "B")
     assert [(e.parent_step, e.relation) for e in catalog.ancestors(RUN, 40, max_depth=1)] == [(25, "follows")]
     assert [(e.parent_step, e.relation) for e in catalog.ancestors(RUN, 25, max_depth=1)] == [(20, "follows")]
+
+
+def test_a_launch_heard_of_only_after_its_relaunch_resumed_is_the_older_one(catalog):
+    """Launch A saved 5..35 on both nodes while no agent could reach the catalog; launch B
+    resumed from scratch (the catalog knew nothing) and made 5 and 10 durable. Then the agents
+    come back and register A's folders: the catalog hears of A second, yet A is the older launch
+    (its manifests were written before B resumed), so every step of it is history."""
+    catalog.ensure_run(RUN)
+    before = datetime.now(UTC) - timedelta(hours=1)
+    catalog.record_resume(RUN, "B", None, actor="rank0")
+    for step in (5, 10):
+        _save(catalog, step, 0, "B")
+        _durable(catalog, _save(catalog, step, 1, "B"))
+    for step in (10, 35):
+        for part in (0, 1):
+            late = _save(catalog, step, part, "A", created=before)
+            assert (late.state, late.superseded_by) == (CKPT_SUPERSEDED, "B")
+        _durable(catalog, catalog.get_checkpoint(RUN, step, "A"))
+    newest = catalog.newest_verified(RUN)
+    assert (newest.step, newest.attempt) == (10, "B")
+    assert catalog.get_checkpoint(RUN, 10).attempt == "B"
+
+
+def test_a_reused_run_name_never_becomes_the_newest_whatever_step_it_saves(catalog):
+    _first_attempt(catalog)
+    for step in (10, 45):  # one step A holds, one above anything A saved
+        with pytest.raises(ConflictError, match=r"never resumed.*reused by mistake"):
+            _save(catalog, step, 0, "C", created=datetime.now(UTC))
+    newest = catalog.newest_verified(RUN)
+    assert (newest.step, newest.attempt) == (20, "A")
+    assert [ck.step for ck in catalog.list_checkpoints(RUN) if ck.attempt == "C"] == []
+
+
+def test_a_late_launch_whose_clock_runs_ahead_is_refused_never_live(catalog):
+    """The older launch's node clock was an hour fast: its manifests seem written after the
+    relaunch resumed. The catalog cannot tell it from a reused name, so it refuses it; it is
+    never joined to, or put above, the relaunch's history."""
+    catalog.ensure_run(RUN)
+    catalog.record_resume(RUN, "B", None, actor="rank0")
+    _durable(catalog, _save(catalog, 5, 0, "B") and _save(catalog, 5, 1, "B"))
+    with pytest.raises(ConflictError, match="never resumed"):
+        _save(catalog, 35, 0, "A", created=datetime.now(UTC) + timedelta(hours=1))
+    assert catalog.newest_verified(RUN).attempt == "B"

@@ -109,11 +109,44 @@ def test_a_run_name_reused_without_resuming_is_refused(nodes):
     _first_attempt(nodes)
     with _stager(nodes[0], 0, "other-job") as st:
         st.save(10, _tensors(10, 0, seed=9))
-        with pytest.raises(Exception, match="did not resume from below it"):
+        with pytest.raises(Exception, match=r"never resumed.*reused by mistake"):
             _promote(nodes[0], 10, 0, "other-job")
+        st.save(45, _tensors(45, 0, seed=9))  # above anything attempt A saved: refused all the same
+        with pytest.raises(Exception, match=r"never resumed.*reused by mistake"):
+            _promote(nodes[0], 45, 0, "other-job")
     with Catalog(nodes[0].catalog_url) as cat:
         assert cat.get_checkpoint(RUN, 10).attempt == "A"
-        assert any("did not resume from below it" in r.reason for r in cat.rejections(RUN))
+        assert [ck.attempt for ck in cat.list_checkpoints(RUN) if ck.step == 45] == []
+        assert cat.newest_verified(RUN).attempt == "A"
+        assert {r.step for r in cat.rejections(RUN) if "reused by mistake" in r.reason} >= {10, 45}
+
+
+def test_a_job_reusing_a_run_name_is_stopped_at_its_next_save(nodes):
+    """The training side hears the refusal too: after its first save the job's announcer asks
+    the catalog once, and the next save raises the catalog's reason, writing nothing."""
+    import time
+
+    from core.errors import ConflictError
+
+    _first_attempt(nodes)
+    with CheckpointStager(RUN, settings=nodes[0], part=0, parts=2, attempt="other-job") as st:
+        st.save(10, _tensors(10, 0, seed=9))
+        step, deadline = 15, time.monotonic() + 60
+        with pytest.raises(ConflictError, match=r"never resumed.*reused by mistake"):
+            while time.monotonic() < deadline:  # the announcer's answer comes off the training thread
+                step += 5
+                st.save(step, _tensors(step, 0, seed=9))
+                time.sleep(0.1)
+        assert not st.checkpoint_dir(step).exists()
+
+
+def test_a_resumed_job_is_never_stopped_by_the_attempt_check(nodes):
+    _first_attempt(nodes)
+    resume_point(RUN, part=0, parts=2, settings=nodes[0], attempt="B")
+    with CheckpointStager(RUN, settings=nodes[0], part=0, parts=2, attempt="B") as st:
+        for step in (25, 30, 35):
+            st.save(step, _tensors(step, 0, seed=3))
+    assert st._announcer.registration.attempt_checked and st._announcer.registration.refused is None
 
 
 def test_retention_retires_superseded_checkpoints_once_the_new_attempt_is_durable(nodes):
