@@ -66,3 +66,14 @@ def set_up_roots(settings, tiers: tuple[int, ...] = (0, 1, 2)):
     states = init_tiers(settings, actor="test", tiers=tiers)
     assert not [s for s in states if s.state == UNAVAILABLE], [s.line() for s in states]
     return settings
+
+
+def mark_root(path: Path, tier: int = 0) -> Path:
+    """What an agent's start does to a freshly mounted local tier root, short of recording it
+    in a catalog: its identity marker written (``core.storage.identity``). A save refuses a
+    Tier 0 root that shows none (an NVMe that is not mounted)."""
+    from core.storage import identity
+    from core.storage.local import LocalStore
+
+    identity.write_marker(LocalStore(path, tier))
+    return path

@@ -22,6 +22,7 @@ from tasks.register import register_stored_part
 from tasks.verify import verify_replica
 from tests.kit.checkpoints import replica_states
 from tests.kit.pipeline import pipeline_settings
+from tests.kit.settings import mark_root
 from tests.kit.tmpfs import mounted_tmpfs
 
 RUN = "run-a"
@@ -36,11 +37,12 @@ def tensors(seed: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def tier0(tmp_path):
-    """``tier0(size)``: a tmpfs of ``size`` as this node's Tier 0, unmounted after the test."""
+    """``tier0(size, tier=0)``: a tmpfs of ``size`` as this node's Tier 0 (or ``tier``), marked as
+    its agent's start would, unmounted after the test."""
     from contextlib import ExitStack
 
     with ExitStack() as stack:
-        yield lambda size: stack.enter_context(mounted_tmpfs(tmp_path / "nvme", size))
+        yield lambda size, tier=0: mark_root(stack.enter_context(mounted_tmpfs(tmp_path / "nvme", size)), tier)
 
 
 def intact(folder) -> bool:
@@ -140,7 +142,7 @@ def test_tier1_low_headroom_is_announced_once_by_the_promotion_that_crosses(sett
     from tests.kit.checkpoints import write_checkpoint
     from tests.kit.pipeline import Recorder
 
-    tier1 = tier0("4m")  # here the small tmpfs is Tier 1
+    tier1 = tier0("4m", tier=1)  # here the small tmpfs is Tier 1
     settings = pipeline_settings(settings_factory, db_url, tier1_url=str(tier1), tier_low_headroom_checkpoints=2.5)
     rec = Recorder()
     with announcing(rec):

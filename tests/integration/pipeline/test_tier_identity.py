@@ -128,6 +128,31 @@ def test_tier0_not_mounted_is_unavailable_and_its_copies_are_not_judged(settings
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
 
 
+@pytest.mark.parametrize("left", ["empty folder", "nothing"])
+def test_a_save_onto_an_unmounted_tier0_is_refused_and_writes_nothing(settings, left):
+    """The job's side: an NVMe that is not mounted shows an empty folder on the root disk (or
+    no folder at all). The save raises at once and nothing is written or created there; once
+    the mount is back the next save goes through."""
+    import numpy as np
+
+    from ckpt.client import CheckpointStager
+    from core.errors import TierUnavailable
+    from tests.kit.settings import mark_root
+
+    nvme = Path(settings.data_dir).parent / "nvme"  # a configured root, not the embedded default folder
+    nvme.mkdir()
+    settings = settings.model_copy(update={"tier0_url": str(mark_root(nvme))})
+    aside = unmount(settings.tier0_url, leave_folder=left == "empty folder")
+    with CheckpointStager(RUN, settings=settings, announce=False) as st:
+        with pytest.raises(TierUnavailable, match=r"tier 0 .* unavailable"):
+            st.save(100, {"w": np.zeros(16, np.float32)})
+        root = Path(settings.tier0_url)
+        assert (list(root.iterdir()) == []) if left == "empty folder" else not root.exists()
+        mount(settings.tier0_url, aside)
+        st.save(100, {"w": np.zeros(16, np.float32)})
+    assert (tier0_dir(settings, RUN, 100) / "manifest.json").is_file()
+
+
 def test_a_restore_past_an_unmounted_tier0_reads_tier1_and_judges_nothing(settings, tmp_path):
     """Found by the soak: a restore on a node whose Tier 0 mount is gone stopped at that tier
     (``TierUnavailable``) although Tier 1 held the bytes; it reads them there and marks nothing."""
