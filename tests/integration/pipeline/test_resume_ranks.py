@@ -105,8 +105,12 @@ def lose_tier1(settings, run: str) -> None:
             cat.transition(rep.id, "missing", expected="verified", actor="test", reason="test: tier 1 lost")
 
 
-@pytest.mark.parametrize("source", ["tier1", "tier2"])
-@pytest.mark.parametrize("want", ["every part", "own part"])
+# every (parts wanted, source) on PostgreSQL, a cluster's catalog; one of them on SQLite (the
+# turns are the node's flock, not the catalog's: the full matrix on both cost a minute and a half)
+@pytest.mark.parametrize(("db_url", "want", "source"), [
+    pytest.param("postgres", want, source, marks=pytest.mark.postgres, id=f"postgres-{want}-{source}")
+    for want in ("every part", "own part") for source in ("tier1", "tier2")
+] + [pytest.param("sqlite", "every part", "tier2", id="sqlite-every part-tier2")], indirect=["db_url"])
 def test_ranks_of_one_node_resuming_at_once_each_get_the_checkpoint_read_once(
         settings_factory, db_url, s3_bucket, proxy, source, want):
     """Node-1 was replaced (its NVMe is empty) and Tier 1 is not mounted on it; with ``tier2``
