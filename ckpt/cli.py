@@ -1,8 +1,9 @@
 """The ``ckpt`` command line. Each area registers its commands from ``ckpt/commands/``.
 
 Errors of this project print as one clear line (exit 2 for bad input, 1 otherwise); only
-unexpected exceptions show a traceback. A refused argument (``BadArgument``, see ``ckpt.args``)
-is also recorded in the catalog's audit as a rejection, as a malformed event is.
+unexpected exceptions show a traceback. A refused argument (``BadArgument``, see ``ckpt.args``,
+and typer's usage errors: an unknown option, a missing argument) is also recorded in the
+catalog's audit as a rejection, as a malformed event is.
 """
 
 from __future__ import annotations
@@ -42,7 +43,21 @@ _register_commands()
 def main() -> None:
     _interruptible()
     try:
-        app()
+        code = app(standalone_mode=False)  # typer's usage errors come here, to be recorded too
+    except typer.Abort:
+        err.print("Aborted!")
+        sys.exit(1)
+    except typer.TyperException as exc:  # typer's own: a usage error (exit 2), or help on no command
+        if exc.exit_code == 2 and type(exc).__name__ != "NoArgsIsHelpError":  # a usage error
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+            err.print(f"[red]error:[/red] {escape(exc.format_message())}{escape(hint)}", soft_wrap=True)
+            _record(exc)
+        elif hasattr(exc, "show"):
+            exc.show()
+        else:
+            err.print(escape(exc.format_message()))
+        sys.exit(exc.exit_code)
     except BadArgument as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         _record(exc)
@@ -53,6 +68,7 @@ def main() -> None:
     except CkptError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)  # ``typer.Exit``'s code; a command returns None
 
 
 def _interruptible() -> None:
@@ -64,7 +80,7 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _record(exc: BadArgument) -> None:
+def _record(exc: BadArgument | typer.TyperException) -> None:
     """Audit the refused command line (``cli:<its arguments>``); a catalog that cannot take the
     record costs the record (a note on stderr), never the error the user is shown."""
     from core.settings import load_settings  # deferred: start-up — pydantic-settings

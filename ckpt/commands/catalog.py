@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.tree import Tree
 
-from ckpt.args import step_arg
+from ckpt.args import count_arg, step_arg, tier_arg
 from ckpt.tables import FitTable, actor_role, table as fit_table
 from core.errors import BadArgument, NotFound, quoted
 from core.sizing import fmt_bytes, fmt_metrics
@@ -122,7 +122,8 @@ def show_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
 
 def audit_cmd(run: str = typer.Option(None, "--run", help="only this run"),
               since: str = typer.Option(None, "--since", help="only entries this recent: 30m, 2h, 7d or ISO-8601"),
-              limit: int = typer.Option(100, "--limit", help="at most this many entries"),
+              limit: int = typer.Option(100, "--limit", parser=count_arg("limit", 1, 1_000_000),
+                                        help="at most this many entries"),
               expire: bool = typer.Option(False, "--expire", help="export the entries older than "
                                           "CKPT_AUDIT_RETAIN_DAYS to CKPT_AUDIT_EXPORT_DIR, then delete them"),
               as_json: bool = JSON_OPT) -> None:
@@ -205,7 +206,8 @@ def locate_cmd(run: str, step: int = STEP, as_json: bool = JSON_OPT) -> None:
     out.print(_replica_table(reps) if reps else f"{run}/{step} has no replicas yet")
 
 
-def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only copies on this tier"),
+def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", parser=tier_arg,
+                                                  help="only copies on this tier"),
                durable: bool = typer.Option(False, "--durable", help="only copies on tier 1 or 2"),
                follow_resumed: bool = typer.Option(False, "--follow-resumed",
                                                    help="look into the run this one resumed from"),
@@ -226,7 +228,8 @@ def latest_cmd(run: str, tier: int = typer.Option(None, "--tier", help="only cop
 
 def lineage_cmd(run: str, step: int = STEP,
                 descendants: bool = typer.Option(False, "--descendants", help="walk down instead of up"),
-                depth: int = typer.Option(1000, "--depth", help="how many edges deep"),
+                depth: int = typer.Option(1000, "--depth", parser=count_arg("depth", 1, 1_000_000),
+                                          help="how many edges deep"),
                 as_json: bool = JSON_OPT) -> None:
     """Where a checkpoint came from (or, with --descendants, what came from it), as a tree. A
     run's origin the catalog does not know yet is shown pending."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
-from ckpt.args import part_arg, parts_arg, step_arg
+from ckpt.args import count_arg, part_arg, parts_arg, step_arg
 from ckpt.production_stack import DEFAULT_PG_URL, DEFAULT_REDIS_URL, ProductionStack
 from ckpt.tables import table as fit_table
 from core import sizing
@@ -47,7 +47,8 @@ def plan_cmd(
                                         "of the last day's checkpoints copied into Tier 1, all parts together, in "
                                         "the catalog, else 2GB/s]"),
     runs: bool = typer.Option(True, "--runs/--no-runs", help="also show each run's measured ΔMFU from the catalog"),
-    nodes: int | None = typer.Option(None, "--nodes", min=1, help="cluster size: add the orchestration load of one "
+    nodes: int | None = typer.Option(None, "--nodes", parser=count_arg("nodes", 1, 1_000_000),
+                                     help="cluster size: add the orchestration load of one "
                               "checkpoint burst of this many nodes on one Prefect server"),
     burst_report: Path | None = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
@@ -61,7 +62,8 @@ def plan_cmd(
     tier1_read: str | None = typer.Option(None, "--tier1-read", help="the shared file system's aggregate read "
                                    "bandwidth [the median of the last day's restore drills from Tier 1 in the "
                                    "catalog, else the --bandwidth of each row]"),
-    s3_streams: int = typer.Option(16, "--s3-streams", min=1, help="parallel S3 GET connections per node"),
+    s3_streams: int = typer.Option(16, "--s3-streams", parser=count_arg("s3-streams", 1, 4096),
+                                   help="parallel S3 GET connections per node"),
     s3_stream: str | None = typer.Option(None, "--s3-stream", help="one S3 connection's bandwidth [90MB/s]"),
     node_link: str | None = typer.Option(None, "--node-link", help="a node's network link [12.5GB/s, 100 Gb/s]"),
     as_json: bool = typer.Option(False, "--json"),
@@ -340,7 +342,8 @@ def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
     node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the "
                                    "cluster-wide archive, retention, scrub and drill"),
-    limit: int = typer.Option(None, "--limit", help="most flow runs at once on this agent"),
+    limit: int = typer.Option(None, "--limit", parser=count_arg("limit", 1, 100_000),
+                              help="most flow runs at once on this agent"),
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
                                          help="run archive on ckpt.checkpoint.durable (promote also archives inline)"),
 ) -> None:
@@ -369,7 +372,7 @@ def watch_cmd(
     once: bool = typer.Option(False, "--once", help="scan once and exit"),
     part: int = typer.Option(0, "--part", parser=part_arg),
     parts: int = typer.Option(1, "--parts", parser=parts_arg),
-    milestone_every: int = typer.Option(None, "--milestone-every", min=1,
+    milestone_every: int = typer.Option(None, "--milestone-every", parser=count_arg("milestone-every", 1, 10**15),
                                         help="tag every step that is a multiple of N a milestone (Tier 2)"),
     milestone_marker: str = typer.Option("MILESTONE", "--milestone-marker",
                                          help="a folder holding this file is tagged a milestone"),
@@ -401,10 +404,11 @@ def watch_cmd(
 
 def up_cmd(
     root: Path = typer.Option(Path(".ckpt-stack"), "--dir", help="where the stack keeps its data and logs"),
-    port: int = typer.Option(None, "--port", min=1, max=65534,
+    port: int = typer.Option(None, "--port", parser=count_arg("port", 1, 65534),
                              help="Prefect server port P, the S3 server on P + 1; a taken one is an error (the "
                              "jobs' exports name them) [default: 4200 and 4201, or free ones if taken]"),
-    nodes: int = typer.Option(1, "--nodes", min=1, max=16, help="simulated training nodes (one agent each)"),
+    nodes: int = typer.Option(1, "--nodes", parser=count_arg("nodes", 1, 16),
+                              help="simulated training nodes (one agent each)"),
     tier2: bool = typer.Option(True, "--tier2/--no-tier2", help="moto's S3 server as Tier 2"),
     auth: bool = typer.Option(True, "--auth/--no-auth",
                               help="Prefect API auth: a secret (PREFECT_SERVER_API_AUTH_STRING if set, else the one "
@@ -418,7 +422,8 @@ def up_cmd(
                                "[postgresql://postgres@127.0.0.1:5432/postgres]"),
     redis_url: str = typer.Option(None, "--redis-url", help="Redis for --production; redis://HOST:PORT/N uses "
                                   "database N, without /N the first free of 1-15 [redis://127.0.0.1:6379]"),
-    api_workers: int = typer.Option(1, "--api-workers", min=1, help="API server worker processes (--production)"),
+    api_workers: int = typer.Option(1, "--api-workers", parser=count_arg("api-workers", 1, 256),
+                                    help="API server worker processes (--production)"),
 ) -> None:
     """The local stack on loopback: Prefect server (SQLite; with --production on PostgreSQL +
     Redis, services in their own process), moto's S3 server with its bucket, and the agents;

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from ckpt.args import step_arg
+from ckpt.args import count_arg, durable_tier_arg, step_arg, tier_arg
 from ckpt.tables import table as fit_table
 from core.errors import BadInput
 
@@ -31,7 +31,8 @@ def restore_cmd(
     run: str = typer.Argument(..., help="training run"),
     to: Path = typer.Option(..., "--to", help="destination folder (absent or empty); filled atomically"),
     step: int = typer.Option(None, "--step", parser=step_arg, help="restore this step (default: the newest verified)"),
-    tier: list[int] = typer.Option(None, "--tier", help="only these tiers, in this order (default 0 1 2)"),
+    tier: list[int] = typer.Option(None, "--tier", parser=tier_arg,
+                                   help="only these tiers, in this order (default 0 1 2)"),
     fallback: bool = typer.Option(None, "--fallback/--no-fallback",
                                   help="fall back to an older checkpoint when none of this one's copies is good "
                                        "(default: yes without --step, no with it)"),
@@ -120,9 +121,11 @@ def scrub_cmd(
 # --- ckpt drill / drills -----------------------------------------------------------------------
 def drill_cmd(
     run: str = typer.Option(None, "--run", help="drill this run (default: the run of the newest milestone)"),
-    nodes: int = typer.Option(None, "--nodes", min=1, help="nodes resuming at once, one per part "
+    nodes: int = typer.Option(None, "--nodes", parser=count_arg("nodes", 1, 1_000_000),
+                              help="nodes resuming at once, one per part "
                               "(default: the checkpoint's parts; must equal them)"),
-    tier: list[int] = typer.Option(None, "--tier", help="drill this tier only (1 or 2; repeat for both) "
+    tier: list[int] = typer.Option(None, "--tier", parser=durable_tier_arg,
+                                   help="drill this tier only (1 or 2; repeat for both) "
                                    "[1 and 2]"),
     scratch: Path = typer.Option(None, "--scratch", help="scratch folder (default: <data_dir>/drills)"),
     as_json: bool = typer.Option(False, "--json"),
@@ -153,7 +156,7 @@ def drill_cmd(
 
 def drills_cmd(
     run: str = typer.Option(None, "--run", help="only this run"),
-    limit: int = typer.Option(50, "--limit", help="newest N drills"),
+    limit: int = typer.Option(50, "--limit", parser=count_arg("limit", 1, 1_000_000), help="newest N drills"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The history of restoration drills: recovery time per tier."""

@@ -149,13 +149,18 @@ def test_a_diverged_checkpoint_shows_nan_and_inf(cli, catalog):
 
 def test_a_bad_argument_is_one_line_and_a_recorded_rejection(cli, catalog, monkeypatch, capsys, tmp_path):
     """A step that is not ASCII digits (``int()`` takes ``1_0``, ``10\\n`` and full-width digits
-    as 10), one out of range, a malformed RUN:STEP: exit 2, one line, and each is in the
+    as 10), one out of range, a malformed RUN:STEP, any other number read leniently or out of
+    range, an unknown option, a missing argument: exit 2, one line, and each is in the
     catalog's audit as a rejection of the command line, as a malformed event is."""
     _story(catalog)
     bad = (["show", "base", "\uff11\uff10"], ["pin", "base", "1_0"], ["locate", "base", "10\n"],
            ["promote", "--run", "base", "--step", "-1"], ["promote", "--run", "base", "--step", "10", "--part", "+0"],
            ["commit", str(tmp_path), "--run", "base", "--step", "30", "--parent", "base:\uff11\uff10"],
-           ["restore", "base", "--to", str(tmp_path / "out"), "--step", "1e1"])
+           ["restore", "base", "--to", str(tmp_path / "out"), "--step", "1e1"],
+           # every other whole number by the same rule, and typer's own usage errors
+           ["latest", "base", "--tier", "1_0"], ["lineage", "base", "10", "--depth", "\uff15"],
+           ["drill", "--nodes", "x"],
+           ["drills", "--limit", "0"], ["drills", "--bogus"], ["latest"], ["pin", "base"])
     for argv in bad:
         monkeypatch.setattr(sys, "argv", ["ckpt", *argv])
         with pytest.raises(SystemExit) as exit_info:
