@@ -17,11 +17,13 @@ from ckpt.client import CheckpointStager
 from ckpt.resume import resume_point
 from core.attempt import launch_attempt
 from core.errors import BadInput, NotFound
+from core.manifest import Manifest
 from db.catalog import Catalog
 from db.entities import CKPT_COMMITTED, CKPT_RETIRED, CKPT_SUPERSEDED
 from flows.common import plain_steps
 from flows.promote import promote
 from flows.reconcile import reconcile_once
+from tasks.drill import cluster_drill
 from tasks.restore import restore_checkpoint
 from tasks.tier_roots import init_tier
 from tests.kit.restore import on_node, scenario_settings
@@ -84,6 +86,13 @@ def test_both_ranks_resume_and_resave_with_other_bytes(nodes):
     again = [resume_point(RUN, part=rank, parts=2, settings=s, attempt="C") for rank, s in enumerate(nodes)]
     assert [p.step for p in again] == [30, 30]
     assert all("@B" in str(p.path) for p in again)
+    drills, skipped = cluster_drill(nodes[0], run=RUN, tiers=(1,), scratch=nodes[0].data_dir / "drills")
+    assert skipped == []
+    [drill] = drills  # the drill too takes B's 30, whole from one attempt
+    assert (drill.result.step, drill.result.ok, drill.result.nodes) == (30, True, 2)
+    folder = Path(nodes[0].tier1_url.removeprefix("file://")) / RUN / f"step-{drill.result.step:08d}@B"
+    drilled = [Manifest.from_json(p.read_bytes()) for p in sorted(folder.glob("manifest.part-*.json"))]
+    assert [(m.part, m.attempt) for m in drilled] == [(0, "B"), (1, "B")]
 
 
 def test_a_part_of_the_killed_attempt_found_late_is_never_joined(nodes):
