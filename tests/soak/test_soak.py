@@ -872,20 +872,13 @@ class Soak(RuleBasedStateMachine):
         Tier 1 copy of a promotion or a delete of a retention; meanwhile its lease lapses and
         reconcile on its node takes the work over and finishes it (publishes the copy, makes the
         prune); then the worker goes on. Its late copies and deletes must leave what the other
-        holder published: the invariants read the bytes afterwards."""
+        holder published: the invariants read the bytes afterwards. A paused prune's checkpoint
+        is pinned meanwhile (an operator keeping it), so reconcile gives the prune up and copies
+        the part back where it is gone: the paused worker's late deletes must not take what that
+        copy published under the same names (issue 39's item 7)."""
         from flows.common import plain_steps
-        from flows.reconcile import reconcile_once
 
-        def hold() -> None:
-            n = expire_claims(self.settings["node-0"])
-            self.trace.append(f"[paused: {n} lease(s) lapse, reconcile({node}) takes over]")
-            try:
-                reconcile_once(self.settings[node], steps=plain_steps(), actor="soak-takeover")
-            except CkptError as exc:
-                self.trace.append(f"[takeover: {type(exc).__name__}: {exc}]")
-            STATS["takeovers_while_a_worker_was_paused"] += 1
-
-        INJECTOR.hold = hold
+        INJECTOR.hold = lambda: self._takeover(node, pin=which != "promote")
         if which == "promote":
             step, self.next_step = self.next_step, self.next_step + 100
             self._save(node, step, 0)
@@ -896,6 +889,42 @@ class Soak(RuleBasedStateMachine):
             plan = Plan(kind="pause", target="store", method=which, after=after)
             self.operate(f"retention_paused({node})", plan,
                          fn=lambda: run_retention(self.settings[node], run=RUN, steps=plain_steps(), actor="soak"))
+
+    def _takeover(self, node: str, *, pin: bool) -> None:
+        """What happens while a worker stands paused: (``pin``: the checkpoints being pruned are
+        pinned;) every lease lapses and reconcile on ``node`` takes the work over."""
+        from flows.common import plain_steps
+        from flows.reconcile import reconcile_once
+
+        if pin:
+            self._pin_what_is_being_pruned()
+        n = expire_claims(self.settings["node-0"])
+        self.trace.append(f"[paused: {n} lease(s) lapse, reconcile({node}) takes over]")
+        try:
+            reconcile_once(self.settings[node], steps=plain_steps(), actor="soak-takeover")
+        except CkptError as exc:
+            self.trace.append(f"[takeover: {type(exc).__name__}: {exc}]")
+        STATS["takeovers_while_a_worker_was_paused"] += 1
+
+    def _pin_what_is_being_pruned(self) -> None:
+        from db.catalog import Catalog
+        cat = Catalog(self.settings["node-0"].catalog_url)
+        try:
+            for step in sorted(self.saved):
+                ck = self._checkpoint(cat, step)
+                if ck is None or ck.state == RETIRED or step in self.pinned:
+                    continue
+                if any(r.state == "pruning" for r in cat.replicas(ck.id)):
+                    try:
+                        cat.pin(RUN, step, reason="soak: kept while its prune was paused", actor="soak")
+                    except CkptError as exc:  # a superseded one, say: not the operator's to pin
+                        self.trace.append(f"[pin({step}) refused: {exc}]")
+                        continue
+                    self.pinned.add(step)
+                    STATS["pinned_while_its_prune_was_paused"] += 1
+                    self.trace.append(f"pin({step}) while its prune is paused")
+        finally:
+            cat.close()
 
     def tier_root_unmounted(self, node: str, which: str, ops: list[str], pick: int) -> None:
         """Tier 1's root (``which='t1'``) or ``node``'s Tier 0 root disappears and comes back: a

@@ -9,7 +9,9 @@ with registration dropping a manifest's origin, or reconcile sweeping no staging
 child run's origin or a killed save's staging is reported; with the tier identity proof off, a
 root replaced by an empty folder is taken as the tier (its copies judged missing there, or written
 onto it); with a promotion taking a full Tier 1 as a verdict on its Tier 0 source, that copy is
-reported marked although its bytes match. The same scripted sequences pass on the real pipeline."""
+reported marked although its bytes match; with a prune's deletes unfenced (in place, by names listed
+before its worker paused), the worker that wakes deletes the copy reconcile put back after the
+checkpoint was pinned. The same scripted sequences pass on the real pipeline."""
 
 from __future__ import annotations
 
@@ -508,3 +510,54 @@ def test_a_failed_repair_of_a_superseded_step_is_judged_by_its_own_copies(db_url
         assert STATS["expected_error:repair_source_on_another_node"] >= 1
     finally:
         m.teardown()
+
+
+# --- a prune worker paused past its lease while its checkpoint is pinned and copied back --------
+def _paused_prune(m: Soak) -> None:
+    """Steps 100 to 300 are promoted on node-0 (each promotion's retention prunes what its rules
+    let go). Step 400's promotion prunes an older Tier 1 copy and its worker stops inside the
+    delete, after setting the copy aside: its lease lapses, the checkpoint is pinned, reconcile
+    takes the prune over, gives it up and copies the part to Tier 1 again. Then the worker goes
+    on with its delete; a check pass and the invariants read every verified copy's bytes."""
+    from test_soak import INJECTOR
+
+    for _ in range(3):
+        m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+        m.nothing_is_lost()
+    INJECTOR.hold = lambda: m._takeover("node-0", pin=True)
+    step, m.next_step = m.next_step, m.next_step + 100
+    m._save("node-0", step, 0)
+    m._promote("node-0", step, Plan(kind="pause", target="store", method="delete_tomb", tier=1),
+               label="promote_paused")
+    m.nothing_is_lost()
+    m.check_pass()
+    m.nothing_is_lost()
+
+
+def test_the_soak_passes_a_real_prune_paused_past_its_lease(db_url, s3_endpoint, proxy, settings_factory,
+                                                             monkeypatch):
+    STATS.clear()
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _paused_prune(m)
+        assert STATS["pinned_while_its_prune_was_paused"] == 1 and STATS["takeovers_while_a_worker_was_paused"] == 1
+        [pinned] = m.pinned
+        assert "t1" in m.good_now(pinned)  # given up and copied back; the late worker deleted only its tombstone
+    finally:
+        m.teardown()
+
+
+def test_a_paused_prune_that_deletes_in_place_fails_the_soak(db_url, s3_endpoint, proxy, settings_factory,
+                                                            monkeypatch):
+    """With the deletes unfenced, as before issue 39 (a folder's files deleted in place, by the
+    names listed before the pause, with no claim check), the worker that wakes deletes what the
+    new copy published: Tier 1 is left recorded verified without its bytes."""
+    from core.storage.base import TierStore
+    from core.storage.local import LocalStore
+
+    monkeypatch.setattr(LocalStore, "bury", TierStore.bury)
+    monkeypatch.setattr(LocalStore, "exhume", TierStore.exhume)
+    monkeypatch.setattr(LocalStore, "delete_tomb",
+                        lambda self, tomb, check: sum(int(self.delete(k)) for k in tomb.keys))
+    _soak_fails(r"Tier 1 is verified with bytes other than the registered ones", _paused_prune, db_url, s3_endpoint,
+                proxy, settings_factory, monkeypatch)
