@@ -770,17 +770,11 @@ class Soak(RuleBasedStateMachine):
         lower of the two steps holds); the older attempts' checkpoints above it are superseded: in
         the model they leave ``saved`` for ``superseded`` (never offered again, retired only once the
         new attempt has a durable checkpoint), and training saves those steps again with other bytes.
-        Skipped while the catalog has not heard of the running attempt: a part of a launch the
-        catalog first hears of after a newer launch resumed counts as the newer one (``db.attempts``
-        orders attempts by their first record), which a real relaunch after a registered save never meets."""
+        The catalog may not have heard of the running attempt yet (its saves unannounced, the
+        agents down): its parts, found later, are the older launch's (``db.attempts``: an attempt
+        that never resumed is older than one first recorded after its manifests were written)."""
         from ckpt.resume import resume_point
         from db.catalog import Catalog
-        cat = Catalog(self.settings["node-0"].catalog_url)
-        try:
-            if self.attempt == "" and not any(ck.attempt == "" for ck in cat.list_checkpoints(RUN)):
-                return
-        finally:
-            cat.close()
         for _ in range(unannounced):
             self.save_event_lost(node, timedelta(0))
         new = f"a{len(self.attempts)}"

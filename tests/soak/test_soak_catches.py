@@ -11,7 +11,9 @@ root replaced by an empty folder is taken as the tier (its copies judged missing
 onto it); with a promotion taking a full Tier 1 as a verdict on its Tier 0 source, that copy is
 reported marked although its bytes match; with a prune's deletes unfenced (in place, by names listed
 before its worker paused), the worker that wakes deletes the copy reconcile put back after the
-checkpoint was pinned. The same scripted sequences pass on the real pipeline."""
+checkpoint was pinned; with attempts ordered by their first record alone, a killed launch the
+catalog hears of after its relaunch resumed counts as the newer one. The same scripted sequences
+pass on the real pipeline."""
 
 from __future__ import annotations
 
@@ -561,3 +563,46 @@ def test_a_paused_prune_that_deletes_in_place_fails_the_soak(db_url, s3_endpoint
                         lambda self, tomb, check: sum(int(self.delete(k)) for k in tomb.keys))
     _soak_fails(r"Tier 1 is verified with bytes other than the registered ones", _paused_prune, db_url, s3_endpoint,
                 proxy, settings_factory, monkeypatch)
+
+
+# --- a launch the catalog hears of only after its relaunch resumed ------------------------------
+def _relaunch_before_any_registration(m: Soak) -> None:
+    """Steps 100 to 300 are saved on node-0 and never announced (the agents were down); the job
+    relaunches (attempt a1) and both nodes resume from scratch, the catalog knowing nothing.
+    Then reconcile finds the killed launch's folders, and a1 saves and promotes its own 100."""
+    for _ in range(3):
+        m.save_event_lost("node-0", NO_SKEW)
+    m.restart()
+    m.nothing_is_lost()
+    m.reconcile("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+    m.save_and_promote("node-0", Plan(), S3Plan(), NO_SKEW)
+    m.nothing_is_lost()
+
+
+def test_the_soak_passes_a_launch_heard_of_after_its_relaunch(db_url, s3_endpoint, proxy, settings_factory,
+                                                              monkeypatch):
+    m = _machine(db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
+    try:
+        _relaunch_before_any_registration(m)
+        cat = m_catalog(m)
+        try:
+            old = [ck for ck in cat.list_checkpoints("run-a") if ck.attempt == ""]
+            assert sorted(ck.step for ck in old) == [100, 200, 300]
+            # history from birth; retired since, once a1 had a durable checkpoint
+            assert {(ck.state in ("superseded", "retired"), ck.superseded_by) for ck in old} == {(True, "a1")}
+            assert cat.newest_verified("run-a").attempt == "a1"
+        finally:
+            cat.close()
+    finally:
+        m.teardown()
+
+
+def test_attempts_ordered_by_first_record_fail_the_soak(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
+    """With attempts ordered only by when the catalog first heard of them (as before), the killed
+    launch's parts, heard of after a1 resumed, count as the newer attempt's: offered again."""
+    import db.attempts
+
+    monkeypatch.setattr(db.attempts, "_launched_after", lambda x, me, written: me is not None and x.id > me.id)
+    _soak_fails(r"step \d00 of attempt \(unnamed\) (is 'committed' \(offered again\)|was retired before attempt a1)",
+                _relaunch_before_any_registration, db_url, s3_endpoint, proxy, settings_factory, monkeypatch)
