@@ -712,7 +712,9 @@ class Soak(RuleBasedStateMachine):
         on, every Tier 1 write raises ``StorageFull`` until the promotion ends (reads and deletes
         still work). A full destination is no verdict on the source: the Tier 0 copy, whose bytes
         are the saved ones, is never marked corrupt or missing for it (nor pruned: the invariants),
-        and a later promotion or reconcile, with room again, carries the checkpoint on."""
+        and a later promotion or reconcile, with room again, carries the checkpoint on. Tier 1
+        stays full for a reconcile pass (it judges nothing for it) and a restore of the newest
+        checkpoint (which writes no Tier 1 byte, and returns the saved bytes) before room is made."""
         from db.catalog import Catalog
         step, self.next_step = self.next_step, self.next_step + 100
         self._save(node, step, 0, loss=loss)
@@ -730,6 +732,10 @@ class Soak(RuleBasedStateMachine):
                 self.violate(f"step {step}: Tier 1 was full, and the catalog marked its Tier 0 copy on {node} "
                              f"{r.state} although its bytes match (a full destination taken as a verdict on the "
                              "source)")
+        still_full = Plan(kind="tier1_full", target="store", method="put_verified", at=0, tier=1)
+        self.reconcile(node, still_full, S3Plan(), timedelta(0))
+        self._nothing_is_lost()
+        self.restore(node, 0, True, S3Plan(), timedelta(0), plan=still_full)
 
     def save_event_lost(self, node: str, skew: timedelta, loss: float = 0.5) -> None:
         step, self.next_step = self.next_step, self.next_step + 100
@@ -1072,7 +1078,8 @@ class Soak(RuleBasedStateMachine):
         finally:
             cat.close()
 
-    def restore(self, node: str, pick: int, newest: bool, s3: S3Plan, skew: timedelta) -> None:
+    def restore(self, node: str, pick: int, newest: bool, s3: S3Plan, skew: timedelta,
+                plan: Plan | None = None) -> None:
         # aimed at a checkpoint that should have a copy: one that reached verified and still has
         # good bytes on a tier this node reads (its own Tier 0, Tier 1, Tier 2); else the newest
         step = None
@@ -1087,7 +1094,7 @@ class Soak(RuleBasedStateMachine):
         dest = Path(tempfile.mkdtemp(prefix="restore-", dir=self.tmp)) / "out"
         outcome: list[str] = []
         have = self.verified_good(node, step)  # before: a failing restore marks what it could not read
-        self.operate(f"restore({node},{step or 'newest'})", Plan(), s3=s3, skew=skew,
+        self.operate(f"restore({node},{step or 'newest'})", plan or Plan(), s3=s3, skew=skew,
                      fn=lambda: self._restore_into(node, dest, step, outcome, have))
         shutil.rmtree(dest.parent, ignore_errors=True)
         if only_t2 and outcome == ["ok"]:
