@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,20 +69,45 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
         cat.close()
 
 
-def check_attempt(settings: Settings, reg: RunRegistration, m: Manifest) -> None:
-    """Once, with the first manifest: would the catalog refuse every checkpoint of this attempt
-    (it never resumed, and an older attempt of the run holds checkpoints: a run name reused by
-    mistake)? Then ``reg.refused`` says why, and the stager's next save raises it. Asked after a
-    save, not at start, so a job that creates its stager before it resumes is never refused for
-    that. An unreachable catalog leaves it for the next save's try."""
+RECENT_PARTS = 8  # how many of the job's last parts its announcer asks the catalog after
+ASK_EVERY_S = 5.0  # how often, while one of them is not known to be registered
+
+
+def ask_catalog(settings: Settings, reg: RunRegistration, sent: deque[tuple[Manifest, str]],
+                first: Manifest | None) -> None:
+    """What the training side asks the catalog, off the training thread; what it finds, the
+    stager's next save raises (``reg.refused``):
+
+    - once, with the first manifest (``first``): would the catalog refuse every checkpoint of
+      this attempt (it never resumed, and an older attempt of the run holds checkpoints: a run
+      name reused by mistake)? Asked after a save, not at start, so a job that creates its
+      stager before it resumes is never refused for that;
+    - the job's last parts (``sent``: manifest, digest): was one refused for a conflict (two
+      parts of a checkpoint writing one path with other bytes, a step another attempt holds)?
+      Every later save would be refused alike. Another refusal (a copy found corrupt) is logged,
+      not raised: the next save is a new chance. A part the catalog registered leaves ``sent``.
+
+    An unreachable catalog leaves it all for the next try; training goes on."""
     from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
 
     try:
         with Catalog(settings.catalog_url) as cat:
-            reg.refused = cat.attempt_refusal(m.run, m.attempt, created=m.created_at)
-        reg.attempt_checked = True
+            if first is not None and not reg.attempt_checked:
+                reg.refused = reg.refused or cat.attempt_refusal(first.run, first.attempt, created=first.created_at)
+                reg.attempt_checked = True
+            for m, digest in list(sent):
+                refusal = cat.rejection(m.run, m.step, m.part, digest)
+                if refusal is not None:
+                    sent.remove((m, digest))
+                    said = f"the catalog refused {m.run} step {m.step} part {m.part}: {refusal.reason}"
+                    if refusal.reason.startswith("ConflictError"):
+                        reg.refused = reg.refused or said
+                    else:
+                        log.error("%s", said)
+                elif cat.part_registered(m.run, m.step, m.part, m.attempt, digest):
+                    sent.remove((m, digest))
     except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
-        log.warning("catalog not reachable to check attempt %s of run %s: %s", m.attempt or "(unnamed)", m.run, exc)
+        log.warning("catalog not reachable to ask after run %s: %s", reg.run, exc)
         return
     if reg.refused:
         log.error("%s", reg.refused)
@@ -99,6 +125,7 @@ class Announcer:
         self.enabled = enabled
         self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
         self.node_checked = False
+        self.sent: deque[tuple[Manifest, str]] = deque(maxlen=RECENT_PARTS)  # not yet known registered
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._loop, name="ckpt-announcer", daemon=True)
         if enabled:
@@ -110,14 +137,22 @@ class Announcer:
             self._q.put(job)
 
     def _loop(self) -> None:
-        while (job := self._q.get()) is not None:
+        while True:
+            try:
+                job = self._q.get(timeout=ASK_EVERY_S if self.sent else None)
+            except queue.Empty:  # quiet, with parts not known registered yet: ask after them
+                ask_catalog(self.settings, self.registration, self.sent, None)
+                continue
+            if job is None:
+                break
             try:
                 if not self.registration.done:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
-                    if not self.registration.attempt_checked:
-                        check_attempt(self.settings, self.registration, job[1])
-                    self._emit(job[1])
+                    m = job[1]
+                    ask_catalog(self.settings, self.registration, self.sent, m)
+                    self.sent.append((m, m.digest()))
+                    self._emit(m)
                 elif job[0] == "tier_low":
                     self._emit_tier_low(*job[1:])
             except EventTooLarge as exc:  # a bug or a hostile payload: said loudly, never sent

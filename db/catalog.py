@@ -72,6 +72,7 @@ from db.rows import (
     cursors,
     files as files_table,
     insert_ignore,
+    parts as parts_table,
     replica_row,
     replica_select,
     replicas as replicas_table,
@@ -341,6 +342,16 @@ class Catalog(Pins, Audit, Drills, TierRoots, Storage, CatalogPart):
         """The recorded refusal of exactly this manifest of the part, if any."""
         with self._tx(write=False) as conn:
             return _rej.find(conn, run, step, part, digest)
+
+    def part_registered(self, run: str, step: int, part: int, attempt: str, digest: str) -> bool:
+        """Whether this manifest (its ``digest``) is the one registered for the part."""
+        with self._tx(write=False) as conn:
+            return conn.execute(
+                select(parts_table.c.checkpoint_id)
+                .join(checkpoints, checkpoints.c.id == parts_table.c.checkpoint_id)
+                .join(runs, runs.c.id == checkpoints.c.run_id)
+                .where(runs.c.name == run, checkpoints.c.step == step, checkpoints.c.attempt == attempt,
+                       parts_table.c.part == part, parts_table.c.manifest_digest == digest)).first() is not None
 
     def rejections(self, run: str | None = None) -> list[RejectionInfo]:
         with self._tx(write=False) as conn:

@@ -137,6 +137,43 @@ def test_a_part_whose_files_are_another_parts_is_rejected_at_registration(settin
     finally:
         cat.close()
     assert events.names() == ["rejected"]
+
+
+def test_a_job_whose_part_was_refused_for_a_colliding_path_is_stopped_at_a_later_save(settings, tmp_path):
+    """The training side hears that refusal too: node-1's job adopts its folders through a
+    stager; once its part of step 100 is refused (a path part 0 holds with other bytes), its
+    announcer finds the rejection, and a later save raises it, writing nothing: every save of
+    that layout would be refused alike."""
+    import time
+
+    from safetensors.numpy import save_file
+
+    from ckpt.client import CheckpointStager
+    from core.errors import ConflictError
+
+    node1 = on_node(settings, "node-1")
+
+    def job_folder(part: int, step: int):
+        job = tmp_path / f"job-{part}-{step}"
+        job.mkdir()
+        save_file({f"layer{part}.weight": np.full(1024, part + step, dtype=np.float32)},
+                  str(job / "model.safetensors"))
+        return job
+
+    with CheckpointStager(RUN, settings=settings, part=0, parts=2) as rank0:
+        rank0.save(100, job_folder(0, 100))
+    promote(settings, RUN, 100, 0, 2, steps=plain_steps())
+    with CheckpointStager(RUN, settings=node1, part=1, parts=2) as rank1:
+        rank1.save(100, job_folder(1, 100))
+        with pytest.raises(ConflictError):
+            promote(node1, RUN, 100, 1, 2, steps=plain_steps())
+        step, deadline = 100, time.monotonic() + 60
+        with pytest.raises(ConflictError, match=r"refused run-a step 100 part 1: ConflictError: .*model\.safetensors"):
+            while time.monotonic() < deadline:  # the announcer asks off the training thread
+                step += 100
+                rank1.save(step, job_folder(1, step))
+                time.sleep(0.2)
+        assert not rank1.checkpoint_dir(step).exists()
     assert checkpoint_state(settings, 100) == "rejected"
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}, "part 1 never copied"
     on_tier1 = ckpt_dir(settings.tier1_url, RUN, 100) / "model.safetensors"
