@@ -65,6 +65,16 @@ class ConflictError(PermanentError):
     """The request contradicts what is already recorded or stored (never silently overwritten)."""
 
 
+class ReusedRunName(ConflictError):
+    """A launch that never resumed saving into a run with a history it did not resume from (a
+    run name reused by mistake): refused at every step, so the job is stopped (``db.attempts``)."""
+
+
+class CollidingPaths(ConflictError):
+    """Two parts of one checkpoint write one relative path with other bytes: every checkpoint of
+    that layout would be refused alike, so the job is stopped."""
+
+
 class StaleState(ConflictError):
     """A compare-and-set lost: the row was not in the expected state."""
 

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Connection, Row
 
-from core.errors import ConflictError
+from core.errors import ConflictError, ReusedRunName
 from db.entities import CKPT_RETIRED, CKPT_SUPERSEDED
 from db.models import Attempt
 from db.rows import add_audit, checkpoints, insert_ignore
@@ -103,7 +103,7 @@ def standing(conn: Connection, run: Row, attempt: str, step: int, *, created: st
             return str(x.attempt)
     reused = _reused(conn, run, me, attempt, others, written)
     if reused is not None:
-        raise ConflictError(reused)
+        raise ReusedRunName(reused)
     clash = conn.execute(select(checkpoints.c.id, checkpoints.c.attempt, checkpoints.c.state).where(
         checkpoints.c.run_id == run.id, checkpoints.c.step == step, checkpoints.c.attempt != attempt,
         checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]))).all()
@@ -142,21 +142,30 @@ def _launched_after(x: Row, me: Row | None, written: datetime | None) -> bool:
 
 def _reused(conn: Connection, run: Row, me: Row | None, attempt: str, others: list[Row],
             written: datetime | None) -> str | None:
-    """The refusal of an attempt that never resumed while an older attempt holds live checkpoints."""
+    """The refusal of an attempt that never resumed while the run has a history it did not
+    resume from: an older attempt that resumed, or live checkpoints of an older attempt or of
+    one the catalog has no row for (saved before attempts were recorded, a bulk import)."""
     if me is not None and me.resumed_from_step is not None:
         return None
     older = [x for x in others if not _launched_after(x, me, written)]
-    if not older or not _holds_live(conn, run.id, [x.attempt for x in older]):
+    who = next((str(x.attempt) for x in older if x.resumed_from_step is not None), None)
+    if who is None:
+        who = _live_history(conn, run.id, attempt, [x.attempt for x in older])
+    if who is None:
         return None
-    return (f"attempt {attempt or '(unnamed)'} of run {run.name!r} never resumed, and the run already has "
-            f"checkpoints of attempt {older[0].attempt or '(unnamed)'}: is the run name reused by mistake? "
+    return (f"attempt {attempt or '(unnamed)'} of run {run.name!r} never resumed, and the run already has a "
+            f"history of attempt {who or '(unnamed)'}: is the run name reused by mistake? "
             f"Resume the run first (ckpt resume / ckpt.resume), or save under another run name")
 
 
-def _holds_live(conn: Connection, run_id: int, names: list[str]) -> bool:
-    return conn.execute(select(checkpoints.c.id).where(
-        checkpoints.c.run_id == run_id, checkpoints.c.attempt.in_(names),
-        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED])).limit(1)).first() is not None
+def _live_history(conn: Connection, run_id: int, attempt: str, older: list[str]) -> str | None:
+    """The attempt of a live checkpoint of the run that is one of ``older`` or has no attempts
+    row, other than ``attempt``; None when there is none."""
+    known = select(attempts.c.attempt).where(attempts.c.run_id == run_id)
+    return conn.execute(select(checkpoints.c.attempt).where(
+        checkpoints.c.run_id == run_id, checkpoints.c.attempt != attempt,
+        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]),
+        or_(checkpoints.c.attempt.in_(older), checkpoints.c.attempt.not_in(known))).limit(1)).scalar()
 
 
 def _aware(t: datetime) -> datetime:

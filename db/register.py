@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy import Table, and_, bindparam, exists, func, select, update
 from sqlalchemy.engine import Connection, Row
 
-from core.errors import ConflictError
+from core.errors import CollidingPaths, ConflictError
 from core.layout import check_ref
 from core.manifest import Manifest
 from core.paths import safe_run_name
@@ -191,7 +191,7 @@ def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
                             .order_by(files.c.path, files.c.part))
         for r in rows:
             if (r.size, r.checksum) != mine[r.path] or r.algorithm != m.algorithm:
-                raise ConflictError(f"checkpoint {m.run}/{m.step} part {m.part} of {m.parts}: its file {r.path!r} "
+                raise CollidingPaths(f"checkpoint {m.run}/{m.step} part {m.part} of {m.parts}: its file {r.path!r} "
                                     f"is also a file of part {r.part}, with other bytes; the parts of a checkpoint "
                                     f"must write different relative paths (e.g. under part-{m.part:05d}/)")
 
@@ -199,8 +199,8 @@ def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
 # A new checkpoint on PostgreSQL in one statement, whatever its file count: the attempt's row
 # (``db.attempts``: first heard of now, if new), the checkpoint row (nothing if the (run, step,
 # attempt) exists, or when another attempt holds the step or a newer attempt resumed from below
-# it, or when this attempt never resumed and the run has others: then nothing else is written
-# either, and ``register_part`` applies the attempt rules), its part, its files
+# it, or when this attempt never resumed and the run has other attempts or their checkpoints: then
+# nothing else is written either, and ``register_part`` applies the attempt rules), its part, its files
 # (arrays, so the text never changes and psycopg prepares it once per connection), its audit
 # row, its ``follows`` edge to the run's previous checkpoint and the edges of the runs that wait
 # for it as their origin (``_LINK_WAITING``: pending origins). It returns the new id and the
@@ -225,7 +225,9 @@ WITH me AS (
                       AND id > COALESCE((SELECT id FROM me), 9223372036854775807))
       AND (EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt = %(attempt)s
                    AND resumed_from_step IS NOT NULL)
-           OR NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt <> %(attempt)s))
+           OR (NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt <> %(attempt)s)
+               AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE run_id = %(run_id)s AND attempt <> %(attempt)s
+                               AND state NOT IN ('superseded', 'retired'))))
     ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (

@@ -599,10 +599,12 @@ def test_the_soak_passes_a_launch_heard_of_after_its_relaunch(db_url, s3_endpoin
 
 
 def test_attempts_ordered_by_first_record_fail_the_soak(db_url, s3_endpoint, proxy, settings_factory, monkeypatch):
-    """With attempts ordered only by when the catalog first heard of them (as before), the killed
-    launch's parts, heard of after a1 resumed, count as the newer attempt's: offered again."""
+    """With attempts ordered only by when the catalog first heard of them, and no refusal of a
+    launch that never resumed (as before), the killed launch's parts, heard of after a1 resumed,
+    count as the newer attempt's: offered again."""
     import db.attempts
 
     monkeypatch.setattr(db.attempts, "_launched_after", lambda x, me, written: me is not None and x.id > me.id)
+    monkeypatch.setattr(db.attempts, "_reused", lambda *args, **kwargs: None)  # nor refused as a reused name
     _soak_fails(r"step \d00 of attempt \(unnamed\) (is 'committed' \(offered again\)|was retired before attempt a1)",
                 _relaunch_before_any_registration, db_url, s3_endpoint, proxy, settings_factory, monkeypatch)

@@ -162,3 +162,32 @@ def test_a_late_launch_whose_clock_runs_ahead_is_refused_never_live(catalog):
     with pytest.raises(ConflictError, match="never resumed"):
         _save(catalog, 35, 0, "A", created=datetime.now(UTC) + timedelta(hours=1))
     assert catalog.newest_verified(RUN).attempt == "B"
+
+
+@pytest.mark.parametrize("written", ["after the resume (a clock ahead)", "unknown"])
+def test_a_launch_that_never_resumed_is_never_live_beside_one_that_resumed(catalog, written):
+    """B resumed from scratch and has saved nothing yet; a part of A, which never resumed, comes
+    with a manifest that seems written after B's resume (or says nothing of when): A is either
+    an older launch whose clock runs ahead or a reused name. Either way it is never live."""
+    from core.errors import ReusedRunName
+
+    catalog.ensure_run(RUN)
+    catalog.record_resume(RUN, "B", None, actor="rank0")
+    created = datetime.now(UTC) + timedelta(minutes=5) if written.startswith("after") else None
+    with pytest.raises(ReusedRunName, match="never resumed"):
+        _save(catalog, 900, 0, "A", created=created)
+    _durable(catalog, _save(catalog, 100, 0, "B") and _save(catalog, 100, 1, "B"))
+    assert (catalog.newest_verified(RUN).step, catalog.newest_verified(RUN).attempt) == (100, "B")
+
+
+def test_a_launch_that_never_resumed_is_refused_beside_checkpoints_saved_before_attempts(catalog):
+    """Checkpoints with no attempts row (saved before attempts were recorded, or bulk-imported)
+    are a history too: a named launch that never resumed is refused above them."""
+    from core.errors import ReusedRunName
+
+    catalog.ensure_run(RUN)
+    catalog.register_many([manifest(RUN, step) for step in (10, 20, 30)], actor="import")
+    with pytest.raises(ReusedRunName, match="history of attempt \\(unnamed\\)"):
+        catalog.register_part(manifest(RUN, 40, attempt="slurm-9-r0"), actor="test")
+    assert catalog.get_checkpoint(RUN, 30).attempt == ""
+    assert [ck.step for ck in catalog.list_checkpoints(RUN)] == [10, 20, 30]
