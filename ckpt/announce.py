@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +42,7 @@ class RunRegistration:
     attempt: str = ""
     registered: bool = False
     attempt_checked: bool = False
+    unreachable_said: bool = False
     refused: str | None = None  # why the catalog refuses every checkpoint of this attempt (a reused name)
 
     @property
@@ -70,44 +73,53 @@ def register_run(settings: Settings, reg: RunRegistration) -> None:
 
 
 RECENT_PARTS = 8  # how many of the job's last parts its announcer asks the catalog after
-ASK_EVERY_S = 5.0  # how often, while one of them is not known to be registered
+ASK_FIRST_S, ASK_MAX_S = 5.0, 60.0  # how often, while one is not known registered: backing off to
+ASK_FOR_S = 900.0  # a part not known registered or refused after this long is asked after no more
+STOPPING = ("ReusedRunName", "CollidingPaths")  # refusals every later save would meet too
 
 
-def ask_catalog(settings: Settings, reg: RunRegistration, sent: deque[tuple[Manifest, str]],
+def ask_catalog(settings: Settings, reg: RunRegistration, sent: deque[tuple[Manifest, str, float]],
                 first: Manifest | None) -> None:
     """What the training side asks the catalog, off the training thread; what it finds, the
     stager's next save raises (``reg.refused``):
 
     - once, with the first manifest (``first``): would the catalog refuse every checkpoint of
-      this attempt (it never resumed, and an older attempt of the run holds checkpoints: a run
+      this attempt (it never resumed, and the run has a history it did not resume from: a run
       name reused by mistake)? Asked after a save, not at start, so a job that creates its
       stager before it resumes is never refused for that;
-    - the job's last parts (``sent``: manifest, digest): was one refused for a conflict (two
-      parts of a checkpoint writing one path with other bytes, a step another attempt holds)?
-      Every later save would be refused alike. Another refusal (a copy found corrupt) is logged,
-      not raised: the next save is a new chance. A part the catalog registered leaves ``sent``.
+    - the job's last parts (``sent``: manifest, digest, when sent): was one refused in a way
+      every later save would be too (``STOPPING``: two parts writing one path with other bytes,
+      a reused run name)? Another refusal (a copy found corrupt, one step saved again with other
+      bytes) is logged, not raised: the next save is a new chance. A part the catalog registered,
+      or one sent ``ASK_FOR_S`` ago, leaves ``sent``.
 
-    An unreachable catalog leaves it all for the next try; training goes on."""
-    from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
-
+    An unreachable catalog leaves it all for the next try (said once); training goes on."""
+    now = time.monotonic()
+    for entry in [e for e in sent if now - e[2] > ASK_FOR_S]:
+        sent.remove(entry)
     try:
+        from db.catalog import Catalog  # deferred: start-up — SQLAlchemy, Alembic
+
         with Catalog(settings.catalog_url) as cat:
             if first is not None and not reg.attempt_checked:
                 reg.refused = reg.refused or cat.attempt_refusal(first.run, first.attempt, created=first.created_at)
                 reg.attempt_checked = True
-            for m, digest in list(sent):
+            for entry in list(sent):
+                m, digest, _ = entry
                 refusal = cat.rejection(m.run, m.step, m.part, digest)
                 if refusal is not None:
-                    sent.remove((m, digest))
+                    sent.remove(entry)
                     said = f"the catalog refused {m.run} step {m.step} part {m.part}: {refusal.reason}"
-                    if refusal.reason.startswith("ConflictError"):
+                    if refusal.reason.startswith(STOPPING):
                         reg.refused = reg.refused or said
                     else:
                         log.error("%s", said)
                 elif cat.part_registered(m.run, m.step, m.part, m.attempt, digest):
-                    sent.remove((m, digest))
+                    sent.remove(entry)
     except Exception as exc:  # noqa: BLE001 - the catalog may be down; training goes on
-        log.warning("catalog not reachable to ask after run %s: %s", reg.run, exc)
+        (log.debug if reg.unreachable_said else log.warning)("catalog not reachable to ask after run %s: %s",
+                                                             reg.run, exc)
+        reg.unreachable_said = True
         return
     if reg.refused:
         log.error("%s", reg.refused)
@@ -125,7 +137,9 @@ class Announcer:
         self.enabled = enabled
         self.delivered: list[tuple[str, int, int, bool]] = []  # (run, step, part, ok), for tests
         self.node_checked = False
-        self.sent: deque[tuple[Manifest, str]] = deque(maxlen=RECENT_PARTS)  # not yet known registered
+        self.sent: deque[tuple[Manifest, str, float]] = deque(maxlen=RECENT_PARTS)  # not yet known registered
+        self._ask_every = ASK_FIRST_S
+        self._closing = False
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._loop, name="ckpt-announcer", daemon=True)
         if enabled:
@@ -139,9 +153,10 @@ class Announcer:
     def _loop(self) -> None:
         while True:
             try:
-                job = self._q.get(timeout=ASK_EVERY_S if self.sent else None)
-            except queue.Empty:  # quiet, with parts not known registered yet: ask after them
+                job = self._q.get(timeout=self._ask_every * random.uniform(0.8, 1.2) if self.sent else None)
+            except queue.Empty:  # quiet, with parts not known registered yet: ask after them, less often
                 ask_catalog(self.settings, self.registration, self.sent, None)
+                self._ask_every = min(ASK_MAX_S, self._ask_every * 2)
                 continue
             if job is None:
                 break
@@ -150,9 +165,11 @@ class Announcer:
                     register_run(self.settings, self.registration)
                 if job[0] == "emit":
                     m = job[1]
-                    ask_catalog(self.settings, self.registration, self.sent, m)
-                    self.sent.append((m, m.digest()))
-                    self._emit(m)
+                    self._emit(m)  # first: the event is what a job exiting now must not lose
+                    self.sent.append((m, m.digest(), time.monotonic()))
+                    self._ask_every = ASK_FIRST_S
+                    if not self._closing:
+                        ask_catalog(self.settings, self.registration, self.sent, m)
                 elif job[0] == "tier_low":
                     self._emit_tier_low(*job[1:])
             except EventTooLarge as exc:  # a bug or a hostile payload: said loudly, never sent
@@ -184,6 +201,7 @@ class Announcer:
     def close(self, timeout: float) -> None:
         if not self.enabled:
             return
+        self._closing = True  # what is left to send goes out; nothing more is asked
         self._q.put(("register",))  # a last try at a registration the catalog refused so far
         self._q.put(None)
         self._t.join(timeout)

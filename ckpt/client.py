@@ -196,7 +196,7 @@ class CheckpointStager:
                     kind=checkpoint_kind(step, milestone=milestone, epoch_end=epoch_end,
                                          policy=self.settings.milestones))
         self._raise_background_error()
-        self._prove_root()
+        self.prove_root()
         if isinstance(tensors_or_folder, (str, os.PathLike)):
             return self._commit(Path(tensors_or_folder), None, t0, stall=stall_seconds, **meta)
         needed = state_needed(tensors_or_folder)
@@ -216,7 +216,7 @@ class CheckpointStager:
         integration: DCP, the HF Trainer, Lightning), that they fit: this node's Tier 0
         retention runs and is waited for when they do not (``settings.tier0_space_wait_seconds``),
         then ``StorageFull``. ``save`` of tensors checks by itself."""
-        self._prove_root()
+        self.prove_root()
         self.space.ensure_room(self.run, step, nbytes, pending=self._writer.pending_bytes if self._writer else 0)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -251,7 +251,7 @@ class CheckpointStager:
     def _announce_low(self, reading: Reading, run: str, step: int) -> None:
         self._announcer.submit(("tier_low", reading, run, step, self.part, self.parts, self.node))
 
-    def _prove_root(self) -> None:
+    def prove_root(self) -> None:
         """Tier 0's root shows its identity marker (``core.storage.identity``: written by the
         agent's start or ``ckpt tiers init``) before anything is written under it: an NVMe that
         is not mounted shows an empty folder on the root disk, and a save there would be hidden
@@ -269,11 +269,11 @@ class CheckpointStager:
         raise TierUnavailable(0, str(self.root), reason)
 
     def _raise_background_error(self) -> None:
-        if self._announcer.registration.refused:  # the catalog refuses every save of this attempt
-            raise ConflictError(self._announcer.registration.refused)
         if self._writer and self._writer.error is not None:
             err, self._writer.error = self._writer.error, None
             raise err
+        if self._announcer.registration.refused:  # the catalog refuses every save of this layout or attempt
+            raise ConflictError(self._announcer.registration.refused)
 
     def _commit(self, folder: Path | None, arrays: Mapping[str, tuple[np.ndarray, str]] | None, t0: float | None,
                 *, step: int, stall: float | None = None, **meta: Any) -> SavedCheckpoint:

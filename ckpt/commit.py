@@ -45,6 +45,7 @@ def commit_folder(folder: Path, run: str, step: int, settings: Settings, *, mile
     stager = CheckpointStager(run, settings=settings, part=part, parts=parts, announce=False, measure_stall=False,
                               attempt=attempt, **(origin or {}))
     try:
+        stager.prove_root()  # before anything is made under it: a missing mount is never written on
         final = stager.checkpoint_dir(step)
         if folder == final:
             saved = stager.save(step, folder, milestone=milestone, epoch_end=epoch_end)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ckpt.client import CheckpointStager, OriginKeywords, SavedCheckpoint
 from ckpt.space import ensure_room_for_folder
-from core.errors import StorageFull
+from core.errors import StorageFull, TierUnavailable
 from core.formats import DCP_METADATA, HF_INDEX, hf_index_shards
 from core.layout import manifest_name, staging_name
 from core.settings import Settings
@@ -139,6 +139,12 @@ class Watcher:
         done: list[SavedCheckpoint] = []
         for step, folder, why in self.pending():
             self.seen.add(step)
+            try:
+                self.stager.prove_root()  # before anything is made under it: a missing mount is never written on
+            except TierUnavailable as exc:  # not the folder's fault: tried again at the next poll
+                self.seen.discard(step)
+                log.warning("Tier 0 is unavailable for %s (step %d): %s", folder, step, exc)
+                continue
             final = self.stager.checkpoint_dir(step)
             final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / staging_name(final.name)
@@ -149,9 +155,9 @@ class Watcher:
                 log.info("announced %s step %d (%s, %s, %d files)", self.run, step, why, saved.manifest.kind,
                          len(saved.manifest.files))
                 done.append(saved)
-            except StorageFull as exc:  # not the folder's fault: tried again at the next poll
+            except (StorageFull, TierUnavailable) as exc:  # not the folder's fault: tried again at the next poll
                 self.seen.discard(step)
-                log.warning("no room on Tier 0 for %s (step %d) yet: %s", folder, step, exc)
+                log.warning("Tier 0 cannot take %s (step %d) yet: %s", folder, step, exc)
             except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the watcher
                 log.error("cannot commit %s (step %d): %s", folder, step, exc)
             finally:

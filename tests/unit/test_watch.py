@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from ckpt.watch import Watcher, completion, step_of
@@ -195,3 +196,27 @@ def test_cli_watch_records_the_run_origin_in_every_manifest(settings_factory, tm
         m = Manifest.from_json((tmp_path / "data" / "tier0" / "node-0" / "run-w" / f"step-{step:08d}"
                                 / "manifest.json").read_bytes())
         assert (m.parent.run, m.parent.step, m.parent.relation) == ("base", 200, "fine_tuned_from")
+
+
+def test_an_unmounted_tier0_is_never_written_on_and_the_folder_waits_for_it(settings_factory, tmp_path):
+    """A configured Tier 0 whose mount is missing: neither the watcher nor ``ckpt commit``
+    makes its root or anything under it; the watcher tries the folder again at its next poll
+    and commits it once the mount (with its identity marker) is back."""
+    from ckpt.commit import commit_folder
+    from core.errors import TierUnavailable
+    from tests.kit.settings import mark_root
+
+    nvme = tmp_path / "nvme"
+    s = settings_factory(tier0_url=str(nvme))
+    job = tmp_path / "job"
+    _hf_folder(job / "checkpoint-1", shards=1)
+    w = _watcher(s, job)
+    assert w.poll() == []
+    with pytest.raises(TierUnavailable, match="does not exist"):
+        commit_folder(job / "checkpoint-1", "run-w", 1, s, announce=False)
+    assert not nvme.exists()
+    nvme.mkdir()
+    mark_root(nvme)  # the mount is back
+    assert [x.step for x in w.poll()] == [1]
+    w.close()
+    assert (nvme / "run-w" / "step-00000001" / "manifest.json").is_file()

@@ -168,7 +168,7 @@ def test_a_job_whose_part_was_refused_for_a_colliding_path_is_stopped_at_a_later
         with pytest.raises(ConflictError):
             promote(node1, RUN, 100, 1, 2, steps=plain_steps())
         step, deadline = 100, time.monotonic() + 60
-        with pytest.raises(ConflictError, match=r"refused run-a step 100 part 1: ConflictError: .*model\.safetensors"):
+        with pytest.raises(ConflictError, match=r"refused run-a step 100 part 1: CollidingPaths: .*model\.safetensors"):
             while time.monotonic() < deadline:  # the announcer asks off the training thread
                 step += 100
                 rank1.save(step, job_folder(1, step))
@@ -178,3 +178,34 @@ def test_a_job_whose_part_was_refused_for_a_colliding_path_is_stopped_at_a_later
     assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}, "part 1 never copied"
     on_tier1 = ckpt_dir(settings.tier1_url, RUN, 100) / "model.safetensors"
     assert same_bytes(on_tier1, ckpt_dir(settings.tier0_url, RUN, 100) / "model.safetensors")
+
+
+@pytest.mark.parametrize(("reason", "stops"), [
+    ("CollidingPaths: its file 'model.safetensors' is also a file of part 0, with other bytes", True),
+    ("ReusedRunName: attempt x never resumed", True),
+    ("ConflictError: part 0 is already registered with a different manifest", False),
+    ("CorruptCheckpoint: shard-0 crc32c differs", False)])
+def test_only_a_refusal_every_later_save_would_meet_stops_the_job(settings, reason, stops):
+    """A step saved again with other bytes, or a copy found corrupt, is that checkpoint's
+    refusal: the job goes on (the next save is a new chance). A colliding layout or a reused
+    run name would refuse every later save too: the next save raises it."""
+    import time
+    from collections import deque
+
+    from ckpt.announce import RunRegistration, ask_catalog
+    from tests.kit.catalog import manifest
+
+    m = manifest(RUN, 100)
+    cat = catalog(settings)
+    try:
+        cat.ensure_run(RUN)
+        cat.reject_part(RUN, 100, 0, digest=m.digest(), reason=reason, actor="test")
+    finally:
+        cat.close()
+    reg = RunRegistration(RUN, None, None, "resumed_from")
+    sent = deque([(m, m.digest(), time.monotonic())])
+    ask_catalog(settings, reg, sent, None)
+    assert not sent  # answered: asked after no more
+    assert (reg.refused is not None) == stops
+    if stops:
+        assert reason in reg.refused
