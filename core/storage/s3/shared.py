@@ -116,6 +116,7 @@ class SharedContentMixin:
         def url_for(self, key: str) -> str: ...
         def _lock_args(self) -> dict[str, Any]: ...
         def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None: ...
+        def _send(self, key: str, reader: Any, size: int, checksum: str) -> None: ...
         def _same_or_conflict(self, key: str, size: int, checksum: str) -> None: ...
         def read_small(self, key: str, limit: int = ...) -> bytes: ...
         def open_read(self, key: str) -> AbstractContextManager[BinaryIO]: ...
@@ -139,23 +140,32 @@ class SharedContentMixin:
                    checksum: str, *, noted: bool = False) -> bool:
         """Publish ``key`` as a pointer to the shared content of the local source ``fd``,
         uploading the content first when the tier does not hold it; False when it cannot be
-        shared (a content with other bytes, or one uploaded meanwhile by another writer): then
-        the caller uploads the file whole. A content seen for the first time is uploaded with no
-        hash recorded: most never come again (a pretraining run's every file), and hashing them
-        would cost every upload; the next copy of the same (size, CRC32C), if one comes, reads
-        the stored bytes back and records it (``_recover_hash``), once. ``noted``: the source
-        is its tier's own stored content (``TierStore.holds_content``), whose inode may carry
-        its SHA-256 (read, and noted once hashed); any other source is hashed every time."""
+        shared (a content with other bytes, one being swept, or one uploaded meanwhile by
+        another writer): then the caller uploads the file whole. A content seen for the first
+        time is uploaded with no hash recorded: most never come again (a pretraining run's every
+        file), and hashing them would cost every upload; the next copy of the same (size,
+        CRC32C), if one comes, reads the stored bytes back and records it (``_recover_hash``),
+        once. ``noted``: the source is its tier's own stored content (``TierStore.holds_content``),
+        whose inode may carry its SHA-256 (read, and noted once hashed); any other source is
+        hashed every time.
+
+        Requests: one listing says whether the content, its hash and a sweep's mark exist; after
+        the pointer, the mark and then the content are asked after, in that order (the sweep
+        deletes the content before its mark: module doc), and the content verified as any
+        upload is. A first-seen content costs three small requests more than a plain upload."""
         content = content_key(size, checksum)
-        recorded = self._recorded_hash(content)
-        if recorded is None and self._head(content) is None:
+        seen = self._beside(content)
+        if MARK_SUFFIX in seen or (HASH_SUFFIX in seen and "" not in seen):  # being swept, or its stray hash
+            return False
+        recorded = self._recorded_hash(content) if HASH_SUFFIX in seen else None
+        uploaded = False
+        if "" not in seen:
             try:
-                self._upload(content, _PreadReader(fd, note, hashing=False), size, checksum)
+                self._send(content, _PreadReader(fd, note, hashing=False), size, checksum)
             except ConflictError:  # another writer's upload of it: its hash may not be recorded yet
                 return False
+            uploaded = True
         elif recorded is None:  # seen once before (or its uploader died): the stored bytes decide
-            if self._head(content + MARK_SUFFIX) is not None:  # being swept: not worth its download
-                return False
             try:
                 if not self._recover_hash(content, fd, size, checksum, note, noted):
                     return False
@@ -165,20 +175,35 @@ class SharedContentMixin:
             got = _hashed(fd, size, self.buffer_bytes, note, noted)
             if got != (size, checksum, recorded):
                 return False
-        if self._head(content + MARK_SUFFIX) is not None:  # being swept: a hash read now is not trusted
-            return False
         try:
             if not self._hold(content):
                 return False  # swept meanwhile (its mark goes after it)
             self._put_pointer(key, content, size, checksum)
         except NotFound:
             return False
-        try:  # the content itself, as the pointer resolves it: a sweep may have taken it meanwhile
-            self.verify_object(key, size, checksum)
-        except (NotFound, CorruptCheckpoint):
+        try:  # what the pointer names: no mark (a hash read before it is not trusted), then the content
+            if self._head(content + MARK_SUFFIX) is not None:
+                raise NotFound(f"{self.url_for(content)} is being swept")
+            self.verify_object(content, size, checksum)
+        except (NotFound, CorruptCheckpoint) as exc:
             self.delete(key)
+            if uploaded and isinstance(exc, CorruptCheckpoint):  # ours: changed on the way; taken back
+                self.delete(content)
             return False  # the caller uploads the file whole
         return True
+
+    def _beside(self, content: str) -> dict[str, int]:
+        """Which of ``content``, its recorded hash and a sweep's mark exist (suffix -> size), from
+        one listing of the content's name."""
+        full = self._k(content)
+        found: dict[str, int] = {}
+        with s3_errors(f"list {self.url_for(content)}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                for o in page.get("Contents", []):
+                    rest = o["Key"][len(full):]
+                    if rest in ("", HASH_SUFFIX, MARK_SUFFIX):
+                        found[rest] = int(o["Size"])
+        return found
 
     def _recover_hash(self, content: str, fd: int, size: int, checksum: str,
                       note: Callable[[int], object] | None, noted: bool) -> bool:

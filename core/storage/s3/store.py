@@ -498,10 +498,7 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
 
     def _upload(self, key: str, reader: Any, size: int, checksum: str) -> None:
         """Upload ``key`` whole and verify it (``ConflictError``: published first by another)."""
-        if size < self.multipart_threshold:
-            self._put_single(key, _read_up_to(reader, self.multipart_threshold + 1), size, checksum)
-        else:
-            self._put_multipart(key, reader, size, checksum)
+        self._send(key, reader, size, checksum)
         try:
             self.verify_object(key, size, checksum)
         except CorruptCheckpoint as exc:
@@ -512,6 +509,13 @@ class S3Store(SharedContentMixin, ObjectLockMixin, TierStore):
                                      f"({exc}); removed, nothing published") from exc
         if self.lock_days:
             self._ensure_locked(key)
+
+    def _send(self, key: str, reader: Any, size: int, checksum: str) -> None:
+        """Upload ``key`` whole, not yet verified (``ConflictError``: published first by another)."""
+        if size < self.multipart_threshold:
+            self._put_single(key, _read_up_to(reader, self.multipart_threshold + 1), size, checksum)
+        else:
+            self._put_multipart(key, reader, size, checksum)
 
     def _put_single(self, key: str, data: bytes, size: int, checksum: str) -> None:
         got = crc.hash_bytes(data)
