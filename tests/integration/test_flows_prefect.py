@@ -620,3 +620,40 @@ def test_an_artifact_the_server_refuses_does_not_fail_a_promotion_that_succeeded
     state = promote_checkpoint(RUN, 100, return_state=True)
     assert state.is_completed(), state.message
     assert set(replica_states(settings, RUN, 100).items()) >= {((0, 0), "verified"), ((1, 0), "verified")}
+
+
+def test_an_unmounted_tier_is_in_the_servers_event_feed(env_settings, prefect_server):
+    """A promotion on a node whose Tier 0 mount is missing (an empty folder in its place) fails
+    with nothing judged, and ``ckpt.tier.unavailable`` reaches the server's event feed, what the
+    UI's event page lists, on the tier's resource with its labels."""
+    import shutil
+    from pathlib import Path
+
+    from core import events
+    from flows.promote import promote_checkpoint
+
+    node = f"node-{uuid.uuid4().hex[:8]}"  # the event's id is per tier, node and hour: keep it new
+    settings = env_settings(node=node)
+    write_checkpoint(settings.tier0_url, RUN, 100)
+    root = Path(settings.tier0_url)
+    shutil.move(str(root), str(root.with_name(root.name + "-mounted")))
+    root.mkdir()  # the mount point as the node shows it without its NVMe
+
+    state = promote_checkpoint(RUN, 100, return_state=True)
+
+    assert not state.is_completed()
+    with open_catalog(settings) as cat:  # nothing was read on the stand-in, so nothing registered or judged
+        assert [ck.step for ck in cat.list_checkpoints(RUN)] == []
+    body = {"filter": {"event": {"name": [events.TIER_UNAVAILABLE]},
+                       "resource": {"id": [events.tier_resource_id(0, node)]}}, "limit": 5}
+    deadline = time.monotonic() + 30
+    while True:
+        resp = httpx.post(f"{prefect_server}/events/filter", json=body, timeout=10)
+        resp.raise_for_status()
+        seen = resp.json()["events"]
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(seen) == 1, seen
+    assert seen[0]["resource"]["ckpt.tier"] == "0" and seen[0]["resource"]["ckpt.node"] == node
+    assert "no identity marker" in seen[0]["payload"]["reason"]
