@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Row
 
 from core.errors import ConflictError, ReusedRunName
@@ -67,11 +67,9 @@ def record_resume(conn: Connection, run: Row, attempt: str, step: int | None, *,
 def _supersede_above(conn: Connection, run: Row, attempt: str, attempt_id: int, step: int, *, now: datetime,
                      actor: str) -> list[int]:
     older = select(attempts.c.attempt).where(attempts.c.run_id == run.id, attempts.c.id < attempt_id)
-    known = select(attempts.c.attempt).where(attempts.c.run_id == run.id)
     rows = conn.execute(select(checkpoints.c.id, checkpoints.c.step, checkpoints.c.state).where(
         checkpoints.c.run_id == run.id, checkpoints.c.step > step, checkpoints.c.attempt != attempt,
-        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]),
-        or_(checkpoints.c.attempt.in_(older), checkpoints.c.attempt.not_in(known)))
+        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]), checkpoints.c.attempt.in_(older))
         .order_by(checkpoints.c.step)).all()
     for r in rows:
         supersede(conn, run, r.id, r.step, r.state, by=attempt, now=now, actor=actor)
@@ -143,29 +141,23 @@ def _launched_after(x: Row, me: Row | None, written: datetime | None) -> bool:
 def _reused(conn: Connection, run: Row, me: Row | None, attempt: str, others: list[Row],
             written: datetime | None) -> str | None:
     """The refusal of an attempt that never resumed while the run has a history it did not
-    resume from: an older attempt that resumed, or live checkpoints of an older attempt or of
-    one the catalog has no row for (saved before attempts were recorded, a bulk import)."""
+    resume from: an older attempt that resumed, or live checkpoints of an older attempt (every
+    checkpoint's attempt has its row: revision 0011)."""
     if me is not None and me.resumed_from_step is not None:
         return None
     older = [x for x in others if not _launched_after(x, me, written)]
+    if not older:
+        return None
     who = next((str(x.attempt) for x in older if x.resumed_from_step is not None), None)
     if who is None:
-        who = _live_history(conn, run.id, attempt, [x.attempt for x in older])
+        who = conn.execute(select(checkpoints.c.attempt).where(
+            checkpoints.c.run_id == run.id, checkpoints.c.attempt.in_([x.attempt for x in older]),
+            checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED])).limit(1)).scalar()
     if who is None:
         return None
     return (f"attempt {attempt or '(unnamed)'} of run {run.name!r} never resumed, and the run already has a "
             f"history of attempt {who or '(unnamed)'}: is the run name reused by mistake? "
             f"Resume the run first (ckpt resume / ckpt.resume), or save under another run name")
-
-
-def _live_history(conn: Connection, run_id: int, attempt: str, older: list[str]) -> str | None:
-    """The attempt of a live checkpoint of the run that is one of ``older`` or has no attempts
-    row, other than ``attempt``; None when there is none."""
-    known = select(attempts.c.attempt).where(attempts.c.run_id == run_id)
-    return conn.execute(select(checkpoints.c.attempt).where(
-        checkpoints.c.run_id == run_id, checkpoints.c.attempt != attempt,
-        checkpoints.c.state.not_in([CKPT_SUPERSEDED, CKPT_RETIRED]),
-        or_(checkpoints.c.attempt.in_(older), checkpoints.c.attempt.not_in(known))).limit(1)).scalar()
 
 
 def _aware(t: datetime) -> datetime:

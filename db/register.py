@@ -31,7 +31,7 @@ from core.layout import check_ref
 from core.manifest import Manifest
 from core.paths import safe_run_name
 from core.policy import milestone_marks
-from db.attempts import attempts, standing
+from db.attempts import attempt_row, attempts, standing
 from db.entities import CKPT_COMMITTED, CKPT_PARTIAL, CKPT_REJECTED, CKPT_RETIRED, CKPT_SUPERSEDED, CheckpointInfo
 from db.lineage import FOLLOWS, add_edge, check_relation, link_into_run, origin_id
 from db.models import encode_metrics
@@ -199,8 +199,8 @@ def _refuse_colliding_paths(conn: Connection, cid: int, m: Manifest) -> None:
 # A new checkpoint on PostgreSQL in one statement, whatever its file count: the attempt's row
 # (``db.attempts``: first heard of now, if new), the checkpoint row (nothing if the (run, step,
 # attempt) exists, or when another attempt holds the step or a newer attempt resumed from below
-# it, or when this attempt never resumed and the run has other attempts or their checkpoints: then
-# nothing else is written either, and ``register_part`` applies the attempt rules), its part, its files
+# it, or when this attempt never resumed and the run has other attempts: then nothing else is
+# written either, and ``register_part`` applies the attempt rules), its part, its files
 # (arrays, so the text never changes and psycopg prepares it once per connection), its audit
 # row, its ``follows`` edge to the run's previous checkpoint and the edges of the runs that wait
 # for it as their origin (``_LINK_WAITING``: pending origins). It returns the new id and the
@@ -225,9 +225,7 @@ WITH me AS (
                       AND id > COALESCE((SELECT id FROM me), 9223372036854775807))
       AND (EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt = %(attempt)s
                    AND resumed_from_step IS NOT NULL)
-           OR (NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt <> %(attempt)s)
-               AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE run_id = %(run_id)s AND attempt <> %(attempt)s
-                               AND state NOT IN ('superseded', 'retired'))))
+           OR NOT EXISTS (SELECT 1 FROM attempts WHERE run_id = %(run_id)s AND attempt <> %(attempt)s))
     ON CONFLICT (run_id, step, attempt) DO NOTHING
     RETURNING id
 ), nb AS (
@@ -306,6 +304,8 @@ def register_batch(conn: Connection, manifests: list[Manifest], *, now: datetime
     (run, step), several parts of one checkpoint, a step older than the run's newest) goes
     through ``register_part`` one by one, so the rules are the same either way."""
     fast, slow = _split_batch(conn, manifests, now=now, actor=actor)
+    for run_id in {run.id for run, _ in fast}:  # the unnamed attempt's row, as a first part records it
+        attempt_row(conn, run_id, "", now=now)
     for m in slow:
         register_part(conn, m, digest=m.digest(), now=now, actor=actor)
     if not fast:

@@ -181,8 +181,8 @@ def test_a_launch_that_never_resumed_is_never_live_beside_one_that_resumed(catal
 
 
 def test_a_launch_that_never_resumed_is_refused_beside_checkpoints_saved_before_attempts(catalog):
-    """Checkpoints with no attempts row (saved before attempts were recorded, or bulk-imported)
-    are a history too: a named launch that never resumed is refused above them."""
+    """Checkpoints bulk-imported (``register_many``'s one INSERT per table, which records their
+    attempt's row too) are a history: a named launch that never resumed is refused above them."""
     from core.errors import ReusedRunName
 
     catalog.ensure_run(RUN)

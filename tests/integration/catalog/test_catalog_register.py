@@ -190,8 +190,7 @@ def test_a_new_part_is_two_statements_on_postgresql(catalog):
     its part, files, audit row, edge and the edges of runs waiting for it as their origin
     (PostgreSQL; before: 7, the files one executemany). SQLite (no round trips) keeps a
     statement per table, and the attempt rules' reads (``db.attempts.standing``: the attempt
-    recorded, the run's other attempts, a live history it did not resume from, other attempts
-    at the step)."""
+    recorded, the run's other attempts, other attempts at the step)."""
     from sqlalchemy import event
 
     checkpoint(catalog, "r", 10)
@@ -203,7 +202,7 @@ def test_a_new_part_is_two_statements_on_postgresql(catalog):
     finally:
         event.remove(catalog.engine, "before_cursor_execute", listener)
     writes = [s for s in sent if not s.startswith("BEGIN")]
-    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 14), writes
+    assert len(writes) == (2 if catalog.engine.dialect.name == "postgresql" else 13), writes
     assert [f.path for f in catalog.files(ck.id)] == [f"shard-0-{i}.safetensors" for i in range(3)]
     assert [(e.action, e.to_state, e.actor) for e in catalog.history("r", 20)] == [("register", CKPT_COMMITTED, "t")]
     assert [(e.parent_step, e.relation) for e in catalog.ancestors("r", 20, max_depth=1)] == [(10, "follows")]

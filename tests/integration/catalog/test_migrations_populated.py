@@ -47,3 +47,22 @@ def test_upgrade_from_0001_keeps_a_populated_catalog(db_url):
         assert any(e.actor == "old-release" for e in cat.history("run-old", 100))
     finally:
         cat.close()
+
+
+def test_upgrade_records_the_attempt_of_checkpoints_saved_before_attempts(db_url):
+    """A catalog's checkpoints from before attempts (the unnamed one) get their attempt's row
+    (revision 0011), so they are a history: a launch that never resumed is refused above them."""
+    import pytest
+
+    from core.errors import ReusedRunName
+    from tests.kit.catalog import manifest
+
+    _populate_at_0001(db_url)
+    upgrade(db_url)
+    cat = Catalog(db_url)
+    try:
+        with pytest.raises(ReusedRunName, match="history of attempt \\(unnamed\\)"):
+            cat.register_part(manifest("run-old", 200, attempt="slurm-7-r0"), actor="test")
+        assert [ck.attempt for ck in cat.list_checkpoints("run-old")] == [""]
+    finally:
+        cat.close()
