@@ -19,8 +19,8 @@ closes it on the way out, and a new engine each time meant a new pool, new conne
 new dialect set-up in every step. A lease is returned with ``release_engine``, which never
 disposes an engine another lease still uses; the registry keeps the few most recently used
 engines (``MAX_SHARED_ENGINES``) with their idle connections, disposes the others once no lease
-holds them, and is dropped in a forked child (a parent's pooled connections must not be used
-by two processes). A SQLite file replaced under a shared engine (a catalog restored from a
+holds them; a forked child keeps them with new, empty pools (a parent's pooled connections
+must not be used by two processes). A SQLite file replaced under a shared engine (a catalog restored from a
 backup, its ``-wal``/``-shm`` removed) is noticed at the next lease by its device and inode,
 and a fresh engine opens the new file; the old one is disposed once its last lease is back.
 
@@ -198,14 +198,17 @@ def _dispose(entries: Iterable[_Shared | None]) -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with no shared engine, and its pools drop the parent's connections
-    without closing them (``close=False``: closing from here would end the parent's sessions)."""
+    """A forked child keeps the shared engines, each with a new empty pool: the parent's pooled
+    connections are dropped without being closed (``dispose(close=False)``: closing from here
+    would end the parent's sessions), and its first statement opens a connection of its own.
+    What the engine learned stays (its dialect set up at its first connection, its compiled
+    statements), so a child forked from the agent's zygote does not pay for them again. No
+    lease of the parent's is held here."""
     global _shared_lock  # noqa: PLW0603 - a lock some parent thread held at the fork is never released here
     _shared_lock = threading.Lock()
     for entry in _shared.values():
-        entry.listed = False
         entry.engine.dispose(close=False)
-    _shared.clear()
+        entry.leases = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

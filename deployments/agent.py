@@ -152,10 +152,10 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect.exceptions import TerminationSignal
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from db.session import forget_engines  # deferred: start-up — SQLAlchemy
     from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
-    start_fork_server()  # first, while this process has one thread: the zygote is forked from it
     try:
         for state in init_tiers(settings, actor=f"agent:{settings.node}"):
             log.info("%s", state.line())
@@ -166,6 +166,11 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
+        # The zygote is forked now, while this process still has one thread, from everything the
+        # start-up imported and touched (the catalog's driver and engine, the S3 client's
+        # modules): its children find them ready, and the pages stay one copy for both.
+        start_fork_server(settings)
+        forget_engines()  # the agent itself never opens the catalog again: its connection is closed
         with part_events(settings), reconciling(settings):
             try:
                 serve(*deployments, limit=limit, print_starting_message=True)

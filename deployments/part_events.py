@@ -51,7 +51,8 @@ from core.layout import parse_number
 from core.settings import Settings
 from deployments.processes import (
     FOLLOWUPS,
-    child_environment,
+    ChildContext,
+    child_context,
     crash_checkpoint_run,
     promote_part,
     run_checkpoint_process,
@@ -127,16 +128,16 @@ class PartEvents:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._listener: LoopThread | None = None
-        self._env: dict[str, str] = {}
+        self._context: ChildContext | None = None  # what a forked promotion must see (``start``)
         self._known: set[tuple[str, int, int, str]] = set()  # parts submitted, or on Tier 0 when the agent started
         self._pending: set[tuple[str, int, int, str]] = set()  # found by the last scan, not submitted yet
         self._scans = 0
         self.done: list[Future] = []  # the last promotions' futures (tests; bounded)
 
     def start(self) -> None:
-        self._env = child_environment()  # what a forked promotion must see
+        self._context = child_context()
         if self.fork:
-            start_fork_server()
+            start_fork_server(self.settings)
         self._listener = LoopThread(self._listen, name="ckpt-part-events")
         self._listener.start()
         try:
@@ -188,11 +189,16 @@ class PartEvents:
         stored by the server, never reached their agents' subscriptions, which were alive and
         took the next event at once. The first scan marks what is there as known: parts committed
         while the agent was away are reconcile's. Returns the parts it submitted."""
+        from core.storage.identity import read_marker
+        from core.storage.registry import open_store
         from core.transfer import find_committed  # deferred: start-up — the transfer engine
-        from tasks.base import open_tier  # deferred: start-up — storage backends
 
-        with open_tier(self.settings, 0) as tier0:
-            found = {(run, step, part, attempt): parts for run, step, part, parts, attempt in find_committed(tier0)}
+        # names only, in this process: what a scan submits, its promotion proves (the catalog's
+        # record of the tier's identity, in the child); a root without its marker (not mounted)
+        # shows nothing to submit
+        with open_store(self.settings.tier_url(0), 0, self.settings) as tier0:
+            listed = find_committed(tier0) if read_marker(tier0) is not None else iter(())
+            found = {(run, step, part, attempt): parts for run, step, part, parts, attempt in listed}
         first, self._scans = self._scans == 0, self._scans + 1
         with self._lock:
             self._known &= found.keys()  # what left Tier 0 is forgotten: the set stays the size of the tier
@@ -226,7 +232,7 @@ class PartEvents:
             from tasks.prefect_events import emit  # deferred: start-up — Prefect
 
             return promote_part(self.settings, payload, self.announcer or emit, self.request_followups)
-        code, _ = run_child(run_part_process, (self.settings, payload, self._env),
+        code, _ = run_child(run_part_process, (self.settings, payload, self._context),
                             stall_s=self.settings.copy_stall_seconds, what=f"promotion of {what(payload)}")
         if code == FOLLOWUPS:
             self.request_followups(str(payload["run"]), parse_number(payload["step"]),
@@ -246,7 +252,7 @@ class PartEvents:
         """The checkpoint's run in a child, watched; a child that ended before its run did
         (killed, out of memory) leaves the run ``Crashed`` (``crash_checkpoint_run``)."""
         params = {"run": run, "step": step, "part": part, "parts": parts, "attempt": attempt}
-        code, _ = run_child(run_checkpoint_process, (self.settings, params, self._env),
+        code, _ = run_child(run_checkpoint_process, (self.settings, params, self._context),
                             stall_s=self.settings.copy_stall_seconds, what=f"promote run of {run!r} step {step}")
         if code is not None and code not in (0, 1):  # None: left behind, not ended (logged by run_child)
             crash_checkpoint_run(self.node, run, step, attempt, f"its process exited with code {code} before the "

@@ -2,12 +2,14 @@
 reconcile pass (deployments/reconcile_loop.py).
 
 The only start-up tuning of the agent, on public interfaces alone: each child is forked from the
-agent's zygote (``Zygote``), a process forked from the agent at its start, once it imported
-Prefect and the pipeline (``PRELOAD``). A child then shares those pages with the agent and the
-zygote and starts in milliseconds instead of importing them again in a new interpreter; the
+agent's zygote (``Zygote``), a process forked from the agent once it imported Prefect and the
+pipeline (``PRELOAD``), set up its tiers (the catalog's driver and engine, the S3 client's
+modules) and built its deployments, before its first thread. A child then shares those pages
+with the agent and the zygote and starts in milliseconds instead of importing them again in a
+new interpreter, with the catalog's engine set up (``db.session``: a pool of its own); the
 agent itself keeps its memory at rest (a promotion's catalog connection, buffers and touched
 pages end with its process). A child is handed what it must see as arguments (the agent's
-settings and environment): the zygote has the environment of the agent's start.
+settings and Prefect's, ``ChildContext``): the zygote has the environment of the agent's start.
 
 A child that moves no byte for ``copy_stall_seconds`` (its storage stopped answering) is killed
 (``watch_stall``): nothing queues behind it for ever, and its claims, no longer renewed, lapse
@@ -104,8 +106,8 @@ class Child:
 
 
 class Zygote:
-    """The agent's fork server: a process forked from the agent at its start (``start_fork_server``,
-    before any thread runs), once it imported what a child needs (``PRELOAD``), which forks each
+    """The agent's fork server: a process forked from the agent before its first thread
+    (``start_fork_server``), once it imported what a child needs (``PRELOAD``), which forks each
     child (``fork``). A child then shares the agent's imported pages copy-on-write and starts in
     milliseconds; the agent stays small at rest (a promotion's connections, buffers and touched
     pages end with its process). Everything is on public interfaces: ``os.fork`` of the agent
@@ -139,6 +141,9 @@ class Zygote:
                     log.warning("the agent's fork zygote (pid %s) is gone; starting another from the agent, "
                                 "which runs %d threads", z.pid, threading.active_count())
                     z.sock.close()
+                elif threading.active_count() > 1:
+                    log.warning("the agent's fork zygote starts from a process that runs %d threads: %s",
+                                threading.active_count(), ", ".join(t.name for t in threading.enumerate()))
                 cls._running = z = cls._start()
             return z
 
@@ -328,8 +333,15 @@ def _read_all_at(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def start_fork_server() -> None:
-    """Start the zygote now, at the agent's start, before any thread runs (``Zygote``)."""
+def start_fork_server(settings: Settings | None = None) -> None:
+    """Start the zygote now, before the agent's first thread runs (``Zygote``). With the
+    agent's ``settings``, the steps a child runs are built first, under their retry policy
+    (``flows.common.task_steps``: a Prefect task each, which reads its function's source to
+    key it), so that no child builds them again."""
+    if settings is not None:
+        from flows.common import task_steps  # deferred: start-up — Prefect
+
+        task_steps(settings)
     Zygote.get()
 
 
@@ -376,12 +388,35 @@ def run_child(target: Callable[..., Any], args: tuple[Any, ...], *, stall_s: flo
         child.close()
 
 
-def child_environment() -> dict[str, str]:
-    """What a child must see (``agent_context``): Prefect's settings in force here over the
-    environment (the zygote has the environment of the agent's start)."""
-    from prefect.settings import get_current_settings
+class ChildContext:
+    """What a child must see, built once in the agent (``child_context``) and handed to each child:
+    the agent's environment (the zygote has the environment of the agent's start) and Prefect's
+    settings in force in the agent, with no flow-run heartbeats: the agent watches its child
+    itself (``run_child``), a self-hosted server acts on heartbeats only through a "zombie"
+    automation this stack does not create, and the engine joins the heartbeat thread, which
+    sleeps in 1 s steps, at the end of every run; and no check of the server's API version per
+    client (two round trips per run: the agent checked it as it registered its deployments, and
+    its children talk to the same server). The settings travel built (pickled): reading them
+    again from the environment in every child, two validations of Prefect's whole settings
+    tree, was most of a part's CPU outside its bytes."""
 
-    return {**get_current_settings().to_environment_variables(exclude_unset=True), **os.environ}
+    def __init__(self, env: Mapping[str, str], prefect: Any) -> None:
+        self.env, self.prefect = dict(env), prefect
+
+
+def child_context() -> ChildContext:
+    """The ``ChildContext`` of the agent's children, from the Prefect settings in force here."""
+    from prefect.settings import (
+        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        get_current_settings,
+    )
+
+    current = get_current_settings()
+    env = {**current.to_environment_variables(exclude_unset=True), **os.environ}
+    prefect = current.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                                PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False})
+    return ChildContext(env, prefect)
 
 
 def agent_logging(level: str) -> None:
@@ -400,27 +435,15 @@ def agent_logging(level: str) -> None:
 
 
 @contextmanager
-def agent_context(env: Mapping[str, str], beat: Any, log_level: str) -> Iterator[None]:
-    """A child's Prefect settings: the agent's (``env``), read again here (the zygote read
-    its own at import time, with the environment of its start), with no flow-run heartbeats: the
-    agent watches its child itself (``run_child``), a self-hosted server acts on heartbeats only
-    through a "zombie" automation this stack does not create, and the engine joins the
-    heartbeat thread, which sleeps in 1 s steps, at the end of every run; and no check of the
-    server's API version per client (two round trips per run: the agent checked it as it
-    registered its deployments, and its children talk to the same server)."""
+def agent_context(context: ChildContext, beat: Any, log_level: str) -> Iterator[None]:
+    """A child's environment and Prefect settings: the agent's (``context``), in force for the
+    block; its beat shared (``core.progress.share``) and the agent's log lines set up."""
     from prefect.context import SettingsContext, get_settings_context
-    from prefect.settings import (
-        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
-        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-        Settings as PrefectSettings,
-    )
 
     progress.share(beat)
-    os.environ.update(env)
+    os.environ.update(context.env)
     agent_logging(log_level)
-    settings = PrefectSettings().copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
-                                                           PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False})
-    with SettingsContext(profile=get_settings_context().profile, settings=settings):
+    with SettingsContext(profile=get_settings_context().profile, settings=context.prefect):
         yield
 
 
@@ -448,7 +471,7 @@ def promote_part(settings: Settings, payload: Mapping[str, Any], announcer: Anno
     return result
 
 
-def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str, str], beat: Any) -> None:
+def run_part_process(settings: Settings, payload: dict[str, Any], context: ChildContext, beat: Any) -> None:
     """A part's promotion in a child: its events posted to the API in one request when it is
     done (``EventBatch``: a process that exits leaves nothing queued), exit code 1 when it
     failed, ``FOLLOWUPS`` when its checkpoint's run is to be started (``start_checkpoint_run``,
@@ -456,7 +479,7 @@ def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str,
     from tasks.prefect_events import emit  # deferred: start-up — Prefect
 
     asked: list[tuple[Any, ...]] = []
-    with agent_context(env, beat, settings.log_level):
+    with agent_context(context, beat, settings.log_level):
         from prefect.settings import get_current_settings
 
         api = get_current_settings().api.url
@@ -472,10 +495,11 @@ def run_part_process(settings: Settings, payload: dict[str, Any], env: dict[str,
         sys.exit(FOLLOWUPS)
 
 
-def run_checkpoint_process(settings: Settings, params: dict[str, Any], env: dict[str, str], beat: Any) -> None:
+def run_checkpoint_process(settings: Settings, params: dict[str, Any], context: ChildContext,
+                           beat: Any) -> None:
     """A checkpoint's promote run in a child (``start_checkpoint_run``); exit code 1 when it
     could not be created."""
-    with agent_context(env, beat, settings.log_level):
+    with agent_context(context, beat, settings.log_level):
         if start_checkpoint_run(settings.node, **params) is None:
             sys.exit(1)
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import copy_context
 from typing import Any
 
 from core.settings import Settings
-from deployments.processes import agent_context, child_environment, run_child
+from deployments.processes import ChildContext, agent_context, child_context, run_child
 
 log = logging.getLogger("ckpt.reconcile")
 
@@ -34,35 +34,35 @@ def reconcile_every(settings: Settings, stop: threading.Event, *, events: bool =
     child (``one_pass``). A pass that fails, stalls or dies is logged and the next one tries again:
     the safety net never stops for good. ``events``: this node's agent promotes parts on their
     events (``ckpt agent``; not ``ckpt reconcile --every``), so a part just committed is theirs."""
-    env = child_environment()
+    context = child_context()
     shown: dict[str, Any] = {}
     while not stop.is_set():
         try:
-            shown = one_pass(settings, env, shown, events=events)
+            shown = one_pass(settings, context, shown, events=events)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again (see above)
             log.warning("reconcile pass on %s not run: %s: %s", settings.node, type(exc).__name__, exc)
         stop.wait(settings.reconcile_interval_seconds)
 
 
-def one_pass(settings: Settings, env: Mapping[str, str], shown: dict[str, Any], *,
+def one_pass(settings: Settings, context: ChildContext, shown: dict[str, Any], *,
              events: bool = True) -> dict[str, Any]:
     """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
     fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
     nothing (killed, died)."""
-    _, kept = run_child(run_pass_process, (settings, dict(env), shown, events),
+    _, kept = run_child(run_pass_process, (settings, context, shown, events),
                         stall_s=settings.copy_stall_seconds, what=f"reconcile pass on {settings.node}",
                         again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
     return kept if isinstance(kept, dict) else shown
 
 
-def run_pass_process(settings: Settings, env: dict[str, str], shown: dict[str, Any], events: bool,
+def run_pass_process(settings: Settings, context: ChildContext, shown: dict[str, Any], events: bool,
                      beat: Any) -> dict[str, Any]:
     """A pass in a child (``flows.reconcile.reconcile_pass``); returns what to keep."""
     from dataclasses import asdict
 
     from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
 
-    with agent_context(env, beat, settings.log_level):
+    with agent_context(context, beat, settings.log_level):
         report, kept = reconcile_pass(settings, Shown(**shown), events=events)
         if report.acted():
             log.info("reconcile on %s: %s", settings.node,

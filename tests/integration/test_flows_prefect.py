@@ -376,7 +376,7 @@ def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_se
     import os
     from pathlib import Path
 
-    from deployments.processes import child_environment
+    from deployments.processes import child_context
     from deployments.reconcile_loop import one_pass
 
     node = f"node-{uuid.uuid4().hex[:8]}"
@@ -386,7 +386,7 @@ def test_an_agent_pass_whose_tier_hangs_is_stopped_and_the_next_pass_runs(env_se
     marker.unlink()
     os.mkfifo(marker)  # opened for reading, it waits for a writer that never comes
     lost_event(settings, RUN, 10)
-    env = child_environment()
+    env = child_context()
     with caplog.at_level(logging.ERROR, logger="ckpt.agent.parts"):
         shown = one_pass(settings.model_copy(update={"copy_stall_seconds": 1.0}), env, {})
     assert f"reconcile pass on {node}: stalled, no byte moved" in caplog.text
@@ -406,12 +406,12 @@ def test_an_agent_pass_failing_as_the_last_one_leaves_no_new_run_and_one_that_cl
     leaves another; once it works again one run says the failures cleared; then nothing."""
     from pathlib import Path
 
-    from deployments.processes import child_environment
+    from deployments.processes import child_context
     from deployments.reconcile_loop import one_pass
 
     node = f"node-{uuid.uuid4().hex[:8]}"
     settings = env_settings(node=node)
-    env, shown = child_environment(), {}
+    env, shown = child_context(), {}
     tier0, tier1 = Path(settings.tier0_url), Path(settings.tier1_url)
 
     def passes(n: int) -> None:

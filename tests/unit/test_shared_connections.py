@@ -75,16 +75,24 @@ def test_s3_stores_share_a_client_per_configuration_and_credentials(monkeypatch)
     assert "secret-" not in repr(s3._clients) and "key-a" not in repr(s3._clients)
 
 
-def test_a_forked_child_opens_its_own_engine_and_client(url):
+def test_a_forked_child_opens_its_own_connections_and_client(url):
+    """The child keeps the engine (its dialect set up, its compiled statements: what the agent's
+    zygote hands its children), never the parent's pooled connections."""
+    from sqlalchemy import event
+
     parent_cat = Catalog(url)
     parent_cat.ensure_run("r")
+    assert parent_cat.engine.pool.checkedin() >= 1  # a pooled connection the child must not take
     parent_client = S3Store("s3://bkt/p", endpoint_url=ENDPOINT).client
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, never return into pytest
         try:
+            opened: list[object] = []
+            event.listen(parent_cat.engine, "connect", lambda conn, _record: opened.append(conn))
             with Catalog(url) as cat:
-                ok = (cat.engine is not parent_cat.engine and [r.name for r in cat.list_runs()] == ["r"]
+                ok = (cat.engine is parent_cat.engine and [r.name for r in cat.list_runs()] == ["r"]
+                      and len(opened) == 1
                       and S3Store("s3://bkt/p", endpoint_url=ENDPOINT).client is not parent_client)
             os.write(write, b"1" if ok else b"0")
         finally:
@@ -93,7 +101,7 @@ def test_a_forked_child_opens_its_own_engine_and_client(url):
     answer = os.read(read, 1)
     os.close(read)
     os.waitpid(pid, 0)
-    assert answer == b"1", "the forked child reused its parent's engine or S3 client"
+    assert answer == b"1", "the forked child used its parent's connections or S3 client, or made a new engine"
     assert [r.name for r in parent_cat.list_runs()] == ["r"]  # the parent's connections still work
     parent_cat.close()
 
