@@ -411,8 +411,8 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
                         catalog_url=catalog_url)
         env.update(CKPT_RECONCILE_INTERVAL_SECONDS="3600",      # the burst is about events
                    CKPT_PART_SCAN_SECONDS="60",  # checkpoint runs: parts are committed a while before the burst
-                   CKPT_TIER2_URL=f"s3://{setup.bucket}/{name}-{tag}",
-                   PREFECT_RUNNER_POLL_FREQUENCY="5")            # as docker-compose.yml
+                   CKPT_TIER2_URL=f"s3://{setup.bucket}/{name}-{tag}")
+        env.pop("PREFECT_RUNNER_POLL_FREQUENCY")  # the agents' own defaults, not the local stack's fast poll
         env.update(env_extra or {})
         node = [f"b{tag}-n{i:02d}" for i in range(setup.nodes)]
         first = start_agent(env, root / "logs" / f"agent-{node[0]}.log", node=node[0])

@@ -145,6 +145,18 @@ def ensure_alerts(settings: Settings) -> None:
         logging.getLogger(__name__).warning("RPO automation not created: %s: %s", type(exc).__name__, exc)
 
 
+def runner_poll(node_only: bool) -> dict[str, float]:
+    """The runner's poll of ``serve``: a node's agent (``node_only``) polls every ``names.NODE_POLL_S``
+    unless ``PREFECT_RUNNER_POLL_FREQUENCY`` is set. Its runner only ever finds a promotion asked
+    for by hand (``ckpt promote``, the UI's Run button): no promotion, reconcile or checkpoint
+    run waits for that poll, while every poll is a request, a query and a deployment update
+    on the server, from every node. The cluster's agent keeps Prefect's default (its crons and
+    the archive trigger's runs)."""
+    if node_only and "PREFECT_RUNNER_POLL_FREQUENCY" not in os.environ:
+        return {"query_seconds": names.NODE_POLL_S}
+    return {}
+
+
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
@@ -173,6 +185,6 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         forget_engines()  # the agent itself never opens the catalog again: its connection is closed
         with part_events(settings), reconciling(settings):
             try:
-                serve(*deployments, limit=limit, print_starting_message=True)
+                serve(*deployments, limit=limit, print_starting_message=True, **runner_poll(node_only))
             except (KeyboardInterrupt, TerminationSignal) as exc:
                 log.info("received %s, shutting down", type(exc).__name__)

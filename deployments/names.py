@@ -17,6 +17,8 @@ DRILL_FLOW = "restore-drill"
 
 PROMOTE_DEPLOYMENT = PROMOTE_FLOW + "/{node}"
 
+NODE_POLL_S = 30.0  # how often a node's agent (``--node-only``) polls for runs, unless the environment says
+
 
 def promote_deployment(node: str) -> str:
     """The full name of ``node``'s promote deployment, e.g. ``promote-checkpoint/gpu-node-07``."""

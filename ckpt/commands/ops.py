@@ -21,6 +21,7 @@ from core.errors import BadArgument, BadInput, quoted
 from core.paths import safe_run_name
 from core.sizing import OrchestrationLoad, Plan, RecoveryModel, RunFigure, fmt_bytes, fmt_percent, fmt_seconds
 from core.tier_figures import Spread
+from deployments.names import NODE_POLL_S
 
 if TYPE_CHECKING:
     from ckpt.client import OriginKeywords, SavedCheckpoint
@@ -53,7 +54,8 @@ def plan_cmd(
     burst_report: Path | None = typer.Option(None, "--burst-report", help="server capacity from a "
                                       "`benchmarks/burst.py --json` report instead of the built-in measurement"),
     poll_seconds: float | None = typer.Option(None, "--poll-seconds", min=0.1, help="how often each agent's "
-                                       "runner polls the server [PREFECT_RUNNER_POLL_FREQUENCY, else 5]"),
+                                       "runner polls the server [PREFECT_RUNNER_POLL_FREQUENCY, else a node "
+                                       "agent's 30]"),
     server_cores: float = typer.Option(1.0, "--server-cores", min=0.1, help="cores of the Prefect server's "
                                        "processes (API workers)"),
     mtbf: str | None = typer.Option(None, "--mtbf", help="mean time between failures of the whole job, e.g. 3h: "
@@ -191,7 +193,7 @@ def _load(nodes: int, secs: float, burst_report: Path | None, poll_seconds: floa
     else:
         capacity = sizing.measured_capacity()
     if poll_seconds is None:
-        poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", "5")
+        poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY", str(NODE_POLL_S))
         try:
             poll_seconds = float(poll)
         except ValueError:

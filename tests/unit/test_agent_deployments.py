@@ -84,3 +84,18 @@ def test_the_promote_deployment_has_no_trigger(settings_factory):
     also a run; a checkpoint's one run is the one the agent creates."""
     built = _by_full_name(build_deployments(settings_factory(node=NODE), node_only=True))
     assert built[names.promote_deployment(NODE)].triggers == []
+
+
+def test_a_node_agent_polls_the_server_slowly_unless_told(monkeypatch):
+    """A node's runner only finds runs asked for by hand, and every poll is server work from every
+    node: a node's agent polls every 30 s; the cluster's keeps Prefect's default; the
+    environment's ``PREFECT_RUNNER_POLL_FREQUENCY`` wins for both (the local stack's fast poll)."""
+    from prefect.runner import Runner
+
+    from deployments.agent import runner_poll
+
+    monkeypatch.delenv("PREFECT_RUNNER_POLL_FREQUENCY", raising=False)
+    assert Runner(**runner_poll(True)).query_seconds == 30
+    assert Runner(**runner_poll(False)).query_seconds == Runner().query_seconds == 10
+    monkeypatch.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "2")
+    assert runner_poll(True) == {} and runner_poll(False) == {}

@@ -180,9 +180,9 @@ def test_cli_says_where_one_server_saturates(tmp_path):
 
     out = _plan_output("--nodes", "64", "--interval", "30m", env_dir=tmp_path)
     load = sizing.OrchestrationLoad(64, 1800, sizing.measured_capacity(), rest=sizing.MEASURED_REST,
-                                    poll_seconds=5)
+                                    poll_seconds=30)  # a node's agent's poll, unless set
     assert f"saturated at {load.saturation_nodes} nodes" in out
-    assert "per burst: 1 flow runs" in out and "64 agents polling every 5.00 s take" in out
+    assert "per burst: 1 flow runs" in out and "64 agents polling every 30.0 s take" in out
     report = tmp_path / "burst.json"
     report.write_text(json.dumps([{"server": "postgres+redis", "parts": 4, "agents": 4, "flow_runs": 5,
                                    "task_runs": 32, "flow_runs_per_s": 2.0, "task_runs_per_s": 10.0}]))
@@ -199,14 +199,15 @@ def _saturation(out: str) -> int:
 
 
 def test_cli_models_the_poll_of_this_environment(tmp_path):
-    ckpt = _plan_output("--nodes", "512", env_dir=tmp_path)
-    assert "per burst: 1 flow runs" in ckpt  # one run per checkpoint, whatever its parts
-    slow = _plan_output("--nodes", "512", "--poll-seconds", "30", env_dir=tmp_path)
-    assert _saturation(slow) > _saturation(ckpt)  # fewer polls leave the server more for the burst
+    default = _plan_output("--nodes", "512", env_dir=tmp_path)  # a node's agent polls every 30 s
+    assert "per burst: 1 flow runs" in default  # one run per checkpoint, whatever its parts
+    assert "polling every 30.0 s" in default
+    fast = _plan_output("--nodes", "512", "--poll-seconds", "5", env_dir=tmp_path)
+    assert _saturation(default) > _saturation(fast)  # fewer polls leave the server more for the burst
     env = subprocess.run([sys.executable, "-m", "ckpt.cli", "plan", "--nodes", "512", "--no-runs"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                         env={**os.environ, "PREFECT_RUNNER_POLL_FREQUENCY": "30"})
-    assert env.returncode == 0 and _saturation(env.stdout) == _saturation(slow), env.stderr
+                         env={**os.environ, "PREFECT_RUNNER_POLL_FREQUENCY": "5"})
+    assert env.returncode == 0 and _saturation(env.stdout) == _saturation(fast), env.stderr
     import json
 
     assert "it never drains a burst: its idle agents take every core" in _plan_output("--nodes", "5000",
