@@ -184,6 +184,18 @@ def forget_engines() -> None:
     _dispose(idle)
 
 
+def close_connections() -> None:
+    """Close the pooled connections of every shared engine; the engines stay, and their next
+    lease connects again. For a process about to fork a long-lived child (the agent's zygote):
+    a connection the child inherits is only dropped there, and a dropped SQLite connection is
+    closed when it is collected, which in WAL mode may checkpoint and remove the ``-wal`` file
+    that the parent's and every other process's connections still read."""
+    with _shared_lock:
+        engines = [entry.engine for entry in _shared.values()]
+    for engine in engines:
+        engine.dispose()
+
+
 def _unlist(key: tuple[str, float, int]) -> _Shared | None:
     """Take ``key`` off the registry (lock held); the entry when nobody leases it (to dispose)."""
     entry = _shared.pop(key)

@@ -164,7 +164,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect.exceptions import TerminationSignal
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from db.session import forget_engines  # deferred: start-up — SQLAlchemy
+    from db.session import close_connections  # deferred: start-up — SQLAlchemy
     from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
@@ -181,8 +181,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         # The zygote is forked now, while this process still has one thread, from everything the
         # start-up imported and touched (the catalog's driver and engine, the S3 client's
         # modules): its children find them ready, and the pages stay one copy for both.
+        close_connections()  # the agent never opens the catalog again; the zygote inherits none
         start_fork_server(settings)
-        forget_engines()  # the agent itself never opens the catalog again: its connection is closed
         with part_events(settings), reconciling(settings):
             try:
                 serve(*deployments, limit=limit, print_starting_message=True, **runner_poll(node_only))
