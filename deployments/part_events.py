@@ -189,8 +189,8 @@ class PartEvents:
         stored by the server, never reached their agents' subscriptions, which were alive and
         took the next event at once. The first scan marks what is there as known: parts committed
         while the agent was away are reconcile's. Returns the parts it submitted."""
-        from core.storage.identity import read_marker
-        from core.storage.registry import open_store
+        from core.storage.identity import read_marker  # deferred: start-up — storage backends
+        from core.storage.registry import open_store  # deferred: start-up — storage backends
         from core.transfer import find_committed  # deferred: start-up — the transfer engine
 
         # names only, in this process: what a scan submits, its promotion proves (the catalog's
