@@ -145,7 +145,7 @@ def ensure_alerts(settings: Settings) -> None:
         logging.getLogger(__name__).warning("RPO automation not created: %s: %s", type(exc).__name__, exc)
 
 
-def runner_poll(node_only: bool) -> dict[str, float]:
+def runner_poll(node_only: bool) -> dict[str, Any]:
     """The runner's poll of ``serve``: a node's agent (``node_only``) polls every ``names.NODE_POLL_S``
     unless ``PREFECT_RUNNER_POLL_FREQUENCY`` is set. Its runner only ever finds a promotion asked
     for by hand (``ckpt promote``, the UI's Run button): no promotion, reconcile or checkpoint

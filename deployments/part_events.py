@@ -196,7 +196,7 @@ class PartEvents:
         # names only, in this process: what a scan submits, its promotion proves (the catalog's
         # record of the tier's identity, in the child); a root without its marker (not mounted)
         # shows nothing to submit
-        with open_store(self.settings.tier_url(0), 0, self.settings) as tier0:
+        with open_store(self.settings.tier0_url, 0, self.settings) as tier0:
             listed = find_committed(tier0) if read_marker(tier0) is not None else iter(())
             found = {(run, step, part, attempt): parts for run, step, part, parts, attempt in listed}
         first, self._scans = self._scans == 0, self._scans + 1
