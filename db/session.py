@@ -171,7 +171,7 @@ def release_engine(lease: EngineLease) -> None:
             return
         lease.released = True
         entry = lease._entry
-        entry.leases -= 1
+        entry.leases = max(0, entry.leases - 1)  # a lease taken before a fork, given back in the child
         done = [] if entry.listed or entry.leases else [entry]
     _dispose(done)
 

@@ -146,15 +146,18 @@ def ensure_alerts(settings: Settings) -> None:
 
 
 def runner_poll(node_only: bool) -> dict[str, Any]:
-    """The runner's poll of ``serve``: a node's agent (``node_only``) polls every ``names.NODE_POLL_S``
-    unless ``PREFECT_RUNNER_POLL_FREQUENCY`` is set. Its runner only ever finds a promotion asked
-    for by hand (``ckpt promote``, the UI's Run button): no promotion, reconcile or checkpoint
-    run waits for that poll, while every poll is a request, a query and a deployment update
-    on the server, from every node. The cluster's agent keeps Prefect's default (its crons and
-    the archive trigger's runs)."""
-    if node_only and "PREFECT_RUNNER_POLL_FREQUENCY" not in os.environ:
-        return {"query_seconds": names.NODE_POLL_S}
-    return {}
+    """The runner's poll of ``serve``: a node's agent (``node_only``) polls every
+    ``names.NODE_POLL_S`` unless ``PREFECT_RUNNER_POLL_FREQUENCY`` is set (in the environment or
+    a Prefect profile). Its runner only ever finds a promotion asked for by hand (``ckpt
+    promote``, the UI's Run button): no promotion, reconcile or checkpoint run waits for that
+    poll, while every poll is a request, a query and a deployment update on the server, from
+    every node. The cluster's agent keeps Prefect's default (its crons and the archive trigger's
+    runs)."""
+    from prefect.settings import get_current_settings
+
+    told = ("PREFECT_RUNNER_POLL_FREQUENCY" in os.environ
+            or "poll_frequency" in get_current_settings().runner.model_fields_set)  # the environment, a profile
+    return {"query_seconds": names.NODE_POLL_S} if node_only and not told else {}
 
 
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,

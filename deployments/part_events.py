@@ -189,16 +189,20 @@ class PartEvents:
         stored by the server, never reached their agents' subscriptions, which were alive and
         took the next event at once. The first scan marks what is there as known: parts committed
         while the agent was away are reconcile's. Returns the parts it submitted."""
+        from core.errors import TierUnavailable  # deferred: start-up — storage backends
         from core.storage.identity import read_marker  # deferred: start-up — storage backends
         from core.storage.registry import open_store  # deferred: start-up — storage backends
         from core.transfer import find_committed  # deferred: start-up — the transfer engine
 
         # names only, in this process: what a scan submits, its promotion proves (the catalog's
-        # record of the tier's identity, in the child); a root without its marker (not mounted)
-        # shows nothing to submit
+        # record of the tier's identity, in the child). A root without a Tier 0 marker (not
+        # mounted: an empty folder) is unavailable, not empty: what the scans knew is kept.
         with open_store(self.settings.tier0_url, 0, self.settings) as tier0:
-            listed = find_committed(tier0) if read_marker(tier0) is not None else iter(())
-            found = {(run, step, part, attempt): parts for run, step, part, parts, attempt in listed}
+            marker = read_marker(tier0)
+            if marker is None or marker.tier != 0:
+                raise TierUnavailable(0, tier0.root_url, "its root shows no Tier 0 identity marker (not mounted?)")
+            found = {(run, step, part, attempt): parts
+                     for run, step, part, parts, attempt in find_committed(tier0)}
         first, self._scans = self._scans == 0, self._scans + 1
         with self._lock:
             self._known &= found.keys()  # what left Tier 0 is forgotten: the set stays the size of the tier

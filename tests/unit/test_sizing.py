@@ -15,9 +15,10 @@ from core.errors import BadInput
 
 
 def _plan_output(*args: str, env_dir) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_RUNNER_POLL_FREQUENCY"}  # the default poll
     out = subprocess.run(
         [sys.executable, "-m", "ckpt.cli", "plan", *args, "--no-runs"],
-        capture_output=True, text=True, cwd=env_dir, timeout=60,
+        capture_output=True, text=True, cwd=env_dir, timeout=60, env=env,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout

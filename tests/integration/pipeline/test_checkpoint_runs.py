@@ -199,6 +199,30 @@ def test_a_corrupt_part_is_recorded_nothing_reaches_tier1_and_the_next_event_is_
     assert Path(settings.tier1_url, RUN).exists() and not ckpt_dir(settings.tier1_url, RUN, 100).exists()
 
 
+def test_a_scan_of_an_unmounted_tier0_is_unavailable_and_forgets_nothing(settings):
+    """A Tier 0 that is briefly not mounted shows an empty folder: the scan says the tier is
+    unavailable, and once the mount is back the parts it knew are not promoted again as parts
+    no event brought. A root marked as another tier is no Tier 0 either."""
+    from core.errors import TierUnavailable
+    from core.storage.identity import MARKER_KEY
+
+    commit(settings, 100, parts=1)
+    listener = PartEvents(settings, announcer=Recorder(), fork=False)
+    assert listener.scan() == []  # there when the agent started: known
+    marker = Path(settings.tier0_url) / MARKER_KEY
+    saved = marker.read_bytes()
+    marker.unlink()  # the mount gone: its folder holds nothing of the tier
+    for _ in range(3):
+        with pytest.raises(TierUnavailable):
+            listener.scan()
+    marker.write_bytes(saved.replace(b'"tier": 0', b'"tier": 1'))  # another tier's root
+    with pytest.raises(TierUnavailable):
+        listener.scan()
+    marker.write_bytes(saved)  # mounted again
+    assert listener.scan() == [] and listener.scan() == []
+    listener.stop()
+
+
 def test_a_part_no_event_brought_is_found_on_tier0_and_promoted_once(settings):
     """The event stream is best effort: the agent lists its Tier 0 (``PartEvents.scan``) and
     promotes a part committed without an event, once two scans saw it; what was there when the
