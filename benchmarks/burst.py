@@ -27,7 +27,7 @@ shared), fewer agent processes run, each serving the parts of several ranks of o
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
 
 ``--baseline-env KEY=VALUE`` adds the same burst on the same stack with one setting of the agents
-changed (repeatable), e.g. ``PREFECT_RUNNER_POLL_FREQUENCY=30`` or ``CKPT_TIER1_DIRECT_IO=true``;
+changed (repeatable), e.g. ``PREFECT_RUNNER_POLL_FREQUENCY=5`` or ``CKPT_TIER1_DIRECT_IO=true``;
 the agent count stays the first phase's. ``--env KEY=VALUE`` sets a setting of the agents in every
 phase (repeatable; a ``--baseline-env`` of the same key wins in its phase).
 ``--warm-bursts N`` first makes N earlier checkpoints durable the same way, unmeasured: the burst
@@ -41,7 +41,7 @@ add, apart from what the stack costs whether or not checkpoints come.
     python benchmarks/burst.py --nodes 64 --part-mb 16 [--json burst.json]
     python benchmarks/burst.py --nodes 16 --part-mb 16 --no-sqlite --rest 60
     python benchmarks/burst.py --nodes 64 --part-mb 16 --no-sqlite --mem-fraction 0.7 \
-        --baseline-env PREFECT_RUNNER_POLL_FREQUENCY=30
+        --baseline-env PREFECT_RUNNER_POLL_FREQUENCY=5
     python benchmarks/burst.py --smoke            # 2 nodes, 1 MB parts
 """
 
@@ -608,7 +608,7 @@ def main() -> int:
     ap.add_argument("--no-sqlite", action="store_true", help="skip the SQLite server baseline")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run the same burst on the same stack with this setting in the agents' environment "
-                         "(repeatable: one phase each), e.g. PREFECT_RUNNER_POLL_FREQUENCY=30")
+                         "(repeatable: one phase each), e.g. PREFECT_RUNNER_POLL_FREQUENCY=5")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting in the agents' environment in every phase (repeatable), e.g. "
                          "CKPT_TIER1_DIRECT_IO=true")
