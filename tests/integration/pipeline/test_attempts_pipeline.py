@@ -150,12 +150,22 @@ def test_a_job_reusing_a_run_name_is_stopped_at_its_next_save(nodes):
 
 
 def test_a_resumed_job_is_never_stopped_by_the_attempt_check(nodes):
+    """The check comes off the training thread (and a stager that closes asks nothing more), so
+    the test waits for its answer, then saves again: a save after the check is never refused."""
+    import time
+
     _first_attempt(nodes)
     resume_point(RUN, part=0, parts=2, settings=nodes[0], attempt="B")
     with CheckpointStager(RUN, settings=nodes[0], part=0, parts=2, attempt="B") as st:
         for step in (25, 30, 35):
             st.save(step, _tensors(step, 0, seed=3))
-    assert st._announcer.registration.attempt_checked and st._announcer.registration.refused is None
+        deadline = time.monotonic() + 60
+        while not st._announcer.registration.attempt_checked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert st._announcer.registration.attempt_checked
+        st.save(40, _tensors(40, 0, seed=3))
+    assert st._announcer.registration.refused is None
+    assert st.checkpoint_dir(40).exists()
 
 
 def test_retention_retires_superseded_checkpoints_once_the_new_attempt_is_durable(nodes):
