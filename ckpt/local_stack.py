@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -157,7 +158,7 @@ def start_agent(env: dict[str, str], log: Path, *, node: str, node_only: bool = 
 def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
                      procs: Sequence[subprocess.Popen] = (), auth_string: str | None = None) -> None:
     """Until every ``flow/deployment`` in ``names`` exists, is not paused and is polled by a
-    runner (status READY): then its triggers and schedules are live."""
+    runner (``served``): then its triggers and schedules are live."""
     import httpx
 
     headers = auth_headers(auth_string)
@@ -171,7 +172,7 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
             d = r.json() if r.status_code == 200 else {}
         except httpx.HTTPError:
             d = {}
-        if d and not d.get("paused") and d.get("status") == "READY":
+        if d and served(d):
             todo.pop(0)
             continue
         for p in procs:
@@ -180,6 +181,22 @@ def wait_deployments(api_url: str, names: list[str], *, timeout: float = 90.0,
         if time.monotonic() > deadline:
             raise ConfigError(f"deployment {name} not served after {timeout:.0f}s")
         time.sleep(0.5)
+
+
+def served(deployment: dict) -> bool:
+    """A deployment (as the API returns it) that is not paused and that a runner polled since it
+    was last registered: ``READY``, or polled after its last update. The server records a poll
+    in the background, late when it is busy (its ``mark_deployments_ready`` task; it leaves
+    ``updated`` alone), and marks the deployment ``NOT_READY`` a minute after the last poll it
+    recorded, so a served deployment can read ``NOT_READY`` for a while; a poll recorded before
+    its last registration (a node's agent of an earlier session) does not count."""
+    if deployment.get("paused"):
+        return False
+    if deployment.get("status") == "READY":
+        return True
+    polled, updated = deployment.get("last_polled"), deployment.get("updated")
+    return isinstance(polled, str) and isinstance(updated, str) and \
+        datetime.fromisoformat(polled) >= datetime.fromisoformat(updated)
 
 
 def stack_env(data_dir: Path, *, api_url: str, s3_url: str | None, bucket: str = "ckpt",
