@@ -25,6 +25,7 @@ one), just before the burst. When N agents
 plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
 shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
+``--agents N`` caps that count: two versions compared at the count the larger one fitted.
 
 ``--baseline-env KEY=VALUE`` adds the same burst on the same stack with one setting of the agents
 changed (repeatable), e.g. ``PREFECT_RUNNER_POLL_FREQUENCY=5`` or ``CKPT_TIER1_DIRECT_IO=true``;
@@ -391,6 +392,8 @@ class Setup:
     agents: int | None = None  # decided by the first phase, kept for the second
     rest_s: float = 0.0        # --rest: seconds to watch each phase's stack at rest before its burst
     warm_bursts: int = 0       # --warm-bursts: checkpoints burst and made durable before the one measured
+    most_agents: int | None = None  # --agents: a cap on the agent count
+    fit: int | None = None  # how many agents fitted in memory (the first phase's figure)
 
 
 def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str], setup: Setup,
@@ -422,14 +425,17 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
         agent_rss = proc_rss(first.pid)
         agent_roles = role_pss(first.pid)
         if setup.agents is None:
-            setup.agents = agents_that_fit(setup.nodes, agent_rss, mem_available(), setup.mem_fraction)
+            setup.fit = agents_that_fit(setup.nodes, agent_rss, mem_available(), setup.mem_fraction)
+            setup.agents = min(setup.fit, setup.most_agents or setup.fit)
         k = setup.agents
         phase = Phase(name, setup.nodes, k, agent_rss_mb=agent_rss / 1e6, agent_pss_by_role=agent_roles)
         limit = None if k == setup.nodes else 1
         if k < setup.nodes:
+            fit = setup.fit or k
             phase.notes.append(f"{setup.nodes} agents, each running a promotion, would need ~"
-                               f"{setup.nodes * BUSY_GROWTH * agent_rss / 1e9:.1f} GB; {k} fit in "
-                               f"{setup.mem_fraction:.0%} of the available memory: {k} agents, "
+                               f"{setup.nodes * BUSY_GROWTH * agent_rss / 1e9:.1f} GB; {fit} fit in "
+                               f"{setup.mem_fraction:.0%} of the available memory"
+                               + (f" (--agents: {k})" if k < fit else "") + f": {k} agents, "
                                f"~{math.ceil(setup.nodes / k)} parts each, "
                                "one flow run at a time")
         if limit:  # the first agent was started unlimited: restart it like the others
@@ -603,6 +609,8 @@ def main() -> int:
     ap.add_argument("--part-mb", type=float, default=16.0)
     ap.add_argument("--mem-fraction", type=float, default=0.5,
                     help="share of the available memory the agents and their flow runs may use")
+    ap.add_argument("--agents", type=int, default=None,
+                    help="at most this many agent processes (a comparison at the count a baseline fitted)")
     ap.add_argument("--pg-url", default=os.environ.get("CKPT_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379")
     ap.add_argument("--no-sqlite", action="store_true", help="skip the SQLite server baseline")
@@ -623,6 +631,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the figures here (ckpt plan --burst-report)")
     ap.add_argument("--dir", default=None, help="scratch folder (default: system temp)")
     args = parse(ap, SMOKE)
+    if args.agents is not None and args.agents < 1:
+        ap.error("--agents must be 1 or more")
 
     import shutil
     import tempfile
@@ -635,7 +645,7 @@ def main() -> int:
     try:
         with s3_bucket(args.s3_endpoint, work / "moto.log") as (s3_url, bucket):
             setup = Setup(work, args.pg_url, s3_url, bucket, args.nodes, args.part_mb, args.mem_fraction,
-                          args.timeout, rest_s=args.rest, warm_bursts=args.warm_bursts)
+                          args.timeout, rest_s=args.rest, warm_bursts=args.warm_bursts, most_agents=args.agents)
             prefect_db = f"ckpt_prefect_{os.getpid()}_{uuid.uuid4().hex[:6]}"
             with ProductionStack(work / "prefect-prod", pg_server_url=args.pg_url, redis_url=args.redis_url,
                                  prefect_database=prefect_db, catalog_database=None, port=None, ui=False,
