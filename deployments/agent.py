@@ -8,7 +8,9 @@ What one agent serves:
   and, as plain code in this process rather than a deployment, reconcile every
   ``reconcile_interval_seconds`` (the safety net for events that never arrived;
   deployments/reconcile_loop.py), each pass in a watched child, which leaves a
-  ``reconcile/<node>`` flow run only when a pass acted or its failures changed.
+  ``reconcile/<node>`` flow run only when a pass acted or its failures changed. A node's agent
+  (``node_only``) sets up and sweeps its Tier 0 and Tier 1 only: the object store and the
+  cluster-wide backlogs are the cluster agent's (``flows.reconcile.reconcile_once``).
 - cluster-wide (unless ``node_only``): ``archive-checkpoint/cluster``, triggered by
   ``ckpt.checkpoint.durable`` (emitted once per checkpoint, when its last part is verified on
   Tier 1), ``enforce-retention/cluster`` on ``retention_cron``, ``scrub/cluster`` (re-read a
@@ -49,7 +51,14 @@ from core.settings import Settings
 from deployments import names
 from deployments.automations import ensure_rpo_automation
 from deployments.part_events import part_events
-from deployments.processes import start_fork_server
+from deployments.processes import (
+    ChildContext,
+    agent_context,
+    child_context,
+    preload_agent,
+    run_child,
+    start_fork_server,
+)
 from deployments.reconcile_loop import reconciling
 
 log = logging.getLogger("ckpt.agent")
@@ -160,6 +169,41 @@ def runner_poll(node_only: bool) -> dict[str, Any]:
     return {"query_seconds": names.NODE_POLL_S} if node_only and not told else {}
 
 
+def set_up_tiers(settings: Settings, tiers: tuple[int, ...]) -> list[str]:
+    """``init_tiers`` of ``tiers`` as the agent's start does them: a line per tier, or why none
+    was set up (an old schema, a catalog down: the steps say so again, and are retried)."""
+    from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
+
+    try:
+        return [state.line() for state in init_tiers(settings, actor=f"agent:{settings.node}", tiers=tiers)]
+    except CkptError as exc:
+        return [f"tier roots {', '.join(map(str, tiers))} not set up: {exc}"]
+
+
+def set_up_object_store(settings: Settings) -> None:
+    """Tier 2's root set up (``set_up_tiers``) in a child forked from the zygote, its lines logged
+    here. The S3 client (boto3, botocore's service model) then never loads into the agent or its
+    zygote (docs/benchmarks.md: the agent's memory); the children that reach Tier 2 (an archive,
+    the cluster agent's reconcile passes) load it themselves. A node's agent never reaches Tier 2
+    at rest (``reconciling``'s ``cluster``)."""
+    if not settings.tier2_url:
+        return
+    _, lines = run_child(set_up_in_child, (settings, child_context()), stall_s=settings.copy_stall_seconds,
+                         what="setting up tier 2's root", again="its first use sets it up")
+    for line in lines if isinstance(lines, list) else []:
+        said(line)
+
+
+def said(line: str) -> None:
+    """A line of ``set_up_tiers`` in the agent's log: a warning when a tier is not set up."""
+    (log.warning if " UNAVAILABLE" in line or "not set up" in line else log.info)("%s", line)
+
+
+def set_up_in_child(settings: Settings, context: ChildContext, beat: Any) -> list[str]:
+    with agent_context(context, beat, settings.log_level):
+        return set_up_tiers(settings, (2,))
+
+
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
                 archive_trigger: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM); Prefect pauses the schedules on the way out."""
@@ -168,25 +212,24 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from db.session import close_connections  # deferred: start-up — SQLAlchemy
-    from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
-    try:
-        for state in init_tiers(settings, actor=f"agent:{settings.node}"):
-            log.info("%s", state.line())
-    except CkptError as exc:  # an old schema, a catalog down: the steps say so again, and are retried
-        log.warning("tier roots not set up: %s", exc)
+    for line in set_up_tiers(settings, (0, 1)):
+        said(line)
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:
             ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
         # The zygote is forked now, while this process still has one thread, from everything the
-        # start-up imported and touched (the catalog's driver and engine, the S3 client's
-        # modules): its children find them ready, and the pages stay one copy for both.
+        # start-up imported and touched (the catalog's driver and engine) and what serving imports
+        # (``preload_agent``): its children find them ready, and the pages stay one copy for both.
+        preload_agent()
         close_connections()  # the agent never opens the catalog again; the zygote inherits none
         start_fork_server(settings)
-        with part_events(settings), reconciling(settings):
+        if not node_only:  # Tier 2's root, in a child: neither the agent nor its zygote loads the S3 client
+            set_up_object_store(settings)
+        with part_events(settings), reconciling(settings, cluster=not node_only):
             try:
                 serve(*deployments, limit=limit, print_starting_message=True, **runner_poll(node_only))
             except (KeyboardInterrupt, TerminationSignal) as exc:

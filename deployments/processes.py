@@ -3,8 +3,9 @@ reconcile pass (deployments/reconcile_loop.py).
 
 The only start-up tuning of the agent, on public interfaces alone: each child is forked from the
 agent's zygote (``Zygote``), a process forked from the agent once it imported Prefect and the
-pipeline (``PRELOAD``), set up its tiers (the catalog's driver and engine, the S3 client's
-modules) and built its deployments, before its first thread. A child then shares those pages
+pipeline (``PRELOAD``), set up its Tier 0 and Tier 1 (the catalog's driver and engine), built
+its deployments and imported what serving imports (``preload_agent``), before its first thread;
+never the S3 client, which the children that reach Tier 2 load themselves. A child then shares those pages
 with the agent and the zygote and starts in milliseconds instead of importing them again in a
 new interpreter, with the catalog's engine set up (``db.session``: a pool of its own); the
 agent itself keeps its memory at rest (a promotion's catalog connection, buffers and touched
@@ -50,6 +51,8 @@ log = logging.getLogger("ckpt.agent.parts")
 PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engine", "prefect.settings",
            "prefect.states", "flows.promote", "flows.reconcile", "tasks.prefect_events", "deployments.processes",
            "deployments.reconcile_loop"]
+# What the agent imports once it serves, which a child never needs (``preload_agent``).
+AGENT_PRELOAD = ["prefect.runner.server", "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls"]
 STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
@@ -331,6 +334,23 @@ def _read_all_at(fd: int) -> bytes:
         chunks.append(chunk)
         at += len(chunk)
     return b"".join(chunks)
+
+
+def preload_agent() -> None:
+    """Import, before the zygote is forked, what the agent imports once it serves: ``serve``'s
+    runner imports its web server's module (FastAPI, uvicorn) even with the server off, and anyio
+    its event-loop backend and streams on first use. Imported after the fork, their objects would
+    fill the freed slots of pages the agent shares with the zygote, and each such page would be
+    copied, one copy in each (docs/benchmarks.md: the agent's memory)."""
+    import anyio
+
+    for name in AGENT_PRELOAD:
+        importlib.import_module(name)
+    anyio.run(_nothing)  # its asyncio backend
+
+
+async def _nothing() -> None:
+    return None
 
 
 def start_fork_server(settings: Settings | None = None) -> None:

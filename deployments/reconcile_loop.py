@@ -29,41 +29,43 @@ from deployments.processes import ChildContext, agent_context, child_context, ru
 log = logging.getLogger("ckpt.reconcile")
 
 
-def reconcile_every(settings: Settings, stop: threading.Event, *, events: bool = True) -> None:
+def reconcile_every(settings: Settings, stop: threading.Event, *, events: bool = True, cluster: bool = True) -> None:
     """A pass now, then one every ``reconcile_interval_seconds`` until ``stop`` is set, each in a
     child (``one_pass``). A pass that fails, stalls or dies is logged and the next one tries again:
     the safety net never stops for good. ``events``: this node's agent promotes parts on their
-    events (``ckpt agent``; not ``ckpt reconcile --every``), so a part just committed is theirs."""
+    events (``ckpt agent``; not ``ckpt reconcile --every``), so a part just committed is theirs.
+    Without ``cluster`` (a node's agent, ``--node-only``) the passes leave the cluster's share to
+    the cluster agent's (``flows.reconcile.reconcile_once``)."""
     context = child_context()
     shown: dict[str, Any] = {}
     while not stop.is_set():
         try:
-            shown = one_pass(settings, context, shown, events=events)
+            shown = one_pass(settings, context, shown, events=events, cluster=cluster)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again (see above)
             log.warning("reconcile pass on %s not run: %s: %s", settings.node, type(exc).__name__, exc)
         stop.wait(settings.reconcile_interval_seconds)
 
 
 def one_pass(settings: Settings, context: ChildContext, shown: dict[str, Any], *,
-             events: bool = True) -> dict[str, Any]:
+             events: bool = True, cluster: bool = True) -> dict[str, Any]:
     """One pass in a child, watched for stalls (``run_child``); what it hands back to keep (the
     fields of ``flows.reconcile.Shown``; {} at first), or ``shown`` again when it handed back
     nothing (killed, died)."""
-    _, kept = run_child(run_pass_process, (settings, context, shown, events),
+    _, kept = run_child(run_pass_process, (settings, context, shown, events, cluster),
                         stall_s=settings.copy_stall_seconds, what=f"reconcile pass on {settings.node}",
                         again=f"the next pass runs in {settings.reconcile_interval_seconds:g} s")
     return kept if isinstance(kept, dict) else shown
 
 
 def run_pass_process(settings: Settings, context: ChildContext, shown: dict[str, Any], events: bool,
-                     beat: Any) -> dict[str, Any]:
+                     cluster: bool, beat: Any) -> dict[str, Any]:
     """A pass in a child (``flows.reconcile.reconcile_pass``); returns what to keep."""
     from dataclasses import asdict
 
     from flows.reconcile import Shown, reconcile_pass  # deferred: start-up — Prefect, SQLAlchemy (preloaded)
 
     with agent_context(context, beat, settings.log_level):
-        report, kept = reconcile_pass(settings, Shown(**shown), events=events)
+        report, kept = reconcile_pass(settings, Shown(**shown), events=events, cluster=cluster)
         if report.acted():
             log.info("reconcile on %s: %s", settings.node,
                      ", ".join(f"{len(v)} {k}" for k, v in vars(report).items() if v and k != "promotions"))
@@ -71,13 +73,14 @@ def run_pass_process(settings: Settings, context: ChildContext, shown: dict[str,
 
 
 @contextmanager
-def reconciling(settings: Settings) -> Iterator[threading.Event]:
+def reconciling(settings: Settings, *, cluster: bool = True) -> Iterator[threading.Event]:
     """``reconcile_every`` on a daemon thread for the block (in the caller's context: the Prefect
     settings in force there are the passes'); stopped on the way out, without waiting for a pass
-    under way (the process is ending; a pass is safe to interrupt, as any step is)."""
+    under way (the process is ending; a pass is safe to interrupt, as any step is). ``cluster``:
+    as for ``reconcile_every``."""
     stop = threading.Event()
     thread = threading.Thread(target=copy_context().run, args=(reconcile_every, settings, stop),
-                              name=f"reconcile-{settings.node}", daemon=True)
+                              kwargs={"cluster": cluster}, name=f"reconcile-{settings.node}", daemon=True)
     thread.start()
     try:
         yield stop

@@ -2,7 +2,9 @@
 
 Runs every ``reconcile_interval_seconds`` on each node, in a child of its agent as plain code
 (``reconcile_pass``; deployments/reconcile_loop.py), and on demand (``ckpt reconcile``: the
-``reconcile`` flow). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
+``reconcile`` flow). A node's agent (``--node-only``) leaves the cluster's share of steps 1, 3b,
+4 and 6 (the object store, the backlogs, the shared tiers' retirements) to the cluster agent's
+pass (``reconcile_once``'s ``cluster``). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
 (``ReconcileReport.acted``) or failed otherwise than the last run showed (``decide``): the usual
 pass finds nothing, a failure that lasts fails every pass the same way, and one run per node a
 minute would bury the promotions on the Runs page (and cost the orchestrator a run per node a
@@ -104,13 +106,20 @@ def promotion_row(result: PromoteResult) -> dict[str, Any]:
 
 def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grace_seconds: float = 0.0,
                    on_durable: Callable[[PromoteResult], None] | None = None,
-                   event_seconds: float = 0.0) -> ReconcileReport:
+                   event_seconds: float = 0.0, cluster: bool = True) -> ReconcileReport:
     """One pass of the sweeps above on this node (``on_durable``: as for ``promote``). A part
     committed on Tier 0 less than ``event_seconds`` ago that the catalog has not registered is
-    left to its completed event (the agent's own pass: ``reconcile_pass``)."""
+    left to its completed event (the agent's own pass: ``reconcile_pass``). Without ``cluster``
+    (the pass of a node's agent, ``ckpt agent --node-only``) the pass leaves the cluster's share
+    to the cluster agent's pass: the object store's vanished copies (step 1), the follow-ups
+    nobody finished and the archive backlog (steps 3b, 4) and the copies of interrupted
+    retirements off this node's NVMe (step 6). Those are cluster-wide, so one pass covers them
+    for every node; a thousand nodes no longer list the bucket every interval, and a node's agent
+    never loads the S3 client at rest (a lapsed claim on Tier 2, step 0, is still re-checked by
+    the first pass that finds it)."""
     report = ReconcileReport()
     recover_claims(settings, report, steps=steps, actor=actor)
-    mark_missing(settings, report, actor=actor)
+    mark_missing(settings, report, actor=actor, object_store=cluster)
     with open_catalog(settings.catalog_url) as cat, open_tier(settings, 0) as tier0, \
             open_tier(settings, 1) as tier1:
         committed0 = list(committed_at(tier0))
@@ -134,14 +143,14 @@ def reconcile_once(settings: Settings, *, steps: Steps, actor: str = "cli", grac
     for run, step, part, parts, att in todo1:
         attempt(report, report.adopted, f"{run}/{step} part {part}",
                  lambda: _adopt(settings, run, step, part, parts, steps=steps, attempt=att, **kw))
-    for ck in followups_backlog(settings, report, grace_seconds=grace_seconds):
+    for ck in followups_backlog(settings, report, grace_seconds=grace_seconds) if cluster else ():
         attempt(report, report.followed_up, f"{ck.run}/{ck.step}",
                  lambda ck=ck: _follow_up(settings, ck, steps=steps, actor=actor, on_durable=on_durable))
-    for run, step in archive_backlog(settings):
+    for run, step in archive_backlog(settings) if cluster else ():
         attempt(report, report.archived, f"{run}/{step}",
                  lambda: archive(settings, run, step, steps=steps, **kw))
     prune_own_tier0(settings, report, steps=steps, **kw)
-    finish_retirements_into(report, settings, steps=steps, **kw)
+    finish_retirements_into(report, settings, steps=steps, node=None if cluster else settings.node, **kw)
     return report
 
 
@@ -228,10 +237,12 @@ def prune_own_tier0(settings: Settings, report: ReconcileReport, *, steps: Steps
             report.failed.append(f"{item}: {action.detail}")
 
 
-def finish_retirements_into(report: ReconcileReport, settings: Settings, *, steps: Steps, actor: str) -> None:
+def finish_retirements_into(report: ReconcileReport, settings: Settings, *, steps: Steps, actor: str,
+                            node: str | None = None) -> None:
     """Delete what interrupted retirements left (step 6): every copy of a retired checkpoint,
-    on Tier 1 and 2 and on this node's Tier 0 (another node's NVMe is its own reconcile's)."""
-    for action in finish_retirements(settings, prune=steps.prune, actor=actor):
+    on Tier 1 and 2 and on this node's Tier 0 (another node's NVMe is its own reconcile's); with
+    ``node``, only that node's Tier 0 copies (``tasks.retention.finish_retirements``)."""
+    for action in finish_retirements(settings, prune=steps.prune, actor=actor, node=node):
         item = f"tier {action.tier} {action.run}/{action.step} part {action.part}"
         if action.outcome == PRUNED:
             report.retired.append(item)
@@ -328,7 +339,7 @@ def _when(t: float) -> str:
 
 
 def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
-                   events: bool = True) -> tuple[ReconcileReport, Shown]:
+                   events: bool = True, cluster: bool = True) -> tuple[ReconcileReport, Shown]:
     """One pass as a node's agent runs it (in a child of its own: deployments/reconcile_loop.py):
     plain code, no flow run, no task runs, each step under the task retry policy
     (``inline_steps``), the facts it announces sent to the event feed as a flow's are. A pass
@@ -339,7 +350,8 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
     Its actor in the audit is ``reconcile/<node>``. A part the job committed less than an
     interval ago and the catalog has not registered is left to its completed event where this
     node's agent promotes on events (``events``; not ``ckpt reconcile --every``, where no agent
-    listens). Returns the report and what to keep."""
+    listens). Without ``cluster`` (a node's agent) the cluster's share is left to the cluster
+    agent's pass (``reconcile_once``). Returns the report and what to keep."""
     durable: set[tuple[str, int]] = set()
     crashed: BaseException | None = None
     with _held_lines() as held:
@@ -348,6 +360,7 @@ def reconcile_pass(settings: Settings, shown: Shown = Shown(), *,
                 report = reconcile_once(settings, steps=inline_steps(settings), actor=f"reconcile/{settings.node}",
                                         grace_seconds=settings.reconcile_interval_seconds,
                                         event_seconds=settings.reconcile_interval_seconds if events else 0.0,
+                                        cluster=cluster,
                                         on_durable=lambda result: durable.add((result.run, result.step)))
         except Exception as exc:  # noqa: BLE001 - the next pass tries again; shown as any failure
             crashed = exc

@@ -237,15 +237,15 @@ def _rejected(cat: Catalog, store: TierStore, found: tuple[str, int, int, int, s
     return prior is not None
 
 
-def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str) -> None:
-    """Verified replicas whose manifest or any file is gone from their tier become ``missing``.
-    A tier that cannot be opened (its root not proven: a missing mount, an unreachable store) is
-    one failed item, and its copies are not judged; the other tiers are checked and the pass
-    goes on."""
+def mark_missing(settings: Settings, report: ReconcileReport, *, actor: str, object_store: bool = True) -> None:
+    """Verified replicas whose manifest or any file is gone from their tier become ``missing``
+    (the object store's only with ``object_store``). A tier that cannot be opened (its root not
+    proven: a missing mount, an unreachable store) is one failed item, and its copies are not
+    judged; the other tiers are checked and the pass goes on."""
     with ExitStack() as stack:
         stores: dict[int, Any] = {}
         for t in Tier:
-            if settings.tier_url(t):
+            if settings.tier_url(t) and (object_store or not t.object_store):
                 store = each(report, f"tier {int(t)} (vanished copies)",
                              lambda t=t: stack.enter_context(open_tier(settings, t)))
                 if store is not None:
