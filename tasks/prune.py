@@ -59,27 +59,29 @@ def prune_replica(settings: Settings, replica_id: int, *, actor: str = "cli", re
     when the claim is refused, is that worker's outcome: returned ``by_another``, nothing done
     (not an error: a retention run beside another is normal). A copy of a retired checkpoint
     needs no other copy to justify it: its retirement was recorded first (pins, aliases and
-    Object Lock still refuse)."""
+    Object Lock still refuse). The tier is opened, its root proven, before the claim: a tier
+    that cannot be opened (a missing mount, a store down, one this node has no URL for) leaves
+    the copy ``verified``, never ``pruning`` under a claim nobody renews until it lapses."""
     with open_catalog(settings.catalog_url) as cat:
         rep = cat.get_replica(replica_id)
         if not readable_from(rep.tier, rep.node, settings.node):
             raise ConfigError(f"replica {replica_id} is on node {rep.node!r}'s Tier 0; prune it there")
-        try:
-            with claim_token(*prune_key(cat, replica_id)) as token:
-                claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
-                                        lease_seconds=settings.claim_lease_seconds, token=token)
-        except (StaleState, IllegalTransition) as exc:
-            now = cat.get_replica(replica_id)
-            if now.state == PRUNED:  # another worker's prune ended (it may have been live a moment ago)
-                log.info("replica %s: already pruned by another worker (%s)", replica_id, exc)
-                return Pruned(replica_id=now.id, run=now.run, step=now.step, tier=now.tier, part=now.part,
-                              deleted=0, bytes=now.bytes, by_another=True)
-            if now.state == PRUNING:
-                raise PruneRefused(f"another worker owns the prune: {exc}") from exc
-            raise
-        rep = claim.replica
-        ck = cat.get_checkpoint_by_id(rep.checkpoint_id)
         with open_tier(settings, rep.tier) as store:
+            try:
+                with claim_token(*prune_key(cat, replica_id)) as token:
+                    claim = cat.claim_prune(replica_id, actor=actor, reason=reason,
+                                            lease_seconds=settings.claim_lease_seconds, token=token)
+            except (StaleState, IllegalTransition) as exc:
+                now = cat.get_replica(replica_id)
+                if now.state == PRUNED:  # another worker's prune ended (it may have been live a moment ago)
+                    log.info("replica %s: already pruned by another worker (%s)", replica_id, exc)
+                    return Pruned(replica_id=now.id, run=now.run, step=now.step, tier=now.tier, part=now.part,
+                                  deleted=0, bytes=now.bytes, by_another=True)
+                if now.state == PRUNING:
+                    raise PruneRefused(f"another worker owns the prune: {exc}") from exc
+                raise
+            rep = claim.replica
+            ck = cat.get_checkpoint_by_id(rep.checkpoint_id)
             assert rep.claim_token is not None  # claim_prune hands the prune over under a token
             lease = Lease(cat, rep.id, rep.claim_token, settings.claim_lease_seconds).start()
             try:

@@ -95,6 +95,28 @@ def test_tier1_mount_missing_on_a_node_gives_no_verdict_and_all_proceeds_once_ba
     assert (tier1_dir(settings, RUN, 200) / "model.bin").is_file()
 
 
+def test_a_prune_on_an_unmounted_tier_takes_no_claim(settings):
+    """Retention retired step 100 and lets its Tier 1 copy go while the mount is missing: the
+    prune stops before its claim, so the copy stays ``verified`` (not ``pruning`` until a lease
+    nobody renews lapses) and a prune once the mount is back deletes it at once."""
+    from db.catalog import Catalog
+
+    save(settings, 100)
+    save(settings, 200)
+    with Catalog(settings.catalog_url) as cat:
+        cat.retire(RUN, 100, reason="no tier keeps it", actor="test")
+    aside = unmount(settings.tier1_url)
+
+    with pytest.raises(StorageUnavailable):
+        prune(settings, RUN, 100, 1)
+    assert replica_states(settings, RUN, 100) == {(0, 0): "verified", (1, 0): "verified"}
+
+    mount(settings.tier1_url, aside)
+    prune(settings, RUN, 100, 1)
+    assert replica_states(settings, RUN, 100)[(1, 0)] == "pruned"
+    assert not tier1_dir(settings, RUN, 100).exists()
+
+
 def test_tier1_root_absent_is_never_created(settings):
     save(settings, 100)
     unmount(settings.tier1_url, leave_folder=False)
