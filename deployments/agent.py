@@ -169,15 +169,17 @@ def runner_poll(node_only: bool) -> dict[str, Any]:
     return {"query_seconds": names.NODE_POLL_S} if node_only and not told else {}
 
 
-def set_up_tiers(settings: Settings, tiers: tuple[int, ...]) -> list[str]:
-    """``init_tiers`` of ``tiers`` as the agent's start does them: a line per tier, or why none
-    was set up (an old schema, a catalog down: the steps say so again, and are retried)."""
-    from tasks.tier_roots import init_tiers  # deferred: start-up — SQLAlchemy
+def set_up_tiers(settings: Settings, tiers: tuple[int, ...]) -> list[tuple[int, str]]:
+    """``init_tiers`` of ``tiers`` as the agent's start does them: a log level and a line per
+    tier (a warning for one unavailable), or why none was set up (an old schema, a catalog down:
+    the steps say so again, and are retried)."""
+    from tasks.tier_roots import UNAVAILABLE, init_tiers  # deferred: start-up — SQLAlchemy
 
     try:
-        return [state.line() for state in init_tiers(settings, actor=f"agent:{settings.node}", tiers=tiers)]
+        return [(logging.WARNING if state.state == UNAVAILABLE else logging.INFO, state.line())
+                for state in init_tiers(settings, actor=f"agent:{settings.node}", tiers=tiers)]
     except CkptError as exc:
-        return [f"tier roots {', '.join(map(str, tiers))} not set up: {exc}"]
+        return [(logging.WARNING, f"tier roots {', '.join(map(str, tiers))} not set up: {exc}")]
 
 
 def set_up_object_store(settings: Settings) -> None:
@@ -190,16 +192,11 @@ def set_up_object_store(settings: Settings) -> None:
         return
     _, lines = run_child(set_up_in_child, (settings, child_context()), stall_s=settings.copy_stall_seconds,
                          what="setting up tier 2's root", again="its first use sets it up")
-    for line in lines if isinstance(lines, list) else []:
-        said(line)
+    for level, line in lines if isinstance(lines, list) else []:
+        log.log(level, "%s", line)
 
 
-def said(line: str) -> None:
-    """A line of ``set_up_tiers`` in the agent's log: a warning when a tier is not set up."""
-    (log.warning if " UNAVAILABLE" in line or "not set up" in line else log.info)("%s", line)
-
-
-def set_up_in_child(settings: Settings, context: ChildContext, beat: Any) -> list[str]:
+def set_up_in_child(settings: Settings, context: ChildContext, beat: Any) -> list[tuple[int, str]]:
     with agent_context(context, beat, settings.log_level):
         return set_up_tiers(settings, (2,))
 
@@ -214,8 +211,8 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
     from db.session import close_connections  # deferred: start-up — SQLAlchemy
 
     os.environ.update(agent_environment(settings))
-    for line in set_up_tiers(settings, (0, 1)):
-        said(line)
+    for level, line in set_up_tiers(settings, (0, 1)):
+        log.log(level, "%s", line)
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
         if not node_only:

@@ -5,9 +5,9 @@ The only start-up tuning of the agent, on public interfaces alone: each child is
 agent's zygote (``Zygote``), a process forked from the agent once it imported Prefect and the
 pipeline (``PRELOAD``), set up its Tier 0 and Tier 1 (the catalog's driver and engine), built
 its deployments and imported what serving imports (``preload_agent``), before its first thread;
-never the S3 client, which the children that reach Tier 2 load themselves. A child then shares those pages
-with the agent and the zygote and starts in milliseconds instead of importing them again in a
-new interpreter, with the catalog's engine set up (``db.session``: a pool of its own); the
+never the S3 client, which the children that reach Tier 2 load themselves. A child then shares
+those pages with the agent and the zygote and starts in milliseconds instead of importing them
+again in a new interpreter, with the catalog's engine set up (``db.session``: a pool of its own); the
 agent itself keeps its memory at rest (a promotion's catalog connection, buffers and touched
 pages end with its process). A child is handed what it must see as arguments (the agent's
 settings and Prefect's, ``ChildContext``): the zygote has the environment of the agent's start.

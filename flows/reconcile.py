@@ -4,9 +4,9 @@ Runs every ``reconcile_interval_seconds`` on each node, in a child of its agent 
 (``reconcile_pass``; deployments/reconcile_loop.py), and on demand (``ckpt reconcile``: the
 ``reconcile`` flow). A node's agent (``--node-only``) leaves the cluster's share of steps 1, 3b,
 4 and 6 (the object store, the backlogs, the shared tiers' retirements) to the cluster agent's
-pass (``reconcile_once``'s ``cluster``). A pass leaves a flow run, ``reconcile/<node>``, only when it acted
-(``ReconcileReport.acted``) or failed otherwise than the last run showed (``decide``): the usual
-pass finds nothing, a failure that lasts fails every pass the same way, and one run per node a
+pass (``reconcile_once``'s ``cluster``). A pass leaves a flow run, ``reconcile/<node>``, only
+when it acted (``ReconcileReport.acted``) or failed otherwise than the last run showed
+(``decide``): the usual pass finds nothing, a failure that lasts fails every pass the same way, and one run per node a
 minute would bury the promotions on the Runs page (and cost the orchestrator a run per node a
 minute). In order:
 0. claims whose worker died are recovered: a replica ``copying`` past its lease (a killed copy

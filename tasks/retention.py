@@ -272,9 +272,8 @@ def finish_retirements(settings: Settings, *, prune: Callable[..., Any], actor: 
     for run in sorted({r for r, _ in pending}):
         steps = {s for r, s in pending if r == run}
         tiers = (Tier.NODE,) if node else ALL_TIERS  # a node's own: never the object store's locks
-        plan = [a for a in plan_retention(settings, run=run, tiers=tiers, node=node) if a.step in steps
-                and a.action == RETIRE
-                and (node is None or (Tier(a.tier).node_local and readable_from(a.tier, a.node, node)))]
+        plan = [a for a in plan_retention(settings, run=run, tiers=tiers, node=node)
+                if a.step in steps and a.action == RETIRE]
         out += apply_retention(settings, plan, prune=prune, actor=actor)
     return out
 

@@ -90,3 +90,15 @@ def test_the_cluster_agent_sets_up_tier2_in_a_child_and_never_loads_the_s3_clien
         assert cat.tier_root(2, settings.node) is not None  # marked and recorded, by the child
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     assert s3.list_objects_v2(Bucket=s3_bucket, Prefix="vault/")["KeyCount"] >= 1  # the root's marker
+
+
+def test_the_agent_start_says_an_unavailable_tier_as_a_warning(settings_factory, db_url, tmp_path):
+    import logging
+
+    from deployments.agent import set_up_tiers
+
+    settings = pipeline_settings(settings_factory, db_url)
+    missing = settings.model_copy(update={"tier1_url": str(tmp_path / "not-mounted")})
+    said = set_up_tiers(missing, (0, 1))
+    assert [level for level, _ in said] == [logging.INFO, logging.WARNING]
+    assert "UNAVAILABLE" in said[1][1]
