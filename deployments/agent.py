@@ -49,12 +49,12 @@ from core import events
 from core.errors import CkptError
 from core.settings import Settings
 from deployments import names
-from deployments.automations import ensure_rpo_automation
 from deployments.part_events import part_events
 from deployments.processes import (
     ChildContext,
     agent_context,
     child_context,
+    one_malloc_arena,
     preload_agent,
     run_child,
     start_fork_server,
@@ -62,6 +62,9 @@ from deployments.processes import (
 from deployments.reconcile_loop import reconciling
 
 log = logging.getLogger("ckpt.agent")
+# A deployment's version is its flow's (Prefect hashes the flow's source), never one inferred
+# from whatever git checkout the agent was started in: no git subprocess per deployment per start.
+VERSION: dict[str, Any] = {"version_type": "prefect:simple"}
 
 
 def durable_trigger() -> Any:
@@ -86,7 +89,7 @@ def node_deployments(settings: Settings) -> list[Any]:
     return [
         promote_checkpoint.to_deployment(  # no trigger: the agent takes the events itself (part_events)
             name=node, enforce_parameter_schema=False,
-            entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", f"node:{node}"],
+            entrypoint_type=EntrypointType.MODULE_PATH, **VERSION, tags=["ckpt", f"node:{node}"],
             description=f"Tier 0 -> Tier 1 promotion of the parts on {node}.",
         ),
     ]
@@ -104,21 +107,21 @@ def cluster_deployments(settings: Settings, *, archive_trigger: bool = True) -> 
         archive_checkpoint.to_deployment(
             name=names.CLUSTER, triggers=[durable_trigger()] if archive_trigger else [],
             enforce_parameter_schema=False,
-            entrypoint_type=EntrypointType.MODULE_PATH, tags=["ckpt", "cluster"],
+            entrypoint_type=EntrypointType.MODULE_PATH, **VERSION, tags=["ckpt", "cluster"],
             description="Tier 1 -> Tier 2 for milestones, once per durable checkpoint.",
         ),
         enforce_retention.to_deployment(
-            name=names.CLUSTER, cron=settings.retention_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            name=names.CLUSTER, cron=settings.retention_cron, entrypoint_type=EntrypointType.MODULE_PATH, **VERSION,
             tags=["ckpt", "cluster"], description="Apply the retention policy on every tier.",
         ),
         # Flow defaults apply (scrub: Settings.scrub_fraction, repair on; drill: any run's newest
         # milestone, scratch under <data_dir>/drills); a run started by hand may pass others.
         scrub_flow.to_deployment(
-            name=names.CLUSTER, cron=settings.scrub_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            name=names.CLUSTER, cron=settings.scrub_cron, entrypoint_type=EntrypointType.MODULE_PATH, **VERSION,
             tags=["ckpt", "cluster"], description="Re-read a share of the stored copies; repair what rotted.",
         ),
         drill_flow.to_deployment(
-            name=names.CLUSTER, cron=settings.drill_cron, entrypoint_type=EntrypointType.MODULE_PATH,
+            name=names.CLUSTER, cron=settings.drill_cron, entrypoint_type=EntrypointType.MODULE_PATH, **VERSION,
             tags=["ckpt", "cluster"], description="Timed restore of the newest milestone from Tier 1 and Tier 2.",
         ),
     ]
@@ -143,15 +146,17 @@ def agent_environment(settings: Settings) -> dict[str, str]:
     return env
 
 
-def ensure_alerts(settings: Settings) -> None:
-    """The cluster agent creates (or updates) the RPO automation; a failure is logged, never
-    fatal: promotions matter more than the alert about them."""
-    import logging
+def rpo_alert(settings: Settings) -> tuple[int, str]:
+    """The RPO automation created (or updated): a log level and a line. A failure is a warning,
+    never fatal: promotions matter more than the alert about them."""
+    from deployments.automations import AUTOMATION_NAME, ensure_rpo_automation  # deferred: start-up — Prefect client
 
     try:
         ensure_rpo_automation(settings.rpo_seconds, settings.prefect_api_url)
     except Exception as exc:  # noqa: BLE001 - see above
-        logging.getLogger(__name__).warning("RPO automation not created: %s: %s", type(exc).__name__, exc)
+        return logging.WARNING, f"RPO automation not created: {type(exc).__name__}: {exc}"
+    late = f"a checkpoint not durable {settings.rpo_seconds} s after its completion is late"
+    return logging.INFO, f"RPO automation {AUTOMATION_NAME}: {late}"
 
 
 def runner_poll(node_only: bool) -> dict[str, Any]:
@@ -182,23 +187,41 @@ def set_up_tiers(settings: Settings, tiers: tuple[int, ...]) -> list[tuple[int, 
         return [(logging.WARNING, f"tier roots {', '.join(map(str, tiers))} not set up: {exc}")]
 
 
-def set_up_object_store(settings: Settings) -> None:
-    """Tier 2's root set up (``set_up_tiers``) in a child forked from the zygote, its lines logged
-    here. The S3 client (boto3, botocore's service model) then never loads into the agent or its
-    zygote (docs/benchmarks.md: the agent's memory); the children that reach Tier 2 (an archive,
-    the cluster agent's reconcile passes) load it themselves. A node's agent never reaches Tier 2
-    at rest (``reconciling``'s ``cluster``)."""
-    if not settings.tier2_url:
-        return
-    _, lines = run_child(set_up_in_child, (settings, child_context()), stall_s=settings.copy_stall_seconds,
-                         what="setting up tier 2's root", again="its first use sets it up")
+def set_up_cluster(settings: Settings) -> None:
+    """What the cluster's agent sets up at its start, in a child forked from the zygote, its lines
+    logged here: the RPO automation (``rpo_alert``) and Tier 2's root (``set_up_tiers``). The
+    clients they need (Prefect's, the S3 client: boto3 and botocore's service model) then never
+    load into the agent or its zygote, nor leave their garbage in pages the two share
+    (docs/benchmarks.md: the agent's memory); the children that reach Tier 2 (an archive, the
+    cluster agent's reconcile passes) load the S3 client themselves. A node's agent never
+    reaches Tier 2 at rest (``reconciling``'s ``cluster``). Nothing here stops the agent: what
+    failed is a warning, and the agent serves."""
+    try:
+        _, lines = run_child(set_up_cluster_in_child, (settings, child_context()), stall_s=settings.copy_stall_seconds,
+                             what="the cluster's set-up (tier 2's root, RPO automation)",
+                             again="Tier 2's first use sets its root up; the next start, the automation")
+    except OSError as exc:  # the zygote could not start the child
+        lines = [(logging.WARNING, f"the cluster's set-up (tier 2's root, RPO automation) not run: {exc}")]
     for level, line in lines if isinstance(lines, list) else []:
         log.log(level, "%s", line)
 
 
-def set_up_in_child(settings: Settings, context: ChildContext, beat: Any) -> list[tuple[int, str]]:
+def set_up_cluster_in_child(settings: Settings, context: ChildContext, beat: Any) -> list[tuple[int, str]]:
     with agent_context(context, beat, settings.log_level):
-        return set_up_tiers(settings, (2,))
+        lines: list[tuple[int, str]] = []
+        if settings.tier2_url:
+            try:
+                lines += set_up_tiers(settings, (2,))
+            except Exception as exc:  # noqa: BLE001 - the automation is still made; its first use sets tier 2 up
+                lines.append((logging.WARNING, f"tier 2's root not set up: {type(exc).__name__}: {exc}"))
+        return [*lines, rpo_alert(settings)]
+
+
+def serving_line(deployments: list[Any]) -> str:
+    """What the agent says once it serves (in place of Prefect's starting message, a table drawn
+    by ``rich``, whose rendering and emoji table cost every agent its pages)."""
+    served = ", ".join(f"{d.flow_name}/{d.name}" for d in deployments)
+    return f"serving {served} once registered; a run by hand: prefect deployment run <flow/deployment>"
 
 
 def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | None = None,
@@ -215,8 +238,6 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         log.log(level, "%s", line)
     updates = {PREFECT_API_URL: settings.prefect_api_url} if settings.prefect_api_url else {}
     with temporary_settings(updates=updates):  # Prefect read its settings at import time
-        if not node_only:
-            ensure_alerts(settings)
         deployments = build_deployments(settings, node_only=node_only, archive_trigger=archive_trigger)
         # The zygote is forked now, while this process still has one thread, from everything the
         # start-up imported and touched (the catalog's driver and engine) and what serving imports
@@ -224,10 +245,12 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         preload_agent()
         close_connections()  # the agent never opens the catalog again; the zygote inherits none
         start_fork_server(settings)
-        if not node_only:  # Tier 2's root, in a child: neither the agent nor its zygote loads the S3 client
-            set_up_object_store(settings)
+        one_malloc_arena()  # after the fork: the zygote and its children keep glibc's default
+        if not node_only:
+            set_up_cluster(settings)
+        log.info("%s", serving_line(deployments))
         with part_events(settings), reconciling(settings, cluster=not node_only):
             try:
-                serve(*deployments, limit=limit, print_starting_message=True, **runner_poll(node_only))
+                serve(*deployments, limit=limit, print_starting_message=False, **runner_poll(node_only))
             except (KeyboardInterrupt, TerminationSignal) as exc:
                 log.info("received %s, shutting down", type(exc).__name__)

@@ -53,6 +53,7 @@ PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engi
            "deployments.reconcile_loop"]
 # What the agent imports once it serves, which a child never needs (``preload_agent``).
 AGENT_PRELOAD = ["prefect.runner.server", "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls"]
+M_ARENA_MAX = -8  # glibc's malloc.h
 STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
@@ -351,6 +352,21 @@ def preload_agent() -> None:
 
 async def _nothing() -> None:
     return None
+
+
+def one_malloc_arena() -> None:
+    """One glibc malloc arena for this process's threads from now on (``mallopt(M_ARENA_MAX, 1)``,
+    called by the agent once its zygote is forked, so the zygote and its children keep glibc's
+    default; a zygote started again from the agent, after the first died, inherits one arena).
+    Each thread that allocates would otherwise get an arena of its own whose touched
+    pages stay with it; the agent's threads (the runner's loops, the event subscription, the
+    scan, reconcile's schedule) mostly wait, so one arena costs them nothing (docs/benchmarks.md:
+    the agent's memory). Without glibc, nothing."""
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_ARENA_MAX, 1)
 
 
 def start_fork_server(settings: Settings | None = None) -> None:

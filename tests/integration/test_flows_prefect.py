@@ -657,3 +657,28 @@ def test_an_unmounted_tier_is_in_the_servers_event_feed(env_settings, prefect_se
     assert len(seen) == 1, seen
     assert seen[0]["resource"]["ckpt.tier"] == "0" and seen[0]["resource"]["ckpt.node"] == node
     assert "no identity marker" in seen[0]["payload"]["reason"]
+
+
+def test_a_deployment_registered_in_a_git_checkout_keeps_its_flows_version(settings_factory, prefect_server,
+                                                                          tmp_path, monkeypatch):
+    """An agent started in a git checkout registers its deployments with their flow's version
+    (a hash of its source), not the checkout's commit: the version says what code runs."""
+    import subprocess
+
+    from prefect.client.orchestration import get_client
+
+    from deployments.agent import node_deployments
+    from flows.promote import promote_checkpoint
+
+    repo = tmp_path / "checkout"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "a commit"], check=True)
+    subprocess.run([*git, "remote", "add", "origin", "https://git.example.com/team/train.git"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    monkeypatch.chdir(repo)
+    deployment = node_deployments(settings_factory(node=f"node-{uuid.uuid4().hex[:8]}"))[0]
+    with get_client(sync_client=True) as client:
+        registered = client.read_deployment(deployment.apply())
+    assert registered.version == promote_checkpoint.version
+    assert commit[:8] not in (registered.version or "")

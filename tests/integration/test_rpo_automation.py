@@ -66,3 +66,41 @@ def test_rpo_automation_fires_for_a_late_checkpoint_only(prefect_server):
     # the late one fired, so the durable one's window (opened earlier) has been evaluated too
     time.sleep(6)  # one more proactive evaluation
     assert _events(prefect_server, events.LATE, ok_run, since) == []
+
+
+CLUSTER_START = """
+import json, pickle, sys
+from deployments.agent import set_up_cluster
+from deployments.processes import agent_logging
+agent_logging("INFO")
+set_up_cluster(pickle.load(sys.stdin.buffer))
+print(json.dumps({"automations_module": "deployments.automations" in sys.modules}))
+"""
+
+
+def test_the_cluster_agent_creates_the_automation_in_a_child(prefect_server, settings_factory):
+    """The cluster agent's start creates the RPO automation from a child of its zygote, and says
+    so: the agent itself never builds the client calls that create it."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from prefect import get_client
+
+    from deployments.automations import AUTOMATION_NAME
+
+    with get_client(sync_client=True) as client:
+        for old in client.read_automations_by_name(AUTOMATION_NAME):
+            client.delete_automation(old.id)
+    settings = settings_factory(rpo_seconds=RPO + 1, prefect_api_url=prefect_server)
+    done = subprocess.run([sys.executable, "-c", CLUSTER_START], input=pickle.dumps(settings),
+                          capture_output=True, timeout=120)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err[-2000:]
+    assert not json.loads(done.stdout.decode().splitlines()[-1])["automations_module"]
+    assert f"INFO    | ckpt.agent - RPO automation {AUTOMATION_NAME}" in err, err[-2000:]
+    with get_client(sync_client=True) as client:
+        made = client.read_automations_by_name(AUTOMATION_NAME)
+    assert len(made) == 1
+    assert made[0].trigger.within == timedelta(seconds=RPO + 1)

@@ -99,3 +99,16 @@ def test_a_node_agent_polls_the_server_slowly_unless_told(monkeypatch):
     assert Runner(**runner_poll(False)).query_seconds == Runner().query_seconds  # Prefect's own
     monkeypatch.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "2")
     assert runner_poll(True) == {} and runner_poll(False) == {}
+
+
+def test_each_deployment_is_versioned_by_its_flow_not_by_a_git_checkout(settings_factory):
+    """The agent's deployments carry their flow's version (a hash of its source) as a simple
+    version: registering them asks no git checkout the agent happens to start in."""
+    from deployments.agent import serving_line
+
+    deps = build_deployments(settings_factory(node=NODE))
+    for d in deps:
+        flow = getattr(importlib.import_module(d.entrypoint.rsplit(".", 1)[0]), d.entrypoint.rsplit(".", 1)[1])
+        assert d.version_type == "prefect:simple" and d.version == flow.version and d.version
+    said = serving_line(deps)  # the agent's one line once it serves, each deployment named
+    assert all(name in said for name in _by_full_name(deps))
