@@ -19,9 +19,9 @@ time, the backends that exited during the burst; Redis; less what the same byte 
 directly with the transfer engine here; moto not counted), and that CPU split by role.
 
 Memory: an agent's processes (the agent, its zygote, a part's process forked from it while
-one runs) at rest, PSS by role, measured and printed
-for the first agent (it also serves the cluster's flows) and for a node's agent (every other
-one), just before the burst. When N agents
+one runs) at rest, PSS by role, measured and printed for the first agent (it also serves the
+cluster's flows) once it serves, alone, and again beside the others, and for a node's agent
+(every other one), just before the burst. When N agents
 plus one flow run each do not fit in ``--mem-fraction`` of the available memory (the machine is
 shared), fewer agent processes run, each serving the parts of several ranks of one node (a node
 with several GPUs) one flow run at a time (``--limit 1``); the figures say how many ran.
@@ -100,6 +100,7 @@ class Phase:
     agent_rss_mb: float = 0.0
     agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # MB: agent, fork server, parts, tracker
     node_agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # the same, a node's agent (--node-only)
+    cluster_agent_pss_by_role: dict[str, float] = field(default_factory=dict)  # the first agent's, beside the others
     peak_rss_mb: float = 0.0          # agents and their flow runs together
     window_s: float = 0.0             # the span the burst's CPU was counted over (burst -> all finished)
     rest_s: float = 0.0               # --rest: seconds the stack was watched at rest before the burst
@@ -176,6 +177,8 @@ def report(phases: list[Phase]) -> str:
         ("PSS per agent (its processes) / peak all", lambda p: f"{p.agent_rss_mb:.0f} / {p.peak_rss_mb:.0f} MB"),
         ("  agent / fork server / parts / tracker", lambda p: " / ".join(
             f"{p.agent_pss_by_role.get(r, 0.0):.0f}" for r in PSS_ROLES) + " MB"),
+        ("PSS per cluster agent, beside all agents", lambda p: (
+            f"{sum(p.cluster_agent_pss_by_role.values()):.0f} MB" if p.cluster_agent_pss_by_role else "-")),
         ("PSS per node agent (--node-only), at rest", lambda p: (
             f"{sum(p.node_agent_pss_by_role.values()):.0f} MB" if p.node_agent_pss_by_role else "-")),
         ("  agent / fork server / parts / tracker", lambda p: " / ".join(
@@ -493,6 +496,9 @@ def run_phase(name: str, api: str, server_pids: list[int], server_dbs: list[str]
 
         if k > 1:  # every agent but the first serves its node only (63 of 64): at rest, just before the burst
             phase.node_agent_pss_by_role = role_pss(procs[1].pid)
+            # and the first, the cluster's, at the same moment: the libraries' pages it maps are
+            # shared by every agent now, as in the node's figure (the first figure is its alone)
+            phase.cluster_agent_pss_by_role = role_pss(procs[0].pid)
         if setup.rest_s:  # the same processes, nothing to do: what the stack costs per second at rest
             rest0, r0 = cpu_now(), time.monotonic()
             time.sleep(setup.rest_s)
