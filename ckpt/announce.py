@@ -228,7 +228,8 @@ def warn_if_unserved(api_url: str, node: str) -> None:
         log.warning("NO AGENT SERVES NODE %r: checkpoints saved here are committed on Tier 0 but never "
                     "promoted (no deployment %s at %s). Set CKPT_NODE to a node an agent serves (`ckpt up` "
                     "prints each node's) or start `ckpt agent --node %s --node-only` on this machine "
-                    "(--node-only: the cluster's agent already serves archive, retention, scrub and drill; "
+                    "(--node-only: the cluster's agent already serves archive, retention, scrub, drill and "
+                    "reconcile's cluster share; "
                     "leave it out only where no agent serves the cluster).", node,
                     _deployment(node), api_url, node)
 

@@ -343,7 +343,8 @@ def _print_plan(plans: list[Plan], figures: list[RunFigure]) -> None:
 def agent_cmd(
     node: str = typer.Option(None, "--node", help="this node's label (default: settings / hostname)"),
     node_only: bool = typer.Option(False, "--node-only", help="serve only this node's deployments, not the "
-                                   "cluster-wide archive, retention, scrub and drill"),
+                                   "cluster-wide archive, retention, scrub and drill, and leave "
+                                   "reconcile's cluster share (Tier 2, backlogs) to the cluster's agent"),
     limit: int = typer.Option(None, "--limit", parser=count_arg("limit", 1, 100_000),
                               help="most flow runs at once on this agent"),
     archive_trigger: bool = typer.Option(True, "--archive-trigger/--no-archive-trigger",
