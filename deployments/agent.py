@@ -51,10 +51,11 @@ from core.settings import Settings
 from deployments import names
 from deployments.part_events import part_events
 from deployments.processes import (
+    ONE_ARENA,
     ChildContext,
     agent_context,
     child_context,
-    one_malloc_arena,
+    malloc_arenas,
     preload_agent,
     run_child,
     start_fork_server,
@@ -245,7 +246,7 @@ def serve_agent(settings: Settings, *, node_only: bool = False, limit: int | Non
         preload_agent()
         close_connections()  # the agent never opens the catalog again; the zygote inherits none
         start_fork_server(settings)
-        one_malloc_arena()  # after the fork: the zygote and its children keep glibc's default
+        malloc_arenas(ONE_ARENA)  # after the fork: the zygote and its children keep glibc's default
         if not node_only:
             set_up_cluster(settings)
         log.info("%s", serving_line(deployments))

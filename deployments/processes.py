@@ -54,6 +54,8 @@ PRELOAD = ["prefect.client.orchestration", "prefect.context", "prefect.flow_engi
 # What the agent imports once it serves, which a child never needs (``preload_agent``).
 AGENT_PRELOAD = ["prefect.runner.server", "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls"]
 M_ARENA_MAX = -8  # glibc's malloc.h
+ONE_ARENA = 1
+DEFAULT_ARENAS = 8 * (os.cpu_count() or 1)  # glibc's own limit on 64-bit: 8 per core
 STALL_POLL_S = 5.0  # how often a watched process's beat is looked at (``watch_stall``)
 KILL_WAIT_S = 10.0  # how long a stalled process is given to end once killed
 REQUEST_ATTEMPTS = 4  # creating a checkpoint's run: 1 + 2 + 4 s between them, then reconcile's backlog
@@ -164,6 +166,7 @@ class Zygote:
             code = 0
             try:
                 ours.close()
+                malloc_arenas(DEFAULT_ARENAS)  # not the agent's one (``malloc_arenas``)
                 _zygote_serve(theirs)
             except BaseException:  # noqa: BLE001 - a zygote that fails says why and ends
                 traceback.print_exc()
@@ -354,19 +357,20 @@ async def _nothing() -> None:
     return None
 
 
-def one_malloc_arena() -> None:
-    """One glibc malloc arena for this process's threads from now on (``mallopt(M_ARENA_MAX, 1)``,
-    called by the agent once its zygote is forked, so the zygote and its children keep glibc's
-    default; a zygote started again from the agent, after the first died, inherits one arena).
-    Each thread that allocates would otherwise get an arena of its own whose touched
-    pages stay with it; the agent's threads (the runner's loops, the event subscription, the
-    scan, reconcile's schedule) mostly wait, so one arena costs them nothing (docs/benchmarks.md:
-    the agent's memory). Without glibc, nothing."""
+def malloc_arenas(most: int) -> None:
+    """At most ``most`` glibc malloc arenas for this process's threads from now on
+    (``mallopt(M_ARENA_MAX, most)``). The agent keeps one once its zygote is forked
+    (``ONE_ARENA``): each thread that allocates would otherwise get an arena of its own whose
+    touched pages stay with it, and the agent's threads (the runner's loops, the event
+    subscription, the scan, reconcile's schedule) mostly wait (docs/benchmarks.md: the agent's
+    memory). A zygote sets glibc's default back (``DEFAULT_ARENAS``) as it starts, so its
+    children's copy threads keep an arena each, a zygote started again from the agent too.
+    Without glibc, nothing."""
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
-        mallopt(M_ARENA_MAX, 1)
+        mallopt(M_ARENA_MAX, most)
 
 
 def start_fork_server(settings: Settings | None = None) -> None:

@@ -1,6 +1,7 @@
 """The agent's threads allocate from one glibc malloc arena once its zygote is forked
-(``deployments.processes.one_malloc_arena``): a thread that allocates gets no arena of its own,
-whose touched pages would stay with the agent. glibc's ``malloc_stats`` lists the arenas."""
+(``deployments.processes.malloc_arenas``): a thread that allocates gets no arena of its own,
+whose touched pages would stay with the agent; a zygote sets glibc's default back for its
+children. glibc's ``malloc_stats`` lists the arenas."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 PROBE = """
 import ctypes, sys, threading
-if sys.argv[1] == "one":
-    from deployments.processes import one_malloc_arena
-    one_malloc_arena()
+from deployments.processes import DEFAULT_ARENAS, ONE_ARENA, malloc_arenas
+if sys.argv[1] in ("one", "reset"):
+    malloc_arenas(ONE_ARENA)  # the agent, once its zygote is forked
+if sys.argv[1] == "reset":
+    malloc_arenas(DEFAULT_ARENAS)  # a zygote started from it
 together = threading.Barrier(4)
 held = []
 def work():
@@ -38,3 +41,4 @@ def _arenas(mode: str) -> int:
 def test_the_agents_threads_share_one_malloc_arena():
     assert _arenas("default") > 1  # glibc's default: threads that allocate get arenas of their own
     assert _arenas("one") == 1
+    assert _arenas("reset") > 1  # a zygote forked from the agent sets glibc's default back
